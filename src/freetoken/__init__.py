@@ -1,0 +1,3 @@
+"""freetoken: serve Mixture-of-Experts LLMs larger than the GPU, exactly."""
+
+__version__ = "0.1.0"

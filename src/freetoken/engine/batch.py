@@ -1,0 +1,103 @@
+"""What one forward pass needs to know about the sequences it advances.
+
+A batch is a list of sequences, each with some positions already in the KV cache and some new
+tokens (a whole prompt, a prefill chunk, or one decode token). Tokens are flattened sequence
+by sequence; attention works on a padded [batch, queries, keys] view built from the tables
+here, once per forward, shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.kv.paged import KVSequence, PagedKVCache
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] new tokens, flattened sequence by sequence
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T] KV slot of each new token
+    key_slots: torch.Tensor  # [B, K] KV slots of every key each sequence attends to (padded)
+    query_index: torch.Tensor  # [B, Q] flat index of each sequence's queries (padded with 0)
+    query_valid: torch.Tensor  # [B * Q] which padded queries are real, in flat order
+    causal_mask: torch.Tensor  # [B, 1, Q, K] bool
+    sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
+    last_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    seq_lens: list[int]  # total length of each sequence after this forward
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @staticmethod
+    def build(
+        cache: PagedKVCache,
+        seqs: Sequence[KVSequence],
+        new_tokens: Sequence[Sequence[int]],
+        device: torch.device,
+        sliding_window: int | None = None,
+    ) -> ForwardBatch:
+        """Reserve pages for the new tokens and build the tables. Does not advance
+        `seq.length`; call :func:`commit` after the forward succeeds."""
+        ids: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        starts, counts, totals = [], [], []
+        for seq, toks in zip(seqs, new_tokens):
+            if not toks:
+                raise ValueError("every sequence in a batch needs at least one new token")
+            cache.reserve(seq, len(toks))
+            starts.append(seq.length)
+            counts.append(len(toks))
+            totals.append(seq.length + len(toks))
+            ids.extend(toks)
+            positions.extend(range(seq.length, seq.length + len(toks)))
+            write_slots.extend(cache.slots(seq, seq.length, seq.length + len(toks)))
+
+        b, q_max, k_max = len(seqs), max(counts), max(totals)
+        key_slots = torch.zeros(b, k_max, dtype=torch.long)
+        query_index = torch.zeros(b, q_max, dtype=torch.long)
+        q_pos = torch.full((b, q_max), -1, dtype=torch.long)
+        k_len = torch.tensor(totals)
+        offset = 0
+        for i, seq in enumerate(seqs):
+            key_slots[i, : totals[i]] = torch.tensor(cache.slots(seq, 0, totals[i]))
+            query_index[i, : counts[i]] = torch.arange(offset, offset + counts[i])
+            q_pos[i, : counts[i]] = torch.arange(starts[i], totals[i])
+            offset += counts[i]
+        k_pos = torch.arange(k_max)
+        # A query at position p sees keys at positions <= p of its own sequence.
+        causal = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < k_len[:, None, None]
+        )
+        sliding = None
+        if sliding_window:
+            sliding = causal & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+            sliding = sliding[:, None].to(device)
+        last = torch.tensor(counts).cumsum(0) - 1
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=dev(torch.tensor(ids, dtype=torch.long)),
+            positions=dev(torch.tensor(positions, dtype=torch.long)),
+            write_slots=dev(torch.tensor(write_slots, dtype=torch.long)),
+            key_slots=dev(key_slots),
+            query_index=dev(query_index),
+            query_valid=dev((q_pos >= 0).flatten()),
+            causal_mask=dev(causal[:, None]),
+            sliding_mask=sliding,
+            last_index=dev(last),
+            seq_lens=totals,
+        )
+
+
+def commit(seqs: Sequence[KVSequence], batch: ForwardBatch) -> None:
+    """Mark the batch's new tokens as held in the KV cache."""
+    for seq, total in zip(seqs, batch.seq_lens):
+        seq.length = total

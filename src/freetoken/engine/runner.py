@@ -1,0 +1,59 @@
+"""Runs forward passes of a loaded model over sequences held in the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from freetoken.engine.batch import ForwardBatch, commit
+from freetoken.kv.paged import KVSequence, PagedKVCache
+from freetoken.weights.loader import LoadedModel
+
+DEFAULT_PAGE_SIZE = 16
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache_tokens: int = 16384,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ):
+        self.model = loaded.model
+        self.config = loaded.config
+        cfg = loaded.config
+        self.kv = PagedKVCache(
+            num_layers=cfg.num_layers,
+            num_pages=-(-kv_cache_tokens // page_size),
+            page_size=page_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.model.dtype,
+            device=self.model.device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_sequence(self) -> KVSequence:
+        return KVSequence()
+
+    def release(self, seq: KVSequence) -> None:
+        self.kv.release(seq)
+
+    def forward(
+        self,
+        seqs: Sequence[KVSequence],
+        new_tokens: Sequence[Sequence[int]],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Append `new_tokens[i]` to `seqs[i]` for every i in one forward pass; return fp32
+        logits of each sequence's last token ([B, V]) or of every new token ([T, V])."""
+        batch = ForwardBatch.build(
+            self.kv, seqs, new_tokens, self.device, sliding_window=self.config.sliding_window
+        )
+        logits = self.model(batch, self.kv, all_logits=all_logits)
+        commit(seqs, batch)
+        return logits

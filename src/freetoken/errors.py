@@ -1,0 +1,17 @@
+"""Errors a user can act on. Each message says what is wrong and what to do about it."""
+
+
+class FreetokenError(Exception):
+    """Base class for errors freetoken raises on purpose (as opposed to bugs)."""
+
+
+class CheckpointError(FreetokenError):
+    """A checkpoint directory is missing a file, has an unreadable file or inconsistent tensors."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's `architectures` (or a feature of its config) is not supported."""
+
+
+class InsufficientMemoryError(FreetokenError):
+    """The model does not fit in the memory that is free."""

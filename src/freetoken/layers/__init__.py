@@ -1,0 +1,1 @@
+"""Layers shared by every model family: the math lives here, once."""

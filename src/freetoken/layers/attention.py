@@ -1,0 +1,76 @@
+"""Grouped-query attention over the paged KV cache (RoPE, optional qk-norm, clipping,
+biases and sliding window: every variant our families use, in one module)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rope import apply_rotary
+from freetoken.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "per_head":  # Qwen3: one norm over each head's vector
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: one norm over all heads at once
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+        self.sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        kv.write(self.layer, batch.write_slots, k, v)
+        keys = kv.k[self.layer][batch.key_slots].transpose(1, 2)  # [B, kvh, K, d]
+        values = kv.v[self.layer][batch.key_slots].transpose(1, 2)
+        queries = q[batch.query_index].transpose(1, 2)  # [B, h, Q, d]
+        mask = batch.sliding_mask if self.sliding else batch.causal_mask
+        out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
+        return self.o_proj(out[batch.query_valid])
+
+
+def _sdpa_gqa(q, k, v, mask, scale):
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        # Expanded view, materialised by SDPA: simple and exact. A paged decode kernel that
+        # reads each KV head once for its whole group is the fast path to add on GPU.
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

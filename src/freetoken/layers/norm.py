@@ -1,0 +1,17 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

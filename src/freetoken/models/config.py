@@ -1,0 +1,232 @@
+"""One normalized model configuration for every family.
+
+Hugging Face configs spell the same idea many ways (``num_experts`` vs ``num_local_experts``,
+``rope_theta`` + ``rope_scaling`` in transformers 4 vs ``rope_parameters`` in 5). Family modules
+read the raw ``config.json`` dict into a :class:`ModelConfig`; nothing past this point looks at
+the raw dict again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from freetoken.errors import UnsupportedModelError
+
+QKNorm = Literal["none", "per_head", "full"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; derived from factor when absent
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (dense layers only)
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    # Per layer: True where the layer's MLP is a sparse MoE block, False for a dense MLP.
+    moe_layers: tuple[bool, ...] = ()
+    # Per layer: True where attention uses the sliding window.
+    sliding_layers: tuple[bool, ...] = ()
+    moe: MoEConfig | None = None
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+
+def _first(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    return default
+
+
+def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    """Read RoPE settings in either the transformers 4 or 5 spelling."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = _first(params, "rope_theta", default=_first(raw, "rope_theta", default=10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE scaling type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    original_max = _first(
+        raw, "original_max_position_embeddings", default=params.get("original_max_position_embeddings")
+    )
+    if original_max is None and rope_type in ("llama3", "yarn"):
+        original_max = raw.get("max_position_embeddings")
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(params.get("factor") or 1.0),
+        partial_rotary_factor=float(
+            _first(params, "partial_rotary_factor", default=raw.get("partial_rotary_factor", 1.0))
+        ),
+        original_max_position_embeddings=original_max,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def decoder_config(
+    raw: dict[str, Any],
+    family: str,
+    *,
+    moe: MoEConfig | None = None,
+    moe_layers: tuple[bool, ...] | None = None,
+    sliding: bool = False,
+    **overrides: Any,
+) -> ModelConfig:
+    """Build a ModelConfig from the fields every decoder-only family spells the same way.
+
+    `moe_layers` defaults to every layer when `moe` is given; `sliding` says whether the
+    family's config turns the sliding window on (`layer_types`, when present, decides per layer).
+    """
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    num_layers = int(raw["num_hidden_layers"])
+    attention_bias = bool(raw.get("attention_bias", False))
+    if moe_layers is None:
+        moe_layers = (moe is not None,) * num_layers
+    sliding_layers = sliding_pattern(raw, num_layers, sliding)
+    fields: dict[str, Any] = dict(
+        architecture=raw["architectures"][0],
+        family=family,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(_first(raw, "num_key_value_heads", default=heads)),
+        head_dim=int(_first(raw, "head_dim", default=hidden // heads)),
+        intermediate_size=int(_first(raw, "intermediate_size", default=0)),
+        rms_norm_eps=float(_first(raw, "rms_norm_eps", default=1e-6)),
+        rope=parse_rope(raw),
+        max_position_embeddings=int(_first(raw, "max_position_embeddings", default=4096)),
+        hidden_act=str(_first(raw, "hidden_act", default="silu")),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        sliding_window=int(raw["sliding_window"]) if any(sliding_layers) else None,
+        moe_layers=moe_layers,
+        sliding_layers=sliding_layers,
+        moe=moe if any(moe_layers) else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=as_id_tuple(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        torch_dtype=str(_first(raw, "dtype", "torch_dtype", default="float32")),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def routed_experts(
+    raw: dict[str, Any],
+    *,
+    intermediate_key: str = "moe_intermediate_size",
+    norm_topk_prob: bool | None = None,
+    shared_expert_gated: bool = False,
+) -> MoEConfig:
+    """The routed-expert settings, in the spellings of Qwen, Mixtral and OLMoE configs."""
+    return MoEConfig(
+        num_experts=int(_first(raw, "num_experts", "num_local_experts")),
+        top_k=int(raw["num_experts_per_tok"]),
+        intermediate_size=int(raw[intermediate_key]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False))
+        if norm_topk_prob is None
+        else norm_topk_prob,
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        shared_expert_gated=shared_expert_gated,
+    )
+
+
+def sparse_layer_pattern(raw: dict[str, Any]) -> tuple[bool, ...]:
+    """Qwen-style placement of MoE layers: every `decoder_sparse_step`-th layer, minus
+    `mlp_only_layers`."""
+    num_layers = int(raw["num_hidden_layers"])
+    step = int(_first(raw, "decoder_sparse_step", default=1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple(
+        i not in dense and step > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    )
+
+
+def sliding_pattern(raw: dict[str, Any], num_layers: int, default: bool) -> tuple[bool, ...]:
+    """Which layers use sliding-window attention.
+
+    transformers 5 writes the answer as `layer_types`; older configs only say whether the
+    window is on (`default`, decided by the family from `sliding_window`/`use_sliding_window`).
+    """
+    types = raw.get("layer_types")
+    if types:
+        return tuple(t == "sliding_attention" for t in types)
+    return (default and bool(raw.get("sliding_window")),) * num_layers

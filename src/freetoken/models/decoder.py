@@ -1,0 +1,73 @@
+"""The one decoder every family runs: embed -> N x (attention, MLP or MoE) -> norm -> logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.attention import Attention
+from freetoken.layers.mlp import GatedMLP
+from freetoken.layers.moe import MoEBlock
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rope import RotaryEmbedding
+from freetoken.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.moe_layers[layer]:
+            self.moe = MoEBlock(cfg, layer)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+
+    def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos_sin, batch, kv)
+        h = self.mlp_norm(x)
+        return x + (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def reset_rotary(self) -> None:
+        """Recompute the RoPE table in fp32 (after `to_empty`, or a dtype cast, clobbered it)."""
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim).to(self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv: PagedKVCache, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Logits in fp32: [B, V] for each sequence's last new token, or [T, V] for every new
+        token when `all_logits`."""
+        x = self.embed(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos_sin, batch, kv)
+        if not all_logits:
+            x = x[batch.last_index]
+        return (self.norm(x) @ self.lm_head_weight().t()).float()

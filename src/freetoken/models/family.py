@@ -1,0 +1,53 @@
+"""What a model family declares: how to read its config and how its weights are named.
+
+Everything else (the layers, the decoder, the loader) is shared. A family file is a few lines.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken.models.config import ModelConfig
+
+# Hugging Face names of the common decoder layout -> our parameter names. Families whose
+# checkpoints use other names first rewrite them to this layout with their own `renames`.
+COMMON_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^model\.norm\.", "norm."),
+    (r"^lm_head\.", "lm_head."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attn."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"layers.\1.moe.router.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.", r"layers.\1.moe.shared_gate."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", r"layers.\1.moe.shared."),
+    (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.moe.experts."),
+    (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
+)
+
+# Checkpoint tensors that hold nothing we need (precomputed RoPE tables).
+IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def canonical_name(self, hf_name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor name, or None if it is not ours."""
+        if IGNORED.search(hf_name):
+            return None
+        name = hf_name
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        for pattern, repl in COMMON_RENAMES:
+            new, hits = re.subn(pattern, repl, name)
+            if hits:
+                return new
+        return None

@@ -1,0 +1,155 @@
+"""Load a local Hugging Face checkpoint into the shared decoder."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from freetoken.errors import CheckpointError, InsufficientMemoryError
+from freetoken.models.config import ModelConfig
+from freetoken.models.decoder import DecoderModel
+from freetoken.models.families import family_for
+from freetoken.weights import memory
+from freetoken.weights.safetensors_dir import CheckpointDir
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+# One expert's projection in the per-expert layout every Hub checkpoint uses.
+_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# All experts of a layer at once (the fused layout transformers 5 uses in memory).
+_FUSED = re.compile(r"^layers\.(\d+)\.moe\.experts\.(gate_up_proj|down_proj)$")
+# Headroom beyond the weights for activations, the KV cache and the Python process itself.
+HOST_MEMORY_MARGIN = 512 * 2**20
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    config: ModelConfig
+    path: Path
+    raw_config: dict
+
+
+def resolve_dtype(name: str | torch.dtype | None, config_dtype: str) -> torch.dtype:
+    """`auto` (or None) follows the checkpoint's dtype; fp32 checkpoints stay fp32."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = config_dtype if name in (None, "auto") else name
+    try:
+        return DTYPES[key]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {key!r}; use one of {sorted(DTYPES)}") from None
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+) -> LoadedModel:
+    ckpt = CheckpointDir(path)
+    family = family_for(ckpt.config)
+    try:
+        cfg = family.parse_config(ckpt.config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.path / 'config.json'} is incomplete or invalid: {e!r}") from e
+    dtype = resolve_dtype(dtype, cfg.torch_dtype)
+
+    needed = ckpt.nbytes(dtype) + HOST_MEMORY_MARGIN
+    free = memory.available_host_bytes()
+    if needed > free:
+        raise InsufficientMemoryError(
+            f"{ckpt.path.name} needs about {memory.gib(needed)} of host memory to load at "
+            f"{str(dtype).removeprefix('torch.')}, but only {memory.gib(free)} is free"
+        )
+
+    with torch.device("meta"):
+        model = DecoderModel(cfg).to(dtype)
+    model = model.to_empty(device="cpu")
+    model.reset_rotary()
+    _fill(model, ckpt, family, progress)
+    model = model.to(device)
+    return LoadedModel(model=model.eval(), config=cfg, path=ckpt.path, raw_config=ckpt.config)
+
+
+def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | None) -> None:
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    unused: list[str] = []
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(
+        total=ckpt.nbytes(), unit="B", unit_scale=True, desc="Loading weights", disable=not show
+    )
+    with torch.no_grad(), bar:
+        for info, tensor in ckpt.iter_tensors():
+            bar.update(tensor.numel() * tensor.element_size())
+            name = family.canonical_name(info.name)
+            target = _target(name, params) if name else None
+            if target is None:
+                unused.append(info.name)
+                continue
+            key, dest = target
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"tensor {info.name} has shape {tuple(tensor.shape)}, but the config "
+                    f"implies {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled.add(key)
+
+    missing = sorted(
+        {n for n in params if not n.endswith((".w_gate_up", ".w_down"))} - filled
+    ) + _missing_experts(model, filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {ckpt.path} is missing tensors: {shown}")
+    if unused:
+        log.warning("ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0])
+
+
+def _target(name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+    """Where a canonical tensor goes: (coverage key, destination view), None if nowhere."""
+    if m := _EXPERT.match(name):
+        layer, expert, proj = int(m[1]), int(m[2]), m[3]
+        bank = params.get(f"layers.{layer}.moe." + ("w_down" if proj == "down_proj" else "w_gate_up"))
+        if bank is None or expert >= bank.shape[0]:
+            return None
+        if proj == "down_proj":
+            return name, bank[expert]
+        half = bank.shape[1] // 2
+        return name, bank[expert, :half] if proj == "gate_proj" else bank[expert, half:]
+    if m := _FUSED.match(name):
+        key = f"layers.{m[1]}.moe." + ("w_gate_up" if m[2] == "gate_up_proj" else "w_down")
+        return (key, params[key]) if key in params else None
+    return (name, params[name]) if name in params else None
+
+
+def _missing_experts(model: DecoderModel, filled: set[str]) -> list[str]:
+    """Expert projections no checkpoint tensor filled, in the per-expert naming (or the fused
+    bank name when the checkpoint used the fused layout)."""
+    missing = []
+    for i, layer in enumerate(model.layers):
+        if not hasattr(layer, "moe"):
+            continue
+        for bank, projs in (("w_gate_up", ("gate_proj", "up_proj")), ("w_down", ("down_proj",))):
+            if f"layers.{i}.moe.{bank}" in filled:
+                continue
+            for e in range(layer.moe.w_down.shape[0]):
+                missing += [
+                    key
+                    for p in projs
+                    if (key := f"layers.{i}.moe.experts.{e}.{p}.weight") not in filled
+                ]
+    return missing

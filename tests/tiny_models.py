@@ -1,0 +1,87 @@
+"""Tiny random checkpoints of every supported family, built with transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+# family -> (config class, model class, extra config fields)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            intermediate_size=96, attention_bias=True,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
+}  # fmt: skip
+
+
+def build(
+    family: str,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides,
+) -> tuple[Path, torch.nn.Module]:
+    """Save a tiny random checkpoint of `family` and return (dir, the transformers model)."""
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    # Random init has tiny std: scale everything up so the logits and the routing are far
+    # from uniform and a wrong mapping cannot hide in rounding.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
+    model = model.to(dtype).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir, model
