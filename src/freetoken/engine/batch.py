@@ -47,7 +47,7 @@ class ForwardBatch:
         positions: list[int] = []
         write_slots: list[int] = []
         starts, counts, totals = [], [], []
-        for seq, toks in zip(seqs, new_tokens):
+        for seq, toks in zip(seqs, new_tokens, strict=True):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
             cache.reserve(seq, len(toks))
@@ -99,5 +99,5 @@ class ForwardBatch:
 
 def commit(seqs: Sequence[KVSequence], batch: ForwardBatch) -> None:
     """Mark the batch's new tokens as held in the KV cache."""
-    for seq, total in zip(seqs, batch.seq_lens):
+    for seq, total in zip(seqs, batch.seq_lens, strict=True):
         seq.length = total
