@@ -15,7 +15,9 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
+        raise ValueError(
+            f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}"
+        ) from None
 
 
 class GatedMLP(nn.Module):

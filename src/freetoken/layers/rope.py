@@ -76,7 +76,9 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, rotary_dim] for integer positions [T], in fp32 then cast to dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -107,7 +107,9 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     original_max = _first(
-        raw, "original_max_position_embeddings", default=params.get("original_max_position_embeddings")
+        raw,
+        "original_max_position_embeddings",
+        default=params.get("original_max_position_embeddings"),
     )
     if original_max is None and rope_type in ("llama3", "yarn"):
         original_max = raw.get("max_position_embeddings")
@@ -215,9 +217,7 @@ def sparse_layer_pattern(raw: dict[str, Any]) -> tuple[bool, ...]:
     num_layers = int(raw["num_hidden_layers"])
     step = int(_first(raw, "decoder_sparse_step", default=1))
     dense = set(raw.get("mlp_only_layers") or [])
-    return tuple(
-        i not in dense and step > 0 and (i + 1) % step == 0 for i in range(num_layers)
-    )
+    return tuple(i not in dense and step > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
 def sliding_pattern(raw: dict[str, Any], num_layers: int, default: bool) -> tuple[bool, ...]:

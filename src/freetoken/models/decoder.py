@@ -24,7 +24,9 @@ class DecoderLayer(nn.Module):
         if cfg.moe_layers[layer]:
             self.moe = MoEBlock(cfg, layer)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias
+            )
 
     def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos_sin, batch, kv)

@@ -113,17 +113,23 @@ def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | Non
         {n for n in params if not n.endswith((".w_gate_up", ".w_down"))} - filled
     ) + _missing_experts(model, filled)
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
         raise CheckpointError(f"checkpoint {ckpt.path} is missing tensors: {shown}")
     if unused:
-        log.warning("ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0])
+        log.warning(
+            "ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0]
+        )
 
 
 def _target(name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
     """Where a canonical tensor goes: (coverage key, destination view), None if nowhere."""
     if m := _EXPERT.match(name):
         layer, expert, proj = int(m[1]), int(m[2]), m[3]
-        bank = params.get(f"layers.{layer}.moe." + ("w_down" if proj == "down_proj" else "w_gate_up"))
+        bank = params.get(
+            f"layers.{layer}.moe." + ("w_down" if proj == "down_proj" else "w_gate_up")
+        )
         if bank is None or expert >= bank.shape[0]:
             return None
         if proj == "down_proj":

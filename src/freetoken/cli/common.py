@@ -1,0 +1,43 @@
+"""What the interactive commands share: loading the engine and reading sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.sampling import SamplingParams
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    from freetoken.cli.main import engine_config
+
+    if args.model is None:
+        print("Using the built-in demo model: its weights are random, its replies are noise.",
+              file=sys.stderr)  # fmt: skip
+    return LLMEngine.from_config(engine_config(args))
+
+
+def sampling_params(args: argparse.Namespace, engine: LLMEngine) -> SamplingParams:
+    """Flags given on the command line override the checkpoint's recommended settings."""
+    values = dict(engine.tokenizer.sampling_defaults())
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    try:
+        return SamplingParams(
+            max_new_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop), **values
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def stream_to(out, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Stream a completion to `out` as it is generated; return the whole text."""
+    pieces = []
+    for step in engine.stream(prompt_ids, params):
+        if step.text:
+            out.write(step.text)
+            out.flush()
+            pieces.append(step.text)
+    return "".join(pieces)

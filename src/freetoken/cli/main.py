@@ -1,0 +1,84 @@
+"""`ft`: the freetoken command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from freetoken.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model", type=Path, help="local Hugging Face checkpoint directory (default: demo model)"
+    )
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", help="cuda | cpu (default: cuda when available)")
+    g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache capacity in tokens")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="max new tokens")
+    g.add_argument("--temperature", type=float, help="0 for greedy")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ft", description="freetoken: serve MoE models larger than your GPU, exactly."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=128)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func="freetoken.cli.generate:run")
+
+    shell = sub.add_parser("shell", help="interactive chat with the model")
+    add_engine_args(shell)
+    add_sampling_args(shell, max_tokens=512)
+    shell.add_argument("--system", help="system prompt")
+    shell.set_defaults(func="freetoken.cli.shell:run")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    import importlib
+
+    from freetoken.errors import FreetokenError
+
+    module, func = args.func.split(":")
+    try:
+        return getattr(importlib.import_module(module), func)(args) or 0
+    except FreetokenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

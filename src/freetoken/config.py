@@ -1,0 +1,26 @@
+"""Engine settings, built once from CLI flags (or by library users) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Path | None = None  # None: the built-in demo checkpoint
+    dtype: str = "auto"  # auto follows the checkpoint; float32 | bfloat16 | float16
+    device: str | None = None  # None: cuda when available, else cpu
+    kv_cache_tokens: int = 16384  # KV capacity shared by all running sequences
+    page_size: int = 16
+    max_batch_size: int = 4  # sequences decoded together
+    progress: bool | None = None  # loading progress bar; None: only on a terminal
+
+    def resolved_device(self) -> torch.device:
+        return torch.device(self.device or default_device())

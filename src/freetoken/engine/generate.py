@@ -1,0 +1,189 @@
+"""Generation: requests in, token and text deltas out.
+
+`LLMEngine.step()` advances every running request by one token: requests waiting for their
+first token are prefilled (one forward each), then all others are decoded together in one
+batched forward. Requests join and leave between steps; the HTTP scheduler builds on this.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from freetoken.config import EngineConfig
+from freetoken.engine.runner import ModelRunner
+from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
+from freetoken.engine.stopping import TextStream
+from freetoken.errors import FreetokenError
+from freetoken.kv.paged import KVSequence
+from freetoken.tokenizer import Tokenizer
+from freetoken.weights.loader import load_model
+
+
+class ContextLengthError(FreetokenError, ValueError):
+    """A prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq: KVSequence
+    text: TextStream
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request: Request
+    token_id: int
+    text: str  # text that became final with this token (may be empty)
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_batch_size: int = 4):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
+        self.max_context = min(runner.config.max_position_embeddings, runner.kv.capacity_tokens)
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        path = config.model
+        if path is None:
+            from freetoken.demo import demo_checkpoint
+
+            path = demo_checkpoint()
+        loaded = load_model(
+            Path(path), config.dtype, config.resolved_device(), progress=config.progress
+        )
+        runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size)
+        return cls(runner, Tokenizer(loaded.path), config.max_batch_size)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
+            )
+        if len(self.running) >= self.max_batch_size:
+            raise RuntimeError(f"already running {self.max_batch_size} requests")
+        req = Request(
+            id=next(self._ids),
+            prompt_ids=prompt_ids,
+            params=params,
+            seq=self.runner.new_sequence(),
+            text=TextStream(self.tokenizer.decode, params.stop),
+            generator=make_generator(params.seed, self.runner.device),
+        )
+        self.running.append(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.runner.release(req.seq)
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One token for every running request; finished requests leave and free their KV."""
+        if not self.running:
+            return []
+        fresh = [r for r in self.running if r.seq.length == 0]
+        ongoing = [r for r in self.running if r.seq.length > 0]
+        groups = [[r] for r in fresh] + ([ongoing] if ongoing else [])
+        outputs = []
+        for group in groups:
+            new_tokens = [r.prompt_ids if r.seq.length == 0 else r.output_ids[-1:] for r in group]
+            logits = self.runner.forward([r.seq for r in group], new_tokens)
+            tokens = self.sampler.sample(
+                logits,
+                [r.params for r in group],
+                [r.generator for r in group],
+                [r.prompt_ids + r.output_ids for r in group],
+            ).tolist()
+            outputs += [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
+        for r in [r for r in self.running if r.finished]:
+            self.abort(r)
+        return outputs
+
+    def _accept(self, req: Request, token: int) -> StepOutput:
+        params = req.params
+        req.output_ids.append(token)
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            req.finish_reason, req.stop_reason = "stop", token
+            return StepOutput(req, token, req.text.flush())
+        text = req.text.push(token)
+        if req.text.stopped:
+            req.finish_reason, req.stop_reason = "stop", req.text.stop_reason
+        elif (
+            len(req.output_ids) >= params.max_new_tokens
+            or len(req.prompt_ids) + len(req.output_ids) >= self.max_context
+        ):
+            req.finish_reason = "length"
+            text += req.text.flush()
+        return StepOutput(req, token, text)
+
+    # -- conveniences ---------------------------------------------------------------------
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
+        """Generate for one prompt, yielding each step's output as it comes."""
+        req = self.add_request(prompt_ids, params)
+        try:
+            while not req.finished:
+                for out in self.step():
+                    if out.request is req:
+                        yield out
+        finally:
+            if not req.finished:
+                self.abort(req)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
+        """Generate for several prompts, decoding up to `max_batch_size` of them together."""
+        pending = list(enumerate(prompts))
+        results: dict[int, Completion] = {}
+        texts: dict[int, list[str]] = {}
+        index_of: dict[int, int] = {}
+        while pending or self.running:
+            while pending and len(self.running) < self.max_batch_size:
+                i, prompt = pending.pop(0)
+                index_of[self.add_request(prompt, params).id] = i
+            for out in self.step():
+                r = out.request
+                texts.setdefault(r.id, []).append(out.text)
+                if r.finished:
+                    results[index_of[r.id]] = Completion(
+                        r.prompt_ids, r.output_ids, "".join(texts[r.id]), r.finish_reason
+                    )
+        return [results[i] for i in range(len(prompts))]
