@@ -8,5 +8,5 @@ out=${1:-benchmarks/results/gpu-numerics.txt}
   echo "commit: ${FT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
   python3 -c 'import torch, transformers; print("torch:", torch.__version__, "cuda:", torch.version.cuda, "transformers:", transformers.__version__)'
-  cd tests && python3 -m pytest -q -rA -p no:cacheprovider test_gpu_numerics.py test_exactness.py 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed"
+  cd tests && python3 -m pytest -q -rA -p no:cacheprovider test_device_numerics.py test_exactness.py 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed"
 } | tee "$out"

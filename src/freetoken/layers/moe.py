@@ -19,14 +19,15 @@ from freetoken.models.config import ModelConfig
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing. Returns (weights [T, k] in the logits' dtype, expert ids [T, k])."""
+    """Softmax top-k routing. Returns (weights [T, k], expert ids [T, k]); the weights are in
+    the logits' dtype unless `fp32_weights`."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return (weights if fp32_weights else weights.to(router_logits.dtype)), ids
 
 
 class ExpertExecutor(Protocol):
@@ -65,7 +66,7 @@ def grouped_experts(
         h = x[rows] @ w_gate_up[e].t()
         gate, up = h.chunk(2, dim=-1)
         y = (act(gate) * up) @ w_down[e].t()
-        out.index_add_(0, rows, y * flat_weights[start : start + n, None])
+        out.index_add_(0, rows, (y * flat_weights[start : start + n, None]).to(out.dtype))
         start += n
     return out
 
@@ -76,6 +77,7 @@ class MoEBlock(nn.Module):
         moe = cfg.moe
         assert moe is not None
         self.layer, self.top_k, self.renormalize = layer, moe.top_k, moe.norm_topk_prob
+        self.fp32_gate_weights = moe.fp32_gate_weights
         h, i, e = cfg.hidden_size, moe.intermediate_size, moe.num_experts
         self.router = nn.Linear(h, e, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
@@ -93,7 +95,7 @@ class MoEBlock(nn.Module):
         return grouped_experts(x, ids, weights, self.w_gate_up, self.w_down, self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        weights, ids = route(self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights)
         out = self.executor(self.layer, x, ids, weights)
         if self.shared is not None:
             shared = self.shared(x)

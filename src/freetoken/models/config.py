@@ -44,6 +44,9 @@ class MoEConfig:
     norm_topk_prob: bool
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
+    # Mixtral scales expert outputs by fp32 gate weights; the Qwen families and OLMoE round
+    # the weights to the activation dtype first. Matters for bf16 exactness only.
+    fp32_gate_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ def routed_experts(
     intermediate_key: str = "moe_intermediate_size",
     norm_topk_prob: bool | None = None,
     shared_expert_gated: bool = False,
+    fp32_gate_weights: bool = False,
 ) -> MoEConfig:
     """The routed-expert settings, in the spellings of Qwen, Mixtral and OLMoE configs."""
     return MoEConfig(
@@ -208,6 +212,7 @@ def routed_experts(
         else norm_topk_prob,
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         shared_expert_gated=shared_expert_gated,
+        fp32_gate_weights=fp32_gate_weights,
     )
 
 

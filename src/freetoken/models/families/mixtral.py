@@ -3,11 +3,14 @@ from freetoken.models.family import Family
 
 
 def parse_config(raw: dict):
-    # Mixtral always renormalizes its top-k weights; its experts use `intermediate_size`.
+    # Mixtral always renormalizes its top-k weights, keeps them in fp32, and sizes its
+    # experts by `intermediate_size`.
     return decoder_config(
         raw,
         "mixtral",
-        moe=routed_experts(raw, intermediate_key="intermediate_size", norm_topk_prob=True),
+        moe=routed_experts(
+            raw, intermediate_key="intermediate_size", norm_topk_prob=True, fp32_gate_weights=True
+        ),
         sliding=raw.get("sliding_window") is not None,
     )
 

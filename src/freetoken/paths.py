@@ -1,0 +1,27 @@
+"""Filesystem locations freetoken owns."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+CACHE_DIR_ENV = "FREETOKEN_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Return freetoken's cache directory, creating it if needed.
+
+    Holds derived, rebuildable artifacts (the built Qwen tokenizer, the demo
+    checkpoint). Defaults to the platform's user cache dir. ``FREETOKEN_CACHE_DIR``
+    overrides it so tests, CI and sandboxed or read-only homes can point it at a
+    scratch directory. The variable is read here, on every call, and nowhere else,
+    so one override reaches every cached artifact and tests can monkeypatch it.
+    """
+    override = os.environ.get(CACHE_DIR_ENV)
+    path = (
+        Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("freetoken"))
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
