@@ -1,0 +1,83 @@
+"""The generation engine on the demo model: batching, stop conditions and streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken.config import EngineConfig
+from freetoken.engine.generate import ContextLengthError, LLMEngine
+from freetoken.engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    try:
+        yield LLMEngine.from_config(
+            EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=2048, max_batch_size=2)
+        )
+    finally:
+        mp.undo()
+
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
+
+
+def prompts(engine):
+    texts = ["Once upon a time", "def fibonacci(n):", "The capital of France is Paris, and"]
+    return [engine.tokenizer.encode(t) for t in texts]
+
+
+def test_batched_generation_equals_each_alone(engine):
+    together = engine.generate(prompts(engine), GREEDY)  # 3 prompts through 2 batch slots
+    for p, done in zip(prompts(engine), together, strict=True):
+        [alone] = engine.generate([p], GREEDY)
+        assert done.output_ids == alone.output_ids
+        assert done.text == alone.text
+        assert done.finish_reason == "length" and len(done.output_ids) == 10
+    assert engine.runner.kv.allocator.num_free == engine.runner.kv.num_pages  # all KV freed
+
+
+def test_stream_yields_the_generated_text(engine):
+    p = prompts(engine)[0]
+    pieces = [out.text for out in engine.stream(p, GREEDY)]
+    [done] = engine.generate([p], GREEDY)
+    assert "".join(pieces) == done.text
+
+
+def test_stop_string_cuts_text_and_stops(engine):
+    p = prompts(engine)[1]
+    [full] = engine.generate([p], GREEDY)
+    stop = full.text[3:6]
+    assert stop
+    [done] = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0, stop=(stop,)))
+    assert done.finish_reason == "stop"
+    assert done.text == full.text[: full.text.index(stop)]
+
+
+def test_stop_token_id(engine):
+    p = prompts(engine)[2]
+    [full] = engine.generate([p], GREEDY)
+    token = full.output_ids[4]
+    first = full.output_ids.index(token)
+    [done] = engine.generate(
+        [p], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(token,))
+    )
+    assert done.finish_reason == "stop"
+    assert done.output_ids == full.output_ids[: first + 1]
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    a = engine.generate(prompts(engine)[:1], params)[0].output_ids
+    b = engine.generate(prompts(engine)[:1], params)[0].output_ids
+    assert a == b
+
+
+def test_prompt_longer_than_context_is_rejected(engine):
+    with pytest.raises(ContextLengthError, match="context holds"):
+        engine.add_request([1] * 5000, GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], GREEDY)
+    assert not engine.running
