@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from freetoken.moe.runtime import MoEOptions
 
 
 def default_device() -> str:
@@ -21,6 +23,7 @@ class EngineConfig:
     page_size: int = 16
     max_batch_size: int = 4  # sequences decoded together
     progress: bool | None = None  # loading progress bar; None: only on a terminal
+    moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or default_device())

@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(shell, max_tokens=512)
     shell.add_argument("--system", help="system prompt")
     shell.set_defaults(func="freetoken.cli.shell:run")
+
+    bench = sub.add_parser("bench", help="measure this machine and the expert cache")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")
+    bw.add_argument("--model", type=Path, help="take the expert shape from this checkpoint")
+    bw.add_argument("--hidden", type=int, default=2048, help="expert hidden size (no --model)")
+    bw.add_argument("--intermediate", type=int, default=768, help="expert width (no --model)")
+    bw.add_argument("--dtype", default="auto", help="expert dtype (default: bfloat16)")
+    bw.add_argument("--device", help="cuda | cpu (default: cuda when available)")
+    bw.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    bw.add_argument("--pool-gib", type=float, default=2.0, help="host pool cycled through")
+    bw.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores)")
+    bw.add_argument("--json", action="store_true", help="print one JSON object")
+    bw.set_defaults(func="freetoken.cli.bench_bw:run")
     return parser
 
 

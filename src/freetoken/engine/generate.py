@@ -81,7 +81,7 @@ class LLMEngine:
         loaded = load_model(
             Path(path), config.dtype, config.resolved_device(), progress=config.progress
         )
-        runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size)
+        runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size, config.moe)
         return cls(runner, Tokenizer(loaded.path), config.max_batch_size)
 
     # -- requests -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from freetoken.engine.batch import ForwardBatch, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
+from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
 from freetoken.weights.loader import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
@@ -19,10 +20,19 @@ class ModelRunner:
         loaded: LoadedModel,
         kv_cache_tokens: int = 16384,
         page_size: int = DEFAULT_PAGE_SIZE,
+        moe: MoEOptions | None = None,
     ):
         self.model = loaded.model
         self.config = loaded.config
         cfg = loaded.config
+        self.moe: MoERuntime | None = None
+        if loaded.experts is not None:
+            self.moe = build_runtime(
+                loaded.experts, self.model.device, moe or MoEOptions(), cfg.hidden_act
+            )
+            for layer in self.model.layers:
+                if hasattr(layer, "moe"):
+                    layer.moe.executor = self.moe
         self.kv = PagedKVCache(
             num_layers=cfg.num_layers,
             num_pages=-(-kv_cache_tokens // page_size),

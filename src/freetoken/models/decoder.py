@@ -22,7 +22,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer]:
-            self.moe = MoEBlock(cfg, layer)
+            self.moe = MoEBlock(cfg, cfg.moe_layer_ids.index(layer))
         else:
             self.mlp = GatedMLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias

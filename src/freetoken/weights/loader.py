@@ -15,6 +15,7 @@ from freetoken.errors import CheckpointError, InsufficientMemoryError
 from freetoken.models.config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
+from freetoken.moe.store import HostExpertStore
 from freetoken.weights import memory
 from freetoken.weights.safetensors_dir import CheckpointDir
 
@@ -36,10 +37,11 @@ HOST_MEMORY_MARGIN = 512 * 2**20
 
 @dataclass
 class LoadedModel:
-    model: DecoderModel
+    model: DecoderModel  # everything but the routed experts, on the requested device
     config: ModelConfig
     path: Path
     raw_config: dict
+    experts: HostExpertStore | None  # routed experts of every MoE layer, in host memory
 
 
 def resolve_dtype(name: str | torch.dtype | None, config_dtype: str) -> torch.dtype:
@@ -79,13 +81,27 @@ def load_model(
         model = DecoderModel(cfg).to(dtype)
     model = model.to_empty(device="cpu")
     model.reset_rotary()
-    _fill(model, ckpt, family, progress)
+    store = HostExpertStore(cfg, dtype) if cfg.moe is not None else None
+    _fill(model, store, ckpt, family, progress)
     model = model.to(device)
-    return LoadedModel(model=model.eval(), config=cfg, path=ckpt.path, raw_config=ckpt.config)
+    return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
 
 
-def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | None) -> None:
-    params = dict(model.named_parameters())
+def _fill(
+    model: DecoderModel,
+    store: HostExpertStore | None,
+    ckpt: CheckpointDir,
+    family,
+    progress: bool | None,
+) -> None:
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    if store is not None:
+        # The expert banks are filled in place in the host pool, one layer's rows at a time.
+        for i in range(store.num_layers):
+            rows = store.layer_rows(i)
+            params[f"moe.{i}.w_gate_up"] = store.w_gate_up[rows]
+            params[f"moe.{i}.w_down"] = store.w_down[rows]
+    moe_index = {layer: i for i, layer in enumerate(model.config.moe_layer_ids)}
     filled: set[str] = set()
     unused: list[str] = []
     show = sys.stderr.isatty() if progress is None else progress
@@ -96,7 +112,7 @@ def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | Non
         for info, tensor in ckpt.iter_tensors():
             bar.update(tensor.numel() * tensor.element_size())
             name = family.canonical_name(info.name)
-            target = _target(name, params) if name else None
+            target = _target(name, params, moe_index) if name else None
             if target is None:
                 unused.append(info.name)
                 continue
@@ -111,7 +127,7 @@ def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | Non
 
     missing = sorted(
         {n for n in params if not n.endswith((".w_gate_up", ".w_down"))} - filled
-    ) + _missing_experts(model, filled)
+    ) + _missing_experts(model.config, store, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -123,39 +139,47 @@ def _fill(model: DecoderModel, ckpt: CheckpointDir, family, progress: bool | Non
         )
 
 
-def _target(name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+def _target(
+    name: str, params: dict[str, torch.Tensor], moe_index: dict[int, int]
+) -> tuple[str, torch.Tensor] | None:
     """Where a canonical tensor goes: (coverage key, destination view), None if nowhere."""
     if m := _EXPERT.match(name):
         layer, expert, proj = int(m[1]), int(m[2]), m[3]
-        bank = params.get(
-            f"layers.{layer}.moe." + ("w_down" if proj == "down_proj" else "w_gate_up")
-        )
-        if bank is None or expert >= bank.shape[0]:
+        if layer not in moe_index:
+            return None
+        bank = params[
+            f"moe.{moe_index[layer]}." + ("w_down" if proj == "down_proj" else "w_gate_up")
+        ]
+        if expert >= bank.shape[0]:
             return None
         if proj == "down_proj":
             return name, bank[expert]
         half = bank.shape[1] // 2
         return name, bank[expert, :half] if proj == "gate_proj" else bank[expert, half:]
     if m := _FUSED.match(name):
-        key = f"layers.{m[1]}.moe." + ("w_gate_up" if m[2] == "gate_up_proj" else "w_down")
-        return (key, params[key]) if key in params else None
+        if int(m[1]) not in moe_index:
+            return None
+        bank = "w_gate_up" if m[2] == "gate_up_proj" else "w_down"
+        return f"layers.{m[1]}.moe.{bank}", params[f"moe.{moe_index[int(m[1])]}.{bank}"]
     return (name, params[name]) if name in params else None
 
 
-def _missing_experts(model: DecoderModel, filled: set[str]) -> list[str]:
-    """Expert projections no checkpoint tensor filled, in the per-expert naming (or the fused
-    bank name when the checkpoint used the fused layout)."""
+def _missing_experts(
+    cfg: ModelConfig, store: HostExpertStore | None, filled: set[str]
+) -> list[str]:
+    """Expert projections no checkpoint tensor filled, in the per-expert naming (whole banks
+    count as filled when the checkpoint used the fused layout)."""
+    if store is None:
+        return []
     missing = []
-    for i, layer in enumerate(model.layers):
-        if not hasattr(layer, "moe"):
-            continue
+    for layer in cfg.moe_layer_ids:
         for bank, projs in (("w_gate_up", ("gate_proj", "up_proj")), ("w_down", ("down_proj",))):
-            if f"layers.{i}.moe.{bank}" in filled:
+            if f"layers.{layer}.moe.{bank}" in filled:
                 continue
-            for e in range(layer.moe.w_down.shape[0]):
+            for e in range(store.num_experts):
                 missing += [
                     key
                     for p in projs
-                    if (key := f"layers.{i}.moe.experts.{e}.{p}.weight") not in filled
+                    if (key := f"layers.{layer}.moe.experts.{e}.{p}.weight") not in filled
                 ]
     return missing

@@ -1,0 +1,227 @@
+"""Decode speed of every MoE strategy on a Qwen3-30B-A3B-shaped random bf16 model.
+
+    python benchmarks/decode_offload.py --layers 16 --cache 8GiB --cache 37% --out results.md
+
+Builds the model in memory (random weights: no checkpoint to write or read), measures B_P,
+B_H and both at once with the same code as `ft bench bw`, then for each cache size, strategy
+and batch size decodes `--steps` tokens after a warm-up and reports tokens/s, the expert-cache
+hit rate, mean fills q and CPU misses m - q per layer step, PCIe bytes per token, and the
+ratio to a roofline: the time the step's expert bytes need at the measured bandwidths (hits
+at HBM speed, fills at B_P', CPU misses at B_H', or both together for hybrid), which ignores
+attention and every overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.models.config import decoder_config, routed_experts
+from freetoken.models.decoder import DecoderModel
+from freetoken.moe.bandwidth import measure
+from freetoken.moe.runtime import MoEOptions
+from freetoken.moe.store import HostExpertStore
+from freetoken.weights.loader import LoadedModel
+
+HBM_BANDWIDTH = 4.0e12  # H200 device-to-device copy measured at ~4.3 TB/s (read + write)
+
+
+def qwen3_30b_a3b(layers: int) -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+def tiny(layers: int) -> dict:
+    """A small model of the same structure, to smoke-test this script on any machine."""
+    raw = qwen3_30b_a3b(layers)
+    raw.update(
+        vocab_size=1000,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+    )
+    return raw  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_model(raw: dict, device: torch.device) -> LoadedModel:
+    cfg = decoder_config(raw, "qwen3_moe", qk_norm="per_head", moe=routed_experts(raw))
+    with torch.device("meta"):
+        model = DecoderModel(cfg).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    model.reset_rotary()
+    store = HostExpertStore(cfg, torch.bfloat16)
+    for bank in (store.w_gate_up, store.w_down):
+        for rows in bank.split(256):  # chunks: a normal_ over 10 GB at once is single-threaded
+            rows.normal_(0, 0.02)
+    return LoadedModel(model.eval(), cfg, Path("random"), raw, store)
+
+
+def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):
+    runner = ModelRunner(loaded, kv_cache_tokens=batch * (prompt + steps + warmup + 16),
+                         moe=options)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(batch)]
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
+    logits = runner.forward(seqs, prompts)
+    for _ in range(warmup):
+        logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+    runner.moe.telemetry.reset()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+    sync(device)
+    seconds = time.perf_counter() - start
+    snap = runner.moe.telemetry.snapshot()
+    strategy = runner.moe.strategy
+    cache_slots = runner.moe.cache.num_slots if runner.moe.cache is not None else 0
+    if runner.moe.cpu is not None:
+        runner.moe.cpu.shutdown()
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return strategy, cache_slots, seconds, snap
+
+
+def roofline_tokens_per_s(strategy, snap, layers, expert_bytes, batch, bw, moe) -> float:
+    """Tokens/s if each layer step took only its expert bytes at the measured bandwidths."""
+    t = snap["total"]
+    calls = max(1, t["calls"])
+    per_step_layers = calls / layers  # layer steps per decode step (one per layer)
+    hits = t["hits"] / per_step_layers
+    fills = t["fills"] / per_step_layers
+    cpu = t["cpu"] / per_step_layers
+    if strategy == "fused":
+        # Expected distinct experts of `batch` independent tokens, each routed to top_k of E.
+        e, k = moe.num_experts, moe.top_k
+        hits, fills, cpu = layers * e * (1 - (1 - k / e) ** batch), 0, 0
+    gpu_time = hits * expert_bytes / HBM_BANDWIDTH
+    if not bw["pcie"]:  # no GPU: everything is one memory pool
+        return batch / ((hits + fills + cpu) * expert_bytes / bw["cpu_experts"])
+    if strategy == "hybrid":
+        miss_time = (fills + cpu) * expert_bytes / (bw["pcie_concurrent"] + bw["cpu_concurrent"])
+    else:
+        p = bw["pcie_concurrent"] if cpu else bw["pcie"]
+        h = bw["cpu_concurrent"] if fills else bw["cpu_experts"]
+        miss_time = max(fills * expert_bytes / p, cpu * expert_bytes / h)
+    return batch / (gpu_time + miss_time)
+
+
+def bandwidth_line(bw: dict) -> str:
+    def gbs(v):
+        return "n/a" if v is None else f"{v / 1e9:.1f} GB/s"
+
+    return (
+        f"B_P {gbs(bw['pcie'])}, B_H {gbs(bw['cpu_experts'])}, together B_P' "
+        f"{gbs(bw['pcie_concurrent'])} and B_H' {gbs(bw['cpu_concurrent'])}"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--cache", action="append", help="8GiB, or a share of the pool like 37%%")
+    ap.add_argument("--strategy", action="append")
+    ap.add_argument("--batch", action="append", type=int)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    args = ap.parse_args()
+    caches = args.cache or ["8GiB", "37%"]
+    strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
+    batches = args.batch or [1, 4]
+    device = torch.device(args.device)
+    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    loaded = random_model(raw, device)
+    store = loaded.experts
+    bw_profile = measure(store.shape, device, seconds=0.3 if args.tiny else 1.5)
+    bw = {k: getattr(bw_profile, k) for k in ("pcie", "cpu_experts", "pcie_concurrent",
+                                                 "cpu_concurrent")}  # fmt: skip
+    rows = []
+    for cache in caches:
+        size = str(int(store.num_pairs * float(cache[:-1]) / 100)) if cache.endswith("%") else cache
+        for strategy in strategies:
+            for batch in batches:
+                options = MoEOptions(strategy=strategy, cache_size=size)
+                name, slots, seconds, snap = decode(
+                    loaded, options, batch, args.steps, args.warmup, args.prompt, device
+                )
+                tps = batch * args.steps / seconds
+                t = snap["total"]
+                roof = roofline_tokens_per_s(
+                    name, snap, args.layers, store.shape.nbytes, batch, bw, loaded.config.moe
+                )
+                row = dict(
+                    cache=cache, slots=slots, strategy=strategy, resolved=name, batch=batch,
+                    tokens_per_s=tps, hit_rate=snap["hit_rate"],
+                    q=snap["mean_fills_per_layer_step"], m_minus_q=snap["mean_cpu_per_layer_step"],
+                    pcie_mb_per_token=t["bytes_h2d"] / (args.steps * batch) / 1e6,
+                    roofline_tokens_per_s=roof, ratio=tps / roof,
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    lines = [
+        f"# decode_offload: Qwen3-30B-A3B shape, {args.layers} layers, random bf16 weights",
+        "",
+        f"- GPU: {bw_profile.gpu}; CPU: {bw_profile.cpu}; torch {torch.__version__}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",
+        f"- expert pool: {store.num_pairs} experts, {store.nbytes / 2**30:.1f} GiB; "
+        f"{store.shape.nbytes / 2**20:.1f} MiB per expert",
+        f"- measured: {bandwidth_line(bw)}",
+        f"- {args.steps} timed decode steps after {args.warmup} warm-up steps, prompt "
+        f"{args.prompt} tokens",
+        "",
+        "| cache | strategy | batch | tok/s | hit rate | q | m-q | PCIe MB/tok | roofline tok/s "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        strat = r["strategy"] if r["strategy"] == r["resolved"] else f"auto ({r['resolved']})"
+        lines.append(
+            f"| {r['cache']} ({r['slots']} slots) | {strat} | {r['batch']} | "
+            f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.3f} | {r['q']:.2f} | "
+            f"{r['m_minus_q']:.2f} | {r['pcie_mb_per_token']:.0f} | "
+            f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps({"bandwidth": bw, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

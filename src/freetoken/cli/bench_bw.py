@@ -1,0 +1,62 @@
+"""`ft bench bw`: measure B_P, B_H and both at once; save the profile the runtime starts from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import torch
+
+from freetoken.config import default_device
+from freetoken.moe.bandwidth import measure, save_profile
+from freetoken.moe.store import ExpertShape
+from freetoken.weights.loader import resolve_dtype
+
+
+def expert_shape(args: argparse.Namespace) -> ExpertShape:
+    if args.model is not None:
+        from freetoken.models.families import family_for
+        from freetoken.weights.safetensors_dir import CheckpointDir
+
+        ckpt = CheckpointDir(args.model)
+        cfg = family_for(ckpt.config).parse_config(ckpt.config)
+        if cfg.moe is None:
+            raise SystemExit(f"error: {args.model} is not a MoE model")
+        dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
+        return ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype)
+    return ExpertShape(args.hidden, args.intermediate, resolve_dtype(args.dtype, "bfloat16"))
+
+
+def gbps(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e9:6.1f} GB/s"
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or default_device())
+    shape = expert_shape(args)
+    profile = measure(
+        shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,
+        threads=args.cpu_threads,
+    )  # fmt: skip
+    path = save_profile(profile)
+    if args.json:
+        print(json.dumps({**asdict(profile), "fill_fraction": profile.fill_fraction}))
+        return 0
+    print(f"expert format   {profile.expert_format} ({shape.nbytes / 2**20:.1f} MiB per expert)")
+    print(f"CPU             {profile.cpu}")
+    print(f"GPU             {profile.gpu or 'none'}")
+    print(f"B_P  (PCIe fill, alone)        {gbps(profile.pcie)}")
+    print(f"B_H  (CPU experts, alone)      {gbps(profile.cpu_experts)}")
+    print(f"B_P' (PCIe fill, both running) {gbps(profile.pcie_concurrent)}")
+    print(f"B_H' (CPU experts, both)       {gbps(profile.cpu_concurrent)}")
+    if profile.gpu is None:
+        print("No GPU: measured B_H only. `auto` runs every expert on this CPU (fused).")
+    else:
+        share = profile.fill_fraction
+        print(
+            f"auto: fused when every expert fits the VRAM cache, otherwise hybrid, filling "
+            f"{share:.0%} of each layer's misses over PCIe and running the rest on the CPU"
+        )
+    print(f"profile saved to {path}")
+    return 0

@@ -1,0 +1,1 @@
+"""Device kernels (Triton) with pure-torch references that define their semantics."""

@@ -1,0 +1,384 @@
+"""Grouped routed-expert compute for decode, reading expert weights by slot id.
+
+All MoE layers share one device pool of S expert slots: `w_gate_up [S, 2I, H]` (gate rows, then
+up rows) and `w_down [S, H, I]`. A decode step of one MoE layer has T tokens with k routes each;
+route (t, j) names the slot holding its expert, or -1 when the route is computed elsewhere (on
+the CPU, for a cache miss) and contributes nothing here.
+
+`grouped_expert_forward` runs the whole layer as three Triton launches on CUDA, independent of
+how many experts are used (no Python loop over experts, no host sync):
+
+1. gate/up + activation, grid (routes, I / GATE_UP_BLOCK_N): each program reads the gate block
+   n and the up block n of its route's slot, so `a = act(gate) * up` is fused and only `a`
+   ([R, I], tiny) goes back to memory;
+2. down, grid (routes, H / DOWN_BLOCK_N): `c[r] = weight[r] * (W_d[slot] @ a[r])`;
+3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order.
+
+Decode is a batch of matrix-vector products, so the cost is streaming expert weights from HBM
+(9.4 MB per Qwen3-30B-A3B expert in bf16); the kernels are plain GEMVs laid out so that every
+weight row is read contiguously along its inner dimension. Summing each token's routes in a
+fixed order in a separate pass (instead of atomics) keeps the output deterministic. Launching
+three Triton kernels from Python costs more host time (85-150 us per call measured on the H200
+machine) than the GPU work at batch 1 (~26 us), so decode should capture its step in a CUDA
+graph; the kernels are capturable (no host sync, no data-dependent shapes).
+
+`reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
+test oracle). The kernels reproduce its dtype rounding steps: the gate/up projections, the
+activation, the product and the down projection are each rounded to x.dtype where torch would
+round them, so bf16 results differ from the reference essentially only by accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from freetoken.layers.mlp import activation
+
+try:  # Triton is optional: CPU-only installs (and CI) run the torch reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+# ---------------------------------------------------------------------------------------------
+# Launch parameters: fixed, not autotuned; `benchmarks/grouped_experts_bench.py --sweep` measures
+# alternatives on the target GPU. At batch 1 a Qwen3-30B-A3B layer (H=2048, I=768, bf16) reads
+# 8 routes x 9.4 MB = 75 MB of weights, ~18 us at the H200's ~4.2 TB/s copy bandwidth. Decode
+# GEMVs are bound by how many loads are in flight, so small row blocks win: they give many
+# programs (gate/up: I/8 x 8 routes = 768 at batch 1; down: H/32 x 8 = 512) to spread over the
+# 132 SMs, each streaming its rows 128 wide (256 contiguous bytes per row per step). Measured on
+# an H200 (CUDA graph replay, weights from HBM): the defaults below took batch 1 from 29 us
+# (16 x 256 tiles, 4 warps) to ~26 us (gate/up 15 us at 3.4 TB/s, down 8 us, reduce 1 us);
+# neighbouring tile shapes are within 2%, most others within 10%. Accumulators are
+# [BLOCK_N, BLOCK_K] fp32 tiles summed across lanes once after the loop, keeping the inner loop
+# to loads and FMAs.
+# ---------------------------------------------------------------------------------------------
+GATE_UP_BLOCK_N = 8
+GATE_UP_BLOCK_K = 128
+GATE_UP_WARPS = 8
+GATE_UP_STAGES = 2
+DOWN_BLOCK_N = 32
+DOWN_BLOCK_K = 128
+DOWN_WARPS = 8
+DOWN_STAGES = 3
+REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
+
+# Activation names (as in HF configs) -> the code the kernel branches on at compile time.
+_ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_args(
+    x: Tensor, slots: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor
+) -> tuple[int, int, int, int]:
+    """Validate shapes and dtypes (no device sync); return (T, k, H, I)."""
+    if x.dim() != 2 or slots.dim() != 2 or weights.shape != slots.shape:
+        raise ValueError(
+            f"expected x [T, H] and slots, weights [T, k]; got x {tuple(x.shape)}, "
+            f"slots {tuple(slots.shape)}, weights {tuple(weights.shape)}"
+        )
+    t, h = x.shape
+    if slots.shape[0] != t:
+        raise ValueError(f"slots has {slots.shape[0]} rows for {t} tokens")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be int32 or int64, got {slots.dtype}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [S, 2I, {h}], got {tuple(w_gate_up.shape)}")
+    i = w_gate_up.shape[1] // 2
+    if w_down.shape != (w_gate_up.shape[0], h, i):
+        raise ValueError(
+            f"w_down must be [{w_gate_up.shape[0]}, {h}, {i}], got {tuple(w_down.shape)}"
+        )
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(
+            f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must have x's dtype {x.dtype}"
+        )
+    return t, slots.shape[1], h, i
+
+
+def reference_grouped_experts(
+    x: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """Pure-torch definition of `grouped_expert_forward` (any device).
+
+    For each route (t, j) with slots[t, j] >= 0: h = W_gu[s] @ x[t]; a = act(h[:I]) * h[I:];
+    y = W_d[s] @ a; out[t] += (y * weights[t, j]).to(x.dtype), all in x.dtype as torch computes
+    it, with a token's routes added in order j = 0..k-1. Routes sharing a slot run as one GEMM
+    pair (one Python iteration per used slot), so this is also a usable CPU executor.
+    """
+    t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
+    act_fn = activation(act)
+    # Per-route contributions, reduced over k in a fixed order below (deterministic, and the
+    # order the Triton path uses too).
+    contrib = x.new_zeros(t * k, h)
+    flat = slots.reshape(-1).long()
+    flat_weights = weights.reshape(-1)
+    routes = torch.nonzero(flat >= 0).squeeze(1)
+    if routes.numel():
+        order = routes[torch.argsort(flat[routes], stable=True)]
+        used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = 0
+        for s, n in zip(used.tolist(), counts.tolist(), strict=True):
+            rows = order[start : start + n]
+            hidden = x[rows // k] @ w_gate_up[s].t()
+            gate, up = hidden.split(i, dim=-1)
+            y = (act_fn(gate) * up) @ w_down[s].t()
+            contrib[rows] = (y * flat_weights[rows, None]).to(x.dtype)
+            start += n
+    out = torch.zeros_like(x)
+    per_token = contrib.view(t, k, h)
+    for j in range(k):
+        out += per_token[:, j]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+# The model dimensions (HIDDEN = H, INTER = I) and the routes per token K are compile-time
+# constants: they are fixed for a model (one compilation per MoE shape), the compiler then knows
+# every loop trip count and which masks are all-true, and Triton 3.6's CPU interpreter cannot
+# take a runtime scalar as a loop bound with numpy >= 2.4. Strides stay runtime values so the
+# banks may be views of a larger pool (any layout of the two outer dimensions).
+
+if triton is not None:
+
+    @triton.jit
+    def _activation(g, ACT: tl.constexpr):
+        """act(g) in fp32 with the formulas torch uses (g is fp32)."""
+        if ACT == 0:  # silu
+            return g / (1.0 + tl.exp(-g))
+        elif ACT == 1:  # gelu (erf)
+            return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        elif ACT == 2:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            return 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+        else:  # relu
+            return tl.maximum(g, 0.0)
+
+    @triton.jit
+    def _gate_up_act_kernel(
+        x_ptr,
+        slots_ptr,
+        w_ptr,
+        a_ptr,
+        stride_xt,
+        stride_ws,
+        stride_wn,
+        stride_ar,
+        HIDDEN: tl.constexpr,
+        INTER: tl.constexpr,
+        K: tl.constexpr,
+        ACT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """a[r, n] = act(W_gu[s, n] @ x[t]) * (W_gu[s, INTER + n] @ x[t]) for one block of n."""
+        r = tl.program_id(0)
+        nb = tl.program_id(1)
+        dt = a_ptr.dtype.element_ty
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        valid = slot >= 0
+        # A skipped route keeps its pointers in bounds (slot 0) but masks every weight load,
+        # so it reads nothing and computes act(0) * 0 = 0 for every supported activation.
+        slot = tl.maximum(slot, 0)
+        token = r // K
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < INTER
+        cols = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + token.to(tl.int64) * stride_xt
+        gate_ptrs = (
+            w_ptr + slot * stride_ws + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        )
+        up_ptrs = gate_ptrs + INTER * stride_wn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_ok = (k0 + cols) < HIDDEN
+            xv = tl.load(x_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
+            w_mask = row_ok[:, None] & k_ok[None, :] & valid
+            wg = tl.load(gate_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(up_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
+            acc_g += wg * xv[None, :]
+            acc_u += wu * xv[None, :]
+        # Round where torch would: h = W @ x is an x.dtype tensor, act(gate) is one, and so is
+        # the product (no-ops for fp32).
+        gate = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
+        up = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+        gate = _activation(gate, ACT).to(dt).to(tl.float32)
+        tl.store(a_ptr + r.to(tl.int64) * stride_ar + rows, (gate * up).to(dt), mask=row_ok)
+
+    @triton.jit
+    def _down_kernel(
+        a_ptr,
+        slots_ptr,
+        route_w_ptr,
+        w_ptr,
+        c_ptr,
+        stride_ar,
+        stride_ws,
+        stride_wn,
+        stride_cr,
+        HIDDEN: tl.constexpr,
+        INTER: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """c[r, n] = (route_w[r] * (W_d[s, n] @ a[r])).to(x.dtype) for one block of n."""
+        r = tl.program_id(0)
+        nb = tl.program_id(1)
+        dt = c_ptr.dtype.element_ty
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        valid = slot >= 0
+        slot = tl.maximum(slot, 0)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < HIDDEN
+        cols = tl.arange(0, BLOCK_K)
+        a_row = a_ptr + r.to(tl.int64) * stride_ar
+        w_ptrs = w_ptr + slot * stride_ws + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            k_ok = (k0 + cols) < INTER
+            av = tl.load(a_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
+            w_mask = row_ok[:, None] & k_ok[None, :] & valid
+            wd = tl.load(w_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
+            acc += wd * av[None, :]
+        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+        # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
+        # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
+        # skipped route contributes exactly 0 whatever its weight (even inf or nan).
+        route_w = tl.load(route_w_ptr + r).to(tl.float32)
+        c = tl.where(valid, y * route_w, 0.0)
+        tl.store(c_ptr + r.to(tl.int64) * stride_cr + rows, c.to(dt), mask=row_ok)
+
+    @triton.jit
+    def _sum_routes_kernel(
+        c_ptr,
+        out_ptr,
+        stride_cr,
+        stride_ot,
+        HIDDEN: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """out[t] = c[t*K] + c[t*K + 1] + ... in order, rounding to x.dtype after each add
+        exactly like the reference's `out[t] += contribution` on an x.dtype tensor."""
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
+        dt = out_ptr.dtype.element_ty
+        offs = hb * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < HIDDEN
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        first = t.to(tl.int64) * K
+        for j in range(0, K):
+            cv = tl.load(c_ptr + (first + j) * stride_cr + offs, mask=ok, other=0.0)
+            acc = (acc + cv.to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(dt), mask=ok)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def triton_grouped_expert_forward(
+    x: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """The Triton path of `grouped_expert_forward`, on whatever device Triton runs on (CUDA, or
+    CPU tensors under TRITON_INTERPRET=1 for tests). Slot ids must be < S; this is not checked
+    because checking would sync the host with the device."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
+    if act not in _ACT_CODES:
+        raise ValueError(f"unsupported activation {act!r}; supported: {sorted(_ACT_CODES)}")
+    if w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
+        # Copying a slot bank per call would cost more than the computation; the pool owner
+        # must keep the inner dimension contiguous (any layout of the outer two is fine).
+        raise ValueError("expert weight banks must be contiguous in their last dimension")
+    routes = t * k
+    if routes == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    slots = slots.contiguous()
+    weights = weights.contiguous()
+    a = torch.empty(routes, i, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+
+    # The launch constants are read at call time so the benchmark can sweep them.
+    _gate_up_act_kernel[(routes, triton.cdiv(i, GATE_UP_BLOCK_N))](
+        x,
+        slots,
+        w_gate_up,
+        a,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        a.stride(0),
+        HIDDEN=h,
+        INTER=i,
+        K=k,
+        ACT=_ACT_CODES[act],
+        BLOCK_N=GATE_UP_BLOCK_N,
+        BLOCK_K=GATE_UP_BLOCK_K,
+        num_warps=GATE_UP_WARPS,
+        num_stages=GATE_UP_STAGES,
+    )
+    c = torch.empty(routes, h, dtype=x.dtype, device=x.device)
+    _down_kernel[(routes, triton.cdiv(h, DOWN_BLOCK_N))](
+        a,
+        slots,
+        weights,
+        w_down,
+        c,
+        a.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        c.stride(0),
+        HIDDEN=h,
+        INTER=i,
+        BLOCK_N=DOWN_BLOCK_N,
+        BLOCK_K=DOWN_BLOCK_K,
+        num_warps=DOWN_WARPS,
+        num_stages=DOWN_STAGES,
+    )
+    _sum_routes_kernel[(t, triton.cdiv(h, REDUCE_BLOCK))](
+        c, out, c.stride(0), out.stride(0), HIDDEN=h, K=k, BLOCK=REDUCE_BLOCK, num_warps=4
+    )
+    return out
+
+
+def grouped_expert_forward(
+    x: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """Gate-weighted sum over each token's routes of down(act(gate(x)) * up(x)), with the
+    expert weights of route (t, j) at slot slots[t, j] of the banks; -1 skips a route.
+
+    x [T, H] (bf16/fp16/fp32); slots [T, k] int32/int64; weights [T, k] (fp32 or x.dtype);
+    w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]. Returns [T, H] in
+    x.dtype, deterministic. Triton kernels on CUDA, the torch reference elsewhere.
+    """
+    if x.is_cuda and triton is not None:
+        return triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down, act)
+    return reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act)

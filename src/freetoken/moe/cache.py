@@ -1,0 +1,131 @@
+"""The device expert cache: ONE pool of slots shared by every MoE layer.
+
+A slot holds every tensor of one expert (a row of each bank). The tables live on the device:
+`slot_of[pair]` (-1 when not cached) and `pair_of[slot]` (-1 when empty), so looking up a
+layer's routed experts and rewriting them to slot ids is one gather with no host round trip.
+Which slot to give up is the eviction policy's call (`moe/policy.py`), made from its scores
+over all slots as tensor operations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from freetoken.moe.store import HostExpertStore
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        store: HostExpertStore,
+        num_slots: int,
+        device: torch.device,
+        policy=None,
+        banks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        if num_slots < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        self.store = store
+        self.device = device
+        self.num_slots = num_slots
+        if banks is None:
+            h, i, dtype = store.shape.hidden, store.shape.intermediate, store.shape.dtype
+            banks = (
+                torch.empty(num_slots, 2 * i, h, dtype=dtype, device=device),
+                torch.empty(num_slots, h, i, dtype=dtype, device=device),
+            )
+        self.w_gate_up, self.w_down = banks
+        self.slot_of = torch.full((store.num_pairs,), -1, dtype=torch.long, device=device)
+        self.pair_of = torch.full((num_slots,), -1, dtype=torch.long, device=device)
+        self._pair_of_host = [-1] * num_slots
+        self.policy = policy
+        if policy is not None:
+            policy.reset(store.num_layers, store.num_experts, num_slots, device)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.last_fill_seconds = 0.0  # CPU-tier copies: measured directly
+
+    @classmethod
+    def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:
+        """Every expert in its own slot (slot == flat id): the `fused` placement. On the CPU the
+        host banks are used as they are, with no copy."""
+        banks = None
+        if device.type == "cpu":
+            banks = (store.w_gate_up, store.w_down)
+        cache = cls(store, store.num_pairs, device, banks=banks)
+        if banks is None:
+            cache.w_gate_up.copy_(store.w_gate_up)
+            cache.w_down.copy_(store.w_down)
+        ids = torch.arange(store.num_pairs, device=device)
+        cache.slot_of.copy_(ids)
+        cache.pair_of.copy_(ids)
+        cache._pair_of_host = list(range(store.num_pairs))
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.store.shape.nbytes
+
+    def lookup(self, pairs: torch.Tensor) -> torch.Tensor:
+        """Slot of each flat pair id (-1 for a miss); same shape as `pairs`."""
+        return self.slot_of[pairs]
+
+    def choose_victims(self, moe_layer: int, count: int, protected: torch.Tensor) -> list[int]:
+        """`count` slots to overwrite: empty ones first, then the policy's lowest keep-scores.
+        `protected` slots (in use by the current layer) are never chosen."""
+        if self.policy is None:
+            scores = (self.pair_of >= 0).float()
+        else:
+            scores = self.policy.slot_scores(moe_layer, self.pair_of).float()
+        scores = scores.clone()
+        scores[protected] = float("inf")
+        return torch.topk(scores, count, largest=False).indices.tolist()
+
+    def fill(self, moe_layer: int, pairs: Sequence[int], protected: torch.Tensor):
+        """Copy `pairs` into victim slots; returns an event the compute stream must wait on
+        (None on the CPU tier, where the copies are done on return)."""
+        if not pairs:
+            return None
+        victims = self.choose_victims(moe_layer, len(pairs), protected)
+        return self.place(pairs, victims)
+
+    def place(self, pairs: Sequence[int], slots: Sequence[int]):
+        # Fills are decided on the host, so a host mirror of `pair_of` names the evicted pairs
+        # without reading the device table back.
+        stale = [old for s in slots if (old := self._pair_of_host[s]) >= 0]
+        for p, s in zip(pairs, slots, strict=True):
+            self._pair_of_host[s] = p
+        if stale:
+            self.slot_of[torch.tensor(stale, device=self.device)] = -1
+        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        pairs_t = torch.tensor(pairs, dtype=torch.long, device=self.device)
+        self.slot_of[pairs_t] = slots_t
+        self.pair_of[slots_t] = pairs_t
+        store = self.store
+        if self.copy_stream is None:
+            start = time.perf_counter()
+            for p, s in zip(pairs, slots, strict=True):
+                self.w_gate_up[s].copy_(store.w_gate_up[p])
+                self.w_down[s].copy_(store.w_down[p])
+            self.last_fill_seconds = time.perf_counter() - start
+            return None
+        # A victim may still be read by kernels already queued on the compute stream.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            start.record()
+            for p, s in zip(pairs, slots, strict=True):
+                self.w_gate_up[s].copy_(store.w_gate_up[p], non_blocking=True)
+                self.w_down[s].copy_(store.w_down[p], non_blocking=True)
+            done.record()
+        return start, done
+
+    def preload(self, pairs: Sequence[int]) -> None:
+        """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""
+        pairs = list(pairs)[: self.num_slots]
+        events = self.place(pairs, list(range(len(pairs))))
+        if events is not None:
+            events[1].synchronize()

@@ -1,0 +1,63 @@
+"""How many of a layer's cache misses to copy to the GPU; the rest run on the CPU at once.
+
+With B_P' the PCIe fill bandwidth and B_H' the CPU expert bandwidth, both measured while the
+two paths run together, filling q of m equal-sized misses takes q / B_P' and computing the
+rest m - q / B_H'. Both finish together at q = m * B_P' / (B_P' + B_H').
+
+The FreeToken paper's q* = m * B_P / B_H is the special case where the two paths fully
+contend for host memory bandwidth: B_P' = B_P and B_H' = B_H - B_P. On the GPU host we
+measured, they contend less (CPU GEMV 34 GB/s with a pinned copy at 54 GB/s at once, 40 and
+55 alone), so we use the general form.
+"""
+
+from __future__ import annotations
+
+
+def split_misses(
+    misses: int,
+    fill_bandwidth: float,
+    cpu_bandwidth: float,
+    max_fill: int | None = None,
+    min_fill: int = 1,
+) -> int:
+    """Number of misses to fill (the rest run on the CPU).
+
+    At least `min_fill` when there is any miss, so the cache keeps warming even when the CPU is
+    faster; at most `max_fill` (`--moe-hybrid-max-fetch`, which must be >= `min_fill`) and
+    never more than `misses`.
+    """
+    if misses <= 0:
+        return 0
+    if fill_bandwidth <= 0:
+        q = 0
+    elif cpu_bandwidth <= 0:
+        q = misses
+    else:
+        q = round(misses * fill_bandwidth / (fill_bandwidth + cpu_bandwidth))
+    q = max(q, min_fill)
+    if max_fill is not None:
+        q = min(q, max_fill)
+    return min(q, misses)
+
+
+def paper_split(misses: int, pcie_bandwidth: float, host_bandwidth: float) -> float:
+    """The FreeToken paper's q* = m * B_P / B_H (full contention for host memory)."""
+    return misses * pcie_bandwidth / host_bandwidth
+
+
+class BandwidthTracker:
+    """Exponential moving averages of the fill and CPU bandwidths observed while running, so
+    the split follows another program competing for PCIe or memory bandwidth."""
+
+    def __init__(self, fill_bandwidth: float, cpu_bandwidth: float, alpha: float = 0.05):
+        self.fill = fill_bandwidth
+        self.cpu = cpu_bandwidth
+        self.alpha = alpha
+
+    def observe_fill(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.fill += self.alpha * (nbytes / seconds - self.fill)
+
+    def observe_cpu(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.cpu += self.alpha * (nbytes / seconds - self.cpu)

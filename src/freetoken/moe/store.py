@@ -1,0 +1,92 @@
+"""The host expert pool: every routed expert of every MoE layer, in host memory.
+
+Two banks, one row per expert: `w_gate_up [P, 2I, H]` (gate rows then up rows) and
+`w_down [P, H, I]`, where P = MoE layers x experts and a row's flat id is
+`moe_layer * E + expert`. One expert is one row of each bank, so filling a cache slot is two
+contiguous copies and the CPU executor reads an expert with no gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert (gate, up and down projections)."""
+        return (
+            3 * self.hidden * self.intermediate * torch.tensor([], dtype=self.dtype).element_size()
+        )
+
+
+class HostExpertStore:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        assert cfg.moe is not None
+        self.num_layers = cfg.num_moe_layers
+        self.num_experts = cfg.moe.num_experts
+        self.shape = ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype)
+        h, i, pairs = cfg.hidden_size, cfg.moe.intermediate_size, self.num_pairs
+        # Allocated unpinned: pinning first would cost a full zeroing pass of pinned pages.
+        self.w_gate_up = torch.empty(pairs, 2 * i, h, dtype=dtype)
+        self.w_down = torch.empty(pairs, h, i, dtype=dtype)
+        self.pinned = False
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_layers * self.num_experts
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pairs * self.shape.nbytes
+
+    def flat_id(self, moe_layer: int, expert: int) -> int:
+        return moe_layer * self.num_experts + expert
+
+    def layer_rows(self, moe_layer: int) -> slice:
+        return slice(moe_layer * self.num_experts, (moe_layer + 1) * self.num_experts)
+
+    def pin(self) -> bool:
+        """Page-lock the filled banks in place (cudaHostRegister), so copies to the GPU run at
+        full PCIe speed and asynchronously. Returns False, with a warning, if that fails."""
+        if self.pinned:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        cudart = torch.cuda.cudart()
+        registered = []
+        for bank in (self.w_gate_up, self.w_down):
+            ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
+            err = cudart.cudaHostRegister(ptr, size, 0)
+            if int(err) != 0:
+                for p in registered:
+                    cudart.cudaHostUnregister(p)
+                log.warning(
+                    "could not page-lock the %.1f GiB expert pool (CUDA error %s); copies to the "
+                    "GPU would be slow, so experts that miss the cache run on the CPU instead",
+                    self.nbytes / 2**30,
+                    int(err),
+                )
+                return False
+            registered.append(ptr)
+        self.pinned = True
+        return True
+
+    def unpin(self) -> None:
+        if self.pinned:
+            cudart = torch.cuda.cudart()
+            for bank in (self.w_gate_up, self.w_down):
+                cudart.cudaHostUnregister(bank.data_ptr())
+            self.pinned = False

@@ -1,0 +1,74 @@
+"""Counters and timings the components report; snapshots feed `/v1/stats` and `/metrics`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LayerCounters:
+    """Per MoE layer, summed over decode/prefill steps. Counts are of distinct (layer, expert)
+    pairs per step, the unit the cache works in; `cpu_routes` counts (token, expert) routes."""
+
+    calls: int = 0  # layer steps (one per forward through the layer)
+    accesses: int = 0
+    hits: int = 0
+    misses: int = 0
+    fills: int = 0  # misses copied into the cache over PCIe and run on the GPU
+    cpu: int = 0  # misses run on the CPU from host memory
+    cpu_routes: int = 0
+    bytes_h2d: int = 0
+    gpu_time_s: float = 0.0  # wall time the layer spent on the device path (when measured)
+    cpu_time_s: float = 0.0  # wall time of the layer's CPU job
+
+
+@dataclass
+class MoETelemetry:
+    layers: list[LayerCounters] = field(default_factory=list)
+
+    @classmethod
+    def for_layers(cls, n: int) -> MoETelemetry:
+        return cls([LayerCounters() for _ in range(n)])
+
+    def record(
+        self,
+        layer: int,
+        *,
+        accesses: int,
+        hits: int,
+        fills: int,
+        cpu: int,
+        cpu_routes: int,
+        bytes_h2d: int,
+    ) -> None:
+        c = self.layers[layer]
+        c.calls += 1
+        c.accesses += accesses
+        c.hits += hits
+        c.misses += accesses - hits
+        c.fills += fills
+        c.cpu += cpu
+        c.cpu_routes += cpu_routes
+        c.bytes_h2d += bytes_h2d
+
+    def total(self) -> LayerCounters:
+        t = LayerCounters()
+        for c in self.layers:
+            for k, v in asdict(c).items():
+                setattr(t, k, getattr(t, k) + v)
+        return t
+
+    def snapshot(self) -> dict:
+        total = self.total()
+        calls = max(1, total.calls)
+        return {
+            "hit_rate": total.hits / total.accesses if total.accesses else 1.0,
+            "mean_misses_per_layer_step": total.misses / calls,
+            "mean_fills_per_layer_step": total.fills / calls,  # q
+            "mean_cpu_per_layer_step": total.cpu / calls,  # m - q
+            "total": asdict(total),
+            "layers": [asdict(c) for c in self.layers],
+        }
+
+    def reset(self) -> None:
+        self.layers = [LayerCounters() for _ in self.layers]

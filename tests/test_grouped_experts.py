@@ -1,0 +1,280 @@
+"""Grouped expert compute by slot id (`freetoken.kernels.grouped_experts`).
+
+- The torch reference against a naive per-route loop (CPU, fp32).
+- The Triton kernels against the reference under Triton's CPU interpreter: TRITON_INTERPRET must
+  be set before triton is imported, so those cases run in one subprocess; they skip when triton
+  is not installed (it is not a project dependency).
+- The Triton kernels on CUDA at Qwen3-30B-A3B shapes (skip without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.kernels.grouped_experts import grouped_expert_forward, reference_grouped_experts
+from freetoken.layers.mlp import activation
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+)
+
+
+def make_case(
+    t: int,
+    k: int,
+    h: int,
+    i: int,
+    s: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    skip_frac: float = 0.25,
+    slot_dtype: torch.dtype = torch.int64,
+    weight_dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+):
+    """Random inputs with O(1) outputs. Slots may repeat (within and across tokens) and some are
+    -1; skipped routes get a nan weight, which must not leak into the output."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    slots = torch.randint(0, s, (t, k), generator=g)
+    slots[torch.rand(t, k, generator=g) < skip_frac] = -1
+    weights = torch.rand(t, k, generator=g)
+    weights[slots < 0] = float("nan")
+    w_gate_up = torch.randn(s, 2 * i, h, generator=g) / h**0.5
+    w_down = torch.randn(s, h, i, generator=g) / i**0.5
+    return (
+        x.to(device, dtype),
+        slots.to(device, slot_dtype),
+        weights.to(device, weight_dtype),
+        w_gate_up.to(device, dtype),
+        w_down.to(device, dtype),
+    )
+
+
+def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu"):
+    """The definition, one route at a time."""
+    act_fn = activation(act)
+    i = w_down.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(slots.shape[1]):
+            s = int(slots[t, j])
+            if s < 0:
+                continue
+            h = w_gate_up[s] @ x[t]
+            y = w_down[s] @ (act_fn(h[:i]) * h[i:])
+            out[t] += (y * weights[t, j]).to(x.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_matches_naive_loop(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    t, k, h, i, s = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in
+                     [(1, 7), (1, 5), (8, 97), (4, 49), (1, 9)])  # fmt: skip
+    case = make_case(t, k, h, i, s, seed=seed)
+    torch.testing.assert_close(
+        reference_grouped_experts(*case), naive_loop(*case), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+def test_reference_activations(act):
+    case = make_case(4, 3, 32, 16, 3, seed=7)
+    torch.testing.assert_close(
+        reference_grouped_experts(*case, act=act), naive_loop(*case, act=act), rtol=0, atol=1e-5
+    )
+
+
+def test_reference_int32_slots_and_dispatch_on_cpu():
+    case = make_case(5, 4, 48, 24, 6, seed=3)
+    x, slots, *rest = case
+    expected = reference_grouped_experts(*case)
+    assert torch.equal(reference_grouped_experts(x, slots.int(), *rest), expected)
+    assert torch.equal(grouped_expert_forward(x, slots.int(), *rest), expected)
+
+
+def test_reference_edge_cases():
+    x, slots, weights, w_gate_up, w_down = make_case(3, 2, 16, 8, 2, seed=1)
+    skipped = torch.full_like(slots, -1)
+    assert torch.equal(
+        reference_grouped_experts(x, skipped, weights, w_gate_up, w_down), torch.zeros_like(x)
+    )
+    empty = reference_grouped_experts(x[:0], slots[:0], weights[:0], w_gate_up, w_down)
+    assert empty.shape == (0, 16)
+    no_routes = reference_grouped_experts(x, slots[:, :0], weights[:, :0], w_gate_up, w_down)
+    assert torch.equal(no_routes, torch.zeros_like(x))
+
+
+def test_reference_bf16_rounds_like_torch_per_route():
+    """In bf16 each route's steps round where torch rounds them (compared with the naive loop,
+    whose matrix-vector products accumulate in a different order: a few bf16 ulps)."""
+    case = make_case(4, 4, 64, 32, 5, seed=2, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+    ours, naive = reference_grouped_experts(*case), naive_loop(*case)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), naive.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_argument_checks():
+    x, slots, weights, w_gate_up, w_down = make_case(2, 2, 16, 8, 2)
+    with pytest.raises(ValueError, match="slots must be int32 or int64"):
+        reference_grouped_experts(x, slots.float(), weights, w_gate_up, w_down)
+    with pytest.raises(ValueError, match="w_down must be"):
+        reference_grouped_experts(x, slots, weights, w_gate_up, w_down[:, :, :4])
+    with pytest.raises(ValueError, match="must have x's dtype"):
+        reference_grouped_experts(x, slots, weights, w_gate_up.double(), w_down)
+    with pytest.raises(ValueError, match="expected x"):
+        reference_grouped_experts(x, slots, weights[:, :1], w_gate_up, w_down)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels under the CPU interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreter_cases() -> dict[str, float]:
+    """Runs in a subprocess with TRITON_INTERPRET=1; returns case -> max abs error vs the
+    reference (fp32 unless named; -1.0 when the case checks exact equality and it holds)."""
+    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward as tri
+
+    def err(case, act="silu"):
+        ours, ref = tri(*case, act=act), reference_grouped_experts(*case, act=act)
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape
+        return (ours.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+
+    res: dict[str, float] = {}
+    base = make_case(3, 2, 64, 32, 5)
+    base[1][1] = torch.tensor([2, 2])  # the same slot twice for one token
+    base[1][2, 0] = -1
+    base[2][2, 0] = float("nan")
+    res["basic"] = err(base)
+    x, slots, *rest = base
+    res["int32_slots"] = err((x, slots.int(), *rest))
+    # Partial blocks on every dimension and several loop steps (H, I > BLOCK_K).
+    res["odd_shapes"] = err(make_case(2, 3, 72, 40, 4, seed=1))
+    res["long_rows"] = err(make_case(1, 2, 600, 300, 3, seed=2, skip_frac=0.0))
+    for act in ("gelu", "gelu_pytorch_tanh", "relu"):
+        res[act] = err(make_case(3, 2, 64, 32, 5, seed=3), act=act)
+    # Banks as strided views of a larger pool: [S, 2 layers, ...][:, 1].
+    x, slots, weights, w_gate_up, w_down = make_case(3, 2, 64, 32, 5, seed=4)
+    pool_gu = torch.stack([torch.zeros_like(w_gate_up), w_gate_up], dim=1)
+    pool_d = torch.stack([torch.zeros_like(w_down), w_down], dim=1)
+    res["strided_banks"] = err((x, slots, weights, pool_gu[:, 1], pool_d[:, 1]))
+    # Every route skipped (nan weights) -> exact zeros; no tokens; no routes.
+    x, slots, weights, w_gate_up, w_down = make_case(3, 2, 64, 32, 5, seed=5, skip_frac=1.0)
+    assert torch.equal(tri(x, slots, weights, w_gate_up, w_down), torch.zeros_like(x))
+    res["all_skipped"] = -1.0
+    assert tri(x[:0], slots[:0], weights[:0], w_gate_up, w_down).shape == (0, 64)
+    no_routes = tri(x, slots[:, :0], weights[:, :0], w_gate_up, w_down)
+    assert torch.equal(no_routes, torch.zeros_like(x))
+    res["empty"] = -1.0
+    # bf16 exercises the dtype plumbing only: the interpreter truncates fp32 -> bf16 casts
+    # instead of rounding to nearest as the GPU does, so compare loosely.
+    res["bf16"] = err(
+        make_case(3, 2, 64, 32, 5, seed=6, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+    )
+    return res
+
+
+INTERPRETER_TOLERANCE = {"bf16": 5e-2}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, float]:
+    tests_dir = Path(__file__).resolve().parent
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "import test_grouped_experts as m; print(json.dumps(m._interpreter_cases()))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tests_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+INTERPRETER_CASES = [
+    "basic", "int32_slots", "odd_shapes", "long_rows", "gelu", "gelu_pytorch_tanh", "relu",
+    "strided_banks", "all_skipped", "empty", "bf16",
+]  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("case", INTERPRETER_CASES)
+def test_triton_interpreter_matches_reference(interpreter_results, case):
+    assert interpreter_results[case] <= INTERPRETER_TOLERANCE.get(case, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels on CUDA
+# ---------------------------------------------------------------------------------------------
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4, 32])
+def test_cuda_qwen3_30b_shapes_bf16(tokens, weight_dtype):
+    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward
+
+    case = make_case(
+        tokens, 8, 2048, 768, 24, seed=tokens, dtype=torch.bfloat16, skip_frac=0.2,
+        weight_dtype=weight_dtype, device="cuda",
+    )  # fmt: skip
+    ours = grouped_expert_forward(*case)
+    assert ours.dtype == torch.bfloat16
+    assert _rel_err(ours, reference_grouped_experts(*case)) < 1e-2
+    assert torch.equal(triton_grouped_expert_forward(*case), ours)  # deterministic
+    x, slots, *rest = case
+    assert torch.equal(grouped_expert_forward(x, slots.int(), *rest), ours)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+@pytest.mark.parametrize("shape", [(3, 2, 64, 32, 5), (2, 3, 72, 40, 4), (5, 4, 600, 300, 7)])
+def test_cuda_fp32_small_shapes(shape, act):
+    case = make_case(*shape, seed=sum(shape), device="cuda")
+    torch.testing.assert_close(
+        grouped_expert_forward(*case, act=act),
+        reference_grouped_experts(*case, act=act),
+        rtol=0,
+        atol=1e-4,
+    )
+
+
+@needs_cuda
+@needs_triton
+def test_cuda_edge_cases():
+    x, slots, weights, w_gate_up, w_down = make_case(
+        3, 2, 64, 32, 5, skip_frac=1.0, dtype=torch.bfloat16, device="cuda"
+    )
+    assert torch.equal(grouped_expert_forward(x, slots, weights, w_gate_up, w_down), 0 * x)
+    assert grouped_expert_forward(x[:0], slots[:0], weights[:0], w_gate_up, w_down).shape == (
+        0,
+        64,
+    )

@@ -1,0 +1,165 @@
+"""The offload runtime with the cache tier on the CPU: every strategy and cache size gives the
+fused result; split, telemetry and cache tables behave as specified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.moe.runtime import MoEOptions, parse_cache_size
+from freetoken.weights.loader import load_model
+from tiny_models import build
+
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+PROMPT, STEPS = 24, 10
+
+
+def greedy_run(loaded, options: MoEOptions, prompts):
+    """Greedy decode of every prompt together; returns (tokens, logits per step, runner)."""
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8, moe=options)
+    seqs = [runner.new_sequence() for _ in prompts]
+    logits = runner.forward(seqs, prompts)
+    all_logits, tokens = [logits], []
+    for _ in range(STEPS):
+        nxt = logits.argmax(-1)
+        tokens.append(nxt)
+        logits = runner.forward(seqs, [[int(t)] for t in nxt])
+        all_logits.append(logits)
+    return torch.stack(tokens, 1), torch.stack(all_logits, 1), runner
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def family_model(request, tmp_path_factory):
+    path, _ = build(request.param, tmp_path_factory.mktemp(request.param) / "m")
+    return load_model(path, dtype="float32")
+
+
+def prompts_for(loaded, n=2):
+    gen = torch.Generator().manual_seed(5)
+    vocab = loaded.config.vocab_size
+    return [torch.randint(0, vocab, (PROMPT - 7 * i,), generator=gen).tolist() for i in range(n)]
+
+
+CONFIGS = [
+    MoEOptions(strategy="offload", cache_size="1"),
+    MoEOptions(strategy="offload", cache_size="5"),
+    MoEOptions(strategy="hybrid", cache_size="1"),
+    MoEOptions(strategy="hybrid", cache_size="7"),
+    MoEOptions(strategy="hybrid", cache_size="13", max_fetch=1),
+    MoEOptions(strategy="cpu"),
+    MoEOptions(strategy="static", cache_size="9"),
+    MoEOptions(strategy="offload", cache_size="24"),  # the whole pool of 3 layers x 8 experts
+    MoEOptions(strategy="hybrid", cache_size="6", policy="lru"),
+]
+
+
+@pytest.mark.parametrize(
+    "options", CONFIGS, ids=lambda o: f"{o.strategy}-{o.cache_size}-{o.policy}"
+)
+def test_every_strategy_and_cache_size_matches_fused(family_model, options):
+    prompts = prompts_for(family_model)
+    ref_tokens, ref_logits, _ = greedy_run(family_model, MoEOptions(strategy="fused"), prompts)
+    tokens, logits, runner = greedy_run(family_model, options, prompts)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() < 1e-5
+    assert runner.moe.strategy == options.strategy
+    total = runner.moe.telemetry.total()
+    assert total.accesses == total.hits + total.misses
+    assert total.misses == total.fills + total.cpu
+    if options.strategy == "cpu":
+        assert total.fills == 0 and total.cpu == total.misses > 0
+    if options.strategy == "offload" and options.cache_size == "24":
+        assert total.cpu == 0
+
+
+def test_auto_on_cpu_is_fused(family_model):
+    runner = ModelRunner(family_model, kv_cache_tokens=64)
+    assert runner.moe.strategy == "fused"
+
+
+def test_parse_cache_size():
+    assert parse_cache_size("300", 1000) == 300
+    assert parse_cache_size("8GiB", 2**20) == 8192
+    assert parse_cache_size("1.5 GB", 10**6) == 1500
+    with pytest.raises(ValueError, match="cannot read cache size"):
+        parse_cache_size("lots", 1)
+
+
+def test_bad_strategy_is_rejected():
+    with pytest.raises(ValueError, match="unknown MoE strategy"):
+        MoEOptions(strategy="magic")
+
+
+# -- a hand-worked example, driving one runtime directly ------------------------------------
+
+
+def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4):
+    from freetoken.models.config import decoder_config, routed_experts
+    from freetoken.moe.store import HostExpertStore
+
+    raw = {
+        "architectures": ["Tiny"], "hidden_size": hidden, "num_attention_heads": 1,
+        "num_hidden_layers": num_layers, "vocab_size": 10, "num_experts": num_experts,
+        "num_experts_per_tok": 1, "moe_intermediate_size": inter,
+    }  # fmt: skip
+    store = HostExpertStore(decoder_config(raw, "tiny", moe=routed_experts(raw)), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    store.w_gate_up.copy_(torch.randn(store.w_gate_up.shape, generator=gen))
+    store.w_down.copy_(torch.randn(store.w_down.shape, generator=gen))
+    return store
+
+
+def reference(store, moe_layer, x, ids, weights):
+    from freetoken.kernels.grouped_experts import reference_grouped_experts
+
+    rows = store.layer_rows(moe_layer)
+    return reference_grouped_experts(x, ids, weights, store.w_gate_up[rows], store.w_down[rows])
+
+
+def drive(runtime, store, steps):
+    """Run (moe_layer, ids) steps of one token each, checking every output against the
+    reference; returns the telemetry."""
+    gen = torch.Generator().manual_seed(1)
+    for moe_layer, ids in steps:
+        ids = torch.tensor(ids)
+        x = torch.randn(ids.shape[0], store.shape.hidden, generator=gen)
+        weights = torch.rand(ids.shape, generator=gen)
+        out = runtime(moe_layer, x, ids, weights)
+        assert torch.allclose(out, reference(store, moe_layer, x, ids, weights), atol=1e-5)
+    return runtime.telemetry
+
+
+def test_telemetry_counts_hand_worked_offload():
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store()
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "2", policy="lru"))
+    # 2 slots, LRU. L0e0 miss->fill, L1e1 miss->fill, L0e0 hit, L1e2 miss: the least recently
+    # used of {L0e0 (used at step 3), L1e1 (step 2)} is L1e1 -> evicted; then L0e0 and L1e2 hit.
+    t = drive(rt, store, [(0, [[0]]), (1, [[1]]), (0, [[0]]), (1, [[2]]), (0, [[0]]), (1, [[2]])])
+    l0, l1, total = t.layers[0], t.layers[1], t.total()
+    assert (l0.calls, l0.accesses, l0.hits, l0.fills, l0.cpu) == (3, 3, 2, 1, 0)
+    assert (l1.calls, l1.accesses, l1.hits, l1.fills, l1.cpu) == (3, 3, 1, 2, 0)
+    assert total.bytes_h2d == 3 * store.shape.nbytes
+    assert rt.cache.lookup(torch.tensor([0, 5, 6])).tolist()[0] >= 0  # L0e0 cached
+    assert rt.cache.lookup(torch.tensor([5])).item() == -1  # L1e1 evicted
+    snap = t.snapshot()
+    assert snap["hit_rate"] == pytest.approx(3 / 6)
+    assert snap["mean_fills_per_layer_step"] == pytest.approx(3 / 6)
+
+
+def test_telemetry_counts_cpu_routes_and_hybrid_split():
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store()
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("cpu"))
+    # Two tokens routed to the same expert: one distinct pair, two CPU routes.
+    t = drive(rt, store, [(0, [[3], [3]])])
+    assert (t.total().accesses, t.total().cpu, t.total().cpu_routes) == (1, 1, 2)
+
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "8", policy="lru"))
+    rt.tracker.fill = rt.tracker.cpu = 1e9  # equal bandwidths: half the misses are filled
+    rt.tracker.alpha = 0.0  # keep them fixed for the example
+    t = drive(rt, store, [(1, [[0, 1], [2, 3]])])  # 4 distinct misses -> q = 2, m - q = 2
+    assert (t.total().misses, t.total().fills, t.total().cpu, t.total().cpu_routes) == (4, 2, 2, 2)

@@ -1,0 +1,54 @@
+"""The miss split: q for given m, B_P', B_H'; the paper's formula as the full-contention case;
+the minimum fill; the cap; the running bandwidth averages."""
+
+import pytest
+
+from freetoken.moe.split import BandwidthTracker, paper_split, split_misses
+
+
+@pytest.mark.parametrize(
+    ("m", "fill", "cpu", "q"),
+    [
+        (8, 54e9, 34e9, 5),  # measured on the GPU host with both paths running: 8 * 54 / 88
+        (8, 50e9, 50e9, 4),
+        (10, 30e9, 10e9, 8),  # 7.5 rounds to 8
+        (3, 10e9, 90e9, 1),  # 0.3 rounds to 0, but one fill keeps the cache warming
+        (5, 1e9, 0.0, 5),  # no CPU bandwidth: fill everything
+        (5, 0.0, 1e9, 1),  # no PCIe bandwidth still fills the minimum one
+        (0, 50e9, 34e9, 0),  # nothing missed, nothing filled
+    ],
+)
+def test_split(m, fill, cpu, q):
+    assert split_misses(m, fill, cpu) == q
+
+
+def test_both_paths_finish_together():
+    m, fill, cpu = 12, 48e9, 24e9
+    q = split_misses(m, fill, cpu)
+    assert q == 8
+    assert q / fill == pytest.approx((m - q) / cpu)
+
+
+def test_paper_formula_is_the_full_contention_case():
+    # Full contention: the fill takes B_P of the host's B_H, the CPU gets B_H - B_P.
+    for m, b_p, b_h in [(8, 25e9, 100e9), (16, 55e9, 119e9), (6, 10e9, 40e9)]:
+        general = m * b_p / (b_p + (b_h - b_p))
+        assert general == pytest.approx(paper_split(m, b_p, b_h))
+        assert split_misses(m, b_p, b_h - b_p) == max(1, round(paper_split(m, b_p, b_h)))
+
+
+def test_cap_and_minimum():
+    assert split_misses(8, 90e9, 10e9, max_fill=3) == 3
+    assert split_misses(8, 90e9, 10e9, max_fill=20) == 7
+    assert split_misses(8, 1e9, 99e9, min_fill=2) == 2
+    assert split_misses(1, 1e9, 99e9, min_fill=2) == 1  # never more than the misses
+
+
+def test_tracker_follows_measurements():
+    t = BandwidthTracker(50e9, 30e9, alpha=0.5)
+    t.observe_fill(10e9, 1.0)  # a competing program halves PCIe: 10 GB/s seen
+    assert t.fill == pytest.approx(30e9)
+    t.observe_cpu(0, 1.0)  # nothing measured, nothing changes
+    assert t.cpu == 30e9
+    before = split_misses(8, 50e9, 30e9)
+    assert split_misses(8, t.fill, t.cpu) < before
