@@ -163,3 +163,27 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     rt.tracker.alpha = 0.0  # keep them fixed for the example
     t = drive(rt, store, [(1, [[0, 1], [2, 3]])])  # 4 distinct misses -> q = 2, m - q = 2
     assert (t.total().misses, t.total().fills, t.total().cpu, t.total().cpu_routes) == (4, 2, 2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "options",
+    [
+        MoEOptions("offload", "3"),
+        MoEOptions("hybrid", "5"),
+        MoEOptions("static", "9"),
+        MoEOptions("cpu"),
+        MoEOptions("hybrid", "12", policy="lru"),
+    ],
+    ids=lambda o: f"{o.strategy}-{o.cache_size}",
+)
+def test_strategies_on_cuda_match_fused(tmp_path, options):
+    """The real device tier: copy stream, events, pinned host pool, Triton kernel."""
+    path, _ = build("qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_for(loaded)
+    ref_tokens, ref_logits, _ = greedy_run(loaded, MoEOptions(strategy="fused"), prompts)
+    tokens, logits, runner = greedy_run(loaded, options, prompts)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert runner.moe.strategy == options.strategy

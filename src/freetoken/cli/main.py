@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from freetoken.config import EngineConfig
+from freetoken.moe.runtime import STRATEGIES, MoEOptions
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", help="cuda | cpu (default: cuda when available)")
     g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache capacity in tokens")
+    m = p.add_argument_group("expert placement (MoE models)")
+    m.add_argument(
+        "--moe-strategy",
+        default="auto",
+        choices=STRATEGIES,
+        help="auto: fused when every expert fits in VRAM, else hybrid",
+    )
+    m.add_argument("--moe-cache-size", help="VRAM expert cache: a slot count or a size like 8GiB")
+    m.add_argument("--moe-policy", help="eviction policy (default: the best measured)")
+    m.add_argument(
+        "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
+    )
+    m.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: one per core)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -69,8 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    moe = MoEOptions(
+        strategy=args.moe_strategy,
+        cache_size=args.moe_cache_size,
+        policy=args.moe_policy,
+        max_fetch=args.moe_hybrid_max_fetch,
+        cpu_threads=args.cpu_threads,
+    )
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_tokens=args.kv_cache_tokens,
+        moe=moe,
     )
 
 

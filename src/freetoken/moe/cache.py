@@ -41,6 +41,7 @@ class ExpertCache:
         self.slot_of = torch.full((store.num_pairs,), -1, dtype=torch.long, device=device)
         self.pair_of = torch.full((num_slots,), -1, dtype=torch.long, device=device)
         self._pair_of_host = [-1] * num_slots
+        self.slot_of_host = torch.full((store.num_pairs,), -1, dtype=torch.long)
         self.policy = policy
         if policy is not None:
             policy.reset(store.num_layers, store.num_experts, num_slots, device)
@@ -62,6 +63,7 @@ class ExpertCache:
         cache.slot_of.copy_(ids)
         cache.pair_of.copy_(ids)
         cache._pair_of_host = list(range(store.num_pairs))
+        cache.slot_of_host = ids.cpu()
         return cache
 
     @property
@@ -72,33 +74,31 @@ class ExpertCache:
         """Slot of each flat pair id (-1 for a miss); same shape as `pairs`."""
         return self.slot_of[pairs]
 
-    def choose_victims(self, moe_layer: int, count: int, protected: torch.Tensor) -> list[int]:
-        """`count` slots to overwrite: empty ones first, then the policy's lowest keep-scores.
-        `protected` slots (in use by the current layer) are never chosen."""
+    def victim_candidates(self, moe_layer: int, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """The `count` slots the policy would give up first, best victim first, as device tensor
+        ops (no host sync). Empty slots come first (their score is -inf); `slots` are the
+        current layer's lookups, and the slots they hit are never candidates (their kernels
+        read them this step): they score +inf and sort last."""
         if self.policy is None:
             scores = (self.pair_of >= 0).float()
         else:
             scores = self.policy.slot_scores(moe_layer, self.pair_of).float()
-        scores = scores.clone()
-        scores[protected] = float("inf")
-        return torch.topk(scores, count, largest=False).indices.tolist()
-
-    def fill(self, moe_layer: int, pairs: Sequence[int], protected: torch.Tensor):
-        """Copy `pairs` into victim slots; returns an event the compute stream must wait on
-        (None on the CPU tier, where the copies are done on return)."""
-        if not pairs:
-            return None
-        victims = self.choose_victims(moe_layer, len(pairs), protected)
-        return self.place(pairs, victims)
+        # One extra entry absorbs the misses (-1) so protecting needs no boolean indexing.
+        padded = torch.cat((scores, scores.new_full((1,), float("inf"))))
+        hit = torch.where(slots >= 0, slots, self.num_slots).flatten()
+        padded.index_fill_(0, hit, float("inf"))
+        return torch.topk(padded[: self.num_slots], count, largest=False).indices
 
     def place(self, pairs: Sequence[int], slots: Sequence[int]):
-        # Fills are decided on the host, so a host mirror of `pair_of` names the evicted pairs
-        # without reading the device table back.
+        # Fills are decided on the host, so host mirrors of the tables name the evicted pairs
+        # and the new slots without reading the device tables back.
         stale = [old for s in slots if (old := self._pair_of_host[s]) >= 0]
         for p, s in zip(pairs, slots, strict=True):
             self._pair_of_host[s] = p
         if stale:
+            self.slot_of_host[stale] = -1
             self.slot_of[torch.tensor(stale, device=self.device)] = -1
+        self.slot_of_host[list(pairs)] = torch.tensor(list(slots), dtype=torch.long)
         slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
         pairs_t = torch.tensor(pairs, dtype=torch.long, device=self.device)
         self.slot_of[pairs_t] = slots_t

@@ -110,81 +110,95 @@ class MoERuntime:
     def _split_layer(self, moe_layer, x, pairs, weights) -> torch.Tensor:
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
+        adaptive = self.strategy in ("offload", "hybrid")
+        # -- on the device, no sync: lookup, policy update, victim candidates, miss ranks --
         slots = cache.lookup(pairs) if cache is not None else torch.full_like(pairs, -1)
-        # The one host round trip of the layer: which pairs are routed, which are cached.
-        pairs_h, slots_h = torch.stack((pairs, slots)).cpu()
-        routed = torch.unique(pairs_h)
-        cached = torch.unique(pairs_h[slots_h >= 0])
-        misses = torch.unique(pairs_h[slots_h < 0])
-        if cache is not None and cache.policy is not None:
-            cache.policy.observe(moe_layer, (routed - moe_layer * E).to(self.device))
+        to_host = [pairs, slots, x, weights]
+        if adaptive:
+            cache.policy.observe(moe_layer, pairs.flatten() - moe_layer * E)
+            count = min(cache.num_slots, pairs.numel())
+            to_host.append(cache.victim_candidates(moe_layer, slots, count))
+            to_host.append(cache.policy.pair_scores(moe_layer, pairs.flatten()).float())
+        # -- the layer's one host round trip --
+        pairs_h, slots_h, x_h, weights_h, *policy_h = self._fetch(to_host)
 
-        fill = self._choose_fills(moe_layer, misses, num_hits=len(cached), tokens=x.shape[0])
-        on_cpu = misses[~torch.isin(misses, fill)] if len(fill) else misses
-        events = None
-        if len(fill):
-            protected = slots[slots >= 0] if len(cached) else slots.new_empty(0)
-            events = cache.fill(moe_layer, fill.tolist(), protected)
+        flat = pairs_h.flatten()
+        routed = torch.unique(flat)
+        hits = torch.unique(flat[slots_h.flatten() >= 0])
+        misses = torch.unique(flat[slots_h.flatten() < 0])
+        fill, events = misses[:0], None
+        if adaptive and len(misses):
+            candidates_h, scores_h = policy_h
+            fill = self._choose_fills(flat, misses, scores_h, len(hits), x.shape[0])
+            events = cache.place(fill.tolist(), candidates_h[: len(fill)].tolist())
+        on_cpu = misses[~torch.isin(misses, fill)]
+        cpu_routes = torch.isin(pairs_h, on_cpu)
 
-        future = None
-        cpu_route_mask = torch.isin(pairs_h, on_cpu) if len(on_cpu) else None
-        if cpu_route_mask is not None:
-            rows_h, cols_h = cpu_route_mask.nonzero(as_tuple=True)
-            tokens = torch.unique(rows_h)
-            x_host = x[tokens.to(x.device)].cpu()
-            local = torch.searchsorted(tokens, rows_h)  # row of x_host for each CPU route
-            job_weights = weights[rows_h.to(weights.device), cols_h.to(weights.device)].cpu()
-            future = self.cpu.submit(CPUJob(x_host, local, pairs_h[rows_h, cols_h], job_weights))
-
-        out = None
+        future, out = None, None
         fill_bytes = len(fill) * self.store.shape.nbytes
-        if len(cached) or len(fill):
-            gpu_slots = cache.lookup(pairs)
-            if cpu_route_mask is not None:
-                gpu_slots = gpu_slots.masked_fill(cpu_route_mask.to(self.device), -1)
-            if events is not None:
-                torch.cuda.current_stream(self.device).wait_event(events[1])
-                self._pending_fill_timing.append((*events, len(fill) * self.store.shape.nbytes))
-            elif len(fill):
-                self.tracker.observe_fill(
-                    len(fill) * self.store.shape.nbytes, cache.last_fill_seconds
-                )
-            out = self._gpu(x, gpu_slots, weights)
+        if len(on_cpu):
+            rows, cols = cpu_routes.nonzero(as_tuple=True)
+            tokens = torch.unique(rows)
+            job = CPUJob(
+                x_h[tokens],
+                torch.searchsorted(tokens, rows),
+                pairs_h[rows, cols],
+                weights_h[rows, cols],
+            )
+            future = self.cpu.submit(job)
+        if len(hits) or len(fill):
+            gpu_slots = cache.slot_of_host[pairs_h].masked_fill(cpu_routes, -1)
+            if len(fill):
+                if events is not None:
+                    torch.cuda.current_stream(self.device).wait_event(events[1])
+                    self._pending_fill_timing.append((*events, fill_bytes))
+                else:
+                    self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
+            out = self._gpu(x, gpu_slots.to(self.device, non_blocking=True), weights)
         if future is not None:
             result = future.result()
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
-            cpu_out = torch.zeros_like(x)
-            cpu_out[tokens.to(x.device)] = result.out.to(x.device, non_blocking=True)
+            cpu_out = torch.zeros(x_h.shape, dtype=x.dtype)
+            cpu_out[tokens] = result.out
+            cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
             self.telemetry.layers[moe_layer].cpu_time_s += result.seconds
         self.telemetry.record(
             moe_layer,
             accesses=len(routed),
-            hits=len(cached),
+            hits=len(hits),
             fills=len(fill),
             cpu=len(on_cpu),
-            cpu_routes=0 if cpu_route_mask is None else int(cpu_route_mask.sum()),
+            cpu_routes=int(cpu_routes.sum()),
             bytes_h2d=fill_bytes,
         )
         return out
 
-    def _choose_fills(self, moe_layer: int, misses: torch.Tensor, num_hits: int, tokens: int):
+    def _fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy device tensors to the host with one synchronisation."""
+        if self.device.type != "cuda":
+            return tensors
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
+
+    def _choose_fills(self, flat, misses, scores, num_hits: int, tokens: int) -> torch.Tensor:
         """The misses to copy into the cache, best first by the eviction policy's ranking."""
         m, cache = len(misses), self.cache
-        if m == 0 or cache is None or self.strategy in ("cpu", "static"):
-            return misses[:0]
         if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
             q = m
         else:
             q = split_misses(m, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
-        # Slots in use by this layer's hits cannot be given up; what does not fit runs on the CPU.
+        # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
         q = min(q, cache.num_slots - num_hits)
         if q <= 0:
             return misses[:0]
-        if q < m and cache.policy is not None:
-            scores = cache.policy.pair_scores(moe_layer, misses.to(self.device)).cpu()
-            return misses[torch.argsort(scores, descending=True, stable=True)[:q]]
-        return misses[:q]
+        if q < m:
+            # Each miss's score, from any of its routes (all of a pair's routes score alike).
+            score_of = dict(zip(flat.tolist(), scores.tolist(), strict=True))
+            ranked = sorted(misses.tolist(), key=lambda p: -score_of[p])
+            return torch.tensor(ranked[:q], dtype=torch.long)
+        return misses
 
     def _drain_fill_timings(self) -> None:
         """Fold finished copies' measured bandwidth into the running average (no waiting)."""
