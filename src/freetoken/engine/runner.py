@@ -25,14 +25,6 @@ class ModelRunner:
         self.model = loaded.model
         self.config = loaded.config
         cfg = loaded.config
-        self.moe: MoERuntime | None = None
-        if loaded.experts is not None:
-            self.moe = build_runtime(
-                loaded.experts, self.model.device, moe or MoEOptions(), cfg.hidden_act
-            )
-            for layer in self.model.layers:
-                if hasattr(layer, "moe"):
-                    layer.moe.executor = self.moe
         self.kv = PagedKVCache(
             num_layers=cfg.num_layers,
             num_pages=-(-kv_cache_tokens // page_size),
@@ -42,6 +34,15 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.model.device,
         )
+        # The expert cache takes what device memory the KV cache leaves.
+        self.moe: MoERuntime | None = None
+        if loaded.experts is not None:
+            self.moe = build_runtime(
+                loaded.experts, self.model.device, moe or MoEOptions(), cfg.hidden_act
+            )
+            for layer in self.model.layers:
+                if hasattr(layer, "moe"):
+                    layer.moe.executor = self.moe
 
     @property
     def device(self) -> torch.device:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels.grouped_experts import grouped_expert_forward
+from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.split import BandwidthTracker, split_misses
@@ -36,6 +37,8 @@ from freetoken.telemetry import MoETelemetry
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
+# When the split would fill this share of the misses anyway, the CPU path is not worth its cost.
+OFFLOAD_FILL_FRACTION = 0.9
 # Bandwidths assumed until a profile (`ft bench bw`) or the running averages say otherwise:
 # the pinned PCIe gen4/5 copy and torch's CPU GEMV measured on the GPU host, with both running.
 DEFAULT_FILL_BANDWIDTH = 50e9
@@ -225,14 +228,21 @@ def _policy(name: str | None):
 
 
 def resolve_strategy(
-    options: MoEOptions, device: torch.device, store: HostExpertStore, cache_slots: int | None
+    options: MoEOptions,
+    device: torch.device,
+    store: HostExpertStore,
+    cache_slots: int | None,
+    profile: BandwidthProfile | None = None,
 ) -> str:
     """`auto`: fused when the whole pool fits the cache budget (always on a CPU-only machine,
-    where host memory is the device memory), otherwise hybrid."""
+    where host memory is the device memory); otherwise hybrid, unless the profile says the CPU
+    is too slow to take a useful share of the misses, where offload saves the CPU's round trip."""
     if options.strategy != "auto":
         return options.strategy
     if device.type == "cpu" or cache_slots is None or cache_slots >= store.num_pairs:
         return "fused"
+    if profile is not None and (profile.fill_fraction or 0.0) >= OFFLOAD_FILL_FRACTION:
+        return "offload"
     return "hybrid"
 
 
@@ -263,7 +273,8 @@ def build_runtime(
     reserve_bytes: int = 2 * 2**30,
 ) -> MoERuntime:
     slots = cache_slots_for(options, device, store, reserve_bytes)
-    strategy = resolve_strategy(options, device, store, slots)
+    profile = load_profile(device, store.shape)
+    strategy = resolve_strategy(options, device, store, slots, profile)
     if strategy in ("offload", "hybrid", "static") and device.type == "cuda" and not store.pin():
         strategy = "cpu"
     if strategy == "fused":
@@ -286,4 +297,7 @@ def build_runtime(
         cache.num_slots if cache is not None else 0,
         store.num_pairs,
     )
-    return MoERuntime(store, device, strategy, cache, cpu, options, act)
+    tracker = None
+    if profile is not None and profile.pcie_concurrent and profile.cpu_concurrent:
+        tracker = BandwidthTracker(profile.pcie_concurrent, profile.cpu_concurrent)
+    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker)
