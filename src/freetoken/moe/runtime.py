@@ -114,26 +114,29 @@ class MoERuntime:
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
         adaptive = self.strategy in ("offload", "hybrid")
-        # -- on the device, no sync: lookup, policy update, victim candidates, miss ranks --
         slots = cache.lookup(pairs) if cache is not None else torch.full_like(pairs, -1)
-        to_host = [pairs, slots, x, weights]
-        if adaptive:
-            cache.policy.observe(moe_layer, pairs.flatten() - moe_layer * E)
-            count = min(cache.num_slots, pairs.numel())
-            to_host.append(cache.victim_candidates(moe_layer, slots, count))
-            to_host.append(cache.policy.pair_scores(moe_layer, pairs.flatten()).float())
-        # -- the layer's one host round trip --
-        pairs_h, slots_h, x_h, weights_h, *policy_h = self._fetch(to_host)
-
+        # The host round trip every layer makes: which pairs are routed, which are cached.
+        pairs_h, slots_h, x_h, weights_h = self._fetch([pairs, slots, x, weights])
         flat = pairs_h.flatten()
         routed = torch.unique(flat)
         hits = torch.unique(flat[slots_h.flatten() >= 0])
         misses = torch.unique(flat[slots_h.flatten() < 0])
         fill, events = misses[:0], None
-        if adaptive and len(misses):
-            candidates_h, scores_h = policy_h
-            fill = self._choose_fills(flat, misses, scores_h, len(hits), x.shape[0])
-            events = cache.place(fill.tolist(), candidates_h[: len(fill)].tolist())
+        if adaptive:
+            policy = cache.policy
+            policy.observe(moe_layer, (routed - moe_layer * E).to(self.device, non_blocking=True))
+            q = self._fill_count(len(misses), len(hits), x.shape[0])
+        if adaptive and q > 0:
+            # A second round trip, only when something is filled: the policy ranks the misses
+            # and names the victims on the device.
+            candidates, scores = self._fetch(
+                [
+                    cache.victim_candidates(moe_layer, slots, q),
+                    policy.pair_scores(moe_layer, misses.to(self.device)).float(),
+                ]
+            )
+            fill = misses[torch.argsort(scores, descending=True, stable=True)[:q]]
+            events = cache.place(fill.tolist(), candidates.tolist())
         on_cpu = misses[~torch.isin(misses, fill)]
         cpu_routes = torch.isin(pairs_h, on_cpu)
 
@@ -185,23 +188,16 @@ class MoERuntime:
         torch.cuda.current_stream(self.device).synchronize()
         return host
 
-    def _choose_fills(self, flat, misses, scores, num_hits: int, tokens: int) -> torch.Tensor:
-        """The misses to copy into the cache, best first by the eviction policy's ranking."""
-        m, cache = len(misses), self.cache
+    def _fill_count(self, misses: int, hits: int, tokens: int) -> int:
+        """How many misses to copy into the cache (the rest run on the CPU)."""
+        if misses == 0:
+            return 0
         if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
-            q = m
+            q = misses
         else:
-            q = split_misses(m, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
+            q = split_misses(misses, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
-        q = min(q, cache.num_slots - num_hits)
-        if q <= 0:
-            return misses[:0]
-        if q < m:
-            # Each miss's score, from any of its routes (all of a pair's routes score alike).
-            score_of = dict(zip(flat.tolist(), scores.tolist(), strict=True))
-            ranked = sorted(misses.tolist(), key=lambda p: -score_of[p])
-            return torch.tensor(ranked[:q], dtype=torch.long)
-        return misses
+        return max(0, min(q, self.cache.num_slots - hits))
 
     def _drain_fill_timings(self) -> None:
         """Fold finished copies' measured bandwidth into the running average (no waiting)."""
