@@ -92,14 +92,17 @@ def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):
     seqs = [runner.new_sequence() for _ in range(batch)]
     vocab = loaded.config.vocab_size
     prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
-    logits = runner.forward(seqs, prompts)
-    for _ in range(warmup):
-        logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+    # Decode inputs are drawn at random: a random model's greedy output repeats one token, so
+    # its routing would repeat too and every cache would look perfect.
+    tokens = torch.randint(0, vocab, (warmup + steps, batch), generator=gen).tolist()
+    runner.forward(seqs, prompts)
+    for step in tokens[:warmup]:
+        runner.forward(seqs, [[t] for t in step])
     runner.moe.telemetry.reset()
     sync(device)
     start = time.perf_counter()
-    for _ in range(steps):
-        logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+    for step in tokens[warmup:]:
+        runner.forward(seqs, [[t] for t in step])
     sync(device)
     seconds = time.perf_counter() - start
     snap = runner.moe.telemetry.snapshot()
@@ -150,7 +153,9 @@ def bandwidth_line(bw: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--cache", action="append", help="8GiB, or a share of the pool like 37%%")
+    ap.add_argument(
+        "--cache", action="append", help="8GiB, a share of the pool like 37%%, or all (fused)"
+    )
     ap.add_argument("--strategy", action="append")
     ap.add_argument("--batch", action="append", type=int)
     ap.add_argument("--steps", type=int, default=48)
@@ -160,7 +165,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     args = ap.parse_args()
-    caches = args.cache or ["8GiB", "37%"]
+    caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
     batches = args.batch or [1, 4]
     device = torch.device(args.device)
@@ -172,8 +177,12 @@ def main() -> int:
                                                  "cpu_concurrent")}  # fmt: skip
     rows = []
     for cache in caches:
-        size = str(int(store.num_pairs * float(cache[:-1]) / 100)) if cache.endswith("%") else cache
-        for strategy in strategies:
+        size = cache
+        if cache == "all":
+            size = None
+        elif cache.endswith("%"):
+            size = str(int(store.num_pairs * float(cache[:-1]) / 100))
+        for strategy in ["fused"] if cache == "all" else strategies:
             for batch in batches:
                 options = MoEOptions(strategy=strategy, cache_size=size)
                 name, slots, seconds, snap = decode(
@@ -190,6 +199,10 @@ def main() -> int:
                     q=snap["mean_fills_per_layer_step"], m_minus_q=snap["mean_cpu_per_layer_step"],
                     pcie_mb_per_token=t["bytes_h2d"] / (args.steps * batch) / 1e6,
                     roofline_tokens_per_s=roof, ratio=tps / roof,
+                    host_ms_per_step=t["host_time_s"] * 1e3 / args.steps,
+                    sync_ms_per_step=t["sync_wait_s"] * 1e3 / args.steps,
+                    cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / args.steps,
+                    step_ms=seconds * 1e3 / args.steps,
                 )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -205,11 +218,13 @@ def main() -> int:
         f"{store.shape.nbytes / 2**20:.1f} MiB per expert",
         f"- measured: {bandwidth_line(bw)}",
         f"- {args.steps} timed decode steps after {args.warmup} warm-up steps, prompt "
-        f"{args.prompt} tokens",
+        f"{args.prompt} tokens; decode inputs drawn at random (see `decode`)",
+        "- roofline: the step's expert bytes at the measured bandwidths (hits at HBM speed); "
+        "step ms is the whole decode step, MoE host ms the host time inside the MoE layers",
         "",
         "| cache | strategy | batch | tok/s | hit rate | q | m-q | PCIe MB/tok | roofline tok/s "
-        "| ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio | step ms | MoE host ms | sync wait ms | CPU wait ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         strat = r["strategy"] if r["strategy"] == r["resolved"] else f"auto ({r['resolved']})"
@@ -217,7 +232,9 @@ def main() -> int:
             f"| {r['cache']} ({r['slots']} slots) | {strat} | {r['batch']} | "
             f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.3f} | {r['q']:.2f} | "
             f"{r['m_minus_q']:.2f} | {r['pcie_mb_per_token']:.0f} | "
-            f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} |"
+            f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
+            f"{r['host_ms_per_step']:.1f} | {r['sync_ms_per_step']:.1f} | "
+            f"{r['cpu_wait_ms_per_step']:.1f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -18,8 +18,10 @@ class LayerCounters:
     cpu: int = 0  # misses run on the CPU from host memory
     cpu_routes: int = 0
     bytes_h2d: int = 0
-    gpu_time_s: float = 0.0  # wall time the layer spent on the device path (when measured)
-    cpu_time_s: float = 0.0  # wall time of the layer's CPU job
+    host_time_s: float = 0.0  # wall time the host spent in the layer's expert step
+    sync_wait_s: float = 0.0  # of which: waiting for the device in round trips
+    cpu_wait_s: float = 0.0  # of which: waiting for the CPU job after the GPU work was queued
+    cpu_time_s: float = 0.0  # wall time of the layer's CPU jobs (on their own thread)
 
 
 @dataclass

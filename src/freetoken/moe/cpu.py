@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from freetoken.layers.mlp import activation
 from freetoken.moe.store import HostExpertStore
@@ -58,9 +59,11 @@ class CPUExpertExecutor:
         for pair, n in zip(pairs.tolist(), counts.tolist(), strict=True):
             idx = order[start_row : start_row + n]
             rows = job.rows[idx]
-            h = x[rows] @ self.store.w_gate_up[pair].t()
+            # F.linear takes the [out, in] rows as stored; `x @ w.t()` can make oneDNN repack
+            # the whole expert on every call.
+            h = F.linear(x[rows], self.store.w_gate_up[pair])
             gate, up = h.chunk(2, dim=-1)
-            y = (self.act(gate) * up) @ self.store.w_down[pair].t()
+            y = F.linear(self.act(gate) * up, self.store.w_down[pair])
             out.index_add_(0, rows, (y * job.weights[idx, None]).float())
             start_row += n
         return CPUResult(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,7 @@ class MoERuntime:
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
         self.telemetry = MoETelemetry.for_layers(store.num_layers)
         self._pending_fill_timing: list[tuple] = []
+        self._sync_wait = 0.0
 
     # -- the executor --------------------------------------------------------------------
 
@@ -111,6 +113,8 @@ class MoERuntime:
         return grouped_expert_forward(x, slots, weights, cache.w_gate_up, cache.w_down, self.act)
 
     def _split_layer(self, moe_layer, x, pairs, weights) -> torch.Tensor:
+        started = time.perf_counter()
+        self._sync_wait = 0.0
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
         adaptive = self.strategy in ("offload", "hybrid")
@@ -162,7 +166,9 @@ class MoERuntime:
                     self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
             out = self._gpu(x, gpu_slots.to(self.device, non_blocking=True), weights)
         if future is not None:
+            waited = time.perf_counter()
             result = future.result()
+            self.telemetry.layers[moe_layer].cpu_wait_s += time.perf_counter() - waited
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
             cpu_out = torch.zeros(x_h.shape, dtype=x.dtype)
             cpu_out[tokens] = result.out
@@ -178,6 +184,9 @@ class MoERuntime:
             cpu_routes=int(cpu_routes.sum()),
             bytes_h2d=fill_bytes,
         )
+        counters = self.telemetry.layers[moe_layer]
+        counters.sync_wait_s += self._sync_wait
+        counters.host_time_s += time.perf_counter() - started
         return out
 
     def _fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -185,7 +194,9 @@ class MoERuntime:
         if self.device.type != "cuda":
             return tensors
         host = [t.to("cpu", non_blocking=True) for t in tensors]
+        waited = time.perf_counter()
         torch.cuda.current_stream(self.device).synchronize()
+        self._sync_wait += time.perf_counter() - waited
         return host
 
     def _fill_count(self, misses: int, hits: int, tokens: int) -> int:
