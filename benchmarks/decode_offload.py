@@ -183,6 +183,8 @@ def main() -> int:
         elif cache.endswith("%"):
             size = str(int(store.num_pairs * float(cache[:-1]) / 100))
         for strategy in ["fused"] if cache == "all" else strategies:
+            if strategy == "cpu" and any(r["strategy"] == "cpu" for r in rows):
+                continue  # no cache: the same at every cache size
             for batch in batches:
                 options = MoEOptions(strategy=strategy, cache_size=size)
                 name, slots, seconds, snap = decode(
