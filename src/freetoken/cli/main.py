@@ -79,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores)")
     bw.add_argument("--json", action="store_true", help="print one JSON object")
     bw.set_defaults(func="freetoken.cli.bench_bw:run")
+    cache = bench_sub.add_parser("cache", help="replay a routing trace through the expert cache")
+    cache.add_argument("--trace", required=True, help="routing trace .npz")
+    cache.add_argument(
+        "--capacity",
+        type=float,
+        action="append",
+        metavar="FRACTION",
+        help="cache size as a fraction of the layer x expert pairs (repeatable; "
+        "default 0.10 0.25 0.37 0.50)",
+    )
+    cache.add_argument(
+        "--policy", action="append", metavar="NAME", help="also replay this policy (repeatable)"
+    )
+    cache.add_argument("--max-tokens", type=int, help="replay only the first N decode tokens")
+    cache.add_argument("--device", default="cpu", help="where the cache tables live (cpu | cuda)")
+    cache.add_argument("--json", action="store_true", help="print one JSON object")
+    cache.set_defaults(func="freetoken.cli.bench_cache:run")
     return parser
 
 

@@ -8,6 +8,7 @@ contiguous copies and the CPU executor reads an expert with no gather.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -83,6 +84,12 @@ class HostExpertStore:
             registered.append(ptr)
         self.pinned = True
         return True
+
+    def __del__(self) -> None:
+        # Registered pages must be unregistered before the memory is freed: otherwise a later
+        # allocation reusing the range is refused by CUDA ("invalid argument") when copied.
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+            self.unpin()
 
     def unpin(self) -> None:
         if self.pinned:

@@ -1,0 +1,260 @@
+"""Expert-cache eviction policies (pure tensor math, no engine imports).
+
+The VRAM cache is one pool of S slots shared by every MoE layer. Decode visits the layers in
+a fixed cycle, so a slot holding (layer l, expert e) is next *looked at* a known number of
+layer-steps from now; whether it is *used* then is the uncertain part. Policies keep per-pair
+state in flat tensors indexed by `layer * E + expert` plus one sink entry at the end (index
+-1), so that the -1 of an empty slot gathers a -inf score without a mask.
+
+Every method is a handful of torch ops over the L*E pairs or the S slots: no per-expert
+Python, no host sync, the same code on CUDA and CPU. The cache calls `observe` once per layer
+per decode step (before any victim choice for that layer) and `slot_scores` when it must
+evict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Eviction policies
+# ---------------------------------------------------------------------------------------------
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def reset(self, num_layers: int, num_experts: int, num_slots: int, device) -> None: ...
+
+    def observe(self, layer: int, experts: torch.Tensor) -> None:
+        """The unique expert ids (LongTensor) routed at `layer` this step, hits and misses;
+        called once per layer per step, in decode order, before any victim choice for that
+        layer."""
+        ...
+
+    def slot_scores(self, layer: int, cached_pairs: torch.Tensor) -> torch.Tensor:
+        """cached_pairs: LongTensor [S] of flat pair ids (layer*E + expert) held by each slot,
+        -1 for empty. Return float [S] keep-scores at this moment: lower = evict first; empty
+        slots must get -inf."""
+        ...
+
+    def pair_scores(self, layer: int, pairs: torch.Tensor) -> torch.Tensor:
+        """Keep-score of not-yet-cached pairs on the same scale (used to rank which misses to
+        fill first when only some are filled)."""
+        ...
+
+
+class LRUPolicy:
+    """Least recently used: the keep-score is the step of the last use."""
+
+    name = "lru"
+
+    def reset(self, num_layers: int, num_experts: int, num_slots: int, device) -> None:
+        self.E = num_experts
+        # float64: step counts stay exact for 2**53 steps
+        self.last = torch.zeros(num_layers * num_experts + 1, dtype=torch.float64, device=device)
+        self.last[-1] = float("-inf")
+        self.clock = 0
+
+    def observe(self, layer: int, experts: torch.Tensor) -> None:
+        self.clock += 1
+        self.last.index_fill_(0, experts + layer * self.E, float(self.clock))
+
+    def slot_scores(self, layer: int, cached_pairs: torch.Tensor) -> torch.Tensor:
+        return self.last[cached_pairs]
+
+    def pair_scores(self, layer: int, pairs: torch.Tensor) -> torch.Tensor:
+        return self.last[pairs]
+
+
+def _layer_distance(num_layers: int, num_experts: int, device) -> torch.Tensor:
+    """[L, L*E + 1]: layer-steps from the moment layer `cur` is served until a pair's layer is
+    visited next (1..L; a pair of layer `cur` itself waits for the next token, L). The sink
+    column is +inf."""
+    L, E = num_layers, num_experts
+    cur = torch.arange(L, device=device)[:, None]
+    pair_layer = torch.arange(L, device=device).repeat_interleave(E)[None, :]
+    d = (pair_layer - cur - 1) % L + 1
+    inf = torch.full((L, 1), float("inf"), device=device)
+    return torch.cat([d.float(), inf], dim=1)
+
+
+class ExpectedNextUsePolicy:
+    """Evict the pair with the largest expected distance (in layer-steps) to its next use.
+
+    A pair of layer l is looked at again in d layer-steps (known from the fixed layer cycle)
+    and is used there with probability p, an EMA of its use over the visits of layer l; if
+    each visit were an independent coin the expected distance is d + L*(1-p)/p. The keep-score
+    is its negative. (Rate 0.05 measured best of 0.005..0.1 on gpt-oss-20b decode: a fast
+    EMA doubles as recency.)
+    """
+
+    name = "expected-next-use"
+
+    def __init__(self, rate: float = 0.05, floor: float = 1e-3) -> None:
+        self.rate, self.floor = rate, floor
+
+    def reset(self, num_layers: int, num_experts: int, num_slots: int, device) -> None:
+        L, E = num_layers, num_experts
+        self.L, self.E = L, E
+        self.neg_dist = -_layer_distance(L, E, device)  # sink column -inf: empty slots
+        self.p = torch.full((L, E), 1.0 / E, device=device)
+        # -L*(1-p)/p per pair, refreshed for the visited layer; [-1] is the sink
+        self.neg_wait = torch.full((L * E + 1,), -L * (E - 1.0), device=device)
+        self.neg_wait[-1] = 0.0
+        self._rows = [self.neg_wait[layer * E : (layer + 1) * E] for layer in range(L)]
+        self._w = torch.full((E,), self.rate, device=device)
+
+    def observe(self, layer: int, experts: torch.Tensor) -> None:
+        p = self.p[layer]
+        p.mul_(1.0 - self.rate).index_add_(0, experts, self._w[: experts.numel()])
+        # -L * (1 - p) / p = L - L / p
+        torch.reciprocal(p.clamp(min=self.floor), out=self._rows[layer]).mul_(-self.L).add_(self.L)
+
+    def slot_scores(self, layer: int, cached_pairs: torch.Tensor) -> torch.Tensor:
+        return (self.neg_dist[layer] + self.neg_wait)[cached_pairs]
+
+    def pair_scores(self, layer: int, pairs: torch.Tensor) -> torch.Tensor:
+        return (self.neg_dist[layer] + self.neg_wait)[pairs]
+
+
+class ReuseDensityPolicy:
+    """Keep the pairs with the most expected uses per layer-step of cache space.
+
+    The keep-score of pair j (layer l) while layer `cur` is served is
+
+        (q1 + q2) / (d + L)
+
+    the expected uses at the next two visits of layer l divided by the layer-steps until the
+    second of them (d from the fixed layer cycle, then one full cycle). The probabilities come
+    from two online models of each layer's visit-to-visit (token-to-token) routing:
+
+    - a two-state Markov chain per pair: p_hot = P(used | used at the previous visit),
+      p_cold = P(used | not used at the previous visit), EMAs with rate `markov_rate`.
+      On gpt-oss-20b decode P(used | used at the previous token) is 0.43 against a 0.125
+      average.
+    - a per-layer transition table T[l, i, j] = P(j used | i used at the previous visit),
+      EMA rate `transition_rate`, read as a lift mean_i T[l, i, j] / P(j) over the experts i
+      of the latest visit (self-transition left to the chain), which multiplies the odds of
+      q1 with exponent `lift_weight`.
+
+    q2 carries q1 one more visit through the chain. `observe` refreshes the visited layer's
+    scores at once (~15 ops on E-element rows); the learning (EMAs over [L, E] and [L, E, E])
+    runs once per token, when the last layer has been observed, a lag that costs nothing
+    measurable. Eviction is one multiply and one gather over the S slots.
+    """
+
+    name = "reuse-density"
+
+    def __init__(
+        self,
+        markov_rate: float = 0.03,
+        transition_rate: float = 0.05,
+        marginal_rate: float = 0.01,
+        lift_weight: float = 2.0,
+        floor: float = 1e-3,
+        name: str | None = None,
+    ) -> None:
+        if name is not None:
+            self.name = name
+        self.markov_rate, self.transition_rate = markov_rate, transition_rate
+        self.marginal_rate, self.lift_weight, self.floor = marginal_rate, lift_weight, floor
+
+    def reset(self, num_layers: int, num_experts: int, num_slots: int, device) -> None:
+        L, E = num_layers, num_experts
+        n = L * E
+        self.L, self.E = L, E
+        f = dict(device=device, dtype=torch.float32)
+        # 1 / (d + L) per serving layer; the sink column (empty slot) is -inf
+        self.inv_span = 1.0 / (_layer_distance(L, E, device) + L)
+        self.inv_span[:, -1] = float("-inf")
+        prior = min(4.0 / E, 0.5)  # a typical top-k share before anything is seen
+        self.p = torch.empty(2, L, E, **f)  # [p_hot, p_cold]
+        self.p[0], self.p[1] = 0.3, prior
+        self.trans = torch.full((L, E, E), prior, **f)
+        self.trans.diagonal(dim1=1, dim2=2).zero_()
+        self.marg = torch.full((L, E), prior, **f)
+        self.inv_marg = 1.0 / self.marg
+        # weights of a mean over the other experts of a visit with k experts: 1/k, 1/(k-1)
+        self._inv_k = [0.0] + [1.0 / k for k in range(1, E + 1)]
+        self._inv_k1 = [0.0, 0.0] + [1.0 / (k - 1) for k in range(2, E + 1)]
+        # use at the previous and at the latest visit of each layer
+        self.prev = torch.zeros(L, E, **f)
+        self.cur = torch.zeros(L, E, **f)
+        self.value = torch.full((n + 1,), prior, **f)  # q1 + q2; [-1] is the empty-slot sink
+        self._rows = [self.value[layer * E : (layer + 1) * E] for layer in range(L)]
+        self._buf = torch.zeros(3, E, **f)
+        self._w_base = torch.tensor([0.0, self.markov_rate], **f)[:, None, None]
+        self._w_sign = torch.tensor([self.markov_rate, -self.markov_rate], **f)[:, None, None]
+
+    def observe(self, layer: int, experts: torch.Tensor) -> None:
+        used = self.cur[layer]
+        used.zero_().index_fill_(0, experts, 1.0)
+        p_hot, p_cold = self.p[0, layer], self.p[1, layer]
+        # lift of each expert given this visit's experts: mean over the others of T[l, i, j]
+        # (the diagonal is kept at zero: the self-transition is the chain's business)
+        k = experts.numel()
+        mean_w = torch.add(self._inv_k[k], used, alpha=self._inv_k1[k] - self._inv_k[k])
+        c = torch.mv(self.trans[layer].t(), used).mul_(mean_w)
+        lift = c.mul_(self.inv_marg[layer]).pow_(self.lift_weight)
+        if k == 1:
+            lift.add_(used)  # a lone expert has no others to learn from: neutral lift 1
+        # q1: next-visit probability from the chain state, its odds scaled by the lift
+        buf = self._buf
+        q = torch.lerp(p_cold, p_hot, used, out=buf[0])
+        qx = torch.mul(q, lift, out=buf[1])
+        q1 = qx.div_(torch.sub(qx, q, out=buf[2]).add_(1.0))  # = qx / (1 - q + qx)
+        # q1 + q2, q2 = q1 * p_hot + (1 - q1) * p_cold
+        torch.add(q1, torch.lerp(p_cold, p_hot, q1, out=buf[0]), out=self._rows[layer])
+        if layer == self.L - 1:
+            self._learn()
+
+    def _learn(self) -> None:
+        """One token of learning for every layer: the chain row and the transition rows that
+        the previous visit selected move toward this visit's use."""
+        prev, cur = self.prev, self.cur
+        w = torch.addcmul(self._w_base, self._w_sign, prev)  # [2, L, E]: hot row if used
+        self.p.lerp_(cur.expand(2, -1, -1), w).clamp_(self.floor, 1.0 - self.floor)
+        self.trans.lerp_(cur[:, None, :], (prev * self.transition_rate)[:, :, None])
+        self.trans.diagonal(dim1=1, dim2=2).zero_()
+        self.marg.lerp_(cur, self.marginal_rate).clamp_(min=self.floor)
+        torch.reciprocal(self.marg, out=self.inv_marg)
+        prev.copy_(cur)  # a copy, not a swap: fixed addresses let a CUDA graph capture this
+
+    def slot_scores(self, layer: int, cached_pairs: torch.Tensor) -> torch.Tensor:
+        return (self.value * self.inv_span[layer])[cached_pairs]
+
+    def pair_scores(self, layer: int, pairs: torch.Tensor) -> torch.Tensor:
+        return (self.value * self.inv_span[layer])[pairs]
+
+
+def default_policy() -> EvictionPolicy:
+    """The policy the engine uses unless told otherwise."""
+    return ReuseDensityPolicy()
+
+
+# name -> factory of a fresh policy (policies hold state: one instance per cache)
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "expected-next-use": ExpectedNextUsePolicy,
+    # the default without the transition lift: what the two-state chain alone gives
+    "markov-density": lambda: ReuseDensityPolicy(lift_weight=0.0, name="markov-density"),
+    "reuse-density": ReuseDensityPolicy,
+}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# (end of the eviction policies)
+# ---------------------------------------------------------------------------------------------
