@@ -85,6 +85,31 @@ def random_model(raw: dict, device: torch.device) -> LoadedModel:
     return LoadedModel(model.eval(), cfg, Path("random"), raw, store)
 
 
+class UniformRouter(torch.nn.Module):
+    """Router logits drawn at random for every token: each token's experts are a uniform
+    random top-k, with no reuse between tokens or layers. A random-weight model's own router
+    sends nearly every token to the same experts (98% cache hits at any size), which would
+    measure nothing of the miss path; real models sit between the two."""
+
+    def __init__(self, num_experts: int, seed: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.generator = None
+        self.seed = seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.generator is None:
+            self.generator = torch.Generator(device=x.device).manual_seed(self.seed)
+        shape = (x.shape[0], self.num_experts)
+        return torch.randn(shape, generator=self.generator, device=x.device, dtype=x.dtype)
+
+
+def use_uniform_routing(loaded: LoadedModel) -> None:
+    for i, layer in enumerate(loaded.model.layers):
+        if hasattr(layer, "moe"):
+            layer.moe.router = UniformRouter(loaded.config.moe.num_experts, seed=i)
+
+
 def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):
     runner = ModelRunner(loaded, kv_cache_tokens=batch * (prompt + steps + warmup + 16),
                          moe=options)  # fmt: skip
@@ -164,6 +189,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument(
+        "--routing",
+        choices=("uniform", "model"),
+        default="uniform",
+        help="uniform: random top-k per token (see UniformRouter); model: the random router",
+    )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
@@ -171,6 +202,8 @@ def main() -> int:
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
     loaded = random_model(raw, device)
+    if args.routing == "uniform":
+        use_uniform_routing(loaded)
     store = loaded.experts
     bw_profile = measure(store.shape, device, seconds=0.3 if args.tiny else 1.5)
     bw = {k: getattr(bw_profile, k) for k in ("pcie", "cpu_experts", "pcie_concurrent",
@@ -220,7 +253,7 @@ def main() -> int:
         f"{store.shape.nbytes / 2**20:.1f} MiB per expert",
         f"- measured: {bandwidth_line(bw)}",
         f"- {args.steps} timed decode steps after {args.warmup} warm-up steps, prompt "
-        f"{args.prompt} tokens; decode inputs drawn at random (see `decode`)",
+        f"{args.prompt} tokens; decode inputs drawn at random; routing: {args.routing}",
         "- roofline: the step's expert bytes at the measured bandwidths (hits at HBM speed); "
         "step ms is the whole decode step, MoE host ms the host time inside the MoE layers",
         "",
