@@ -187,3 +187,23 @@ def test_strategies_on_cuda_match_fused(tmp_path, options):
     assert torch.equal(tokens, ref_tokens)
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert runner.moe.strategy == options.strategy
+
+
+def test_auto_picks_from_the_profile():
+    from freetoken.moe.bandwidth import BandwidthProfile
+    from freetoken.moe.runtime import resolve_strategy
+
+    store = tiny_store()
+    cuda = torch.device("cuda")
+
+    def profile(fill, cpu):
+        return BandwidthProfile("k", "gpu", "cpu", "fmt", fill, cpu, fill, cpu)
+
+    auto = MoEOptions("auto")
+    assert resolve_strategy(auto, cuda, store, store.num_pairs) == "fused"  # everything fits
+    assert resolve_strategy(auto, torch.device("cpu"), store, 3) == "fused"  # no separate tier
+    assert resolve_strategy(auto, cuda, store, 3) == "hybrid"  # no profile yet
+    assert resolve_strategy(auto, cuda, store, 3, profile(50e9, 30e9)) == "hybrid"
+    # The H200 host's measured split fills 86%: the CPU share is not worth its job cost.
+    assert resolve_strategy(auto, cuda, store, 3, profile(48.8e9, 8.1e9)) == "offload"
+    assert resolve_strategy(MoEOptions("static"), cuda, store, 3) == "static"

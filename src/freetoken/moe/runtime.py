@@ -38,8 +38,11 @@ from freetoken.telemetry import MoETelemetry
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
-# When the split would fill this share of the misses anyway, the CPU path is not worth its cost.
-OFFLOAD_FILL_FRACTION = 0.9
+# When the split would fill this share of the misses anyway, the CPU path is not worth its cost:
+# on the H200 host (B_P' 41-49 GB/s, B_H' 4-8 GB/s, 86% filled) each CPU job's fixed cost
+# (handoff, waiting, ~0.7 ms) exceeded the PCIe time it saved, and hybrid ran 25-35% below
+# offload (benchmarks/results/2026-11-29-decode-offload-h200.md).
+OFFLOAD_FILL_FRACTION = 0.8
 # Bandwidths assumed until a profile (`ft bench bw`) or the running averages say otherwise:
 # the pinned PCIe gen4/5 copy and torch's CPU GEMV measured on the GPU host, with both running.
 DEFAULT_FILL_BANDWIDTH = 50e9
