@@ -81,3 +81,25 @@ def test_prompt_longer_than_context_is_rejected(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], GREEDY)
     assert not engine.running
+
+
+def test_chunked_prefill_gives_the_same_tokens(engine):
+    """A prompt split over several steps decodes exactly as one prefilled whole, and a short
+    request admitted meanwhile keeps decoding while the long one is still prefilling."""
+    long_prompt = engine.tokenizer.encode("word " * 40)
+    [whole] = engine.generate([long_prompt], GREEDY)
+    engine.max_prefill_chunk = 7
+    try:
+        short = engine.add_request(prompts(engine)[0], GREEDY)
+        engine.step()  # the short prompt (4 tokens) and 3 tokens of nothing else yet
+        long = engine.add_request(long_prompt, GREEDY)
+        produced_while_prefilling = 0
+        while long.seq.length < len(long_prompt):
+            outs = engine.step()
+            produced_while_prefilling += sum(o.request is short for o in outs)
+        while engine.running:
+            engine.step()
+        assert long.output_ids == whole.output_ids
+        assert produced_while_prefilling >= 5  # 41 prompt tokens at 7 per step
+    finally:
+        engine.max_prefill_chunk = 2048

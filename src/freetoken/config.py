@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # KV capacity shared by all running sequences
     page_size: int = 16
     max_batch_size: int = 4  # sequences decoded together
+    max_prefill_chunk: int = 2048  # prompt tokens per forward; longer prompts span several steps
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy
 

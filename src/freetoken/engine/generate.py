@@ -61,10 +61,17 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_batch_size: int = 4):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        max_batch_size: int = 4,
+        max_prefill_chunk: int = 2048,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.max_prefill_chunk = max_prefill_chunk
         self.sampler = Sampler()
         self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
         self.max_context = min(runner.config.max_position_embeddings, runner.kv.capacity_tokens)
@@ -82,7 +89,7 @@ class LLMEngine:
             Path(path), config.dtype, config.resolved_device(), progress=config.progress
         )
         runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size, config.moe)
-        return cls(runner, Tokenizer(loaded.path), config.max_batch_size)
+        return cls(runner, Tokenizer(loaded.path), config.max_batch_size, config.max_prefill_chunk)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -115,26 +122,46 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """One token for every running request; finished requests leave and free their KV."""
+        """Advance every running request: prompts still being prefilled get their next chunk
+        (up to `max_prefill_chunk` tokens in all, oldest first, in one forward), and every
+        request already generating gets one token (one batched forward). Long prompts are thus
+        split across steps so running decodes keep moving. Finished requests leave and free
+        their KV pages."""
         if not self.running:
             return []
-        fresh = [r for r in self.running if r.seq.length == 0]
-        ongoing = [r for r in self.running if r.seq.length > 0]
-        groups = [[r] for r in fresh] + ([ongoing] if ongoing else [])
+        prefilling = [r for r in self.running if r.seq.length < len(r.prompt_ids)]
+        decoding = [r for r in self.running if r.seq.length >= len(r.prompt_ids)]
         outputs = []
-        for group in groups:
-            new_tokens = [r.prompt_ids if r.seq.length == 0 else r.output_ids[-1:] for r in group]
-            logits = self.runner.forward([r.seq for r in group], new_tokens)
-            tokens = self.sampler.sample(
-                logits,
-                [r.params for r in group],
-                [r.generator for r in group],
-                [r.prompt_ids + r.output_ids for r in group],
-            ).tolist()
-            outputs += [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
+        if prefilling:
+            group, chunks, budget = [], [], self.max_prefill_chunk
+            for r in prefilling:
+                if budget <= 0:
+                    break
+                chunk = r.prompt_ids[r.seq.length : r.seq.length + budget]
+                group.append(r)
+                chunks.append(chunk)
+                budget -= len(chunk)
+            logits = self.runner.forward([r.seq for r in group], chunks)
+            done = [i for i, r in enumerate(group) if r.seq.length == len(r.prompt_ids)]
+            if done:
+                outputs += self._sample([group[i] for i in done], logits[done])
+        if decoding:
+            logits = self.runner.forward(
+                [r.seq for r in decoding], [r.output_ids[-1:] for r in decoding]
+            )
+            outputs += self._sample(decoding, logits)
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
         return outputs
+
+    def _sample(self, group: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        tokens = self.sampler.sample(
+            logits,
+            [r.params for r in group],
+            [r.generator for r in group],
+            [r.prompt_ids + r.output_ids for r in group],
+        ).tolist()
+        return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
 
     def _accept(self, req: Request, token: int) -> StepOutput:
         params = req.params
