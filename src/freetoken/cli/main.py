@@ -66,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     shell.add_argument("--system", help="system prompt")
     shell.set_defaults(func="freetoken.cli.shell:run")
 
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=1919)
+    serve.add_argument("--api-key", help="require this key (default: $FREETOKEN_API_KEY, if set)")
+    serve.add_argument("--served-model-name", help="model id clients send (default: dir name)")
+    serve.add_argument("--max-running-requests", type=int, default=4)
+    serve.add_argument("--max-queued-requests", type=int, default=64, help="then 429")
+    serve.add_argument(
+        "--max-prefill-chunk", type=int, default=2048, help="prompt tokens per engine step"
+    )
+    serve.set_defaults(func="freetoken.cli.serve:run")
+
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")

@@ -1,0 +1,194 @@
+"""The engine thread: continuous batching for concurrent clients.
+
+One thread owns the LLMEngine (and so the GPU). Clients submit requests from any thread or
+event loop; the engine thread admits them between steps up to `max_running`, runs steps, and
+delivers each request's outputs to its callback. Cancelled requests leave at the next step
+boundary and free their KV pages. A bounded waiting queue refuses work beyond `max_queued`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from freetoken.engine.generate import LLMEngine, Request, StepOutput
+from freetoken.engine.sampling import SamplingParams
+from freetoken.errors import FreetokenError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(FreetokenError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+@dataclass
+class Ticket:
+    """A client's handle on one submitted request."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[StepOutput | None, BaseException | None], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    request: Request | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    running: int
+    queued: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    ttft: list[float]  # recent times to first token, seconds
+
+
+class Scheduler:
+    def __init__(self, engine: LLMEngine, max_running: int = 4, max_queued: int = 64):
+        self.engine = engine
+        self.engine.max_batch_size = max_running
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._active: dict[int, Ticket] = {}  # engine request id -> ticket
+        self._cancel: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._ids = itertools.count()
+        self._ttft: collections.deque[float] = collections.deque(maxlen=256)
+        self._counters = dict(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+        self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
+        self._thread.start()
+
+    # -- client side (any thread) ---------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        on_output: Callable[[StepOutput | None, BaseException | None], None],
+    ) -> Ticket:
+        """Queue a request. `on_output(step, None)` is called from the engine thread for each
+        generated token, and `on_output(None, error)` if the request fails."""
+        ticket = Ticket(next(self._ids), list(prompt_ids), params, on_output)
+        with self._lock:
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFullError(
+                    f"the server is busy: {len(self._waiting)} requests are waiting; retry later"
+                )
+            self._waiting.append(ticket)
+        self._wake.set()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request (client gone); its KV pages are freed at the next step boundary."""
+        with self._lock:
+            ticket.cancelled = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+            elif ticket.request is not None:
+                self._cancel.add(ticket.request.id)
+        self._wake.set()
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            c = self._counters
+            return SchedulerStats(
+                running=len(self._active),
+                queued=len(self._waiting),
+                prefill_tokens=c["prefill_tokens"],
+                decode_tokens=c["decode_tokens"],
+                prefill_seconds=c["prefill_s"],
+                decode_seconds=c["decode_s"],
+                ttft=list(self._ttft),
+            )
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._admit_and_cancel()
+            if not self.engine.running:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            self._step()
+
+    def _admit_and_cancel(self) -> None:
+        with self._lock:
+            for req in [r for r in self.engine.running if r.id in self._cancel]:
+                self.engine.abort(req)
+                self._active.pop(req.id, None)
+            self._cancel.clear()
+            while self._waiting and len(self.engine.running) < self.max_running:
+                ticket = self._waiting.popleft()
+                try:
+                    ticket.request = self.engine.add_request(ticket.prompt_ids, ticket.params)
+                except (ValueError, RuntimeError) as e:
+                    self._deliver(ticket, None, e)
+                    continue
+                self._active[ticket.request.id] = ticket
+
+    def _step(self) -> None:
+        prefill = sum(
+            min(len(r.prompt_ids) - r.seq.length, self.engine.max_prefill_chunk)
+            for r in self.engine.running
+            if r.seq.length < len(r.prompt_ids)
+        )
+        decode = sum(r.seq.length >= len(r.prompt_ids) for r in self.engine.running)
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed step fails its requests, never the server
+            log.exception("engine step failed")
+            with self._lock:
+                for req in list(self.engine.running):
+                    self.engine.abort(req)
+                    ticket = self._active.pop(req.id, None)
+                    if ticket is not None:
+                        self._deliver(ticket, None, e)
+            return
+        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        with self._lock:
+            c = self._counters
+            total = max(1, prefill + decode)
+            c["prefill_tokens"] += prefill
+            c["decode_tokens"] += decode
+            c["prefill_s"] += elapsed * prefill / total
+            c["decode_s"] += elapsed * decode / total
+            for out in outputs:
+                ticket = self._active.get(out.request.id)
+                if ticket is None or ticket.cancelled:
+                    continue
+                if ticket.first_token is None:
+                    ticket.first_token = now
+                    self._ttft.append(now - ticket.submitted)
+                if out.request.finished:
+                    self._active.pop(out.request.id, None)
+                self._deliver(ticket, out, None)
+
+    def _deliver(self, ticket: Ticket, out: StepOutput | None, error: BaseException | None) -> None:
+        """Hand an output to its client; a failing callback must not stop the engine thread."""
+        try:
+            ticket.on_output(out, error)
+        except Exception:
+            log.exception("delivering output of request %d failed; cancelling it", ticket.id)
+            ticket.cancelled = True
+            if ticket.request is not None:
+                self._cancel.add(ticket.request.id)

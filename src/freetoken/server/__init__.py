@@ -1,0 +1,1 @@
+"""The HTTP API: one protocol-neutral generation core, thin OpenAI / Anthropic adapters."""

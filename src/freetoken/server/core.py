@@ -1,0 +1,136 @@
+"""The protocol-neutral generation core: a request in, a stream of events out.
+
+Adapters parse their API's JSON into a `GenerationRequest` (messages rendered with the
+checkpoint's chat template, sampling settings, tools) and turn the events back into their wire
+format. The core owns nothing protocol-specific: tokens come from the scheduler's engine
+thread, text goes through the model's output parser (reasoning, tool calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken.engine.generate import StepOutput
+from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.scheduler import Scheduler
+from freetoken.server import events as ev
+from freetoken.server.errors import ApiError
+from freetoken.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    parse_output: bool = True  # run the model's reasoning / tool-call parser
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+class GenerationCore:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = scheduler.engine.max_context
+        self.parser_name = None
+        if tokenizer.has_chat_template:
+            from freetoken.server.parsers import parser_for_template
+
+            self.parser_name = parser_for_template(tokenizer.hf.chat_template)
+
+    # -- building requests ----------------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        if not messages:
+            raise ApiError(400, "invalid_request_error", "messages must not be empty")
+        if not self.tokenizer.has_chat_template:
+            raise ApiError(400, "invalid_request_error", "this model has no chat template")
+        try:
+            text = self.tokenizer.render_chat(messages, tools=tools or None, **template_kwargs)
+        except Exception as e:  # template errors are the request's fault (bad roles, shapes)
+            raise ApiError(400, "invalid_request_error", f"cannot render the chat: {e}") from e
+        return self.tokenizer.encode(text)
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """Validate the prompt against the context; return the max new tokens to allow."""
+        room = self.max_context - len(prompt_ids)
+        if room <= 0:
+            raise ApiError(
+                400,
+                "invalid_request_error",
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise ApiError(
+                400,
+                "invalid_request_error",
+                f"max_tokens is {max_tokens}, but the prompt ({len(prompt_ids)} tokens) leaves "
+                f"room for {room} in the {self.max_context}-token context",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # -- running --------------------------------------------------------------------------
+
+    def start(self, req: GenerationRequest) -> AsyncIterator[ev.Event]:
+        """Submit now (so a full queue fails before any response starts) and return the
+        events of the generation; closing the iterator early cancels the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[StepOutput | None, BaseException | None]] = asyncio.Queue()
+
+        def on_output(out, error):
+            # The client's loop may be gone (server shut down mid-request): nothing to deliver.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, (out, error))
+
+        ticket = self.scheduler.submit(req.prompt_ids, req.params, on_output)
+        return self._events(req, queue, ticket)
+
+    async def _events(self, req, queue, ticket) -> AsyncIterator[ev.Event]:
+        parser = None
+        if req.parse_output and self.parser_name:
+            from freetoken.server.parsers import make_parser
+
+            parser = make_parser(self.parser_name)
+        completion_tokens = 0
+        try:
+            while True:
+                out, error = await queue.get()
+                if error is not None:
+                    raise ApiError(400, "invalid_request_error", str(error)) from error
+                completion_tokens += 1
+                if out.text:
+                    for event in parser.feed(out.text) if parser else [ev.TextDelta(out.text)]:
+                        yield event
+                if out.request.finished:
+                    if parser:
+                        for event in parser.finish():
+                            yield event
+                    yield ev.Usage(len(req.prompt_ids), completion_tokens)
+                    yield self._finish(out, parser)
+                    return
+        finally:
+            if not (ticket.request is not None and ticket.request.finished):
+                self.scheduler.cancel(ticket)
+
+    def _finish(self, out: StepOutput, parser) -> ev.Finish:
+        request = out.request
+        if request.finish_reason == "length":
+            return ev.Finish("length")
+        if parser is not None and parser.saw_tool_call:
+            return ev.Finish("tool_calls")
+        if isinstance(request.stop_reason, str):
+            return ev.Finish("stop_sequence", stop_sequence=request.stop_reason)
+        return ev.Finish("stop")

@@ -1,0 +1,70 @@
+"""/v1/stats (JSON) and /metrics (Prometheus text) from the scheduler, KV and MoE telemetry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken.server.core import GenerationCore
+
+
+def stats_json(core: GenerationCore) -> dict[str, Any]:
+    s = core.scheduler.stats()
+    engine = core.scheduler.engine
+    kv = engine.runner.kv
+    ttft = sorted(s.ttft)
+    moe = engine.runner.moe
+    return {
+        "model": core.model_name,
+        "requests": {"running": s.running, "queued": s.queued},
+        "tokens_per_second": {
+            "prefill": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+            "decode": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+        },
+        "tokens": {"prefill": s.prefill_tokens, "decode": s.decode_tokens},
+        "ttft_seconds": {
+            "mean": sum(ttft) / len(ttft) if ttft else 0.0,
+            "p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] if ttft else 0.0,
+        },
+        "kv_pages": {
+            "used": kv.num_pages - kv.allocator.num_free,
+            "free": kv.allocator.num_free,
+            "page_size": kv.page_size,
+        },
+        "moe": None if moe is None else {"strategy": moe.strategy, **moe.telemetry.snapshot()},
+    }
+
+
+def metrics_text(core: GenerationCore) -> str:
+    s = stats_json(core)
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, value: float) -> None:
+        lines.extend(
+            [
+                f"# HELP freetoken_{name} {help_}",
+                f"# TYPE freetoken_{name} {kind}",
+                f"freetoken_{name} {value}",
+            ]
+        )
+
+    metric("requests_running", "gauge", "Requests being generated.", s["requests"]["running"])
+    metric("requests_queued", "gauge", "Requests waiting for a slot.", s["requests"]["queued"])
+    metric("prefill_tokens_total", "counter", "Prompt tokens prefilled.", s["tokens"]["prefill"])
+    metric("decode_tokens_total", "counter", "Tokens decoded.", s["tokens"]["decode"])
+    metric("ttft_seconds_mean", "gauge", "Mean time to first token.", s["ttft_seconds"]["mean"])
+    metric(
+        "ttft_seconds_p95",
+        "gauge",
+        "95th percentile time to first token.",
+        s["ttft_seconds"]["p95"],
+    )
+    metric("kv_pages_used", "gauge", "KV cache pages in use.", s["kv_pages"]["used"])
+    metric("kv_pages_free", "gauge", "KV cache pages free.", s["kv_pages"]["free"])
+    if s["moe"] is not None:
+        t = s["moe"]["total"]
+        metric("moe_cache_hit_rate", "gauge", "Expert cache hit rate.", s["moe"]["hit_rate"])
+        for key in ("accesses", "hits", "misses", "fills", "cpu", "bytes_h2d"):
+            metric(
+                f"moe_{key}_total", "counter", f"Expert {key} (distinct pairs per step).", t[key]
+            )
+    return "\n".join(lines) + "\n"

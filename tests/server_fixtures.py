@@ -1,0 +1,73 @@
+"""A real server on an ephemeral loopback port, around a chosen engine, for API tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from freetoken.config import EngineConfig
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.scheduler import Scheduler
+from freetoken.moe.runtime import MoEOptions
+from freetoken.server.app import create_app
+from freetoken.server.core import GenerationCore
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine, name="test-model", api_key=None, max_running=4, max_queued=64):
+    scheduler = Scheduler(engine, max_running, max_queued)
+    core = GenerationCore(scheduler, engine.tokenizer, name)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(core, api_key), host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    try:
+        yield base, core
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        scheduler.shutdown()
+
+
+def demo_engine() -> LLMEngine:
+    """The demo model on the CPU in fp32, with the hybrid strategy and a small CPU-tier expert
+    cache so the MoE telemetry sees misses."""
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        max_batch_size=8,
+        moe=MoEOptions("hybrid", "40"),
+    )
+    return LLMEngine.from_config(config)
+
+
+def scripted(engine, script: list[int]):
+    """Replace sampling with a fixed token script (the n-th generated token is script[n]):
+    drives the tool-call parser and the SDK round trips with a model whose outputs are noise."""
+
+    def sample(group, logits):
+        return [engine._accept(r, script[min(len(r.output_ids), len(script) - 1)]) for r in group]
+
+    return sample

@@ -1,0 +1,246 @@
+"""The OpenAI-compatible API, driven by the official `openai` SDK against a real server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import demo_engine, running_server, scripted
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    try:
+        yield demo_engine()
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with running_server(engine, MODEL, max_running=8) as (base, core):
+        yield base, core
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def greedy(**kw):
+    return {"model": MODEL, "temperature": 0, "max_tokens": 6, **kw}
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(messages=messages, **greedy())
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens > 5
+    text, finish, usage = [], None, None
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **greedy()
+    )
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(text) == (choice.message.content or "")
+    assert finish == "length" and usage.completion_tokens == 6
+
+
+def test_completions(client):
+    out = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+
+
+def test_concurrent_streams_equal_each_alone(server, client):
+    prompts = [f"Story number {i} begins" for i in range(8)]
+    alone = [
+        client.chat.completions.create(messages=[{"role": "user", "content": p}], **greedy())
+        .choices[0]
+        .message.content
+        for p in prompts
+    ]
+    results: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        c = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+        parts = []
+        for chunk in c.chat.completions.create(
+            messages=[{"role": "user", "content": prompts[i]}], stream=True, **greedy()
+        ):
+            parts += [ch.delta.content or "" for ch in chunk.choices]
+        results[i] = "".join(parts)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(8)] == alone
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_frees_kv_pages(server):
+    base = server[0]
+    body = {**greedy(max_tokens=200), "stream": True,
+            "messages": [{"role": "user", "content": "Tell me everything"}]}  # fmt: skip
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        busy = httpx.get(base + "/v1/stats").json()
+        assert busy["kv_pages"]["used"] > 0
+    assert wait_for(lambda: httpx.get(base + "/v1/stats").json()["kv_pages"]["used"] == 0)
+    assert httpx.get(base + "/v1/stats").json()["requests"]["running"] == 0
+
+
+def test_stats_and_metrics_report_moe(server, client):
+    client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], **greedy())
+    stats = httpx.get(server[0] + "/v1/stats").json()
+    moe = stats["moe"]
+    assert moe["strategy"] == "hybrid"
+    total = moe["total"]
+    assert total["misses"] > 0 and total["misses"] == total["fills"] + total["cpu"]
+    assert 0 <= moe["hit_rate"] <= 1
+    assert stats["tokens"]["decode"] > 0 and stats["ttft_seconds"]["p95"] > 0
+    text = httpx.get(server[0] + "/metrics").text
+    assert "freetoken_moe_cache_hit_rate" in text and "freetoken_moe_fills_total" in text
+    assert "# TYPE freetoken_kv_pages_used gauge" in text
+
+
+ERRORS = [
+    ("{not json", 400, "not valid JSON"),
+    (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages' must be an array"),
+    (json.dumps({**greedy(max_tokens="many"), "messages": [{"role": "user", "content": "x"}]}),
+     400, "'max_tokens' must be an integer"),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404,
+     "does not exist"),
+    (json.dumps({"model": MODEL, "messages": []}), 400, "must not be empty"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}),
+     400, "context holds"),
+    (json.dumps({**greedy(max_tokens=100000), "messages": [{"role": "user", "content": "x"}]}),
+     400, "leaves room for"),
+    (json.dumps({**greedy(temperature=-1), "messages": [{"role": "user", "content": "x"}]}),
+     400, "temperature"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}), 400,
+     "unknown role"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "message"), ERRORS)
+def test_errors_have_openai_shape_and_server_keeps_serving(server, client, body, status, message):
+    r = httpx.post(server[0] + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert message in err["message"] and {"type", "code", "param"} <= err.keys()
+    ok = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **greedy())
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_api_key(engine):
+    with running_server(engine, MODEL, api_key="sekret") as (base, _):
+        assert httpx.get(base + "/health").status_code == 200
+        denied = httpx.get(base + "/v1/models")
+        assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+        anth = httpx.post(base + "/v1/messages", json={})
+        assert anth.status_code == 401 and anth.json()["type"] == "error"
+        assert httpx.get(base + "/v1/models", headers={"x-api-key": "sekret"}).status_code == 200
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+
+
+def test_full_queue_answers_429(engine):
+    with running_server(engine, MODEL, max_running=1, max_queued=1) as (base, _):
+        body = {**greedy(max_tokens=300), "stream": True,
+                "messages": [{"role": "user", "content": "Go on and on"}]}  # fmt: skip
+        with httpx.Client(timeout=60) as http:
+            url = base + "/v1/chat/completions"
+            first = http.send(http.build_request("POST", url, json=body), stream=True)
+            next(first.iter_lines())  # running
+            second = http.send(http.build_request("POST", url, json=body), stream=True)
+            third = http.post(url, json=body)
+            assert third.status_code == 429
+            assert third.json()["error"]["type"] == "rate_limit_error"
+            first.close()
+            second.close()
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}  # fmt: skip
+
+
+def test_tool_call_round_trip(engine, client, monkeypatch):
+    tok = engine.tokenizer
+    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call_text), eos]))
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=100
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    # The same call streamed: name first, arguments in pieces that add up.
+    names, args, finish = [], [], None
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=100, stream=True
+    ):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                args.append(d.function.arguments or "")
+            assert not c.delta.content  # no markup leaks into the text
+            finish = c.finish_reason or finish
+    assert names == ["get_weather"] and json.loads("".join(args)) == {"city": "Paris"}
+    assert finish == "tool_calls"
+
+    # The tool result goes back; the model answers in text.
+    answer = "It is sunny in Paris."
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(answer), eos]))
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=100
+    )
+    assert second.choices[0].message.content == answer
+    assert second.choices[0].finish_reason == "stop"
