@@ -13,7 +13,7 @@ def readme_commands() -> list[str]:
 
 def test_readme_starts_with_run_and_test_commands():
     run, test = readme_commands()
-    assert run.endswith("ft shell") and "pip install -e ." in run
+    assert run.endswith("ft serve") and "pip install -e ." in run
     assert test.endswith("pytest") and "'.[dev]'" in test
 
 

@@ -101,9 +101,12 @@ class GenerationCore:
     async def _events(self, req, queue, ticket) -> AsyncIterator[ev.Event]:
         parser = None
         if req.parse_output and self.parser_name:
-            from freetoken.server.parsers import make_parser
+            from freetoken.server.parsers import make_parser, prompt_opens_reasoning
 
-            parser = make_parser(self.parser_name)
+            # Thinking templates may open <think> in the generation prompt itself. Every
+            # parser `parser_for_template` picks takes this option.
+            tail = self.tokenizer.decode(req.prompt_ids[-8:], skip_special_tokens=False)
+            parser = make_parser(self.parser_name, starts_in_reasoning=prompt_opens_reasoning(tail))
         completion_tokens = 0
         try:
             while True:

@@ -1,0 +1,81 @@
+"""Streaming output parsers: the model's generated text, chunk by chunk, becomes events.
+
+A parser sees the decoded text exactly as the model produced it, in arbitrary pieces (one
+token's text at a time; a piece may end in the middle of any markup), and turns it into
+protocol-neutral events (`freetoken.server.events`): answer text, reasoning text and tool
+calls. Which parser a model needs follows from its chat template (`parser_for_template`).
+
+Parsers are registered by name and imported only when made (`make_parser`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+from freetoken.server.events import Event
+
+__all__ = [
+    "PARSERS",
+    "OutputParser",
+    "make_parser",
+    "parser_for_template",
+    "prompt_opens_reasoning",
+]
+
+# name -> "module:Class"; the class is called with make_parser's keyword options.
+PARSERS: dict[str, str] = {
+    "qwen3": "freetoken.server.parsers.qwen:QwenParser",
+    "hermes": "freetoken.server.parsers.qwen:QwenParser",  # same <tool_call> JSON format
+    "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
+}
+
+
+@runtime_checkable
+class OutputParser(Protocol):
+    """Turns one generation's text into events. One instance per generation."""
+
+    def feed(self, text: str) -> list[Event]:
+        """Newly decoded model text (any length, split anywhere) -> events (may be empty)."""
+        ...
+
+    def finish(self) -> list[Event]:
+        """End of generation: release held-back text and close whatever is still open."""
+        ...
+
+    @property
+    def saw_tool_call(self) -> bool:
+        """Whether a ToolCallStart has been emitted (the finish reason is then "tool_calls")."""
+        ...
+
+
+def make_parser(name: str, **options: object) -> OutputParser:
+    """A new parser of the registered `name`, made with `options` (e.g. starts_in_reasoning)."""
+    target = PARSERS.get(name)
+    if target is None:
+        known = ", ".join(sorted(PARSERS))
+        raise ValueError(f"unknown output parser {name!r}; known parsers: {known}")
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**options)
+
+
+def parser_for_template(chat_template: str | None) -> str | None:
+    """The parser name that fits a chat template's text, or None when nothing is recognised.
+
+    Templates that write tool calls as `<tool_call>` JSON (Qwen2.5/Qwen3, Hermes) or that
+    mention `<think>` blocks get the Qwen parser (its tool call detection is harmless for a
+    model that never writes `<tool_call>`).
+    """
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template or "<think>" in chat_template:
+        return "qwen3"
+    return None
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an opened `<think>` block, i.e. the generation
+    prompt already wrote `<think>` and the output starts in reasoning (pass the result as
+    the Qwen parser's `starts_in_reasoning`)."""
+    return prompt.rstrip().endswith("<think>")
