@@ -107,8 +107,11 @@ def wait_for(predicate, timeout=20.0):
 
 def test_disconnect_frees_kv_pages(server):
     base = server[0]
-    body = {**greedy(max_tokens=200), "stream": True,
-            "messages": [{"role": "user", "content": "Tell me everything"}]}  # fmt: skip
+    body = {
+        **greedy(max_tokens=200),
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me everything"}],
+    }
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         for _ in range(4):
@@ -136,26 +139,47 @@ def test_stats_and_metrics_report_moe(server, client):
 ERRORS = [
     ("{not json", 400, "not valid JSON"),
     (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages' must be an array"),
-    (json.dumps({**greedy(max_tokens="many"), "messages": [{"role": "user", "content": "x"}]}),
-     400, "'max_tokens' must be an integer"),
-    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404,
-     "does not exist"),
+    (
+        json.dumps({**greedy(max_tokens="many"), "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "'max_tokens' must be an integer",
+    ),
+    (
+        json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+        404,
+        "does not exist",
+    ),
     (json.dumps({"model": MODEL, "messages": []}), 400, "must not be empty"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}),
-     400, "context holds"),
-    (json.dumps({**greedy(max_tokens=100000), "messages": [{"role": "user", "content": "x"}]}),
-     400, "leaves room for"),
-    (json.dumps({**greedy(temperature=-1), "messages": [{"role": "user", "content": "x"}]}),
-     400, "temperature"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}), 400,
-     "unknown role"),
-]  # fmt: skip
+    (
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}),
+        400,
+        "context holds",
+    ),
+    (
+        json.dumps({**greedy(max_tokens=100000), "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "leaves room for",
+    ),
+    (
+        json.dumps({**greedy(temperature=-1), "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "temperature",
+    ),
+    (
+        json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}),
+        400,
+        "unknown role",
+    ),
+]
 
 
 @pytest.mark.parametrize(("body", "status", "message"), ERRORS)
 def test_errors_have_openai_shape_and_server_keeps_serving(server, client, body, status, message):
-    r = httpx.post(server[0] + "/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server[0] + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == status
     err = r.json()["error"]
     assert message in err["message"] and {"type", "code", "param"} <= err.keys()
@@ -177,8 +201,11 @@ def test_api_key(engine):
 
 def test_full_queue_answers_429(engine):
     with running_server(engine, MODEL, max_running=1, max_queued=1) as (base, _):
-        body = {**greedy(max_tokens=300), "stream": True,
-                "messages": [{"role": "user", "content": "Go on and on"}]}  # fmt: skip
+        body = {
+            **greedy(max_tokens=300),
+            "stream": True,
+            "messages": [{"role": "user", "content": "Go on and on"}],
+        }
         with httpx.Client(timeout=60) as http:
             url = base + "/v1/chat/completions"
             first = http.send(http.build_request("POST", url, json=body), stream=True)
@@ -196,10 +223,13 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "Current weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
     },
-}  # fmt: skip
+}
 
 
 def test_tool_call_round_trip(engine, client, monkeypatch):
@@ -244,3 +274,52 @@ def test_tool_call_round_trip(engine, client, monkeypatch):
     )
     assert second.choices[0].message.content == answer
     assert second.choices[0].finish_reason == "stop"
+
+
+def test_responses_api(client):
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, temperature=0)
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 5
+    kinds, deltas = [], []
+    for event in client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=5, temperature=0, stream=True
+    ):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert "".join(deltas) == whole.output_text
+
+
+def test_responses_function_call_round_trip(engine, client, monkeypatch):
+    tok = engine.tokenizer
+    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call_text), eos]))
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool])
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+    answer = "It is sunny in Paris."
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(answer), eos]))
+    second = client.responses.create(
+        model=MODEL,
+        tools=[tool],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        ],
+    )
+    assert second.status == "completed" and second.output_text == answer

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from freetoken.engine.scheduler import QueueFullError
-from freetoken.server import anthropic_api, openai_api
+from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError
 from freetoken.server.stats import metrics_text, stats_json
@@ -86,6 +86,10 @@ def create_app(core: GenerationCore, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return respond(await openai_api.completions(core, await json_body(request)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return respond(await responses_api.responses(core, await json_body(request)))
 
     @app.post("/v1/messages")
     async def messages(request: Request):

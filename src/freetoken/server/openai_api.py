@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -13,7 +12,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
 from freetoken.server.core import GenerationCore, GenerationRequest
 from freetoken.server.errors import ApiError
-from freetoken.server.validate import field, stop_list, text_of
+from freetoken.server.validate import field, stop_list, text_of, tool_arguments
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 
@@ -82,10 +81,7 @@ def _template_call(call: Any, i: int) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict):
         raise ApiError(400, "invalid_request_error", f"messages[{i}].tool_calls: bad tool call")
-    arguments = fn.get("arguments") or "{}"
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # not JSON: the template prints it as it is
-            arguments = json.loads(arguments)
+    arguments = tool_arguments(fn.get("arguments"))
     return {
         "type": "function",
         "id": call.get("id"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from freetoken.server.errors import ApiError
@@ -65,3 +66,14 @@ def stop_list(value: Any) -> tuple[str, ...]:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(s for s in value if s)
     raise ApiError(400, "invalid_request_error", "'stop' must be a string or an array of strings")
+
+
+def tool_arguments(value: Any) -> Any:
+    """A tool call's arguments for the chat template: parsed when they are JSON text (the
+    template serialises objects itself), else passed as they are (it prints strings)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value or "{}")
+        except ValueError:
+            return value
+    return value if value is not None else {}
