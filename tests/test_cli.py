@@ -85,3 +85,41 @@ def test_module_entry_point_matches_console_script(env):
         text=True,
     )
     assert out.returncode == 0 and "generate" in out.stdout and "shell" in out.stdout
+
+
+def test_serve_answers_on_the_demo_model(env):
+    """The README's first command: `ft serve` with no model serves the demo."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [FT, "serve", "--port", str(port), "--device", "cpu"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {
+            "model": "freetoken-demo",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "Hello"}],
+        }
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"{base}/v1" in err and "curl" in err  # the ready message with an example
