@@ -122,6 +122,11 @@ def test_stop_sequence(client, engine, monkeypatch):
         ({"model": MODEL, "max_tokens": 5, "messages": []}, 400, "invalid_request_error"),
         ({"model": MODEL, "max_tokens": "5", "messages": USER}, 400, "invalid_request_error"),
         ({"model": MODEL, "max_tokens": 99999, "messages": USER}, 400, "invalid_request_error"),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": USER, "foo": 1},
+            400,
+            "invalid_request_error",
+        ),
     ],
 )
 def test_errors_have_anthropic_shape(server, client, body, status, kind):

@@ -137,6 +137,11 @@ def test_stats_and_metrics_report_moe(server, client):
 
 
 ERRORS = [
+    (
+        json.dumps({**greedy(), "messages": [{"role": "user", "content": "x"}], "temprature": 0}),
+        400,
+        "Unrecognized request argument supplied: temprature",
+    ),
     ("{not json", 400, "not valid JSON"),
     (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages' must be an array"),
     (

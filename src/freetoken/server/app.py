@@ -14,6 +14,7 @@ from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError
 from freetoken.server.stats import metrics_text, stats_json
+from freetoken.server.validate import reject_unknown
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +28,14 @@ def error_response(path: str, err: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request, endpoint: str) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
     except ValueError as e:
         raise ApiError(400, "invalid_request_error", f"the body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_request_error", "the body must be a JSON object")
+    reject_unknown(body, endpoint)
     return body
 
 
@@ -81,23 +83,23 @@ def create_app(core: GenerationCore, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return respond(await openai_api.chat_completions(core, await json_body(request)))
+        return respond(await openai_api.chat_completions(core, await json_body(request, "chat")))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return respond(await openai_api.completions(core, await json_body(request)))
+        return respond(await openai_api.completions(core, await json_body(request, "completions")))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return respond(await responses_api.responses(core, await json_body(request)))
+        return respond(await responses_api.responses(core, await json_body(request, "responses")))
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return respond(await anthropic_api.messages(core, await json_body(request)))
+        return respond(await anthropic_api.messages(core, await json_body(request, "messages")))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        return anthropic_api.count_tokens(core, await json_body(request))
+        return anthropic_api.count_tokens(core, await json_body(request, "count_tokens"))
 
     @app.get("/v1/stats")
     async def stats():

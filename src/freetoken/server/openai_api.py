@@ -103,7 +103,8 @@ def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
 async def chat_completions(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
     tools = chat_tools(body)
-    prompt = core.render(chat_messages(body), tools=tools)
+    template_kwargs = field(body, "chat_template_kwargs", dict, {})  # e.g. enable_thinking
+    prompt = core.render(chat_messages(body), tools=tools, **template_kwargs)
     params = sampling(core, body, prompt)
     req = GenerationRequest(prompt, params, tools=tools)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
