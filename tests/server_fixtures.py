@@ -71,3 +71,6 @@ def scripted(engine, script: list[int]):
         return [engine._accept(r, script[min(len(r.output_ids), len(script) - 1)]) for r in group]
 
     return sample
+
+
+MODEL = "test-model"

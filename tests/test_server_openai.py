@@ -10,25 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import demo_engine, running_server, scripted
-
-MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    try:
-        yield demo_engine()
-    finally:
-        mp.undo()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with running_server(engine, MODEL, max_running=8) as (base, core):
-        yield base, core
+from server_fixtures import MODEL, running_server, scripted
 
 
 @pytest.fixture()
