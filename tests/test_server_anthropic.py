@@ -119,3 +119,15 @@ def test_errors_have_anthropic_shape(server, client, body, status, kind):
     assert payload["error"]["message"]
     ok = client.messages.create(model=MODEL, max_tokens=3, messages=USER)
     assert ok.stop_reason == "max_tokens"
+
+
+def test_keepalive_pings_while_waiting(server, client, monkeypatch):
+    from freetoken.server import anthropic_api
+
+    monkeypatch.setattr(anthropic_api, "PING_INTERVAL", 0.001)  # every wait is "long"
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": USER, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/messages", json=body, timeout=60) as r:
+        kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds.count("ping") >= 2 and kinds[-1] == "message_stop"
+    with client.messages.stream(model=MODEL, max_tokens=4, messages=USER) as stream:
+        assert stream.get_final_message().usage.output_tokens == 4  # the SDK skips pings

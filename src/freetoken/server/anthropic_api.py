@@ -9,7 +9,7 @@ from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
-from freetoken.server.core import GenerationCore, GenerationRequest
+from freetoken.server.core import GenerationCore, GenerationRequest, with_keepalive
 from freetoken.server.errors import ApiError
 from freetoken.server.validate import field, stop_list, text_of
 
@@ -221,6 +221,10 @@ def _usage(u: ev.Usage) -> dict[str, int]:
     }
 
 
+# Seconds without an event (a long prefill) before a keep-alive `ping`.
+PING_INTERVAL = 10.0
+
+
 def _sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
@@ -247,8 +251,10 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
     def close():
         return _sse("content_block_stop", {"index": index})
 
-    async for e in events:
-        if isinstance(e, ev.TextDelta | ev.ReasoningDelta):
+    async for e in with_keepalive(events, PING_INTERVAL):
+        if e is None:
+            yield _sse("ping", {})
+        elif isinstance(e, ev.TextDelta | ev.ReasoningDelta):
             kind = "text" if isinstance(e, ev.TextDelta) else "thinking"
             if open_kind != kind:
                 if open_kind is not None:

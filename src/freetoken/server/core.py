@@ -137,3 +137,27 @@ class GenerationCore:
         if isinstance(request.stop_reason, str):
             return ev.Finish("stop_sequence", stop_sequence=request.stop_reason)
         return ev.Finish("stop")
+
+
+async def with_keepalive(events: AsyncIterator[ev.Event], interval: float):
+    """The events, with None yielded whenever `interval` seconds pass without one (a long
+    prefill), so a stream can send keep-alives that stop clients and proxies timing out."""
+    pending: asyncio.Task | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+        await events.aclose()
