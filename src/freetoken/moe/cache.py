@@ -90,6 +90,19 @@ class ExpertCache:
         return torch.topk(padded[: self.num_slots], count, largest=False).indices
 
     def place(self, pairs: Sequence[int], slots: Sequence[int]):
+        """Put `pairs` into `slots`, copying from the host pool. Returns (start, done) copy
+        events on CUDA, None on the CPU tier (copied on return)."""
+        self._retable(pairs, slots)
+        sources = [(self.store.w_gate_up[p], self.store.w_down[p]) for p in pairs]
+        return self._copy(slots, sources)
+
+    def place_from(self, pairs, slots, sources, after=None):
+        """Like `place`, copying from device tensors (`sources`: (gate_up, down) rows). On
+        CUDA the copies follow `after` (an event) instead of all queued compute."""
+        self._retable(pairs, slots)
+        return self._copy(slots, sources, after)
+
+    def _retable(self, pairs: Sequence[int], slots: Sequence[int]) -> None:
         # Fills are decided on the host, so host mirrors of the tables name the evicted pairs
         # and the new slots without reading the device tables back.
         stale = [old for s in slots if (old := self._pair_of_host[s]) >= 0]
@@ -103,23 +116,27 @@ class ExpertCache:
         pairs_t = torch.tensor(pairs, dtype=torch.long, device=self.device)
         self.slot_of[pairs_t] = slots_t
         self.pair_of[slots_t] = pairs_t
-        store = self.store
+
+    def _copy(self, slots, sources, after=None):
         if self.copy_stream is None:
             start = time.perf_counter()
-            for p, s in zip(pairs, slots, strict=True):
-                self.w_gate_up[s].copy_(store.w_gate_up[p])
-                self.w_down[s].copy_(store.w_down[p])
+            for s, (gate_up, down) in zip(slots, sources, strict=True):
+                self.w_gate_up[s].copy_(gate_up)
+                self.w_down[s].copy_(down)
             self.last_fill_seconds = time.perf_counter() - start
             return None
-        # A victim may still be read by kernels already queued on the compute stream.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is None:
+            # A victim may still be read by kernels already queued on the compute stream.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.copy_stream.wait_event(after)
         start = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             start.record()
-            for p, s in zip(pairs, slots, strict=True):
-                self.w_gate_up[s].copy_(store.w_gate_up[p], non_blocking=True)
-                self.w_down[s].copy_(store.w_down[p], non_blocking=True)
+            for s, (gate_up, down) in zip(slots, sources, strict=True):
+                self.w_gate_up[s].copy_(gate_up, non_blocking=True)
+                self.w_down[s].copy_(down, non_blocking=True)
             done.record()
         return start, done
 

@@ -31,6 +31,7 @@ from freetoken.kernels.grouped_experts import grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
+from freetoken.moe.prefill import LayerStreamer
 from freetoken.moe.split import BandwidthTracker, split_misses
 from freetoken.moe.store import HostExpertStore
 from freetoken.telemetry import MoETelemetry
@@ -62,6 +63,10 @@ class MoEOptions:
     # Chunks of at least this many tokens fill every miss they can: the CPU runs long chunks at
     # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
     fill_all_from_tokens: int = 32
+    # Chunks of at least this many tokens stream whole layers through two buffers
+    # (moe/prefill.py); None turns streaming off. Not yet tuned on a GPU (benchmarks/prefill.py
+    # is to come): 64 tokens of top-8 routes already touch most of 128 experts per layer.
+    prefill_stream_threshold: int | None = 64
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -91,11 +96,13 @@ class MoERuntime:
         options: MoEOptions,
         act: str = "silu",
         tracker: BandwidthTracker | None = None,
+        streamer: LayerStreamer | None = None,
     ):
         self.store, self.device, self.strategy = store, device, strategy
         self.cache, self.cpu, self.options, self.act = cache, cpu, options, act
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
         self.telemetry = MoETelemetry.for_layers(store.num_layers)
+        self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
         self._sync_wait = 0.0
 
@@ -109,6 +116,9 @@ class MoERuntime:
             # Every expert is resident: no lookup, no host round trip, nothing to count but calls.
             self.telemetry.layers[moe_layer].calls += 1
             return self._gpu(x, pairs, weights)
+        threshold = self.options.prefill_stream_threshold
+        if self.streamer is not None and threshold is not None and x.shape[0] >= threshold:
+            return self.streamer.forward(moe_layer, x, ids, weights)
         return self._split_layer(moe_layer, x, pairs, weights)
 
     def _gpu(self, x, slots, weights) -> torch.Tensor:
@@ -282,7 +292,10 @@ def build_runtime(
     act: str = "silu",
     reserve_bytes: int = 2 * 2**30,
 ) -> MoERuntime:
-    slots = cache_slots_for(options, device, store, reserve_bytes)
+    streaming = options.strategy != "fused" and options.prefill_stream_threshold is not None
+    stream_bytes = 2 * store.num_experts * store.shape.nbytes if streaming else 0
+    # Sized from free memory, the cache leaves room for the two prefill layer buffers.
+    slots = cache_slots_for(options, device, store, reserve_bytes + stream_bytes)
     profile = load_profile(device, store.shape)
     strategy = resolve_strategy(options, device, store, slots, profile)
     if strategy in ("offload", "hybrid", "static") and device.type == "cuda" and not store.pin():
@@ -310,4 +323,15 @@ def build_runtime(
     tracker = None
     if profile is not None and profile.pcie_concurrent and profile.cpu_concurrent:
         tracker = BandwidthTracker(profile.pcie_concurrent, profile.cpu_concurrent)
-    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker)
+    streamer = None
+    if strategy != "fused" and streaming:
+        need = stream_bytes
+        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < need + reserve_bytes:
+            log.warning(
+                "no room for two layers of experts (%.1f GiB): long prefills fill the cache "
+                "on demand, layer by layer",
+                need / 2**30,
+            )
+        else:
+            streamer = LayerStreamer(store, cache, device, act)
+    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer)

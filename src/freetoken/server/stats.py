@@ -31,6 +31,9 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
             "page_size": kv.page_size,
         },
         "moe": None if moe is None else {"strategy": moe.strategy, **moe.telemetry.snapshot()},
+        "prefill_streaming": None
+        if moe is None or moe.streamer is None
+        else {k: v for k, v in vars(moe.streamer.counters).items() if k != "history"},
     }
 
 
@@ -60,6 +63,26 @@ def metrics_text(core: GenerationCore) -> str:
     )
     metric("kv_pages_used", "gauge", "KV cache pages in use.", s["kv_pages"]["used"])
     metric("kv_pages_free", "gauge", "KV cache pages free.", s["kv_pages"]["free"])
+    if s["prefill_streaming"] is not None:
+        p = s["prefill_streaming"]
+        metric(
+            "prefill_stream_bytes_h2d_total",
+            "counter",
+            "Streamed prefill bytes over PCIe.",
+            p["bytes_h2d"],
+        )
+        metric(
+            "prefill_stream_bytes_d2d_total",
+            "counter",
+            "Streamed prefill bytes on device.",
+            p["bytes_d2d"],
+        )
+        metric(
+            "prefill_stream_copy_wait_seconds_total",
+            "counter",
+            "Time the GPU waited for streamed prefill copies.",
+            p["copy_wait_s"],
+        )
     if s["moe"] is not None:
         t = s["moe"]["total"]
         metric("moe_cache_hit_rate", "gauge", "Expert cache hit rate.", s["moe"]["hit_rate"])
