@@ -131,3 +131,12 @@ def test_keepalive_pings_while_waiting(server, client, monkeypatch):
     assert kinds.count("ping") >= 2 and kinds[-1] == "message_stop"
     with client.messages.stream(model=MODEL, max_tokens=4, messages=USER) as stream:
         assert stream.get_final_message().usage.output_tokens == 4  # the SDK skips pings
+
+
+def test_repeated_prefix_reports_cache_reads(client):
+    messages = [{"role": "user", "content": "A long shared context. " * 10}]
+    first = client.messages.create(model=MODEL, max_tokens=3, messages=messages)
+    again = client.messages.create(model=MODEL, max_tokens=3, messages=messages)
+    assert again.usage.cache_read_input_tokens > 0
+    total = again.usage.input_tokens + again.usage.cache_read_input_tokens
+    assert total == first.usage.input_tokens + first.usage.cache_read_input_tokens

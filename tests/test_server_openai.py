@@ -310,3 +310,11 @@ def test_responses_function_call_round_trip(engine, client, monkeypatch):
         ],
     )
     assert second.status == "completed" and second.output_text == answer
+
+
+def test_repeated_prefix_reports_cached_tokens(client):
+    messages = [{"role": "user", "content": "A long shared context. " * 10}]
+    client.chat.completions.create(messages=messages, **greedy())
+    again = client.chat.completions.create(messages=messages, **greedy())
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens

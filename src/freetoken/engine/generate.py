@@ -20,6 +20,7 @@ from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
 from freetoken.kv.paged import KVSequence
+from freetoken.kv.radix import RadixCache
 from freetoken.tokenizer import Tokenizer
 from freetoken.weights.loader import load_model
 
@@ -37,6 +38,8 @@ class Request:
     text: TextStream
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix: list = field(default_factory=list)  # radix nodes locked for this request
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 
@@ -67,6 +70,7 @@ class LLMEngine:
         tokenizer: Tokenizer,
         max_batch_size: int = 4,
         max_prefill_chunk: int = 2048,
+        prefix_cache: bool = True,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -77,6 +81,9 @@ class LLMEngine:
         self.max_context = min(runner.config.max_position_embeddings, runner.kv.capacity_tokens)
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.prefix_cache = RadixCache(runner.kv.page_size) if prefix_cache else None
+        if self.prefix_cache is not None:
+            runner.kv.reclaim = self.prefix_cache.evict
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -111,13 +118,39 @@ class LLMEngine:
             text=TextStream(self.tokenizer.decode, params.stop),
             generator=make_generator(params.seed, self.runner.device),
         )
+        if self.prefix_cache is not None:
+            self._reuse_prefix(req)
         self.running.append(req)
         return req
 
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start the request from the longest cached prefix of its prompt (at least one prompt
+        token is left to compute: its logits give the first new token)."""
+        cache = self.prefix_cache
+        path = cache.match(req.prompt_ids)
+        while path and len(path) * cache.page_size >= len(req.prompt_ids):
+            path.pop()
+        cache.lock(path)
+        req.prefix = path
+        req.seq.pages = [node.page for node in path]
+        req.seq.length = req.cached_tokens = len(path) * cache.page_size
+
     def abort(self, req: Request) -> None:
+        """Remove a request (finished or not) and free its KV, donating its full pages to the
+        prefix cache."""
         if req in self.running:
             self.running.remove(req)
-        self.runner.release(req.seq)
+        cache, seq = self.prefix_cache, req.seq
+        if cache is None:
+            self.runner.release(seq)
+            return
+        full = seq.length // cache.page_size
+        tokens = (req.prompt_ids + req.output_ids)[: full * cache.page_size]
+        spare = cache.insert(tokens, seq.pages[:full])
+        cache.unlock(req.prefix)
+        req.prefix = []
+        self.runner.kv.allocator.free(spare + seq.pages[full:])
+        seq.pages, seq.length = [], 0
 
     # -- stepping -------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ fragmentation, and let later work (the radix prefix cache) share pages between s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,8 @@ class PagedKVCache:
     ):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
+        # Called with a number of pages when the pool runs short; returns pages it freed.
+        self.reclaim: Callable[[int], list[int]] | None = None
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Flat [slots, heads, dim] per layer: a token's K/V lives at slot page * page_size + offset.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -79,6 +82,9 @@ class PagedKVCache:
         """Make room for `new_tokens` more positions after `seq.length`."""
         needed = -(-(seq.length + new_tokens) // self.page_size) - len(seq.pages)
         if needed > 0:
+            short = needed - self.allocator.num_free
+            if short > 0 and self.reclaim is not None:
+                self.allocator.free(self.reclaim(short))  # e.g. evict cached prefixes
             seq.pages.extend(self.allocator.alloc(needed))
 
     def release(self, seq: KVSequence) -> None:

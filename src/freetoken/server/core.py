@@ -121,7 +121,9 @@ class GenerationCore:
                     if parser:
                         for event in parser.finish():
                             yield event
-                    yield ev.Usage(len(req.prompt_ids), completion_tokens)
+                    yield ev.Usage(
+                        len(req.prompt_ids), completion_tokens, out.request.cached_tokens
+                    )
                     yield self._finish(out, parser)
                     return
         finally:

@@ -7,10 +7,23 @@ from typing import Any
 from freetoken.server.core import GenerationCore
 
 
+def kv_pages(engine) -> dict[str, int]:
+    """Pages used by running requests, held by the prefix cache (reusable, evicted when the
+    pool runs short), and free."""
+    kv, tree = engine.runner.kv, engine.prefix_cache
+    cached = tree.num_pages if tree is not None else 0
+    free = kv.allocator.num_free
+    return {
+        "used": kv.num_pages - free - cached,
+        "cached": cached,
+        "free": free,
+        "page_size": kv.page_size,
+    }
+
+
 def stats_json(core: GenerationCore) -> dict[str, Any]:
     s = core.scheduler.stats()
     engine = core.scheduler.engine
-    kv = engine.runner.kv
     ttft = sorted(s.ttft)
     moe = engine.runner.moe
     return {
@@ -25,11 +38,7 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
             "mean": sum(ttft) / len(ttft) if ttft else 0.0,
             "p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] if ttft else 0.0,
         },
-        "kv_pages": {
-            "used": kv.num_pages - kv.allocator.num_free,
-            "free": kv.allocator.num_free,
-            "page_size": kv.page_size,
-        },
+        "kv_pages": kv_pages(engine),
         "moe": None if moe is None else {"strategy": moe.strategy, **moe.telemetry.snapshot()},
         "prefill_streaming": None
         if moe is None or moe.streamer is None
@@ -63,6 +72,9 @@ def metrics_text(core: GenerationCore) -> str:
     )
     metric("kv_pages_used", "gauge", "KV cache pages in use.", s["kv_pages"]["used"])
     metric("kv_pages_free", "gauge", "KV cache pages free.", s["kv_pages"]["free"])
+    metric(
+        "kv_pages_cached", "gauge", "KV pages held by the prefix cache.", s["kv_pages"]["cached"]
+    )
     if s["prefill_streaming"] is not None:
         p = s["prefill_streaming"]
         metric(
