@@ -19,6 +19,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", help="cuda | cpu (default: cuda when available)")
     g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache capacity in tokens")
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="do not reuse the KV of prompt prefixes seen before",
+    )
     m = p.add_argument_group("expert placement (MoE models)")
     m.add_argument(
         "--moe-strategy",
@@ -125,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
+        prefix_cache=not args.no_prefix_cache,
         moe=moe,
     )
 
