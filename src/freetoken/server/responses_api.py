@@ -170,51 +170,18 @@ class _Builder:
 
     def feed(self, e: ev.Event) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        if isinstance(e, ev.TextDelta):
-            if self.open is None or self.open["type"] != "message":
-                out += self._start(
-                    {
-                        "type": "message",
-                        "id": _id("msg"),
-                        "status": "in_progress",
-                        "role": "assistant",
-                        "content": [{"type": "output_text", "text": "", "annotations": []}],
-                    }
-                )
+        if isinstance(e, ev.TextDelta | ev.ReasoningDelta):
+            kind, new_item, event = _TEXT_ITEMS[type(e)]
+            if self.open is None or self.open["type"] != kind:
+                out += self._start(new_item())
             self.open["content"][0]["text"] += e.text
-            out.append(
-                (
-                    "response.output_text.delta",
-                    {
-                        "item_id": self.open["id"],
-                        "output_index": len(self.output) - 1,
-                        "content_index": 0,
-                        "delta": e.text,
-                    },
-                )
-            )
-        elif isinstance(e, ev.ReasoningDelta):
-            if self.open is None or self.open["type"] != "reasoning":
-                out += self._start(
-                    {
-                        "type": "reasoning",
-                        "id": _id("rs"),
-                        "summary": [],
-                        "content": [{"type": "reasoning_text", "text": ""}],
-                    }
-                )
-            self.open["content"][0]["text"] += e.text
-            out.append(
-                (
-                    "response.reasoning_text.delta",
-                    {
-                        "item_id": self.open["id"],
-                        "output_index": len(self.output) - 1,
-                        "content_index": 0,
-                        "delta": e.text,
-                    },
-                )
-            )
+            delta = {
+                "item_id": self.open["id"],
+                "output_index": len(self.output) - 1,
+                "content_index": 0,
+                "delta": e.text,
+            }
+            out.append((event, delta))
         elif isinstance(e, ev.ToolCallStart):
             out += self._start(
                 {
@@ -244,6 +211,32 @@ class _Builder:
 
     def finish(self) -> list[tuple[str, dict[str, Any]]]:
         return self._close()
+
+
+def _message_item() -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": _id("msg"),
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "", "annotations": []}],
+    }
+
+
+def _reasoning_item() -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": _id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": ""}],
+    }
+
+
+# Text-like events: the output item they go into, and the stream event of each delta.
+_TEXT_ITEMS = {
+    ev.TextDelta: ("message", _message_item, "response.output_text.delta"),
+    ev.ReasoningDelta: ("reasoning", _reasoning_item, "response.reasoning_text.delta"),
+}
 
 
 def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
