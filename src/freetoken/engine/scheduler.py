@@ -136,6 +136,8 @@ class Scheduler:
                 self._active.pop(req.id, None)
             self._cancel.clear()
             while self._waiting and len(self.engine.running) < self.max_running:
+                if self.engine.running and not self._fits(self._waiting[0]):
+                    break  # admit it when running requests have freed KV pages
                 ticket = self._waiting.popleft()
                 try:
                     ticket.request = self.engine.add_request(ticket.prompt_ids, ticket.params)
@@ -143,6 +145,27 @@ class Scheduler:
                     self._deliver(ticket, None, e)
                     continue
                 self._active[ticket.request.id] = ticket
+
+    def _fits(self, ticket: Ticket) -> bool:
+        """Whether the KV pool (free pages, plus prefix-cache pages it could evict) holds the
+        request's whole prompt and output next to what running requests may still need.
+        Without this, requests admitted together could run the pool dry mid-decode. A request
+        that finds nothing running is always admitted (alone it fits: add_request checks)."""
+        engine = self.engine
+        kv = engine.runner.kv
+        available = kv.allocator.num_free
+        if engine.prefix_cache is not None:
+            available += engine.prefix_cache.num_pages
+        pages = -(-(len(ticket.prompt_ids) + ticket.params.max_new_tokens) // kv.page_size)
+        still_needed = sum(
+            max(
+                0,
+                -(-(len(r.prompt_ids) + r.params.max_new_tokens) // kv.page_size)
+                - len(r.seq.pages),
+            )
+            for r in engine.running
+        )
+        return pages + still_needed <= available
 
     def _step(self) -> None:
         prefill = sum(

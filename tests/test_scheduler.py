@@ -1,0 +1,51 @@
+"""The engine thread's admission: requests wait for KV pages instead of running the pool dry."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from freetoken.config import EngineConfig
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.scheduler import Scheduler
+
+
+@pytest.fixture()
+def small_engine(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+    return LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=256))
+
+
+def test_requests_wait_for_kv_pages(small_engine):
+    engine = small_engine
+    kv = engine.runner.kv
+    params = SamplingParams(max_new_tokens=kv.capacity_tokens // 3, temperature=0)
+    prompt = engine.tokenizer.encode("Once upon a time")
+    # Each request may grow to a third of the pool: three of them cannot all run at once
+    # next to what the prefix cache holds, so one waits instead of failing mid-decode.
+    done = threading.Event()
+    results: dict[int, list] = {i: [] for i in range(3)}
+    errors = []
+
+    def on_output(i):
+        def callback(out, error):
+            if error is not None:
+                errors.append(error)
+            elif out.request.finished:
+                results[i].append(out.request.finish_reason)
+                if all(results.values()):
+                    done.set()
+
+        return callback
+
+    scheduler = Scheduler(engine, max_running=3)
+    try:
+        for i in range(3):
+            scheduler.submit([*prompt, i + 10], params, on_output(i))
+        assert done.wait(timeout=300), "requests did not finish"
+    finally:
+        scheduler.shutdown()
+    assert not errors
+    assert all(r == ["length"] for r in results.values())
