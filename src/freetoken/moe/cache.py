@@ -66,10 +66,6 @@ class ExpertCache:
         cache.slot_of_host = ids.cpu()
         return cache
 
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.store.shape.nbytes
-
     def lookup(self, pairs: torch.Tensor) -> torch.Tensor:
         """Slot of each flat pair id (-1 for a miss); same shape as `pairs`."""
         return self.slot_of[pairs]

@@ -88,10 +88,6 @@ class LayerStreamer:
         # that benchmarks/prefill.py compares the overlapped stream with.
         self.overlap = True
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.store.num_experts * self.store.shape.nbytes
-
     def _load(self, moe_layer: int) -> None:
         """Issue the copies of every expert of `moe_layer` into its buffer."""
         b = moe_layer % 2

@@ -53,9 +53,6 @@ class HostExpertStore:
     def nbytes(self) -> int:
         return self.num_pairs * self.shape.nbytes
 
-    def flat_id(self, moe_layer: int, expert: int) -> int:
-        return moe_layer * self.num_experts + expert
-
     def layer_rows(self, moe_layer: int) -> slice:
         return slice(moe_layer * self.num_experts, (moe_layer + 1) * self.num_experts)
 
