@@ -37,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
     )
     m.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: one per core)")
+    m.add_argument(
+        "--prefill-stream-threshold",
+        type=int,
+        help="stream whole expert layers for prompt chunks of at least this many tokens "
+        "(experimental, off by default)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -124,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         policy=args.moe_policy,
         max_fetch=args.moe_hybrid_max_fetch,
         cpu_threads=args.cpu_threads,
+        prefill_stream_threshold=args.prefill_stream_threshold,
     )
     return EngineConfig(
         model=args.model,

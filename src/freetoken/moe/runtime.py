@@ -64,9 +64,9 @@ class MoEOptions:
     # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
     fill_all_from_tokens: int = 32
     # Chunks of at least this many tokens stream whole layers through two buffers
-    # (moe/prefill.py); None turns streaming off. Not yet tuned on a GPU (benchmarks/prefill.py
-    # is to come): 64 tokens of top-8 routes already touch most of 128 experts per layer.
-    prefill_stream_threshold: int | None = 64
+    # (moe/prefill.py). Off (None) by default until its CUDA stream ordering has run on a GPU
+    # and benchmarks/prefill.py has chosen the threshold; `--prefill-stream-threshold` enables.
+    prefill_stream_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
