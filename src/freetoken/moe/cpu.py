@@ -13,9 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from freetoken.layers.mlp import activation
+from freetoken.kernels.grouped_experts import reference_grouped_experts
 from freetoken.moe.store import HostExpertStore
 
 
@@ -39,7 +38,7 @@ class CPUResult:
 class CPUExpertExecutor:
     def __init__(self, store: HostExpertStore, act: str = "silu", threads: int | None = None):
         self.store = store
-        self.act = activation(act)
+        self.act = act
         # torch's intra-op pool already defaults to one thread per physical core; only an
         # explicit count changes it (process-wide, so not on every job).
         if threads:
@@ -52,22 +51,20 @@ class CPUExpertExecutor:
     def run_job(self, job: CPUJob) -> CPUResult:
         start = time.perf_counter()
         x = job.x.to(self.store.w_gate_up.dtype)
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        order = torch.argsort(job.pairs, stable=True)
-        pairs, counts = torch.unique_consecutive(job.pairs[order], return_counts=True)
-        start_row = 0
-        for pair, n in zip(pairs.tolist(), counts.tolist(), strict=True):
-            idx = order[start_row : start_row + n]
-            rows = job.rows[idx]
-            # F.linear takes the [out, in] rows as stored; `x @ w.t()` can make oneDNN repack
-            # the whole expert on every call.
-            h = F.linear(x[rows], self.store.w_gate_up[pair])
-            gate, up = h.chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.store.w_down[pair])
-            out.index_add_(0, rows, (y * job.weights[idx, None]).float())
-            start_row += n
+        # One route per row: the shared expert math (routes grouped by expert, one GEMM pair
+        # each), indexed by flat pair id straight into the host banks.
+        per_route = reference_grouped_experts(
+            x[job.rows],
+            job.pairs[:, None],
+            job.weights[:, None],
+            self.store.w_gate_up,
+            self.store.w_down,
+            self.act,
+        )
+        out = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, job.rows, per_route.float())
+        experts = len(torch.unique(job.pairs))
         return CPUResult(
-            out.to(job.x.dtype), time.perf_counter() - start, len(pairs) * self.store.shape.nbytes
+            out.to(job.x.dtype), time.perf_counter() - start, experts * self.store.shape.nbytes
         )
 
     def shutdown(self) -> None:

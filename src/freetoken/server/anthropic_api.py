@@ -21,17 +21,6 @@ STOP_REASON = {
 }
 
 
-def _check_model(core: GenerationCore, body: dict[str, Any]) -> str:
-    model = field(body, "model", str)
-    if model != core.model_name:
-        raise ApiError(
-            404,
-            "not_found_error",
-            f"model '{model}' does not exist; this server serves '{core.model_name}'",
-        )
-    return model
-
-
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -151,7 +140,7 @@ def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, GenerationRequest]:
-    model = _check_model(core, body)
+    model = core.check_model(field(body, "model", str))
     tools = template_tools(body)
     prompt = core.render(template_messages(body), tools=tools)
     max_tokens = field(body, "max_tokens", int)
@@ -315,5 +304,5 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
 
 
 def count_tokens(core: GenerationCore, body: dict[str, Any]) -> dict[str, int]:
-    _check_model(core, body)
+    core.check_model(field(body, "model", str))
     return {"input_tokens": len(core.render(template_messages(body), tools=template_tools(body)))}

@@ -44,6 +44,16 @@ class GenerationCore:
 
     # -- building requests ----------------------------------------------------------------
 
+    def check_model(self, model: str) -> str:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                "invalid_request_error",
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                code="model_not_found",
+            )
+        return model
+
     def render(
         self,
         messages: list[dict[str, Any]],

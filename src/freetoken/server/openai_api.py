@@ -18,15 +18,7 @@ FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_cal
 
 
 def check_model(core: GenerationCore, body: dict[str, Any]) -> str:
-    model = field(body, "model", str)
-    if model != core.model_name:
-        raise ApiError(
-            404,
-            "invalid_request_error",
-            f"model '{model}' does not exist; this server serves '{core.model_name}'",
-            code="model_not_found",
-        )
-    return model
+    return core.check_model(field(body, "model", str))
 
 
 def sampling(core: GenerationCore, body: dict[str, Any], prompt_ids: list[int]) -> SamplingParams:
