@@ -65,6 +65,11 @@ DOWN_BLOCK_K = 128
 DOWN_WARPS = 8
 DOWN_STAGES = 3
 REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
+# The kernels above read an expert's weights once per route: right for decode, where routes
+# rarely share an expert, wasteful for a prefill chunk, where hundreds of tokens do. From this
+# many routes per call, the routes are grouped by expert into one GEMM pair each (the torch
+# reference), which reads each used expert once; below it, its per-expert launches cost more.
+GROUPED_GEMM_FROM_ROUTES = 512
 
 # Activation names (as in HF configs) -> the code the kernel branches on at compile time.
 _ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
@@ -380,8 +385,9 @@ def grouped_expert_forward(
 
     x [T, H] (bf16/fp16/fp32); slots [T, k] int32/int64; weights [T, k] (fp32 or x.dtype);
     w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]. Returns [T, H] in
-    x.dtype, deterministic. Triton kernels on CUDA, the torch reference elsewhere.
+    x.dtype, deterministic. Triton kernels on CUDA for decode-sized calls, the torch reference
+    elsewhere and for long chunks (`GROUPED_GEMM_FROM_ROUTES`).
     """
-    if x.is_cuda and triton is not None:
+    if x.is_cuda and triton is not None and slots.numel() < GROUPED_GEMM_FROM_ROUTES:
         return triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down, act)
     return reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act)
