@@ -23,7 +23,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [T] KV slot of each new token
     key_slots: torch.Tensor  # [B, K] KV slots of every key each sequence attends to (padded)
     query_index: torch.Tensor  # [B, Q] flat index of each sequence's queries (padded with 0)
-    query_valid: torch.Tensor  # [B * Q] which padded queries are real, in flat order
+    query_rows: torch.Tensor  # [T] row of each new token in the padded [B * Q] queries
     causal_mask: torch.Tensor  # [B, 1, Q, K] bool
     sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
@@ -89,7 +89,8 @@ class ForwardBatch:
             write_slots=dev(torch.tensor(write_slots, dtype=torch.long)),
             key_slots=dev(key_slots),
             query_index=dev(query_index),
-            query_valid=dev((q_pos >= 0).flatten()),
+            # An index, not a mask: boolean indexing would make the host wait for the device.
+            query_rows=dev(torch.nonzero((q_pos >= 0).flatten()).squeeze(1)),
             causal_mask=dev(causal[:, None]),
             sliding_mask=sliding,
             last_index=dev(last),

@@ -24,6 +24,11 @@ class ModelRunner:
     ):
         self.model = loaded.model
         self.config = loaded.config
+        if self.model.device.type == "cuda":
+            # cuDNN's attention builds a plan for every new key length, on the host: 1-11 ms per
+            # layer per decode step on the H200 machine (benchmarks/profile_decode.py). The
+            # other SDPA backends take the same inputs with no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cfg = loaded.config
         self.kv = PagedKVCache(
             num_layers=cfg.num_layers,

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         mask = batch.sliding_mask if self.sliding else batch.causal_mask
         out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        return self.o_proj(out[batch.query_valid])
+        return self.o_proj(out.index_select(0, batch.query_rows))
 
 
 def _sdpa_gqa(q, k, v, mask, scale):
