@@ -14,13 +14,11 @@ import time
 from pathlib import Path
 
 import torch
+from decode_offload import qwen3_30b_a3b, random_model, tiny, use_uniform_routing
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_offload import qwen3_30b_a3b, random_model, tiny, use_uniform_routing  # noqa: E402
-
-from freetoken.engine.runner import ModelRunner  # noqa: E402
-from freetoken.moe.runtime import MoEOptions  # noqa: E402
+from freetoken.engine.runner import ModelRunner
+from freetoken.moe.runtime import MoEOptions
 
 
 def steps(runner, seqs, n, vocab, gen):
@@ -42,6 +40,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -53,7 +52,9 @@ def main() -> int:
     summary = []
     for strategy in args.strategy or ["fused", "offload", "hybrid"]:
         cache = None if strategy == "fused" else args.cache
-        runner = ModelRunner(loaded, kv_cache_tokens=4096, moe=MoEOptions(strategy, cache))
+        runner = ModelRunner(
+            loaded, 4096, moe=MoEOptions(strategy, cache), cuda_graphs=not args.no_cuda_graphs
+        )
         gen = torch.Generator().manual_seed(0)
         seqs = [runner.new_sequence() for _ in range(args.batch)]
         runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
@@ -82,7 +83,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     # The rest of the model: routed experts replaced by zeros (router and shared parts still run).
-    runner = ModelRunner(loaded, kv_cache_tokens=4096, moe=MoEOptions("fused"))
+    runner = ModelRunner(loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs)
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
@@ -94,7 +95,8 @@ def main() -> int:
     start = time.perf_counter()
     steps(runner, seqs, args.steps, vocab, gen)
     sync(device)
-    summary.append(f"no routed experts: {(time.perf_counter() - start) * 1e3 / args.steps:.2f} ms/step")
+    rest_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
     print("\n".join(summary))
     (args.out / "profile-summary.txt").write_text("\n".join(summary) + "\n")
     return 0

@@ -24,6 +24,7 @@ class EngineConfig:
     max_batch_size: int = 4  # sequences decoded together
     max_prefill_chunk: int = 2048  # prompt tokens per forward; longer prompts span several steps
     prefix_cache: bool = True  # reuse the KV of prompt prefixes seen before (kv/radix.py)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy
 

@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not reuse the KV of prompt prefixes seen before",
     )
+    g.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     m = p.add_argument_group("expert placement (MoE models)")
     m.add_argument(
         "--moe-strategy",
@@ -138,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
         prefix_cache=not args.no_prefix_cache,
+        cuda_graphs=not args.no_cuda_graphs,
         moe=moe,
     )
 

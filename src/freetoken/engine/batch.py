@@ -40,9 +40,12 @@ class ForwardBatch:
         new_tokens: Sequence[Sequence[int]],
         device: torch.device,
         sliding_window: int | None = None,
+        key_bucket: int | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens and build the tables. Does not advance
-        `seq.length`; call :func:`commit` after the forward succeeds."""
+        `seq.length`; call :func:`commit` after the forward succeeds. With `key_bucket`, the
+        key tables are padded (masked) to a multiple of it, so their shape changes rarely: what
+        a captured CUDA graph needs."""
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
@@ -59,6 +62,8 @@ class ForwardBatch:
             write_slots.extend(cache.slots(seq, seq.length, seq.length + len(toks)))
 
         b, q_max, k_max = len(seqs), max(counts), max(totals)
+        if key_bucket:
+            k_max = -(-k_max // key_bucket) * key_bucket
         key_slots = torch.zeros(b, k_max, dtype=torch.long)
         query_index = torch.zeros(b, q_max, dtype=torch.long)
         q_pos = torch.full((b, q_max), -1, dtype=torch.long)

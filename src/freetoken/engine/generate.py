@@ -95,8 +95,16 @@ class LLMEngine:
         loaded = load_model(
             Path(path), config.dtype, config.resolved_device(), progress=config.progress
         )
-        runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size, config.moe)
-        return cls(runner, Tokenizer(loaded.path), config.max_batch_size, config.max_prefill_chunk)
+        runner = ModelRunner(
+            loaded, config.kv_cache_tokens, config.page_size, config.moe, config.cuda_graphs
+        )
+        return cls(
+            runner,
+            Tokenizer(loaded.path),
+            config.max_batch_size,
+            config.max_prefill_chunk,
+            config.prefix_cache,
+        )
 
     # -- requests -------------------------------------------------------------------------
 

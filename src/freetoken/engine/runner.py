@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.engine.batch import ForwardBatch, commit
+from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
 from freetoken.weights.loader import LoadedModel
@@ -21,6 +22,7 @@ class ModelRunner:
         kv_cache_tokens: int = 16384,
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
+        cuda_graphs: bool = True,
     ):
         self.model = loaded.model
         self.config = loaded.config
@@ -48,6 +50,10 @@ class ModelRunner:
             for layer in self.model.layers:
                 if hasattr(layer, "moe"):
                     layer.moe.executor = self.moe
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            capturable = self.moe is None or self.moe.strategy == "fused"
+            self.graphs = DecodeGraphs(self.model, self.kv, capturable)
 
     @property
     def device(self) -> torch.device:
@@ -67,9 +73,17 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Append `new_tokens[i]` to `seqs[i]` for every i in one forward pass; return fp32
         logits of each sequence's last token ([B, V]) or of every new token ([T, V])."""
+        decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
         batch = ForwardBatch.build(
-            self.kv, seqs, new_tokens, self.device, sliding_window=self.config.sliding_window
+            self.kv,
+            seqs,
+            new_tokens,
+            self.device,
+            sliding_window=self.config.sliding_window,
+            key_bucket=KEY_BUCKET if decode else None,
         )
-        logits = self.model(batch, self.kv, all_logits=all_logits)
+        logits = self.graphs.run(batch) if decode else None
+        if logits is None:
+            logits = self.model(batch, self.kv, all_logits=all_logits)
         commit(seqs, batch)
         return logits
