@@ -69,7 +69,7 @@ def test_cached_experts_come_device_to_device(loaded):
     # experts are then copied device to device into the decode cache.
     assert first["bytes_h2d"] == layer_bytes
     assert first["bytes_d2d"] > 0
-    warmed = runner.moe.cache.slot_of_host.ge(0).sum().item()
+    warmed = runner.moe.cache.slot_of.ge(0).sum().item()
     assert 0 < warmed <= 12
     runner.forward([seq], [ids[16:32]])
     second = streamer.counters.history[-1]
@@ -92,7 +92,7 @@ def test_last_token_experts_stay_in_the_decode_cache(loaded):
     cache, e = runner.moe.cache, runner.moe.store.num_experts
     for moe_layer, model_layer in enumerate(loaded.config.moe_layer_ids):
         for expert in routed[model_layer].tolist():
-            assert cache.slot_of_host[moe_layer * e + expert] >= 0
+            assert cache.slot_of[moe_layer * e + expert] >= 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
