@@ -2,8 +2,11 @@
  *
  * Built at first use by kernels/native.py with the machine's own compiler
  * (-O3 -march=native -fopenmp), so the inner loops below become AVX-512 (or AVX2) code on the
- * machine that runs them. Called through ctypes, which releases the GIL: the Python thread
- * driving the GPU keeps issuing copies and kernels while the OpenMP team computes.
+ * machine that runs them. `ft_cpu_experts_submit` hands a job to a worker thread of this
+ * library and returns at once; `ft_cpu_experts_wait` blocks until it is done (called through
+ * ctypes, which releases the GIL meanwhile). No Python thread is involved: a Python thread would
+ * need the GIL to start the job, and the thread driving the GPU holds it for milliseconds at a
+ * time while it launches kernels.
  *
  * Decode runs a few tokens through a few experts: matrix-vector products, bound by how fast
  * weights stream from DRAM. Every weight row is read once per call (the tokens of a group that
@@ -18,8 +21,10 @@
  * in route order (the caller orders the routes).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 enum { DT_BF16 = 0, DT_F32 = 1 };
 enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_RELU = 3 };
@@ -139,4 +144,86 @@ int ft_cpu_experts(int dtype, const void *w_gate_up, const void *w_down, int64_t
         }
     }
     return 0;
+}
+
+/* ---- one job at a time on a worker thread ---------------------------------------------- */
+
+typedef struct {
+    int dtype, act, threads;
+    const void *w_gate_up, *w_down;
+    int64_t H, I, n_groups;
+    const float *x, *route_w;
+    const int64_t *group_start, *group_pair, *route_row;
+    float *a_buf, *c_buf, *out;
+} job_t;
+
+static pthread_mutex_t job_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t job_cond = PTHREAD_COND_INITIALIZER;
+static job_t pending;
+static int has_job = 0, job_done = 1, worker_started = 0;
+static double job_seconds = 0.0; /* the last job's compute time, without handoff or waiting */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static void *worker_main(void *unused) {
+    (void)unused;
+    for (;;) {
+        pthread_mutex_lock(&job_mutex);
+        while (!has_job) pthread_cond_wait(&job_cond, &job_mutex);
+        job_t j = pending;
+        has_job = 0;
+        pthread_mutex_unlock(&job_mutex);
+        double start = now();
+        ft_cpu_experts(j.dtype, j.w_gate_up, j.w_down, j.H, j.I, j.x, j.n_groups, j.group_start,
+                       j.group_pair, j.route_row, j.route_w, j.a_buf, j.c_buf, j.out, j.act,
+                       j.threads);
+        double seconds = now() - start;
+        pthread_mutex_lock(&job_mutex);
+        job_seconds = seconds;
+        job_done = 1;
+        pthread_cond_broadcast(&job_cond);
+        pthread_mutex_unlock(&job_mutex);
+    }
+    return NULL;
+}
+
+/* Same arguments as ft_cpu_experts; the buffers must stay alive until ft_cpu_experts_wait.
+ * Waits for a previous job first (one at a time). Returns 0, or -1 if no thread starts. */
+int ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
+                          int64_t I, const float *x, int64_t n_groups, const int64_t *group_start,
+                          const int64_t *group_pair, const int64_t *route_row,
+                          const float *route_w, float *a_buf, float *c_buf, float *out, int act,
+                          int threads) {
+    pthread_mutex_lock(&job_mutex);
+    if (!worker_started) {
+        pthread_t worker;
+        if (pthread_create(&worker, NULL, worker_main, NULL) != 0) {
+            pthread_mutex_unlock(&job_mutex);
+            return -1;
+        }
+        pthread_detach(worker);
+        worker_started = 1;
+    }
+    while (!job_done) pthread_cond_wait(&job_cond, &job_mutex);
+    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I, n_groups, x, route_w, group_start,
+               group_pair, route_row, a_buf, c_buf, out};
+    pending = j;
+    has_job = 1;
+    job_done = 0;
+    pthread_cond_broadcast(&job_cond);
+    pthread_mutex_unlock(&job_mutex);
+    return 0;
+}
+
+/* Blocks until the job is done; returns its compute time in seconds. */
+double ft_cpu_experts_wait(void) {
+    pthread_mutex_lock(&job_mutex);
+    while (!job_done) pthread_cond_wait(&job_cond, &job_mutex);
+    double seconds = job_seconds;
+    pthread_mutex_unlock(&job_mutex);
+    return seconds;
 }

@@ -30,8 +30,8 @@ class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
     returns None when this machine cannot run it (no compiler, unsupported dtype)."""
 
-    def __init__(self, fn, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int):
-        self._fn = fn
+    def __init__(self, lib, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int):
+        self._lib = lib
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.dtype_code = _DTYPES[w_gate_up.dtype]
         self.act_code = _ACT_CODES[act]
@@ -48,14 +48,22 @@ class NativeCPUExperts:
         lib = native.load("cpu_experts")
         if lib is None:
             return None
-        fn = lib.ft_cpu_experts
-        fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
-        return cls(fn, w_gate_up, w_down, act, threads)
+        for fn in (lib.ft_cpu_experts, lib.ft_cpu_experts_submit):
+            fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
+        lib.ft_cpu_experts_wait.argtypes, lib.ft_cpu_experts_wait.restype = [], ctypes.c_double
+        return cls(lib, w_gate_up, w_down, act, threads)
 
     def __call__(
         self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
+        return self.submit(x, rows, pairs, weights).result()
+
+    def submit(
+        self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
+    ) -> PendingJob:
+        """Start the job on the library's worker thread and return at once (the arguments are
+        prepared here, on the caller's thread); `.result()` waits for it."""
         h, i = self.hidden, self.intermediate
         pairs_np = pairs.numpy()
         order = np.argsort(pairs_np, kind="stable")
@@ -69,12 +77,29 @@ class NativeCPUExperts:
         a = np.empty((len(order), i), np.float32)
         c = np.empty((len(order), h), np.float32)
         out = np.zeros((x.shape[0], h), np.float32)
-        self._fn(
+        # The arrays stay referenced by the pending job until the worker is done with them.
+        keep = (x32, group_start, group_pair, route_row, route_w, a, c)
+        status = self._lib.ft_cpu_experts_submit(
             self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), h, i, _ptr(x32),
             len(group_pair), _ptr(group_start), _ptr(group_pair), _ptr(route_row),
             _ptr(route_w), _ptr(a), _ptr(c), _ptr(out), self.act_code, self.threads,
         )  # fmt: skip
-        return torch.from_numpy(out)
+        if status != 0:
+            raise RuntimeError("could not start the CPU expert worker thread")
+        return PendingJob(self._lib, out, keep, len(group_pair))
+
+
+class PendingJob:
+    def __init__(self, lib, out: np.ndarray, keep: tuple, experts: int):
+        self._lib, self._out, self._keep = lib, out, keep
+        self.experts = experts  # distinct experts the job reads
+        self.seconds = 0.0  # compute time, known once done
+
+    def result(self) -> torch.Tensor:
+        if self._keep is not None:
+            self.seconds = self._lib.ft_cpu_experts_wait()  # ctypes releases the GIL meanwhile
+            self._keep = None
+        return torch.from_numpy(self._out)
 
 
 def torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act) -> torch.Tensor:

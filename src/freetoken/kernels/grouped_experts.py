@@ -70,7 +70,7 @@ REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide
 # many routes per call, the routes are sorted by expert and run as grouped GEMMs
 # (`grouped_gemm_experts`), which read each used expert once.
 GROUPED_GEMM_FROM_ROUTES = 512
-GROUPED_MM_MAX_GROUPS = 1024  # torch._grouped_mm's limit on groups (slots) per call
+GROUPED_MM_MAX_GROUPS = 512  # below torch._grouped_mm's limit on groups (slots) per call (1024)
 
 # Activation names (as in HF configs) -> the code the kernel branches on at compile time.
 _ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}

@@ -1,10 +1,9 @@
 """CPU expert execution: compute routes from the host pool where the weights already lie.
 
-Jobs run on a dedicated thread, so the Python thread driving the GPU keeps issuing copies and
-kernels while the CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, built
-for this CPU at first use; its OpenMP team runs with the GIL released) or, where it cannot be
-built, the torch reference on torch's intra-op pool. Both use one thread per physical core by
-default (`--moe-cpu-threads`).
+Jobs run off the thread that drives the GPU, so it keeps issuing copies and kernels while the
+CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, built for this CPU at
+first use), which runs each job on its own worker thread and OpenMP team, no GIL involved; or,
+where it cannot be built, the torch reference on a Python thread and torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -36,6 +35,18 @@ class CPUResult:
     weight_bytes: int  # bytes of expert weights read
 
 
+class NativeJob:
+    """A job on the native kernel's own worker thread (kernels/cpu_experts.c)."""
+
+    def __init__(self, pending, dtype: torch.dtype, expert_bytes: int):
+        self._pending, self._dtype, self._expert_bytes = pending, dtype, expert_bytes
+
+    def result(self) -> CPUResult:
+        out = self._pending.result().to(self._dtype)
+        p = self._pending
+        return CPUResult(out, p.seconds, p.experts * self._expert_bytes)
+
+
 class CPUExpertExecutor:
     def __init__(
         self,
@@ -59,21 +70,23 @@ class CPUExpertExecutor:
             self.native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, team)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
-    def submit(self, job: CPUJob) -> Future[CPUResult]:
+    def submit(self, job: CPUJob) -> Future[CPUResult] | NativeJob:
+        """Start a job; `.result()` of the returned handle waits for its CPUResult."""
+        if self.native is not None:
+            pending = self.native.submit(job.x, job.rows, job.pairs, job.weights)
+            return NativeJob(pending, job.x.dtype, self.store.shape.nbytes)
         return self._pool.submit(self.run_job, job)
 
     def run_job(self, job: CPUJob) -> CPUResult:
+        """The torch fallback, run on this executor's thread."""
         start = time.perf_counter()
-        if self.native is not None:
-            out = self.native(job.x, job.rows, job.pairs, job.weights)
-        else:
-            store = self.store
-            out = torch_cpu_experts(
-                job.x, job.rows, job.pairs, job.weights, store.w_gate_up, store.w_down, self.act
-            )
+        store = self.store
+        out = torch_cpu_experts(
+            job.x, job.rows, job.pairs, job.weights, store.w_gate_up, store.w_down, self.act
+        )
         experts = len(torch.unique(job.pairs))
         return CPUResult(
-            out.to(job.x.dtype), time.perf_counter() - start, experts * self.store.shape.nbytes
+            out.to(job.x.dtype), time.perf_counter() - start, experts * store.shape.nbytes
         )
 
     def shutdown(self) -> None:
