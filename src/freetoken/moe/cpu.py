@@ -8,6 +8,7 @@ where it cannot be built, the torch reference on a Python thread and torch's int
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ class CPUExpertExecutor:
             # One core is left to the thread that drives the GPU: with every core in the team,
             # the kernel ran at 25 GB/s beside a copy thread instead of 34 with one fewer
             # (benchmarks/results/2026-11-29-cpu-experts-h200.md).
-            team = threads or max(1, torch.get_num_threads() - 1)
+            # (Counted from the CPUs this process may use, not from torch's thread count, which
+            # the runtime lowers to 1 once the native kernel is in use.)
+            team = threads or max(1, len(os.sched_getaffinity(0)) - 1)
             self.native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, team)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
