@@ -156,6 +156,7 @@ class MoERuntime:
 
         future, out = None, None
         fill_bytes = len(fill) * self.store.shape.nbytes
+        prepared = time.perf_counter()
         if len(on_cpu):
             rows, cols = np.nonzero(cpu_routes)
             tokens, token_of_route = np.unique(rows, return_inverse=True)
@@ -166,6 +167,7 @@ class MoERuntime:
                 weights_h[rows, cols],
             )
             future = self.cpu.submit(job)
+            submitted = time.perf_counter()
         if len(hits) or len(fill):
             gpu_slots = cache.slot_of.numpy()[pairs_np]
             gpu_slots[cpu_routes] = -1
@@ -181,7 +183,8 @@ class MoERuntime:
         if future is not None:
             waited = time.perf_counter()
             result = future.result()
-            self.telemetry.layers[moe_layer].cpu_wait_s += time.perf_counter() - waited
+            returned = time.perf_counter()
+            self.telemetry.layers[moe_layer].cpu_wait_s += returned - waited
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
             cpu_out = result.out
             if len(tokens) < x.shape[0]:
@@ -191,6 +194,11 @@ class MoERuntime:
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
             self.telemetry.layers[moe_layer].cpu_time_s += result.seconds
+            # The CPU path's fixed cost: preparing the job, its handoff and wake-up beyond the
+            # compute (when this thread had to wait for it), bringing the result over.
+            handoff = returned - submitted - result.seconds if returned - waited > 5e-5 else 0.0
+            merge = time.perf_counter() - returned
+            self.tracker.observe_cpu_overhead(submitted - prepared + max(0.0, handoff) + merge)
         self.telemetry.record(
             moe_layer,
             accesses=len(routed),
@@ -222,7 +230,15 @@ class MoERuntime:
         if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
             q = misses
         else:
-            q = split_misses(misses, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
+            t = self.tracker
+            q = split_misses(
+                misses,
+                t.fill,
+                t.cpu,
+                self.options.max_fetch,
+                cpu_overhead_s=t.cpu_overhead,
+                expert_bytes=self.store.shape.nbytes,
+            )
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
         return max(0, min(q, self.cache.num_slots - hits))
 
