@@ -55,13 +55,14 @@ def test_tracker_follows_measurements():
 
 
 def test_fixed_cpu_cost_can_send_the_cpu_nothing():
-    """Measured on the H200 machine: 9.4 MB experts, B_P' 46 GB/s, B_H' 34 GB/s and ~0.5 ms of
+    """Measured on the H200 machine: 9.4 MB experts, B_P' 46 GB/s, B_H' 34 GB/s and ~0.9 ms of
     fixed CPU-path cost per layer step. At batch 1 (4-5 misses) filling everything is fastest;
     at batch 4 (16 misses) the split still pays."""
-    b, fill, cpu, t0 = 9.4e6, 46e9, 34e9, 5e-4
+    b, fill, cpu, t0 = 9.4e6, 46e9, 34e9, 9e-4
     assert split_misses(4, fill, cpu, cpu_overhead_s=t0, expert_bytes=b) == 4
     q = split_misses(16, fill, cpu, cpu_overhead_s=t0, expert_bytes=b)
     assert 9 < q < 16  # fewer CPU misses than without the fixed cost (round(16 * 46/80) = 9)
+    assert split_misses(5, fill, cpu, cpu_overhead_s=t0, expert_bytes=b) == 5
 
     def finish(q, m=16):
         return max(q * b / fill, t0 + (m - q) * b / cpu if m > q else 0.0)
