@@ -105,6 +105,7 @@ class MoERuntime:
         self.telemetry = MoETelemetry.for_layers(store.num_layers)
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
+        self._cpu_out_buffer: torch.Tensor | None = None
         self._sync_wait = 0.0
 
     # -- the executor --------------------------------------------------------------------
@@ -186,11 +187,14 @@ class MoERuntime:
             returned = time.perf_counter()
             self.telemetry.layers[moe_layer].cpu_wait_s += returned - waited
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
-            cpu_out = result.out
+            if self.device.type == "cuda":
+                cpu_out = self._staging(x_h.shape, x.dtype)
+            else:  # the partial is the output's own memory here: a fresh tensor each time
+                cpu_out = torch.empty(x_h.shape, dtype=x.dtype)
             if len(tokens) < x.shape[0]:
-                cpu_out = torch.zeros(x_h.shape, dtype=x.dtype).index_copy_(
-                    0, torch.from_numpy(tokens), cpu_out
-                )
+                cpu_out.zero_().index_copy_(0, torch.from_numpy(tokens), result.out)
+            else:
+                cpu_out.copy_(result.out)
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
             self.telemetry.layers[moe_layer].cpu_time_s += result.seconds
@@ -212,6 +216,16 @@ class MoERuntime:
         counters.sync_wait_s += self._sync_wait
         counters.host_time_s += time.perf_counter() - started
         return out
+
+    def _staging(self, shape, dtype) -> torch.Tensor:
+        """A host buffer for the CPU partial, pinned on CUDA so its copy to the device is truly
+        asynchronous (from pageable memory the copy first waits for the stream, here for the
+        fills). One buffer serves every layer: the next layer's round trip waits for the copy."""
+        buf = self._cpu_out_buffer
+        if buf is None or buf.numel() < shape[0] * shape[1] or buf.dtype != dtype:
+            buf = torch.empty(shape[0] * shape[1] * 2, dtype=dtype, pin_memory=True)
+            self._cpu_out_buffer = buf
+        return buf[: shape[0] * shape[1]].view(shape)
 
     def _fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copy device tensors to the host with one synchronisation."""

@@ -12,8 +12,8 @@ measured, they contend less (CPU GEMV 34 GB/s with a pinned copy at 54 GB/s at o
 The CPU path also has a fixed cost per layer step, whatever it computes: preparing the job,
 waking the CPU threads, bringing the result to the GPU and adding it: about 0.9 ms on the H200
 machine (hybrid's batch-1 layer step was 0.5 ms slower than offload's while moving 0.4 ms of
-PCIe work to 0.5 ms of CPU work), where a layer's misses cross PCIe in about 0.9 ms. With that cost t0
-the CPU side takes t0 + (m - q) / B_H', and sending it nothing can be the fastest split: at
+PCIe work to 0.5 ms of CPU work), where a layer's misses cross PCIe in about 0.9 ms. With that
+cost t0 the CPU side takes t0 + (m - q) / B_H', and sending it nothing can be the fastest split: at
 batch 1 there, filling every miss beat any split, at batch 4 the split won
 (benchmarks/results/2026-11-29-decode-offload-h200.md). The runtime measures t0 as it runs.
 """
