@@ -28,6 +28,22 @@ class ForwardBatch:
     sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     seq_lens: list[int]  # total length of each sequence after this forward
+    counts: list[int]  # new tokens of each sequence
+    state_slots: torch.Tensor | None = None  # [B] recurrent state slot of each sequence
+
+    def state_groups(self) -> list[tuple[slice, torch.Tensor, int]]:
+        """How linear-attention layers walk the batch: (flat rows, state slots, sequences)
+        per group of sequences they advance together. Sequences with equally many new tokens
+        (every decode step) go as one batch; otherwise each goes alone, since a recurrence
+        cannot share a padded batch without letting the padding into its state."""
+        assert self.state_slots is not None, "a linear-attention layer needs state slots"
+        if len(set(self.counts)) == 1:
+            return [(slice(0, self.num_tokens), self.state_slots, len(self.counts))]
+        groups, start = [], 0
+        for i, n in enumerate(self.counts):
+            groups.append((slice(start, start + n), self.state_slots[i : i + 1], 1))
+            start += n
+        return groups
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +110,10 @@ class ForwardBatch:
             sliding_mask=sliding,
             last_index=dev(last),
             seq_lens=totals,
+            counts=counts,
+            state_slots=None
+            if any(seq.state_slot is None for seq in seqs)
+            else dev(torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long)),
         )
 
 

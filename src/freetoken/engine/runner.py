@@ -8,6 +8,7 @@ import torch
 
 from freetoken.engine.batch import ForwardBatch, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
+from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
 from freetoken.weights.loader import LoadedModel
 
@@ -21,7 +22,10 @@ class ModelRunner:
         kv_cache_tokens: int = 16384,
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
+        max_sequences: int = 8,
     ):
+        """`max_sequences`: recurrent state slots, i.e. how many sequences a model with
+        linear-attention layers can hold at once (other models ignore it)."""
         self.model = loaded.model
         self.config = loaded.config
         cfg = loaded.config
@@ -33,6 +37,10 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=self.model.dtype,
             device=self.model.device,
+            kv_layers=cfg.attention_layers,
+        )
+        self.states = RecurrentStatePool.for_model(
+            cfg, max_sequences, self.model.dtype, self.model.device
         )
         # The expert cache takes what device memory the KV cache leaves.
         self.moe: MoERuntime | None = None
@@ -49,10 +57,18 @@ class ModelRunner:
         return self.model.device
 
     def new_sequence(self) -> KVSequence:
-        return KVSequence()
+        """An empty sequence, with a zeroed recurrent state slot when the model needs one."""
+        seq = KVSequence()
+        if self.states is not None:
+            seq.state_slot = self.states.alloc()
+        return seq
 
     def release(self, seq: KVSequence) -> None:
+        """Free the sequence's pages and its recurrent state slot."""
         self.kv.release(seq)
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def forward(
         self,
@@ -65,6 +81,6 @@ class ModelRunner:
         batch = ForwardBatch.build(
             self.kv, seqs, new_tokens, self.device, sliding_window=self.config.sliding_window
         )
-        logits = self.model(batch, self.kv, all_logits=all_logits)
+        logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
         commit(seqs, batch)
         return logits
