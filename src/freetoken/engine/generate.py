@@ -95,8 +95,20 @@ class LLMEngine:
         loaded = load_model(
             Path(path), config.dtype, config.resolved_device(), progress=config.progress
         )
-        runner = ModelRunner(loaded, config.kv_cache_tokens, config.page_size, config.moe)
-        return cls(runner, Tokenizer(loaded.path), config.max_batch_size, config.max_prefill_chunk)
+        runner = ModelRunner(
+            loaded,
+            config.kv_cache_tokens,
+            config.page_size,
+            config.moe,
+            max_sequences=config.max_batch_size,
+        )
+        return cls(
+            runner,
+            Tokenizer(loaded.path),
+            config.max_batch_size,
+            config.max_prefill_chunk,
+            prefix_cache=config.prefix_cache,
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -128,6 +140,10 @@ class LLMEngine:
         token is left to compute: its logits give the first new token)."""
         cache = self.prefix_cache
         path = cache.match(req.prompt_ids)
+        if self.runner.config.has_recurrent_state:
+            # Cached pages hold K/V, but a linear-attention layer would need its recurrent
+            # state at exactly the reuse position, which nothing saved: recompute it all.
+            path = []
         while path and len(path) * cache.page_size >= len(req.prompt_ids):
             path.pop()
         cache.lock(path)
@@ -149,8 +165,9 @@ class LLMEngine:
         spare = cache.insert(tokens, seq.pages[:full])
         cache.unlock(req.prefix)
         req.prefix = []
-        self.runner.kv.allocator.free(spare + seq.pages[full:])
-        seq.pages, seq.length = [], 0
+        self.runner.kv.allocator.free(spare)
+        seq.pages = seq.pages[full:]  # the tree holds the first `full` pages now
+        self.runner.release(seq)  # the rest, and the recurrent state slot
 
     # -- stepping -------------------------------------------------------------------------
 
