@@ -126,7 +126,8 @@ class ModelConfig:
     @property
     def attention_layers(self) -> tuple[bool, ...]:
         """Per layer: True where the layer keeps K/V in the paged cache."""
-        return tuple(not (self.linear_layers and self.linear_layers[i]) for i in range(self.num_layers))
+        linear = self.linear_layers or (False,) * self.num_layers
+        return tuple(not m for m in linear)
 
     @property
     def has_recurrent_state(self) -> bool:
