@@ -195,31 +195,40 @@ def test_missing_linear_attention_tensor_is_named(tiny, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def chat_engine(tmp_path_factory):
-    path, _ = build_chat_model("qwen3_next", tmp_path_factory.mktemp("chat") / "m")
+def chat_model(tmp_path_factory):
+    return build_chat_model("qwen3_next", tmp_path_factory.mktemp("chat") / "m")[0]
+
+
+def chat_engine(path, **options) -> LLMEngine:
     config = EngineConfig(
         model=path, device="cpu", dtype="float32", kv_cache_tokens=4096, page_size=4,
-        max_batch_size=2,
+        max_batch_size=2, **options,
     )  # fmt: skip
     return LLMEngine.from_config(config)
 
 
-def test_engine_generates_and_never_resumes_a_state_it_does_not_have(chat_engine):
-    """With the prefix cache on, a repeated prompt is still computed whole (its KV pages are
-    cached, but no recurrent state of that position is), and gives the same tokens."""
-    engine = chat_engine
+@pytest.mark.parametrize("anchors", [16, 0], ids=["anchors", "no-anchors"])
+def test_engine_resumes_only_where_a_state_was_saved(chat_model, anchors):
+    """A repeated prompt reuses its cached prefix only up to an anchor (here the end of the
+    user turn); without anchors it is computed whole, though its KV pages are cached. The
+    tokens are the same either way."""
+    engine = chat_engine(chat_model, state_anchors=anchors)
     tok = engine.tokenizer
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in (
         "Write a haiku about the sea.", "List three prime numbers.", "Say hello.",
     )]  # fmt: skip
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     together = engine.generate(prompts, greedy)  # three prompts through two batch slots
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
     for p, done in zip(prompts, together, strict=True):
         req = engine.add_request(p, greedy)
-        assert req.cached_tokens == 0
+        turn_end = p.index(im_end) + 1
+        assert req.cached_tokens == (turn_end if anchors else 0)
+        assert req.recomputed_tokens == len(p) - req.cached_tokens
         while not req.finished:
             engine.step()
         assert req.output_ids == done.output_ids
-    assert engine.runner.states.num_free == engine.runner.states.num_slots
+    states = engine.runner.states
+    assert states.num_free == 2  # every sequence slot back (anchor slots are set aside)
     kv = engine.runner.kv
     assert kv.allocator.num_free + len(engine.prefix_cache.pages()) == kv.num_pages

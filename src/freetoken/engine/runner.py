@@ -23,9 +23,11 @@ class ModelRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
         max_sequences: int = 8,
+        state_anchors: int = 0,
     ):
-        """`max_sequences`: recurrent state slots, i.e. how many sequences a model with
-        linear-attention layers can hold at once (other models ignore it)."""
+        """For models with linear-attention layers: `max_sequences` recurrent state slots
+        (how many sequences can run at once) plus `state_anchors` slots set aside for anchor
+        checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
         self.model = loaded.model
         self.config = loaded.config
         cfg = loaded.config
@@ -40,7 +42,10 @@ class ModelRunner:
             kv_layers=cfg.attention_layers,
         )
         self.states = RecurrentStatePool.for_model(
-            cfg, max_sequences, self.model.dtype, self.model.device
+            cfg, max_sequences + state_anchors, self.model.dtype, self.model.device
+        )
+        self.anchor_slots = (
+            [self.states.alloc() for _ in range(state_anchors)] if self.states else []
         )
         # The expert cache takes what device memory the KV cache leaves.
         self.moe: MoERuntime | None = None
@@ -75,11 +80,19 @@ class ModelRunner:
         seqs: Sequence[KVSequence],
         new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
+        captures: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """Append `new_tokens[i]` to `seqs[i]` for every i in one forward pass; return fp32
-        logits of each sequence's last token ([B, V]) or of every new token ([T, V])."""
+        logits of each sequence's last token ([B, V]) or of every new token ([T, V]).
+        `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
+        new tokens into state pool slot `slot` (anchor checkpoints)."""
         batch = ForwardBatch.build(
-            self.kv, seqs, new_tokens, self.device, sliding_window=self.config.sliding_window
+            self.kv,
+            seqs,
+            new_tokens,
+            self.device,
+            sliding_window=self.config.sliding_window,
+            captures=captures,
         )
         logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
         commit(seqs, batch)

@@ -109,6 +109,16 @@ class PagedKVCache:
         ps = self.page_size
         return [seq.pages[p // ps] * ps + p % ps for p in range(start, end)]
 
+    def copy_prefix(self, src_page: int, dst_page: int, n: int) -> None:
+        """Copy the K/V of a page's first `n` positions into another page, in every layer:
+        copy-on-write for a shared page a sequence continues partway through."""
+        ps = self.page_size
+        src, dst = slice(src_page * ps, src_page * ps + n), slice(dst_page * ps, dst_page * ps + n)
+        for k, v in zip(self.k, self.v, strict=True):
+            if k.numel():
+                k[dst] = k[src]
+                v[dst] = v[src]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)

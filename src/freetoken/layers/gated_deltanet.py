@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.batch import ForwardBatch
+from freetoken.engine.batch import ForwardBatch, StateGroup
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.mlp import activation
 from freetoken.layers.norm import GatedRMSNorm
@@ -152,26 +152,41 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
         conv, ssm = states.conv[self.index], states.ssm[self.index]
         core = torch.cat(
-            [
-                self._mix(conv, ssm, mixed[rows], g[rows], beta[rows], slots, n)
-                for rows, slots, n in batch.state_groups()
-            ]
+            [self._group(conv, ssm, mixed, g, beta, group) for group in batch.state_groups()]
         )  # [T, Hv, dv] fp32, flat token order
         out = self.norm(core.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.view(x.shape[0], self.value_dim))
 
-    def _mix(self, conv, ssm, mixed, g, beta, slots, n: int) -> torch.Tensor:
-        """Advance `n` sequences with equally many new tokens each (their rows, flat) from
-        their slots and write the new states back. Returns [n * T, Hv, dv] fp32."""
-        mixed = mixed.view(n, -1, mixed.shape[-1])
+    def _group(self, conv, ssm, mixed, g, beta, group: StateGroup) -> torch.Tensor:
+        """Advance a group's sequences over their new tokens; for each capture (k, slot),
+        copy the state after the first k tokens into `slot` (splitting the tokens there: a
+        state exists only between the segments the rule runs). Returns [rows, Hv, dv]."""
+        n, rows, slots = group.n, group.rows, group.slots
+        mixed = mixed[rows].view(n, -1, mixed.shape[-1])
+        g, beta = g[rows].view(n, -1, self.nv), beta[rows].view(n, -1, self.nv)
+        outs, start = [], 0
+        for k, slot in [*group.captures, (mixed.shape[1], None)]:
+            if k > start:
+                sl = slice(start, k)
+                outs.append(self._mix(conv, ssm, mixed[:, sl], g[:, sl], beta[:, sl], slots))
+                start = k
+            if slot is not None:
+                dst = torch.tensor([slot], device=slots.device)
+                conv.index_copy_(0, dst, conv[slots])
+                ssm.index_copy_(0, dst, ssm[slots])
+        return torch.cat(outs, dim=1).reshape(-1, self.nv, self.dv)
+
+    def _mix(self, conv, ssm, mixed, g, beta, slots) -> torch.Tensor:
+        """Advance sequences [n, T, ...] from their slots and write the new states back.
+        Returns [n, T, Hv, dv] fp32."""
+        n = mixed.shape[0]
         y, new_conv = causal_conv1d(mixed, conv[slots], self.conv1d.weight[:, 0], self.act)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (n, y.shape[1], -1)
         q, k = q.reshape(*shape, self.dk), k.reshape(*shape, self.dk)
         v = v.reshape(*shape, self.dv)
-        g, beta = g.view(n, -1, self.nv), beta.view(n, -1, self.nv)
         rule = recurrent_gated_delta_rule if y.shape[1] == 1 else chunk_gated_delta_rule
         out, new_ssm = rule(*_prepare(q, k, v, g, beta), ssm[slots])
         conv.index_copy_(0, slots, new_conv.to(conv.dtype))
         ssm.index_copy_(0, slots, new_ssm)
-        return out.transpose(1, 2).reshape(-1, self.nv, self.dv)
+        return out.transpose(1, 2)
