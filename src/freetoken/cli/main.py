@@ -24,6 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not reuse the KV of prompt prefixes seen before",
     )
+    g.add_argument(
+        "--state-anchors",
+        type=int,
+        default=16,
+        help="hybrid models: recurrent-state checkpoints kept at edit boundaries for prefix "
+        "reuse (each costs one sequence's state)",
+    )
     m = p.add_argument_group("expert placement (MoE models)")
     m.add_argument(
         "--moe-strategy",
@@ -138,6 +145,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
         prefix_cache=not args.no_prefix_cache,
+        state_anchors=args.state_anchors,
         moe=moe,
     )
 

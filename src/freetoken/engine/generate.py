@@ -148,7 +148,11 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
         )
         if self.prefix_cache is not None:
-            self._reuse_prefix(req)
+            try:
+                self._reuse_prefix(req)
+            except BaseException:
+                self.runner.release(req.seq)  # its state slot (it shares no pages yet)
+                raise
         self.reuse.record(len(prompt_ids), req.cached_tokens, req.anchor)
         self.running.append(req)
         return req

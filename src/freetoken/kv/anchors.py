@@ -193,7 +193,12 @@ class AnchorStore:
         seq.pages = [n.page for n in held[:full]]
         seq.length = full * ps
         if partial:
-            kv.reserve(seq, partial)  # a private page: the sequence writes the rest of it
+            try:
+                kv.reserve(seq, partial)  # a private page: the sequence writes the rest of it
+            except BaseException:
+                cache.unlock(held)
+                seq.pages, seq.length = [], 0
+                raise
             kv.copy_prefix(held[full].page, seq.pages[-1], partial)
             cache.unlock(held[full:])
             held = held[:full]
