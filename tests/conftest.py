@@ -1,13 +1,15 @@
-"""Fixtures shared by the HTTP API tests (a demo engine and a server around it)."""
+"""Fixtures shared by the HTTP API tests (a demo engine and a server around it). The server
+modules are imported inside the fixtures, so tests that need no server run where the server's
+dependencies are not installed (the GPU machine)."""
 
 import pytest
-
-from server_fixtures import MODEL, demo_engine, running_server
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """One demo engine per test module, its demo checkpoint in a private cache directory."""
+    from server_fixtures import demo_engine
+
     mp = pytest.MonkeyPatch()
     mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     try:
@@ -18,5 +20,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine):
+    from server_fixtures import MODEL, running_server
+
     with running_server(engine, MODEL, max_running=8) as (base, core):
         yield base, core

@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.kernels.grouped_experts import grouped_expert_forward, reference_grouped_experts
+from freetoken.kernels.grouped_experts import (
+    grouped_expert_forward,
+    grouped_gemm_experts,
+    reference_grouped_experts,
+)
 from freetoken.layers.mlp import activation
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -128,6 +132,19 @@ def test_reference_bf16_rounds_like_torch_per_route():
     ours, naive = reference_grouped_experts(*case), naive_loop(*case)
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float(), naive.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_gemm_matches_reference(seed):
+    """Long chunks' path: one grouped GEMM per projection over slot-sorted routes, skipped
+    routes (nan weights, rows past the last offset) contributing nothing."""
+    case = make_case(9 + seed, 4, 48, 24, 5, seed=seed, skip_frac=0.3)
+    torch.testing.assert_close(
+        grouped_gemm_experts(*case), reference_grouped_experts(*case), rtol=0, atol=1e-5
+    )
+    x, slots, weights, w_gate_up, w_down = case
+    none = grouped_gemm_experts(x, torch.full_like(slots, -1), weights, w_gate_up, w_down)
+    assert torch.equal(none, torch.zeros_like(x))
 
 
 def test_argument_checks():
@@ -251,6 +268,17 @@ def test_cuda_qwen3_30b_shapes_bf16(tokens, weight_dtype):
     assert torch.equal(triton_grouped_expert_forward(*case), ours)  # deterministic
     x, slots, *rest = case
     assert torch.equal(grouped_expert_forward(x, slots.int(), *rest), ours)
+
+
+@needs_cuda
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_cuda_long_chunks_use_grouped_gemm(act):
+    case = make_case(
+        160, 8, 2048, 768, 24, seed=5, dtype=torch.bfloat16, skip_frac=0.2, device="cuda"
+    )  # 1280 routes: the grouped GEMM path
+    ours = grouped_expert_forward(*case, act=act)
+    assert torch.equal(ours, grouped_gemm_experts(*case, act=act))
+    assert _rel_err(ours, reference_grouped_experts(*case, act=act)) < 1e-2
 
 
 @needs_cuda

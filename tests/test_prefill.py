@@ -26,9 +26,11 @@ def prompt_ids(loaded):
     return torch.randint(0, loaded.config.vocab_size, (PROMPT,), generator=gen).tolist()
 
 
-def prefill_then_decode(loaded, options: MoEOptions, chunk: int, steps: int = 4):
+def prefill_then_decode(loaded, options: MoEOptions, chunk: int, steps: int = 4, overlap=True):
     """Prefill in chunks of `chunk` tokens, then greedy decode; all logits, and the runner."""
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8, moe=options)
+    if runner.moe.streamer is not None:
+        runner.moe.streamer.overlap = overlap
     seq, ids = runner.new_sequence(), prompt_ids(loaded)
     logits = [
         runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
@@ -67,7 +69,7 @@ def test_cached_experts_come_device_to_device(loaded):
     # experts are then copied device to device into the decode cache.
     assert first["bytes_h2d"] == layer_bytes
     assert first["bytes_d2d"] > 0
-    warmed = runner.moe.cache.slot_of_host.ge(0).sum().item()
+    warmed = runner.moe.cache.slot_of.ge(0).sum().item()
     assert 0 < warmed <= 12
     runner.forward([seq], [ids[16:32]])
     second = streamer.counters.history[-1]
@@ -90,4 +92,18 @@ def test_last_token_experts_stay_in_the_decode_cache(loaded):
     cache, e = runner.moe.cache, runner.moe.store.num_experts
     for moe_layer, model_layer in enumerate(loaded.config.moe_layer_ids):
         for expert in routed[model_layer].tolist():
-            assert cache.slot_of_host[moe_layer * e + expert] >= 0
+            assert cache.slot_of[moe_layer * e + expert] >= 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunk", [7, PROMPT])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_streamed_prefill_on_cuda_matches_fused(tmp_path, chunk, overlap):
+    """The copy stream and its events order the buffers correctly on a real device."""
+    path, _ = build("qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    reference, _ = prefill_then_decode(loaded, MoEOptions("fused"), chunk)
+    options = MoEOptions("hybrid", "5", prefill_stream_threshold=4)
+    logits, runner = prefill_then_decode(loaded, options, chunk, overlap=overlap)
+    assert (logits - reference).abs().max().item() < 1e-5
+    assert runner.moe.streamer.counters.chunks >= 1

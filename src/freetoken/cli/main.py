@@ -31,6 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="hybrid models: recurrent-state checkpoints kept at edit boundaries for prefix "
         "reuse (each costs one sequence's state)",
     )
+    g.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     m = p.add_argument_group("expert placement (MoE models)")
     m.add_argument(
         "--moe-strategy",
@@ -146,6 +151,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         prefix_cache=not args.no_prefix_cache,
         state_anchors=args.state_anchors,
+        cuda_graphs=not args.no_cuda_graphs,
         moe=moe,
     )
 

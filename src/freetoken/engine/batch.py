@@ -33,7 +33,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [T] KV slot of each new token
     key_slots: torch.Tensor  # [B, K] KV slots of every key each sequence attends to (padded)
     query_index: torch.Tensor  # [B, Q] flat index of each sequence's queries (padded with 0)
-    query_valid: torch.Tensor  # [B * Q] which padded queries are real, in flat order
+    query_rows: torch.Tensor  # [T] row of each new token in the padded [B * Q] queries
     causal_mask: torch.Tensor  # [B, 1, Q, K] bool
     sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
@@ -72,10 +72,13 @@ class ForwardBatch:
         new_tokens: Sequence[Sequence[int]],
         device: torch.device,
         sliding_window: int | None = None,
+        key_bucket: int | None = None,
         captures: list[list[tuple[int, int]]] | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens and build the tables. Does not advance
-        `seq.length`; call :func:`commit` after the forward succeeds."""
+        `seq.length`; call :func:`commit` after the forward succeeds. With `key_bucket`, the
+        key tables are padded (masked) to a multiple of it, so their shape changes rarely: what
+        a captured CUDA graph needs."""
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
@@ -92,6 +95,8 @@ class ForwardBatch:
             write_slots.extend(cache.slots(seq, seq.length, seq.length + len(toks)))
 
         b, q_max, k_max = len(seqs), max(counts), max(totals)
+        if key_bucket:
+            k_max = -(-k_max // key_bucket) * key_bucket
         key_slots = torch.zeros(b, k_max, dtype=torch.long)
         query_index = torch.zeros(b, q_max, dtype=torch.long)
         q_pos = torch.full((b, q_max), -1, dtype=torch.long)
@@ -122,7 +127,8 @@ class ForwardBatch:
             write_slots=dev(torch.tensor(write_slots, dtype=torch.long)),
             key_slots=dev(key_slots),
             query_index=dev(query_index),
-            query_valid=dev((q_pos >= 0).flatten()),
+            # An index, not a mask: boolean indexing would make the host wait for the device.
+            query_rows=dev(torch.nonzero((q_pos >= 0).flatten()).squeeze(1)),
             causal_mask=dev(causal[:, None]),
             sliding_mask=sliding,
             last_index=dev(last),

@@ -116,6 +116,7 @@ class LLMEngine:
             config.kv_cache_tokens,
             config.page_size,
             config.moe,
+            config.cuda_graphs,
             max_sequences=config.max_batch_size,
             state_anchors=config.state_anchors if config.prefix_cache else 0,
         )
@@ -124,7 +125,7 @@ class LLMEngine:
             Tokenizer(loaded.path),
             config.max_batch_size,
             config.max_prefill_chunk,
-            prefix_cache=config.prefix_cache,
+            config.prefix_cache,
         )
 
     # -- requests -------------------------------------------------------------------------

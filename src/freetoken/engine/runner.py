@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.engine.batch import ForwardBatch, commit
+from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
@@ -22,6 +23,7 @@ class ModelRunner:
         kv_cache_tokens: int = 16384,
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
+        cuda_graphs: bool = True,
         max_sequences: int = 8,
         state_anchors: int = 0,
     ):
@@ -30,6 +32,11 @@ class ModelRunner:
         checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
         self.model = loaded.model
         self.config = loaded.config
+        if self.model.device.type == "cuda":
+            # cuDNN's attention builds a plan for every new key length, on the host: 1-11 ms per
+            # layer per decode step on the H200 machine (benchmarks/profile_decode.py). The
+            # other SDPA backends take the same inputs with no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         cfg = loaded.config
         self.kv = PagedKVCache(
             num_layers=cfg.num_layers,
@@ -56,6 +63,12 @@ class ModelRunner:
             for layer in self.model.layers:
                 if hasattr(layer, "moe"):
                     layer.moe.executor = self.moe
+        self.graphs = None
+        # Not for linear-attention layers yet: their decode path groups sequences on the host
+        # and reads the state pool, which DecodeGraphs does not hand to a replay.
+        if cuda_graphs and self.device.type == "cuda" and self.states is None:
+            capturable = self.moe is None or self.moe.strategy == "fused"
+            self.graphs = DecodeGraphs(self.model, self.kv, capturable)
 
     @property
     def device(self) -> torch.device:
@@ -86,14 +99,18 @@ class ModelRunner:
         logits of each sequence's last token ([B, V]) or of every new token ([T, V]).
         `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
         new tokens into state pool slot `slot` (anchor checkpoints)."""
+        decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
         batch = ForwardBatch.build(
             self.kv,
             seqs,
             new_tokens,
             self.device,
             sliding_window=self.config.sliding_window,
+            key_bucket=KEY_BUCKET if decode else None,
             captures=captures,
         )
-        logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
+        logits = self.graphs.run(batch) if decode else None
+        if logits is None:
+            logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
         commit(seqs, batch)
         return logits

@@ -65,6 +65,11 @@ DOWN_BLOCK_K = 128
 DOWN_WARPS = 8
 DOWN_STAGES = 3
 REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
+# The kernels above read an expert's weights once per route: right for decode, where routes
+# rarely share an expert, wasteful for a prefill chunk, where hundreds of tokens do. From this
+# many routes per call, the routes are sorted by expert and run as grouped GEMMs
+# (`grouped_gemm_experts`), which read each used expert once.
+GROUPED_GEMM_FROM_ROUTES = 512
 
 # Activation names (as in HF configs) -> the code the kernel branches on at compile time.
 _ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
@@ -142,6 +147,40 @@ def reference_grouped_experts(
     out = torch.zeros_like(x)
     per_token = contrib.view(t, k, h)
     for j in range(k):
+        out += per_token[:, j]
+    return out
+
+
+def grouped_gemm_experts(
+    x: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    act: str = "silu",
+) -> Tensor:
+    """`reference_grouped_experts` for long chunks: routes sorted by slot and each projection
+    run as ONE grouped GEMM over all slots (`torch._grouped_mm`), so a layer costs a dozen
+    launches however many experts it uses, where the reference launches a handful per expert.
+    Same rounding steps as the reference (each GEMM's output is an x.dtype tensor)."""
+    t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
+    num_slots = w_gate_up.shape[0]
+    flat = slots.reshape(-1).long()
+    # Skipped routes (-1) sort after every slot's group, past the last offset: the GEMMs leave
+    # those rows unwritten and the mask below zeroes them.
+    key = torch.where(flat >= 0, flat, num_slots)
+    order = torch.argsort(key, stable=True)
+    ends = torch.bincount(key, minlength=num_slots + 1)[:num_slots].cumsum(0).to(torch.int32)
+    xs = x[order // k]
+    hidden = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)
+    gate, up = hidden.split(i, dim=-1)
+    a = activation(act)(gate) * up
+    y = torch._grouped_mm(a, w_down.transpose(1, 2), offs=ends)
+    c = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+    c = torch.where((key[order] < num_slots)[:, None], c, 0)
+    per_token = torch.empty_like(c).index_copy_(0, order, c).view(t, k, h)
+    out = torch.zeros_like(x)
+    for j in range(k):  # in route order, as the reference adds them
         out += per_token[:, j]
     return out
 
@@ -380,8 +419,12 @@ def grouped_expert_forward(
 
     x [T, H] (bf16/fp16/fp32); slots [T, k] int32/int64; weights [T, k] (fp32 or x.dtype);
     w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]. Returns [T, H] in
-    x.dtype, deterministic. Triton kernels on CUDA, the torch reference elsewhere.
+    x.dtype, deterministic. On CUDA: Triton kernels for decode-sized calls, grouped GEMMs for
+    long chunks (`GROUPED_GEMM_FROM_ROUTES`); the torch reference elsewhere.
     """
-    if x.is_cuda and triton is not None:
-        return triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down, act)
+    if x.is_cuda:
+        if slots.numel() >= GROUPED_GEMM_FROM_ROUTES and hasattr(torch, "_grouped_mm"):
+            return grouped_gemm_experts(x, slots, weights, w_gate_up, w_down, act)
+        if triton is not None:
+            return triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down, act)
     return reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act)

@@ -75,7 +75,7 @@ class Attention(nn.Module):
         mask = batch.sliding_mask if self.sliding else batch.causal_mask
         out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        out = out[batch.query_valid]  # [T, h * d], back in flat token order
+        out = out.index_select(0, batch.query_rows)  # [T, h * d], back in flat token order
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -1,10 +1,13 @@
 """The device expert cache: ONE pool of slots shared by every MoE layer.
 
-A slot holds every tensor of one expert (a row of each bank). The tables live on the device:
-`slot_of[pair]` (-1 when not cached) and `pair_of[slot]` (-1 when empty), so looking up a
-layer's routed experts and rewriting them to slot ids is one gather with no host round trip.
-Which slot to give up is the eviction policy's call (`moe/policy.py`), made from its scores
-over all slots as tensor operations.
+A slot holds every tensor of one expert (a row of each bank) in device memory. The tables,
+`slot_of[pair]` (-1 when not cached) and `pair_of[slot]` (-1 when empty), live on the host:
+every strategy that uses this cache decides per layer on the host, after the one round trip
+that tells it which experts were routed (it must know the misses to copy them or hand them to
+the CPU), so the lookup, the rewrite to slot ids and the policy's victim choice run there as
+small tensor ops on host tensors. On the device they cost a launch each (10-25 us on the H200
+machine, against 1-5 us on the host) and a second round trip to learn the victims.
+Which slot to give up is the eviction policy's call (`moe/policy.py`).
 """
 
 from __future__ import annotations
@@ -38,13 +41,11 @@ class ExpertCache:
                 torch.empty(num_slots, h, i, dtype=dtype, device=device),
             )
         self.w_gate_up, self.w_down = banks
-        self.slot_of = torch.full((store.num_pairs,), -1, dtype=torch.long, device=device)
-        self.pair_of = torch.full((num_slots,), -1, dtype=torch.long, device=device)
-        self._pair_of_host = [-1] * num_slots
-        self.slot_of_host = torch.full((store.num_pairs,), -1, dtype=torch.long)
+        self.slot_of = torch.full((store.num_pairs,), -1, dtype=torch.long)
+        self.pair_of = torch.full((num_slots,), -1, dtype=torch.long)
         self.policy = policy
         if policy is not None:
-            policy.reset(store.num_layers, store.num_experts, num_slots, device)
+            policy.reset(store.num_layers, store.num_experts, num_slots, torch.device("cpu"))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_fill_seconds = 0.0  # CPU-tier copies: measured directly
 
@@ -59,31 +60,25 @@ class ExpertCache:
         if banks is None:
             cache.w_gate_up.copy_(store.w_gate_up)
             cache.w_down.copy_(store.w_down)
-        ids = torch.arange(store.num_pairs, device=device)
+        ids = torch.arange(store.num_pairs)
         cache.slot_of.copy_(ids)
         cache.pair_of.copy_(ids)
-        cache._pair_of_host = list(range(store.num_pairs))
-        cache.slot_of_host = ids.cpu()
         return cache
 
     def lookup(self, pairs: torch.Tensor) -> torch.Tensor:
         """Slot of each flat pair id (-1 for a miss); same shape as `pairs`."""
         return self.slot_of[pairs]
 
-    def victim_candidates(self, moe_layer: int, slots: torch.Tensor, count: int) -> torch.Tensor:
-        """The `count` slots the policy would give up first, best victim first, as device tensor
-        ops (no host sync). Empty slots come first (their score is -inf); `slots` are the
-        current layer's lookups, and the slots they hit are never candidates (their kernels
-        read them this step): they score +inf and sort last."""
+    def victim_candidates(self, moe_layer: int, protected: torch.Tensor, count: int):
+        """The `count` slots the policy would give up first, best victim first. Empty slots
+        come first (their score is -inf); `protected` slots (those the current layer hits:
+        its kernel reads them this step) are never candidates."""
         if self.policy is None:
             scores = (self.pair_of >= 0).float()
         else:
             scores = self.policy.slot_scores(moe_layer, self.pair_of).float()
-        # One extra entry absorbs the misses (-1) so protecting needs no boolean indexing.
-        padded = torch.cat((scores, scores.new_full((1,), float("inf"))))
-        hit = torch.where(slots >= 0, slots, self.num_slots).flatten()
-        padded.index_fill_(0, hit, float("inf"))
-        return torch.topk(padded[: self.num_slots], count, largest=False).indices
+        scores[protected] = float("inf")
+        return torch.topk(scores, count, largest=False).indices
 
     def place(self, pairs: Sequence[int], slots: Sequence[int]):
         """Put `pairs` into `slots`, copying from the host pool. Returns (start, done) copy
@@ -99,19 +94,13 @@ class ExpertCache:
         return self._copy(slots, sources, after)
 
     def _retable(self, pairs: Sequence[int], slots: Sequence[int]) -> None:
-        # Fills are decided on the host, so host mirrors of the tables name the evicted pairs
-        # and the new slots without reading the device tables back.
-        stale = [old for s in slots if (old := self._pair_of_host[s]) >= 0]
+        slot_of, pair_of = self.slot_of, self.pair_of
         for p, s in zip(pairs, slots, strict=True):
-            self._pair_of_host[s] = p
-        if stale:
-            self.slot_of_host[stale] = -1
-            self.slot_of[torch.tensor(stale, device=self.device)] = -1
-        self.slot_of_host[list(pairs)] = torch.tensor(list(slots), dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        pairs_t = torch.tensor(pairs, dtype=torch.long, device=self.device)
-        self.slot_of[pairs_t] = slots_t
-        self.pair_of[slots_t] = pairs_t
+            old = int(pair_of[s])
+            if old >= 0:
+                slot_of[old] = -1
+            pair_of[s] = p
+            slot_of[p] = s
 
     def _copy(self, slots, sources, after=None):
         if self.copy_stream is None:

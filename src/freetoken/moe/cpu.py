@@ -1,9 +1,10 @@
 """CPU expert execution: compute routes from the host pool where the weights already lie.
 
 Jobs run on a dedicated thread, so the Python thread driving the GPU keeps issuing copies and
-kernels while the CPU computes (torch releases the GIL inside its kernels). The math inside a
-job uses torch's intra-op pool, one thread per physical core by default. A native SIMD kernel
-(issue: AVX-512 bf16, 64 GB/s vs torch's 40 on the GPU host) slots in behind `run_job`.
+kernels while the CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, built
+for this CPU at first use; its OpenMP team runs with the GIL released) or, where it cannot be
+built, the torch reference on torch's intra-op pool. Both use one thread per physical core by
+default (`--moe-cpu-threads`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.kernels.grouped_experts import reference_grouped_experts
+from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.moe.store import HostExpertStore
 
 
@@ -36,13 +37,24 @@ class CPUResult:
 
 
 class CPUExpertExecutor:
-    def __init__(self, store: HostExpertStore, act: str = "silu", threads: int | None = None):
+    def __init__(
+        self,
+        store: HostExpertStore,
+        act: str = "silu",
+        threads: int | None = None,
+        native: bool = True,
+    ):
         self.store = store
         self.act = act
-        # torch's intra-op pool already defaults to one thread per physical core; only an
-        # explicit count changes it (process-wide, so not on every job).
+        # torch's intra-op pool defaults to one thread per physical core; only an explicit
+        # count changes it (process-wide, so not on every job).
         if threads:
             torch.set_num_threads(threads)
+        self.native = None
+        if native:
+            self.native = NativeCPUExperts.create(
+                store.w_gate_up, store.w_down, act, threads or torch.get_num_threads()
+            )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
     def submit(self, job: CPUJob) -> Future[CPUResult]:
@@ -50,18 +62,13 @@ class CPUExpertExecutor:
 
     def run_job(self, job: CPUJob) -> CPUResult:
         start = time.perf_counter()
-        x = job.x.to(self.store.w_gate_up.dtype)
-        # One route per row: the shared expert math (routes grouped by expert, one GEMM pair
-        # each), indexed by flat pair id straight into the host banks.
-        per_route = reference_grouped_experts(
-            x[job.rows],
-            job.pairs[:, None],
-            job.weights[:, None],
-            self.store.w_gate_up,
-            self.store.w_down,
-            self.act,
-        )
-        out = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, job.rows, per_route.float())
+        if self.native is not None:
+            out = self.native(job.x, job.rows, job.pairs, job.weights)
+        else:
+            store = self.store
+            out = torch_cpu_experts(
+                job.x, job.rows, job.pairs, job.weights, store.w_gate_up, store.w_down, self.act
+            )
         experts = len(torch.unique(job.pairs))
         return CPUResult(
             out.to(job.x.dtype), time.perf_counter() - start, experts * self.store.shape.nbytes

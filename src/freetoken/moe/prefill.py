@@ -96,7 +96,7 @@ class LayerStreamer:
         base = moe_layer * e
         cached = {}
         if cache is not None:
-            slots = cache.slot_of_host[base : base + e].tolist()
+            slots = cache.slot_of[base : base + e].tolist()
             cached = {x: s for x, s in enumerate(slots) if s >= 0}
         uncached = [x for x in range(e) if x not in cached]
         chunk = self._chunk
@@ -162,13 +162,13 @@ class LayerStreamer:
             return
         e = self.store.num_experts
         pairs = [moe_layer * e + x for x in sorted(set(last_ids.tolist()))]
-        missing = [p for p in pairs if cache.slot_of_host[p] < 0]
+        missing = [p for p in pairs if cache.slot_of[p] < 0]
         if not missing or len(missing) > cache.num_slots:
             return
         hit_slots = torch.tensor(
-            [int(cache.slot_of_host[p]) for p in pairs if p not in missing], dtype=torch.long
+            [int(cache.slot_of[p]) for p in pairs if p not in missing], dtype=torch.long
         )
-        victims = cache.victim_candidates(moe_layer, hit_slots.to(self.device), len(missing))
+        victims = cache.victim_candidates(moe_layer, hit_slots, len(missing))
         gate_up, down = self.buffers[moe_layer % 2]
         sources = [(gate_up[p - moe_layer * e], down[p - moe_layer * e]) for p in missing]
         # Ordered after the buffer's copies (same stream) and after the compute queued before

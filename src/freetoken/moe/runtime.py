@@ -4,8 +4,8 @@ exact merge. Installed as the executor of every MoE block.
 For one layer of one step (x [T, H], routed ids [T, k], gate weights [T, k]):
 
     pairs = moe_layer * E + ids                  flat (layer, expert) ids, on the device
-    slots = cache.slot_of[pairs]                 hits have a slot, misses -1
-    -- one host round trip: the routed pairs and their slots --
+    -- one host round trip: the routed pairs --
+    slots = cache.slot_of[pairs]                 hits have a slot, misses -1 (host tables)
     misses M (distinct pairs); q = split(|M|)    strategy and measured bandwidths decide q
     fill F (q misses, best first by the policy)  host -> device slots on the copy stream
     CPU  C (the other misses)                    routes of C run on the CPU thread meanwhile
@@ -25,6 +25,7 @@ import re
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken.kernels.grouped_experts import grouped_expert_forward
@@ -130,61 +131,62 @@ class MoERuntime:
         self._sync_wait = 0.0
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
-        adaptive = self.strategy in ("offload", "hybrid")
-        slots = cache.lookup(pairs) if cache is not None else torch.full_like(pairs, -1)
-        # The host round trip every layer makes: which pairs are routed, which are cached.
-        pairs_h, slots_h, x_h, weights_h = self._fetch([pairs, slots, x, weights])
-        flat = pairs_h.flatten()
-        routed = torch.unique(flat)
-        hits = torch.unique(flat[slots_h.flatten() >= 0])
-        misses = torch.unique(flat[slots_h.flatten() < 0])
+        # The host round trip every layer makes: which pairs are routed. The decisions below
+        # are numpy on a handful of ids (microseconds; torch ops on tiny tensors cost tens).
+        pairs_h, x_h, weights_h = self._fetch([pairs, x, weights])
+        pairs_np = pairs_h.numpy()
+        routed = np.unique(pairs_np)
+        cached = cache.slot_of.numpy()[routed] >= 0 if cache is not None else routed < 0
+        hits, misses = routed[cached], routed[~cached]
         fill, events = misses[:0], None
-        if adaptive:
+        if self.strategy in ("offload", "hybrid"):
             policy = cache.policy
-            policy.observe(moe_layer, (routed - moe_layer * E).to(self.device, non_blocking=True))
+            policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
             q = self._fill_count(len(misses), len(hits), x.shape[0])
-        if adaptive and q > 0:
-            # A second round trip, only when something is filled: the policy ranks the misses
-            # and names the victims on the device.
-            candidates, scores = self._fetch(
-                [
-                    cache.victim_candidates(moe_layer, slots, q),
-                    policy.pair_scores(moe_layer, misses.to(self.device)).float(),
-                ]
-            )
-            fill = misses[torch.argsort(scores, descending=True, stable=True)[:q]]
-            events = cache.place(fill.tolist(), candidates.tolist())
-        on_cpu = misses[~torch.isin(misses, fill)]
-        cpu_routes = torch.isin(pairs_h, on_cpu)
+            if q > 0:
+                fill = misses
+                if q < len(misses):  # the policy ranks which misses are worth a slot
+                    scores = policy.pair_scores(moe_layer, torch.from_numpy(misses)).numpy()
+                    fill = misses[np.argsort(-scores, kind="stable")[:q]]
+                protected = cache.slot_of[torch.from_numpy(hits)]
+                victims = cache.victim_candidates(moe_layer, protected, q)
+                events = cache.place(fill.tolist(), victims.tolist())
+        on_cpu = np.setdiff1d(misses, fill, assume_unique=True)
+        cpu_routes = np.isin(pairs_np, on_cpu)
 
         future, out = None, None
         fill_bytes = len(fill) * self.store.shape.nbytes
         if len(on_cpu):
-            rows, cols = cpu_routes.nonzero(as_tuple=True)
-            tokens = torch.unique(rows)
+            rows, cols = np.nonzero(cpu_routes)
+            tokens, token_of_route = np.unique(rows, return_inverse=True)
             job = CPUJob(
-                x_h[tokens],
-                torch.searchsorted(tokens, rows),
+                x_h[torch.from_numpy(tokens)],
+                torch.from_numpy(token_of_route),
                 pairs_h[rows, cols],
                 weights_h[rows, cols],
             )
             future = self.cpu.submit(job)
         if len(hits) or len(fill):
-            gpu_slots = cache.slot_of_host[pairs_h].masked_fill(cpu_routes, -1)
+            gpu_slots = cache.slot_of.numpy()[pairs_np]
+            gpu_slots[cpu_routes] = -1
             if len(fill):
                 if events is not None:
                     torch.cuda.current_stream(self.device).wait_event(events[1])
                     self._pending_fill_timing.append((*events, fill_bytes))
                 else:
                     self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
-            out = self._gpu(x, gpu_slots.to(self.device, non_blocking=True), weights)
+            slots = torch.from_numpy(gpu_slots).to(self.device, non_blocking=True)
+            out = self._gpu(x, slots, weights)
         if future is not None:
             waited = time.perf_counter()
             result = future.result()
             self.telemetry.layers[moe_layer].cpu_wait_s += time.perf_counter() - waited
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
-            cpu_out = torch.zeros(x_h.shape, dtype=x.dtype)
-            cpu_out[tokens] = result.out
+            cpu_out = result.out
+            if len(tokens) < x.shape[0]:
+                cpu_out = torch.zeros(x_h.shape, dtype=x.dtype).index_copy_(
+                    0, torch.from_numpy(tokens), cpu_out
+                )
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
             self.telemetry.layers[moe_layer].cpu_time_s += result.seconds

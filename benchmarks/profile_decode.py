@@ -1,0 +1,106 @@
+"""Where a decode step's time goes: torch profiler tables for chosen strategies, plus the step
+time with the routed experts skipped (what the rest of the model costs).
+
+    python benchmarks/profile_decode.py --layers 16 --strategy fused --strategy offload --out DIR
+
+Uses the random Qwen3-30B-A3B-shaped model and uniform routing of decode_offload.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from decode_offload import qwen3_30b_a3b, random_model, tiny, use_uniform_routing
+from torch.profiler import ProfilerActivity, profile
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.moe.runtime import MoEOptions
+
+
+def steps(runner, seqs, n, vocab, gen):
+    for _ in range(n):
+        runner.forward(seqs, [[int(torch.randint(0, vocab, (1,), generator=gen))] for _ in seqs])
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--strategy", action="append")
+    ap.add_argument("--cache", default="8GiB")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    loaded = random_model(raw, device)
+    use_uniform_routing(loaded)
+    vocab = loaded.config.vocab_size
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for strategy in args.strategy or ["fused", "offload", "hybrid"]:
+        cache = None if strategy == "fused" else args.cache
+        runner = ModelRunner(
+            loaded, 4096, moe=MoEOptions(strategy, cache), cuda_graphs=not args.no_cuda_graphs
+        )
+        gen = torch.Generator().manual_seed(0)
+        seqs = [runner.new_sequence() for _ in range(args.batch)]
+        runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
+        steps(runner, seqs, 8, vocab, gen)
+        sync(device)
+        start = time.perf_counter()
+        steps(runner, seqs, args.steps, vocab, gen)
+        sync(device)
+        step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            steps(runner, seqs, 5, vocab, gen)
+            sync(device)
+        text = [f"# {strategy}: {step_ms:.2f} ms per step (batch {args.batch}), profile of 5 steps"]
+        text.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        if device.type == "cuda":
+            text.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        (args.out / f"profile-{strategy}.txt").write_text("\n".join(text))
+        summary.append(f"{strategy}: {step_ms:.2f} ms/step")
+        if runner.moe.cpu is not None:
+            runner.moe.cpu.shutdown()
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # The rest of the model: routed experts replaced by zeros (router and shared parts still run).
+    runner = ModelRunner(loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs)
+    for layer in loaded.model.layers:
+        if hasattr(layer, "moe"):
+            layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(args.batch)]
+    runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
+    steps(runner, seqs, 8, vocab, gen)
+    sync(device)
+    start = time.perf_counter()
+    steps(runner, seqs, args.steps, vocab, gen)
+    sync(device)
+    rest_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
+    print("\n".join(summary))
+    (args.out / "profile-summary.txt").write_text("\n".join(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

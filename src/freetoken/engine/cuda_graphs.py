@@ -1,0 +1,146 @@
+"""CUDA graphs of the decode step, cut at the MoE layers whose experts need the host.
+
+Eager PyTorch launches each of a decode step's ~50 kernels per layer from Python; on the H200
+machine that cost 10-25 us each, several times the GPU work at batch 1. A captured graph
+replays them in one launch.
+
+The `fused` MoE runtime runs on the device alone, so the whole step is one graph. The other
+strategies decide on the host, per layer, which experts to copy or run on the CPU: the step is
+captured as one graph per stretch between those decisions. During capture the model runs its
+ordinary forward; when it reaches an MoE executor, the current graph ends, a static output
+buffer stands in for the executor's result, and the next graph begins. A replay then
+alternates: graph 0, executor of MoE layer 0 (eager, its result copied into the buffer that
+graph 1 reads), graph 1, ... Attention reads key tables padded to a multiple of `KEY_BUCKET`,
+so one capture serves a batch size until the longest sequence crosses the next multiple.
+
+A shape is captured the second time it is seen: the first run is eager and warms up what a
+capture cannot do (kernel compilation, library handles).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+
+import torch
+
+from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.paged import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+KEY_BUCKET = 256  # keys per padding step: a new capture every 256 tokens of context
+MAX_CAPTURES = 4  # captured shapes kept (each holds its own activation memory)
+
+
+@dataclass
+class _HostStep:
+    """An MoE executor call between two graphs: its inputs are outputs of the graph before it,
+    its result goes into `out`, an input of the graph after it."""
+
+    executor: object
+    moe_layer: int
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class _Capture:
+    batch: ForwardBatch  # static inputs
+    graphs: list[torch.cuda.CUDAGraph]
+    steps: list[_HostStep]
+    logits: torch.Tensor  # static output
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: PagedKVCache, capturable_executor: bool):
+        self.model, self.kv = model, kv
+        # Whether the MoE executor can run inside a graph (no host decisions): `fused`.
+        self.capturable_executor = capturable_executor
+        self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
+        self.seen: set[tuple] = set()
+        self.replays = 0
+
+    @staticmethod
+    def key(batch: ForwardBatch) -> tuple:
+        return (batch.num_tokens, batch.key_slots.shape[1], batch.sliding_mask is not None)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits [B, V] of a decode batch (one new token per sequence, keys padded with
+        KEY_BUCKET) from its graphs, capturing them on the second sighting; None when the
+        caller should run this step eagerly."""
+        key = self.key(batch)
+        capture = self.captures.get(key)
+        if capture is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return None
+            capture = self._capture(batch)
+            self.captures[key] = capture
+            if len(self.captures) > MAX_CAPTURES:
+                self.captures.popitem(last=False)
+        self.captures.move_to_end(key)
+        for f in fields(ForwardBatch):
+            static = getattr(capture.batch, f.name)
+            if isinstance(static, torch.Tensor):
+                static.copy_(getattr(batch, f.name), non_blocking=True)
+        capture.batch.seq_lens = batch.seq_lens
+        for i, graph in enumerate(capture.graphs):
+            graph.replay()
+            if i < len(capture.steps):
+                s = capture.steps[i]
+                s.out.copy_(s.executor(s.moe_layer, s.x, s.ids, s.weights))
+        self.replays += 1
+        return capture.logits.clone()
+
+    def _capture(self, batch: ForwardBatch) -> _Capture:
+        static = ForwardBatch(
+            **{
+                f.name: (v.clone() if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
+                for f in fields(ForwardBatch)
+            }
+        )
+        device = batch.input_ids.device
+        pool = torch.cuda.graph_pool_handle()
+        graphs: list[torch.cuda.CUDAGraph] = []
+        steps: list[_HostStep] = []
+        moe_blocks = [layer.moe for layer in self.model.layers if hasattr(layer, "moe")]
+        executors = [block.executor for block in moe_blocks]
+
+        def begin() -> None:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            graphs.append(graph)
+
+        def cut(executor):
+            def at_executor(moe_layer, x, ids, weights):
+                graphs[-1].capture_end()
+                # Nothing ran during the capture, so there is nothing to compute yet: a buffer
+                # of the result's shape stands in, filled by the executor at every replay.
+                out = torch.empty_like(x)
+                steps.append(_HostStep(executor, moe_layer, x, ids, weights, out))
+                begin()
+                return out
+
+            return at_executor
+
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        if not self.capturable_executor:
+            for block, executor in zip(moe_blocks, executors, strict=True):
+                block.executor = cut(executor)
+        try:
+            with torch.cuda.stream(stream):
+                begin()
+                logits = self.model(static, self.kv)
+                graphs[-1].capture_end()
+        finally:
+            for block, executor in zip(moe_blocks, executors, strict=True):
+                block.executor = executor
+        torch.cuda.current_stream(device).wait_stream(stream)
+        log.debug("captured decode graphs for %s: %d segments", self.key(batch), len(graphs))
+        return _Capture(static, graphs, steps, logits)

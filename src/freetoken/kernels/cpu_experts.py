@@ -1,0 +1,85 @@
+"""Routed experts on the CPU from the host pool: the native kernel (`cpu_experts.c`) behind a
+small numpy-side wrapper, with the torch reference as the fallback.
+
+A job is a list of routes (row of x, flat expert id, gate weight). The wrapper groups routes by
+expert (so each expert's weights stream from DRAM once however many tokens use it) with numpy,
+which costs microseconds on decode-sized jobs where torch ops on tiny tensors cost tens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from freetoken.kernels import native
+from freetoken.kernels.grouped_experts import _ACT_CODES, reference_grouped_experts
+
+_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_P = ctypes.c_void_p
+_SIGNATURE = [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64]
+_SIGNATURE += [_P] * 7 + [ctypes.c_int, ctypes.c_int]
+
+
+def _ptr(a: np.ndarray | torch.Tensor) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+class NativeCPUExperts:
+    """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
+    returns None when this machine cannot run it (no compiler, unsupported dtype)."""
+
+    def __init__(self, fn, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int):
+        self._fn = fn
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+        self.dtype_code = _DTYPES[w_gate_up.dtype]
+        self.act_code = _ACT_CODES[act]
+        self.threads = threads
+        self.hidden = w_gate_up.shape[2]
+        self.intermediate = w_down.shape[2]
+
+    @classmethod
+    def create(cls, w_gate_up, w_down, act: str, threads: int) -> NativeCPUExperts | None:
+        if w_gate_up.dtype not in _DTYPES or act not in _ACT_CODES:
+            return None
+        if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+            return None
+        lib = native.load("cpu_experts")
+        if lib is None:
+            return None
+        fn = lib.ft_cpu_experts
+        fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
+        return cls(fn, w_gate_up, w_down, act, threads)
+
+    def __call__(
+        self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
+        h, i = self.hidden, self.intermediate
+        pairs_np = pairs.numpy()
+        order = np.argsort(pairs_np, kind="stable")
+        sorted_pairs = pairs_np[order]
+        starts = np.flatnonzero(np.diff(sorted_pairs)) + 1
+        group_start = np.concatenate(([0], starts, [len(order)])).astype(np.int64)
+        group_pair = np.ascontiguousarray(sorted_pairs[group_start[:-1]])
+        route_row = np.ascontiguousarray(rows.numpy()[order])
+        route_w = np.ascontiguousarray(weights.float().numpy()[order])
+        x32 = np.ascontiguousarray(x.float().numpy())
+        a = np.empty((len(order), i), np.float32)
+        c = np.empty((len(order), h), np.float32)
+        out = np.zeros((x.shape[0], h), np.float32)
+        self._fn(
+            self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), h, i, _ptr(x32),
+            len(group_pair), _ptr(group_start), _ptr(group_pair), _ptr(route_row),
+            _ptr(route_w), _ptr(a), _ptr(c), _ptr(out), self.act_code, self.threads,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
+
+def torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act) -> torch.Tensor:
+    """The same result with torch ops (the fallback, and the oracle in tests)."""
+    per_route = reference_grouped_experts(
+        x.to(w_gate_up.dtype)[rows], pairs[:, None], weights[:, None], w_gate_up, w_down, act
+    )
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, per_route.float())

@@ -1,0 +1,86 @@
+"""Build and load freetoken's C kernels with the machine's own compiler.
+
+The sources ship with the package (`kernels/*.c`) and are compiled at first use with
+`-O3 -march=native -fopenmp`, so they use the vector units of the machine they run on (a wheel
+built elsewhere could not), into the cache directory keyed by the source, the flags and the
+CPU. Loading goes through ctypes, whose calls release the GIL. Without a C compiler the caller
+falls back to torch; `FREETOKEN_NATIVE=0` forces that fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from freetoken.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DISABLE_ENV = "FREETOKEN_NATIVE"
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library for `kernels/<name>.c`, or None (with one warning) when it cannot
+    be built here."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: %s runs on torch instead (slower)", name)
+        return None
+    key = hashlib.sha256(
+        "\n".join([source.read_text(), cc, *FLAGS, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / "native" / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: another process may be building the same file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run(
+            [cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            os.unlink(tmp)
+            log.warning(
+                "could not compile %s (%s): it runs on torch instead (slower)\n%s",
+                name,
+                cc,
+                result.stderr[-2000:],
+            )
+            return None
+        os.replace(tmp, target)
+    return ctypes.CDLL(str(target))

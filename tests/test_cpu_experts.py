@@ -1,0 +1,115 @@
+"""The native CPU expert kernel (kernels/cpu_experts.c) against the torch reference, its build
+cache, and the fallback to torch when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from freetoken.kernels import native
+from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
+from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
+
+pytestmark = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
+
+
+def banks(dtype, pairs=12, hidden=200, inter=72, seed=0):
+    # Sizes off the kernel's 64-wide steps and 16-row blocks, so every tail runs.
+    gen = torch.Generator().manual_seed(seed)
+    w_gate_up = (torch.randn(pairs, 2 * inter, hidden, generator=gen) * 0.1).to(dtype)
+    w_down = (torch.randn(pairs, hidden, inter, generator=gen) * 0.1).to(dtype)
+    return w_gate_up, w_down
+
+
+def job(tokens=3, hidden=200, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    # Several routes share experts (5 and 3) and rows; expert order differs from route order.
+    rows = torch.tensor([0, 0, 1, 1, 2, 2, 0, 2])
+    pairs = torch.tensor([5, 3, 5, 7, 3, 11, 9, 0])
+    weights = torch.rand(8, generator=gen)
+    return x, rows, pairs, weights
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+def test_fp32_matches_torch(act):
+    w_gate_up, w_down = banks(torch.float32)
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, act, threads=2)
+    x, rows, pairs, weights = job()
+    got = kernel(x, rows, pairs, weights)
+    want = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act)
+    assert got.shape == want.shape == (3, 200)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_bf16_rounds_like_torch():
+    """bf16 banks: every intermediate is rounded where torch rounds it, so results differ only
+    where a dot product's summation order flips a last bf16 bit."""
+    w_gate_up, w_down = banks(torch.bfloat16)
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2)
+    x, rows, pairs, weights = job(dtype=torch.bfloat16)
+    got = kernel(x, rows, pairs, weights)
+    want = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, "silu")
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2 * 2**-8 * scale
+    # Without the roundings the fp32 result of the same bf16 weights is measurably different.
+    exact = torch_cpu_experts(
+        x.float(), rows, pairs, weights, w_gate_up.float(), w_down.float(), "silu"
+    )
+    assert (got - want).abs().mean() < (exact - want).abs().mean()
+
+
+def test_one_route_and_thread_counts_agree():
+    w_gate_up, w_down = banks(torch.float32)
+    x, rows, pairs, weights = job()
+    results = [
+        NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=t)(x, rows, pairs, weights)
+        for t in (1, 2, 3)
+    ]
+    assert all(torch.equal(results[0], r) for r in results[1:])  # deterministic
+    one = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=1)(
+        x, rows[:1], pairs[:1], weights[:1]
+    )
+    assert torch.count_nonzero(one[1:]) == 0 and torch.count_nonzero(one[0]) > 0
+
+
+def test_executor_uses_the_native_kernel_and_reports_bytes():
+    class Store:  # what the executor reads of a HostExpertStore
+        w_gate_up, w_down = banks(torch.float32)
+
+        class shape:
+            nbytes = 3 * 200 * 72 * 4
+
+    executor = CPUExpertExecutor(Store, "silu", native=True)
+    assert executor.native is not None
+    x, rows, pairs, weights = job()
+    result = executor.submit(CPUJob(x, rows, pairs, weights)).result()
+    want = torch_cpu_experts(x, rows, pairs, weights, Store.w_gate_up, Store.w_down, "silu")
+    assert (result.out - want).abs().max().item() < 1e-5
+    assert result.weight_bytes == 6 * Store.shape.nbytes  # six distinct experts
+    executor.shutdown()
+
+
+def test_unsupported_dtype_has_no_native_kernel():
+    w_gate_up, w_down = banks(torch.float16)
+    assert NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=1) is None
+
+
+def test_build_is_cached_and_failure_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("cpu_experts") is not None
+    built = list((tmp_path / "native").glob("cpu_experts-*.so"))
+    assert len(built) == 1
+    # A compiler that fails (a different CC also changes the cache key): torch, with a warning.
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING):
+        assert native.load("cpu_experts") is None
+    assert "could not compile cpu_experts" in caplog.text
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.load("cpu_experts") is None

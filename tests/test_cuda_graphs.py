@@ -1,0 +1,86 @@
+"""Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the eager logits, for
+every MoE strategy (graphs cut at host-driven experts) and across key buckets. The padded key
+tables that graphs rely on are checked on the CPU too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.batch import ForwardBatch
+from freetoken.engine.cuda_graphs import KEY_BUCKET
+from freetoken.engine.runner import ModelRunner
+from freetoken.moe.runtime import MoEOptions
+from freetoken.weights.loader import load_model
+from tiny_models import build
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def decode_logits(loaded, prompts, steps, **runner_args):
+    runner = ModelRunner(loaded, kv_cache_tokens=2048, page_size=8, **runner_args)
+    seqs = [runner.new_sequence() for _ in prompts]
+    last = runner.forward(seqs, prompts)
+    out = []
+    for _ in range(steps):
+        last = runner.forward(seqs, [[int(t)] for t in last.argmax(-1)])
+        out.append(last)
+    return torch.stack(out), runner
+
+
+def prompts_of(loaded, lengths):
+    gen = torch.Generator().manual_seed(3)
+    vocab = loaded.config.vocab_size
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_padded_key_tables_change_nothing(tmp_path):
+    """Keys padded to a bucket are masked out: the same logits as unpadded tables."""
+    path, _ = build("qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32")
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
+    seqs = [runner.new_sequence(), runner.new_sequence()]
+    runner.forward(seqs, prompts_of(loaded, [9, 20]))
+    results = []
+    for bucket in (None, KEY_BUCKET):
+        batch = ForwardBatch.build(runner.kv, seqs, [[5], [6]], runner.device, key_bucket=bucket)
+        results.append(runner.model(batch, runner.kv))
+        if bucket:
+            assert batch.key_slots.shape[1] == KEY_BUCKET
+    assert (results[0] - results[1]).abs().max().item() < 1e-6
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "options",
+    [
+        MoEOptions("fused"),
+        MoEOptions("offload", "6"),
+        MoEOptions("hybrid", "6"),
+        MoEOptions("cpu"),
+        MoEOptions("static", "6"),
+    ],
+    ids=lambda o: o.strategy,
+)
+def test_graph_replay_equals_eager(tmp_path, options):
+    path, _ = build("qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 17, 11])
+    eager, _ = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=True)
+    assert runner.graphs.replays >= 8  # captured on the second step, replayed after
+    assert (eager - graphed).abs().max().item() < 1e-5
+    segments = len(next(iter(runner.graphs.captures.values())).graphs)
+    moe_layers = loaded.config.num_moe_layers
+    assert segments == (1 if options.strategy == "fused" else moe_layers + 1)
+
+
+@needs_cuda
+def test_graphs_follow_the_key_bucket_and_dense_models(tmp_path):
+    path, _ = build("qwen3", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [KEY_BUCKET - 4])  # decode crosses into the next bucket
+    eager, _ = decode_logits(loaded, prompts, 10, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 10, cuda_graphs=True)
+    assert (eager - graphed).abs().max().item() < 1e-5
+    assert {k[1] for k in runner.graphs.captures} == {KEY_BUCKET, 2 * KEY_BUCKET}
