@@ -173,14 +173,17 @@ def spy_logits(engine: LLMEngine) -> list[torch.Tensor]:
 
 def test_multi_turn_resume_equals_recompute(chat_model):
     """A tool-using conversation, turn by turn, on pages of 16 (anchors land mid-page): the
-    engine resuming from anchors samples from the same logits (within 1e-5) and emits the
-    same tokens as an engine that recomputes every prompt."""
-    resuming, fresh = engine(chat_model, page_size=16), engine(chat_model, prefix_cache=False)
-    seen, expected = spy_logits(resuming), spy_logits(fresh)
+    engine resuming from anchors samples from the same logits and emits the same tokens as
+    engines that recompute every prompt. Against a fresh engine per turn (which saves anchors
+    at the same boundaries, so its recurrence runs in the same segments) within 1e-5; against
+    one without prefix cache (one segment per prompt: another fp32 summation order in the
+    chunked delta rule) within transformers' 1e-4."""
+    resuming, plain = engine(chat_model, page_size=16), engine(chat_model, prefix_cache=False)
+    seen, unsplit = spy_logits(resuming), spy_logits(plain)
     tok = resuming.tokenizer
     messages = [{"role": "user", "content": "List the files, then read the largest."}]
     call = {"name": "ls", "arguments": {"path": "."}}
-    resumed_at = []
+    resumed_at, fresh_logits = [], []
     for turn in range(4):
         messages.append(
             {"role": "assistant", "content": f"<think>turn {turn}</think>Looking.",
@@ -188,13 +191,20 @@ def test_multi_turn_resume_equals_recompute(chat_model):
         )  # fmt: skip
         messages.append({"role": "tool", "content": f"a.py b.py {turn}"})
         prompt = tok.encode(tok.render_chat(messages))
-        [a] = resuming.generate([prompt], GREEDY)
-        [b] = fresh.generate([prompt], GREEDY)
-        assert a.output_ids == b.output_ids
+        fresh = engine(chat_model, page_size=16)
+        fresh_seen = spy_logits(fresh)
+        done = [e.generate([prompt], GREEDY)[0].output_ids for e in (resuming, fresh, plain)]
+        assert done[0] == done[1] == done[2]
+        fresh_logits += fresh_seen
         resumed_at.append(resuming.reuse.recent[-1]["anchor"])
     assert all(resumed_at[1:]) and any(p % 16 for p in resumed_at[1:])
-    assert len(seen) == len(expected)
-    assert max((x - y).abs().max().item() for x, y in zip(seen, expected, strict=True)) < SAME
+
+    def worst(a, b):
+        assert len(a) == len(b)
+        return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+    assert worst(seen, fresh_logits) < SAME
+    assert worst(seen, unsplit) < 1e-4
     store = resuming.anchors
     assert store.num_free + store.num_attached == store.capacity  # no pending leftovers
     assert resuming.runner.states.num_free == resuming.max_batch_size
