@@ -91,23 +91,22 @@ class UniformRouter(torch.nn.Module):
     sends nearly every token to the same experts (98% cache hits at any size), which would
     measure nothing of the miss path; real models sit between the two."""
 
-    def __init__(self, num_experts: int, seed: int):
+    def __init__(self, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
-        self.generator = None
-        self.seed = seed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.generator is None:
-            self.generator = torch.Generator(device=x.device).manual_seed(self.seed)
+        # The default generator: CUDA graphs advance it at every replay (a private one cannot
+        # be captured).
         shape = (x.shape[0], self.num_experts)
-        return torch.randn(shape, generator=self.generator, device=x.device, dtype=x.dtype)
+        return torch.randn(shape, device=x.device, dtype=x.dtype)
 
 
-def use_uniform_routing(loaded: LoadedModel) -> None:
-    for i, layer in enumerate(loaded.model.layers):
+def use_uniform_routing(loaded: LoadedModel, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
-            layer.moe.router = UniformRouter(loaded.config.moe.num_experts, seed=i)
+            layer.moe.router = UniformRouter(loaded.config.moe.num_experts)
 
 
 def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):

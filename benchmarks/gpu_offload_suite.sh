@@ -15,5 +15,5 @@ python3 -m freetoken.cli.main bench bw --seconds 1.5 | tee "$out/bench-bw.txt"
 python3 benchmarks/decode_offload.py --out "$out/decode_offload.md" "$@" 2>&1 | grep -v "^{"
 python3 benchmarks/profile_decode.py --layers 16 --strategy hybrid --strategy offload \
   --out "$out/profile" 2>&1 | grep -E "ms/step"
-python3 benchmarks/prefill.py --layers 16 --tokens 1024 --tokens 4096 --tokens 8192 \
+[ "${PREFILL:-1}" = 1 ] && python3 benchmarks/prefill.py --layers 16 --tokens 1024 --tokens 4096 --tokens 8192 \
   --tokens 16384 --out "$out/prefill.md" 2>&1 | tail -14

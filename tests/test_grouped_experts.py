@@ -147,6 +147,17 @@ def test_grouped_gemm_matches_reference(seed):
     assert torch.equal(none, torch.zeros_like(x))
 
 
+def test_grouped_gemm_in_windows_of_slots(monkeypatch):
+    """More slots than one grouped GEMM takes (torch's limit is 1024): windows of slots."""
+    import freetoken.kernels.grouped_experts as ge
+
+    monkeypatch.setattr(ge, "GROUPED_MM_MAX_GROUPS", 2)
+    case = make_case(12, 4, 48, 24, 5, seed=9, skip_frac=0.3)
+    torch.testing.assert_close(
+        grouped_gemm_experts(*case), reference_grouped_experts(*case), rtol=0, atol=1e-5
+    )
+
+
 def test_argument_checks():
     x, slots, weights, w_gate_up, w_down = make_case(2, 2, 16, 8, 2)
     with pytest.raises(ValueError, match="slots must be int32 or int64"):

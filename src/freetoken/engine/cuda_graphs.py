@@ -88,11 +88,12 @@ class DecodeGraphs:
             if isinstance(static, torch.Tensor):
                 static.copy_(getattr(batch, f.name), non_blocking=True)
         capture.batch.seq_lens = batch.seq_lens
-        for i, graph in enumerate(capture.graphs):
-            graph.replay()
-            if i < len(capture.steps):
-                s = capture.steps[i]
-                s.out.copy_(s.executor(s.moe_layer, s.x, s.ids, s.weights))
+        with torch.inference_mode():  # the static tensors were made under it, by the capture
+            for i, graph in enumerate(capture.graphs):
+                graph.replay()
+                if i < len(capture.steps):
+                    s = capture.steps[i]
+                    s.out.copy_(s.executor(s.moe_layer, s.x, s.ids, s.weights))
         self.replays += 1
         return capture.logits.clone()
 

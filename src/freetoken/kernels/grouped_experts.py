@@ -70,6 +70,7 @@ REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide
 # many routes per call, the routes are sorted by expert and run as grouped GEMMs
 # (`grouped_gemm_experts`), which read each used expert once.
 GROUPED_GEMM_FROM_ROUTES = 512
+GROUPED_MM_MAX_GROUPS = 1024  # torch._grouped_mm's limit on groups (slots) per call
 
 # Activation names (as in HF configs) -> the code the kernel branches on at compile time.
 _ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
@@ -170,12 +171,32 @@ def grouped_gemm_experts(
     # those rows unwritten and the mask below zeroes them.
     key = torch.where(flat >= 0, flat, num_slots)
     order = torch.argsort(key, stable=True)
-    ends = torch.bincount(key, minlength=num_slots + 1)[:num_slots].cumsum(0).to(torch.int32)
+    counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
     xs = x[order // k]
-    hidden = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)
+    if num_slots <= GROUPED_MM_MAX_GROUPS:
+        hidden = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=counts.cumsum(0).int())
+    else:
+        # Windows of at most GROUPED_MM_MAX_GROUPS slots, each over its own rows of the sorted
+        # routes (one host read of where the windows start: long chunks only).
+        edges = range(0, num_slots, GROUPED_MM_MAX_GROUPS)
+        starts = [0, *torch.cumsum(counts, 0)[[e - 1 for e in edges[1:]]].tolist()]
+        windows = [
+            (slice(e, e + GROUPED_MM_MAX_GROUPS), lo, hi)
+            for e, lo, hi in zip(edges, starts, [*starts[1:], len(order)], strict=True)
+        ]
+        hidden = xs.new_empty(len(order), 2 * i)
+        for sl, lo, hi in windows:
+            ends = counts[sl].cumsum(0).int()
+            hidden[lo:hi] = torch._grouped_mm(xs[lo:hi], w_gate_up[sl].transpose(1, 2), offs=ends)
     gate, up = hidden.split(i, dim=-1)
     a = activation(act)(gate) * up
-    y = torch._grouped_mm(a, w_down.transpose(1, 2), offs=ends)
+    if num_slots <= GROUPED_MM_MAX_GROUPS:
+        y = torch._grouped_mm(a, w_down.transpose(1, 2), offs=counts.cumsum(0).int())
+    else:
+        y = a.new_empty(len(order), h)
+        for sl, lo, hi in windows:
+            ends = counts[sl].cumsum(0).int()
+            y[lo:hi] = torch._grouped_mm(a[lo:hi], w_down[sl].transpose(1, 2), offs=ends)
     c = (y * weights.reshape(-1)[order, None]).to(x.dtype)
     c = torch.where((key[order] < num_slots)[:, None], c, 0)
     per_token = torch.empty_like(c).index_copy_(0, order, c).view(t, k, h)

@@ -94,9 +94,9 @@ class ExpertCache:
         return self._copy(slots, sources, after)
 
     def _retable(self, pairs: Sequence[int], slots: Sequence[int]) -> None:
-        slot_of, pair_of = self.slot_of, self.pair_of
+        slot_of, pair_of = self.slot_of.numpy(), self.pair_of.numpy()  # views: no torch ops
         for p, s in zip(pairs, slots, strict=True):
-            old = int(pair_of[s])
+            old = pair_of[s]
             if old >= 0:
                 slot_of[old] = -1
             pair_of[s] = p

@@ -52,9 +52,11 @@ class CPUExpertExecutor:
             torch.set_num_threads(threads)
         self.native = None
         if native:
-            self.native = NativeCPUExperts.create(
-                store.w_gate_up, store.w_down, act, threads or torch.get_num_threads()
-            )
+            # One core is left to the thread that drives the GPU: with every core in the team,
+            # the kernel ran at 25 GB/s beside a copy thread instead of 34 with one fewer
+            # (benchmarks/results/2026-11-29-cpu-experts-h200.md).
+            team = threads or max(1, torch.get_num_threads() - 1)
+            self.native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, team)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
     def submit(self, job: CPUJob) -> Future[CPUResult]:

@@ -169,13 +169,14 @@ class MoERuntime:
         if len(hits) or len(fill):
             gpu_slots = cache.slot_of.numpy()[pairs_np]
             gpu_slots[cpu_routes] = -1
+            # Before waiting for the fill: a copy from pageable memory waits for the stream.
+            slots = torch.from_numpy(gpu_slots).to(self.device, non_blocking=True)
             if len(fill):
                 if events is not None:
                     torch.cuda.current_stream(self.device).wait_event(events[1])
                     self._pending_fill_timing.append((*events, fill_bytes))
                 else:
                     self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
-            slots = torch.from_numpy(gpu_slots).to(self.device, non_blocking=True)
             out = self._gpu(x, slots, weights)
         if future is not None:
             waited = time.perf_counter()
@@ -316,6 +317,10 @@ def build_runtime(
     cpu = None
     if strategy != "fused":
         cpu = CPUExpertExecutor(store, act, options.cpu_threads)
+        if device.type == "cuda" and cpu.native is not None:
+            # Torch's own CPU work is now only the policy's small ops: one thread, so its
+            # spinning OpenMP team does not take cores from the expert kernel's.
+            torch.set_num_threads(1)
     log.info(
         "MoE strategy %s, expert cache %s slots of %d",
         strategy,
