@@ -116,6 +116,12 @@ def test_stats_and_metrics_report_moe(server, client):
     text = httpx.get(server[0] + "/metrics").text
     assert "freetoken_moe_cache_hit_rate" in text and "freetoken_moe_fills_total" in text
     assert "# TYPE freetoken_kv_pages_used gauge" in text
+    reuse = stats["prefix_reuse"]  # per request: prompt, reused, recomputed, anchor
+    last = reuse["recent"][-1]
+    assert last["prompt_tokens"] == last["reused_tokens"] + last["recomputed_tokens"] > 0
+    assert last["anchor"] is None and stats["anchors"] is None  # a full-attention model
+    assert reuse["prompt_tokens"] == reuse["reused_tokens"] + reuse["recomputed_tokens"]
+    assert "freetoken_prompt_tokens_reused_total" in text
 
 
 ERRORS = [

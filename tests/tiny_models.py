@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -46,6 +47,19 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "OlmoeForCausalLM",
         dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
     ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_hidden_layers=4, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[2],
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "llama": (
         "LlamaConfig",
@@ -57,6 +71,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         ),
     ),
 }  # fmt: skip
+
+
+def zero_centered_norm(family: str, name: str) -> bool:
+    # Qwen3-Next: every RMSNorm but the gated one of its DeltaNet layers.
+    return family == "qwen3_next" and "linear_attn.norm" not in name
 
 
 def build(
@@ -78,10 +97,33 @@ def build(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                # Scales near 1; a zero-centered norm (applied as 1 + weight) stores them - 1.
+                one = 0.0 if zero_centered_norm(family, name) else 1.0
+                p.copy_(one + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.08)
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir, model
+
+
+def build_chat_model(family: str, out_dir: Path, **overrides) -> tuple[Path, torch.nn.Module]:
+    """A tiny checkpoint of `family` with Qwen3's real tokenizer and chat template (so
+    engine tests can render conversations and see their special tokens), as the demo has."""
+    from freetoken.demo import DEMO_GENERATION_CONFIG
+    from freetoken.qwen_vocab import QWEN3_VOCAB_SIZE, write_qwen_tokenizer
+
+    eos = DEMO_GENERATION_CONFIG["eos_token_id"]
+    path, model = build(
+        family,
+        out_dir,
+        vocab_size=QWEN3_VOCAB_SIZE,
+        tie_word_embeddings=True,
+        eos_token_id=eos[0],
+        bos_token_id=DEMO_GENERATION_CONFIG["bos_token_id"],
+        **{"max_position_embeddings": 8192, **overrides},
+    )
+    write_qwen_tokenizer(path, model_max_length=model.config.max_position_embeddings)
+    (path / "generation_config.json").write_text(json.dumps(DEMO_GENERATION_CONFIG))
+    return path, model

@@ -24,6 +24,9 @@ class EngineConfig:
     max_batch_size: int = 4  # sequences decoded together
     max_prefill_chunk: int = 2048  # prompt tokens per forward; longer prompts span several steps
     prefix_cache: bool = True  # reuse the KV of prompt prefixes seen before (kv/radix.py)
+    # Hybrid models (linear attention): recurrent states kept at edit boundaries so a prefix
+    # can be reused (kv/anchors.py); each costs one sequence's state (74 MiB on Qwen3-Next-80B).
+    state_anchors: int = 16
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import asdict, dataclass, field
 
 
@@ -74,3 +75,41 @@ class MoETelemetry:
 
     def reset(self) -> None:
         self.layers = [LayerCounters() for _ in self.layers]
+
+
+@dataclass
+class PrefixReuseTelemetry:
+    """Per request: prompt tokens, tokens reused from the prefix cache (KV pages, and for
+    hybrid models the anchor's recurrent state), tokens recomputed, the anchor used."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    anchor_restores: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+    def record(self, prompt_tokens: int, reused: int, anchor: int | None) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.reused_tokens += reused
+        self.recomputed_tokens += prompt_tokens - reused
+        self.anchor_restores += anchor is not None
+        self.recent.append(
+            {
+                "prompt_tokens": prompt_tokens,
+                "reused_tokens": reused,
+                "recomputed_tokens": prompt_tokens - reused,
+                "anchor": anchor,
+            }
+        )
+
+    def snapshot(self) -> dict:
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "anchor_restores": self.anchor_restores,
+            "recent": list(self.recent),
+        }

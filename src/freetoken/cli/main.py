@@ -25,6 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="do not reuse the KV of prompt prefixes seen before",
     )
     g.add_argument(
+        "--state-anchors",
+        type=int,
+        default=16,
+        help="hybrid models: recurrent-state checkpoints kept at edit boundaries for prefix "
+        "reuse (each costs one sequence's state)",
+    )
+    g.add_argument(
         "--no-cuda-graphs",
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -143,6 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
         prefix_cache=not args.no_prefix_cache,
+        state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,
         moe=moe,
     )

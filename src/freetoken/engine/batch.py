@@ -9,11 +9,21 @@ here, once per forward, shared by all layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from freetoken.kv.paged import KVSequence, PagedKVCache
+
+
+@dataclass
+class StateGroup:
+    """Sequences a linear-attention layer advances together (see ForwardBatch.state_groups)."""
+
+    rows: slice  # their new tokens, flat
+    slots: torch.Tensor  # [n] their recurrent state slots
+    n: int  # sequences (each with rows / n new tokens)
+    captures: list[tuple[int, int]] = field(default_factory=list)  # only when n == 1
 
 
 @dataclass
@@ -28,6 +38,28 @@ class ForwardBatch:
     sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     seq_lens: list[int]  # total length of each sequence after this forward
+    counts: list[int]  # new tokens of each sequence
+    state_slots: torch.Tensor | None = None  # [B] recurrent state slot of each sequence
+    # Per sequence: (k, slot) = copy the recurrent state after its first k new tokens into
+    # pool slot `slot` (an anchor checkpoint, kv/anchors.py); k ascending, 0 <= k <= count.
+    captures: list[list[tuple[int, int]]] | None = None
+
+    def state_groups(self) -> list[StateGroup]:
+        """How linear-attention layers walk the batch, in flat token order. Sequences with
+        equally many new tokens (every decode step) go as one batch; otherwise each goes
+        alone, since a recurrence cannot share a padded batch without letting the padding
+        into its state. A sequence with captures goes alone too (rare: a decode step that
+        feeds a boundary token, or a prefill chunk that holds some)."""
+        assert self.state_slots is not None, "a linear-attention layer needs state slots"
+        captures = self.captures or [[] for _ in self.counts]
+        if len(set(self.counts)) == 1 and not any(captures):
+            return [StateGroup(slice(0, self.num_tokens), self.state_slots, len(self.counts))]
+        groups, start = [], 0
+        for i, n in enumerate(self.counts):
+            rows = slice(start, start + n)
+            groups.append(StateGroup(rows, self.state_slots[i : i + 1], 1, captures[i]))
+            start += n
+        return groups
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +73,7 @@ class ForwardBatch:
         device: torch.device,
         sliding_window: int | None = None,
         key_bucket: int | None = None,
+        captures: list[list[tuple[int, int]]] | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens and build the tables. Does not advance
         `seq.length`; call :func:`commit` after the forward succeeds. With `key_bucket`, the
@@ -100,6 +133,11 @@ class ForwardBatch:
             sliding_mask=sliding,
             last_index=dev(last),
             seq_lens=totals,
+            counts=counts,
+            state_slots=None
+            if any(seq.state_slot is None for seq in seqs)
+            else dev(torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long)),
+            captures=captures,
         )
 
 

@@ -19,8 +19,10 @@ from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
+from freetoken.kv.anchors import AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence
 from freetoken.kv.radix import RadixCache
+from freetoken.telemetry import PrefixReuseTelemetry
 from freetoken.tokenizer import Tokenizer
 from freetoken.weights.loader import load_model
 
@@ -38,14 +40,20 @@ class Request:
     text: TextStream
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV (and recurrent state) came from the cache
+    anchor: int | None = None  # hybrid models: position of the anchor the request resumed at
     prefix: list = field(default_factory=list)  # radix nodes locked for this request
+    anchors: list = field(default_factory=list)  # anchor checkpoints saved, not yet attached
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return len(self.prompt_ids) - self.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,14 @@ class LLMEngine:
         self.prefix_cache = RadixCache(runner.kv.page_size) if prefix_cache else None
         if self.prefix_cache is not None:
             runner.kv.reclaim = self.prefix_cache.evict
+        # Hybrid models resume a cached prefix only at an anchor checkpoint (kv/anchors.py).
+        self.anchors: AnchorStore | None = None
+        if self.prefix_cache is not None and runner.anchor_slots:
+            self.anchors = AnchorStore(
+                runner.states, runner.anchor_slots, boundary_tokens(tokenizer)
+            )
+            self.prefix_cache.on_evict = self.anchors.drop_node
+        self.reuse = PrefixReuseTelemetry()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -96,7 +112,13 @@ class LLMEngine:
             Path(path), config.dtype, config.resolved_device(), progress=config.progress
         )
         runner = ModelRunner(
-            loaded, config.kv_cache_tokens, config.page_size, config.moe, config.cuda_graphs
+            loaded,
+            config.kv_cache_tokens,
+            config.page_size,
+            config.moe,
+            config.cuda_graphs,
+            max_sequences=config.max_batch_size,
+            state_anchors=config.state_anchors if config.prefix_cache else 0,
         )
         return cls(
             runner,
@@ -127,7 +149,12 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
         )
         if self.prefix_cache is not None:
-            self._reuse_prefix(req)
+            try:
+                self._reuse_prefix(req)
+            except BaseException:
+                self.runner.release(req.seq)  # its state slot (it shares no pages yet)
+                raise
+        self.reuse.record(len(prompt_ids), req.cached_tokens, req.anchor)
         self.running.append(req)
         return req
 
@@ -135,6 +162,16 @@ class LLMEngine:
         """Start the request from the longest cached prefix of its prompt (at least one prompt
         token is left to compute: its logits give the first new token)."""
         cache = self.prefix_cache
+        if self.runner.config.has_recurrent_state:
+            # Cached pages hold K/V, but linear-attention layers need their recurrent state at
+            # exactly the reuse position: only an anchor has it (without one, recompute all).
+            if self.anchors is not None:
+                req.prefix, anchor = self.anchors.resume(
+                    cache, self.runner.kv, req.seq, req.prompt_ids
+                )
+                if anchor is not None:
+                    req.anchor = req.cached_tokens = anchor.position
+            return
         path = cache.match(req.prompt_ids)
         while path and len(path) * cache.page_size >= len(req.prompt_ids):
             path.pop()
@@ -157,8 +194,12 @@ class LLMEngine:
         spare = cache.insert(tokens, seq.pages[:full])
         cache.unlock(req.prefix)
         req.prefix = []
-        self.runner.kv.allocator.free(spare + seq.pages[full:])
-        seq.pages, seq.length = [], 0
+        if self.anchors is not None:
+            self.anchors.attach(req.anchors, cache.match(tokens), cache.page_size)
+            req.anchors = []
+        self.runner.kv.allocator.free(spare)
+        seq.pages = seq.pages[full:]  # the tree holds the first `full` pages now
+        self.runner.release(seq)  # the rest, and the recurrent state slot
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -182,18 +223,42 @@ class LLMEngine:
                 group.append(r)
                 chunks.append(chunk)
                 budget -= len(chunk)
-            logits = self.runner.forward([r.seq for r in group], chunks)
+            logits = self._forward(group, chunks)
             done = [i for i, r in enumerate(group) if r.seq.length == len(r.prompt_ids)]
             if done:
                 outputs += self._sample([group[i] for i in done], logits[done])
         if decoding:
-            logits = self.runner.forward(
-                [r.seq for r in decoding], [r.output_ids[-1:] for r in decoding]
-            )
+            logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding])
             outputs += self._sample(decoding, logits)
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
         return outputs
+
+    def _forward(self, group: list[Request], chunks: list[list[int]]) -> torch.Tensor:
+        """One forward over the group; with anchors, it also saves the recurrent state at the
+        boundaries among the tokens it feeds (kept by each request until it ends)."""
+        seqs = [r.seq for r in group]
+        if self.anchors is None:
+            return self.runner.forward(seqs, chunks)
+        planned, captures = [], []
+        for r, chunk in zip(group, chunks, strict=True):
+            start, saved = r.seq.length, {a.position for a in r.anchors}
+            positions = [
+                p
+                for p in self.anchors.positions(chunk, start)
+                if p > r.cached_tokens and p not in saved
+            ]
+            planned.append(self.anchors.reserve(positions, r.anchors))
+            captures.append([(a.position - start, a.slot) for a in planned[-1]])
+        try:
+            logits = self.runner.forward(seqs, chunks, captures=captures)
+        except BaseException:
+            for anchors in planned:
+                self.anchors.discard(anchors)
+            raise
+        for r, anchors in zip(group, planned, strict=True):
+            r.anchors += anchors
+        return logits
 
     def _sample(self, group: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         tokens = self.sampler.sample(

@@ -9,6 +9,7 @@ import torch
 from freetoken.engine.batch import ForwardBatch, commit
 from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
 from freetoken.kv.paged import KVSequence, PagedKVCache
+from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
 from freetoken.weights.loader import LoadedModel
 
@@ -23,7 +24,12 @@ class ModelRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
         cuda_graphs: bool = True,
+        max_sequences: int = 8,
+        state_anchors: int = 0,
     ):
+        """For models with linear-attention layers: `max_sequences` recurrent state slots
+        (how many sequences can run at once) plus `state_anchors` slots set aside for anchor
+        checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
         self.model = loaded.model
         self.config = loaded.config
         if self.model.device.type == "cuda":
@@ -40,6 +46,13 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=self.model.dtype,
             device=self.model.device,
+            kv_layers=cfg.attention_layers,
+        )
+        self.states = RecurrentStatePool.for_model(
+            cfg, max_sequences + state_anchors, self.model.dtype, self.model.device
+        )
+        self.anchor_slots = (
+            [self.states.alloc() for _ in range(state_anchors)] if self.states else []
         )
         # The expert cache takes what device memory the KV cache leaves.
         self.moe: MoERuntime | None = None
@@ -51,7 +64,9 @@ class ModelRunner:
                 if hasattr(layer, "moe"):
                     layer.moe.executor = self.moe
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
+        # Not for linear-attention layers yet: their decode path groups sequences on the host
+        # and reads the state pool, which DecodeGraphs does not hand to a replay.
+        if cuda_graphs and self.device.type == "cuda" and self.states is None:
             capturable = self.moe is None or self.moe.strategy == "fused"
             self.graphs = DecodeGraphs(self.model, self.kv, capturable)
 
@@ -60,19 +75,30 @@ class ModelRunner:
         return self.model.device
 
     def new_sequence(self) -> KVSequence:
-        return KVSequence()
+        """An empty sequence, with a zeroed recurrent state slot when the model needs one."""
+        seq = KVSequence()
+        if self.states is not None:
+            seq.state_slot = self.states.alloc()
+        return seq
 
     def release(self, seq: KVSequence) -> None:
+        """Free the sequence's pages and its recurrent state slot."""
         self.kv.release(seq)
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def forward(
         self,
         seqs: Sequence[KVSequence],
         new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
+        captures: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """Append `new_tokens[i]` to `seqs[i]` for every i in one forward pass; return fp32
-        logits of each sequence's last token ([B, V]) or of every new token ([T, V])."""
+        logits of each sequence's last token ([B, V]) or of every new token ([T, V]).
+        `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
+        new tokens into state pool slot `slot` (anchor checkpoints)."""
         decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
         batch = ForwardBatch.build(
             self.kv,
@@ -81,9 +107,10 @@ class ModelRunner:
             self.device,
             sliding_window=self.config.sliding_window,
             key_bucket=KEY_BUCKET if decode else None,
+            captures=captures,
         )
         logits = self.graphs.run(batch) if decode else None
         if logits is None:
-            logits = self.model(batch, self.kv, all_logits=all_logits)
+            logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
         commit(seqs, batch)
         return logits

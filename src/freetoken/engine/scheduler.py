@@ -150,8 +150,12 @@ class Scheduler:
         """Whether the KV pool (free pages, plus prefix-cache pages it could evict) holds the
         request's whole prompt and output next to what running requests may still need.
         Without this, requests admitted together could run the pool dry mid-decode. A request
-        that finds nothing running is always admitted (alone it fits: add_request checks)."""
+        that finds nothing running is always admitted (alone it fits: add_request checks).
+        Models with linear attention also need a free recurrent state slot."""
         engine = self.engine
+        states = engine.runner.states
+        if states is not None and states.num_free == 0:
+            return False
         kv = engine.runner.kv
         available = kv.allocator.num_free
         if engine.prefix_cache is not None:

@@ -44,10 +44,14 @@ class PageAllocator:
 
 @dataclass
 class KVSequence:
-    """The page table of one sequence and how many of its positions hold K/V."""
+    """The page table of one sequence and how many of its positions hold K/V.
+
+    Models with linear-attention layers also give the sequence a slot of the recurrent state
+    pool (`kv/recurrent.py`), whose state summarises the same `length` positions."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    state_slot: int | None = None
 
 
 class PagedKVCache:
@@ -60,15 +64,23 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_layers: tuple[bool, ...] | None = None,
     ):
+        """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         # Called with a number of pages when the pool runs short; returns pages it freed.
         self.reclaim: Callable[[int], list[int]] | None = None
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Flat [slots, heads, dim] per layer: a token's K/V lives at slot page * page_size + offset.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if kv_layers is None:
+            kv_layers = (True,) * num_layers
+
+        def pool(held: bool) -> torch.Tensor:
+            return torch.zeros(shape if held else (0,), dtype=dtype, device=device)
+
+        self.k = [pool(held) for held in kv_layers]
+        self.v = [pool(held) for held in kv_layers]
 
     @property
     def num_pages(self) -> int:
@@ -96,6 +108,16 @@ class PagedKVCache:
         """Flat slot index of each position in [start, end) of `seq`."""
         ps = self.page_size
         return [seq.pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def copy_prefix(self, src_page: int, dst_page: int, n: int) -> None:
+        """Copy the K/V of a page's first `n` positions into another page, in every layer:
+        copy-on-write for a shared page a sequence continues partway through."""
+        ps = self.page_size
+        src, dst = slice(src_page * ps, src_page * ps + n), slice(dst_page * ps, dst_page * ps + n)
+        for k, v in zip(self.k, self.v, strict=True):
+            if k.numel():
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)

@@ -12,8 +12,9 @@ full page (with `page_size` 1 the reuse is exact to the token).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(eq=False)
@@ -24,6 +25,9 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     refs: int = 0
     last_used: int = 0
+    # Recurrent-state checkpoints saved on this node's page, by position (kv/anchors.py): an
+    # anchor at position p holds the state after tokens [0, p) of this node's path.
+    anchors: dict[int, Any] = field(default_factory=dict)
 
 
 class RadixCache:
@@ -32,6 +36,8 @@ class RadixCache:
         self.root = RadixNode()
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages owned by the tree
+        # Called with each node the tree evicts (its anchors go with it).
+        self.on_evict: Callable[[RadixNode], None] | None = None
 
     def _pages_of(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -86,6 +92,8 @@ class RadixCache:
                 del leaf.parent.children[leaf.key]
                 freed.append(leaf.page)
                 self.num_pages -= 1
+                if self.on_evict is not None:
+                    self.on_evict(leaf)
         return freed
 
     def _nodes(self):

@@ -1,5 +1,5 @@
 """Grouped-query attention over the paged KV cache (RoPE, optional qk-norm, clipping,
-biases and sliding window: every variant our families use, in one module)."""
+biases, sliding window and output gate: every variant our families use, in one module)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,21 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        # With an output gate, q_proj yields each head's query then its gate, head by head.
+        self.output_gate = cfg.attn_output_gate
+        q_out = 2 * q_dim if self.output_gate else q_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
+        zc = cfg.zero_centered_norm
         if cfg.qk_norm == "per_head":  # Qwen3: one norm over each head's vector
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zc)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zc)
         elif cfg.qk_norm == "full":  # OLMoE: one norm over all heads at once
-            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, zc)
+            self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps, zc)
         self.clip_qkv = cfg.clip_qkv
         self.sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
         self.scale = cfg.head_dim**-0.5
@@ -48,6 +52,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(t, -1), gate.reshape(t, -1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -67,7 +75,10 @@ class Attention(nn.Module):
         mask = batch.sliding_mask if self.sliding else batch.causal_mask
         out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        return self.o_proj(out.index_select(0, batch.query_rows))
+        out = out.index_select(0, batch.query_rows)  # [T, h * d], back in flat token order
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 def _sdpa_gqa(q, k, v, mask, scale):

@@ -1,17 +1,32 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
+    """RMSNorm computed in fp32 and cast back, as the reference implementations do.
 
-    def __init__(self, dim: int, eps: float):
+    `zero_centered` (Qwen3-Next): the stored weight is the scale minus one, and the scale is
+    applied in fp32 before the cast back (the reference's order, which matters in bf16).
+    """
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) * silu(gate): the output norm of gated DeltaNet (norm first, then gate)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)

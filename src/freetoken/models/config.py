@@ -50,6 +50,29 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next): its heads and its short causal conv."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves a group of v heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # width of the depthwise causal conv over q, k and v
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim  # q, k and v go through the conv together
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -75,6 +98,13 @@ class ModelConfig:
     # Per layer: True where attention uses the sliding window.
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
+    # Per layer: True where the token mixer is linear attention instead of softmax attention.
+    linear_layers: tuple[bool, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    # Qwen3-Next: q_proj also yields a per-channel gate; attention output *= sigmoid(gate).
+    attn_output_gate: bool = False
+    # Qwen3-Next stores RMSNorm weights zero-centered: the scale applied is 1 + weight.
+    zero_centered_norm: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -88,6 +118,21 @@ class ModelConfig:
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.linear_layers) if m)
+
+    @property
+    def attention_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where the layer keeps K/V in the paged cache."""
+        linear = self.linear_layers or (False,) * self.num_layers
+        return tuple(not m for m in linear)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some layer carries a recurrent state (which a KV prefix cannot restore)."""
+        return any(self.linear_layers)
 
 
 def _first(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -235,3 +280,14 @@ def sliding_pattern(raw: dict[str, Any], num_layers: int, default: bool) -> tupl
     if types:
         return tuple(t == "sliding_attention" for t in types)
     return (default and bool(raw.get("sliding_window")),) * num_layers
+
+
+def linear_attention_pattern(raw: dict[str, Any], default_interval: int) -> tuple[bool, ...]:
+    """Which layers are linear attention: `layer_types` when the config spells it out, else
+    every layer but each `full_attention_interval`-th (the Qwen3-Next default is 4)."""
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types:
+        return tuple(t == "linear_attention" for t in types)
+    interval = int(_first(raw, "full_attention_interval", default=default_interval))
+    return tuple((i + 1) % interval != 0 for i in range(num_layers))

@@ -1,4 +1,5 @@
-"""The one decoder every family runs: embed -> N x (attention, MLP or MoE) -> norm -> logits."""
+"""The one decoder every family runs: embed -> N x (attention or linear attention, MLP or MoE)
+-> norm -> logits."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from torch import nn
 
 from freetoken.engine.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
+from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
+from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.mlp import GatedMLP
 from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
@@ -18,9 +21,13 @@ from freetoken.models.config import ModelConfig
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        zc = cfg.zero_centered_norm
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        if cfg.linear_layers and cfg.linear_layers[layer]:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layer_ids.index(layer))
+        else:
+            self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         if cfg.moe_layers[layer]:
             self.moe = MoEBlock(cfg, cfg.moe_layer_ids.index(layer))
         else:
@@ -28,8 +35,19 @@ class DecoderLayer(nn.Module):
                 cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias
             )
 
-    def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos_sin, batch, kv)
+    def forward(
+        self,
+        x,
+        cos_sin,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        states: RecurrentStatePool | None,
+    ) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(h, batch, states)
+        else:
+            x = x + self.attn(h, cos_sin, batch, kv)
         h = self.mlp_norm(x)
         return x + (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
 
@@ -40,7 +58,7 @@ class DecoderModel(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -62,14 +80,19 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: PagedKVCache, all_logits: bool = False
+        self,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        all_logits: bool = False,
+        states: RecurrentStatePool | None = None,
     ) -> torch.Tensor:
         """Logits in fp32: [B, V] for each sequence's last new token, or [T, V] for every new
-        token when `all_logits`."""
+        token when `all_logits`. `states` holds the recurrent state of linear-attention
+        layers (read and advanced in place)."""
         x = self.embed(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos_sin, batch, kv)
+            x = layer(x, cos_sin, batch, kv, states)
         if not all_logits:
             x = x[batch.last_index]
         return (self.norm(x) @ self.lm_head_weight().t()).float()

@@ -21,6 +21,7 @@ COMMON_RENAMES: tuple[tuple[str, str], ...] = (
     (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
     (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
     (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attn."),
+    (r"^model\.layers\.(\d+)\.linear_attn\.", r"layers.\1.linear_attn."),
     (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"layers.\1.moe.router.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.", r"layers.\1.moe.shared_gate."),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", r"layers.\1.moe.shared."),

@@ -39,6 +39,9 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
             "p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] if ttft else 0.0,
         },
         "kv_pages": kv_pages(engine),
+        # Per request: prompt tokens, reused from the prefix cache, recomputed, anchor used.
+        "prefix_reuse": engine.reuse.snapshot(),
+        "anchors": None if engine.anchors is None else engine.anchors.snapshot(),
         "moe": None if moe is None else {"strategy": moe.strategy, **moe.telemetry.snapshot()},
         "prefill_streaming": None
         if moe is None or moe.streamer is None
@@ -74,6 +77,20 @@ def metrics_text(core: GenerationCore) -> str:
     metric("kv_pages_free", "gauge", "KV cache pages free.", s["kv_pages"]["free"])
     metric(
         "kv_pages_cached", "gauge", "KV pages held by the prefix cache.", s["kv_pages"]["cached"]
+    )
+    reuse = s["prefix_reuse"]
+    metric("prompt_tokens_reused_total", "counter", "Prompt tokens reused.", reuse["reused_tokens"])
+    metric(
+        "prompt_tokens_recomputed_total",
+        "counter",
+        "Prompt tokens computed.",
+        reuse["recomputed_tokens"],
+    )
+    metric(
+        "anchor_restores_total",
+        "counter",
+        "Requests resumed from an anchor checkpoint.",
+        reuse["anchor_restores"],
     )
     if s["prefill_streaming"] is not None:
         p = s["prefill_streaming"]

@@ -13,6 +13,7 @@ from freetoken.models.family import Family
 
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",

@@ -1,0 +1,192 @@
+"""Gated DeltaNet linear attention (Qwen3-Next), in pure torch.
+
+Instead of keys and values of every past token, a linear-attention layer keeps per sequence
+a fixed-size recurrent state: a matrix S [value heads, key dim, value dim] that each token
+decays by exp(g) and corrects towards its value (the delta rule, step size beta), plus the
+last `kernel - 1` inputs of a short depthwise causal conv over q, k and v. Both live in the
+recurrent state pool (`kv/recurrent.py`), one slot per sequence.
+
+Prefill runs the chunked form of the delta rule (chunks of 64, as the transformers torch
+fallback: a few matmuls per chunk instead of a step per token); decode runs one recurrent
+step. Both read and write the sequence's slot, so a prompt split across forwards (chunked
+prefill) carries its state over the chunk boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.batch import ForwardBatch, StateGroup
+from freetoken.kv.recurrent import RecurrentStatePool
+from freetoken.layers.mlp import activation
+from freetoken.layers.norm import GatedRMSNorm
+from freetoken.models.config import ModelConfig
+
+CHUNK_SIZE = 64
+
+
+def causal_conv1d(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, act: Callable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [B, T, C] continuing from `state` [B, C, kernel - 1] (the
+    inputs before x; zeros at a sequence's start). Returns (act(conv) [B, T, C], new state)."""
+    keep = weight.shape[-1] - 1
+    full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, keep + T]
+    y = act(F.conv1d(full, weight[:, None, :], groups=weight.shape[0]))  # [B, C, T]
+    return y.transpose(1, 2), full[:, :, full.shape[-1] - keep :]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """[B, T, heads, d] inputs -> fp32 [B, Hv, T, d] with q/k expanded to the value heads,
+    L2-normalized, and q scaled by 1/sqrt(d_k) (as the reference kernels do)."""
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:  # each q/k head serves `groups` consecutive value heads
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k = _l2norm(q), _l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """One step per token (prepared inputs, state [B, Hv, dk, dv] fp32): the decode path.
+    Returns (out [B, Hv, T, dv], final state)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        predicted = (state * k_t[..., None]).sum(-2)  # what S already returns for k_t
+        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        state = state + k_t[..., None] * delta[..., None, :]
+        out[:, :, t] = (state * q[:, :, t][..., None]).sum(-2)
+    return out, state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK_SIZE):
+    """The same recurrence, `chunk` tokens at a time (prepared inputs): within a chunk the
+    sequential delta updates are folded into one unit-lower-triangular solve (the UT
+    transform), so a chunk costs a few matmuls; only the chunks run in sequence."""
+    length = q.shape[2]
+    pad = (-length) % chunk
+    # Padding tokens have beta = 0, k = 0 and g = 0: they leave the state untouched.
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    b, h, n = q.shape[0], q.shape[1], q.shape[2] // chunk
+
+    def chunks(t):
+        return t.reshape(b, h, n, chunk, *t.shape[3:])
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    decay = g.cumsum(-1)  # log decay from the chunk's start through each position
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    # pair_decay[i, j]: decay accumulated from position j to i (i >= j); 0 above the diagonal
+    pair_decay = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
+
+    # Solve (I + strictly_lower(k_beta k^T * decay)) X = rhs for the chunk's corrected
+    # values and for the decayed keys that read the state carried in from earlier chunks.
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    solve = torch.linalg.solve_triangular
+    values = solve(system, v_beta, upper=False, unitriangular=True)
+    state_keys = solve(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair_decay  # attention within the chunk, causal
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+
+    out = torch.empty_like(values)
+    for i in range(n):
+        v_new = values[:, :, i] - state_keys[:, :, i] @ state  # the part S does not predict
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(b, h, n * chunk, -1)[:, :, :length], state
+
+
+class GatedDeltaNet(nn.Module):
+    """The token mixer of a linear-attention layer. Parameter names follow the checkpoints."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        la = cfg.linear_attention
+        assert la is not None
+        self.index = index  # row of this layer in the recurrent state pool
+        self.nk, self.nv = la.num_key_heads, la.num_value_heads
+        self.dk, self.dv = la.key_head_dim, la.value_head_dim
+        self.key_dim, self.value_dim = la.key_dim, la.value_dim
+        h = cfg.hidden_size
+        self.in_proj_qkvz = nn.Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * la.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(la.value_dim, h, bias=False)
+        self.act = activation(cfg.hidden_act)
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], and the
+        per-value-head b (step size) and a (decay) [T, Hv]."""
+        t, r = x.shape[0], self.nv // self.nk
+        # The checkpoints lay both projections out by key-head group: each group's q, k, its
+        # r value heads' v and z (and b, a) are contiguous.
+        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, states: RecurrentStatePool
+    ) -> torch.Tensor:
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
+        conv, ssm = states.conv[self.index], states.ssm[self.index]
+        core = torch.cat(
+            [self._group(conv, ssm, mixed, g, beta, group) for group in batch.state_groups()]
+        )  # [T, Hv, dv] fp32, flat token order
+        out = self.norm(core.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
+        return self.out_proj(out.view(x.shape[0], self.value_dim))
+
+    def _group(self, conv, ssm, mixed, g, beta, group: StateGroup) -> torch.Tensor:
+        """Advance a group's sequences over their new tokens; for each capture (k, slot),
+        copy the state after the first k tokens into `slot` (splitting the tokens there: a
+        state exists only between the segments the rule runs). Returns [rows, Hv, dv]."""
+        n, rows, slots = group.n, group.rows, group.slots
+        mixed = mixed[rows].view(n, -1, mixed.shape[-1])
+        g, beta = g[rows].view(n, -1, self.nv), beta[rows].view(n, -1, self.nv)
+        outs, start = [], 0
+        for k, slot in [*group.captures, (mixed.shape[1], None)]:
+            if k > start:
+                sl = slice(start, k)
+                outs.append(self._mix(conv, ssm, mixed[:, sl], g[:, sl], beta[:, sl], slots))
+                start = k
+            if slot is not None:
+                dst = torch.tensor([slot], device=slots.device)
+                conv.index_copy_(0, dst, conv[slots])
+                ssm.index_copy_(0, dst, ssm[slots])
+        return torch.cat(outs, dim=1).reshape(-1, self.nv, self.dv)
+
+    def _mix(self, conv, ssm, mixed, g, beta, slots) -> torch.Tensor:
+        """Advance sequences [n, T, ...] from their slots and write the new states back.
+        Returns [n, T, Hv, dv] fp32."""
+        n = mixed.shape[0]
+        y, new_conv = causal_conv1d(mixed, conv[slots], self.conv1d.weight[:, 0], self.act)
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        shape = (n, y.shape[1], -1)
+        q, k = q.reshape(*shape, self.dk), k.reshape(*shape, self.dk)
+        v = v.reshape(*shape, self.dv)
+        rule = recurrent_gated_delta_rule if y.shape[1] == 1 else chunk_gated_delta_rule
+        out, new_ssm = rule(*_prepare(q, k, v, g, beta), ssm[slots])
+        conv.index_copy_(0, slots, new_conv.to(conv.dtype))
+        ssm.index_copy_(0, slots, new_ssm)
+        return out.transpose(1, 2)

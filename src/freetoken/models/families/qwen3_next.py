@@ -1,0 +1,35 @@
+from freetoken.models.config import (
+    LinearAttentionConfig,
+    decoder_config,
+    linear_attention_pattern,
+    routed_experts,
+    sparse_layer_pattern,
+)
+from freetoken.models.family import Family
+
+
+def parse_config(raw: dict):
+    # Qwen3-Next: gated DeltaNet layers with full attention every 4th layer, gated attention
+    # output, zero-centered norms, partial RoPE (a quarter of each head unless the config says
+    # otherwise) and a sigmoid-gated shared expert.
+    raw = {"partial_rotary_factor": 0.25, **raw}
+    return decoder_config(
+        raw,
+        "qwen3_next",
+        qk_norm="per_head",
+        moe=routed_experts(raw, shared_expert_gated=True),
+        moe_layers=sparse_layer_pattern(raw),
+        linear_layers=linear_attention_pattern(raw, default_interval=4),
+        linear_attention=LinearAttentionConfig(
+            num_key_heads=int(raw["linear_num_key_heads"]),
+            num_value_heads=int(raw["linear_num_value_heads"]),
+            key_head_dim=int(raw["linear_key_head_dim"]),
+            value_head_dim=int(raw["linear_value_head_dim"]),
+            conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        ),
+        attn_output_gate=True,
+        zero_centered_norm=True,
+    )
+
+
+FAMILY = Family("qwen3_next", ("Qwen3NextForCausalLM",), parse_config)

@@ -1,0 +1,235 @@
+"""Qwen3-Next (gated DeltaNet linear attention + gated full attention): exact against
+transformers' own cached decode; batched, chunked and single forwards agree; the recurrent
+state pool never leaks a slot."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken.config import EngineConfig
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.runner import ModelRunner
+from freetoken.engine.sampling import SamplingParams
+from freetoken.errors import CheckpointError
+from freetoken.kv.recurrent import OutOfStateSlotsError, RecurrentStatePool
+from freetoken.models.families import family_for
+from freetoken.weights.loader import load_model
+from tiny_models import build, build_chat_model
+
+TOL = 1e-4  # against transformers
+SAME = 1e-5  # our own forwards against each other
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build("qwen3_next", tmp_path_factory.mktemp("ckpt") / "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_model(tiny[0], dtype="float32")
+
+
+def random_ids(n: int, seed: int, vocab: int = 160) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_config_reads_the_hybrid_layout(loaded):
+    cfg = loaded.config
+    assert cfg.linear_layers == (True, False, True, False)
+    assert cfg.attention_layers == (False, True, False, True)
+    assert cfg.moe_layers == (True, True, False, True)
+    assert cfg.rope.partial_rotary_factor == 0.25
+    assert cfg.attn_output_gate and cfg.zero_centered_norm
+    la = cfg.linear_attention
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim) == (
+        2, 4, 16, 8,
+    )  # fmt: skip
+    runner = ModelRunner(loaded, kv_cache_tokens=64, page_size=8, max_sequences=3)
+    # Linear layers keep no K/V pages; their state lives in the pool instead.
+    assert [k.numel() > 0 for k in runner.kv.k] == [False, True, False, True]
+    assert runner.states.conv.shape == (2, 3, la.conv_dim, 3)
+    assert runner.states.ssm.shape == (2, 3, 4, 16, 8)
+
+
+def test_hub_config_spellings():
+    """Hub configs give `full_attention_interval` instead of `layer_types`, and may leave
+    `partial_rotary_factor` to the family default (a quarter of each head)."""
+    raw = {
+        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 10, "hidden_size": 32,
+        "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "full_attention_interval": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "rope_theta": 1e6,
+    }  # fmt: skip
+    cfg = family_for(raw).parse_config(raw)
+    assert cfg.linear_layer_ids == (0, 1, 2, 4, 5, 6)
+    assert cfg.rope.partial_rotary_factor == 0.25
+    assert cfg.moe.shared_expert_gated
+
+
+def test_prefill_and_decode_match_transformers_cache(tiny, loaded):
+    """150 prompt tokens (three chunks of the chunked rule) then 20 decode steps, each step
+    against transformers' own cached decode (its recurrent kernel and conv update)."""
+    _, hf = tiny
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+    prompt = random_ids(150, seed=1)
+    seq = runner.new_sequence()
+    ours = runner.forward([seq], [prompt], all_logits=True)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+    worst = (ours - out.logits[0]).abs().max().item()
+    cache = out.cache
+    for _ in range(20):
+        token = int(ours[-1].argmax())
+        ours = runner.forward([seq], [[token]])
+        with torch.no_grad():
+            out = hf(torch.tensor([[token]]), cache=cache, use_cache=True)
+        cache = out.cache
+        worst = max(worst, (ours - out.logits[:, -1]).abs().max().item())
+    assert worst < TOL, f"drifted from transformers by {worst}"
+
+
+def decode(runner, prompts, steps):
+    seqs = [runner.new_sequence() for _ in prompts]
+    logits = runner.forward(seqs, prompts)
+    history = [logits]
+    for _ in range(steps):
+        logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+        history.append(logits)
+    for seq in seqs:
+        runner.release(seq)
+    return torch.stack(history, 1)  # [B, steps + 1, V]
+
+
+def test_batched_decode_of_different_lengths_equals_each_alone(loaded):
+    prompts = [random_ids(n, seed=n) for n in (5, 70, 33, 9)]
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=4)
+    batched = decode(runner, prompts, steps=12)
+    for i, p in enumerate(prompts):
+        alone = decode(runner, [p], steps=12)[0]
+        assert (batched[i] - alone).abs().max().item() < SAME
+    assert runner.states.num_free == runner.states.num_slots
+
+
+@pytest.mark.parametrize(
+    ("chunks", "tol"),
+    [
+        # Chunks of 64 from the same start: the delta rule's chunks are the one-shot ones.
+        ([64, 64, 22], SAME),
+        # Other chunk boundaries (and token by token, the recurrent rule all along) sum in
+        # another fp32 order: transformers' tolerance (measured 1.0e-5 at most).
+        ([37, 64, 1, 48], TOL),
+        ([1] * 150, TOL),
+    ],
+    ids=["aligned", "uneven", "token-by-token"],
+)
+def test_chunked_prefill_equals_one_shot(loaded, chunks, tol):
+    """The conv and SSM states carry over chunk boundaries (chunks of one token take the
+    recurrent path, longer ones the chunked rule)."""
+    prompt = random_ids(150, seed=5)
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
+    whole_seq, split_seq = runner.new_sequence(), runner.new_sequence()
+    whole = runner.forward([whole_seq], [prompt], all_logits=True)
+    parts, start = [], 0
+    for n in chunks:
+        parts.append(runner.forward([split_seq], [prompt[start : start + n]], all_logits=True))
+        start += n
+    assert start == len(prompt)
+    assert (torch.cat(parts) - whole).abs().max().item() < tol
+    states = runner.states
+    for pool in (states.conv, states.ssm):
+        assert (pool[:, whole_seq.state_slot] - pool[:, split_seq.state_slot]).abs().max() < tol
+    token = [[int(whole[-1].argmax())]]
+    after = [runner.forward([seq], token) for seq in (whole_seq, split_seq)]
+    assert (after[0] - after[1]).abs().max() < tol
+
+
+def test_state_pool_slots():
+    pool = RecurrentStatePool(2, 3, (6, 3), (2, 4, 4), torch.float32, "cpu")
+    slots = [pool.alloc() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and pool.num_free == 0
+    with pytest.raises(OutOfStateSlotsError, match="all 3 recurrent state slots are in use"):
+        pool.alloc()
+    pool.ssm[:, slots[1]] = 1.0
+    pool.conv[:, slots[1]] = 1.0
+    pool.free(slots[1])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(slots[1])
+    again = pool.alloc()
+    assert again == slots[1]
+    assert not pool.ssm[:, again].any() and not pool.conv[:, again].any()  # zeroed on alloc
+    assert pool.slot_bytes == 2 * (6 * 3 + 2 * 4 * 4) * 4
+
+
+def test_runner_sequences_hold_and_free_slots(loaded):
+    runner = ModelRunner(loaded, kv_cache_tokens=64, page_size=8, max_sequences=2)
+    a, b = runner.new_sequence(), runner.new_sequence()
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    with pytest.raises(OutOfStateSlotsError):
+        runner.new_sequence()
+    runner.forward([a], [[1, 2, 3]])
+    runner.release(a)
+    assert a.state_slot is None and runner.states.num_free == 1
+    c = runner.new_sequence()  # the freed slot, zeroed: same logits as a fresh sequence
+    fresh = runner.forward([c], [[1, 2, 3]])
+    runner.release(b)
+    runner.release(c)
+    d = runner.new_sequence()
+    assert (runner.forward([d], [[1, 2, 3]]) - fresh).abs().max() == 0
+
+
+def test_missing_linear_attention_tensor_is_named(tiny, tmp_path):
+    path = tmp_path / "broken"
+    shutil.copytree(tiny[0], path)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.2.linear_attn.A_log"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.2\.linear_attn\.A_log"):
+        load_model(path)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return build_chat_model("qwen3_next", tmp_path_factory.mktemp("chat") / "m")[0]
+
+
+def chat_engine(path, **options) -> LLMEngine:
+    config = EngineConfig(
+        model=path, device="cpu", dtype="float32", kv_cache_tokens=4096, page_size=4,
+        max_batch_size=2, **options,
+    )  # fmt: skip
+    return LLMEngine.from_config(config)
+
+
+@pytest.mark.parametrize("anchors", [16, 0], ids=["anchors", "no-anchors"])
+def test_engine_resumes_only_where_a_state_was_saved(chat_model, anchors):
+    """A repeated prompt reuses its cached prefix only up to an anchor (here the end of the
+    user turn); without anchors it is computed whole, though its KV pages are cached. The
+    tokens are the same either way."""
+    engine = chat_engine(chat_model, state_anchors=anchors)
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in (
+        "Write a haiku about the sea.", "List three prime numbers.", "Say hello.",
+    )]  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    together = engine.generate(prompts, greedy)  # three prompts through two batch slots
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    for p, done in zip(prompts, together, strict=True):
+        req = engine.add_request(p, greedy)
+        turn_end = p.index(im_end) + 1
+        assert req.cached_tokens == (turn_end if anchors else 0)
+        assert req.recomputed_tokens == len(p) - req.cached_tokens
+        while not req.finished:
+            engine.step()
+        assert req.output_ids == done.output_ids
+    states = engine.runner.states
+    assert states.num_free == 2  # every sequence slot back (anchor slots are set aside)
+    kv = engine.runner.kv
+    assert kv.allocator.num_free + len(engine.prefix_cache.pages()) == kv.num_pages
