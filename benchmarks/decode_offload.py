@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.models.config import decoder_config, routed_experts
 from freetoken.models.decoder import DecoderModel
+from freetoken.models.families import family_for
 from freetoken.moe.bandwidth import measure
 from freetoken.moe.runtime import MoEOptions
 from freetoken.moe.store import HostExpertStore
@@ -66,13 +66,16 @@ def sync(device: torch.device) -> None:
 
 
 def random_model(raw: dict, device: torch.device) -> LoadedModel:
-    cfg = decoder_config(raw, "qwen3_moe", qk_norm="per_head", moe=routed_experts(raw))
+    cfg = family_for(raw).parse_config(raw)
     with torch.device("meta"):
         model = DecoderModel(cfg).to(torch.bfloat16)
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+            if "norm" in name:  # unit scale: 1, or 0 where the norm applies 1 + w
+                p.fill_(0.0 if cfg.zero_centered_norm else 1.0)
+            else:
+                p.normal_(0, 0.02)
     model.reset_rotary()
     store = HostExpertStore(cfg, torch.bfloat16)
     # Random experts, a block of them repeated: drawing 20 GB of normals takes minutes, and the

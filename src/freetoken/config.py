@@ -22,7 +22,12 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # KV capacity shared by all running sequences
     page_size: int = 16
     max_batch_size: int = 4  # sequences decoded together
-    max_prefill_chunk: int = 2048  # prompt tokens per forward; longer prompts span several steps
+    # Prompt tokens per forward; longer prompts span several steps, with the running requests'
+    # decode steps between them. With experts offloaded, every chunk streams the whole expert
+    # pool over PCIe once (moe/prefill.py), so chunks are large: on the H200 machine an 8k
+    # chunk ran at 1.09x that transfer's time, where 2k chunks would pay it four times as often
+    # (benchmarks/results/2026-11-29-prefill-h200.md).
+    max_prefill_chunk: int = 8192
     prefix_cache: bool = True  # reuse the KV of prompt prefixes seen before (kv/radix.py)
     # Hybrid models (linear attention): recurrent states kept at edit boundaries so a prefix
     # can be reused (kv/anchors.py); each costs one sequence's state (74 MiB on Qwen3-Next-80B).

@@ -52,8 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--prefill-stream-threshold",
         type=int,
+        default=128,
         help="stream whole expert layers for prompt chunks of at least this many tokens "
-        "(experimental, off by default)",
+        "(default 128; 0 turns streaming off)",
     )
 
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running-requests", type=int, default=4)
     serve.add_argument("--max-queued-requests", type=int, default=64, help="then 429")
     serve.add_argument(
-        "--max-prefill-chunk", type=int, default=2048, help="prompt tokens per engine step"
+        "--max-prefill-chunk", type=int, default=8192, help="prompt tokens per engine step"
     )
     serve.set_defaults(func="freetoken.cli.serve:run")
 
@@ -142,7 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         policy=args.moe_policy,
         max_fetch=args.moe_hybrid_max_fetch,
         cpu_threads=args.cpu_threads,
-        prefill_stream_threshold=args.prefill_stream_threshold,
+        prefill_stream_threshold=args.prefill_stream_threshold or None,
     )
     return EngineConfig(
         model=args.model,

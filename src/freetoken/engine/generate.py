@@ -77,7 +77,7 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer: Tokenizer,
         max_batch_size: int = 4,
-        max_prefill_chunk: int = 2048,
+        max_prefill_chunk: int = 8192,
         prefix_cache: bool = True,
     ):
         self.runner = runner

@@ -65,9 +65,12 @@ class MoEOptions:
     # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
     fill_all_from_tokens: int = 32
     # Chunks of at least this many tokens stream whole layers through two buffers
-    # (moe/prefill.py). Off (None) by default until its CUDA stream ordering has run on a GPU
-    # and benchmarks/prefill.py has chosen the threshold; `--prefill-stream-threshold` enables.
-    prefill_stream_threshold: int | None = None
+    # (moe/prefill.py); None turns streaming off. A chunk of T tokens with top-k of E experts
+    # routes to E * (1 - (1 - k/E)^T) experts per layer: for Qwen3-30B-A3B (k=8, E=128), 112 at
+    # 32 tokens and all but 0.03% at 128; from there on-demand filling moves the same bytes as
+    # streaming, without the overlap. Streaming ran at 0.97-1.09x the PCIe floor from 1k to 8k
+    # tokens on the H200 machine (benchmarks/results/2026-11-29-prefill-h200.md).
+    prefill_stream_threshold: int | None = 128
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
