@@ -1,0 +1,47 @@
+"""The GPU benchmark scripts run end to end on small shapes on the CPU, so they do not rot
+between the sessions that have a GPU to run them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str, tmp_path: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, script, "--tiny", "--device", "cpu", *args],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_decode_offload_table(tmp_path):
+    out = tmp_path / "decode.md"
+    run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
+        "--cache", "all", "--cache", "40", "--strategy", "offload", "--strategy", "hybrid",
+        "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    table = out.read_text()
+    for row in ("| fused | 1 |", "| offload | 1 |", "| hybrid | 1 |"):
+        assert row in table
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_agent_replay_reuses_earlier_turns(tmp_path, family):
+    out = tmp_path / "replay.md"
+    run("agent_replay.py", "--family", family, "--layers", "4", "--turns", "3",
+        "--tool-tokens", "60", "--cache", "40", "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[-3:]]
+    reused_with_cache = [int(row[3]) for row in rows]
+    reused_without = [int(row[-1]) for row in rows]
+    assert reused_with_cache[-1] > 0 and reused_without == [0, 0, 0]
