@@ -165,6 +165,31 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     assert (t.total().misses, t.total().fills, t.total().cpu, t.total().cpu_routes) == (4, 2, 2, 2)
 
 
+def test_hybrid_times_steps_split_and_filled_and_keeps_the_faster():
+    """Whole decode steps (layer 0 to the last MoE layer) are timed both ways per batch size;
+    once filling everything measures faster, steps send nothing to the CPU but the periodic
+    re-check."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store()  # two MoE layers of four experts, top-1
+    # Two slots for four pairs a step: every layer misses twice, and filling both fits.
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "2", policy="lru"))
+    rt.tracker.fill = rt.tracker.cpu = 1e9
+    rt.tracker.alpha = 0.0
+    rt.split_or_fill.explore_every = 8
+    # Two tokens on different experts: 2 misses a layer, split 1 / 1 when splitting.
+    step = [(0, [[0], [1]]), (1, [[2], [3]])]
+    drive(rt, store, step * 2)
+    seen = rt.split_or_fill.seconds[2]
+    assert set(seen) == {True, False}  # one step each way, timed
+    seen[True], seen[False] = 1.0, 0.001  # filling measured far faster
+    rt.telemetry.reset()
+    drive(rt, store, step * 20)
+    # Steps 3..22 of this batch size: split only on the re-checks, steps 8 and 16.
+    assert rt.telemetry.layers[0].cpu == 2
+    assert rt.telemetry.layers[0].fills == 2 * 18 + 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "options",

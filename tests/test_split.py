@@ -54,28 +54,18 @@ def test_tracker_follows_measurements():
     assert split_misses(8, t.fill, t.cpu) < before
 
 
-def test_fixed_cpu_cost_can_send_the_cpu_nothing():
-    """Measured on the H200 machine: 9.4 MB experts, B_P' 46 GB/s, B_H' 34 GB/s and ~0.9 ms of
-    fixed CPU-path cost per layer step. At batch 1 (4-5 misses) filling everything is fastest;
-    at batch 4 (16 misses) the split still pays."""
-    b, fill, cpu, t0 = 9.4e6, 46e9, 34e9, 9e-4
-    assert split_misses(4, fill, cpu, cpu_overhead_s=t0, expert_bytes=b) == 4
-    q = split_misses(16, fill, cpu, cpu_overhead_s=t0, expert_bytes=b)
-    assert 9 < q < 16  # fewer CPU misses than without the fixed cost (round(16 * 46/80) = 9)
-    assert split_misses(5, fill, cpu, cpu_overhead_s=t0, expert_bytes=b) == 5
+def test_split_or_fill_tries_both_then_keeps_the_faster():
+    from freetoken.moe.split import SplitOrFill
 
-    def finish(q, m=16):
-        return max(q * b / fill, t0 + (m - q) * b / cpu if m > q else 0.0)
-
-    assert finish(q) <= min(finish(x) for x in range(1, 17))
-    # Without the fixed cost: the plain bandwidth split; the cap still holds with it.
-    assert split_misses(16, fill, cpu, cpu_overhead_s=0.0, expert_bytes=b) == round(16 * 46 / 80)
-    assert split_misses(16, fill, cpu, max_fill=3, cpu_overhead_s=t0, expert_bytes=b) == 3
-
-
-def test_tracker_learns_the_fixed_cpu_cost():
-    t = BandwidthTracker(50e9, 30e9, alpha=0.5)
-    assert t.cpu_overhead == 0.0
-    t.observe_cpu_overhead(1e-3)
-    t.observe_cpu_overhead(1e-3)
-    assert t.cpu_overhead == pytest.approx(0.75e-3)
+    chooser = SplitOrFill(explore_every=4, alpha=0.5)
+    assert chooser.choose(1) is True  # split first
+    chooser.observe(1, True, 0.030)
+    assert chooser.choose(1) is False  # then fill everything once
+    chooser.observe(1, False, 0.020)
+    picks = [chooser.choose(1) for _ in range(8)]  # steps 3..10
+    assert picks == [False, True, False, False, False, True, False, False]  # explores on 4, 8
+    # Batch sizes are learned apart; a slower fill moves the choice back (EMA, rate 0.5).
+    assert chooser.choose(4) is True
+    chooser.observe(1, False, 0.060)
+    assert chooser.seconds[1][False] == pytest.approx(0.040)
+    assert chooser.choose(1) is True

@@ -33,7 +33,7 @@ from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.prefill import LayerStreamer
-from freetoken.moe.split import BandwidthTracker, split_misses
+from freetoken.moe.split import BandwidthTracker, SplitOrFill, split_misses
 from freetoken.moe.store import HostExpertStore
 from freetoken.telemetry import MoETelemetry
 
@@ -109,6 +109,8 @@ class MoERuntime:
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
         self._cpu_out_buffer: torch.Tensor | None = None
+        self.split_or_fill = SplitOrFill()
+        self._step: tuple[float, int, bool] | None = None  # (start, tokens, split?) of a step
         self._sync_wait = 0.0
 
     # -- the executor --------------------------------------------------------------------
@@ -138,6 +140,7 @@ class MoERuntime:
         # The host round trip every layer makes: which pairs are routed. The decisions below
         # are numpy on a handful of ids (microseconds; torch ops on tiny tensors cost tens).
         pairs_h, x_h, weights_h = self._fetch([pairs, x, weights])
+        self._clock_step(moe_layer, x.shape[0])
         pairs_np = pairs_h.numpy()
         routed = np.unique(pairs_np)
         cached = cache.slot_of.numpy()[routed] >= 0 if cache is not None else routed < 0
@@ -160,7 +163,6 @@ class MoERuntime:
 
         future, out = None, None
         fill_bytes = len(fill) * self.store.shape.nbytes
-        prepared = time.perf_counter()
         if len(on_cpu):
             rows, cols = np.nonzero(cpu_routes)
             tokens, token_of_route = np.unique(rows, return_inverse=True)
@@ -171,7 +173,6 @@ class MoERuntime:
                 weights_h[rows, cols],
             )
             future = self.cpu.submit(job)
-            submitted = time.perf_counter()
         if len(hits) or len(fill):
             gpu_slots = cache.slot_of.numpy()[pairs_np]
             gpu_slots[cpu_routes] = -1
@@ -187,8 +188,7 @@ class MoERuntime:
         if future is not None:
             waited = time.perf_counter()
             result = future.result()
-            returned = time.perf_counter()
-            self.telemetry.layers[moe_layer].cpu_wait_s += returned - waited
+            self.telemetry.layers[moe_layer].cpu_wait_s += time.perf_counter() - waited
             self.tracker.observe_cpu(result.weight_bytes, result.seconds)
             if self.device.type == "cuda":
                 cpu_out = self._staging(x_h.shape, x.dtype)
@@ -201,11 +201,6 @@ class MoERuntime:
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
             self.telemetry.layers[moe_layer].cpu_time_s += result.seconds
-            # The CPU path's fixed cost: preparing the job, its handoff and wake-up beyond the
-            # compute (when this thread had to wait for it), bringing the result over.
-            handoff = returned - submitted - result.seconds if returned - waited > 5e-5 else 0.0
-            merge = time.perf_counter() - returned
-            self.tracker.observe_cpu_overhead(submitted - prepared + max(0.0, handoff) + merge)
         self.telemetry.record(
             moe_layer,
             accesses=len(routed),
@@ -240,22 +235,30 @@ class MoERuntime:
         self._sync_wait += time.perf_counter() - waited
         return host
 
+    def _clock_step(self, moe_layer: int, tokens: int) -> None:
+        """Time hybrid decode steps split and not split (`SplitOrFill`): from the first MoE
+        layer's round trip to the last one's, which waits for all the work of the layers
+        before it, both paths of their misses included."""
+        if self.strategy != "hybrid" or tokens >= self.options.fill_all_from_tokens:
+            self._step = None
+            return
+        now = time.perf_counter()
+        if moe_layer == 0:
+            self._step = (now, tokens, self.split_or_fill.choose(tokens))
+        elif moe_layer == self.store.num_layers - 1 and self._step is not None:
+            start, step_tokens, split = self._step
+            if step_tokens == tokens:
+                self.split_or_fill.observe(tokens, split, now - start)
+
     def _fill_count(self, misses: int, hits: int, tokens: int) -> int:
         """How many misses to copy into the cache (the rest run on the CPU)."""
         if misses == 0:
             return 0
-        if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
+        fill_all = self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens
+        if fill_all or (self._step is not None and not self._step[2]):
             q = misses
         else:
-            t = self.tracker
-            q = split_misses(
-                misses,
-                t.fill,
-                t.cpu,
-                self.options.max_fetch,
-                cpu_overhead_s=t.cpu_overhead,
-                expert_bytes=self.store.shape.nbytes,
-            )
+            q = split_misses(misses, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
         return max(0, min(q, self.cache.num_slots - hits))
 
