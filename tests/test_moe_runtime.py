@@ -232,3 +232,19 @@ def test_auto_picks_from_the_profile():
     # The H200 host's measured split fills 86%: the CPU share is not worth its job cost.
     assert resolve_strategy(auto, cuda, store, 3, profile(48.8e9, 8.1e9)) == "offload"
     assert resolve_strategy(MoEOptions("static"), cuda, store, 3) == "static"
+
+
+def test_round_trip_packs_tensors_of_mixed_dtypes_into_one_buffer():
+    from freetoken.moe.runtime import pack_bytes, unpack_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (3, 8), generator=gen)
+    x = torch.randn(3, 10, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(3, 8, generator=gen)
+    odd = torch.randn(5, generator=gen).to(torch.float16)[1:4]  # a view, odd offset and size
+    tensors = [x, ids, odd, weights]
+    packed = pack_bytes(tensors)
+    assert packed.dtype == torch.uint8 and packed.dim() == 1
+    assert packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
+    for got, want in zip(unpack_bytes(packed, tensors), tensors, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
