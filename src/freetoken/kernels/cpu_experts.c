@@ -157,6 +157,18 @@ typedef struct {
     float *a_buf, *c_buf, *out;
 } job_t;
 
+/* Decode hands over a job every layer step, 1-2 ms apart: the worker and the waiting caller
+ * spin this long before sleeping on the condition variable, since a futex wake-up costs tens
+ * of microseconds (more under a sandboxing kernel such as gVisor) against a job of a few
+ * hundred. */
+#define SPIN_SECONDS 2e-3
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 static pthread_mutex_t job_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t job_cond = PTHREAD_COND_INITIALIZER;
 static job_t pending;
@@ -169,13 +181,19 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+static void spin_until_set(int *flag) {
+    double until = now() + SPIN_SECONDS;
+    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && now() < until) cpu_relax();
+}
+
 static void *worker_main(void *unused) {
     (void)unused;
     for (;;) {
+        spin_until_set(&has_job);
         pthread_mutex_lock(&job_mutex);
         while (!has_job) pthread_cond_wait(&job_cond, &job_mutex);
         job_t j = pending;
-        has_job = 0;
+        __atomic_store_n(&has_job, 0, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&job_mutex);
         double start = now();
         ft_cpu_experts(j.dtype, j.w_gate_up, j.w_down, j.H, j.I, j.x, j.n_groups, j.group_start,
@@ -184,7 +202,7 @@ static void *worker_main(void *unused) {
         double seconds = now() - start;
         pthread_mutex_lock(&job_mutex);
         job_seconds = seconds;
-        job_done = 1;
+        __atomic_store_n(&job_done, 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&job_cond);
         pthread_mutex_unlock(&job_mutex);
     }
@@ -212,8 +230,8 @@ int ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, 
     job_t j = {dtype, act, threads, w_gate_up, w_down, H, I, n_groups, x, route_w, group_start,
                group_pair, route_row, a_buf, c_buf, out};
     pending = j;
-    has_job = 1;
-    job_done = 0;
+    __atomic_store_n(&job_done, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&has_job, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&job_cond);
     pthread_mutex_unlock(&job_mutex);
     return 0;
@@ -221,6 +239,7 @@ int ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, 
 
 /* Blocks until the job is done; returns its compute time in seconds. */
 double ft_cpu_experts_wait(void) {
+    spin_until_set(&job_done);
     pthread_mutex_lock(&job_mutex);
     while (!job_done) pthread_cond_wait(&job_cond, &job_mutex);
     double seconds = job_seconds;
