@@ -31,6 +31,20 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def warm_then_time(runner, batch, steps_timed, vocab, device):
+    """Prefill a few tokens per sequence, decode 8 warm-up steps, then time `steps_timed`;
+    returns (ms per step, the sequences, the token generator)."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(batch)]
+    runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
+    steps(runner, seqs, 8, vocab, gen)
+    sync(device)
+    start = time.perf_counter()
+    steps(runner, seqs, steps_timed, vocab, gen)
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / steps_timed, seqs, gen
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -55,15 +69,7 @@ def main() -> int:
         runner = ModelRunner(
             loaded, 4096, moe=MoEOptions(strategy, cache), cuda_graphs=not args.no_cuda_graphs
         )
-        gen = torch.Generator().manual_seed(0)
-        seqs = [runner.new_sequence() for _ in range(args.batch)]
-        runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
-        steps(runner, seqs, 8, vocab, gen)
-        sync(device)
-        start = time.perf_counter()
-        steps(runner, seqs, args.steps, vocab, gen)
-        sync(device)
-        step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        step_ms, seqs, gen = warm_then_time(runner, args.batch, args.steps, vocab, device)
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -87,15 +93,7 @@ def main() -> int:
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [runner.new_sequence() for _ in range(args.batch)]
-    runner.forward(seqs, [[1, 2, 3, 4] for _ in seqs])
-    steps(runner, seqs, 8, vocab, gen)
-    sync(device)
-    start = time.perf_counter()
-    steps(runner, seqs, args.steps, vocab, gen)
-    sync(device)
-    rest_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    rest_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
     summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
     print("\n".join(summary))
     (args.out / "profile-summary.txt").write_text("\n".join(summary) + "\n")

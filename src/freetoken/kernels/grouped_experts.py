@@ -145,9 +145,14 @@ def reference_grouped_experts(
             y = F.linear(act_fn(gate) * up, w_down[s])
             contrib[rows] = (y * flat_weights[rows, None]).to(x.dtype)
             start += n
-    out = torch.zeros_like(x)
-    per_token = contrib.view(t, k, h)
-    for j in range(k):
+    return _sum_routes(contrib.view(t, k, h))
+
+
+def _sum_routes(per_token: Tensor) -> Tensor:
+    """[T, k, H] route contributions -> [T, H], added in route order j = 0..k-1 with the
+    dtype's rounding after each add (the order the Triton reduce follows too)."""
+    out = per_token.new_zeros(per_token.shape[0], per_token.shape[2])
+    for j in range(per_token.shape[1]):
         out += per_token[:, j]
     return out
 
@@ -199,11 +204,7 @@ def grouped_gemm_experts(
             y[lo:hi] = torch._grouped_mm(a[lo:hi], w_down[sl].transpose(1, 2), offs=ends)
     c = (y * weights.reshape(-1)[order, None]).to(x.dtype)
     c = torch.where((key[order] < num_slots)[:, None], c, 0)
-    per_token = torch.empty_like(c).index_copy_(0, order, c).view(t, k, h)
-    out = torch.zeros_like(x)
-    for j in range(k):  # in route order, as the reference adds them
-        out += per_token[:, j]
-    return out
+    return _sum_routes(torch.empty_like(c).index_copy_(0, order, c).view(t, k, h))
 
 
 # ---------------------------------------------------------------------------------------------
