@@ -50,6 +50,25 @@ def test_padded_key_tables_change_nothing(tmp_path):
     assert (results[0] - results[1]).abs().max().item() < 1e-6
 
 
+def test_lower_right_causal_chunks_equal_the_masked_path(tmp_path):
+    """A chunk on top of a cached prefix, one sequence: SDPA's lower-right causal bias gives
+    the logits of the explicit mask."""
+    import dataclasses
+
+    path, _ = build("qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32")
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
+    seq = runner.new_sequence()
+    runner.forward([seq], prompts_of(loaded, [13]))
+    batch = ForwardBatch.build(runner.kv, [seq], prompts_of(loaded, [9]), runner.device)
+    assert batch.causal_lower_right
+    fused = runner.model(batch, runner.kv, all_logits=True)
+    masked = runner.model(
+        dataclasses.replace(batch, causal_lower_right=False), runner.kv, all_logits=True
+    )
+    assert (fused - masked).abs().max().item() < 1e-5
+
+
 @needs_cuda
 @pytest.mark.parametrize(
     "options",

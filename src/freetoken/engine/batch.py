@@ -35,6 +35,9 @@ class ForwardBatch:
     query_index: torch.Tensor  # [B, Q] flat index of each sequence's queries (padded with 0)
     query_rows: torch.Tensor  # [T] row of each new token in the padded [B * Q] queries
     causal_mask: torch.Tensor  # [B, 1, Q, K] bool
+    # One sequence whose keys end with its new tokens (no padding): the causal mask is the
+    # lower-right triangle, which SDPA's fused kernels take without a materialised mask.
+    causal_lower_right: bool
     sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     seq_lens: list[int]  # total length of each sequence after this forward
@@ -130,6 +133,8 @@ class ForwardBatch:
             # An index, not a mask: boolean indexing would make the host wait for the device.
             query_rows=dev(torch.nonzero((q_pos >= 0).flatten()).squeeze(1)),
             causal_mask=dev(causal[:, None]),
+            # (never with bucketed keys: a graph captured this way would replay it padded)
+            causal_lower_right=b == 1 and not key_bucket and k_max == totals[0],
             sliding_mask=sliding,
             last_index=dev(last),
             seq_lens=totals,

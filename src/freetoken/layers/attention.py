@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.engine.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
@@ -72,7 +73,13 @@ class Attention(nn.Module):
         keys = kv.k[self.layer][batch.key_slots].transpose(1, 2)  # [B, kvh, K, d]
         values = kv.v[self.layer][batch.key_slots].transpose(1, 2)
         queries = q[batch.query_index].transpose(1, 2)  # [B, h, Q, d]
-        mask = batch.sliding_mask if self.sliding else batch.causal_mask
+        if self.sliding:
+            mask = batch.sliding_mask
+        elif batch.causal_lower_right:
+            # A long prompt's chunk: flash / memory-efficient kernels instead of a [Q, K] mask.
+            mask = causal_lower_right(queries.shape[2], keys.shape[2])
+        else:
+            mask = batch.causal_mask
         out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         out = out.index_select(0, batch.query_rows)  # [T, h * d], back in flat token order
