@@ -68,6 +68,10 @@ def test_one_route_and_thread_counts_agree():
         NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=t)(x, rows, pairs, weights)
         for t in (1, 2, 3)
     ]
+    # The handoff may spin before sleeping (a library-wide setting; put back after).
+    spinning = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2, spin_seconds=1e-3)
+    results += [spinning(x, rows, pairs, weights) for _ in range(3)]
+    NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2, spin_seconds=0.0)
     assert all(torch.equal(results[0], r) for r in results[1:])  # deterministic
     one = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=1)(
         x, rows[:1], pairs[:1], weights[:1]

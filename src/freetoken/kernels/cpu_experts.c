@@ -158,10 +158,13 @@ typedef struct {
 } job_t;
 
 /* Decode hands over a job every layer step, 1-2 ms apart: the worker and the waiting caller
- * spin this long before sleeping on the condition variable, since a futex wake-up costs tens
- * of microseconds (more under a sandboxing kernel such as gVisor) against a job of a few
- * hundred. */
-#define SPIN_SECONDS 2e-3
+ * may spin this long before sleeping on the condition variable, since a futex wake-up costs
+ * tens of microseconds (more under a sandboxing kernel such as gVisor) against a job of a few
+ * hundred. Off by default: spinning pays only where no other thread pool wants these cores
+ * (on a 2-core machine beside torch's own pool it made each job 4x slower). */
+static double spin_seconds = 0.0;
+
+void ft_cpu_experts_set_spin(double seconds) { spin_seconds = seconds; }
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -182,7 +185,8 @@ static double now(void) {
 }
 
 static void spin_until_set(int *flag) {
-    double until = now() + SPIN_SECONDS;
+    if (spin_seconds <= 0.0) return;
+    double until = now() + spin_seconds;
     while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && now() < until) cpu_relax();
 }
 

@@ -40,7 +40,11 @@ class NativeCPUExperts:
         self.intermediate = w_down.shape[2]
 
     @classmethod
-    def create(cls, w_gate_up, w_down, act: str, threads: int) -> NativeCPUExperts | None:
+    def create(
+        cls, w_gate_up, w_down, act: str, threads: int, spin_seconds: float = 0.0
+    ) -> NativeCPUExperts | None:
+        """`spin_seconds`: how long the job handoff spins before sleeping (see the C source);
+        for machines where these cores have nothing else to run."""
         if w_gate_up.dtype not in _DTYPES or act not in _ACT_CODES:
             return None
         if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
@@ -51,6 +55,8 @@ class NativeCPUExperts:
         for fn in (lib.ft_cpu_experts, lib.ft_cpu_experts_submit):
             fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
         lib.ft_cpu_experts_wait.argtypes, lib.ft_cpu_experts_wait.restype = [], ctypes.c_double
+        lib.ft_cpu_experts_set_spin.argtypes = [ctypes.c_double]
+        lib.ft_cpu_experts_set_spin(spin_seconds)
         return cls(lib, w_gate_up, w_down, act, threads)
 
     def __call__(

@@ -55,6 +55,7 @@ class CPUExpertExecutor:
         act: str = "silu",
         threads: int | None = None,
         native: bool = True,
+        spin: bool = False,
     ):
         self.store = store
         self.act = act
@@ -70,7 +71,9 @@ class CPUExpertExecutor:
             # (Counted from the CPUs this process may use, not from torch's thread count, which
             # the runtime lowers to 1 once the native kernel is in use.)
             team = threads or max(1, len(os.sched_getaffinity(0)) - 1)
-            self.native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, team)
+            self.native = NativeCPUExperts.create(
+                store.w_gate_up, store.w_down, act, team, spin_seconds=2e-3 if spin else 0.0
+            )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
     def submit(self, job: CPUJob) -> Future[CPUResult] | NativeJob:

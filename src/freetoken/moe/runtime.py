@@ -378,7 +378,9 @@ def build_runtime(
         cache = ExpertCache(store, slots, device, policy=_policy(options.policy))
     cpu = None
     if strategy != "fused":
-        cpu = CPUExpertExecutor(store, act, options.cpu_threads)
+        # With a GPU, torch's CPU pool drops to one thread (below), so the expert kernel's
+        # handoff may spin instead of sleeping between layer steps.
+        cpu = CPUExpertExecutor(store, act, options.cpu_threads, spin=device.type == "cuda")
         if device.type == "cuda" and cpu.native is not None:
             # Torch's own CPU work is now only the policy's small ops: one thread, so its
             # spinning OpenMP team does not take cores from the expert kernel's.
