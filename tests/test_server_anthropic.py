@@ -140,3 +140,31 @@ def test_repeated_prefix_reports_cache_reads(client):
     assert again.usage.cache_read_input_tokens > 0
     total = again.usage.input_tokens + again.usage.cache_read_input_tokens
     assert total == first.usage.input_tokens + first.usage.cache_read_input_tokens
+
+
+def test_tool_choice_any_and_named_force_a_call(engine, client, monkeypatch):
+    tok = engine.tokenizer
+    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    rest = '{"city": "Paris"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(rest), eos]))
+    named = client.messages.create(
+        model=MODEL, max_tokens=50, tools=tools, messages=messages,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )  # fmt: skip
+    [use] = [b for b in named.content if b.type == "tool_use"]
+    assert named.stop_reason == "tool_use" and use.input == {"city": "Paris"}
+
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call), eos]))
+    anyone = client.messages.create(
+        model=MODEL, max_tokens=50, tools=tools, messages=messages, tool_choice={"type": "any"}
+    )
+    [use] = [b for b in anyone.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Oslo"}
+    with pytest.raises(anthropic.BadRequestError, match="not one of the tools"):
+        client.messages.create(
+            model=MODEL, max_tokens=5, tools=tools, messages=messages,
+            tool_choice={"type": "tool", "name": "get_time"},
+        )  # fmt: skip

@@ -299,6 +299,16 @@ def test_responses_function_call_round_trip(engine, client, monkeypatch):
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
 
+    # A named tool choice: the prompt opens the call, the model writes the arguments.
+    rest = '{"city": "Paris"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(rest), eos]))
+    forced = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )  # fmt: skip
+    [again] = [item for item in forced.output if item.type == "function_call"]
+    assert again.name == "get_weather" and json.loads(again.arguments) == {"city": "Paris"}
+
     answer = "It is sunny in Paris."
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(answer), eos]))
     second = client.responses.create(
@@ -324,3 +334,54 @@ def test_repeated_prefix_reports_cached_tokens(client):
     again = client.chat.completions.create(messages=messages, **greedy())
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens
+
+
+def test_tool_choice_forces_a_call(engine, client, monkeypatch):
+    """`required` and a named tool: the call's opening goes at the end of the prompt, so the
+    model can only continue it; the client sees an ordinary tool call."""
+    tok = engine.tokenizer
+    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    prompts = []
+
+    def script(text):
+        sample = scripted(engine, [*tok.encode(text), eos])
+
+        def spy(group, logits):
+            prompts.append(list(group[0].prompt_ids))
+            return sample(group, logits)
+
+        monkeypatch.setattr(engine, "_sample", spy)
+
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    script('{"city": "Paris"}}\n</tool_call>')  # the model writes only the arguments
+    named = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=50,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    assert named.choices[0].finish_reason == "tool_calls"
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    tail = tok.decode(prompts[-1][-16:], skip_special_tokens=False)
+    assert tail.endswith('assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+
+    script('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    required = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=50,
+        tool_choice="required",
+    )  # fmt: skip
+    [call] = required.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert tok.decode(prompts[-1][-4:], skip_special_tokens=False).endswith("<tool_call>\n")
+
+    with pytest.raises(openai.BadRequestError, match="not one of the tools"):
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="no tools"):
+        client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tool_choice must be"):
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="sometimes"
+        )

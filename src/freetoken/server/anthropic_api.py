@@ -9,7 +9,13 @@ from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
-from freetoken.server.core import GenerationCore, GenerationRequest, with_keepalive
+from freetoken.server.core import (
+    REQUIRED,
+    ForcedOutput,
+    GenerationCore,
+    GenerationRequest,
+    with_keepalive,
+)
 from freetoken.server.errors import ApiError
 from freetoken.server.validate import field, stop_list, text_of
 
@@ -117,6 +123,21 @@ def _text_only(blocks: list[Any]) -> list[dict[str, Any]]:
     return [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
 
 
+def messages_tool_choice(body: dict[str, Any]) -> str | None:
+    """None when the model decides (or no tool may be called), else REQUIRED or a tool name."""
+    choice = field(body, "tool_choice", dict, {"type": "auto"})
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return None
+    if kind == "any":
+        return REQUIRED
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return choice["name"]
+    raise ApiError(
+        400, "invalid_request_error", "tool_choice.type must be auto, any, none or tool (+ name)"
+    )
+
+
 def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     tools = field(body, "tools", list, [])
     choice = field(body, "tool_choice", dict, {"type": "auto"})
@@ -143,6 +164,9 @@ def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, Generatio
     model = core.check_model(field(body, "model", str))
     tools = template_tools(body)
     prompt = core.render(template_messages(body), tools=tools)
+    forced = ForcedOutput()
+    if (tool := messages_tool_choice(body)) is not None:
+        prompt, forced = core.force_tool_call(prompt, tools, tool)
     max_tokens = field(body, "max_tokens", int)
     if max_tokens < 1:
         raise ApiError(400, "invalid_request_error", "max_tokens must be at least 1")
@@ -156,7 +180,7 @@ def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, Generatio
         )
     except ValueError as e:
         raise ApiError(400, "invalid_request_error", str(e)) from e
-    return model, GenerationRequest(prompt, params, tools=tools)
+    return model, GenerationRequest(prompt, params, tools=tools, forced=forced)
 
 
 async def messages(core: GenerationCore, body: dict[str, Any]):

@@ -21,6 +21,17 @@ from freetoken.server import events as ev
 from freetoken.server.errors import ApiError
 from freetoken.tokenizer import Tokenizer
 
+REQUIRED = "required"  # a tool choice: the reply must call some tool
+
+
+@dataclass(frozen=True)
+class ForcedOutput:
+    """The start of the reply, written into the prompt for the model (a forced tool call's
+    opening): the parser reads it before the generated text."""
+
+    text: str = ""
+    tokens: int = 0  # how many prompt tokens it took, at the prompt's end
+
 
 @dataclass
 class GenerationRequest:
@@ -28,6 +39,7 @@ class GenerationRequest:
     params: SamplingParams
     parse_output: bool = True  # run the model's reasoning / tool-call parser
     tools: list[dict[str, Any]] = field(default_factory=list)
+    forced: ForcedOutput = ForcedOutput()
 
 
 class GenerationCore:
@@ -69,6 +81,33 @@ class GenerationCore:
         except Exception as e:  # template errors are the request's fault (bad roles, shapes)
             raise ApiError(400, "invalid_request_error", f"cannot render the chat: {e}") from e
         return self.tokenizer.encode(text)
+
+    def force_tool_call(
+        self, prompt_ids: list[int], tools: list[dict[str, Any]], tool: str
+    ) -> tuple[list[int], ForcedOutput]:
+        """Make the reply a call of `tool` (a name, or REQUIRED for any of `tools`): the call's
+        opening, as the model would write it, goes at the end of the prompt, so the model can
+        only continue it. Returns the prompt and what it forced."""
+        names = [t["function"]["name"] for t in tools]
+        if not names:
+            raise ApiError(400, "invalid_request_error", "tool_choice forces a call, but no tools")
+        if tool != REQUIRED and tool not in names:
+            raise ApiError(
+                400, "invalid_request_error", f"tool_choice names {tool!r}, not one of the tools"
+            )
+        from freetoken.server.parsers import forced_tool_call, prompt_opens_reasoning
+
+        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        text = None
+        if self.parser_name:
+            name = None if tool == REQUIRED else tool
+            text = forced_tool_call(self.parser_name, name, prompt_opens_reasoning(tail))
+        if text is None:
+            raise ApiError(
+                400, "invalid_request_error", "this model's output format has no tool calls"
+            )
+        forced_ids = self.tokenizer.encode(text)
+        return prompt_ids + forced_ids, ForcedOutput(text, len(forced_ids))
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """Validate the prompt against the context; return the max new tokens to allow."""
@@ -115,10 +154,14 @@ class GenerationCore:
 
             # Thinking templates may open <think> in the generation prompt itself. Every
             # parser `parser_for_template` picks takes this option.
-            tail = self.tokenizer.decode(req.prompt_ids[-8:], skip_special_tokens=False)
+            prompt = req.prompt_ids[: len(req.prompt_ids) - req.forced.tokens]
+            tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
             parser = make_parser(self.parser_name, starts_in_reasoning=prompt_opens_reasoning(tail))
         completion_tokens = 0
         try:
+            if parser is not None and req.forced.text:
+                for event in parser.feed(req.forced.text):
+                    yield event
             while True:
                 out, error = await queue.get()
                 if error is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
-from freetoken.server.core import GenerationCore, GenerationRequest
+from freetoken.server.core import REQUIRED, ForcedOutput, GenerationCore, GenerationRequest
 from freetoken.server.errors import ApiError
 from freetoken.server.validate import field, stop_list, text_of, tool_arguments
 
@@ -92,13 +92,35 @@ def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
+def chat_tool_choice(body: dict[str, Any]) -> str | None:
+    """None when the model decides (or no tool may be called), else REQUIRED or a tool name."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return REQUIRED
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if isinstance(name, str) and choice.get("type") == "function":  # (a dict, then)
+        return name
+    raise ApiError(
+        400,
+        "invalid_request_error",
+        "tool_choice must be 'auto', 'none', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+    )
+
+
 async def chat_completions(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
     tools = chat_tools(body)
     template_kwargs = field(body, "chat_template_kwargs", dict, {})  # e.g. enable_thinking
     prompt = core.render(chat_messages(body), tools=tools, **template_kwargs)
+    forced = ForcedOutput()
+    if (tool := chat_tool_choice(body)) is not None:
+        prompt, forced = core.force_tool_call(prompt, tools, tool)
     params = sampling(core, body, prompt)
-    req = GenerationRequest(prompt, params, tools=tools)
+    req = GenerationRequest(prompt, params, tools=tools, forced=forced)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if field(body, "stream", bool, False):
         options = field(body, "stream_options", dict, {})

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from freetoken.server import events as ev
-from freetoken.server.core import GenerationCore, GenerationRequest
+from freetoken.server.core import ForcedOutput, GenerationCore, GenerationRequest
 from freetoken.server.errors import ApiError
-from freetoken.server.openai_api import check_model, sampling
+from freetoken.server.openai_api import chat_tool_choice, check_model, sampling
 from freetoken.server.validate import field, text_of, tool_arguments
 
 
@@ -279,8 +279,15 @@ async def responses(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
     tools = template_tools(body)
     prompt = core.render(template_messages(body), tools=tools)
+    forced = ForcedOutput()
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        # The Responses API names the tool at the top level of the choice.
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if (tool := chat_tool_choice({"tool_choice": choice})) is not None:
+        prompt, forced = core.force_tool_call(prompt, tools, tool)
     chat_like = {**body, "max_tokens": body.get("max_output_tokens")}
-    req = GenerationRequest(prompt, sampling(core, chat_like, prompt), tools=tools)
+    req = GenerationRequest(prompt, sampling(core, chat_like, prompt), tools=tools, forced=forced)
     rid, created = _id("resp"), int(time.time())
     events = core.start(req)
     if field(body, "stream", bool, False):

@@ -18,6 +18,7 @@ from freetoken.server.events import Event
 __all__ = [
     "PARSERS",
     "OutputParser",
+    "forced_tool_call",
     "make_parser",
     "parser_for_template",
     "prompt_opens_reasoning",
@@ -49,15 +50,26 @@ class OutputParser(Protocol):
         ...
 
 
-def make_parser(name: str, **options: object) -> OutputParser:
-    """A new parser of the registered `name`, made with `options` (e.g. starts_in_reasoning)."""
+def _parser_class(name: str) -> type:
     target = PARSERS.get(name)
     if target is None:
         known = ", ".join(sorted(PARSERS))
         raise ValueError(f"unknown output parser {name!r}; known parsers: {known}")
     module_name, _, class_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**options)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def make_parser(name: str, **options: object) -> OutputParser:
+    """A new parser of the registered `name`, made with `options` (e.g. starts_in_reasoning)."""
+    return _parser_class(name)(**options)
+
+
+def forced_tool_call(name: str, tool: str | None, in_reasoning: bool) -> str | None:
+    """The text that opens a tool call (of `tool`, or of any tool when None) in the output
+    format of parser `name`, closing a thinking block first when the prompt opened one; None
+    when the format has no tool calls."""
+    opening = getattr(_parser_class(name), "forced_call", None)
+    return None if opening is None else opening(tool, in_reasoning)
 
 
 def parser_for_template(chat_template: str | None) -> str | None:

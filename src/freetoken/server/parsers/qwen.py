@@ -435,6 +435,15 @@ class QwenParser:
     def saw_tool_call(self) -> bool:
         return self._n_calls > 0
 
+    @staticmethod
+    def forced_call(tool: str | None, in_reasoning: bool) -> str:
+        """A call's opening as Qwen / Hermes models write it; with a name, up to where its
+        arguments begin (see `forced_tool_call`)."""
+        head = f"{THINK_CLOSE}\n\n" if in_reasoning else ""
+        if tool is None:
+            return f"{head}{CALL_OPEN}\n"
+        return f'{head}{CALL_OPEN}\n{{"name": {json.dumps(tool)}, "arguments": '
+
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         self._run(final=False)
