@@ -21,6 +21,7 @@ baseline), `auto` (fused when everything fits, else hybrid).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken.kernels.grouped_experts import grouped_expert_forward
+from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
@@ -121,7 +122,15 @@ class MoERuntime:
         if self.strategy == "fused":
             # Every expert is resident: no lookup, no host round trip, nothing to count but calls.
             self.telemetry.layers[moe_layer].calls += 1
-            return self._gpu(x, ids + moe_layer * self.store.num_experts, weights)
+            pairs = ids + moe_layer * self.store.num_experts
+            t, k = ids.shape
+            if self.cpu is not None and t * k < GROUPED_GEMM_FROM_ROUTES:
+                # A CPU-only machine, where the pool is the cache: decode-sized calls run on the
+                # native kernel (about twice torch's bf16 GEMV), long chunks on torch's GEMMs.
+                rows = torch.arange(t).repeat_interleave(k)
+                job = CPUJob(x, rows, pairs.reshape(-1), weights.reshape(-1))
+                return self.cpu.submit(job).result().out
+            return self._gpu(x, pairs, weights)
         threshold = self.options.prefill_stream_threshold
         if self.streamer is not None and threshold is not None and x.shape[0] >= threshold:
             return self.streamer.forward(moe_layer, x, ids, weights)
@@ -377,6 +386,10 @@ def build_runtime(
     else:
         cache = ExpertCache(store, slots, device, policy=_policy(options.policy))
     cpu = None
+    if strategy == "fused" and device.type == "cpu":
+        every_core = options.cpu_threads or len(os.sched_getaffinity(0))
+        executor = CPUExpertExecutor(store, act, every_core)
+        cpu = executor if executor.native is not None else None
     if strategy != "fused":
         # With a GPU, torch's CPU pool drops to one thread (below), so the expert kernel's
         # handoff may spin instead of sleeping between layer steps.
