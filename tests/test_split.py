@@ -58,12 +58,12 @@ def test_split_or_fill_tries_both_then_keeps_the_faster():
     from freetoken.moe.split import SplitOrFill
 
     chooser = SplitOrFill(explore_every=4, alpha=0.5)
-    assert chooser.choose(1) is True  # split first
-    chooser.observe(1, True, 0.030)
-    assert chooser.choose(1) is False  # then fill everything once
-    chooser.observe(1, False, 0.020)
-    picks = [chooser.choose(1) for _ in range(8)]  # steps 3..10
-    assert picks == [False, True, False, False, False, True, False, False]  # explores on 4, 8
+    for split, seconds in ((True, 9.0), (True, 0.030), (False, 9.0), (False, 0.020)):
+        assert chooser.choose(1) is split  # split, then fill everything: each twice
+        chooser.observe(1, split, seconds)  # the first of each is a warm-up, not counted
+    assert chooser.seconds[1] == {True: 0.030, False: 0.020}
+    picks = [chooser.choose(1) for _ in range(8)]  # steps 5..12
+    assert picks == [False, False, False, True, False, False, False, True]  # explores on 8, 12
     # Batch sizes are learned apart; a slower fill moves the choice back (EMA, rate 0.5).
     assert chooser.choose(4) is True
     chooser.observe(1, False, 0.060)

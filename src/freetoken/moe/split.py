@@ -73,25 +73,30 @@ class SplitOrFill:
     25% faster) but not at batch 4 (16 misses: the split was up to 14% faster;
     benchmarks/results/2026-11-29-decode-offload-h200-graphs.md). So for each batch size this
     times whole decode steps both ways and keeps the faster, trying the other again every
-    `explore_every` steps in case the machine's load changed.
+    `explore_every` steps in case the machine's load changed. The first step timed each way is
+    a warm-up and not counted (the first CPU job may, for one, compile the CPU kernel).
     """
 
     def __init__(self, explore_every: int = 32, alpha: float = 0.25):
         self.explore_every, self.alpha = explore_every, alpha
         self.seconds: dict[int, dict[bool, float]] = {}  # batch -> {split?: EMA step time}
+        self.timed: dict[tuple[int, bool], int] = {}  # steps timed, warm-up included
         self.steps: dict[int, int] = {}
 
     def choose(self, batch: int) -> bool:
         """True: split the misses of this step's layers; False: fill them all."""
         seen = self.seconds.setdefault(batch, {})
         step = self.steps[batch] = self.steps.get(batch, 0) + 1
-        for split in (True, False):  # each way once before any comparison
+        for split in (True, False):  # each way measured before any comparison
             if split not in seen:
                 return split
         best = seen[True] <= seen[False]
         return (not best) if step % self.explore_every == 0 else best
 
     def observe(self, batch: int, split: bool, seconds: float) -> None:
+        timed = self.timed[batch, split] = self.timed.get((batch, split), 0) + 1
+        if timed == 1:
+            return  # the warm-up
         seen = self.seconds.setdefault(batch, {})
         old = seen.get(split)
         seen[split] = seconds if old is None else old + self.alpha * (seconds - old)
