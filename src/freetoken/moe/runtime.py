@@ -264,9 +264,11 @@ class MoERuntime:
         """How many misses to copy into the cache (the rest run on the CPU)."""
         if misses == 0:
             return 0
-        fill_all = self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens
-        if fill_all or (self._step is not None and not self._step[2]):
+        cap = self.options.max_fetch or misses
+        if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
             q = misses
+        elif self._step is not None and not self._step[2]:  # SplitOrFill: not splitting
+            q = min(misses, cap)
         else:
             q = split_misses(misses, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
