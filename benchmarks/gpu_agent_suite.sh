@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device call for issue 6: TTFT per turn of a 34k-token agent conversation, with and
+# without prefix reuse (and anchors, for the hybrid model), on a full-attention and a hybrid
+# model. Usage: bash benchmarks/gpu_agent_suite.sh OUT_DIR
+set -uo pipefail
+out=${1:?output directory}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+cd benchmarks
+python3 agent_replay.py --family qwen3_moe --layers 16 --cache 8GiB \
+  --out "$out/agent-replay-qwen3-moe.md" 2>&1 | tail -30
+# Qwen3-Next-80B-A3B's experts are 512 per layer: 8 layers already make a 25 GB pool.
+python3 agent_replay.py --family qwen3_next --layers 8 --cache 8GiB \
+  --out "$out/agent-replay-qwen3-next.md" 2>&1 | tail -30
