@@ -103,3 +103,23 @@ def test_graphs_follow_the_key_bucket_and_dense_models(tmp_path):
     graphed, runner = decode_logits(loaded, prompts, 10, cuda_graphs=True)
     assert (eager - graphed).abs().max().item() < 1e-5
     assert {k[1] for k in runner.graphs.captures} == {KEY_BUCKET, 2 * KEY_BUCKET}
+
+
+def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
+    """Out of device memory while capturing: that shape runs eagerly from then on (no retry,
+    no failed request)."""
+    from freetoken.engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model=None, kv=None, capturable_executor=True)
+    tries = []
+
+    def no_memory(batch):
+        tries.append(batch)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(graphs, "_capture", no_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    batch = type("Batch", (), {})()
+    monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b: (1, 256, False)))
+    assert [graphs.run(batch) for _ in range(4)] == [None] * 4  # warm-up, then eager
+    assert len(tries) == 1 and graphs.eager == {(1, 256, False)}

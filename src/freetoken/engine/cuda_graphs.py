@@ -19,6 +19,7 @@ capture cannot do (kernel compilation, library handles).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -62,6 +63,7 @@ class DecodeGraphs:
         self.capturable_executor = capturable_executor
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.seen: set[tuple] = set()
+        self.eager: set[tuple] = set()  # shapes whose capture ran out of device memory
         self.replays = 0
 
     @staticmethod
@@ -75,10 +77,18 @@ class DecodeGraphs:
         key = self.key(batch)
         capture = self.captures.get(key)
         if capture is None:
-            if key not in self.seen:
+            if key not in self.seen or key in self.eager:
                 self.seen.add(key)
                 return None
-            capture = self._capture(batch)
+            try:
+                capture = self._capture(batch)
+            except torch.cuda.OutOfMemoryError:
+                # A graph keeps its activations (long key tables make them large): without
+                # room for them this shape runs eagerly, as it would with graphs off.
+                log.warning("no device memory to capture decode graphs for %s: eager", key)
+                self.eager.add(key)
+                torch.cuda.empty_cache()
+                return None
             self.captures[key] = capture
             if len(self.captures) > MAX_CAPTURES:
                 self.captures.popitem(last=False)
@@ -139,6 +149,12 @@ class DecodeGraphs:
                 begin()
                 logits = self.model(static, self.kv)
                 graphs[-1].capture_end()
+        except BaseException:
+            # Leave no stream capturing (a failed capture, out of memory say): end the graph
+            # in progress, if any; the original error is the one to report.
+            with contextlib.suppress(Exception), torch.cuda.stream(stream):
+                graphs[-1].capture_end()
+            raise
         finally:
             for block, executor in zip(moe_blocks, executors, strict=True):
                 block.executor = executor
