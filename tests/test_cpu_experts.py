@@ -117,3 +117,13 @@ def test_build_is_cached_and_failure_falls_back(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("CC")
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load("cpu_experts") is None
+
+
+def test_unwritable_cache_falls_back(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        assert native.load("cpu_experts") is None
+    assert "cannot build or load cpu_experts" in caplog.text

@@ -49,7 +49,11 @@ def load(name: str) -> ctypes.CDLL | None:
     be built here."""
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _build_and_load(name)
+            try:
+                _loaded[name] = _build_and_load(name)
+            except OSError as e:  # an unwritable cache directory, a library that will not load
+                log.warning("cannot build or load %s (%s): torch runs it instead (slower)", name, e)
+                _loaded[name] = None
         return _loaded[name]
 
 
