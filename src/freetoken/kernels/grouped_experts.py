@@ -177,34 +177,38 @@ def grouped_gemm_experts(
     key = torch.where(flat >= 0, flat, num_slots)
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
-    xs = x[order // k]
-    if num_slots <= GROUPED_MM_MAX_GROUPS:
-        hidden = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=counts.cumsum(0).int())
-    else:
-        # Windows of at most GROUPED_MM_MAX_GROUPS slots, each over its own rows of the sorted
-        # routes (one host read of where the windows start: long chunks only).
-        edges = range(0, num_slots, GROUPED_MM_MAX_GROUPS)
-        starts = [0, *torch.cumsum(counts, 0)[[e - 1 for e in edges[1:]]].tolist()]
-        windows = [
-            (slice(e, e + GROUPED_MM_MAX_GROUPS), lo, hi)
-            for e, lo, hi in zip(edges, starts, [*starts[1:], len(order)], strict=True)
-        ]
-        hidden = xs.new_empty(len(order), 2 * i)
-        for sl, lo, hi in windows:
-            ends = counts[sl].cumsum(0).int()
-            hidden[lo:hi] = torch._grouped_mm(xs[lo:hi], w_gate_up[sl].transpose(1, 2), offs=ends)
+    windows = _slot_windows(counts, len(order))
+    hidden = _grouped_mm(x[order // k], w_gate_up, counts, windows)
     gate, up = hidden.split(i, dim=-1)
-    a = activation(act)(gate) * up
-    if num_slots <= GROUPED_MM_MAX_GROUPS:
-        y = torch._grouped_mm(a, w_down.transpose(1, 2), offs=counts.cumsum(0).int())
-    else:
-        y = a.new_empty(len(order), h)
-        for sl, lo, hi in windows:
-            ends = counts[sl].cumsum(0).int()
-            y[lo:hi] = torch._grouped_mm(a[lo:hi], w_down[sl].transpose(1, 2), offs=ends)
+    y = _grouped_mm(activation(act)(gate) * up, w_down, counts, windows)
     c = (y * weights.reshape(-1)[order, None]).to(x.dtype)
     c = torch.where((key[order] < num_slots)[:, None], c, 0)
     return _sum_routes(torch.empty_like(c).index_copy_(0, order, c).view(t, k, h))
+
+
+def _slot_windows(counts: Tensor, num_rows: int) -> list[tuple[slice, int, int]]:
+    """Windows of at most GROUPED_MM_MAX_GROUPS slots, each with the rows of the slot-sorted
+    routes it covers (one host read of where they start, only when there are several)."""
+    num_slots = counts.shape[0]
+    if num_slots <= GROUPED_MM_MAX_GROUPS:
+        return [(slice(0, num_slots), 0, num_rows)]
+    edges = list(range(0, num_slots, GROUPED_MM_MAX_GROUPS))
+    starts = [0, *counts.cumsum(0)[[e - 1 for e in edges[1:]]].tolist()]
+    return [
+        (slice(e, e + GROUPED_MM_MAX_GROUPS), lo, hi)
+        for e, lo, hi in zip(edges, starts, [*starts[1:], num_rows], strict=True)
+    ]
+
+
+def _grouped_mm(rows: Tensor, bank: Tensor, counts: Tensor, windows) -> Tensor:
+    """rows [R, in] sorted by slot (`counts` per slot) times each one's bank[slot].T."""
+    if len(windows) == 1:
+        return torch._grouped_mm(rows, bank.transpose(1, 2), offs=counts.cumsum(0).int())
+    out = rows.new_empty(rows.shape[0], bank.shape[1])
+    for slots, lo, hi in windows:
+        ends = counts[slots].cumsum(0).int()
+        out[lo:hi] = torch._grouped_mm(rows[lo:hi], bank[slots].transpose(1, 2), offs=ends)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

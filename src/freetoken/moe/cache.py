@@ -65,10 +65,6 @@ class ExpertCache:
         cache.pair_of.copy_(ids)
         return cache
 
-    def lookup(self, pairs: torch.Tensor) -> torch.Tensor:
-        """Slot of each flat pair id (-1 for a miss); same shape as `pairs`."""
-        return self.slot_of[pairs]
-
     def victim_candidates(self, moe_layer: int, protected: torch.Tensor, count: int):
         """The `count` slots the policy would give up first, best victim first. Empty slots
         come first (their score is -inf); `protected` slots (those the current layer hits:

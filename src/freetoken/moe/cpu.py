@@ -55,8 +55,10 @@ class CPUExpertExecutor:
         act: str = "silu",
         threads: int | None = None,
         native: bool = True,
-        spin: bool = False,
+        beside_gpu: bool = False,
     ):
+        """`beside_gpu`: a thread drives a GPU meanwhile (every strategy but `fused` on CUDA):
+        the native team leaves it a core, and the job handoff spins rather than sleeps."""
         self.store = store
         self.act = act
         # torch's intra-op pool defaults to one thread per physical core; only an explicit
@@ -65,14 +67,14 @@ class CPUExpertExecutor:
             torch.set_num_threads(threads)
         self.native = None
         if native:
-            # One core is left to the thread that drives the GPU: with every core in the team,
-            # the kernel ran at 25 GB/s beside a copy thread instead of 34 with one fewer
-            # (benchmarks/results/2026-11-29-cpu-experts-h200.md).
-            # (Counted from the CPUs this process may use, not from torch's thread count, which
-            # the runtime lowers to 1 once the native kernel is in use.)
-            team = threads or max(1, len(os.sched_getaffinity(0)) - 1)
+            # Beside a GPU one core is left to the thread that drives it: with every core in
+            # the team, the kernel ran at 25 GB/s beside a copy thread instead of 34 with one
+            # fewer (benchmarks/results/2026-11-29-cpu-experts-h200.md). Counted from the CPUs
+            # this process may use, not from torch's thread count, which the runtime lowers to
+            # 1 beside a GPU.
+            team = threads or max(1, len(os.sched_getaffinity(0)) - int(beside_gpu))
             self.native = NativeCPUExperts.create(
-                store.w_gate_up, store.w_down, act, team, spin_seconds=2e-3 if spin else 0.0
+                store.w_gate_up, store.w_down, act, team, spin_seconds=2e-3 if beside_gpu else 0.0
             )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 

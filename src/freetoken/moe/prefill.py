@@ -167,9 +167,7 @@ class LayerStreamer:
         missing = [p for p in pairs if cache.slot_of[p] < 0]
         if not missing or len(missing) > cache.num_slots:
             return
-        hit_slots = torch.tensor(
-            [int(cache.slot_of[p]) for p in pairs if p not in missing], dtype=torch.long
-        )
+        hit_slots = cache.slot_of[[p for p in pairs if p not in missing]]
         victims = cache.victim_candidates(moe_layer, hit_slots, len(missing))
         gate_up, down = self.buffers[moe_layer % 2]
         sources = [(gate_up[p - moe_layer * e], down[p - moe_layer * e]) for p in missing]

@@ -21,7 +21,6 @@ baseline), `auto` (fused when everything fits, else hybrid).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -264,13 +263,14 @@ class MoERuntime:
         """How many misses to copy into the cache (the rest run on the CPU)."""
         if misses == 0:
             return 0
-        cap = self.options.max_fetch or misses
         if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
             q = misses
-        elif self._step is not None and not self._step[2]:  # SplitOrFill: not splitting
-            q = min(misses, cap)
         else:
-            q = split_misses(misses, self.tracker.fill, self.tracker.cpu, self.options.max_fetch)
+            # A step SplitOrFill chose not to split gives the CPU no bandwidth: all filled,
+            # up to --moe-hybrid-max-fetch.
+            splitting = self._step is None or self._step[2]
+            cpu = self.tracker.cpu if splitting else 0.0
+            q = split_misses(misses, self.tracker.fill, cpu, self.options.max_fetch)
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
         return max(0, min(q, self.cache.num_slots - hits))
 
@@ -389,13 +389,10 @@ def build_runtime(
         cache = ExpertCache(store, slots, device, policy=_policy(options.policy))
     cpu = None
     if strategy == "fused" and device.type == "cpu":
-        every_core = options.cpu_threads or len(os.sched_getaffinity(0))
-        executor = CPUExpertExecutor(store, act, every_core)
+        executor = CPUExpertExecutor(store, act, options.cpu_threads)
         cpu = executor if executor.native is not None else None
     if strategy != "fused":
-        # With a GPU, torch's CPU pool drops to one thread (below), so the expert kernel's
-        # handoff may spin instead of sleeping between layer steps.
-        cpu = CPUExpertExecutor(store, act, options.cpu_threads, spin=device.type == "cuda")
+        cpu = CPUExpertExecutor(store, act, options.cpu_threads, beside_gpu=device.type == "cuda")
         if device.type == "cuda" and cpu.native is not None:
             # Torch's own CPU work is now only the policy's small ops: one thread, so its
             # spinning OpenMP team does not take cores from the expert kernel's.

@@ -92,9 +92,9 @@ def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def chat_tool_choice(body: dict[str, Any]) -> str | None:
-    """None when the model decides (or no tool may be called), else REQUIRED or a tool name."""
-    choice = body.get("tool_choice", "auto")
+def chat_tool_choice(choice: Any) -> str | None:
+    """A chat `tool_choice`: None when the model decides (or no tool may be called), else
+    REQUIRED or a tool name."""
     if choice in ("auto", "none"):
         return None
     if choice == "required":
@@ -117,7 +117,7 @@ async def chat_completions(core: GenerationCore, body: dict[str, Any]):
     template_kwargs = field(body, "chat_template_kwargs", dict, {})  # e.g. enable_thinking
     prompt = core.render(chat_messages(body), tools=tools, **template_kwargs)
     forced = ForcedOutput()
-    if (tool := chat_tool_choice(body)) is not None:
+    if (tool := chat_tool_choice(body.get("tool_choice", "auto"))) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
     params = sampling(core, body, prompt)
     req = GenerationRequest(prompt, params, tools=tools, forced=forced)

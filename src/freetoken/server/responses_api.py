@@ -284,7 +284,7 @@ async def responses(core: GenerationCore, body: dict[str, Any]):
     if isinstance(choice, dict) and choice.get("type") == "function":
         # The Responses API names the tool at the top level of the choice.
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if (tool := chat_tool_choice({"tool_choice": choice})) is not None:
+    if (tool := chat_tool_choice(choice)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
     chat_like = {**body, "max_tokens": body.get("max_output_tokens")}
     req = GenerationRequest(prompt, sampling(core, chat_like, prompt), tools=tools, forced=forced)
