@@ -9,6 +9,9 @@ Uses the random Qwen3-30B-A3B-shaped model and uniform routing of decode_offload
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -80,6 +83,16 @@ def main() -> int:
         text.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         if device.type == "cuda":
             text.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        # Where the host's time goes in Python terms (the tables above show only torch ops).
+        python_profile = cProfile.Profile()
+        python_profile.enable()
+        steps(runner, seqs, 10, vocab, gen)
+        sync(device)
+        python_profile.disable()
+        for order in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(python_profile, stream=buf).sort_stats(order).print_stats(35)
+            text += [f"## Python profile of 10 steps, by {order}", buf.getvalue()]
         (args.out / f"profile-{strategy}.txt").write_text("\n".join(text))
         summary.append(f"{strategy}: {step_ms:.2f} ms/step")
         if runner.moe.cpu is not None:

@@ -79,6 +79,39 @@ def test_one_route_and_thread_counts_agree():
     assert torch.count_nonzero(one[1:]) == 0 and torch.count_nonzero(one[0]) > 0
 
 
+@pytest.mark.parametrize("spin", [0.0, 2e-4])
+def test_team_is_exact_under_concurrent_callers(spin):
+    """Many back-to-back jobs from several threads, on a team larger than the machine (so
+    threads wake late, or find the job they woke for already done): every result equals the
+    job's own single-threaded result, bit for bit, and nothing hangs."""
+    import threading
+
+    w_gate_up, w_down = banks(torch.float32)
+    kernels = [
+        NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=t, spin_seconds=spin)
+        for t in (1, 3, 6)
+    ]
+    jobs = [job(seed=s) for s in range(6)]
+    want = [kernels[0](*j) for j in jobs]
+    failures = []
+
+    def caller(k):
+        for n in range(40):
+            i = (n + k) % len(jobs)
+            pending = kernels[(n + k) % 3].submit(*jobs[i])
+            if not torch.equal(pending.result(), want[i]):
+                failures.append((k, n))
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2, spin_seconds=0.0)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert failures == []
+
+
 def test_executor_uses_the_native_kernel_and_reports_bytes():
     class Store:  # what the executor reads of a HostExpertStore
         w_gate_up, w_down = banks(torch.float32)

@@ -1,12 +1,17 @@
 /* Routed experts on the CPU, reading weights straight from the host expert pool.
  *
- * Built at first use by kernels/native.py with the machine's own compiler
- * (-O3 -march=native -fopenmp), so the inner loops below become AVX-512 (or AVX2) code on the
- * machine that runs them. `ft_cpu_experts_submit` hands a job to a worker thread of this
- * library and returns at once; `ft_cpu_experts_wait` blocks until it is done (called through
- * ctypes, which releases the GIL meanwhile). No Python thread is involved: a Python thread would
- * need the GIL to start the job, and the thread driving the GPU holds it for milliseconds at a
- * time while it launches kernels.
+ * Built at first use by kernels/native.py with the machine's own compiler (-O3 -march=native),
+ * so the inner loops below become AVX-512 (or AVX2) code on the machine that runs them.
+ * `ft_cpu_experts_submit` hands a job to this library's own team of threads and returns at
+ * once; `ft_cpu_experts_wait` takes part in the job's remaining work, then blocks until it is
+ * done (called through ctypes, which releases the GIL meanwhile). No Python thread is involved:
+ * a Python thread would need the GIL to start the job, and the thread driving the GPU holds it
+ * for milliseconds at a time while it launches kernels.
+ *
+ * The team takes work items from a shared counter rather than a fixed share each (as an OpenMP
+ * static schedule would): a thread that wakes late, or shares its core with the thread driving
+ * the GPU, then finishes fewer items instead of holding up the whole job. With OpenMP's static
+ * schedule the GPU host's CPU path ran at half its bandwidth beside the GPU thread.
  *
  * Decode runs a few tokens through a few experts: matrix-vector products, bound by how fast
  * weights stream from DRAM. Every weight row is read once per call (the tokens of a group that
@@ -96,71 +101,67 @@ static inline float activate(float g, int act) {
     }
 }
 
-/* Routes come grouped by expert: group g is routes [group_start[g], group_start[g + 1]), all
+/* A job: routes grouped by expert. Group g is routes [group_start[g], group_start[g + 1]), all
  * with the expert at flat id group_pair[g]. Route r reads row route_row[r] of x [*, H] and adds
  * route_w[r] * expert(x) into row route_row[r] of out [*, H] (fp32, zeroed by the caller).
- * a_buf [R, I] and c_buf [R, H] are scratch. Returns 0. */
-int ft_cpu_experts(int dtype, const void *w_gate_up, const void *w_down, int64_t H, int64_t I,
-                   const float *x, int64_t n_groups, const int64_t *group_start,
-                   const int64_t *group_pair, const int64_t *route_row, const float *route_w,
-                   float *a_buf, float *c_buf, float *out, int act, int threads) {
-    const int bf16 = dtype == DT_BF16;
-    const int64_t gate_blocks = (I + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t down_blocks = (H + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t n_routes = group_start[n_groups];
-
-#pragma omp parallel num_threads(threads)
-    {
-        /* gate/up: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < n_groups * gate_blocks; item++) {
-            int64_t g = item / gate_blocks, n0 = (item % gate_blocks) * ROW_BLOCK;
-            int64_t n1 = n0 + ROW_BLOCK < I ? n0 + ROW_BLOCK : I;
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t r = group_start[g]; r < group_start[g + 1]; r++) {
-                    const float *xr = x + route_row[r] * H;
-                    float gate = rnd(row_dot(dtype, w_gate_up, group_pair[g], 2 * I, n, H, xr), bf16);
-                    float up = rnd(row_dot(dtype, w_gate_up, group_pair[g], 2 * I, I + n, H, xr), bf16);
-                    a_buf[r * I + n] = rnd(rnd(activate(gate, act), bf16) * up, bf16);
-                }
-        }
-        /* down: c[r, n] = route_w[r] * (down_n . a[r]), rounded as torch rounds. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < n_groups * down_blocks; item++) {
-            int64_t g = item / down_blocks, n0 = (item % down_blocks) * ROW_BLOCK;
-            int64_t n1 = n0 + ROW_BLOCK < H ? n0 + ROW_BLOCK : H;
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t r = group_start[g]; r < group_start[g + 1]; r++) {
-                    float y = rnd(row_dot(dtype, w_down, group_pair[g], H, n, I, a_buf + r * I), bf16);
-                    c_buf[r * H + n] = rnd(y * route_w[r], bf16);
-                }
-        }
-        /* out[row] += c[r], every column by one thread, routes in order: deterministic. */
-#pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < H; n0 += 256) {
-            int64_t n1 = n0 + 256 < H ? n0 + 256 : H;
-            for (int64_t r = 0; r < n_routes; r++)
-                for (int64_t n = n0; n < n1; n++) out[route_row[r] * H + n] += c_buf[r * H + n];
-        }
-    }
-    return 0;
-}
-
-/* ---- one job at a time on a worker thread ---------------------------------------------- */
-
+ * a_buf [R, I] is scratch. */
 typedef struct {
-    int dtype, act, threads;
+    int dtype, act, workers;
     const void *w_gate_up, *w_down;
     int64_t H, I, n_groups;
     const float *x, *route_w;
     const int64_t *group_start, *group_pair, *route_row;
-    float *a_buf, *c_buf, *out;
+    float *a_buf, *out;
+    int64_t gate_items, down_items; /* gate items come first, then down items */
 } job_t;
 
-/* Decode hands over a job every layer step, 1-2 ms apart: the worker and the waiting caller
- * may spin this long before sleeping on the condition variable, since a futex wake-up costs
- * tens of microseconds (more under a sandboxing kernel such as gVisor) against a job of a few
- * hundred. Off by default: spinning pays only where no other thread pool wants these cores
+/* Gate item: ROW_BLOCK rows of one group's gate and up projections, for every route of the
+ * group: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. */
+static void gate_item(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t blocks = (j->I + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t g = item / blocks, n0 = (item % blocks) * ROW_BLOCK;
+    const int64_t n1 = n0 + ROW_BLOCK < j->I ? n0 + ROW_BLOCK : j->I;
+    const int64_t H = j->H, I = j->I, pair = j->group_pair[g];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
+            const float *xr = j->x + j->route_row[r] * H;
+            float gate = rnd(row_dot(j->dtype, j->w_gate_up, pair, 2 * I, n, H, xr), bf16);
+            float up = rnd(row_dot(j->dtype, j->w_gate_up, pair, 2 * I, I + n, H, xr), bf16);
+            j->a_buf[r * I + n] = rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+        }
+}
+
+/* Down item: ROW_BLOCK output columns, over every group and route in route order, so each
+ * output element is summed by one thread in a fixed order (deterministic):
+ * out[row_r, n] += round(route_w[r] * round(down_n . a[r])). */
+static void down_item(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t H = j->H, I = j->I, n0 = item * ROW_BLOCK;
+    const int64_t n1 = n0 + ROW_BLOCK < H ? n0 + ROW_BLOCK : H;
+    for (int64_t g = 0; g < j->n_groups; g++)
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
+                float y = rnd(row_dot(j->dtype, j->w_down, j->group_pair[g], H, n, I,
+                                      j->a_buf + r * I), bf16);
+                j->out[j->route_row[r] * H + n] += rnd(y * j->route_w[r], bf16);
+            }
+}
+
+/* ---- the team ---------------------------------------------------------------------------
+ *
+ * One job at a time. Publishing job `gen` writes jobs[gen & 1], zeroes the counters and stores
+ * `claim = gen << 32`, then `published = gen`. A thread takes item i by moving claim from
+ * (gen << 32 | i) to (gen << 32 | i + 1) with a compare-and-swap, so a thread still holding an
+ * older job's description can never take (and lose) an item of a newer job: its generation no
+ * longer matches. The description a thread copied is intact whenever its claim succeeds: the
+ * slot it read is rewritten only for job gen + 2, which cannot start before job gen + 1 is
+ * published, that is, before claim moved past gen. */
+
+/* Decode hands over a job every layer step, 1-2 ms apart: idle team threads and the waiting
+ * caller may spin this long before sleeping on a condition variable, since a futex wake-up
+ * costs tens of microseconds (more under a sandboxing kernel such as gVisor) against a job of a
+ * few hundred. Off by default: spinning pays only where no other thread pool wants these cores
  * (on a 2-core machine beside torch's own pool it made each job 4x slower). */
 static double spin_seconds = 0.0;
 
@@ -172,11 +173,19 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static pthread_mutex_t job_mutex = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t job_cond = PTHREAD_COND_INITIALIZER;
-static job_t pending;
-static int has_job = 0, job_done = 1, worker_started = 0;
-static double job_seconds = 0.0; /* the last job's compute time, without handoff or waiting */
+#define MAX_TEAM 1024
+#define LOAD(p) __atomic_load_n(p, __ATOMIC_SEQ_CST)
+#define STORE(p, v) __atomic_store_n(p, v, __ATOMIC_SEQ_CST)
+#define ADD(p, v) __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST)
+
+static pthread_mutex_t team_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t work_cond = PTHREAD_COND_INITIALIZER; /* a job was published */
+static pthread_cond_t done_cond = PTHREAD_COND_INITIALIZER; /* a job was completed */
+static job_t jobs[2];
+static double job_started[2], job_seconds[2];
+static uint64_t claim, published, completed;
+static int64_t gate_done, items_done;
+static int team_size = 0, sleeping_workers = 0, sleeping_waiters = 0;
 
 static double now(void) {
     struct timespec t;
@@ -184,69 +193,126 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-static void spin_until_set(int *flag) {
-    if (spin_seconds <= 0.0) return;
+/* Spin until *value differs from `from` (gives up after spin_seconds); returns what it saw. */
+static uint64_t spin_while_equal(uint64_t *value, uint64_t from) {
+    uint64_t v = LOAD(value);
+    if (v != from || spin_seconds <= 0.0) return v;
     double until = now() + spin_seconds;
-    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && now() < until) cpu_relax();
+    while ((v = LOAD(value)) == from && now() < until)
+        for (int i = 0; i < 32; i++) cpu_relax();
+    return v;
 }
 
-static void *worker_main(void *unused) {
-    (void)unused;
+static void finish(uint64_t gen) {
+    pthread_mutex_lock(&team_mutex);
+    job_seconds[gen & 1] = now() - job_started[gen & 1];
+    STORE(&completed, gen);
+    if (sleeping_waiters) pthread_cond_broadcast(&done_cond);
+    pthread_mutex_unlock(&team_mutex);
+}
+
+/* Takes and runs items of job `gen` (described by *j) until none is left. */
+static void run_items(const job_t *j, uint64_t gen) {
+    const uint64_t tag = (gen & 0xffffffffu) << 32;
+    const int64_t total = j->gate_items + j->down_items;
+    int64_t did = 0;
     for (;;) {
-        spin_until_set(&has_job);
-        pthread_mutex_lock(&job_mutex);
-        while (!has_job) pthread_cond_wait(&job_cond, &job_mutex);
-        job_t j = pending;
-        __atomic_store_n(&has_job, 0, __ATOMIC_RELEASE);
-        pthread_mutex_unlock(&job_mutex);
-        double start = now();
-        ft_cpu_experts(j.dtype, j.w_gate_up, j.w_down, j.H, j.I, j.x, j.n_groups, j.group_start,
-                       j.group_pair, j.route_row, j.route_w, j.a_buf, j.c_buf, j.out, j.act,
-                       j.threads);
-        double seconds = now() - start;
-        pthread_mutex_lock(&job_mutex);
-        job_seconds = seconds;
-        __atomic_store_n(&job_done, 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&job_cond);
-        pthread_mutex_unlock(&job_mutex);
+        uint64_t c = LOAD(&claim);
+        if ((c & ~0xffffffffull) != tag || (int64_t)(c & 0xffffffffu) >= total) break;
+        if (!__atomic_compare_exchange_n(&claim, &c, c + 1, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_SEQ_CST))
+            continue;
+        int64_t item = (int64_t)(c & 0xffffffffu);
+        if (item < j->gate_items) {
+            gate_item(j, item);
+            ADD(&gate_done, 1);
+        } else {
+            /* Down items read every gate item's output; all are taken by now, and each takes
+             * microseconds. */
+            while (LOAD(&gate_done) < j->gate_items) cpu_relax();
+            down_item(j, item - j->gate_items);
+        }
+        did++;
+    }
+    if (did && ADD(&items_done, did) == total) finish(gen);
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = LOAD(&published);
+    for (;;) {
+        uint64_t gen = spin_while_equal(&published, seen);
+        if (gen == seen) {
+            pthread_mutex_lock(&team_mutex);
+            sleeping_workers++;
+            while ((gen = LOAD(&published)) == seen) pthread_cond_wait(&work_cond, &team_mutex);
+            sleeping_workers--;
+            pthread_mutex_unlock(&team_mutex);
+        }
+        seen = gen;
+        job_t j = jobs[gen & 1]; /* checked by the first claim (see above) */
+        if (index < j.workers) run_items(&j, gen);
     }
     return NULL;
 }
 
-/* Same arguments as ft_cpu_experts; the buffers must stay alive until ft_cpu_experts_wait.
- * Waits for a previous job first (one at a time). Returns 0, or -1 if no thread starts. */
-int ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
-                          int64_t I, const float *x, int64_t n_groups, const int64_t *group_start,
-                          const int64_t *group_pair, const int64_t *route_row,
-                          const float *route_w, float *a_buf, float *c_buf, float *out, int act,
-                          int threads) {
-    pthread_mutex_lock(&job_mutex);
-    if (!worker_started) {
-        pthread_t worker;
-        if (pthread_create(&worker, NULL, worker_main, NULL) != 0) {
-            pthread_mutex_unlock(&job_mutex);
-            return -1;
-        }
-        pthread_detach(worker);
-        worker_started = 1;
+/* Blocks until job `gen` is done, taking part in its remaining items first; returns the job's
+ * time from submission to completion in seconds. */
+double ft_cpu_experts_wait(uint64_t gen) {
+    if (LOAD(&published) == gen) {
+        job_t j = jobs[gen & 1];
+        run_items(&j, gen);
     }
-    while (!job_done) pthread_cond_wait(&job_cond, &job_mutex);
-    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I, n_groups, x, route_w, group_start,
-               group_pair, route_row, a_buf, c_buf, out};
-    pending = j;
-    __atomic_store_n(&job_done, 0, __ATOMIC_RELEASE);
-    __atomic_store_n(&has_job, 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&job_cond);
-    pthread_mutex_unlock(&job_mutex);
-    return 0;
+    if (spin_while_equal(&completed, gen - 1) < gen) {
+        pthread_mutex_lock(&team_mutex);
+        sleeping_waiters++;
+        while (LOAD(&completed) < gen) pthread_cond_wait(&done_cond, &team_mutex);
+        sleeping_waiters--;
+        pthread_mutex_unlock(&team_mutex);
+    }
+    return job_seconds[gen & 1];
 }
 
-/* Blocks until the job is done; returns its compute time in seconds. */
-double ft_cpu_experts_wait(void) {
-    spin_until_set(&job_done);
-    pthread_mutex_lock(&job_mutex);
-    while (!job_done) pthread_cond_wait(&job_cond, &job_mutex);
-    double seconds = job_seconds;
-    pthread_mutex_unlock(&job_mutex);
-    return seconds;
+/* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
+ * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it; the buffers
+ * must stay alive until then. Returns 0 if no thread can be started. */
+uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
+                               int64_t I, const float *x, int64_t n_groups,
+                               const int64_t *group_start, const int64_t *group_pair,
+                               const int64_t *route_row, const float *route_w, float *a_buf,
+                               float *out, int act, int threads) {
+    if (threads > MAX_TEAM) threads = MAX_TEAM;
+    pthread_mutex_lock(&team_mutex);
+    for (; team_size < threads; team_size++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker_main, (void *)(intptr_t)team_size) != 0) break;
+        pthread_detach(t);
+    }
+    if (team_size == 0) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    uint64_t last;
+    while (LOAD(&completed) < (last = LOAD(&published))) { /* another caller's job runs */
+        pthread_mutex_unlock(&team_mutex);
+        ft_cpu_experts_wait(last);
+        pthread_mutex_lock(&team_mutex);
+    }
+    uint64_t gen = LOAD(&published) + 1;
+    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I, n_groups, x, route_w, group_start,
+               group_pair, route_row, a_buf, out, n_groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK),
+               n_groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0};
+    jobs[gen & 1] = j;
+    job_started[gen & 1] = now();
+    STORE(&gate_done, 0);
+    STORE(&items_done, 0);
+    STORE(&claim, (gen & 0xffffffffu) << 32);
+    STORE(&published, gen);
+    if (j.gate_items + j.down_items == 0) {
+        job_seconds[gen & 1] = 0.0;
+        STORE(&completed, gen);
+    }
+    if (sleeping_workers) pthread_cond_broadcast(&work_cond);
+    pthread_mutex_unlock(&team_mutex);
+    return gen;
 }

@@ -19,7 +19,7 @@ from freetoken.kernels.grouped_experts import _ACT_CODES, reference_grouped_expe
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _P = ctypes.c_void_p
 _SIGNATURE = [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64]
-_SIGNATURE += [_P] * 7 + [ctypes.c_int, ctypes.c_int]
+_SIGNATURE += [_P] * 6 + [ctypes.c_int, ctypes.c_int]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
@@ -52,9 +52,9 @@ class NativeCPUExperts:
         lib = native.load("cpu_experts")
         if lib is None:
             return None
-        for fn in (lib.ft_cpu_experts, lib.ft_cpu_experts_submit):
-            fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
-        lib.ft_cpu_experts_wait.argtypes, lib.ft_cpu_experts_wait.restype = [], ctypes.c_double
+        submit, wait = lib.ft_cpu_experts_submit, lib.ft_cpu_experts_wait
+        submit.argtypes, submit.restype = _SIGNATURE, ctypes.c_uint64
+        wait.argtypes, wait.restype = [ctypes.c_uint64], ctypes.c_double
         lib.ft_cpu_experts_set_spin.argtypes = [ctypes.c_double]
         lib.ft_cpu_experts_set_spin(spin_seconds)
         return cls(lib, w_gate_up, w_down, act, threads)
@@ -81,29 +81,29 @@ class NativeCPUExperts:
         route_w = np.ascontiguousarray(weights.float().numpy()[order])
         x32 = np.ascontiguousarray(x.float().numpy())
         a = np.empty((len(order), i), np.float32)
-        c = np.empty((len(order), h), np.float32)
         out = np.zeros((x.shape[0], h), np.float32)
-        # The arrays stay referenced by the pending job until the worker is done with them.
-        keep = (x32, group_start, group_pair, route_row, route_w, a, c)
-        status = self._lib.ft_cpu_experts_submit(
+        # The arrays stay referenced by the pending job until the team is done with them.
+        keep = (x32, group_start, group_pair, route_row, route_w, a)
+        ticket = self._lib.ft_cpu_experts_submit(
             self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), h, i, _ptr(x32),
             len(group_pair), _ptr(group_start), _ptr(group_pair), _ptr(route_row),
-            _ptr(route_w), _ptr(a), _ptr(c), _ptr(out), self.act_code, self.threads,
+            _ptr(route_w), _ptr(a), _ptr(out), self.act_code, self.threads,
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError("could not start the CPU expert worker thread")
-        return PendingJob(self._lib, out, keep, len(group_pair))
+        if ticket == 0:
+            raise RuntimeError("could not start the CPU expert threads")
+        return PendingJob(self._lib, ticket, out, keep, len(group_pair))
 
 
 class PendingJob:
-    def __init__(self, lib, out: np.ndarray, keep: tuple, experts: int):
-        self._lib, self._out, self._keep = lib, out, keep
+    def __init__(self, lib, ticket: int, out: np.ndarray, keep: tuple, experts: int):
+        self._lib, self._ticket, self._out, self._keep = lib, ticket, out, keep
         self.experts = experts  # distinct experts the job reads
-        self.seconds = 0.0  # compute time, known once done
+        self.seconds = 0.0  # from submission to completion, known once done
 
     def result(self) -> torch.Tensor:
         if self._keep is not None:
-            self.seconds = self._lib.ft_cpu_experts_wait()  # ctypes releases the GIL meanwhile
+            # This thread works on the job too until it is done; ctypes releases the GIL.
+            self.seconds = self._lib.ft_cpu_experts_wait(self._ticket)
             self._keep = None
         return torch.from_numpy(self._out)
 

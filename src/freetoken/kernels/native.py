@@ -1,7 +1,7 @@
 """Build and load freetoken's C kernels with the machine's own compiler.
 
 The sources ship with the package (`kernels/*.c`) and are compiled at first use with
-`-O3 -march=native -fopenmp`, so they use the vector units of the machine they run on (a wheel
+`-O3 -march=native`, so they use the vector units of the machine they run on (a wheel
 built elsewhere could not), into the cache directory keyed by the source, the flags and the
 CPU. Loading goes through ctypes, whose calls release the GIL. Without a C compiler the caller
 falls back to torch; `FREETOKEN_NATIVE=0` forces that fallback.
@@ -24,7 +24,7 @@ from freetoken.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "FREETOKEN_NATIVE"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

@@ -2,8 +2,9 @@
 
 Jobs run off the thread that drives the GPU, so it keeps issuing copies and kernels while the
 CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, built for this CPU at
-first use), which runs each job on its own worker thread and OpenMP team, no GIL involved; or,
-where it cannot be built, the torch reference on a Python thread and torch's intra-op pool.
+first use), which runs each job on its own team of threads, no GIL involved, and the thread
+that waits for a job works on it too; or, where it cannot be built, the torch reference on a
+Python thread and torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.moe.store import HostExpertStore
+
+# How long (microseconds) idle expert threads spin for the next job before sleeping; by default
+# 2000 beside a GPU (decode hands over a job every 1-2 ms) and 0 elsewhere.
+SPIN_ENV = "FREETOKEN_CPU_SPIN_US"
 
 
 @dataclass
@@ -73,8 +78,9 @@ class CPUExpertExecutor:
             # this process may use, not from torch's thread count, which the runtime lowers to
             # 1 beside a GPU.
             team = threads or max(1, len(os.sched_getaffinity(0)) - int(beside_gpu))
+            spin = float(os.environ.get(SPIN_ENV, 2000 if beside_gpu else 0)) * 1e-6
             self.native = NativeCPUExperts.create(
-                store.w_gate_up, store.w_down, act, team, spin_seconds=2e-3 if beside_gpu else 0.0
+                store.w_gate_up, store.w_down, act, team, spin_seconds=spin
             )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
