@@ -165,6 +165,40 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     assert (t.total().misses, t.total().fills, t.total().cpu, t.total().cpu_routes) == (4, 2, 2, 2)
 
 
+@pytest.mark.parametrize("strategy", ["offload", "hybrid", "static"])
+def test_folded_phases_match_the_eager_layer(strategy):
+    """Decode graphs run a layer as `host_phase` (decisions, fills, CPU share into buffers)
+    then `device_phase` (captured). With each layer's buffers reused across steps, as a graph
+    does, the result equals the reference whether a step has CPU routes, GPU routes or both
+    (a stale CPU partial left in a buffer would show here)."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store(num_experts=6)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, "3", policy="lru"))
+    rt.tracker.fill = rt.tracker.cpu = 1e9
+    rt.tracker.alpha = 0.0
+    assert rt.foldable(tokens=2, routes=2)
+    gen = torch.Generator().manual_seed(3)
+    buffers = {}
+    for step in range(24):
+        for moe_layer in range(store.num_layers):
+            ids = torch.randint(0, 6, (2, 1), generator=gen)
+            if step % 5 == 0:
+                ids[:] = step % 2  # steps of hits only, so a partial must be zeroed again
+            x = torch.randn(2, store.shape.hidden, generator=gen)
+            weights = torch.rand(ids.shape, generator=gen)
+            slots, partial = buffers.setdefault(
+                moe_layer, (torch.full(ids.shape, -1), torch.zeros_like(x))
+            )
+            rt.host_phase(moe_layer, x, ids, weights, slots, partial)
+            out = rt.device_phase(x, slots, weights, partial)
+            want = reference(store, moe_layer, x, ids, weights)
+            assert torch.allclose(out, want, atol=1e-5), (step, moe_layer)
+    total = rt.telemetry.total()
+    assert total.hits > 0 and (total.cpu_routes > 0) == (strategy != "offload")
+    assert not build_runtime(store, torch.device("cpu"), MoEOptions("cpu")).foldable(2, 2)
+
+
 def test_hybrid_times_steps_split_and_filled_and_keeps_the_faster():
     """Whole decode steps (layer 0 to the last MoE layer) are timed both ways per batch size;
     once filling everything measures faster, steps send nothing to the CPU but the periodic

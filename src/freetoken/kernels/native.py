@@ -75,7 +75,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         result = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True
+            [cc, *FLAGS, str(source), "-o", tmp, "-lm", "-ldl"], capture_output=True, text=True
         )
         if result.returncode != 0:
             os.unlink(tmp)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from freetoken.kernels.host_copies import HostToDeviceCopier
 from freetoken.moe.store import HostExpertStore
 
 
@@ -48,6 +50,16 @@ class ExpertCache:
             policy.reset(store.num_layers, store.num_experts, num_slots, torch.device("cpu"))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_fill_seconds = 0.0  # CPU-tier copies: measured directly
+        # Fills from the host pool: (host address, device address, bytes) of each bank's row 0,
+        # for the native copier; torch copies where it is not available.
+        self._copier, self._rows = None, []
+        if self.copy_stream is not None:
+            self._copier = HostToDeviceCopier.create()
+            for host, dev in ((store.w_gate_up, self.w_gate_up), (store.w_down, self.w_down)):
+                if not (host.is_contiguous() and dev.is_contiguous()):
+                    self._copier = None
+                row = dev[0].numel() * dev.element_size()
+                self._rows.append((host.data_ptr(), dev.data_ptr(), row))
 
     @classmethod
     def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:
@@ -80,8 +92,26 @@ class ExpertCache:
         """Put `pairs` into `slots`, copying from the host pool. Returns (start, done) copy
         events on CUDA, None on the CPU tier (copied on return)."""
         self._retable(pairs, slots)
+        if self._copier is not None:
+            return self._copy_rows(pairs, slots)
         sources = [(self.store.w_gate_up[p], self.store.w_down[p]) for p in pairs]
         return self._copy(slots, sources)
+
+    def _copy_rows(self, pairs: Sequence[int], slots: Sequence[int]):
+        """`place`'s copies as one native call: each bank's row of each pair, by address."""
+        pairs = np.asarray(pairs, dtype=np.uint64)
+        slots = np.asarray(slots, dtype=np.uint64)
+        src = np.concatenate([host + pairs * row for host, _, row in self._rows])
+        dst = np.concatenate([dev + slots * row for _, dev, row in self._rows])
+        nbytes = np.repeat([row for _, _, row in self._rows], len(pairs))
+        # A victim may still be read by kernels already queued on the compute stream.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
+        start.record(self.copy_stream)
+        self._copier.copy(dst, src, nbytes, self.copy_stream)
+        done.record(self.copy_stream)
+        return start, done
 
     def place_from(self, pairs, slots, sources, after=None):
         """Like `place`, copying from device tensors (`sources`: (gate_up, down) rows). On

@@ -89,6 +89,17 @@ def parse_cache_size(value: str, expert_bytes: int) -> int:
     return int(float(m[1]) * _UNITS[m[2].lower()]) // expert_bytes
 
 
+@dataclass
+class _LayerPlan:
+    """What a layer step's host phase decided and started."""
+
+    num_tokens: int
+    gpu_slots: np.ndarray | None = None  # [T, k] slot of each GPU route, -1 elsewhere
+    cpu: object | None = None  # the CPU job's handle
+    tokens: np.ndarray | None = None  # rows of x the CPU job reads
+    all_tokens: bool = True
+
+
 class MoERuntime:
     def __init__(
         self,
@@ -108,7 +119,8 @@ class MoERuntime:
         self.telemetry = MoETelemetry.for_layers(store.num_layers)
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
-        self._cpu_out_buffer: torch.Tensor | None = None
+        self._pinned_buffers: dict[str, torch.Tensor] = {}
+        self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
         self.split_or_fill = SplitOrFill()
         self._step: tuple[float, int, bool] | None = None  # (start, tokens, split?) of a step
         self._sync_wait = 0.0
@@ -140,7 +152,59 @@ class MoERuntime:
         return grouped_expert_forward(x, slots, weights, cache.w_gate_up, cache.w_down, self.act)
 
     def _split_layer(self, moe_layer, x, ids, weights) -> torch.Tensor:
+        """The layer eagerly: the GPU kernel is queued before waiting for the CPU share."""
         started = time.perf_counter()
+        plan = self._start_layer(moe_layer, x, ids, weights)
+        out = None
+        if plan.gpu_slots is not None:
+            out = self._gpu(x, self._to_device(plan.gpu_slots, "slots"), weights)
+        if plan.cpu is not None:
+            cpu_out = self._finish_cpu(moe_layer, plan, x.dtype)
+            out = cpu_out if out is None else out + cpu_out
+        self.telemetry.layers[moe_layer].host_time_s += time.perf_counter() - started
+        return out
+
+    # -- split into a host phase and a capturable device phase (decode graphs) --------------
+
+    def foldable(self, tokens: int, routes: int) -> bool:
+        """Whether a decode graph may hold this layer's GPU work (`device_phase`), leaving
+        the host only `host_phase`: strategies that decide on the host and have a cache, for
+        calls that neither stream whole layers nor take the grouped-GEMM path."""
+        threshold = self.options.prefill_stream_threshold
+        streams = self.streamer is not None and threshold is not None and tokens >= threshold
+        return (
+            self.strategy != "fused"
+            and self.cache is not None
+            and not streams
+            and routes < GROUPED_GEMM_FROM_ROUTES
+        )
+
+    def host_phase(self, moe_layer, x, ids, weights, slots: torch.Tensor, partial: torch.Tensor):
+        """Everything of the layer but its GPU kernel: decide, queue the fills (the current
+        stream waits for them), run the CPU share, and leave in the device buffers what
+        `device_phase` reads: each route's slot (-1 where the CPU or nobody computes it) and
+        the CPU partial (zeros without CPU routes)."""
+        started = time.perf_counter()
+        plan = self._start_layer(moe_layer, x, ids, weights)
+        gpu_slots = plan.gpu_slots
+        if gpu_slots is None:
+            gpu_slots = np.full(ids.shape, -1, dtype=np.int64)
+        slots.copy_(self._pinned(gpu_slots, "slots"), non_blocking=True)
+        if plan.cpu is not None:
+            partial.copy_(self._finish_cpu(moe_layer, plan, x.dtype), non_blocking=True)
+            self._partial_dirty.add(partial.data_ptr())
+        elif partial.data_ptr() in self._partial_dirty:
+            partial.zero_()
+            self._partial_dirty.discard(partial.data_ptr())
+        self.telemetry.layers[moe_layer].host_time_s += time.perf_counter() - started
+
+    def device_phase(self, x, slots, weights, partial) -> torch.Tensor:
+        """The layer's GPU work from `host_phase`'s buffers: the same sum as the eager path
+        (adding zeros where one side has no routes changes nothing)."""
+        return self._gpu(x, slots, weights) + partial
+
+    def _start_layer(self, moe_layer, x, ids, weights) -> _LayerPlan:
+        """The host round trip, the decisions, the fills and the CPU job's start."""
         self._sync_wait = 0.0
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
@@ -153,7 +217,7 @@ class MoERuntime:
         routed = np.unique(pairs_np)
         cached = cache.slot_of.numpy()[routed] >= 0 if cache is not None else routed < 0
         hits, misses = routed[cached], routed[~cached]
-        fill, events = misses[:0], None
+        fill = misses[:0]
         if self.strategy in ("offload", "hybrid"):
             policy = cache.policy
             policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
@@ -166,49 +230,29 @@ class MoERuntime:
                 protected = cache.slot_of[torch.from_numpy(hits)]
                 victims = cache.victim_candidates(moe_layer, protected, q)
                 events = cache.place(fill.tolist(), victims.tolist())
-        on_cpu = np.setdiff1d(misses, fill, assume_unique=True)
-        cpu_routes = np.isin(pairs_np, on_cpu)
-
-        future, out = None, None
-        fill_bytes = len(fill) * self.store.shape.nbytes
-        if len(on_cpu):
-            rows, cols = np.nonzero(cpu_routes)
-            tokens, token_of_route = np.unique(rows, return_inverse=True)
-            job = CPUJob(
-                x_h[torch.from_numpy(tokens)],
-                torch.from_numpy(token_of_route),
-                pairs_h[rows, cols],
-                weights_h[rows, cols],
-            )
-            future = self.cpu.submit(job)
-        if len(hits) or len(fill):
-            gpu_slots = cache.slot_of.numpy()[pairs_np]
-            gpu_slots[cpu_routes] = -1
-            # Before waiting for the fill: a copy from pageable memory waits for the stream.
-            slots = torch.from_numpy(gpu_slots).to(self.device, non_blocking=True)
-            if len(fill):
+                fill_bytes = len(fill) * self.store.shape.nbytes
                 if events is not None:
                     torch.cuda.current_stream(self.device).wait_event(events[1])
                     self._pending_fill_timing.append((*events, fill_bytes))
                 else:
                     self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
-            out = self._gpu(x, slots, weights)
-        if future is not None:
-            waited = time.perf_counter()
-            result = future.result()
-            self.telemetry.layers[moe_layer].cpu_wait_s += time.perf_counter() - waited
-            self.tracker.observe_cpu(result.weight_bytes, result.seconds)
-            if self.device.type == "cuda":
-                cpu_out = self._staging(x_h.shape, x.dtype)
-            else:  # the partial is the output's own memory here: a fresh tensor each time
-                cpu_out = torch.empty(x_h.shape, dtype=x.dtype)
-            if len(tokens) < x.shape[0]:
-                cpu_out.zero_().index_copy_(0, torch.from_numpy(tokens), result.out)
-            else:
-                cpu_out.copy_(result.out)
-            cpu_out = cpu_out.to(self.device, non_blocking=True)
-            out = cpu_out if out is None else out + cpu_out
-            self.telemetry.layers[moe_layer].cpu_time_s += result.seconds
+        on_cpu = np.setdiff1d(misses, fill, assume_unique=True)
+        cpu_routes = np.isin(pairs_np, on_cpu)
+        plan = _LayerPlan(x.shape[0])
+        if len(on_cpu):
+            rows, cols = np.nonzero(cpu_routes)
+            plan.tokens, token_of_route = np.unique(rows, return_inverse=True)
+            job = CPUJob(
+                x_h[torch.from_numpy(plan.tokens)],
+                torch.from_numpy(token_of_route),
+                pairs_h[rows, cols],
+                weights_h[rows, cols],
+            )
+            plan.cpu = self.cpu.submit(job)
+            plan.all_tokens = len(plan.tokens) == x.shape[0]
+        if len(hits) or len(fill):
+            plan.gpu_slots = cache.slot_of.numpy()[pairs_np]
+            plan.gpu_slots[cpu_routes] = -1
         self.telemetry.record(
             moe_layer,
             accesses=len(routed),
@@ -216,22 +260,43 @@ class MoERuntime:
             fills=len(fill),
             cpu=len(on_cpu),
             cpu_routes=int(cpu_routes.sum()),
-            bytes_h2d=fill_bytes,
+            bytes_h2d=len(fill) * self.store.shape.nbytes,
         )
-        counters = self.telemetry.layers[moe_layer]
-        counters.sync_wait_s += self._sync_wait
-        counters.host_time_s += time.perf_counter() - started
-        return out
+        self.telemetry.layers[moe_layer].sync_wait_s += self._sync_wait
+        return plan
 
-    def _staging(self, shape, dtype) -> torch.Tensor:
-        """A host buffer for the CPU partial, pinned on CUDA so its copy to the device is truly
-        asynchronous (from pageable memory the copy first waits for the stream, here for the
-        fills). One buffer serves every layer: the next layer's round trip waits for the copy."""
-        buf = self._cpu_out_buffer
-        if buf is None or buf.numel() < shape[0] * shape[1] or buf.dtype != dtype:
-            buf = torch.empty(shape[0] * shape[1] * 2, dtype=dtype, pin_memory=True)
-            self._cpu_out_buffer = buf
-        return buf[: shape[0] * shape[1]].view(shape)
+    def _finish_cpu(self, moe_layer, plan: _LayerPlan, dtype) -> torch.Tensor:
+        """Wait for the layer's CPU share; its partial [T, H] on the device (queued)."""
+        waited = time.perf_counter()
+        result = plan.cpu.result()
+        counters = self.telemetry.layers[moe_layer]
+        counters.cpu_wait_s += time.perf_counter() - waited
+        counters.cpu_time_s += result.seconds
+        self.tracker.observe_cpu(result.weight_bytes, result.seconds)
+        out = result.out.to(dtype)
+        if not plan.all_tokens:
+            shape = (plan.num_tokens, out.shape[1])
+            out = torch.zeros(shape, dtype=dtype).index_copy_(0, torch.from_numpy(plan.tokens), out)
+        return self._to_device(out, "partial")
+
+    def _to_device(self, host, name: str) -> torch.Tensor:
+        """A host array or tensor on the device, through a pinned buffer on CUDA (from
+        pageable memory a copy first waits for the stream, here for the fills)."""
+        if self.device.type != "cuda":
+            return torch.as_tensor(host)
+        return self._pinned(host, name).to(self.device, non_blocking=True)
+
+    def _pinned(self, host, name: str) -> torch.Tensor:
+        """`host` (an array or tensor) copied into this runtime's pinned buffer `name`, so the
+        copy to the device is truly asynchronous. One buffer per name serves every layer: the
+        next layer's round trip waits for the stream, so the copy out of it is done by then."""
+        host = torch.as_tensor(host)
+        buf = self._pinned_buffers.get(name)
+        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
+            pin = self.device.type == "cuda"
+            buf = torch.empty(max(2 * host.numel(), 1), dtype=host.dtype, pin_memory=pin)
+            self._pinned_buffers[name] = buf
+        return buf[: host.numel()].view(host.shape).copy_(host)
 
     def _fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copy device tensors to the host as one transfer with one synchronisation (each
