@@ -2,6 +2,7 @@
 # Runs the numerics tests on an NVIDIA GPU and records the result with the machine, the
 # software versions and the commit: bash benchmarks/gpu_numerics.sh OUT_FILE
 set -uo pipefail
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 out=${1:-benchmarks/results/gpu-numerics.txt}
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"

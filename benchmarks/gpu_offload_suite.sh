@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
 (cd tests && python3 -m pytest -q -p no:cacheprovider --tb=short -k "not interpreter" \
   test_cuda_graphs.py test_moe_runtime.py test_prefill.py test_grouped_experts.py \
-  test_cpu_experts.py) > "$out/cuda-tests.txt" 2>&1
+  test_cpu_experts.py test_host_copies.py) > "$out/cuda-tests.txt" 2>&1
 tail -3 "$out/cuda-tests.txt"
 python3 -m freetoken.cli.main bench bw --seconds 1.5 | tee "$out/bench-bw.txt"
 python3 benchmarks/decode_offload.py --out "$out/decode_offload.md" "$@" 2>&1 | grep -v "^{"

@@ -57,15 +57,22 @@ def test_tracker_follows_measurements():
 def test_split_or_fill_tries_both_then_keeps_the_faster():
     from freetoken.moe.split import SplitOrFill
 
-    chooser = SplitOrFill(explore_every=4, alpha=0.5)
-    for split, seconds in ((True, 9.0), (True, 0.030), (False, 9.0), (False, 0.020)):
-        assert chooser.choose(1) is split  # split, then fill everything: each twice
+    chooser = SplitOrFill(explore_every=4, window=3, min_samples=2)
+    timings = [(True, 9.0), (True, 0.030), (True, 0.032), (False, 9.0), (False, 0.020),
+               (False, 0.021)]  # fmt: skip
+    for split, seconds in timings:
+        assert chooser.choose(1) is split  # split, then fill everything, each 1 + 2 times
         chooser.observe(1, split, seconds)  # the first of each is a warm-up, not counted
-    assert chooser.seconds[1] == {True: 0.030, False: 0.020}
-    picks = [chooser.choose(1) for _ in range(8)]  # steps 5..12
-    assert picks == [False, False, False, True, False, False, False, True]  # explores on 8, 12
-    # Batch sizes are learned apart; a slower fill moves the choice back (EMA, rate 0.5).
+    assert (chooser.median(1, True), chooser.median(1, False)) == (0.032, 0.021)
+    picks = [chooser.choose(1) for _ in range(6)]  # steps 7..12
+    assert picks == [False, True, False, False, False, True]  # explores on steps 8 and 12
+    # Batch sizes are learned apart.
     assert chooser.choose(4) is True
+    # One outlier (a step that captured a graph, say) does not move the median...
+    chooser.observe(1, False, 5.0)
+    assert chooser.median(1, False) == 0.021 and chooser.choose(1) is False
+    # ...but fills that stay slower do.
     chooser.observe(1, False, 0.060)
-    assert chooser.seconds[1][False] == pytest.approx(0.040)
+    chooser.observe(1, False, 0.061)
+    assert chooser.median(1, False) == 0.061
     assert chooser.choose(1) is True

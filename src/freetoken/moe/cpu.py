@@ -19,8 +19,10 @@ import torch
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.moe.store import HostExpertStore
 
-# How long (microseconds) idle expert threads spin for the next job before sleeping; by default
-# 2000 beside a GPU (decode hands over a job every 1-2 ms) and 0 elsewhere.
+# How long (microseconds) idle expert threads spin for the next job before sleeping; 0 by
+# default. On the H200 machine spinning 2 ms halved the team's bandwidth beside PCIe copies
+# (46.6 -> 24.4 GB/s) and slowed every offload strategy's decode (benchmarks/results/
+# 2026-11-29-decode-offload-h200-fold.md).
 SPIN_ENV = "FREETOKEN_CPU_SPIN_US"
 
 
@@ -78,7 +80,7 @@ class CPUExpertExecutor:
             # this process may use, not from torch's thread count, which the runtime lowers to
             # 1 beside a GPU.
             team = threads or max(1, len(os.sched_getaffinity(0)) - int(beside_gpu))
-            spin = float(os.environ.get(SPIN_ENV, 2000 if beside_gpu else 0)) * 1e-6
+            spin = float(os.environ.get(SPIN_ENV, 0)) * 1e-6
             self.native = NativeCPUExperts.create(
                 store.w_gate_up, store.w_down, act, team, spin_seconds=spin
             )

@@ -159,7 +159,7 @@ class MoERuntime:
         if plan.gpu_slots is not None:
             out = self._gpu(x, self._to_device(plan.gpu_slots, "slots"), weights)
         if plan.cpu is not None:
-            cpu_out = self._finish_cpu(moe_layer, plan, x.dtype)
+            cpu_out = self._to_device(self._finish_cpu(moe_layer, plan), "partial", x.dtype)
             out = cpu_out if out is None else out + cpu_out
         self.telemetry.layers[moe_layer].host_time_s += time.perf_counter() - started
         return out
@@ -191,7 +191,8 @@ class MoERuntime:
             gpu_slots = np.full(ids.shape, -1, dtype=np.int64)
         slots.copy_(self._pinned(gpu_slots, "slots"), non_blocking=True)
         if plan.cpu is not None:
-            partial.copy_(self._finish_cpu(moe_layer, plan, x.dtype), non_blocking=True)
+            host = self._finish_cpu(moe_layer, plan)
+            partial.copy_(self._pinned(host, "partial", partial.dtype), non_blocking=True)
             self._partial_dirty.add(partial.data_ptr())
         elif partial.data_ptr() in self._partial_dirty:
             partial.zero_()
@@ -217,28 +218,18 @@ class MoERuntime:
         routed = np.unique(pairs_np)
         cached = cache.slot_of.numpy()[routed] >= 0 if cache is not None else routed < 0
         hits, misses = routed[cached], routed[~cached]
-        fill = misses[:0]
+        fill, policy = misses[:0], None
         if self.strategy in ("offload", "hybrid"):
             policy = cache.policy
-            policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
             q = self._fill_count(len(misses), len(hits), x.shape[0])
-            if q > 0:
-                fill = misses
-                if q < len(misses):  # the policy ranks which misses are worth a slot
-                    scores = policy.pair_scores(moe_layer, torch.from_numpy(misses)).numpy()
-                    fill = misses[np.argsort(-scores, kind="stable")[:q]]
-                protected = cache.slot_of[torch.from_numpy(hits)]
-                victims = cache.victim_candidates(moe_layer, protected, q)
-                events = cache.place(fill.tolist(), victims.tolist())
-                fill_bytes = len(fill) * self.store.shape.nbytes
-                if events is not None:
-                    torch.cuda.current_stream(self.device).wait_event(events[1])
-                    self._pending_fill_timing.append((*events, fill_bytes))
-                else:
-                    self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
+            fill = misses[:q]
+            if 0 < q < len(misses):  # the policy ranks which misses are worth a slot
+                scores = policy.pair_scores(moe_layer, torch.from_numpy(misses)).numpy()
+                fill = misses[np.argsort(-scores, kind="stable")[:q]]
         on_cpu = np.setdiff1d(misses, fill, assume_unique=True)
         cpu_routes = np.isin(pairs_np, on_cpu)
         plan = _LayerPlan(x.shape[0])
+        # The CPU job first, so the CPU works while the host chooses victims and queues fills.
         if len(on_cpu):
             rows, cols = np.nonzero(cpu_routes)
             plan.tokens, token_of_route = np.unique(rows, return_inverse=True)
@@ -250,6 +241,20 @@ class MoERuntime:
             )
             plan.cpu = self.cpu.submit(job)
             plan.all_tokens = len(plan.tokens) == x.shape[0]
+        if len(fill):
+            protected = cache.slot_of[torch.from_numpy(hits)]
+            victims = cache.victim_candidates(moe_layer, protected, len(fill))
+            events = cache.place(fill.tolist(), victims.tolist())
+            fill_bytes = len(fill) * self.store.shape.nbytes
+            if events is not None:
+                torch.cuda.current_stream(self.device).wait_event(events[1])
+                self._pending_fill_timing.append((*events, fill_bytes))
+            else:
+                self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
+        if policy is not None:
+            # After this layer's victims are chosen (from what the earlier visits taught), off
+            # the path to the fills: the host waits for them or the CPU job next.
+            policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
         if len(hits) or len(fill):
             plan.gpu_slots = cache.slot_of.numpy()[pairs_np]
             plan.gpu_slots[cpu_routes] = -1
@@ -265,36 +270,38 @@ class MoERuntime:
         self.telemetry.layers[moe_layer].sync_wait_s += self._sync_wait
         return plan
 
-    def _finish_cpu(self, moe_layer, plan: _LayerPlan, dtype) -> torch.Tensor:
-        """Wait for the layer's CPU share; its partial [T, H] on the device (queued)."""
+    def _finish_cpu(self, moe_layer, plan: _LayerPlan) -> torch.Tensor:
+        """Wait for the layer's CPU share; its partial [T, H] (fp32, on the host)."""
         waited = time.perf_counter()
         result = plan.cpu.result()
         counters = self.telemetry.layers[moe_layer]
         counters.cpu_wait_s += time.perf_counter() - waited
         counters.cpu_time_s += result.seconds
         self.tracker.observe_cpu(result.weight_bytes, result.seconds)
-        out = result.out.to(dtype)
+        out = result.out
         if not plan.all_tokens:
             shape = (plan.num_tokens, out.shape[1])
-            out = torch.zeros(shape, dtype=dtype).index_copy_(0, torch.from_numpy(plan.tokens), out)
-        return self._to_device(out, "partial")
+            out = torch.zeros(shape).index_copy_(0, torch.from_numpy(plan.tokens), out)
+        return out
 
-    def _to_device(self, host, name: str) -> torch.Tensor:
-        """A host array or tensor on the device, through a pinned buffer on CUDA (from
-        pageable memory a copy first waits for the stream, here for the fills)."""
+    def _to_device(self, host, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host array or tensor (converted to `dtype`) on the device, through a pinned buffer
+        on CUDA (from pageable memory a copy first waits for the stream, here for the fills)."""
         if self.device.type != "cuda":
-            return torch.as_tensor(host)
-        return self._pinned(host, name).to(self.device, non_blocking=True)
+            return torch.as_tensor(host).to(dtype)
+        return self._pinned(host, name, dtype).to(self.device, non_blocking=True)
 
-    def _pinned(self, host, name: str) -> torch.Tensor:
-        """`host` (an array or tensor) copied into this runtime's pinned buffer `name`, so the
-        copy to the device is truly asynchronous. One buffer per name serves every layer: the
-        next layer's round trip waits for the stream, so the copy out of it is done by then."""
+    def _pinned(self, host, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`host` (an array or tensor) copied, as `dtype`, into this runtime's pinned buffer
+        `name`, so the copy to the device is truly asynchronous. One buffer per name serves
+        every layer: the next layer's round trip waits for the stream, so the copy out of it
+        is done by then."""
         host = torch.as_tensor(host)
+        dtype = dtype or host.dtype
         buf = self._pinned_buffers.get(name)
-        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
+        if buf is None or buf.numel() < host.numel() or buf.dtype != dtype:
             pin = self.device.type == "cuda"
-            buf = torch.empty(max(2 * host.numel(), 1), dtype=host.dtype, pin_memory=pin)
+            buf = torch.empty(max(2 * host.numel(), 1), dtype=dtype, pin_memory=pin)
             self._pinned_buffers[name] = buf
         return buf[: host.numel()].view(host.shape).copy_(host)
 

@@ -12,6 +12,8 @@ measured, they contend less (CPU GEMV 34 GB/s with a pinned copy at 54 GB/s at o
 
 from __future__ import annotations
 
+from collections import deque
+
 
 def split_misses(
     misses: int,
@@ -68,35 +70,44 @@ class SplitOrFill:
 
     The split above balances the two paths' bandwidths, but the CPU path also has fixed costs
     per layer step (preparing the job, waking the CPU threads, bringing the partial back) that
-    depend on the machine and on how many misses there are to share them. On the H200 machine
-    they outweighed what the CPU saved at batch 1 (4-5 misses per layer: filling them all was
-    25% faster) but not at batch 4 (16 misses: the split was up to 14% faster;
-    benchmarks/results/2026-11-29-decode-offload-h200-graphs.md). So for each batch size this
-    times whole decode steps both ways and keeps the faster, trying the other again every
-    `explore_every` steps in case the machine's load changed. The first step timed each way is
-    a warm-up and not counted (the first CPU job may, for one, compile the CPU kernel).
+    depend on the machine and on how many misses there are to share them. So for each batch
+    size this times whole decode steps both ways and keeps the faster, trying the other again
+    every `explore_every` steps in case the machine's load changed.
+
+    Each way keeps its last `window` step times and their medians are compared, after
+    `min_samples` of each (the first step timed each way is a warm-up and not counted: the
+    first CPU job may, for one, compile the CPU kernel). A median, because a step that also
+    captures a decode graph (a batch size's second step, and one every 256 tokens of context)
+    takes hundreds of milliseconds: a running average needed dozens of re-checks to forget one,
+    and on the H200 machine hybrid kept filling everything at batch 1 for that reason.
     """
 
-    def __init__(self, explore_every: int = 32, alpha: float = 0.25):
-        self.explore_every, self.alpha = explore_every, alpha
-        self.seconds: dict[int, dict[bool, float]] = {}  # batch -> {split?: EMA step time}
+    def __init__(self, explore_every: int = 32, window: int = 5, min_samples: int = 3):
+        self.explore_every, self.window, self.min_samples = explore_every, window, min_samples
+        self.samples: dict[int, dict[bool, deque[float]]] = {}  # batch -> split? -> seconds
         self.timed: dict[tuple[int, bool], int] = {}  # steps timed, warm-up included
         self.steps: dict[int, int] = {}
 
+    def _samples(self, batch: int) -> dict[bool, deque[float]]:
+        if batch not in self.samples:
+            self.samples[batch] = {way: deque(maxlen=self.window) for way in (True, False)}
+        return self.samples[batch]
+
+    def median(self, batch: int, split: bool) -> float | None:
+        seen = sorted(self._samples(batch)[split])
+        return seen[len(seen) // 2] if seen else None
+
     def choose(self, batch: int) -> bool:
         """True: split the misses of this step's layers; False: fill them all."""
-        seen = self.seconds.setdefault(batch, {})
+        samples = self._samples(batch)
         step = self.steps[batch] = self.steps.get(batch, 0) + 1
         for split in (True, False):  # each way measured before any comparison
-            if split not in seen:
+            if len(samples[split]) < self.min_samples:
                 return split
-        best = seen[True] <= seen[False]
+        best = self.median(batch, True) <= self.median(batch, False)
         return (not best) if step % self.explore_every == 0 else best
 
     def observe(self, batch: int, split: bool, seconds: float) -> None:
         timed = self.timed[batch, split] = self.timed.get((batch, split), 0) + 1
-        if timed == 1:
-            return  # the warm-up
-        seen = self.seconds.setdefault(batch, {})
-        old = seen.get(split)
-        seen[split] = seconds if old is None else old + self.alpha * (seconds - old)
+        if timed > 1:  # the first is the warm-up
+            self._samples(batch)[split].append(seconds)

@@ -170,12 +170,12 @@ def replay(
         layer = i % L
         a, b = offs[i], offs[i + 1]
         pairs = pairs_all[a:b]
-        policy.observe(layer, experts_all[a:b])
         slots = slot_of[pairs]
         miss = slots < 0
         n_miss = int(miss.sum())
         hits += (b - a) - n_miss
         if not n_miss:
+            policy.observe(layer, experts_all[a:b])
             continue
         new = pairs[miss] if n_miss < b - a else pairs
         if used + n_miss <= S:
@@ -190,6 +190,8 @@ def replay(
             used = S
         pair_of_slot[target] = new
         slot_of[new] = target
+        # As the runtime does: the visit is observed after its victims are chosen.
+        policy.observe(layer, experts_all[a:b])
     accesses = len(flat)
     return ReplayResult(policy.name, S, hits, accesses, time.perf_counter() - t0)
 
