@@ -271,7 +271,7 @@ class MoERuntime:
         return plan
 
     def _finish_cpu(self, moe_layer, plan: _LayerPlan) -> torch.Tensor:
-        """Wait for the layer's CPU share; its partial [T, H] (fp32, on the host)."""
+        """Wait for the layer's CPU share; its partial [T, H] (on the host)."""
         waited = time.perf_counter()
         result = plan.cpu.result()
         counters = self.telemetry.layers[moe_layer]
@@ -281,7 +281,8 @@ class MoERuntime:
         out = result.out
         if not plan.all_tokens:
             shape = (plan.num_tokens, out.shape[1])
-            out = torch.zeros(shape).index_copy_(0, torch.from_numpy(plan.tokens), out)
+            rows = torch.from_numpy(plan.tokens)
+            out = torch.zeros(shape, dtype=out.dtype).index_copy_(0, rows, out)
         return out
 
     def _to_device(self, host, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
