@@ -226,8 +226,8 @@ class MoERuntime:
             if 0 < q < len(misses):  # the policy ranks which misses are worth a slot
                 scores = policy.pair_scores(moe_layer, torch.from_numpy(misses)).numpy()
                 fill = misses[np.argsort(-scores, kind="stable")[:q]]
-        on_cpu = np.setdiff1d(misses, fill, assume_unique=True)
-        cpu_routes = np.isin(pairs_np, on_cpu)
+        on_cpu = misses if not len(fill) else np.setdiff1d(misses, fill, assume_unique=True)
+        cpu_routes = np.isin(pairs_np, on_cpu) if len(on_cpu) else np.zeros(pairs_np.shape, bool)
         plan = _LayerPlan(x.shape[0])
         # The CPU job first, so the CPU works while the host chooses victims and queues fills.
         if len(on_cpu):
@@ -248,7 +248,8 @@ class MoERuntime:
             fill_bytes = len(fill) * self.store.shape.nbytes
             if events is not None:
                 torch.cuda.current_stream(self.device).wait_event(events[1])
-                self._pending_fill_timing.append((*events, fill_bytes))
+                if events[0] is not None:  # a timed fill
+                    self._pending_fill_timing.append((*events, fill_bytes))
             else:
                 self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
         if policy is not None:
