@@ -94,7 +94,7 @@ def test_bad_strategy_is_rejected():
 # -- a hand-worked example, driving one runtime directly ------------------------------------
 
 
-def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4):
+def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float32):
     from freetoken.models.config import decoder_config, routed_experts
     from freetoken.moe.store import HostExpertStore
 
@@ -103,7 +103,7 @@ def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4):
         "num_hidden_layers": num_layers, "vocab_size": 10, "num_experts": num_experts,
         "num_experts_per_tok": 1, "moe_intermediate_size": inter,
     }  # fmt: skip
-    store = HostExpertStore(decoder_config(raw, "tiny", moe=routed_experts(raw)), torch.float32)
+    store = HostExpertStore(decoder_config(raw, "tiny", moe=routed_experts(raw)), dtype)
     gen = torch.Generator().manual_seed(0)
     store.w_gate_up.copy_(torch.randn(store.w_gate_up.shape, generator=gen))
     store.w_down.copy_(torch.randn(store.w_down.shape, generator=gen))
@@ -197,6 +197,31 @@ def test_folded_phases_match_the_eager_layer(strategy):
     total = rt.telemetry.total()
     assert total.hits > 0 and (total.cpu_routes > 0) == (strategy != "offload")
     assert not build_runtime(store, torch.device("cpu"), MoEOptions("cpu")).foldable(2, 2)
+
+
+@pytest.mark.parametrize("strategy", ["static", "hybrid"])
+def test_cpu_share_of_some_tokens_in_bf16(strategy):
+    """bf16 layer steps where only some tokens have CPU routes: the CPU partial is scattered
+    into zeros for the other tokens in the result's dtype (a dtype mismatch there once broke
+    decode on the GPU machine, where no test ran this)."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store(num_experts=6, dtype=torch.bfloat16)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, "3", policy="lru"))
+    rt.tracker.fill = rt.tracker.cpu = 1e9
+    rt.tracker.alpha = 0.0
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        # Token 0 on an expert static keeps resident (layer 1's experts 3-5), tokens 1 and 2
+        # on two of 0-2: the CPU computes some tokens' routes, not all.
+        ids = torch.tensor([[3], [step % 3], [(step + 1) % 3]])
+        x = torch.randn(3, store.shape.hidden, generator=gen).to(torch.bfloat16)
+        weights = torch.rand(ids.shape, generator=gen).to(torch.bfloat16)
+        out = rt(1, x, ids, weights)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape
+        want = reference(store, 1, x, ids, weights)
+        assert torch.allclose(out.float(), want.float(), atol=0.05, rtol=0.02)
+    assert rt.telemetry.total().cpu_routes > 0
 
 
 def test_hybrid_times_steps_split_and_filled_and_keeps_the_faster():

@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
     )
-    m.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: one per core)")
+    m.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
     m.add_argument(
         "--prefill-stream-threshold",
         type=int,
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--device", help="cuda | cpu (default: cuda when available)")
     bw.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     bw.add_argument("--pool-gib", type=float, default=2.0, help="host pool cycled through")
-    bw.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores)")
+    bw.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
     bw.add_argument("--json", action="store_true", help="print one JSON object")
     bw.set_defaults(func="freetoken.cli.bench_bw:run")
     cache = bench_sub.add_parser("cache", help="replay a routing trace through the expert cache")

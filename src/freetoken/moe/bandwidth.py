@@ -153,8 +153,8 @@ def measure(
 ) -> BandwidthProfile:
     has_gpu = device.type == "cuda"
     pool = _ExpertPool(shape, pool_bytes, pin=has_gpu)
-    # The pool quacks like a store; the team is the one the runtime would use beside this GPU.
-    executor = CPUExpertExecutor(pool, threads=threads, beside_gpu=has_gpu)
+    # The pool quacks like a store; the team is the one the runtime would use.
+    executor = CPUExpertExecutor(pool, threads=threads)
     try:
         _measure_cpu(executor, pool, batch, 0.3)  # warm-up: threads, allocator
         cpu_alone = _measure_cpu(executor, pool, batch, seconds)

@@ -62,10 +62,10 @@ class CPUExpertExecutor:
         act: str = "silu",
         threads: int | None = None,
         native: bool = True,
-        beside_gpu: bool = False,
     ):
-        """`beside_gpu`: a thread drives a GPU meanwhile (every strategy but `fused` on CUDA):
-        the native team leaves it a core, and the job handoff spins rather than sleeps."""
+        """`threads`: the native kernel's team (the thread waiting for a job works on it too),
+        and torch's intra-op pool for the fallback; by default one fewer than the CPUs this
+        process may use."""
         self.store = store
         self.act = act
         # torch's intra-op pool defaults to one thread per physical core; only an explicit
@@ -74,12 +74,12 @@ class CPUExpertExecutor:
             torch.set_num_threads(threads)
         self.native = None
         if native:
-            # Beside a GPU one core is left to the thread that drives it: with every core in
-            # the team, the kernel ran at 25 GB/s beside a copy thread instead of 34 with one
-            # fewer (benchmarks/results/2026-11-29-cpu-experts-h200.md). Counted from the CPUs
-            # this process may use, not from torch's thread count, which the runtime lowers to
-            # 1 beside a GPU.
-            team = threads or max(1, len(os.sched_getaffinity(0)) - int(beside_gpu))
+            # The waiting caller joins the team, so one core fewer: on the 2-core CPU machine
+            # one thread plus the caller ran at 23 GB/s, two plus the caller at 21. Beside a GPU
+            # that core is the thread driving it until it waits. Counted from the CPUs this
+            # process may use, not from torch's thread count, which the runtime lowers to 1
+            # beside a GPU.
+            team = threads or max(1, len(os.sched_getaffinity(0)) - 1)
             spin = float(os.environ.get(SPIN_ENV, 0)) * 1e-6
             self.native = NativeCPUExperts.create(
                 store.w_gate_up, store.w_down, act, team, spin_seconds=spin

@@ -466,7 +466,7 @@ def build_runtime(
         executor = CPUExpertExecutor(store, act, options.cpu_threads)
         cpu = executor if executor.native is not None else None
     if strategy != "fused":
-        cpu = CPUExpertExecutor(store, act, options.cpu_threads, beside_gpu=device.type == "cuda")
+        cpu = CPUExpertExecutor(store, act, options.cpu_threads)
         if device.type == "cuda" and cpu.native is not None:
             # Torch's own CPU work is now only the policy's small ops: one thread, so its
             # spinning OpenMP team does not take cores from the expert kernel's.
