@@ -3,8 +3,9 @@
     python benchmarks/decode_offload.py --layers 16 --cache 8GiB --cache 37% --out results.md
 
 Builds the model in memory (random weights: no checkpoint to write or read), measures B_P,
-B_H and both at once with the same code as `ft bench bw`, then for each cache size, strategy
-and batch size decodes `--steps` tokens after a warm-up and reports tokens/s, the expert-cache
+B_H and both at once with the same code as `ft bench bw`, then for each cache size builds every
+strategy and batch size, warms each up, and times them in turns for `--rounds` rounds of
+`--steps` tokens; it reports the median round's tokens/s and the rounds' spread, the expert-cache
 hit rate, mean fills q and CPU misses m - q per layer step, PCIe bytes per token, and the
 ratio to a roofline: the time the step's expert bytes need at the measured bandwidths (hits
 at HBM speed, fills at B_P', CPU misses at B_H', or both together for hybrid), which ignores
@@ -18,6 +19,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -112,7 +114,24 @@ def use_uniform_routing(loaded: LoadedModel, seed: int = 0) -> None:
             layer.moe.router = UniformRouter(loaded.config.moe.num_experts)
 
 
-def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):
+@dataclass
+class Contender:
+    """One (strategy, batch size) under test: its runner, its sequences, its decode inputs
+    and the seconds of each timed round."""
+
+    runner: ModelRunner
+    seqs: list
+    tokens: list  # decode steps still to run: [batch] token ids each
+    batch: int
+    seconds: list[float] = field(default_factory=list)
+
+    def step(self) -> None:
+        self.runner.forward(self.seqs, [[t] for t in self.tokens.pop(0)])
+
+
+def prepare(loaded, options: MoEOptions, batch, steps, warmup, prompt, device) -> Contender:
+    """A runner with `batch` sequences past their prompt and `warmup` decode steps, with
+    inputs for `steps` more."""
     runner = ModelRunner(loaded, kv_cache_tokens=batch * (prompt + steps + warmup + 16),
                          moe=options)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
@@ -122,25 +141,34 @@ def decode(loaded, options: MoEOptions, batch, steps, warmup, prompt, device):
     # Decode inputs are drawn at random: a random model's greedy output repeats one token, so
     # its routing would repeat too and every cache would look perfect.
     tokens = torch.randint(0, vocab, (warmup + steps, batch), generator=gen).tolist()
+    contender = Contender(runner, seqs, tokens, batch)
     runner.forward(seqs, prompts)
-    for step in tokens[:warmup]:
-        runner.forward(seqs, [[t] for t in step])
+    for _ in range(warmup):
+        contender.step()
     runner.moe.telemetry.reset()
+    return contender
+
+
+def time_round(contender: Contender, steps: int, device) -> None:
     sync(device)
     start = time.perf_counter()
-    for step in tokens[warmup:]:
-        runner.forward(seqs, [[t] for t in step])
+    for _ in range(steps):
+        contender.step()
     sync(device)
-    seconds = time.perf_counter() - start
-    snap = runner.moe.telemetry.snapshot()
-    strategy = runner.moe.strategy
-    cache_slots = runner.moe.cache.num_slots if runner.moe.cache is not None else 0
-    if runner.moe.cpu is not None:
-        runner.moe.cpu.shutdown()
-    del runner
+    contender.seconds.append(time.perf_counter() - start)
+
+
+def close(contender: Contender, device) -> tuple[str, int, dict]:
+    """The contender's resolved strategy, cache slots and telemetry; frees its runner."""
+    moe = contender.runner.moe
+    snap = moe.telemetry.snapshot()
+    slots = moe.cache.num_slots if moe.cache is not None else 0
+    if moe.cpu is not None:
+        moe.cpu.shutdown()
+    contender.runner = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return strategy, cache_slots, seconds, snap
+    return moe.strategy, slots, snap
 
 
 def roofline_tokens_per_s(strategy, snap, layers, expert_bytes, batch, bw, moe) -> float:
@@ -187,6 +215,7 @@ def main() -> int:
     ap.add_argument("--batch", action="append", type=int)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per contender")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
@@ -217,32 +246,46 @@ def main() -> int:
             size = None
         elif cache.endswith("%"):
             size = str(int(store.num_pairs * float(cache[:-1]) / 100))
+        # Every contender of a cache size is built first, then all are timed in turns, round
+        # after round: each one's figure is the median of its rounds, so a drift of the
+        # machine (another tenant, a clock change) hits all of them alike.
+        contenders = []
         for strategy in ["fused"] if cache == "all" else strategies:
             if strategy == "cpu" and any(r["strategy"] == "cpu" for r in rows):
                 continue  # no cache: the same at every cache size
             for batch in batches:
                 options = MoEOptions(strategy=strategy, cache_size=size)
-                name, slots, seconds, snap = decode(
-                    loaded, options, batch, args.steps, args.warmup, args.prompt, device
-                )
-                tps = batch * args.steps / seconds
-                t = snap["total"]
-                roof = roofline_tokens_per_s(
-                    name, snap, args.layers, store.shape.nbytes, batch, bw, loaded.config.moe
-                )
-                row = dict(
-                    cache=cache, slots=slots, strategy=strategy, resolved=name, batch=batch,
-                    tokens_per_s=tps, hit_rate=snap["hit_rate"],
-                    q=snap["mean_fills_per_layer_step"], m_minus_q=snap["mean_cpu_per_layer_step"],
-                    pcie_mb_per_token=t["bytes_h2d"] / (args.steps * batch) / 1e6,
-                    roofline_tokens_per_s=roof, ratio=tps / roof,
-                    host_ms_per_step=t["host_time_s"] * 1e3 / args.steps,
-                    sync_ms_per_step=t["sync_wait_s"] * 1e3 / args.steps,
-                    cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / args.steps,
-                    step_ms=seconds * 1e3 / args.steps,
-                )  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                total = args.steps * args.rounds
+                contender = prepare(loaded, options, batch, total, args.warmup, args.prompt,
+                                    device)  # fmt: skip
+                contenders.append((strategy, contender))
+        for _ in range(args.rounds):
+            for _, contender in contenders:
+                time_round(contender, args.steps, device)
+        for strategy, contender in contenders:
+            batch = contender.batch
+            per_round = sorted(batch * args.steps / s for s in contender.seconds)
+            tps = per_round[len(per_round) // 2]
+            name, slots, snap = close(contender, device)
+            steps = args.steps * args.rounds
+            t = snap["total"]
+            roof = roofline_tokens_per_s(
+                name, snap, args.layers, store.shape.nbytes, batch, bw, loaded.config.moe
+            )
+            row = dict(
+                cache=cache, slots=slots, strategy=strategy, resolved=name, batch=batch,
+                tokens_per_s=tps, spread=(per_round[-1] - per_round[0]) / tps,
+                hit_rate=snap["hit_rate"],
+                q=snap["mean_fills_per_layer_step"], m_minus_q=snap["mean_cpu_per_layer_step"],
+                pcie_mb_per_token=t["bytes_h2d"] / (steps * batch) / 1e6,
+                roofline_tokens_per_s=roof, ratio=tps / roof,
+                host_ms_per_step=t["host_time_s"] * 1e3 / steps,
+                sync_ms_per_step=t["sync_wait_s"] * 1e3 / steps,
+                cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / steps,
+                step_ms=sum(contender.seconds) * 1e3 / steps,
+            )  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
@@ -254,20 +297,22 @@ def main() -> int:
         f"- expert pool: {store.num_pairs} experts, {store.nbytes / 2**30:.1f} GiB; "
         f"{store.shape.nbytes / 2**20:.1f} MiB per expert",
         f"- measured: {bandwidth_line(bw)}",
-        f"- {args.steps} timed decode steps after {args.warmup} warm-up steps, prompt "
-        f"{args.prompt} tokens; decode inputs drawn at random; routing: {args.routing}",
+        f"- {args.rounds} rounds of {args.steps} timed decode steps after {args.warmup} warm-up "
+        f"steps, every contender of a cache size timed in turn each round; tok/s is the median "
+        f"round, spread (max - min) / median; prompt {args.prompt} tokens; decode inputs drawn "
+        f"at random; routing: {args.routing}",
         "- roofline: the step's expert bytes at the measured bandwidths (hits at HBM speed); "
         "step ms is the whole decode step, MoE host ms the host time inside the MoE layers",
         "",
-        "| cache | strategy | batch | tok/s | hit rate | q | m-q | PCIe MB/tok | roofline tok/s "
-        "| ratio | step ms | MoE host ms | sync wait ms | CPU wait ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cache | strategy | batch | tok/s | spread | hit rate | q | m-q | PCIe MB/tok "
+        "| roofline tok/s | ratio | step ms | MoE host ms | sync wait ms | CPU wait ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         strat = r["strategy"] if r["strategy"] == r["resolved"] else f"auto ({r['resolved']})"
         lines.append(
             f"| {r['cache']} ({r['slots']} slots) | {strat} | {r['batch']} | "
-            f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.3f} | {r['q']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {r['spread']:.0%} | {r['hit_rate']:.3f} | {r['q']:.2f} | "
             f"{r['m_minus_q']:.2f} | {r['pcie_mb_per_token']:.0f} | "
             f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
             f"{r['host_ms_per_step']:.1f} | {r['sync_ms_per_step']:.1f} | "

@@ -73,6 +73,22 @@ def test_every_strategy_and_cache_size_matches_fused(family_model, options):
         assert total.cpu == 0
 
 
+def test_runners_sharing_a_model_each_run_their_own_runtime(family_model):
+    """Two runners on one loaded model (as a benchmark interleaving strategies builds them):
+    each forward runs its own runner's MoE runtime, whichever was built last."""
+    offload = ModelRunner(family_model, 256, moe=MoEOptions("offload", "1000"))  # all fit
+    cpu = ModelRunner(family_model, 256, moe=MoEOptions("cpu"))
+    a, b = offload.new_sequence(), cpu.new_sequence()
+    prompt = prompts_for(family_model, 1)[0]
+    offload.forward([a], [prompt])
+    cpu.forward([b], [prompt])
+    offload.forward([a], [[1]])
+    layers = len(offload.moe.telemetry.layers)
+    assert offload.moe.telemetry.total().calls == 2 * layers
+    assert offload.moe.telemetry.total().cpu_routes == 0
+    assert cpu.moe.telemetry.total().calls == layers
+
+
 def test_auto_on_cpu_is_fused(family_model):
     runner = ModelRunner(family_model, kv_cache_tokens=64)
     assert runner.moe.strategy == "fused"

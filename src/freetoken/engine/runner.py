@@ -60,9 +60,8 @@ class ModelRunner:
             self.moe = build_runtime(
                 loaded.experts, self.model.device, moe or MoEOptions(), cfg.hidden_act
             )
-            for layer in self.model.layers:
-                if hasattr(layer, "moe"):
-                    layer.moe.executor = self.moe
+        self._moe_blocks = [layer.moe for layer in self.model.layers if hasattr(layer, "moe")]
+        self._install_moe()
         self.graphs = None
         # Not for linear-attention layers yet: their decode path groups sequences on the host
         # and reads the state pool, which DecodeGraphs does not hand to a replay.
@@ -73,6 +72,16 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def _install_moe(self) -> None:
+        """Make this runner's MoE runtime the executor of the model's MoE blocks. Runners
+        built on one loaded model share its modules: each forward re-installs its own (a
+        benchmark interleaving strategies on one model would otherwise run the last one
+        built for all of them)."""
+        blocks = self._moe_blocks
+        if self.moe is not None and blocks and blocks[0].executor is not self.moe:
+            for block in blocks:
+                block.executor = self.moe
 
     def new_sequence(self) -> KVSequence:
         """An empty sequence, with a zeroed recurrent state slot when the model needs one."""
@@ -99,6 +108,7 @@ class ModelRunner:
         logits of each sequence's last token ([B, V]) or of every new token ([T, V]).
         `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
         new tokens into state pool slot `slot` (anchor checkpoints)."""
+        self._install_moe()
         decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
         batch = ForwardBatch.build(
             self.kv,
