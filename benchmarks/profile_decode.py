@@ -103,6 +103,7 @@ def main() -> int:
 
     # The rest of the model: routed experts replaced by zeros (router and shared parts still run).
     runner = ModelRunner(loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs)
+    runner.moe = None  # a runner without a runtime leaves the blocks' executors as they are
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
