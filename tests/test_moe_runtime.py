@@ -240,31 +240,35 @@ def test_cpu_share_of_some_tokens_in_bf16(strategy):
     assert rt.telemetry.total().cpu_routes > 0
 
 
-def test_hybrid_times_steps_split_and_filled_and_keeps_the_faster():
-    """Whole decode steps (layer 0 to the last MoE layer) are timed both ways per batch size;
-    once filling everything measures faster, steps send nothing to the CPU but the periodic
-    re-check."""
+def test_hybrid_times_its_step_modes_and_keeps_the_fastest():
+    """Whole decode steps (layer 0 to the last MoE layer) are timed each way per batch size;
+    once one way measures fastest, steps go that way but for the periodic re-checks."""
     from freetoken.moe.runtime import build_runtime
+    from freetoken.moe.split import CPU, FILL, SPLIT
 
     store = tiny_store()  # two MoE layers of four experts, top-1
     # Two slots for four pairs a step: every layer misses twice, and filling both fits.
     rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "2", policy="lru"))
     rt.tracker.fill = rt.tracker.cpu = 1e9
     rt.tracker.alpha = 0.0
-    rt.split_or_fill.explore_every = 8
+    rt.step_modes.explore_every = 8
     # Two tokens on different experts: 2 misses a layer, split 1 / 1 when splitting.
     step = [(0, [[0], [1]]), (1, [[2], [3]])]
-    drive(rt, store, step * 8)
-    seen = rt.split_or_fill.samples[2]
-    # Four steps each way, the first of each a warm-up.
-    assert (len(seen[True]), len(seen[False])) == (3, 3)
-    seen[True].extend([1.0] * 3)  # filling measured far faster
-    seen[False].extend([0.001] * 3)
+    drive(rt, store, step * 12)
+    seen = rt.step_modes.samples[2]
+    # Four steps each way (split, fill, cpu), the first of each a warm-up.
+    assert [len(seen[m]) for m in (SPLIT, FILL, CPU)] == [3, 3, 3]
+
+    seen[SPLIT].extend([1.0] * 3)  # filling measured far faster than the others
+    seen[FILL].extend([0.001] * 3)
+    seen[CPU].extend([1.0] * 3)
     rt.telemetry.reset()
-    drive(rt, store, step * 16)
-    # Steps 9..24 of this batch size: split only on the re-checks, steps 16 and 24.
-    assert rt.telemetry.layers[0].cpu == 2
-    assert rt.telemetry.layers[0].fills == 2 * 14 + 2
+    drive(rt, store, step * 12)
+    # Steps 13..24 of this batch size: layer 0 misses twice each step (the two slots hold
+    # layer 1's pairs by then); all filled but on the re-checks, steps 16 (cpu: both misses
+    # on the CPU) and 24 (split: one each way).
+    counters = rt.telemetry.layers[0]
+    assert (counters.fills, counters.cpu) == (2 * 10 + 1, 2 + 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

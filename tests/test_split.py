@@ -54,25 +54,26 @@ def test_tracker_follows_measurements():
     assert split_misses(8, t.fill, t.cpu) < before
 
 
-def test_split_or_fill_tries_both_then_keeps_the_faster():
-    from freetoken.moe.split import SplitOrFill
+def test_step_modes_try_each_way_then_keep_the_fastest():
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = SplitOrFill(explore_every=4, window=3, min_samples=2)
-    timings = [(True, 9.0), (True, 0.030), (True, 0.032), (False, 9.0), (False, 0.020),
-               (False, 0.021)]  # fmt: skip
-    for split, seconds in timings:
-        assert chooser.choose(1) is split  # split, then fill everything, each 1 + 2 times
-        chooser.observe(1, split, seconds)  # the first of each is a warm-up, not counted
-    assert (chooser.median(1, True), chooser.median(1, False)) == (0.032, 0.021)
-    picks = [chooser.choose(1) for _ in range(6)]  # steps 7..12
-    assert picks == [False, True, False, False, False, True]  # explores on steps 8 and 12
+    chooser = StepModes(explore_every=4, window=3, min_samples=2)
+    timings = [(SPLIT, 9.0), (SPLIT, 0.030), (SPLIT, 0.032), (FILL, 9.0), (FILL, 0.020),
+               (FILL, 0.021), (CPU, 9.0), (CPU, 0.025), (CPU, 0.026)]  # fmt: skip
+    for mode, seconds in timings:
+        assert chooser.choose(1) == mode  # each way 1 + 2 times, in order
+        chooser.observe(1, mode, seconds)  # the first of each is a warm-up, not counted
+    assert [chooser.median(1, m) for m in (SPLIT, FILL, CPU)] == [0.032, 0.021, 0.026]
+    picks = [chooser.choose(1) for _ in range(11)]  # steps 10..20
+    # The fastest, but on steps 12, 16 and 20 the others in turn.
+    assert picks == [FILL, FILL, CPU, FILL, FILL, FILL, SPLIT, FILL, FILL, FILL, CPU]
     # Batch sizes are learned apart.
-    assert chooser.choose(4) is True
+    assert chooser.choose(4) == SPLIT
     # One outlier (a step that captured a graph, say) does not move the median...
-    chooser.observe(1, False, 5.0)
-    assert chooser.median(1, False) == 0.021 and chooser.choose(1) is False
+    chooser.observe(1, FILL, 5.0)
+    assert chooser.median(1, FILL) == 0.021 and chooser.best(1) == FILL
     # ...but fills that stay slower do.
-    chooser.observe(1, False, 0.060)
-    chooser.observe(1, False, 0.061)
-    assert chooser.median(1, False) == 0.061
-    assert chooser.choose(1) is True
+    chooser.observe(1, FILL, 0.060)
+    chooser.observe(1, FILL, 0.061)
+    assert chooser.median(1, FILL) == 0.061
+    assert chooser.best(1) == CPU

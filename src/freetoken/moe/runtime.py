@@ -33,7 +33,7 @@ from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.prefill import LayerStreamer
-from freetoken.moe.split import BandwidthTracker, SplitOrFill, split_misses
+from freetoken.moe.split import CPU, FILL, SPLIT, BandwidthTracker, StepModes, split_misses
 from freetoken.moe.store import HostExpertStore
 from freetoken.telemetry import MoETelemetry
 
@@ -121,8 +121,8 @@ class MoERuntime:
         self._pending_fill_timing: list[tuple] = []
         self._pinned_buffers: dict[str, torch.Tensor] = {}
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
-        self.split_or_fill = SplitOrFill()
-        self._step: tuple[float, int, bool] | None = None  # (start, tokens, split?) of a step
+        self.step_modes = StepModes()
+        self._step: tuple[float, int, str] | None = None  # (start, tokens, mode) of a step
         self._sync_wait = 0.0
 
     # -- the executor --------------------------------------------------------------------
@@ -319,19 +319,19 @@ class MoERuntime:
         return unpack_bytes(host, tensors)
 
     def _clock_step(self, moe_layer: int, tokens: int) -> None:
-        """Time hybrid decode steps split and not split (`SplitOrFill`): from the first MoE
-        layer's round trip to the last one's, which waits for all the work of the layers
-        before it, both paths of their misses included."""
+        """Time hybrid decode steps in each of `StepModes`' ways: from the first MoE layer's
+        round trip to the last one's, which waits for all the work of the layers before it,
+        both paths of their misses included."""
         if self.strategy != "hybrid" or tokens >= self.options.fill_all_from_tokens:
             self._step = None
             return
         now = time.perf_counter()
         if moe_layer == 0:
-            self._step = (now, tokens, self.split_or_fill.choose(tokens))
+            self._step = (now, tokens, self.step_modes.choose(tokens))
         elif moe_layer == self.store.num_layers - 1 and self._step is not None:
-            start, step_tokens, split = self._step
+            start, step_tokens, mode = self._step
             if step_tokens == tokens:
-                self.split_or_fill.observe(tokens, split, now - start)
+                self.step_modes.observe(tokens, mode, now - start)
 
     def _fill_count(self, misses: int, hits: int, tokens: int) -> int:
         """How many misses to copy into the cache (the rest run on the CPU)."""
@@ -340,10 +340,11 @@ class MoERuntime:
         if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
             q = misses
         else:
-            # A step SplitOrFill chose not to split gives the CPU no bandwidth: all filled,
-            # up to --moe-hybrid-max-fetch.
-            splitting = self._step is None or self._step[2]
-            cpu = self.tracker.cpu if splitting else 0.0
+            mode = self._step[2] if self._step is not None else SPLIT
+            if mode == CPU:
+                return 0
+            # A `fill` step gives the CPU no bandwidth: all filled, up to the fetch cap.
+            cpu = self.tracker.cpu if mode != FILL else 0.0
             q = split_misses(misses, self.tracker.fill, cpu, self.options.max_fetch)
         # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
         return max(0, min(q, self.cache.num_slots - hits))

@@ -65,14 +65,26 @@ class BandwidthTracker:
             self.cpu += self.alpha * (nbytes / seconds - self.cpu)
 
 
-class SplitOrFill:
-    """Whether hybrid should split a decode step's misses at all, decided from measured steps.
+SPLIT, FILL, CPU = "split", "fill", "cpu"
 
-    The split above balances the two paths' bandwidths, but the CPU path also has fixed costs
-    per layer step (preparing the job, waking the CPU threads, bringing the partial back) that
-    depend on the machine and on how many misses there are to share them. So for each batch
-    size this times whole decode steps both ways and keeps the faster, trying the other again
-    every `explore_every` steps in case the machine's load changed.
+
+class StepModes:
+    """How hybrid serves a decode step's misses, decided from measured steps, per batch size:
+
+    - `split`: the bandwidth split above (q filled, m - q on the CPU, at once);
+    - `fill`: every miss copied into the cache (offload's way);
+    - `cpu`: every miss computed on the CPU, none copied (static's way, with the cache as it
+      stands; the policy keeps learning, and the other modes fill again when they are tried).
+
+    The split balances the two paths' bandwidths, but each path also has fixed costs per
+    layer step (preparing the CPU job and bringing its partial back; choosing victims and
+    queuing copies) that depend on the machine and on how many misses there are to share
+    them. On the H200 machine at batch 1 (4-5 misses per layer) `static`, every miss on the
+    CPU, ran 5-7% faster than the split, and before the CPU path was rebuilt filling
+    everything beat both; at batch 4 the split won by 15-60%
+    (benchmarks/results/2026-11-29-decode-offload-h200-fold.md).
+    So this times whole decode steps each way and keeps the fastest, trying the others again
+    in turn every `explore_every` steps in case the machine's load changed.
 
     Each way keeps its last `window` step times and their medians are compared, after
     `min_samples` of each (the first step timed each way is a warm-up and not counted: the
@@ -82,32 +94,40 @@ class SplitOrFill:
     and on the H200 machine hybrid kept filling everything at batch 1 for that reason.
     """
 
+    MODES = (SPLIT, FILL, CPU)
+
     def __init__(self, explore_every: int = 32, window: int = 5, min_samples: int = 3):
         self.explore_every, self.window, self.min_samples = explore_every, window, min_samples
-        self.samples: dict[int, dict[bool, deque[float]]] = {}  # batch -> split? -> seconds
-        self.timed: dict[tuple[int, bool], int] = {}  # steps timed, warm-up included
+        self.samples: dict[int, dict[str, deque[float]]] = {}  # batch -> mode -> seconds
+        self.timed: dict[tuple[int, str], int] = {}  # steps timed, warm-up included
         self.steps: dict[int, int] = {}
 
-    def _samples(self, batch: int) -> dict[bool, deque[float]]:
+    def _samples(self, batch: int) -> dict[str, deque[float]]:
         if batch not in self.samples:
-            self.samples[batch] = {way: deque(maxlen=self.window) for way in (True, False)}
+            self.samples[batch] = {mode: deque(maxlen=self.window) for mode in self.MODES}
         return self.samples[batch]
 
-    def median(self, batch: int, split: bool) -> float | None:
-        seen = sorted(self._samples(batch)[split])
+    def median(self, batch: int, mode: str) -> float | None:
+        seen = sorted(self._samples(batch)[mode])
         return seen[len(seen) // 2] if seen else None
 
-    def choose(self, batch: int) -> bool:
-        """True: split the misses of this step's layers; False: fill them all."""
+    def best(self, batch: int) -> str:
+        return min(self.MODES, key=lambda mode: self.median(batch, mode))
+
+    def choose(self, batch: int) -> str:
+        """The mode of this step's layers."""
         samples = self._samples(batch)
         step = self.steps[batch] = self.steps.get(batch, 0) + 1
-        for split in (True, False):  # each way measured before any comparison
-            if len(samples[split]) < self.min_samples:
-                return split
-        best = self.median(batch, True) <= self.median(batch, False)
-        return (not best) if step % self.explore_every == 0 else best
+        for mode in self.MODES:  # each way measured before any comparison
+            if len(samples[mode]) < self.min_samples:
+                return mode
+        best = self.best(batch)
+        if step % self.explore_every:
+            return best
+        others = [mode for mode in self.MODES if mode != best]
+        return others[(step // self.explore_every) % len(others)]
 
-    def observe(self, batch: int, split: bool, seconds: float) -> None:
-        timed = self.timed[batch, split] = self.timed.get((batch, split), 0) + 1
+    def observe(self, batch: int, mode: str, seconds: float) -> None:
+        timed = self.timed[batch, mode] = self.timed.get((batch, mode), 0) + 1
         if timed > 1:  # the first is the warm-up
-            self._samples(batch)[split].append(seconds)
+            self._samples(batch)[mode].append(seconds)
