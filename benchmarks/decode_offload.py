@@ -32,6 +32,8 @@ from freetoken.moe.runtime import MoEOptions
 from freetoken.moe.store import HostExpertStore
 from freetoken.weights.loader import LoadedModel
 
+# Host phases of a layer step that the runtime times (telemetry `<name>_s`).
+HOST_PHASES = ("round_trip", "plan", "fill", "policy")
 HBM_BANDWIDTH = 4.0e12  # H200 device-to-device copy measured at ~4.3 TB/s (read + write)
 
 
@@ -282,6 +284,7 @@ def main() -> int:
                 host_ms_per_step=t["host_time_s"] * 1e3 / steps,
                 sync_ms_per_step=t["sync_wait_s"] * 1e3 / steps,
                 cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / steps,
+                phases_ms_per_step={k: t[f"{k}_s"] * 1e3 / steps for k in HOST_PHASES},
                 step_ms=sum(contender.seconds) * 1e3 / steps,
             )  # fmt: skip
             rows.append(row)
@@ -317,6 +320,23 @@ def main() -> int:
             f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
             f"{r['host_ms_per_step']:.1f} | {r['sync_ms_per_step']:.1f} | "
             f"{r['cpu_wait_ms_per_step']:.1f} |"
+        )
+    lines += [
+        "",
+        "Host time per step inside the MoE layers, by phase (ms; `rest`: moving slots and the "
+        "CPU partial to the device, and where a step runs eagerly, the GPU kernels' launches; "
+        "on a CPU device, the experts' computation):",
+        "",
+        "| cache | strategy | batch | " + " | ".join(HOST_PHASES) + " | CPU wait | rest |",
+        "|---|---|---|" + "---|" * (len(HOST_PHASES) + 2),
+    ]
+    for r in rows:
+        phases = r["phases_ms_per_step"]
+        rest = r["host_ms_per_step"] - sum(phases.values()) - r["cpu_wait_ms_per_step"]
+        cells = " | ".join(f"{phases[k]:.1f}" for k in HOST_PHASES)
+        lines.append(
+            f"| {r['cache']} | {r['strategy']} | {r['batch']} | {cells} | "
+            f"{r['cpu_wait_ms_per_step']:.1f} | {rest:.1f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -178,7 +178,11 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     rt.tracker.fill = rt.tracker.cpu = 1e9  # equal bandwidths: half the misses are filled
     rt.tracker.alpha = 0.0  # keep them fixed for the example
     t = drive(rt, store, [(1, [[0, 1], [2, 3]])])  # 4 distinct misses -> q = 2, m - q = 2
-    assert (t.total().misses, t.total().fills, t.total().cpu, t.total().cpu_routes) == (4, 2, 2, 2)
+    total = t.total()
+    assert (total.misses, total.fills, total.cpu, total.cpu_routes) == (4, 2, 2, 2)
+    # The host phases are timed, and lie within the layer's host time.
+    phases = (total.round_trip_s, total.plan_s, total.fill_s, total.policy_s)
+    assert all(p > 0 for p in phases) and sum(phases) + total.cpu_wait_s <= total.host_time_s
 
 
 @pytest.mark.parametrize("strategy", ["offload", "hybrid", "static"])

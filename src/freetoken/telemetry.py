@@ -23,6 +23,12 @@ class LayerCounters:
     sync_wait_s: float = 0.0  # of which: waiting for the device in round trips
     cpu_wait_s: float = 0.0  # of which: waiting for the CPU job after the GPU work was queued
     cpu_time_s: float = 0.0  # wall time of the layer's CPU jobs (on their own thread)
+    # Of host_time_s, by phase (the rest: moving slots and the CPU partial to the device, and
+    # in eager steps launching the GPU kernels):
+    round_trip_s: float = 0.0  # routed pairs, x and weights to the host (sync_wait_s included)
+    plan_s: float = 0.0  # lookup, split, ranking the misses, starting the CPU job
+    fill_s: float = 0.0  # choosing victims and queuing the copies
+    policy_s: float = 0.0  # the policy's update with this visit
 
 
 @dataclass

@@ -211,8 +211,10 @@ class MoERuntime:
         self._drain_fill_timings()
         # The host round trip every layer makes: which pairs are routed. The decisions below
         # are numpy on a handful of ids (microseconds; torch ops on tiny tensors cost tens).
+        began = time.perf_counter()
         ids_h, x_h, weights_h = self._fetch([ids, x, weights])
         self._clock_step(moe_layer, x.shape[0])
+        fetched = time.perf_counter()
         pairs_np = ids_h.numpy() + moe_layer * E
         pairs_h = torch.from_numpy(pairs_np)
         routed = np.unique(pairs_np)
@@ -241,6 +243,7 @@ class MoERuntime:
             )
             plan.cpu = self.cpu.submit(job)
             plan.all_tokens = len(plan.tokens) == x.shape[0]
+        planned = time.perf_counter()
         if len(fill):
             protected = cache.slot_of[torch.from_numpy(hits)]
             victims = cache.victim_candidates(moe_layer, protected, len(fill))
@@ -252,10 +255,16 @@ class MoERuntime:
                     self._pending_fill_timing.append((*events, fill_bytes))
             else:
                 self.tracker.observe_fill(fill_bytes, cache.last_fill_seconds)
+        filled = time.perf_counter()
         if policy is not None:
             # After this layer's victims are chosen (from what the earlier visits taught), off
             # the path to the fills: the host waits for them or the CPU job next.
             policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
+        counters = self.telemetry.layers[moe_layer]
+        counters.round_trip_s += fetched - began
+        counters.plan_s += planned - fetched
+        counters.fill_s += filled - planned
+        counters.policy_s += time.perf_counter() - filled
         if len(hits) or len(fill):
             plan.gpu_slots = cache.slot_of.numpy()[pairs_np]
             plan.gpu_slots[cpu_routes] = -1
@@ -268,7 +277,7 @@ class MoERuntime:
             cpu_routes=int(cpu_routes.sum()),
             bytes_h2d=len(fill) * self.store.shape.nbytes,
         )
-        self.telemetry.layers[moe_layer].sync_wait_s += self._sync_wait
+        counters.sync_wait_s += self._sync_wait
         return plan
 
     def _finish_cpu(self, moe_layer, plan: _LayerPlan) -> torch.Tensor:
