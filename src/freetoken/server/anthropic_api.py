@@ -17,7 +17,13 @@ from freetoken.server.core import (
     with_keepalive,
 )
 from freetoken.server.errors import ApiError
-from freetoken.server.validate import field, stop_list, text_of
+from freetoken.server.validate import (
+    field,
+    stop_list,
+    template_tool,
+    template_tool_call,
+    text_of,
+)
 
 STOP_REASON = {
     "stop": "end_turn",
@@ -97,16 +103,8 @@ def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 elif b["type"] == "thinking":
                     msg["reasoning_content"] = field(b, "thinking", str)
                 elif b["type"] == "tool_use":
-                    calls.append(
-                        {
-                            "type": "function",
-                            "id": b.get("id"),
-                            "function": {
-                                "name": field(b, "name", str),
-                                "arguments": b.get("input") or {},
-                            },
-                        }
-                    )
+                    name = field(b, "name", str)
+                    calls.append(template_tool_call(b.get("id"), name, b.get("input") or {}))
                 elif b["type"] != "redacted_thinking":
                     raise ApiError(
                         400,
@@ -147,16 +145,8 @@ def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     for t in tools:
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ApiError(400, "invalid_request_error", "every tool needs a 'name'")
-        out.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": t["name"],
-                    "description": t.get("description", ""),
-                    "parameters": t.get("input_schema", {"type": "object"}),
-                },
-            }
-        )
+        parameters = t.get("input_schema", {"type": "object"})
+        out.append(template_tool(t["name"], t.get("description", ""), parameters))
     return out
 
 

@@ -12,7 +12,13 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
 from freetoken.server.core import REQUIRED, ForcedOutput, GenerationCore, GenerationRequest
 from freetoken.server.errors import ApiError
-from freetoken.server.validate import field, stop_list, text_of, tool_arguments
+from freetoken.server.validate import (
+    field,
+    stop_list,
+    template_tool_call,
+    text_of,
+    tool_arguments,
+)
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 
@@ -74,11 +80,7 @@ def _template_call(call: Any, i: int) -> dict[str, Any]:
     if not isinstance(fn, dict):
         raise ApiError(400, "invalid_request_error", f"messages[{i}].tool_calls: bad tool call")
     arguments = tool_arguments(fn.get("arguments"))
-    return {
-        "type": "function",
-        "id": call.get("id"),
-        "function": {"name": field(fn, "name", str), "arguments": arguments},
-    }
+    return template_tool_call(call.get("id"), field(fn, "name", str), arguments)
 
 
 def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]]:

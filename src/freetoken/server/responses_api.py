@@ -12,7 +12,13 @@ from freetoken.server import events as ev
 from freetoken.server.core import ForcedOutput, GenerationCore, GenerationRequest
 from freetoken.server.errors import ApiError
 from freetoken.server.openai_api import chat_tool_choice, check_model, sampling
-from freetoken.server.validate import field, text_of, tool_arguments
+from freetoken.server.validate import (
+    field,
+    template_tool,
+    template_tool_call,
+    text_of,
+    tool_arguments,
+)
 
 
 def _id(prefix: str) -> str:
@@ -42,14 +48,8 @@ def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise ApiError(400, "invalid_request_error", f"input[{i}]: unknown role '{role}'")
             out.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            call = {
-                "type": "function",
-                "id": item.get("call_id"),
-                "function": {
-                    "name": field(item, "name", str),
-                    "arguments": tool_arguments(item.get("arguments")),
-                },
-            }
+            arguments = tool_arguments(item.get("arguments"))
+            call = template_tool_call(item.get("call_id"), field(item, "name", str), arguments)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -75,16 +75,8 @@ def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     for t in field(body, "tools", list, []):
         if not isinstance(t, dict) or t.get("type") != "function" or "name" not in t:
             raise ApiError(400, "invalid_request_error", "only function tools are supported")
-        out.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": t["name"],
-                    "description": t.get("description", ""),
-                    "parameters": t.get("parameters", {"type": "object"}),
-                },
-            }
-        )
+        parameters = t.get("parameters", {"type": "object"})
+        out.append(template_tool(t["name"], t.get("description", ""), parameters))
     return out
 
 
@@ -103,17 +95,7 @@ class _Builder:
         out.append(("response.output_item.added", {"output_index": index, "item": _snapshot(item)}))
         if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            out.append(
-                (
-                    "response.content_part.added",
-                    {
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "part": dict(part),
-                    },
-                )
-            )
+            out.append(("response.content_part.added", _part(item, index, part=dict(part))))
         return out
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
@@ -126,38 +108,12 @@ class _Builder:
         if item["type"] == "message":
             part = item["content"][0]
             out += [
-                (
-                    "response.output_text.done",
-                    {
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "text": part["text"],
-                    },
-                ),
-                (
-                    "response.content_part.done",
-                    {
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "part": dict(part),
-                    },
-                ),
+                ("response.output_text.done", _part(item, index, text=part["text"])),
+                ("response.content_part.done", _part(item, index, part=dict(part))),
             ]
         elif item["type"] == "reasoning":
             part = item["content"][0]
-            out += [
-                (
-                    "response.reasoning_text.done",
-                    {
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "text": part["text"],
-                    },
-                )
-            ]
+            out.append(("response.reasoning_text.done", _part(item, index, text=part["text"])))
         elif item["type"] == "function_call":
             out += [
                 (
@@ -175,13 +131,7 @@ class _Builder:
             if self.open is None or self.open["type"] != kind:
                 out += self._start(new_item())
             self.open["content"][0]["text"] += e.text
-            delta = {
-                "item_id": self.open["id"],
-                "output_index": len(self.output) - 1,
-                "content_index": 0,
-                "delta": e.text,
-            }
-            out.append((event, delta))
+            out.append((event, _part(self.open, len(self.output) - 1, delta=e.text)))
         elif isinstance(e, ev.ToolCallStart):
             out += self._start(
                 {
@@ -211,6 +161,11 @@ class _Builder:
 
     def finish(self) -> list[tuple[str, dict[str, Any]]]:
         return self._close()
+
+
+def _part(item: dict[str, Any], index: int, **fields: Any) -> dict[str, Any]:
+    """An event about the (single) content part of output item `index`."""
+    return {"item_id": item["id"], "output_index": index, "content_index": 0, **fields}
 
 
 def _message_item() -> dict[str, Any]:

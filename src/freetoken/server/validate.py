@@ -79,6 +79,19 @@ def tool_arguments(value: Any) -> Any:
     return value if value is not None else {}
 
 
+def template_tool(name: str, description: str, parameters: Any) -> dict[str, Any]:
+    """A tool as the chat template takes it (the OpenAI chat format), whichever API sent it."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+def template_tool_call(call_id: Any, name: str, arguments: Any) -> dict[str, Any]:
+    """A past tool call in an assistant message, as the chat template takes it."""
+    return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
 # Request fields each endpoint accepts: the official API's (supported or ignored, see
 # docs/api.md) plus freetoken's sampling extensions. Anything else is rejected, as the hosted
 # APIs do, so a misspelt parameter is an error rather than silently ignored.
