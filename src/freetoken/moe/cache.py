@@ -21,7 +21,7 @@ import torch
 from freetoken.kernels.host_copies import HostToDeviceCopier
 from freetoken.moe.store import HostExpertStore
 
-# One fill in this many is timed for the bandwidth tracker (see `_copy_rows`).
+# One fill in this many is timed for the bandwidth tracker (see `_on_copy_stream`).
 TIME_FILLS_EVERY = 8
 
 
@@ -104,26 +104,31 @@ class ExpertCache:
         return self._copy(slots, sources)
 
     def _copy_rows(self, pairs: Sequence[int], slots: Sequence[int]):
-        """`place`'s copies as one native call: each bank's row of each pair, by address.
-        Every `TIME_FILLS_EVERY`-th call is timed (fresh timing events, for the bandwidth
-        tracker); the others return (None, done) with a reused event: under gVisor each event
-        created, recorded or waited on costs 5-15 us of host time, per layer step."""
+        """`place`'s copies as one native call: each bank's row of each pair, by address."""
         pairs = np.asarray(pairs, dtype=np.uint64)
         slots = np.asarray(slots, dtype=np.uint64)
         src = np.concatenate([host + pairs * row for host, _, row in self._rows])
         dst = np.concatenate([dev + slots * row for _, dev, row in self._rows])
         nbytes = np.repeat([row for _, _, row in self._rows], len(pairs))
-        # A victim may still be read by kernels already queued on the compute stream.
-        self._queued.record(torch.cuda.current_stream(self.device))
-        self.copy_stream.wait_event(self._queued)
+        return self._on_copy_stream(lambda: self._copier.copy(dst, src, nbytes, self.copy_stream))
+
+    def _on_copy_stream(self, enqueue, after=None):
+        """Queue copies (`enqueue()`) on the copy stream, after the event `after`, or by
+        default after all compute queued so far (a victim may still be read by it). Returns
+        (start, done) events: every `TIME_FILLS_EVERY`-th call is timed (fresh timing events,
+        for the bandwidth tracker); the others return (None, done) with a reused event, since
+        under gVisor each event created, recorded or waited on costs 5-15 us of host time."""
+        if after is None:
+            self._queued.record(torch.cuda.current_stream(self.device))
+            after = self._queued
+        self.copy_stream.wait_event(after)
         self._fills += 1
-        timed = self._fills % TIME_FILLS_EVERY == 1
         start, done = None, self._filled
-        if timed:
+        if self._fills % TIME_FILLS_EVERY == 1:
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-        self._copier.copy(dst, src, nbytes, self.copy_stream)
+        enqueue()
         done.record(self.copy_stream)
         return start, done
 
@@ -150,20 +155,14 @@ class ExpertCache:
                 self.w_down[s].copy_(down)
             self.last_fill_seconds = time.perf_counter() - start
             return None
-        if after is None:
-            # A victim may still be read by kernels already queued on the compute stream.
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        else:
-            self.copy_stream.wait_event(after)
-        start = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.copy_stream):
-            start.record()
-            for s, (gate_up, down) in zip(slots, sources, strict=True):
-                self.w_gate_up[s].copy_(gate_up, non_blocking=True)
-                self.w_down[s].copy_(down, non_blocking=True)
-            done.record()
-        return start, done
+
+        def enqueue():
+            with torch.cuda.stream(self.copy_stream):
+                for s, (gate_up, down) in zip(slots, sources, strict=True):
+                    self.w_gate_up[s].copy_(gate_up, non_blocking=True)
+                    self.w_down[s].copy_(down, non_blocking=True)
+
+        return self._on_copy_stream(enqueue, after)
 
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""

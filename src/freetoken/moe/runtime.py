@@ -142,10 +142,14 @@ class MoERuntime:
                 job = CPUJob(x, rows, pairs.reshape(-1), weights.reshape(-1))
                 return self.cpu.submit(job).result().out
             return self._gpu(x, pairs, weights)
-        threshold = self.options.prefill_stream_threshold
-        if self.streamer is not None and threshold is not None and x.shape[0] >= threshold:
+        if self._streams(x.shape[0]):
             return self.streamer.forward(moe_layer, x, ids, weights)
         return self._split_layer(moe_layer, x, ids, weights)
+
+    def _streams(self, tokens: int) -> bool:
+        """Whether a call of this many tokens streams whole expert layers (moe/prefill.py)."""
+        threshold = self.options.prefill_stream_threshold
+        return self.streamer is not None and threshold is not None and tokens >= threshold
 
     def _gpu(self, x, slots, weights) -> torch.Tensor:
         cache = self.cache
@@ -170,12 +174,10 @@ class MoERuntime:
         """Whether a decode graph may hold this layer's GPU work (`device_phase`), leaving
         the host only `host_phase`: strategies that decide on the host and have a cache, for
         calls that neither stream whole layers nor take the grouped-GEMM path."""
-        threshold = self.options.prefill_stream_threshold
-        streams = self.streamer is not None and threshold is not None and tokens >= threshold
         return (
             self.strategy != "fused"
             and self.cache is not None
-            and not streams
+            and not self._streams(tokens)
             and routes < GROUPED_GEMM_FROM_ROUTES
         )
 
@@ -299,7 +301,8 @@ class MoERuntime:
         """A host array or tensor (converted to `dtype`) on the device, through a pinned buffer
         on CUDA (from pageable memory a copy first waits for the stream, here for the fills)."""
         if self.device.type != "cuda":
-            return torch.as_tensor(host).to(dtype)
+            host = torch.as_tensor(host)
+            return host if dtype is None else host.to(dtype)
         return self._pinned(host, name, dtype).to(self.device, non_blocking=True)
 
     def _pinned(self, host, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
