@@ -15,6 +15,7 @@ attention and every overhead.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -218,6 +219,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per contender")
+    ap.add_argument(
+        "--cpu-threads",
+        action="append",
+        type=int,
+        help="the CPU expert team's size (default: the engine's); given more than once, each "
+        "strategy runs with each size, labelled strategy/tN",
+    )
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
@@ -232,6 +240,7 @@ def main() -> int:
     caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
     batches = args.batch or [1, 4]
+    teams = args.cpu_threads or [None]
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
     loaded = random_model(raw, device)
@@ -253,14 +262,15 @@ def main() -> int:
         # machine (another tenant, a clock change) hits all of them alike.
         contenders = []
         for strategy in ["fused"] if cache == "all" else strategies:
-            if strategy == "cpu" and any(r["strategy"] == "cpu" for r in rows):
+            if strategy == "cpu" and any(r["strategy"].startswith("cpu") for r in rows):
                 continue  # no cache: the same at every cache size
-            for batch in batches:
-                options = MoEOptions(strategy=strategy, cache_size=size)
+            for batch, threads in itertools.product(batches, teams):
+                options = MoEOptions(strategy=strategy, cache_size=size, cpu_threads=threads)
                 total = args.steps * args.rounds
                 contender = prepare(loaded, options, batch, total, args.warmup, args.prompt,
                                     device)  # fmt: skip
-                contenders.append((strategy, contender))
+                label = strategy if len(teams) == 1 else f"{strategy}/t{threads}"
+                contenders.append((label, contender))
         for _ in range(args.rounds):
             for _, contender in contenders:
                 time_round(contender, args.steps, device)
@@ -312,7 +322,9 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        strat = r["strategy"] if r["strategy"] == r["resolved"] else f"auto ({r['resolved']})"
+        strat = r["strategy"]
+        if strat.startswith("auto"):
+            strat = f"{strat} ({r['resolved']})"
         lines.append(
             f"| {r['cache']} ({r['slots']} slots) | {strat} | {r['batch']} | "
             f"{r['tokens_per_s']:.1f} | {r['spread']:.0%} | {r['hit_rate']:.3f} | {r['q']:.2f} | "

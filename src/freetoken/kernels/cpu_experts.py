@@ -65,20 +65,20 @@ class NativeCPUExperts:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
         return self.submit(x, rows, pairs, weights).result()
 
-    def submit(
-        self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
-    ) -> PendingJob:
-        """Start the job on the library's worker thread and return at once (the arguments are
-        prepared here, on the caller's thread); `.result()` waits for it."""
+    def submit(self, x: torch.Tensor, rows, pairs, weights) -> PendingJob:
+        """Start the job on the library's threads and return at once (the arguments are
+        prepared here, on the caller's thread); `.result()` waits for it. `rows`, `pairs` and
+        `weights` are numpy arrays or CPU tensors."""
         h, i = self.hidden, self.intermediate
-        pairs_np = pairs.numpy()
+        pairs_np = np.asarray(pairs)
         order = np.argsort(pairs_np, kind="stable")
         sorted_pairs = pairs_np[order]
-        starts = np.flatnonzero(np.diff(sorted_pairs)) + 1
+        starts = np.flatnonzero(sorted_pairs[1:] != sorted_pairs[:-1]) + 1
         group_start = np.concatenate(([0], starts, [len(order)])).astype(np.int64)
-        group_pair = np.ascontiguousarray(sorted_pairs[group_start[:-1]])
-        route_row = np.ascontiguousarray(rows.numpy()[order])
-        route_w = np.ascontiguousarray(weights.float().numpy()[order])
+        group_pair = np.ascontiguousarray(sorted_pairs[group_start[:-1]], dtype=np.int64)
+        route_row = np.ascontiguousarray(np.asarray(rows)[order], dtype=np.int64)
+        weights = weights.float() if isinstance(weights, torch.Tensor) else weights
+        route_w = np.ascontiguousarray(np.asarray(weights)[order], dtype=np.float32)
         x32 = np.ascontiguousarray(x.float().numpy())
         a = np.empty((len(order), i), np.float32)
         out = np.zeros((x.shape[0], h), np.float32)
@@ -106,6 +106,12 @@ class PendingJob:
             self.seconds = self._lib.ft_cpu_experts_wait(self._ticket)
             self._keep = None
         return torch.from_numpy(self._out)
+
+    def __del__(self) -> None:
+        # The team reads and writes the job's arrays until it is done: a job dropped unwaited
+        # (an error between submit and result) must not free them under it.
+        if getattr(self, "_keep", None) is not None:
+            self._lib.ft_cpu_experts_wait(self._ticket)
 
 
 def torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act) -> torch.Tensor:

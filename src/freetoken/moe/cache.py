@@ -82,16 +82,19 @@ class ExpertCache:
         cache.pair_of.copy_(ids)
         return cache
 
-    def victim_candidates(self, moe_layer: int, protected: torch.Tensor, count: int):
-        """The `count` slots the policy would give up first, best victim first. Empty slots
-        come first (their score is -inf); `protected` slots (those the current layer hits:
+    def victim_candidates(self, moe_layer: int, protected, count: int) -> np.ndarray:
+        """The `count` slots the policy would give up first (in no particular order). Empty
+        slots come first (their score is -inf); `protected` slots (those the current layer hits:
         its kernel reads them this step) are never candidates."""
+        pair_of = self.pair_of.numpy()
         if self.policy is None:
-            scores = (self.pair_of >= 0).float()
+            scores = (pair_of >= 0).astype(np.float32)
         else:
-            scores = self.policy.slot_scores(moe_layer, self.pair_of).float()
-        scores[protected] = float("inf")
-        return torch.topk(scores, count, largest=False).indices
+            scores = np.array(self.policy.slot_scores(moe_layer, pair_of), dtype=np.float32)
+        scores[np.asarray(protected, dtype=np.int64)] = np.inf
+        if count >= len(scores):
+            return np.argsort(scores, kind="stable")[:count]
+        return np.argpartition(scores, count - 1)[:count]
 
     def place(self, pairs: Sequence[int], slots: Sequence[int]):
         """Put `pairs` into `slots`, copying from the host pool. Returns (start, done) copy

@@ -31,9 +31,10 @@ class CPUJob:
     """The CPU share of one MoE layer: routes (row of x, flat expert id, gate weight)."""
 
     x: torch.Tensor  # [n, H] host activations of the tokens involved
-    rows: torch.Tensor  # [r] int64 row of x for each route
-    pairs: torch.Tensor  # [r] int64 flat expert id (moe_layer * E + expert)
-    weights: torch.Tensor  # [r] gate weights
+    # numpy arrays or CPU tensors (the runtime builds them with numpy):
+    rows: object  # [r] int64 row of x for each route
+    pairs: object  # [r] int64 flat expert id (moe_layer * E + expert)
+    weights: object  # [r] gate weights
 
 
 @dataclass
@@ -97,10 +98,11 @@ class CPUExpertExecutor:
         """The torch fallback, run on this executor's thread."""
         start = time.perf_counter()
         store = self.store
+        rows, pairs, weights = map(torch.as_tensor, (job.rows, job.pairs, job.weights))
         out = torch_cpu_experts(
-            job.x, job.rows, job.pairs, job.weights, store.w_gate_up, store.w_down, self.act
+            job.x, rows, pairs, weights, store.w_gate_up, store.w_down, self.act
         )
-        experts = len(torch.unique(job.pairs))
+        experts = len(torch.unique(pairs))
         return CPUResult(
             out.to(job.x.dtype), time.perf_counter() - start, experts * store.shape.nbytes
         )

@@ -212,42 +212,39 @@ class MoERuntime:
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
         # The host round trip every layer makes: which pairs are routed. The decisions below
-        # are numpy on a handful of ids (microseconds; torch ops on tiny tensors cost tens).
+        # are numpy on a handful of ids (a microsecond an op; a torch op on a tiny tensor costs
+        # 5-10, and on the H200 machine this phase once took 0.25 ms a layer).
         began = time.perf_counter()
         ids_h, x_h, weights_h = self._fetch([ids, x, weights])
         self._clock_step(moe_layer, x.shape[0])
         fetched = time.perf_counter()
-        pairs_np = ids_h.numpy() + moe_layer * E
-        pairs_h = torch.from_numpy(pairs_np)
-        routed = np.unique(pairs_np)
-        cached = cache.slot_of.numpy()[routed] >= 0 if cache is not None else routed < 0
-        hits, misses = routed[cached], routed[~cached]
+        pairs = ids_h.numpy() + moe_layer * E  # [T, k]
+        if cache is not None:
+            missed = cache.slot_of.numpy()[pairs] < 0
+        else:
+            missed = np.ones(pairs.shape, dtype=bool)
+        # distinct pairs: a token's routes are distinct already
+        routed = pairs.reshape(-1) if len(pairs) == 1 else np.unique(pairs)
+        misses = pairs[missed] if len(pairs) == 1 else np.unique(pairs[missed])
+        hits = len(routed) - len(misses)
         fill, policy = misses[:0], None
         if self.strategy in ("offload", "hybrid"):
             policy = cache.policy
-            q = self._fill_count(len(misses), len(hits), x.shape[0])
+            q = self._fill_count(len(misses), hits, x.shape[0])
             fill = misses[:q]
             if 0 < q < len(misses):  # the policy ranks which misses are worth a slot
-                scores = policy.pair_scores(moe_layer, torch.from_numpy(misses)).numpy()
+                scores = np.asarray(policy.pair_scores(moe_layer, misses))
                 fill = misses[np.argsort(-scores, kind="stable")[:q]]
-        on_cpu = misses if not len(fill) else np.setdiff1d(misses, fill, assume_unique=True)
-        cpu_routes = np.isin(pairs_np, on_cpu) if len(on_cpu) else np.zeros(pairs_np.shape, bool)
+        cpu_routes = missed
+        if len(fill):
+            cpu_routes = missed & ~np.isin(pairs, fill) if len(fill) < len(misses) else None
         plan = _LayerPlan(x.shape[0])
         # The CPU job first, so the CPU works while the host chooses victims and queues fills.
-        if len(on_cpu):
-            rows, cols = np.nonzero(cpu_routes)
-            plan.tokens, token_of_route = np.unique(rows, return_inverse=True)
-            job = CPUJob(
-                x_h[torch.from_numpy(plan.tokens)],
-                torch.from_numpy(token_of_route),
-                pairs_h[rows, cols],
-                weights_h[rows, cols],
-            )
-            plan.cpu = self.cpu.submit(job)
-            plan.all_tokens = len(plan.tokens) == x.shape[0]
+        if cpu_routes is not None and cpu_routes.any():
+            plan.cpu = self._submit_cpu(plan, cpu_routes, pairs, x_h, weights_h)
         planned = time.perf_counter()
         if len(fill):
-            protected = cache.slot_of[torch.from_numpy(hits)]
+            protected = cache.slot_of.numpy()[pairs[~missed]]
             victims = cache.victim_candidates(moe_layer, protected, len(fill))
             events = cache.place(fill.tolist(), victims.tolist())
             fill_bytes = len(fill) * self.store.shape.nbytes
@@ -261,26 +258,40 @@ class MoERuntime:
         if policy is not None:
             # After this layer's victims are chosen (from what the earlier visits taught), off
             # the path to the fills: the host waits for them or the CPU job next.
-            policy.observe(moe_layer, torch.from_numpy(routed - moe_layer * E))
+            policy.observe(moe_layer, routed - moe_layer * E)
         counters = self.telemetry.layers[moe_layer]
         counters.round_trip_s += fetched - began
         counters.plan_s += planned - fetched
         counters.fill_s += filled - planned
         counters.policy_s += time.perf_counter() - filled
-        if len(hits) or len(fill):
-            plan.gpu_slots = cache.slot_of.numpy()[pairs_np]
-            plan.gpu_slots[cpu_routes] = -1
+        if hits or len(fill):
+            plan.gpu_slots = cache.slot_of.numpy()[pairs]
+            if cpu_routes is not None:
+                plan.gpu_slots[cpu_routes] = -1
         self.telemetry.record(
             moe_layer,
             accesses=len(routed),
-            hits=len(hits),
+            hits=hits,
             fills=len(fill),
-            cpu=len(on_cpu),
-            cpu_routes=int(cpu_routes.sum()),
+            cpu=len(misses) - len(fill),
+            cpu_routes=0 if cpu_routes is None else int(cpu_routes.sum()),
             bytes_h2d=len(fill) * self.store.shape.nbytes,
         )
         counters.sync_wait_s += self._sync_wait
         return plan
+
+    def _submit_cpu(self, plan: _LayerPlan, cpu_routes, pairs, x_h, weights_h):
+        """Start the CPU job of the routes marked in `cpu_routes` [T, k]; the tokens it reads
+        are noted in `plan` for the scatter of its partial."""
+        rows, cols = np.nonzero(cpu_routes)
+        if plan.num_tokens == 1:
+            plan.tokens, token_of_route = np.zeros(1, np.int64), rows
+        else:
+            plan.tokens, token_of_route = np.unique(rows, return_inverse=True)
+            plan.all_tokens = len(plan.tokens) == plan.num_tokens
+        x = x_h if plan.all_tokens else x_h[torch.from_numpy(plan.tokens)]
+        job = CPUJob(x, token_of_route, pairs[rows, cols], weights_h.float().numpy()[rows, cols])
+        return self.cpu.submit(job)
 
     def _finish_cpu(self, moe_layer, plan: _LayerPlan) -> torch.Tensor:
         """Wait for the layer's CPU share; its partial [T, H] (on the host)."""

@@ -28,9 +28,7 @@ class ExpertShape:
     @property
     def nbytes(self) -> int:
         """Bytes of one expert (gate, up and down projections)."""
-        return (
-            3 * self.hidden * self.intermediate * torch.tensor([], dtype=self.dtype).element_size()
-        )
+        return 3 * self.hidden * self.intermediate * self.dtype.itemsize
 
 
 class HostExpertStore:

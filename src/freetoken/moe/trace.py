@@ -182,7 +182,7 @@ def replay(
             target = torch.arange(used, used + n_miss, device=device)
             used += n_miss
         else:
-            scores = policy.slot_scores(layer, pair_of_slot)
+            scores = torch.as_tensor(policy.slot_scores(layer, pair_of_slot), device=device)
             if n_miss < b - a:  # never evict what this step uses
                 scores = scores.index_fill(0, slots[~miss], inf)
             target = torch.topk(scores, n_miss, largest=False, sorted=False).indices
