@@ -34,7 +34,7 @@ from freetoken.moe.store import HostExpertStore
 from freetoken.weights.loader import LoadedModel
 
 # Host phases of a layer step that the runtime times (telemetry `<name>_s`).
-HOST_PHASES = ("round_trip", "plan", "fill", "policy")
+HOST_PHASES = ("round_trip", "plan", "cpu_start", "fill", "policy")
 HBM_BANDWIDTH = 4.0e12  # H200 device-to-device copy measured at ~4.3 TB/s (read + write)
 
 

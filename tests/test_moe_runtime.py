@@ -181,7 +181,7 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     total = t.total()
     assert (total.misses, total.fills, total.cpu, total.cpu_routes) == (4, 2, 2, 2)
     # The host phases are timed, and lie within the layer's host time.
-    phases = (total.round_trip_s, total.plan_s, total.fill_s, total.policy_s)
+    phases = (total.round_trip_s, total.plan_s, total.cpu_start_s, total.fill_s, total.policy_s)
     assert all(p > 0 for p in phases) and sum(phases) + total.cpu_wait_s <= total.host_time_s
 
 

@@ -26,7 +26,8 @@ class LayerCounters:
     # Of host_time_s, by phase (the rest: moving slots and the CPU partial to the device, and
     # in eager steps launching the GPU kernels):
     round_trip_s: float = 0.0  # routed pairs, x and weights to the host (sync_wait_s included)
-    plan_s: float = 0.0  # lookup, split, ranking the misses, starting the CPU job
+    plan_s: float = 0.0  # lookup, split, ranking the misses
+    cpu_start_s: float = 0.0  # preparing and starting the CPU job
     fill_s: float = 0.0  # choosing victims and queuing the copies
     policy_s: float = 0.0  # the policy's update with this visit
 

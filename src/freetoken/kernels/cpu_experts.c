@@ -207,8 +207,9 @@ static void finish(uint64_t gen) {
     pthread_mutex_lock(&team_mutex);
     job_seconds[gen & 1] = now() - job_started[gen & 1];
     STORE(&completed, gen);
-    if (sleeping_waiters) pthread_cond_broadcast(&done_cond);
+    int wake = sleeping_waiters;
     pthread_mutex_unlock(&team_mutex);
+    if (wake) pthread_cond_broadcast(&done_cond); /* after unlocking, as in submit */
 }
 
 /* Takes and runs items of job `gen` (described by *j) until none is left. */
@@ -312,7 +313,11 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
         job_seconds[gen & 1] = 0.0;
         STORE(&completed, gen);
     }
-    if (sleeping_workers) pthread_cond_broadcast(&work_cond);
+    int wake = sleeping_workers;
     pthread_mutex_unlock(&team_mutex);
+    /* After unlocking: woken workers would otherwise block at once on the mutex still held
+     * here. No wake-up is lost: a worker counts itself asleep and checks `published` under
+     * the mutex, so it either saw this job or waits on the condition before this broadcast. */
+    if (wake) pthread_cond_broadcast(&work_cond);
     return gen;
 }

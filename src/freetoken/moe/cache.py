@@ -96,35 +96,39 @@ class ExpertCache:
             return np.argsort(scores, kind="stable")[:count]
         return np.argpartition(scores, count - 1)[:count]
 
-    def place(self, pairs: Sequence[int], slots: Sequence[int]):
+    def place(self, pairs: Sequence[int], slots: Sequence[int], after_compute: bool = True):
         """Put `pairs` into `slots`, copying from the host pool. Returns (start, done) copy
         events on CUDA (start None where the copy is not timed), None on the CPU tier (copied
-        on return)."""
+        on return). The copies wait for the compute queued so far, which may still read the
+        victims, unless `after_compute` is False (the caller has synchronised the stream)."""
         self._retable(pairs, slots)
         if self._copier is not None:
-            return self._copy_rows(pairs, slots)
+            return self._copy_rows(pairs, slots, after_compute)
         sources = [(self.store.w_gate_up[p], self.store.w_down[p]) for p in pairs]
-        return self._copy(slots, sources)
+        return self._copy(slots, sources, wait=after_compute)
 
-    def _copy_rows(self, pairs: Sequence[int], slots: Sequence[int]):
+    def _copy_rows(self, pairs: Sequence[int], slots: Sequence[int], after_compute: bool):
         """`place`'s copies as one native call: each bank's row of each pair, by address."""
         pairs = np.asarray(pairs, dtype=np.uint64)
         slots = np.asarray(slots, dtype=np.uint64)
         src = np.concatenate([host + pairs * row for host, _, row in self._rows])
         dst = np.concatenate([dev + slots * row for _, dev, row in self._rows])
         nbytes = np.repeat([row for _, _, row in self._rows], len(pairs))
-        return self._on_copy_stream(lambda: self._copier.copy(dst, src, nbytes, self.copy_stream))
+        enqueue = lambda: self._copier.copy(dst, src, nbytes, self.copy_stream)  # noqa: E731
+        return self._on_copy_stream(enqueue, wait=after_compute)
 
-    def _on_copy_stream(self, enqueue, after=None):
+    def _on_copy_stream(self, enqueue, after=None, wait: bool = True):
         """Queue copies (`enqueue()`) on the copy stream, after the event `after`, or by
-        default after all compute queued so far (a victim may still be read by it). Returns
+        default after all compute queued so far (a victim may still be read by it; `wait`
+        False: nothing queued can, so no ordering at all). Returns
         (start, done) events: every `TIME_FILLS_EVERY`-th call is timed (fresh timing events,
         for the bandwidth tracker); the others return (None, done) with a reused event, since
         under gVisor each event created, recorded or waited on costs 5-15 us of host time."""
-        if after is None:
+        if wait and after is None:
             self._queued.record(torch.cuda.current_stream(self.device))
             after = self._queued
-        self.copy_stream.wait_event(after)
+        if wait:
+            self.copy_stream.wait_event(after)
         self._fills += 1
         start, done = None, self._filled
         if self._fills % TIME_FILLS_EVERY == 1:
@@ -150,7 +154,7 @@ class ExpertCache:
             pair_of[s] = p
             slot_of[p] = s
 
-    def _copy(self, slots, sources, after=None):
+    def _copy(self, slots, sources, after=None, wait: bool = True):
         if self.copy_stream is None:
             start = time.perf_counter()
             for s, (gate_up, down) in zip(slots, sources, strict=True):
@@ -165,7 +169,7 @@ class ExpertCache:
                     self.w_gate_up[s].copy_(gate_up, non_blocking=True)
                     self.w_down[s].copy_(down, non_blocking=True)
 
-        return self._on_copy_stream(enqueue, after)
+        return self._on_copy_stream(enqueue, after, wait)
 
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""

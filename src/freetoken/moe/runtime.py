@@ -239,14 +239,16 @@ class MoERuntime:
         if len(fill):
             cpu_routes = missed & ~np.isin(pairs, fill) if len(fill) < len(misses) else None
         plan = _LayerPlan(x.shape[0])
+        planned = time.perf_counter()
         # The CPU job first, so the CPU works while the host chooses victims and queues fills.
         if cpu_routes is not None and cpu_routes.any():
             plan.cpu = self._submit_cpu(plan, cpu_routes, pairs, x_h, weights_h)
-        planned = time.perf_counter()
+        started = time.perf_counter()
         if len(fill):
             protected = cache.slot_of.numpy()[pairs[~missed]]
             victims = cache.victim_candidates(moe_layer, protected, len(fill))
-            events = cache.place(fill.tolist(), victims.tolist())
+            # The round trip synchronised the stream: no kernel queued can still read a victim.
+            events = cache.place(fill.tolist(), victims.tolist(), after_compute=False)
             fill_bytes = len(fill) * self.store.shape.nbytes
             if events is not None:
                 torch.cuda.current_stream(self.device).wait_event(events[1])
@@ -262,7 +264,8 @@ class MoERuntime:
         counters = self.telemetry.layers[moe_layer]
         counters.round_trip_s += fetched - began
         counters.plan_s += planned - fetched
-        counters.fill_s += filled - planned
+        counters.cpu_start_s += started - planned
+        counters.fill_s += filled - started
         counters.policy_s += time.perf_counter() - filled
         if hits or len(fill):
             plan.gpu_slots = cache.slot_of.numpy()[pairs]
