@@ -114,7 +114,7 @@ class ExpertCache:
         src = np.concatenate([host + pairs * row for host, _, row in self._rows])
         dst = np.concatenate([dev + slots * row for _, dev, row in self._rows])
         nbytes = np.repeat([row for _, _, row in self._rows], len(pairs))
-        enqueue = lambda: self._copier.copy(dst, src, nbytes, self.copy_stream)  # noqa: E731
+        enqueue = lambda: self._copier.copy(dst, src, nbytes, self.copy_stream)
         return self._on_copy_stream(enqueue, wait=after_compute)
 
     def _on_copy_stream(self, enqueue, after=None, wait: bool = True):
