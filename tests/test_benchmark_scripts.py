@@ -30,7 +30,8 @@ def test_decode_offload_table(tmp_path):
     out = tmp_path / "decode.md"
     run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
         "--cache", "all", "--cache", "40", "--strategy", "offload", "--strategy", "hybrid",
-        "--cpu-threads", "1", "--cpu-threads", "2", "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+        "--cpu-threads", "1", "--cpu-threads", "2", "--out", str(out),
+        tmp_path=tmp_path)  # fmt: skip
     table = out.read_text()
     for strategy in ("fused", "offload", "hybrid"):
         for team in ("t1", "t2"):  # each strategy with each CPU team size
