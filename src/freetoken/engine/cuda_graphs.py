@@ -55,12 +55,14 @@ class _HostStep:
     out: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     partial: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # the host phase's inputs, packed by the graph before
 
     def run(self) -> None:
         if self.out is None:
             self.executor.host_phase(
-                self.moe_layer, self.x, self.ids, self.weights, self.slots, self.partial
-            )
+                self.moe_layer, self.x, self.ids, self.weights, self.slots, self.partial,
+                self.packed,
+            )  # fmt: skip
         else:
             self.out.copy_(self.executor(self.moe_layer, self.x, self.ids, self.weights))
 
@@ -144,17 +146,20 @@ class DecodeGraphs:
 
         def cut(executor):
             def at_executor(moe_layer, x, ids, weights):
-                graphs[-1].capture_end()
                 foldable = getattr(executor, "foldable", None)
                 if foldable is not None and foldable(x.shape[0], ids.numel()):
-                    # The layer's GPU kernel joins the next graph (one launch fewer per layer,
-                    # from the host's point of view), reading what the host phase leaves.
+                    # The graph packs what the host phase reads back; the layer's GPU kernel
+                    # joins the next graph (one launch fewer per layer, from the host's point
+                    # of view), reading what the host phase leaves.
+                    packed = executor.pack_round_trip(x, ids, weights)
+                    graphs[-1].capture_end()
                     slots = torch.full(ids.shape, -1, dtype=torch.long, device=x.device)
                     partial = torch.zeros_like(x)
                     steps.append(_HostStep(executor, moe_layer, x, ids, weights, None, slots,
-                                           partial))  # fmt: skip
+                                           partial, packed))  # fmt: skip
                     begin()
                     return executor.device_phase(x, slots, weights, partial)
+                graphs[-1].capture_end()
                 # Nothing ran during the capture, so there is nothing to compute yet: a buffer
                 # of the result's shape stands in, filled by the executor at every replay.
                 out = torch.empty_like(x)

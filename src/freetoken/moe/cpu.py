@@ -39,7 +39,9 @@ class CPUJob:
 
 @dataclass
 class CPUResult:
-    out: torch.Tensor  # [n, H] gate-weighted sum of the job's routes per row of x
+    # [n, H] fp32 gate-weighted sum of the job's routes per row of x: partials stay fp32 until
+    # the merge converts them, once, on the way to the device
+    out: torch.Tensor
     seconds: float
     weight_bytes: int  # bytes of expert weights read
 
@@ -47,11 +49,11 @@ class CPUResult:
 class NativeJob:
     """A job on the native kernel's own worker thread (kernels/cpu_experts.c)."""
 
-    def __init__(self, pending, dtype: torch.dtype, expert_bytes: int):
-        self._pending, self._dtype, self._expert_bytes = pending, dtype, expert_bytes
+    def __init__(self, pending, expert_bytes: int):
+        self._pending, self._expert_bytes = pending, expert_bytes
 
     def result(self) -> CPUResult:
-        out = self._pending.result().to(self._dtype)
+        out = self._pending.result()
         p = self._pending
         return CPUResult(out, p.seconds, p.experts * self._expert_bytes)
 
@@ -91,7 +93,7 @@ class CPUExpertExecutor:
         """Start a job; `.result()` of the returned handle waits for its CPUResult."""
         if self.native is not None:
             pending = self.native.submit(job.x, job.rows, job.pairs, job.weights)
-            return NativeJob(pending, job.x.dtype, self.store.shape.nbytes)
+            return NativeJob(pending, self.store.shape.nbytes)
         return self._pool.submit(self.run_job, job)
 
     def run_job(self, job: CPUJob) -> CPUResult:
@@ -103,9 +105,7 @@ class CPUExpertExecutor:
             job.x, rows, pairs, weights, store.w_gate_up, store.w_down, self.act
         )
         experts = len(torch.unique(pairs))
-        return CPUResult(
-            out.to(job.x.dtype), time.perf_counter() - start, experts * store.shape.nbytes
-        )
+        return CPUResult(out, time.perf_counter() - start, experts * store.shape.nbytes)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

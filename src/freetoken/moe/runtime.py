@@ -119,7 +119,7 @@ class MoERuntime:
         self.telemetry = MoETelemetry.for_layers(store.num_layers)
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
-        self._pinned_buffers: dict[str, torch.Tensor] = {}
+        self._pinned_buffers: dict[tuple, object] = {}  # see `_pinned` and `_fetch`
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
         self.step_modes = StepModes()
         self._step: tuple[float, int, str] | None = None  # (start, tokens, mode) of a step
@@ -140,7 +140,7 @@ class MoERuntime:
                 # native kernel (about twice torch's bf16 GEMV), long chunks on torch's GEMMs.
                 rows = torch.arange(t).repeat_interleave(k)
                 job = CPUJob(x, rows, pairs.reshape(-1), weights.reshape(-1))
-                return self.cpu.submit(job).result().out
+                return self.cpu.submit(job).result().out.to(x.dtype)
             return self._gpu(x, pairs, weights)
         if self._streams(x.shape[0]):
             return self.streamer.forward(moe_layer, x, ids, weights)
@@ -181,13 +181,21 @@ class MoERuntime:
             and routes < GROUPED_GEMM_FROM_ROUTES
         )
 
-    def host_phase(self, moe_layer, x, ids, weights, slots: torch.Tensor, partial: torch.Tensor):
+    def pack_round_trip(self, x, ids, weights) -> torch.Tensor | None:
+        """The bytes `host_phase` reads back, packed on the device: a decode graph computes
+        this at the end of the segment before the layer, so the host phase only copies it
+        (on the H200 machine packing and unpacking per call cost ~0.15 ms of torch ops)."""
+        return pack_bytes([ids, x, weights]) if self.device.type == "cuda" else None
+
+    def host_phase(
+        self, moe_layer, x, ids, weights, slots: torch.Tensor, partial: torch.Tensor, packed=None
+    ):
         """Everything of the layer but its GPU kernel: decide, queue the fills (the current
         stream waits for them), run the CPU share, and leave in the device buffers what
         `device_phase` reads: each route's slot (-1 where the CPU or nobody computes it) and
-        the CPU partial (zeros without CPU routes)."""
+        the CPU partial (zeros without CPU routes). `packed`: `pack_round_trip`'s result."""
         started = time.perf_counter()
-        plan = self._start_layer(moe_layer, x, ids, weights)
+        plan = self._start_layer(moe_layer, x, ids, weights, packed)
         gpu_slots = plan.gpu_slots
         if gpu_slots is None:
             gpu_slots = np.full(ids.shape, -1, dtype=np.int64)
@@ -206,7 +214,7 @@ class MoERuntime:
         (adding zeros where one side has no routes changes nothing)."""
         return self._gpu(x, slots, weights) + partial
 
-    def _start_layer(self, moe_layer, x, ids, weights) -> _LayerPlan:
+    def _start_layer(self, moe_layer, x, ids, weights, packed=None) -> _LayerPlan:
         """The host round trip, the decisions, the fills and the CPU job's start."""
         self._sync_wait = 0.0
         cache, E = self.cache, self.store.num_experts
@@ -215,7 +223,7 @@ class MoERuntime:
         # are numpy on a handful of ids (a microsecond an op; a torch op on a tiny tensor costs
         # 5-10, and on the H200 machine this phase once took 0.25 ms a layer).
         began = time.perf_counter()
-        ids_h, x_h, weights_h = self._fetch([ids, x, weights])
+        ids_h, x_h, weights_h = self._fetch([ids, x, weights], packed)
         self._clock_step(moe_layer, x.shape[0])
         fetched = time.perf_counter()
         pairs = ids_h.numpy() + moe_layer * E  # [T, k]
@@ -321,28 +329,41 @@ class MoERuntime:
 
     def _pinned(self, host, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`host` (an array or tensor) copied, as `dtype`, into this runtime's pinned buffer
-        `name`, so the copy to the device is truly asynchronous. One buffer per name serves
-        every layer: the next layer's round trip waits for the stream, so the copy out of it
-        is done by then."""
-        host = torch.as_tensor(host)
-        dtype = dtype or host.dtype
-        buf = self._pinned_buffers.get(name)
-        if buf is None or buf.numel() < host.numel() or buf.dtype != dtype:
-            pin = self.device.type == "cuda"
-            buf = torch.empty(max(2 * host.numel(), 1), dtype=dtype, pin_memory=pin)
-            self._pinned_buffers[name] = buf
-        return buf[: host.numel()].view(host.shape).copy_(host)
+        for `name` and its shape, so the copy to the device is truly asynchronous. One buffer
+        serves every layer: the next layer's round trip waits for the stream, so the copy out
+        of it is done by then. Numpy data of the buffer's dtype is copied by numpy (a torch op
+        costs 5-40 us of host time on the H200 machine)."""
+        dtype = dtype or torch.as_tensor(host).dtype
+        key = (name, tuple(host.shape), dtype)
+        buf = self._pinned_buffers.get(key)
+        if buf is None:
+            buf = torch.empty(host.shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._pinned_buffers[key] = buf
+        if isinstance(host, np.ndarray) and dtype in (torch.int64, torch.float32):
+            buf.numpy()[...] = host
+        else:
+            buf.copy_(torch.as_tensor(host))
+        return buf
 
-    def _fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _fetch(self, tensors: list[torch.Tensor], packed=None) -> list[torch.Tensor]:
         """Copy device tensors to the host as one transfer with one synchronisation (each
-        copy costs ~30 us of host time on the H200 machine; packing them, one kernel)."""
+        copy costs ~30 us of host time on the H200 machine; packing them, one kernel, which a
+        decode graph runs itself: `packed`). The host views of a shape are made once."""
         if self.device.type != "cuda":
             return tensors
-        host = pack_bytes(tensors).to("cpu", non_blocking=True)
+        if packed is None:
+            packed = pack_bytes(tensors)
+        key = ("round trip", packed.numel(), *((t.shape, t.dtype) for t in tensors))
+        staged = self._pinned_buffers.get(key)
+        if staged is None:
+            host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
+            staged = self._pinned_buffers[key] = (host, unpack_bytes(host, tensors))
+        host, views = staged
+        host.copy_(packed, non_blocking=True)
         waited = time.perf_counter()
         torch.cuda.current_stream(self.device).synchronize()
         self._sync_wait += time.perf_counter() - waited
-        return unpack_bytes(host, tensors)
+        return views
 
     def _clock_step(self, moe_layer: int, tokens: int) -> None:
         """Time hybrid decode steps in each of `StepModes`' ways: from the first MoE layer's
