@@ -98,6 +98,8 @@ def test_team_is_exact_under_concurrent_callers(spin):
     def caller(k):
         for n in range(40):
             i = (n + k) % len(jobs)
+            if n % 3 == k:  # some jobs come after an early wake-up, some windows run out
+                kernels[n % 3].prepare((1e-5, 2e-3, 0.0)[n % 3])
             pending = kernels[(n + k) % 3].submit(*jobs[i])
             if not torch.equal(pending.result(), want[i]):
                 failures.append((k, n))
@@ -110,6 +112,28 @@ def test_team_is_exact_under_concurrent_callers(spin):
     NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2, spin_seconds=0.0)
     assert not any(t.is_alive() for t in threads), "a caller hung"
     assert failures == []
+
+
+def test_a_team_woken_early_sleeps_again_when_no_job_comes():
+    """`prepare` keeps the team awake for its window only: past it, the threads sleep (no CPU
+    time spent), and jobs still run exactly, with or without another early wake-up."""
+    import time
+
+    w_gate_up, w_down = banks(torch.float32)
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=2)
+    x, rows, pairs, weights = job()
+    want = kernel(x, rows, pairs, weights)
+    kernel.prepare(0.02)
+    time.sleep(0.1)  # the window passes with no job
+    before = time.process_time()
+    time.sleep(0.2)
+    assert time.process_time() - before < 0.05, "the team kept spinning"
+    assert torch.equal(kernel(x, rows, pairs, weights), want)
+    kernel.prepare(1.0)  # a job within the window: the team ends its wait and sleeps after it
+    assert torch.equal(kernel(x, rows, pairs, weights), want)
+    before = time.process_time()
+    time.sleep(0.2)
+    assert time.process_time() - before < 0.05, "the team kept spinning after the job"
 
 
 def test_executor_uses_the_native_kernel_and_reports_bytes():

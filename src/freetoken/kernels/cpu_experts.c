@@ -186,6 +186,7 @@ static double job_started[2], job_seconds[2];
 static uint64_t claim, published, completed;
 static int64_t gate_done, items_done;
 static int team_size = 0, sleeping_workers = 0, sleeping_waiters = 0;
+static double ready_until = 0.0; /* ft_cpu_experts_prepare: stay awake until then */
 
 static double now(void) {
     struct timespec t;
@@ -244,11 +245,18 @@ static void *worker_main(void *arg) {
     for (;;) {
         uint64_t gen = spin_while_equal(&published, seen);
         if (gen == seen) {
+            double until;
             pthread_mutex_lock(&team_mutex);
             sleeping_workers++;
-            while ((gen = LOAD(&published)) == seen) pthread_cond_wait(&work_cond, &team_mutex);
+            while ((gen = LOAD(&published)) == seen && now() >= (until = ready_until))
+                pthread_cond_wait(&work_cond, &team_mutex);
             sleeping_workers--;
             pthread_mutex_unlock(&team_mutex);
+            if (gen == seen) { /* woken ahead of a job (ft_cpu_experts_prepare): wait awake */
+                while ((gen = LOAD(&published)) == seen && now() < until)
+                    for (int i = 0; i < 32; i++) cpu_relax();
+                if (gen == seen) continue;
+            }
         }
         seen = gen;
         job_t j = jobs[gen & 1]; /* checked by the first claim (see above) */
@@ -272,6 +280,18 @@ double ft_cpu_experts_wait(uint64_t gen) {
         pthread_mutex_unlock(&team_mutex);
     }
     return job_seconds[gen & 1];
+}
+
+/* Wakes the sleeping team ahead of a job about to be submitted: they wait for it awake, for at
+ * most `seconds`. The caller pays for the wake-up (a futex broadcast, tens of microseconds
+ * under gVisor) where it would wait anyway, for the device say, instead of in
+ * ft_cpu_experts_submit, and the team starts the job at once. */
+void ft_cpu_experts_prepare(double seconds) {
+    pthread_mutex_lock(&team_mutex);
+    ready_until = now() + seconds;
+    int wake = sleeping_workers;
+    pthread_mutex_unlock(&team_mutex);
+    if (wake) pthread_cond_broadcast(&work_cond);
 }
 
 /* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
@@ -304,6 +324,7 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
                group_pair, route_row, a_buf, out, n_groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK),
                n_groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0};
     jobs[gen & 1] = j;
+    ready_until = 0.0; /* a prepared team sleeps again after this job */
     job_started[gen & 1] = now();
     STORE(&gate_done, 0);
     STORE(&items_done, 0);

@@ -57,6 +57,7 @@ class NativeCPUExperts:
         wait.argtypes, wait.restype = [ctypes.c_uint64], ctypes.c_double
         lib.ft_cpu_experts_set_spin.argtypes = [ctypes.c_double]
         lib.ft_cpu_experts_set_spin(spin_seconds)
+        lib.ft_cpu_experts_prepare.argtypes = [ctypes.c_double]
         return cls(lib, w_gate_up, w_down, act, threads)
 
     def __call__(
@@ -64,6 +65,10 @@ class NativeCPUExperts:
     ) -> torch.Tensor:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
         return self.submit(x, rows, pairs, weights).result()
+
+    def prepare(self, seconds: float) -> None:
+        """Wake the team ahead of a job expected within `seconds` (see the C source)."""
+        self._lib.ft_cpu_experts_prepare(seconds)
 
     def submit(self, x: torch.Tensor, rows, pairs, weights) -> PendingJob:
         """Start the job on the library's threads and return at once (the arguments are

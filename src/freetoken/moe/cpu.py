@@ -24,6 +24,9 @@ from freetoken.moe.store import HostExpertStore
 # (46.6 -> 24.4 GB/s) and slowed every offload strategy's decode (benchmarks/results/
 # 2026-11-29-decode-offload-h200-fold.md).
 SPIN_ENV = "FREETOKEN_CPU_SPIN_US"
+# How long (microseconds) a team woken ahead of a decode layer's job (`prepare`) waits awake for
+# it; 0 turns the early wake-up off.
+PREPARE_ENV = "FREETOKEN_CPU_PREPARE_US"
 
 
 @dataclass
@@ -87,7 +90,14 @@ class CPUExpertExecutor:
             self.native = NativeCPUExperts.create(
                 store.w_gate_up, store.w_down, act, team, spin_seconds=spin
             )
+        self.prepare_seconds = float(os.environ.get(PREPARE_ENV, 2000)) * 1e-6
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+
+    def prepare(self) -> None:
+        """A job is expected soon: wake the native team now, where the caller would wait
+        anyway (for the device's routing), instead of when the job is submitted."""
+        if self.native is not None and self.prepare_seconds > 0:
+            self.native.prepare(self.prepare_seconds)
 
     def submit(self, job: CPUJob) -> Future[CPUResult] | NativeJob:
         """Start a job; `.result()` of the returned handle waits for its CPUResult."""

@@ -223,6 +223,8 @@ class MoERuntime:
         # are numpy on a handful of ids (a microsecond an op; a torch op on a tiny tensor costs
         # 5-10, and on the H200 machine this phase once took 0.25 ms a layer).
         began = time.perf_counter()
+        if self._expects_cpu_job(moe_layer, x.shape[0]):
+            self.cpu.prepare()  # the team wakes while the host waits for the routing
         ids_h, x_h, weights_h = self._fetch([ids, x, weights], packed)
         self._clock_step(moe_layer, x.shape[0])
         fetched = time.perf_counter()
@@ -245,7 +247,8 @@ class MoERuntime:
                 fill = misses[np.argsort(-scores, kind="stable")[:q]]
         cpu_routes = missed
         if len(fill):
-            cpu_routes = missed & ~np.isin(pairs, fill) if len(fill) < len(misses) else None
+            filled = (pairs[..., None] == fill).any(-1)  # np.isin costs ~10x on a few ids
+            cpu_routes = missed & ~filled if len(fill) < len(misses) else None
         plan = _LayerPlan(x.shape[0])
         planned = time.perf_counter()
         # The CPU job first, so the CPU works while the host chooses victims and queues fills.
@@ -290,6 +293,25 @@ class MoERuntime:
         )
         counters.sync_wait_s += self._sync_wait
         return plan
+
+    def _expects_cpu_job(self, moe_layer: int, tokens: int) -> bool:
+        """Whether this layer step will likely hand routes to the CPU, before its routing is
+        known: decode steps of `cpu`, of `static` on a layer not wholly resident, and of
+        `hybrid` unless its current way of stepping fills every miss."""
+        if (
+            self.cpu is None
+            or self.device.type != "cuda"  # no wait for the device to hide the wake-up in
+            or tokens >= self.options.fill_all_from_tokens
+        ):
+            return False
+        if self.strategy == "cpu":
+            return True
+        if self.strategy == "static":
+            rows = self.store.layer_rows(moe_layer)
+            return bool((self.cache.slot_of.numpy()[rows] < 0).any())
+        if self.strategy == "hybrid":
+            return self._step is None or self._step[2] != FILL
+        return False
 
     def _submit_cpu(self, plan: _LayerPlan, cpu_routes, pairs, x_h, weights_h):
         """Start the CPU job of the routes marked in `cpu_routes` [T, k]; the tokens it reads
