@@ -77,3 +77,22 @@ def test_step_modes_try_each_way_then_keep_the_fastest():
     chooser.observe(1, FILL, 0.061)
     assert chooser.median(1, FILL) == 0.061
     assert chooser.best(1) == CPU
+
+
+def test_step_modes_keep_their_way_unless_another_is_clearly_faster():
+    """Medians timed steps apart are noisy: the way in use (the split at first) keeps its
+    place against one faster by less than the margin, and gives way beyond it."""
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
+
+    chooser = StepModes(explore_every=4, window=3, min_samples=1, margin=0.1)
+    for mode, seconds in [(SPLIT, 1.0), (SPLIT, 0.100), (FILL, 1.0), (FILL, 0.120),
+                          (CPU, 1.0), (CPU, 0.095)]:  # fmt: skip
+        assert chooser.choose(1) == mode
+        chooser.observe(1, mode, seconds)
+    assert chooser.best(1) == SPLIT  # cpu 5% faster: within the margin
+    chooser.observe(1, CPU, 0.080)
+    chooser.observe(1, CPU, 0.080)
+    assert chooser.median(1, CPU) == 0.080 and chooser.best(1) == CPU  # 20% faster
+    chooser.observe(1, SPLIT, 0.078)
+    chooser.observe(1, SPLIT, 0.078)
+    assert chooser.best(1) == CPU  # now the split is within the margin of the way in use
