@@ -5,8 +5,9 @@ A slot holds every tensor of one expert (a row of each bank) in device memory. T
 every strategy that uses this cache decides per layer on the host, after the one round trip
 that tells it which experts were routed (it must know the misses to copy them or hand them to
 the CPU), so the lookup, the rewrite to slot ids and the policy's victim choice run there as
-small tensor ops on host tensors. On the device they cost a launch each (10-25 us on the H200
-machine, against 1-5 us on the host) and a second round trip to learn the victims.
+numpy ops on the host tables (about a microsecond each; a torch op on a tiny tensor costs 5-10
+on the host, and on the device a launch of 10-25 us on the H200 machine and a second round trip
+to learn the victims).
 Which slot to give up is the eviction policy's call (`moe/policy.py`).
 """
 

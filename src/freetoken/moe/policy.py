@@ -1,4 +1,4 @@
-"""Expert-cache eviction policies (pure tensor math, no engine imports).
+"""Expert-cache eviction policies (pure array math, no engine imports).
 
 The VRAM cache is one pool of S slots shared by every MoE layer. Decode visits the layers in
 a fixed cycle, so a slot holding (layer l, expert e) is next *looked at* a known number of

@@ -184,7 +184,7 @@ class MoERuntime:
     def pack_round_trip(self, x, ids, weights) -> torch.Tensor | None:
         """The bytes `host_phase` reads back, packed on the device: a decode graph computes
         this at the end of the segment before the layer, so the host phase only copies it
-        (on the H200 machine packing and unpacking per call cost ~0.15 ms of torch ops)."""
+        (on the H200 machine the round trip's packing, copy and unpacking took 0.26 ms a layer)."""
         return pack_bytes([ids, x, weights]) if self.device.type == "cuda" else None
 
     def host_phase(
