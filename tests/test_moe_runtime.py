@@ -275,6 +275,32 @@ def test_hybrid_times_its_step_modes_and_keeps_the_fastest():
     assert (counters.fills, counters.cpu) == (2 * 10 + 1, 2 + 1)
 
 
+def test_the_cpu_team_is_woken_early_only_for_steps_that_will_use_it():
+    """With a GPU, a decode layer wakes the CPU team before its round trip when it will likely
+    hand the CPU routes: always for `cpu`, for `static` on layers not wholly resident, for
+    `hybrid` unless it is filling every miss; never for `offload`, nor for long chunks."""
+    from freetoken.moe.runtime import build_runtime
+    from freetoken.moe.split import CPU, FILL, SPLIT
+
+    store = tiny_store(num_experts=4)
+
+    def runtime(strategy, size=None):
+        rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, size))
+        assert not rt._expects_cpu_job(0, 1)  # no device to wait for: no early wake-up
+        rt.device = torch.device("cuda")  # the decision alone; nothing runs
+        return rt
+
+    assert runtime("cpu")._expects_cpu_job(0, 1)
+    assert not runtime("offload", "3")._expects_cpu_job(0, 1)
+    static = runtime("static", "4")  # layer 1's four experts resident, layer 0 on the CPU
+    assert static._expects_cpu_job(0, 1) and not static._expects_cpu_job(1, 1)
+    hybrid = runtime("hybrid", "3")
+    for mode, expected in ((SPLIT, True), (CPU, True), (FILL, False)):
+        hybrid._step = (0.0, 1, mode)
+        assert hybrid._expects_cpu_job(0, 1) == expected
+    assert not hybrid._expects_cpu_job(0, hybrid.options.fill_all_from_tokens)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "options",
