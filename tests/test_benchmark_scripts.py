@@ -38,6 +38,24 @@ def test_decode_offload_table(tmp_path):
             assert f"| {strategy}/{team} | 1 |" in table
 
 
+def test_host_step_table(tmp_path):
+    out = tmp_path / "host.md"
+    result = subprocess.run(
+        [sys.executable, "host_step.py", "--layers", "2", "--experts", "8", "--top-k", "2",
+         "--hidden", "64", "--steps", "3", "--warmup", "1", "--strategy", "hybrid",
+         "--strategy", "static", "--batch", "1", "--out", str(out)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r.split("|")[1].strip(): r.split("|")[3:-1] for r in out.read_text().splitlines()
+            if r.startswith(("| hybrid", "| static"))}  # fmt: skip
+    assert set(rows) == {"hybrid", "static"}
+    hybrid, static = ([float(c) for c in rows[name]] for name in ("hybrid", "static"))
+    plan, policy, step, hit_rate = hybrid[0], hybrid[3], hybrid[4], hybrid[5]
+    assert plan > 0 and step > plan and 0.0 <= hit_rate <= 1.0
+    assert policy > static[3]  # only hybrid has a policy to update
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_agent_replay_reuses_earlier_turns(tmp_path, family):
     out = tmp_path / "replay.md"
