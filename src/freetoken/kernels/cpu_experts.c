@@ -22,12 +22,13 @@
  * Results follow the torch reference (kernels/grouped_experts.py) rounding step for step: for
  * bf16 banks the projections, the activation, its product with up, the down projection and the
  * gate-weighted contribution are each rounded to bf16 where torch rounds them; only the
- * accumulation order inside a dot product differs. Contributions are summed per token in fp32
- * in route order (the caller orders the routes).
+ * accumulation order inside a dot product differs. Contributions are summed per token in fp32,
+ * by expert id and then in the caller's route order.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -103,7 +104,7 @@ static inline float activate(float g, int act) {
 
 /* A job: routes grouped by expert. Group g is routes [group_start[g], group_start[g + 1]), all
  * with the expert at flat id group_pair[g]. Route r reads row route_row[r] of x [*, H] and adds
- * route_w[r] * expert(x) into row route_row[r] of out [*, H] (fp32, zeroed by the caller).
+ * route_w[r] * expert(x) into row route_row[r] of out [*, H] (fp32, zeroed at submission).
  * a_buf [R, I] is scratch. */
 typedef struct {
     int dtype, act, workers;
@@ -294,14 +295,92 @@ void ft_cpu_experts_prepare(double seconds) {
     if (wake) pthread_cond_broadcast(&work_cond);
 }
 
+/* Per job slot, buffers the job owns (grown as needed, kept for the next job of the slot): the
+ * routes grouped by expert, x in fp32 and the gate/up scratch. A slot is rebuilt only for job
+ * gen + 2, after job gen is complete, so no thread still reads it then (see above). */
+typedef struct {
+    void *p;
+    size_t cap;
+} buf_t;
+enum { B_X, B_A, B_GROUP_START, B_GROUP_PAIR, B_ROW, B_W, B_ORDER, N_BUFS };
+static buf_t scratch[2][N_BUFS];
+
+static void *grow(buf_t *b, size_t bytes) {
+    if (bytes > b->cap) {
+        void *q = realloc(b->p, bytes ? bytes : 1);
+        if (!q) return NULL;
+        b->p = q;
+        b->cap = bytes;
+    }
+    return b->p;
+}
+
+typedef struct {
+    int64_t pair, index;
+} route_key_t;
+
+static int by_pair_then_index(const void *a, const void *b) {
+    const route_key_t *x = a, *y = b;
+    if (x->pair != y->pair) return x->pair < y->pair ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* Fills slot `slot`'s buffers for a job and describes it in *j; 0 when out of memory. */
+static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_rows,
+                     int64_t n_routes, const int64_t *route_row, const int64_t *route_pair,
+                     const float *route_w, float *out) {
+    buf_t *b = scratch[slot];
+    const int64_t H = j->H, I = j->I;
+    float *x32 = grow(&b[B_X], sizeof(float) * n_rows * H);
+    float *a = grow(&b[B_A], sizeof(float) * n_routes * I);
+    int64_t *start = grow(&b[B_GROUP_START], sizeof(int64_t) * (n_routes + 1));
+    int64_t *pair = grow(&b[B_GROUP_PAIR], sizeof(int64_t) * (n_routes + 1));
+    int64_t *row = grow(&b[B_ROW], sizeof(int64_t) * (n_routes + 1));
+    float *w = grow(&b[B_W], sizeof(float) * (n_routes + 1));
+    route_key_t *order = grow(&b[B_ORDER], sizeof(route_key_t) * (n_routes + 1));
+    if (!x32 || !a || !start || !pair || !row || !w || !order) return 0;
+    if (x_bf16)
+        for (int64_t i = 0; i < n_rows * H; i++) x32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    else
+        memcpy(x32, x, sizeof(float) * n_rows * H);
+    memset(out, 0, sizeof(float) * n_rows * H);
+    /* Group the routes by expert, keeping their order within a group (a stable sort). */
+    for (int64_t r = 0; r < n_routes; r++) order[r] = (route_key_t){route_pair[r], r};
+    qsort(order, (size_t)n_routes, sizeof(route_key_t), by_pair_then_index);
+    int64_t groups = 0;
+    for (int64_t r = 0; r < n_routes; r++) {
+        if (r == 0 || order[r].pair != order[r - 1].pair) {
+            start[groups] = r;
+            pair[groups++] = order[r].pair;
+        }
+        row[r] = route_row[order[r].index];
+        w[r] = route_w[order[r].index];
+    }
+    start[groups] = n_routes;
+    j->n_groups = groups;
+    j->x = x32;
+    j->route_w = w;
+    j->group_start = start;
+    j->group_pair = pair;
+    j->route_row = row;
+    j->a_buf = a;
+    j->out = out;
+    j->gate_items = groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK);
+    j->down_items = groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0;
+    return 1;
+}
+
 /* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
- * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it; the buffers
- * must stay alive until then. Returns 0 if no thread can be started. */
+ * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it. The job is
+ * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
+ * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The routes and x
+ * are copied before this returns; `out` must stay alive until the job is waited for. Returns
+ * 0 if no thread can be started or the job's buffers cannot be allocated. */
 uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
-                               int64_t I, const float *x, int64_t n_groups,
-                               const int64_t *group_start, const int64_t *group_pair,
-                               const int64_t *route_row, const float *route_w, float *a_buf,
-                               float *out, int act, int threads) {
+                               int64_t I, const void *x, int x_bf16, int64_t n_rows,
+                               int64_t n_routes, const int64_t *route_row,
+                               const int64_t *route_pair, const float *route_w, float *out,
+                               int act, int threads) {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     pthread_mutex_lock(&team_mutex);
     for (; team_size < threads; team_size++) {
@@ -320,9 +399,12 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
         pthread_mutex_lock(&team_mutex);
     }
     uint64_t gen = LOAD(&published) + 1;
-    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I, n_groups, x, route_w, group_start,
-               group_pair, route_row, a_buf, out, n_groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK),
-               n_groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0};
+    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I};
+    if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
+                   out)) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
     jobs[gen & 1] = j;
     ready_until = 0.0; /* a prepared team sleeps again after this job */
     job_started[gen & 1] = now();
