@@ -374,13 +374,14 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
  * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it. The job is
  * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
  * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The routes and x
- * are copied before this returns; `out` must stay alive until the job is waited for. Returns
- * 0 if no thread can be started or the job's buffers cannot be allocated. */
+ * are copied before this returns; `out` must stay alive until the job is waited for.
+ * *experts receives the number of distinct experts the job reads. Returns 0 if no thread can
+ * be started or the job's buffers cannot be allocated. */
 uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
                                int64_t I, const void *x, int x_bf16, int64_t n_rows,
                                int64_t n_routes, const int64_t *route_row,
                                const int64_t *route_pair, const float *route_w, float *out,
-                               int act, int threads) {
+                               int act, int threads, int64_t *experts) {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     pthread_mutex_lock(&team_mutex);
     for (; team_size < threads; team_size++) {
@@ -406,6 +407,7 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
         return 0;
     }
     jobs[gen & 1] = j;
+    *experts = j.n_groups;
     ready_until = 0.0; /* a prepared team sleeps again after this job */
     job_started[gen & 1] = now();
     STORE(&gate_done, 0);

@@ -20,8 +20,8 @@ from freetoken.kernels.grouped_experts import _ACT_CODES, reference_grouped_expe
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # dtype, w_gate_up, w_down, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
-# out, act, threads
-_SIGNATURE = [_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT]
+# out, act, threads, experts (out)
+_SIGNATURE = [_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
@@ -85,14 +85,16 @@ class NativeCPUExperts:
             weights = weights.float().numpy()
         weights = np.ascontiguousarray(weights, dtype=np.float32)
         out = np.empty((x.shape[0], self.hidden), np.float32)
+        experts = np.zeros(1, np.int64)
         ticket = self._lib.ft_cpu_experts_submit(
             self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), self.hidden,
             self.intermediate, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], len(rows),
             _ptr(rows), _ptr(pairs), _ptr(weights), _ptr(out), self.act_code, self.threads,
+            _ptr(experts),
         )  # fmt: skip
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
-        return PendingJob(self._lib, ticket, out, len(np.unique(pairs)))
+        return PendingJob(self._lib, ticket, out, int(experts[0]))
 
 
 class PendingJob:

@@ -69,6 +69,10 @@ class _ArrayState:
         """Expert or pair ids as the state's kind of index."""
         return np.asarray(ids) if self.on_host else torch.as_tensor(ids, device=self.device)
 
+    def slot_scores(self, layer: int, cached_pairs):
+        # The pairs' own scores: the state's sink entry, which index -1 reads, scores -inf.
+        return self.pair_scores(layer, cached_pairs)
+
 
 class LRUPolicy(_ArrayState):
     """Least recently used: the keep-score is the step of the last use."""
@@ -87,9 +91,6 @@ class LRUPolicy(_ArrayState):
     def observe(self, layer: int, experts) -> None:
         self.clock += 1
         self.last[self._ids(experts) + layer * self.E] = float(self.clock)
-
-    def slot_scores(self, layer: int, cached_pairs):
-        return self.last[self._ids(cached_pairs)]
 
     def pair_scores(self, layer: int, pairs):
         return self.last[self._ids(pairs)]
@@ -140,9 +141,6 @@ class ExpectedNextUsePolicy(_ArrayState):
         p[self._ids(experts)] += self.rate  # a visit's ids are distinct
         # -L * (1 - p) / p = L - L / p
         self._rows[layer][:] = self.L - self.L / p.clip(min=self.floor)
-
-    def slot_scores(self, layer: int, cached_pairs):
-        return self.pair_scores(layer, cached_pairs)
 
     def pair_scores(self, layer: int, pairs):
         pairs = self._ids(pairs)
@@ -261,9 +259,6 @@ class ReuseDensityPolicy(_ArrayState):
         self.marg.lerp_(cur, self.marginal_rate).clamp_(min=self.floor)
         torch.reciprocal(self.marg, out=self.inv_marg)
         prev.copy_(cur)
-
-    def slot_scores(self, layer: int, cached_pairs):
-        return self.pair_scores(layer, cached_pairs)
 
     def pair_scores(self, layer: int, pairs):
         pairs = self._ids(pairs)

@@ -32,6 +32,7 @@ from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
+from freetoken.moe.policy import default_policy, make_policy
 from freetoken.moe.prefill import LayerStreamer
 from freetoken.moe.split import CPU, FILL, SPLIT, BandwidthTracker, StepModes, split_misses
 from freetoken.moe.store import HostExpertStore
@@ -123,7 +124,11 @@ class MoERuntime:
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
         self.step_modes = StepModes()
         self._step: tuple[float, int, str] | None = None  # (start, tokens, mode) of a step
-        self._sync_wait = 0.0
+        # `static`'s placement never changes: the layers whose steps may give the CPU routes
+        self._static_cpu_layers = set()
+        if strategy == "static":
+            on_cpu = (cache.slot_of.numpy() < 0).reshape(store.num_layers, -1).any(1)
+            self._static_cpu_layers = set(np.flatnonzero(on_cpu).tolist())
 
     # -- the executor --------------------------------------------------------------------
 
@@ -216,7 +221,6 @@ class MoERuntime:
 
     def _start_layer(self, moe_layer, x, ids, weights, packed=None) -> _LayerPlan:
         """The host round trip, the decisions, the fills and the CPU job's start."""
-        self._sync_wait = 0.0
         cache, E = self.cache, self.store.num_experts
         self._drain_fill_timings()
         # The host round trip every layer makes: which pairs are routed. The decisions below
@@ -225,7 +229,7 @@ class MoERuntime:
         began = time.perf_counter()
         if self._expects_cpu_job(moe_layer, x.shape[0]):
             self.cpu.prepare()  # the team wakes while the host waits for the routing
-        ids_h, x_h, weights_h = self._fetch([ids, x, weights], packed)
+        (ids_h, x_h, weights_h), sync_wait = self._fetch([ids, x, weights], packed)
         self._clock_step(moe_layer, x.shape[0])
         fetched = time.perf_counter()
         pairs = ids_h.numpy() + moe_layer * E  # [T, k]
@@ -291,7 +295,7 @@ class MoERuntime:
             cpu_routes=0 if cpu_routes is None else int(cpu_routes.sum()),
             bytes_h2d=len(fill) * self.store.shape.nbytes,
         )
-        counters.sync_wait_s += self._sync_wait
+        counters.sync_wait_s += sync_wait
         return plan
 
     def _expects_cpu_job(self, moe_layer: int, tokens: int) -> bool:
@@ -307,8 +311,7 @@ class MoERuntime:
         if self.strategy == "cpu":
             return True
         if self.strategy == "static":
-            rows = self.store.layer_rows(moe_layer)
-            return bool((self.cache.slot_of.numpy()[rows] < 0).any())
+            return moe_layer in self._static_cpu_layers
         if self.strategy == "hybrid":
             return self._step is None or self._step[2] != FILL
         return False
@@ -367,12 +370,13 @@ class MoERuntime:
             buf.copy_(torch.as_tensor(host))
         return buf
 
-    def _fetch(self, tensors: list[torch.Tensor], packed=None) -> list[torch.Tensor]:
+    def _fetch(self, tensors: list[torch.Tensor], packed=None) -> tuple[list, float]:
         """Copy device tensors to the host as one transfer with one synchronisation (each
         copy costs ~30 us of host time on the H200 machine; packing them, one kernel, which a
-        decode graph runs itself: `packed`). The host views of a shape are made once."""
+        decode graph runs itself: `packed`). The host views of a shape are made once. Returns
+        the views and the seconds spent waiting for the device."""
         if self.device.type != "cuda":
-            return tensors
+            return tensors, 0.0
         if packed is None:
             packed = pack_bytes(tensors)
         key = ("round trip", packed.numel(), *((t.shape, t.dtype) for t in tensors))
@@ -384,8 +388,7 @@ class MoERuntime:
         host.copy_(packed, non_blocking=True)
         waited = time.perf_counter()
         torch.cuda.current_stream(self.device).synchronize()
-        self._sync_wait += time.perf_counter() - waited
-        return views
+        return views, time.perf_counter() - waited
 
     def _clock_step(self, moe_layer: int, tokens: int) -> None:
         """Time hybrid decode steps in each of `StepModes`' ways: from the first MoE layer's
@@ -454,19 +457,6 @@ def unpack_bytes(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.T
     return out
 
 
-def _policy(name: str | None):
-    from freetoken.moe.policy import POLICIES, default_policy
-
-    if name is None:
-        return default_policy()
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; use one of {', '.join(sorted(POLICIES))}"
-        ) from None
-
-
 def resolve_strategy(
     options: MoEOptions,
     device: torch.device,
@@ -530,7 +520,8 @@ def build_runtime(
         # experts of the last layers stay on the GPU.
         cache.preload(range(store.num_pairs - slots, store.num_pairs))
     else:
-        cache = ExpertCache(store, slots, device, policy=_policy(options.policy))
+        policy = make_policy(options.policy) if options.policy else default_policy()
+        cache = ExpertCache(store, slots, device, policy=policy)
     cpu = None
     if strategy == "fused" and device.type == "cpu":
         executor = CPUExpertExecutor(store, act, options.cpu_threads)

@@ -80,11 +80,12 @@ class StepModes:
     layer step (preparing the CPU job and bringing its partial back; choosing victims and
     queuing copies) that depend on the machine and on how many misses there are to share
     them. On the H200 machine at batch 1 (4-5 misses per layer) `static`, every miss on the
-    CPU, ran 5-7% faster than the split, and before the CPU path was rebuilt filling
+    CPU, once ran 5-7% faster than the split, and before the CPU path was rebuilt filling
     everything beat both; at batch 4 the split won by 15-60%
-    (benchmarks/results/2026-11-29-decode-offload-h200-fold.md).
-    So this times whole decode steps each way and keeps the fastest, trying the others again
-    in turn every `explore_every` steps in case the machine's load changed.
+    (benchmarks/results/2026-11-29-decode-offload-h200-fold.md; since the host path was cut,
+    the split leads at batch 1 too: 2026-11-29-decode-offload-h200-host.md). So this times
+    whole decode steps each way and keeps the fastest, trying the others again in turn every
+    `explore_every` steps in case the machine's load changed.
 
     Each way keeps its last `window` step times and their medians are compared, after
     `min_samples` of each (the first step timed each way is a warm-up and not counted: the
