@@ -22,7 +22,14 @@ import time
 from pathlib import Path
 
 import torch
-from decode_offload import qwen3_30b_a3b, random_model, sync, tiny, use_uniform_routing
+from decode_offload import (
+    qwen3_30b_a3b,
+    random_model,
+    report,
+    sync,
+    tiny,
+    use_uniform_routing,
+)
 
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
@@ -155,10 +162,7 @@ def main() -> int:
     for t in range(args.turns):
         cells = [f"{results[n][t]['ttft']:.3f} | {results[n][t]['reused']}" for n in names]
         lines.append(f"| {t + 1} | {results[names[0]][t]['tokens']} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    report(lines, args.out)
     return 0
 
 

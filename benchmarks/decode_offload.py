@@ -65,6 +65,14 @@ def tiny(layers: int) -> dict:
     return raw  # fmt: skip
 
 
+def report(lines: list[str], out: Path | None) -> None:
+    """Print a result table (the benchmarks' common ending) and write it to `out` if given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        out.write_text(text)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -350,10 +358,8 @@ def main() -> int:
             f"| {r['cache']} | {r['strategy']} | {r['batch']} | {cells} | "
             f"{r['cpu_wait_ms_per_step']:.1f} | {rest:.1f} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
+    report(lines, args.out)
     if args.out:
-        args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps({"bandwidth": bw, "rows": rows}))
     return 0
 

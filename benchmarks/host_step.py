@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from decode_offload import qwen3_30b_a3b, report
 
-from freetoken.models.config import decoder_config, routed_experts
+from freetoken.models.families import family_for
 from freetoken.moe.runtime import MoEOptions, build_runtime
 from freetoken.moe.store import HostExpertStore
 
@@ -26,12 +27,11 @@ PHASES = ("plan", "cpu_start", "fill", "policy")
 
 
 def expert_store(layers: int, experts: int, top_k: int, hidden: int, inter: int):
-    raw = {
-        "architectures": ["Bench"], "hidden_size": hidden, "num_attention_heads": 1,
-        "num_hidden_layers": layers, "vocab_size": 16, "num_experts": experts,
-        "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
-    }  # fmt: skip
-    store = HostExpertStore(decoder_config(raw, "bench", moe=routed_experts(raw)), torch.bfloat16)
+    """The expert pool of `decode_offload.py`'s model shape, resized as asked."""
+    raw = qwen3_30b_a3b(layers)
+    raw.update(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+               moe_intermediate_size=inter)  # fmt: skip
+    store = HostExpertStore(family_for(raw).parse_config(raw), torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for bank in (store.w_gate_up, store.w_down):
         bank.copy_(torch.randn(bank.shape, generator=gen) * 0.05)
@@ -106,10 +106,7 @@ def main() -> int:
             cells = " | ".join(f"{row[p]:.0f}" for p in (*PHASES, "layer step"))
             lines.append(f"| {strategy} | {batch} | {cells} | {row['hit rate']:.3f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    report(lines, args.out)
     return 0
 
 

@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 
 import torch
-from decode_offload import qwen3_30b_a3b, random_model, sync, tiny, use_uniform_routing
+from decode_offload import (
+    qwen3_30b_a3b,
+    random_model,
+    report,
+    sync,
+    tiny,
+    use_uniform_routing,
+)
 
 from freetoken.engine.runner import ModelRunner
 from freetoken.moe.bandwidth import measure
@@ -90,10 +97,7 @@ def main() -> int:
             f"{r['seconds'] * 1e3:.0f} | {r['floor_ratio']:.2f} | {r['bytes_h2d'] / 1e9:.2f} | "
             f"{r['bytes_d2d'] / 1e9:.2f} | {r['copy_wait_s'] * 1e3:.0f} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    report(lines, args.out)
     return 0
 
 
