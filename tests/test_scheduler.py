@@ -1,4 +1,4 @@
-"""The engine thread's admission: requests wait for KV pages instead of running the pool dry."""
+"""Admission by need: requests that run the KV pool dry are preempted, not failed."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def test_requests_wait_for_kv_pages(small_engine):
     kv = engine.runner.kv
     params = SamplingParams(max_new_tokens=kv.capacity_tokens // 3, temperature=0)
     prompt = engine.tokenizer.encode("Once upon a time")
-    # Each request may grow to a third of the pool: three of them cannot all run at once
-    # next to what the prefix cache holds, so one waits instead of failing mid-decode.
+    # Each request may grow to a third of the pool: three of them cannot all hold their KV
+    # next to what the prefix cache holds, so the newest is preempted and resumed instead of
+    # failing mid-decode.
     done = threading.Event()
     results: dict[int, list] = {i: [] for i in range(3)}
     errors = []

@@ -15,6 +15,7 @@ def client(server):
 
 
 USER = [{"role": "user", "content": "Hi there"}]
+LONG = [{"role": "user", "content": "a " * 3000}]  # longer than the test server's context
 # Sent as an extra field: recent SDKs no longer take `temperature` as an argument.
 GREEDY = {"temperature": 0}
 
@@ -103,7 +104,11 @@ def test_stop_sequence(client, engine, monkeypatch):
         ({"model": "claude-x", "max_tokens": 5, "messages": USER}, 404, "not_found_error"),
         ({"model": MODEL, "max_tokens": 5, "messages": []}, 400, "invalid_request_error"),
         ({"model": MODEL, "max_tokens": "5", "messages": USER}, 400, "invalid_request_error"),
-        ({"model": MODEL, "max_tokens": 99999, "messages": USER}, 400, "invalid_request_error"),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": LONG},
+            400,
+            "invalid_request_error",
+        ),
         (
             {"model": MODEL, "max_tokens": 5, "messages": USER, "foo": 1},
             400,

@@ -19,7 +19,10 @@ class EngineConfig:
     model: Path | None = None  # None: the built-in demo checkpoint
     dtype: str = "auto"  # auto follows the checkpoint; float32 | bfloat16 | float16
     device: str | None = None  # None: cuda when available, else cpu
-    kv_cache_tokens: int = 16384  # KV capacity shared by all running sequences
+    # KV capacity shared by all running sequences; None: one sequence of max_model_len, within
+    # a quarter of free memory (engine/runner.py).
+    kv_cache_tokens: int | None = None
+    max_model_len: int | None = None  # longest sequence served; None: the model's context
     page_size: int = 16
     max_batch_size: int = 4  # sequences decoded together
     # Prompt tokens per forward; longer prompts span several steps, with the running requests'

@@ -22,7 +22,7 @@ from freetoken.paths import cache_dir
 from freetoken.qwen_vocab import QWEN3_VOCAB_SIZE, write_qwen_tokenizer
 
 # Bump the suffix whenever any generated file changes, so old caches are not reused.
-DEMO_NAME = "demo-v1"
+DEMO_NAME = "demo-v2"
 DEMO_SEED = 20240601
 _INIT_STD = 0.02
 
@@ -70,6 +70,9 @@ DEMO_GENERATION_CONFIG: dict[str, Any] = {
     "do_sample": True,
     # Stop on end-of-turn and on end-of-text, as Qwen3 does.
     "eos_token_id": [151645, 151643],
+    # The output limit of a request that sets none: random weights never end a reply, and a
+    # newcomer's first curl sends no max_tokens.
+    "max_new_tokens": 256,
     "pad_token_id": 151643,
     "temperature": 0.7,
     "top_k": 20,

@@ -45,6 +45,14 @@ class Tokenizer:
         return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
     @property
+    def default_max_new_tokens(self) -> int | None:
+        """The checkpoint's output limit for a request that sets none (generation_config.json
+        `max_new_tokens`), or None."""
+        value = self.generation_config.get("max_new_tokens")
+        valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if valid else None
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 

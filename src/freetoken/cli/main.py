@@ -18,7 +18,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", help="cuda | cpu (default: cuda when available)")
-    g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache capacity in tokens")
+    g.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="KV cache capacity in tokens, shared by all requests (default: one request of "
+        "the whole context, within a quarter of free memory)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output served (default: the model's max_position_embeddings)",
+    )
     g.add_argument(
         "--no-prefix-cache",
         action="store_true",
@@ -150,6 +160,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         kv_cache_tokens=args.kv_cache_tokens,
+        max_model_len=args.max_model_len,
         prefix_cache=not args.no_prefix_cache,
         state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,

@@ -30,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"freetoken serving {name} at {url}/v1 (OpenAI) and {url}/v1/messages (Anthropic)\n"
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-        f"""-d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'""",
+        f"""-d '{{"model": "{name}", "max_tokens": 64, """
+        f""""messages": [{{"role": "user", "content": "Hello"}}]}}'\n"""
+        f"context: {engine.max_context} tokens; coding agents: ft launch claude|codex|opencode",
         file=sys.stderr,
         flush=True,
     )

@@ -1,13 +1,22 @@
 """Generation: requests in, token and text deltas out.
 
-`LLMEngine.step()` advances every running request by one token: requests waiting for their
-first token are prefilled (one forward each), then all others are decoded together in one
-batched forward. Requests join and leave between steps; the HTTP scheduler builds on this.
+`LLMEngine.step()` advances every running request: requests still prefilling get their next
+chunk, all others decode one token together in one batched forward. Requests join and leave
+between steps; the HTTP scheduler builds on this.
+
+KV pages are taken as a request needs them, never reserved for its whole `max_new_tokens`:
+when the pool runs dry, the newest running request is preempted (its full pages go to the
+prefix cache, the rest is freed) and resumes, oldest first, once there is room again, by
+recomputing what the prefix cache no longer holds (vLLM's recompute preemption). The oldest
+request is never preempted for a newer one, so every request finishes.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +29,13 @@ from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
-from freetoken.kv.paged import KVSequence
+from freetoken.kv.paged import KVSequence, OutOfPagesError
 from freetoken.kv.radix import RadixCache
 from freetoken.telemetry import PrefixReuseTelemetry
 from freetoken.tokenizer import Tokenizer
 from freetoken.weights.loader import load_model
+
+log = logging.getLogger(__name__)
 
 
 class ContextLengthError(FreetokenError, ValueError):
@@ -42,6 +53,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV (and recurrent state) came from the cache
     anchor: int | None = None  # hybrid models: position of the anchor the request resumed at
+    resumed_at: int = 0  # the position its KV started from when it (last) got its pages
+    preemptions: int = 0  # times its KV was taken back for an older request
     prefix: list = field(default_factory=list)  # radix nodes locked for this request
     anchors: list = field(default_factory=list)  # anchor checkpoints saved, not yet attached
     finish_reason: str | None = None  # "stop" | "length"
@@ -55,12 +68,33 @@ class Request:
     def recomputed_tokens(self) -> int:
         return len(self.prompt_ids) - self.cached_tokens
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far: what its KV holds once it has caught up (a
+        decoding request's KV holds all but the last output token, which the next step feeds)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the prompt followed by the output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : end - n]
+
 
 @dataclass(frozen=True)
 class StepOutput:
     request: Request
     token_id: int
     text: str  # text that became final with this token (may be empty)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What one engine step computed: prompt (and recomputed) tokens, and decoded tokens."""
+
+    prefill: int = 0
+    decode: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,8 +120,13 @@ class LLMEngine:
         self.max_prefill_chunk = max_prefill_chunk
         self.sampler = Sampler()
         self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
-        self.max_context = min(runner.config.max_position_embeddings, runner.kv.capacity_tokens)
-        self.running: list[Request] = []
+        self.max_context = min(runner.max_model_len, runner.kv.capacity_tokens)
+        self.running: list[Request] = []  # requests holding KV, oldest first
+        # Requests whose KV was taken for older ones, oldest first; they resume before any new
+        # request is admitted.
+        self.preempted: collections.deque[Request] = collections.deque()
+        self.preemptions = 0  # in total, since start
+        self.last_step = StepTokens()
         self._ids = itertools.count()
         self.prefix_cache = RadixCache(runner.kv.page_size) if prefix_cache else None
         if self.prefix_cache is not None:
@@ -118,6 +157,7 @@ class LLMEngine:
             config.moe,
             config.cuda_graphs,
             max_sequences=config.max_batch_size,
+            max_model_len=config.max_model_len,
             state_anchors=config.state_anchors if config.prefix_cache else 0,
         )
         return cls(
@@ -138,7 +178,7 @@ class LLMEngine:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
             )
-        if len(self.running) >= self.max_batch_size:
+        if len(self.running) + len(self.preempted) >= self.max_batch_size:
             raise RuntimeError(f"already running {self.max_batch_size} requests")
         req = Request(
             id=next(self._ids),
@@ -148,49 +188,88 @@ class LLMEngine:
             text=TextStream(self.tokenizer.decode, params.stop),
             generator=make_generator(params.seed, self.runner.device),
         )
+        self._take_prefix(req)
+        req.cached_tokens = req.resumed_at
+        self.reuse.record(len(prompt_ids), req.cached_tokens, req.anchor)
+        self.running.append(req)
+        return req
+
+    def can_admit(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether a new request with this prompt should start now: no preempted request is
+        waiting to resume, and the KV pool holds the pages its prompt needs beyond the cached
+        prefix, plus one page for each running request's next tokens. Nothing is reserved
+        for its output: pages are taken as it grows, and a pool that runs dry preempts the
+        newest request (see the module docstring). A request is always admitted when nothing
+        runs (alone it fits: add_request checks the context)."""
+        if self.preempted:
+            return False
+        return not self.running or self._room_for(prompt_ids)
+
+    def _room_for(self, tokens: Sequence[int]) -> bool:
+        states = self.runner.states
+        if states is not None and states.num_free == 0:
+            return False
+        kv, cache = self.runner.kv, self.prefix_cache
+        ps = kv.page_size
+        needed = -(-len(tokens) // ps) + len(self.running)
+        available = kv.allocator.num_free
+        if cache is not None:
+            matched = cache.match(tokens) if not self.runner.config.has_recurrent_state else []
+            unlocked = sum(node.refs == 0 for node in matched)
+            # Matched pages are shared, not taken; unlocked ones stop being evictable.
+            needed -= len(matched)
+            available += cache.num_evictable - unlocked
+        return needed <= available
+
+    def _take_prefix(self, req: Request) -> None:
+        """Give the request the longest cached prefix of its tokens (it starts computing from
+        there), or nothing without a prefix cache."""
         if self.prefix_cache is not None:
             try:
                 self._reuse_prefix(req)
             except BaseException:
                 self.runner.release(req.seq)  # its state slot (it shares no pages yet)
                 raise
-        self.reuse.record(len(prompt_ids), req.cached_tokens, req.anchor)
-        self.running.append(req)
-        return req
+        req.resumed_at = req.seq.length
 
     def _reuse_prefix(self, req: Request) -> None:
-        """Start the request from the longest cached prefix of its prompt (at least one prompt
-        token is left to compute: its logits give the first new token)."""
+        """Start the request from the longest cached prefix of its tokens (at least one token
+        is left to compute: its logits give the next new token)."""
         cache = self.prefix_cache
+        tokens = req.tokens(0, req.num_tokens)
         if self.runner.config.has_recurrent_state:
             # Cached pages hold K/V, but linear-attention layers need their recurrent state at
             # exactly the reuse position: only an anchor has it (without one, recompute all).
             if self.anchors is not None:
-                req.prefix, anchor = self.anchors.resume(
-                    cache, self.runner.kv, req.seq, req.prompt_ids
-                )
+                req.prefix, anchor = self.anchors.resume(cache, self.runner.kv, req.seq, tokens)
                 if anchor is not None:
-                    req.anchor = req.cached_tokens = anchor.position
+                    req.anchor = anchor.position
             return
-        path = cache.match(req.prompt_ids)
-        while path and len(path) * cache.page_size >= len(req.prompt_ids):
+        path = cache.match(tokens)
+        while path and len(path) * cache.page_size >= len(tokens):
             path.pop()
         cache.lock(path)
         req.prefix = path
         req.seq.pages = [node.page for node in path]
-        req.seq.length = req.cached_tokens = len(path) * cache.page_size
+        req.seq.length = len(path) * cache.page_size
 
     def abort(self, req: Request) -> None:
         """Remove a request (finished or not) and free its KV, donating its full pages to the
         prefix cache."""
         if req in self.running:
             self.running.remove(req)
+            self._release(req)
+        elif req in self.preempted:
+            self.preempted.remove(req)  # its KV went when it was preempted
+
+    def _release(self, req: Request) -> None:
+        """Free the request's KV and state slot; its full pages go to the prefix cache."""
         cache, seq = self.prefix_cache, req.seq
         if cache is None:
             self.runner.release(seq)
             return
         full = seq.length // cache.page_size
-        tokens = (req.prompt_ids + req.output_ids)[: full * cache.page_size]
+        tokens = req.tokens(0, full * cache.page_size)
         spare = cache.insert(tokens, seq.pages[:full])
         cache.unlock(req.prefix)
         req.prefix = []
@@ -201,38 +280,98 @@ class LLMEngine:
         seq.pages = seq.pages[full:]  # the tree holds the first `full` pages now
         self.runner.release(seq)  # the rest, and the recurrent state slot
 
+    def _preempt(self, req: Request) -> None:
+        """Take a running request's KV back; it waits in `preempted` and recomputes what the
+        prefix cache no longer holds when it resumes."""
+        self.running.remove(req)
+        self._release(req)
+        req.seq = KVSequence()
+        req.preemptions += 1
+        self.preemptions += 1
+        bisect.insort(self.preempted, req, key=lambda r: r.id)
+        log.info(
+            "KV pool full: request %d preempted at %d tokens (%d waiting to resume)",
+            req.id,
+            req.num_tokens,
+            len(self.preempted),
+        )
+
+    def _resume_preempted(self) -> None:
+        """Give preempted requests their KV back, oldest first, while the pool has room."""
+        while self.preempted and len(self.running) < self.max_batch_size:
+            req = self.preempted[0]
+            if self.running and not self._room_for(req.tokens(0, req.num_tokens)):
+                return
+            self.preempted.popleft()
+            req.seq = self.runner.new_sequence()
+            self._take_prefix(req)
+            bisect.insort(self.running, req, key=lambda r: r.id)
+
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Advance every running request: prompts still being prefilled get their next chunk
-        (up to `max_prefill_chunk` tokens in all, oldest first, in one forward), and every
-        request already generating gets one token (one batched forward). Long prompts are thus
-        split across steps so running decodes keep moving. Finished requests leave and free
-        their KV pages."""
+        """Advance every running request: requests still catching up on their tokens (a new
+        prompt, or a resumed request's context) get their next chunk (up to
+        `max_prefill_chunk` tokens in all, oldest first, in one forward), and every request
+        already generating gets one token (one batched forward). Long prompts are thus split
+        across steps so running decodes keep moving. Finished requests leave and free their
+        KV pages."""
+        self._resume_preempted()
+        self.last_step = StepTokens()
         if not self.running:
             return []
-        prefilling = [r for r in self.running if r.seq.length < len(r.prompt_ids)]
-        decoding = [r for r in self.running if r.seq.length >= len(r.prompt_ids)]
+        prefill, chunks, decoding = self._schedule()
         outputs = []
-        if prefilling:
-            group, chunks, budget = [], [], self.max_prefill_chunk
-            for r in prefilling:
-                if budget <= 0:
-                    break
-                chunk = r.prompt_ids[r.seq.length : r.seq.length + budget]
-                group.append(r)
-                chunks.append(chunk)
-                budget -= len(chunk)
-            logits = self._forward(group, chunks)
-            done = [i for i, r in enumerate(group) if r.seq.length == len(r.prompt_ids)]
+        if prefill:
+            logits = self._forward(prefill, chunks)
+            done = [i for i, r in enumerate(prefill) if r.seq.length == r.num_tokens]
             if done:
-                outputs += self._sample([group[i] for i in done], logits[done])
+                outputs += self._sample([prefill[i] for i in done], logits[done])
         if decoding:
             logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding])
             outputs += self._sample(decoding, logits)
+        self.last_step = StepTokens(sum(map(len, chunks)), len(decoding))
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
         return outputs
+
+    def _schedule(self) -> tuple[list[Request], list[list[int]], list[Request]]:
+        """This step's work, with the KV pages for it taken: (requests catching up, their
+        token chunks, requests decoding one token). Requests are taken oldest first; when the
+        pool runs dry the newest running request is preempted, which may be the one being
+        scheduled."""
+        prefill, chunks, decoding = [], [], []
+        budget = self.max_prefill_chunk
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted for an older request
+            pending = req.num_tokens - req.seq.length
+            decode = bool(req.output_ids) and pending == 1
+            n = 1 if decode else min(pending, budget)
+            if n <= 0 or not self._reserve(req, n):
+                continue
+            if decode:
+                decoding.append(req)
+            else:
+                prefill.append(req)
+                chunks.append(req.tokens(req.seq.length, req.seq.length + n))
+                budget -= n
+        return prefill, chunks, decoding
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Take pages for `n` more tokens of `req`, preempting the newest running requests
+        while the pool is short. False when `req` itself had to go."""
+        while True:
+            try:
+                self.runner.kv.reserve(req.seq, n)
+                return True
+            except OutOfPagesError:
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    raise  # alone it cannot fit: add_request's context check was bypassed
+                self._preempt(victim)
+                if victim is req:
+                    return False
 
     def _forward(self, group: list[Request], chunks: list[list[int]]) -> torch.Tensor:
         """One forward over the group; with anchors, it also saves the recurrent state at the
@@ -246,7 +385,7 @@ class LLMEngine:
             positions = [
                 p
                 for p in self.anchors.positions(chunk, start)
-                if p > r.cached_tokens and p not in saved
+                if p > r.resumed_at and p not in saved
             ]
             planned.append(self.anchors.reserve(positions, r.anchors))
             captures.append([(a.position - start, a.slot) for a in planned[-1]])
@@ -308,8 +447,12 @@ class LLMEngine:
         results: dict[int, Completion] = {}
         texts: dict[int, list[str]] = {}
         index_of: dict[int, int] = {}
-        while pending or self.running:
-            while pending and len(self.running) < self.max_batch_size:
+        while pending or self.running or self.preempted:
+            while (
+                pending
+                and len(self.running) + len(self.preempted) < self.max_batch_size
+                and self.can_admit(pending[0][1])
+            ):
                 i, prompt = pending.pop(0)
                 index_of[self.add_request(prompt, params).id] = i
             for out in self.step():

@@ -2,32 +2,71 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from freetoken.engine.batch import ForwardBatch, commit
 from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
+from freetoken.errors import FreetokenError
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
 from freetoken.weights.loader import LoadedModel
+from freetoken.weights.memory import available_host_bytes, gib
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 16
+# Without --kv-cache-tokens the KV pool holds one sequence of the model's whole context, but
+# takes at most this share of the memory free when it is made (device memory on a GPU, where
+# the expert cache takes what the pool leaves; host memory on the CPU).
+KV_MEMORY_FRACTION = 0.25
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of one token in every attention layer."""
+    layers = sum(config.attention_layers)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+def auto_kv_tokens(config, max_model_len: int, dtype: torch.dtype, device: torch.device) -> int:
+    """KV capacity for one sequence of `max_model_len` tokens where memory allows."""
+    on_gpu = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else available_host_bytes()
+    per_token = kv_bytes_per_token(config, dtype)
+    tokens = min(max_model_len, int(free * KV_MEMORY_FRACTION) // max(1, per_token))
+    if tokens < max_model_len:
+        log.warning(
+            "the KV cache holds %d tokens (%s, a quarter of the free %s memory), less than the "
+            "model's %d-token context; requests are limited to that (--kv-cache-tokens or "
+            "--max-model-len to choose)",
+            tokens,
+            gib(tokens * per_token),
+            device.type,
+            max_model_len,
+        )
+    return max(tokens, 1)
 
 
 class ModelRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        kv_cache_tokens: int = 16384,
+        kv_cache_tokens: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         moe: MoEOptions | None = None,
         cuda_graphs: bool = True,
         max_sequences: int = 8,
         state_anchors: int = 0,
+        max_model_len: int | None = None,
     ):
-        """For models with linear-attention layers: `max_sequences` recurrent state slots
+        """`max_model_len`: the longest sequence served (default: the model's
+        `max_position_embeddings`); `kv_cache_tokens`: the KV pool's capacity (default: one
+        such sequence, within KV_MEMORY_FRACTION of free memory).
+        For models with linear-attention layers: `max_sequences` recurrent state slots
         (how many sequences can run at once) plus `state_anchors` slots set aside for anchor
         checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
         self.model = loaded.model
@@ -38,6 +77,16 @@ class ModelRunner:
             # other SDPA backends take the same inputs with no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
         cfg = loaded.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise FreetokenError(
+                f"--max-model-len {self.max_model_len} is beyond the model's context of "
+                f"{cfg.max_position_embeddings} tokens (max_position_embeddings)"
+            )
+        if kv_cache_tokens is None:
+            kv_cache_tokens = auto_kv_tokens(
+                cfg, self.max_model_len, self.model.dtype, self.model.device
+            )
         self.kv = PagedKVCache(
             num_layers=cfg.num_layers,
             num_pages=-(-kv_cache_tokens // page_size),

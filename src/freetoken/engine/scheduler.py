@@ -1,9 +1,11 @@
 """The engine thread: continuous batching for concurrent clients.
 
 One thread owns the LLMEngine (and so the GPU). Clients submit requests from any thread or
-event loop; the engine thread admits them between steps up to `max_running`, runs steps, and
-delivers each request's outputs to its callback. Cancelled requests leave at the next step
-boundary and free their KV pages. A bounded waiting queue refuses work beyond `max_queued`.
+event loop; the engine thread admits them between steps up to `max_running` while the KV
+pool holds what they need now (their output grows into the pool, and the engine preempts the
+newest request when it runs dry), runs steps, and delivers each request's outputs to its
+callback. Cancelled requests leave at the next step boundary and free their KV pages. A
+bounded waiting queue refuses work beyond `max_queued`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Ticket:
     prompt_ids: list[int]
     params: SamplingParams
     on_output: Callable[[StepOutput | None, BaseException | None], None]
+    on_admit: Callable[[Request], None] | None = None  # once it has KV (cached_tokens known)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     request: Request | None = None
@@ -43,8 +46,10 @@ class Ticket:
 
 @dataclass
 class SchedulerStats:
-    running: int
+    running: int  # admitted, not finished (including those preempted)
     queued: int
+    preempted: int  # waiting to resume after their KV was taken for older requests
+    preemptions: int  # in total
     prefill_tokens: int
     decode_tokens: int
     prefill_seconds: float
@@ -77,10 +82,12 @@ class Scheduler:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         on_output: Callable[[StepOutput | None, BaseException | None], None],
+        on_admit: Callable[[Request], None] | None = None,
     ) -> Ticket:
         """Queue a request. `on_output(step, None)` is called from the engine thread for each
-        generated token, and `on_output(None, error)` if the request fails."""
-        ticket = Ticket(next(self._ids), list(prompt_ids), params, on_output)
+        generated token, and `on_output(None, error)` if the request fails; `on_admit(request)`
+        when the engine takes it (its prefix-cache reuse is known then)."""
+        ticket = Ticket(next(self._ids), list(prompt_ids), params, on_output, on_admit)
         with self._lock:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(
@@ -106,6 +113,8 @@ class Scheduler:
             return SchedulerStats(
                 running=len(self._active),
                 queued=len(self._waiting),
+                preempted=len(self.engine.preempted),
+                preemptions=self.engine.preemptions,
                 prefill_tokens=c["prefill_tokens"],
                 decode_tokens=c["decode_tokens"],
                 prefill_seconds=c["prefill_s"],
@@ -123,68 +132,45 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop:
             self._admit_and_cancel()
-            if not self.engine.running:
+            if not self.engine.running and not self.engine.preempted:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             self._step()
 
     def _admit_and_cancel(self) -> None:
+        engine = self.engine
         with self._lock:
-            for req in [r for r in self.engine.running if r.id in self._cancel]:
-                self.engine.abort(req)
+            for req in [r for r in [*engine.running, *engine.preempted] if r.id in self._cancel]:
+                engine.abort(req)
                 self._active.pop(req.id, None)
             self._cancel.clear()
-            while self._waiting and len(self.engine.running) < self.max_running:
-                if self.engine.running and not self._fits(self._waiting[0]):
-                    break  # admit it when running requests have freed KV pages
+            while (
+                self._waiting
+                and len(engine.running) + len(engine.preempted) < self.max_running
+                and engine.can_admit(self._waiting[0].prompt_ids)
+            ):
                 ticket = self._waiting.popleft()
                 try:
-                    ticket.request = self.engine.add_request(ticket.prompt_ids, ticket.params)
+                    ticket.request = engine.add_request(ticket.prompt_ids, ticket.params)
                 except (ValueError, RuntimeError) as e:
                     self._deliver(ticket, None, e)
                     continue
                 self._active[ticket.request.id] = ticket
-
-    def _fits(self, ticket: Ticket) -> bool:
-        """Whether the KV pool (free pages, plus prefix-cache pages it could evict) holds the
-        request's whole prompt and output next to what running requests may still need.
-        Without this, requests admitted together could run the pool dry mid-decode. A request
-        that finds nothing running is always admitted (alone it fits: add_request checks).
-        Models with linear attention also need a free recurrent state slot."""
-        engine = self.engine
-        states = engine.runner.states
-        if states is not None and states.num_free == 0:
-            return False
-        kv = engine.runner.kv
-        available = kv.allocator.num_free
-        if engine.prefix_cache is not None:
-            available += engine.prefix_cache.num_pages
-        pages = -(-(len(ticket.prompt_ids) + ticket.params.max_new_tokens) // kv.page_size)
-        still_needed = sum(
-            max(
-                0,
-                -(-(len(r.prompt_ids) + r.params.max_new_tokens) // kv.page_size)
-                - len(r.seq.pages),
-            )
-            for r in engine.running
-        )
-        return pages + still_needed <= available
+                if ticket.on_admit is not None:
+                    try:
+                        ticket.on_admit(ticket.request)
+                    except Exception:
+                        log.exception("admission callback of request %d failed", ticket.id)
 
     def _step(self) -> None:
-        prefill = sum(
-            min(len(r.prompt_ids) - r.seq.length, self.engine.max_prefill_chunk)
-            for r in self.engine.running
-            if r.seq.length < len(r.prompt_ids)
-        )
-        decode = sum(r.seq.length >= len(r.prompt_ids) for r in self.engine.running)
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failed step fails its requests, never the server
             log.exception("engine step failed")
             with self._lock:
-                for req in list(self.engine.running):
+                for req in [*self.engine.running, *self.engine.preempted]:
                     self.engine.abort(req)
                     ticket = self._active.pop(req.id, None)
                     if ticket is not None:
@@ -192,6 +178,7 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - start
         now = time.perf_counter()
+        prefill, decode = self.engine.last_step.prefill, self.engine.last_step.decode
         with self._lock:
             c = self._counters
             total = max(1, prefill + decode)

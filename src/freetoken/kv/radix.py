@@ -36,6 +36,7 @@ class RadixCache:
         self.root = RadixNode()
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages owned by the tree
+        self.num_locked = 0  # of them, pages some running request shares (never evicted)
         # Called with each node the tree evicts (its anchors go with it).
         self.on_evict: Callable[[RadixNode], None] | None = None
 
@@ -57,12 +58,20 @@ class RadixCache:
 
     def lock(self, path: list[RadixNode]) -> None:
         for node in path:
+            self.num_locked += node.refs == 0
             node.refs += 1
 
     def unlock(self, path: list[RadixNode]) -> None:
         for node in path:
             node.refs -= 1
             assert node.refs >= 0, "radix node unlocked more often than locked"
+            self.num_locked -= node.refs == 0
+
+    @property
+    def num_evictable(self) -> int:
+        """Pages the tree would give up if the pool ran short: every unlocked node (a request
+        locks whole paths from the root, so an unlocked node has no locked descendant)."""
+        return self.num_pages - self.num_locked
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Donate the full pages holding `tokens` (pages[i] holds page i). Returns the pages the

@@ -44,19 +44,29 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
+# Claude Code opens its system prompt with a billing header for Anthropic's servers, which read
+# it and do not show it to the model. Its text changes between sessions, so keeping it would
+# also keep every session from reusing another's cached prompt prefix.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system: Any, where: str) -> str:
+    """A system prompt (a string or text blocks) as text, without the billing header."""
+    if isinstance(system, list):
+        system = [
+            b
+            for b in _text_only(system)
+            if not (isinstance(b.get("text"), str) and b["text"].startswith(_BILLING_HEADER))
+        ]
+    return text_of(system, where)
+
+
 def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Anthropic system + messages -> the chat template's message dicts."""
     out: list[dict[str, Any]] = []
     system = body.get("system")
-    if system:
-        out.append(
-            {
-                "role": "system",
-                "content": text_of(system, "system")
-                if not isinstance(system, list)
-                else text_of(_text_only(system), "system"),
-            }
-        )
+    if system and (text := system_text(system, "system")):
+        out.append({"role": "system", "content": text})
     messages = field(body, "messages", list)
     if not messages:
         raise ApiError(400, "invalid_request_error", "messages must not be empty")
@@ -64,6 +74,13 @@ def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise ApiError(400, "invalid_request_error", f"messages[{i}] must be an object")
         role = field(m, "role", str)
+        if role == "system":
+            # Mid-conversation system messages (the `mid-conversation-system` beta Claude
+            # Code uses): rendered where they stand.
+            out.append(
+                {"role": "system", "content": system_text(m.get("content"), f"messages[{i}]")}
+            )
+            continue
         if role not in ("user", "assistant"):
             raise ApiError(400, "invalid_request_error", f"messages[{i}]: unknown role '{role}'")
         blocks = _blocks(m.get("content"), f"messages[{i}]")
@@ -150,10 +167,19 @@ def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def reasoning(core: GenerationCore, body: dict[str, Any]) -> dict[str, Any]:
+    """`thinking` and `output_config.effort` as chat template arguments, where the template
+    has them (see GenerationCore.reasoning_options)."""
+    thinking = field(body, "thinking", dict, {}).get("type")
+    effort = field(field(body, "output_config", dict, {}), "effort", str, None)
+    on = {"disabled": False, "enabled": True}.get(thinking)  # adaptive: the template decides
+    return core.reasoning_options(effort=effort, thinking=on)
+
+
 def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, GenerationRequest]:
     model = core.check_model(field(body, "model", str))
     tools = template_tools(body)
-    prompt = core.render(template_messages(body), tools=tools)
+    prompt = core.render(template_messages(body), tools=tools, **reasoning(core, body))
     forced = ForcedOutput()
     if (tool := messages_tool_choice(body)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
@@ -162,7 +188,7 @@ def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, Generatio
         raise ApiError(400, "invalid_request_error", "max_tokens must be at least 1")
     try:
         params = SamplingParams(
-            max_new_tokens=core.check_length(prompt, max_tokens),
+            max_new_tokens=core.output_budget(prompt, max_tokens),
             temperature=field(body, "temperature", float, 1.0),
             top_p=field(body, "top_p", float, 1.0),
             top_k=field(body, "top_k", int, 0),
@@ -174,11 +200,13 @@ def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, Generatio
 
 
 async def messages(core: GenerationCore, body: dict[str, Any]):
+    stream = field(body, "stream", bool, False)
     model, req = _request(core, body)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    events = core.start(req)
-    if field(body, "stream", bool, False):
-        return _stream(events, mid, model, len(req.prompt_ids))
+    generation = core.start(req)
+    if stream:
+        return _stream(generation, mid, model, len(req.prompt_ids))
+    events = generation
     content: list[dict[str, Any]] = []
     args: dict[int, list[str]] = {}
     usage, finish = None, None
@@ -216,16 +244,21 @@ async def messages(core: GenerationCore, body: dict[str, Any]):
 
 
 def _usage(u: ev.Usage) -> dict[str, int]:
+    """Anthropic usage: `input_tokens` counts only the prompt tokens the cache did not hold."""
     return {
         "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "output_tokens": u.completion_tokens,
-        "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
     }
 
 
 # Seconds without an event (a long prefill) before a keep-alive `ping`.
 PING_INTERVAL = 10.0
+# How long a stream waits for the engine to admit its request, so message_start can report
+# the prompt tokens the cache holds; past this (a long queue) it starts without them, and
+# message_delta carries the whole usage at the end.
+ADMISSION_WAIT = 5.0
 
 
 def _sse(kind: str, data: dict[str, Any]) -> str:
@@ -233,6 +266,7 @@ def _sse(kind: str, data: dict[str, Any]) -> str:
 
 
 async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIterator[str]:
+    cached = await events.cached_tokens(ADMISSION_WAIT)
     yield _sse(
         "message_start",
         {
@@ -244,7 +278,7 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+                "usage": _usage(ev.Usage(prompt_tokens, 0, cached or 0)),
             }
         },
     )
@@ -311,7 +345,7 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
                         "stop_reason": STOP_REASON[e.reason],
                         "stop_sequence": e.stop_sequence,
                     },
-                    "usage": {"output_tokens": usage.completion_tokens},
+                    "usage": _usage(usage),
                 },
             )
             yield _sse("message_stop", {})
@@ -319,4 +353,7 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
 
 def count_tokens(core: GenerationCore, body: dict[str, Any]) -> dict[str, int]:
     core.check_model(field(body, "model", str))
-    return {"input_tokens": len(core.render(template_messages(body), tools=template_tools(body)))}
+    prompt = core.render(
+        template_messages(body), tools=template_tools(body), **reasoning(core, body)
+    )
+    return {"input_tokens": len(prompt)}

@@ -77,6 +77,11 @@ def create_app(core: GenerationCore, api_key: str | None = None) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+        return {"name": "freetoken", "model": core.model_name, "endpoints": ["/v1", "/v1/messages"]}
+
     @app.get("/v1/models")
     async def list_models():
         return openai_api.models(core)

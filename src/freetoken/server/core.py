@@ -48,11 +48,16 @@ class GenerationCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = scheduler.engine.max_context
+        # A request that sets no output limit gets the checkpoint's own (generation_config's
+        # max_new_tokens), else whatever the context leaves.
+        self.default_max_tokens = tokenizer.default_max_new_tokens
         self.parser_name = None
+        self.template_source = ""
         if tokenizer.has_chat_template:
             from freetoken.server.parsers import parser_for_template
 
-            self.parser_name = parser_for_template(tokenizer.hf.chat_template)
+            self.template_source = tokenizer.hf.chat_template
+            self.parser_name = parser_for_template(self.template_source)
 
     # -- building requests ----------------------------------------------------------------
 
@@ -77,10 +82,40 @@ class GenerationCore:
         if not self.tokenizer.has_chat_template:
             raise ApiError(400, "invalid_request_error", "this model has no chat template")
         try:
-            text = self.tokenizer.render_chat(messages, tools=tools or None, **template_kwargs)
+            text = self._render(messages, tools, template_kwargs)
         except Exception as e:  # template errors are the request's fault (bad roles, shapes)
             raise ApiError(400, "invalid_request_error", f"cannot render the chat: {e}") from e
         return self.tokenizer.encode(text)
+
+    def _render(self, messages, tools, template_kwargs) -> str:
+        try:
+            return self.tokenizer.render_chat(messages, tools=tools or None, **template_kwargs)
+        except Exception:
+            # Agents put system messages mid-conversation (Claude Code's reminders). Templates
+            # that take a system message only first get those as user turns, in place.
+            later = [m for m in messages[1:] if m.get("role") == "system"]
+            if not later:
+                raise
+            moved = [messages[0]] + [
+                {**m, "role": "user"} if m.get("role") == "system" else m for m in messages[1:]
+            ]
+            return self.tokenizer.render_chat(moved, tools=tools or None, **template_kwargs)
+
+    def reasoning_options(
+        self, effort: str | None = None, thinking: bool | None = None
+    ) -> dict[str, Any]:
+        """Chat template arguments for a client's reasoning settings (an effort such as
+        "low" / "high", or thinking on / off), for the arguments this template reads: Qwen3's
+        `enable_thinking`, gpt-oss's `reasoning_effort`. An effort of "none" turns thinking
+        off."""
+        if effort == "none":
+            effort, thinking = None, False
+        options: dict[str, Any] = {}
+        if effort is not None and "reasoning_effort" in self.template_source:
+            options["reasoning_effort"] = effort
+        if thinking is not None and "enable_thinking" in self.template_source:
+            options["enable_thinking"] = thinking
+        return options
 
     def force_tool_call(
         self, prompt_ids: list[int], tools: list[dict[str, Any]], tool: str
@@ -109,43 +144,53 @@ class GenerationCore:
         forced_ids = self.tokenizer.encode(text)
         return prompt_ids + forced_ids, ForcedOutput(text, len(forced_ids))
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        """Validate the prompt against the context; return the max new tokens to allow."""
+    def output_budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """How many tokens the reply may have: what the client asked for (or the checkpoint's
+        default), cut to the room the context leaves; a reply cut there finishes with the
+        length reason, as llama-server does and as clients' own retry logic expects. Only a
+        prompt that leaves no room at all is an error, worded as each API words it (clients
+        compact the conversation on it)."""
         room = self.max_context - len(prompt_ids)
         if room <= 0:
             raise ApiError(
                 400,
                 "invalid_request_error",
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}",
+                f"This model's maximum context length is {self.max_context} tokens. However, "
+                f"your messages resulted in {len(prompt_ids)} tokens. Please reduce the length "
+                "of the messages.",
                 code="context_length_exceeded",
+                anthropic_message=(
+                    f"prompt is too long: {len(prompt_ids)} tokens > {self.max_context} maximum"
+                ),
             )
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise ApiError(
-                400,
-                "invalid_request_error",
-                f"max_tokens is {max_tokens}, but the prompt ({len(prompt_ids)} tokens) leaves "
-                f"room for {room} in the {self.max_context}-token context",
-                code="context_length_exceeded",
-            )
-        return max_tokens
+        wanted = max_tokens if max_tokens is not None else self.default_max_tokens
+        return min(wanted or room, room)
 
     # -- running --------------------------------------------------------------------------
 
-    def start(self, req: GenerationRequest) -> AsyncIterator[ev.Event]:
+    def start(self, req: GenerationRequest) -> Generation:
         """Submit now (so a full queue fails before any response starts) and return the
-        events of the generation; closing the iterator early cancels the request."""
+        generation: its events, and when it was admitted; closing it early cancels the
+        request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[StepOutput | None, BaseException | None]] = asyncio.Queue()
+        admitted: asyncio.Future[int] = loop.create_future()
 
         def on_output(out, error):
             # The client's loop may be gone (server shut down mid-request): nothing to deliver.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, (out, error))
 
-        ticket = self.scheduler.submit(req.prompt_ids, req.params, on_output)
-        return self._events(req, queue, ticket)
+        def on_admit(request):
+            def resolve():
+                if not admitted.done():
+                    admitted.set_result(request.cached_tokens)
+
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(resolve)
+
+        ticket = self.scheduler.submit(req.prompt_ids, req.params, on_output, on_admit)
+        return Generation(self._events(req, queue, ticket), admitted)
 
     async def _events(self, req, queue, ticket) -> AsyncIterator[ev.Event]:
         parser = None
@@ -194,6 +239,33 @@ class GenerationCore:
         return ev.Finish("stop")
 
 
+class Generation:
+    """A submitted request: an async iterator of its events (closing it cancels the request)
+    that also says how much of the prompt the prefix cache held, once the engine admits it."""
+
+    def __init__(self, events: AsyncIterator[ev.Event], admitted: asyncio.Future[int]):
+        self._events = events
+        self._admitted = admitted
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> ev.Event:
+        return await anext(self._events)
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+    async def cached_tokens(self, timeout: float) -> int | None:
+        """Prompt tokens reused from the prefix cache, known when the engine admits the
+        request (usually within one engine step); None if that takes longer than `timeout`
+        (the queue is long), so a stream need not wait to start."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._admitted), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
 async def with_keepalive(events: AsyncIterator[ev.Event], interval: float):
     """The events, with None yielded whenever `interval` seconds pass without one (a long
     prefill), so a stream can send keep-alives that stop clients and proxies timing out."""
@@ -213,6 +285,12 @@ async def with_keepalive(events: AsyncIterator[ev.Event], interval: float):
             pending = None
             yield event
     finally:
-        if pending is not None:
+        if pending is not None and not pending.done():
+            # The events' generator is still running inside `pending`: closing it now would
+            # raise "aclose(): asynchronous generator is already running". Cancel that step
+            # (which cancels the request) and let it finish first.
             pending.cancel()
+            await asyncio.wait({pending})
+        if pending is not None and not pending.cancelled():
+            pending.exception()  # retrieved, so asyncio does not log it as lost
         await events.aclose()

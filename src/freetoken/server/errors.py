@@ -6,9 +6,19 @@ from typing import Any
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, type: str, message: str, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        code: str | None = None,
+        anthropic_message: str | None = None,
+    ):
+        """`anthropic_message`: the wording of the Anthropic API where it differs (clients
+        match some errors by their text, e.g. a prompt too long for the context)."""
         super().__init__(message)
         self.status, self.type, self.message, self.code = status, type, message, code
+        self.anthropic_message = anthropic_message or message
 
     def openai_body(self) -> dict[str, Any]:
         return {
@@ -26,5 +36,8 @@ class ApiError(Exception):
         }
         return {
             "type": "error",
-            "error": {"type": kinds.get(self.status, self.type), "message": self.message},
+            "error": {
+                "type": kinds.get(self.status, self.type),
+                "message": self.anthropic_message,
+            },
         }

@@ -10,7 +10,13 @@ from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
-from freetoken.server.core import REQUIRED, ForcedOutput, GenerationCore, GenerationRequest
+from freetoken.server.core import (
+    REQUIRED,
+    ForcedOutput,
+    GenerationCore,
+    GenerationRequest,
+    with_keepalive,
+)
 from freetoken.server.errors import ApiError
 from freetoken.server.validate import (
     field,
@@ -37,7 +43,7 @@ def sampling(core: GenerationCore, body: dict[str, Any], prompt_ids: list[int]) 
         raise ApiError(400, "invalid_request_error", "only n=1 is supported")
     try:
         return SamplingParams(
-            max_new_tokens=core.check_length(prompt_ids, max_tokens),
+            max_new_tokens=core.output_budget(prompt_ids, max_tokens),
             temperature=field(body, "temperature", float, 1.0),
             top_p=field(body, "top_p", float, 1.0),
             top_k=field(body, "top_k", int, 0),
@@ -115,8 +121,12 @@ def chat_tool_choice(choice: Any) -> str | None:
 
 async def chat_completions(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
+    stream = field(body, "stream", bool, False)
     tools = chat_tools(body)
-    template_kwargs = field(body, "chat_template_kwargs", dict, {})  # e.g. enable_thinking
+    template_kwargs = {
+        **core.reasoning_options(effort=field(body, "reasoning_effort", str, None)),
+        **field(body, "chat_template_kwargs", dict, {}),  # e.g. enable_thinking
+    }
     prompt = core.render(chat_messages(body), tools=tools, **template_kwargs)
     forced = ForcedOutput()
     if (tool := chat_tool_choice(body.get("tool_choice", "auto"))) is not None:
@@ -124,7 +134,7 @@ async def chat_completions(core: GenerationCore, body: dict[str, Any]):
     params = sampling(core, body, prompt)
     req = GenerationRequest(prompt, params, tools=tools, forced=forced)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if field(body, "stream", bool, False):
+    if stream:
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)
         return _chat_stream(core.start(req), cid, created, model, usage)
@@ -185,6 +195,12 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
+# Seconds without an event (a long prefill) before a keep-alive: an SSE comment, which the
+# OpenAI SDKs skip, so clients and proxies with idle timeouts do not give up.
+KEEPALIVE_INTERVAL = 10.0
+KEEPALIVE = ": keep-alive\n\n"
+
+
 async def _chat_stream(events, cid, created, model, include_usage) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse(
@@ -200,8 +216,10 @@ async def _chat_stream(events, cid, created, model, include_usage) -> AsyncItera
         )
 
     yield chunk({"role": "assistant", "content": ""})
-    async for e in events:
-        if isinstance(e, ev.TextDelta):
+    async for e in with_keepalive(events, KEEPALIVE_INTERVAL):
+        if e is None:
+            yield KEEPALIVE
+        elif isinstance(e, ev.TextDelta):
             yield chunk({"content": e.text})
         elif isinstance(e, ev.ReasoningDelta):
             yield chunk({"reasoning_content": e.text})
@@ -240,6 +258,7 @@ async def _chat_stream(events, cid, created, model, include_usage) -> AsyncItera
 
 async def completions(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
+    stream = field(body, "stream", bool, False)
     prompt = field(body, "prompt", str)
     if not prompt:
         raise ApiError(400, "invalid_request_error", "prompt must not be empty")
@@ -258,17 +277,19 @@ async def completions(core: GenerationCore, body: dict[str, Any]):
         }
 
     events = core.start(req)
-    if field(body, "stream", bool, False):
+    if stream:
 
-        async def stream():
-            async for e in events:
-                if isinstance(e, ev.TextDelta):
+        async def chunks():
+            async for e in with_keepalive(events, KEEPALIVE_INTERVAL):
+                if e is None:
+                    yield KEEPALIVE
+                elif isinstance(e, ev.TextDelta):
                     yield sse(payload(e.text, None))
                 elif isinstance(e, ev.Finish):
                     yield sse(payload("", FINISH[e.reason]))
             yield sse("[DONE]")
 
-        return stream()
+        return chunks()
     text, usage, finish = [], None, None
     async for e in events:
         if isinstance(e, ev.TextDelta):
@@ -281,7 +302,18 @@ async def completions(core: GenerationCore, body: dict[str, Any]):
 
 
 def models(core: GenerationCore) -> dict[str, Any]:
+    """The served model, with its context length under the names clients read (vLLM's
+    `max_model_len`; `context_length` as llama-server and LM Studio-style clients take it)."""
     return {
         "object": "list",
-        "data": [{"id": core.model_name, "object": "model", "created": 0, "owned_by": "freetoken"}],
+        "data": [
+            {
+                "id": core.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "freetoken",
+                "max_model_len": core.max_context,
+                "context_length": core.max_context,
+            }
+        ],
     }

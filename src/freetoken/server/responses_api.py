@@ -1,17 +1,26 @@
-"""OpenAI Responses adapter: POST /v1/responses (stream and not), function tools, reasoning."""
+"""OpenAI Responses adapter: POST /v1/responses (stream and not), function tools, reasoning.
+
+Tools: function tools as they are; `namespace` tools (groups of function tools, as Codex
+sends its sub-agent tools) flattened into function tools, each call answered with its
+namespace; `custom` tools (free-form text input) as a function of one string `input`,
+answered as custom tool calls; hosted tools (web search, file search, code interpreter, ...)
+skipped, since this server runs none of them.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.server import events as ev
-from freetoken.server.core import ForcedOutput, GenerationCore, GenerationRequest
+from freetoken.server.core import ForcedOutput, GenerationCore, GenerationRequest, with_keepalive
 from freetoken.server.errors import ApiError
-from freetoken.server.openai_api import chat_tool_choice, check_model, sampling
+from freetoken.server.openai_api import KEEPALIVE_INTERVAL, chat_tool_choice, check_model, sampling
 from freetoken.server.validate import (
     field,
     template_tool,
@@ -25,9 +34,63 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class ClientTool:
+    """A tool as the client declared it, behind the function name the model sees."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False  # free-form input: the model fills one string argument, `input`
+
+
+_CUSTOM_INPUT = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "the tool's whole input"}},
+    "required": ["input"],
+}
+log = logging.getLogger(__name__)
+
+
+def template_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, ClientTool]]:
+    """The request's tools as the chat template takes them (function tools), and what each
+    function name stands for."""
+    if body.get("tool_choice") == "none":
+        return [], {}
+    out: list[dict[str, Any]] = []
+    names: dict[str, ClientTool] = {}
+
+    def add(t: Any, namespace: str | None, where: str) -> None:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ApiError(400, "invalid_request_error", f"{where}: every tool needs a 'name'")
+        kind = t.get("type", "function")
+        if kind not in ("function", "custom"):
+            raise ApiError(
+                400, "invalid_request_error", f"{where}: a namespace holds function tools only"
+            )
+        # A clash between namespaces keeps both, the later one qualified by its namespace.
+        exposed = t["name"] if t["name"] not in names else f"{namespace}.{t['name']}"
+        names[exposed] = ClientTool(t["name"], namespace, custom=kind == "custom")
+        parameters = _CUSTOM_INPUT if kind == "custom" else t.get("parameters", {"type": "object"})
+        out.append(template_tool(exposed, t.get("description", ""), parameters))
+
+    for i, t in enumerate(field(body, "tools", list, [])):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind in ("function", "custom"):
+            add(t, None, f"tools[{i}]")
+        elif kind == "namespace":
+            for j, inner in enumerate(field(t, "tools", list, [])):
+                add(inner, field(t, "name", str), f"tools[{i}].tools[{j}]")
+        elif isinstance(kind, str):
+            log.debug("skipping hosted tool %r: this server runs no hosted tools", kind)
+        else:
+            raise ApiError(400, "invalid_request_error", f"tools[{i}] needs a 'type'")
+    return out, names
+
+
+def template_messages(body: dict[str, Any], tools: dict[str, ClientTool]) -> list[dict[str, Any]]:
     """`instructions` + `input` (a string or a list of items) -> the template's messages."""
     out: list[dict[str, Any]] = []
+    exposed = {(t.namespace, t.name): name for name, t in tools.items()}
     instructions = field(body, "instructions", str, None)
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -36,6 +99,18 @@ def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         items = [{"role": "user", "content": items}]
     if not items:
         raise ApiError(400, "invalid_request_error", "input must not be empty")
+    reasoning = None  # text of a reasoning item, for the assistant turn that follows it
+
+    def assistant() -> dict[str, Any]:
+        """The assistant turn the next output item belongs to (a new one after any other)."""
+        nonlocal reasoning
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        if reasoning is not None:
+            out[-1]["reasoning_content"] = reasoning
+            reasoning = None
+        return out[-1]
+
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ApiError(400, "invalid_request_error", f"input[{i}] must be an object")
@@ -46,44 +121,57 @@ def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 role = "system"
             if role not in ("system", "user", "assistant"):
                 raise ApiError(400, "invalid_request_error", f"input[{i}]: unknown role '{role}'")
-            out.append({"role": role, "content": text_of(item.get("content"), f"input[{i}]")})
-        elif kind == "function_call":
-            arguments = tool_arguments(item.get("arguments"))
-            call = template_tool_call(item.get("call_id"), field(item, "name", str), arguments)
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
+            text = text_of(item.get("content"), f"input[{i}]")
+            if role == "assistant":
+                turn = assistant()
+                turn["content"] += text
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+                out.append({"role": role, "content": text})
+        elif kind in ("function_call", "custom_tool_call"):
+            name = field(item, "name", str)
+            name = exposed.get((item.get("namespace"), name), name)
+            if kind == "custom_tool_call":
+                arguments = {"input": item.get("input", "")}
+            else:
+                arguments = tool_arguments(item.get("arguments"))
+            call = template_tool_call(item.get("call_id"), name, arguments)
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             out.append(
                 {
                     "role": "tool",
                     "tool_call_id": item.get("call_id", ""),
-                    "content": output if isinstance(output, str) else json.dumps(output),
+                    "content": _output_text(output),
                 }
             )
-        elif kind != "reasoning":
-            raise ApiError(400, "invalid_request_error", f"input[{i}]: unsupported type '{kind}'")
+        elif kind == "reasoning":
+            # Given back as reasoning of the turn it led to, so the prompt renders as the model
+            # wrote it (and the prefix cache finds it).
+            parts = item.get("content") or item.get("summary") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            reasoning = text if text else None
+        else:
+            # Items of hosted tools this server never ran (web search calls, ...): nothing the
+            # model wrote, so nothing to render.
+            log.debug("skipping input item of type %r", kind)
     return out
 
 
-def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    if body.get("tool_choice") == "none":
-        return []
-    out = []
-    for t in field(body, "tools", list, []):
-        if not isinstance(t, dict) or t.get("type") != "function" or "name" not in t:
-            raise ApiError(400, "invalid_request_error", "only function tools are supported")
-        parameters = t.get("parameters", {"type": "object"})
-        out.append(template_tool(t["name"], t.get("description", ""), parameters))
-    return out
+def _output_text(output: Any) -> str:
+    """A tool output: a string, or content parts (their text), or any JSON value."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list) and all(isinstance(p, dict) for p in output):
+        return "".join(p.get("text", "") for p in output if isinstance(p.get("text"), str))
+    return json.dumps(output)
 
 
 class _Builder:
     """Folds core events into Responses output items, and says which stream events each makes."""
 
-    def __init__(self):
+    def __init__(self, tools: dict[str, ClientTool]):
+        self.tools = tools
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
 
@@ -121,6 +209,14 @@ class _Builder:
                     {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]},
                 )
             ]
+        elif item["type"] == "custom_tool_call":
+            item["input"] = _custom_input(item.pop("_arguments"))
+            out.append(
+                (
+                    "response.custom_tool_call_input.done",
+                    {"item_id": item["id"], "output_index": index, "input": item["input"]},
+                )
+            )
         out.append(("response.output_item.done", {"output_index": index, "item": _snapshot(item)}))
         return out
 
@@ -133,16 +229,9 @@ class _Builder:
             self.open["content"][0]["text"] += e.text
             out.append((event, _part(self.open, len(self.output) - 1, delta=e.text)))
         elif isinstance(e, ev.ToolCallStart):
-            out += self._start(
-                {
-                    "type": "function_call",
-                    "id": _id("fc"),
-                    "call_id": e.id,
-                    "name": e.name,
-                    "arguments": "",
-                    "status": "in_progress",
-                }
-            )
+            out += self._start(self._call_item(e))
+        elif isinstance(e, ev.ToolCallArgsDelta) and self.open["type"] == "custom_tool_call":
+            self.open["_arguments"] += e.text  # its input is known when the JSON is whole
         elif isinstance(e, ev.ToolCallArgsDelta):
             self.open["arguments"] += e.text
             out.append(
@@ -161,6 +250,41 @@ class _Builder:
 
     def finish(self) -> list[tuple[str, dict[str, Any]]]:
         return self._close()
+
+    def _call_item(self, e: ev.ToolCallStart) -> dict[str, Any]:
+        tool = self.tools.get(e.name, ClientTool(e.name))
+        if tool.custom:
+            return {
+                "type": "custom_tool_call",
+                "id": _id("ctc"),
+                "call_id": e.id,
+                "name": tool.name,
+                "input": "",
+                "_arguments": "",
+                "status": "in_progress",
+            }
+        item = {
+            "type": "function_call",
+            "id": _id("fc"),
+            "call_id": e.id,
+            "name": tool.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        if tool.namespace is not None:
+            item["namespace"] = tool.namespace
+        return item
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the model wrote ({"input": ...})."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments if not isinstance(value, str) else value
 
 
 def _part(item: dict[str, Any], index: int, **fields: Any) -> dict[str, Any]:
@@ -195,7 +319,7 @@ _TEXT_ITEMS = {
 
 
 def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(item))
+    return json.loads(json.dumps({k: v for k, v in item.items() if not k.startswith("_")}))
 
 
 def _response(rid, created, model, body, output, status, usage: ev.Usage | None, finish):
@@ -230,10 +354,17 @@ def _response(rid, created, model, body, output, status, usage: ev.Usage | None,
     }
 
 
+def reasoning(core: GenerationCore, body: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning.effort` as chat template arguments (GenerationCore.reasoning_options)."""
+    effort = field(field(body, "reasoning", dict, {}), "effort", str, None)
+    return core.reasoning_options(effort=effort)
+
+
 async def responses(core: GenerationCore, body: dict[str, Any]):
     model = check_model(core, body)
-    tools = template_tools(body)
-    prompt = core.render(template_messages(body), tools=tools)
+    stream = field(body, "stream", bool, False)
+    tools, names = template_tools(body)
+    prompt = core.render(template_messages(body, names), tools=tools, **reasoning(core, body))
     forced = ForcedOutput()
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -245,9 +376,9 @@ async def responses(core: GenerationCore, body: dict[str, Any]):
     req = GenerationRequest(prompt, sampling(core, chat_like, prompt), tools=tools, forced=forced)
     rid, created = _id("resp"), int(time.time())
     events = core.start(req)
-    if field(body, "stream", bool, False):
-        return _stream(events, rid, created, model, body)
-    builder, usage, finish = _Builder(), None, None
+    if stream:
+        return _stream(events, rid, created, model, body, names)
+    builder, usage, finish = _Builder(names), None, None
     async for e in events:
         builder.feed(e)
         usage = e if isinstance(e, ev.Usage) else usage
@@ -257,7 +388,7 @@ async def responses(core: GenerationCore, body: dict[str, Any]):
     return _response(rid, created, model, body, builder.output, status, usage, finish)
 
 
-async def _stream(events, rid, created, model, body) -> AsyncIterator[str]:
+async def _stream(events, rid, created, model, body, names) -> AsyncIterator[str]:
     seq = 0
 
     def sse(kind: str, data: dict[str, Any]) -> str:
@@ -270,8 +401,13 @@ async def _stream(events, rid, created, model, body) -> AsyncIterator[str]:
     start = _response(rid, created, model, body, [], "in_progress", None, None)
     yield sse("response.created", {"response": start})
     yield sse("response.in_progress", {"response": start})
-    builder, usage, finish = _Builder(), None, None
-    async for e in events:
+    builder, usage, finish = _Builder(names), None, None
+    async for e in with_keepalive(events, KEEPALIVE_INTERVAL):
+        if e is None:
+            # The hosted API's own keep-alive event during long work: clients skip it, and it
+            # resets their idle timers (an SSE comment would not reach Codex's).
+            yield sse("keepalive", {})
+            continue
         for kind, data in builder.feed(e):
             yield sse(kind, data)
         usage = e if isinstance(e, ev.Usage) else usage

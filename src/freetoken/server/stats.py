@@ -28,7 +28,12 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
     moe = engine.runner.moe
     return {
         "model": core.model_name,
-        "requests": {"running": s.running, "queued": s.queued},
+        "requests": {
+            "running": s.running,
+            "queued": s.queued,
+            "preempted": s.preempted,
+            "preemptions": s.preemptions,
+        },
         "tokens_per_second": {
             "prefill": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
             "decode": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
@@ -64,6 +69,18 @@ def metrics_text(core: GenerationCore) -> str:
 
     metric("requests_running", "gauge", "Requests being generated.", s["requests"]["running"])
     metric("requests_queued", "gauge", "Requests waiting for a slot.", s["requests"]["queued"])
+    metric(
+        "requests_preempted",
+        "gauge",
+        "Requests waiting to resume after their KV was taken for older ones.",
+        s["requests"]["preempted"],
+    )
+    metric(
+        "preemptions_total",
+        "counter",
+        "Times a request's KV was taken for an older request.",
+        s["requests"]["preemptions"],
+    )
     metric("prefill_tokens_total", "counter", "Prompt tokens prefilled.", s["tokens"]["prefill"])
     metric("decode_tokens_total", "counter", "Tokens decoded.", s["tokens"]["decode"])
     metric("ttft_seconds_mean", "gauge", "Mean time to first token.", s["ttft_seconds"]["mean"])

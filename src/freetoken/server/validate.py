@@ -129,13 +129,14 @@ ALLOWED_FIELDS = {
         "temperature", "top_p", "stream", "stream_options", "reasoning", "text", "metadata",
         "parallel_tool_calls", "previous_response_id", "store", "truncation", "user", "include",
         "background", "max_tool_calls", "prompt", "prompt_cache_key", "safety_identifier",
-        "service_tier", "top_logprobs", "conversation"},
+        "service_tier", "top_logprobs", "conversation", "client_metadata"},
     "messages": _EXTENSIONS | {
         "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream",
         "temperature", "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier",
-        "container", "mcp_servers", "context_management"},
+        "container", "mcp_servers", "context_management", "output_config", "inference_geo",
+        "speed", "diagnostics"},
     "count_tokens": {"model", "messages", "system", "tools", "tool_choice", "thinking",
-                     "mcp_servers", "context_management"},
+                     "mcp_servers", "context_management", "output_config"},
 }  # fmt: skip
 
 
