@@ -7,65 +7,84 @@ import logging
 import sys
 from pathlib import Path
 
+from freetoken.cli import launch
 from freetoken.config import EngineConfig
 from freetoken.moe.runtime import STRATEGIES, MoEOptions
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The model, engine and expert placement options; returns their actions (ft launch
+    forwards those given to the server it starts)."""
+    actions: list[argparse.Action] = []
+
+    def option(group, *names, **kwargs) -> None:
+        actions.append(group.add_argument(*names, **kwargs))
+
     g = p.add_argument_group("model and engine")
-    g.add_argument(
-        "--model", type=Path, help="local Hugging Face checkpoint directory (default: demo model)"
+    option(
+        g,
+        "--model",
+        type=Path,
+        help="local Hugging Face checkpoint directory (default: demo model)",
     )
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--device", help="cuda | cpu (default: cuda when available)")
-    g.add_argument(
+    option(g, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    option(g, "--device", help="cuda | cpu (default: cuda when available)")
+    option(
+        g,
         "--kv-cache-tokens",
         type=int,
         help="KV cache capacity in tokens, shared by all requests (default: one request of "
         "the whole context, within a quarter of free memory)",
     )
-    g.add_argument(
+    option(
+        g,
         "--max-model-len",
         type=int,
         help="longest prompt + output served (default: the model's max_position_embeddings)",
     )
-    g.add_argument(
+    option(
+        g,
         "--no-prefix-cache",
         action="store_true",
         help="do not reuse the KV of prompt prefixes seen before",
     )
-    g.add_argument(
+    option(
+        g,
         "--state-anchors",
         type=int,
         default=16,
         help="hybrid models: recurrent-state checkpoints kept at edit boundaries for prefix "
         "reuse (each costs one sequence's state)",
     )
-    g.add_argument(
+    option(
+        g,
         "--no-cuda-graphs",
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
     )
     m = p.add_argument_group("expert placement (MoE models)")
-    m.add_argument(
+    option(
+        m,
         "--moe-strategy",
         default="auto",
         choices=STRATEGIES,
         help="auto: fused when every expert fits in VRAM, else hybrid",
     )
-    m.add_argument("--moe-cache-size", help="VRAM expert cache: a slot count or a size like 8GiB")
-    m.add_argument("--moe-policy", help="eviction policy (default: the best measured)")
-    m.add_argument(
-        "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
+    option(m, "--moe-cache-size", help="VRAM expert cache: a slot count or a size like 8GiB")
+    option(m, "--moe-policy", help="eviction policy (default: the best measured)")
+    option(
+        m, "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
     )
-    m.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
-    m.add_argument(
+    option(m, "--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
+    option(
+        m,
         "--prefill-stream-threshold",
         type=int,
         default=128,
         help="stream whole expert layers for prompt chunks of at least this many tokens "
         "(default 128; 0 turns streaming off)",
     )
+    return actions
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -112,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-chunk", type=int, default=8192, help="prompt tokens per engine step"
     )
     serve.set_defaults(func="freetoken.cli.serve:run")
+
+    launch.add_parser(sub, add_engine_args)
 
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -45,8 +45,9 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 # Claude Code opens its system prompt with a billing header for Anthropic's servers, which read
-# it and do not show it to the model. Its text changes between sessions, so keeping it would
-# also keep every session from reusing another's cached prompt prefix.
+# it and do not show it to the model. Its text changes with the conversation (captured:
+# `cc_version=2.1.197.1c0`, `.363`, `.c40`), so keeping it would also keep conversations from
+# reusing each other's cached prompt prefix.
 _BILLING_HEADER = "x-anthropic-billing-header:"
 
 
