@@ -320,6 +320,10 @@ def test_chat_streams_send_comment_keepalives_the_sdk_skips(server, reply, monke
         model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).endswith(".")
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
+        completions = sse_events(r)
+    assert (":", "keep-alive") in completions and completions[-1] == (None, "[DONE]")
 
 
 def test_max_tokens_beyond_the_room_left_is_cut_to_it(server, engine, reply):

@@ -123,3 +123,4 @@ def test_serve_answers_on_the_demo_model(env):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"{base}/v1" in err and "curl" in err  # the ready message with an example
+    assert '"max_tokens": 64' in err  # the demo's replies never end by themselves

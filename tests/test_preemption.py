@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.scheduler import Scheduler
+from freetoken.errors import FreetokenError
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,23 @@ def test_long_requests_filling_the_pool_are_preempted_not_failed(cache_dir):
         scheduler.shutdown()
     assert all(r[:2] == ("length", 60) for r in results.values())
     assert stats.preemptions > 0 and stats.preempted == 0
+
+
+def test_the_pool_holds_the_models_context_where_memory_allows(cache_dir, monkeypatch):
+    from freetoken.engine import runner
+
+    engine = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32"))
+    assert engine.max_context == engine.runner.config.max_position_embeddings == 32768
+    assert engine.runner.kv.capacity_tokens >= 32768
+    per_token = runner.kv_bytes_per_token(engine.runner.config, torch.float32)
+    # With little memory free, the pool takes a quarter of it and the context follows it.
+    monkeypatch.setattr(runner, "available_host_bytes", lambda: 4 * 1000 * per_token)
+    small = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32"))
+    assert small.max_context == small.runner.kv.capacity_tokens == 1008  # 63 pages of 16
+
+
+def test_max_model_len_bounds_the_context(cache_dir):
+    engine = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32", max_model_len=1000))
+    assert engine.max_context == 1000 and engine.runner.kv.capacity_tokens >= 1000
+    with pytest.raises(FreetokenError, match="beyond the model's context of 32768"):
+        LLMEngine.from_config(EngineConfig(device="cpu", max_model_len=40000))
