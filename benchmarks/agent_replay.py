@@ -31,10 +31,10 @@ from decode_offload import (
     use_uniform_routing,
 )
 
+from freetoken.config import MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import SamplingParams
-from freetoken.moe.runtime import MoEOptions
 from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
 

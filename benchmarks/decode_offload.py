@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
+from freetoken.models.loading import LoadedModel
 from freetoken.moe.bandwidth import measure
-from freetoken.moe.runtime import MoEOptions
 from freetoken.moe.store import HostExpertStore
-from freetoken.weights.loader import LoadedModel
 
 # Host phases of a layer step that the runtime times (telemetry `<name>_s`).
 HOST_PHASES = ("round_trip", "plan", "cpu_start", "fill", "policy")

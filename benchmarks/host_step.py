@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from decode_offload import qwen3_30b_a3b, report
 
+from freetoken.config import MoEOptions
 from freetoken.models.families import family_for
-from freetoken.moe.runtime import MoEOptions, build_runtime
+from freetoken.moe.runtime import build_runtime
 from freetoken.moe.store import HostExpertStore
 
 PHASES = ("plan", "cpu_start", "fill", "policy")

@@ -25,9 +25,9 @@ from decode_offload import (
     use_uniform_routing,
 )
 
+from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.moe.bandwidth import measure
-from freetoken.moe.runtime import MoEOptions
 
 
 def prefill(loaded, options, tokens: int, overlap: bool, device) -> dict:

@@ -20,8 +20,8 @@ import torch
 from decode_offload import qwen3_30b_a3b, random_model, tiny, use_uniform_routing
 from torch.profiler import ProfilerActivity, profile
 
+from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
-from freetoken.moe.runtime import MoEOptions
 
 
 def steps(runner, seqs, n, vocab, gen):

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, MoEOptions
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.scheduler import Scheduler
-from freetoken.moe.runtime import MoEOptions
 from freetoken.server.app import create_app
 from freetoken.server.core import GenerationCore
 
@@ -54,6 +54,7 @@ def demo_engine() -> LLMEngine:
     """The demo model on the CPU in fp32, with the hybrid strategy and a small CPU-tier expert
     cache so the MoE telemetry sees misses."""
     config = EngineConfig(
+        model=demo_checkpoint(),
         device="cpu",
         dtype="float32",
         kv_cache_tokens=2048,

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from freetoken.config import EngineConfig
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from server_fixtures import running_server, scripted
 
@@ -29,7 +30,9 @@ def engine(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     try:
-        config = EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=6144)
+        config = EngineConfig(
+            model=demo_checkpoint(), device="cpu", dtype="float32", kv_cache_tokens=6144
+        )
         yield LLMEngine.from_config(config)
     finally:
         mp.undo()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken.config import EngineConfig
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 from tiny_models import build_chat_model
@@ -22,7 +23,13 @@ def engine(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
     # Page size 1: reuse is exact to the token, so recomputed tokens are the new suffix.
     return LLMEngine.from_config(
-        EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=16384, page_size=1)
+        EngineConfig(
+            model=demo_checkpoint(),
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=16384,
+            page_size=1,
+        )
     )
 
 

@@ -14,8 +14,8 @@ from freetoken.kv.anchors import AFTER, BEFORE, AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence
 from freetoken.kv.radix import RadixCache
 from freetoken.kv.recurrent import RecurrentStatePool
+from freetoken.models.loading import load_model
 from freetoken.tokenizer import Tokenizer
-from freetoken.weights.loader import load_model
 from tiny_models import build_chat_model
 
 SAME = 1e-5

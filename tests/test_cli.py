@@ -42,12 +42,13 @@ def test_generate_streams_on_demo_model(env):
 def test_generate_matches_library_greedy(env, monkeypatch):
     """What the CLI prints is the engine's greedy completion, text for text."""
     from freetoken.config import EngineConfig
+    from freetoken.demo import demo_checkpoint
     from freetoken.engine.generate import LLMEngine
     from freetoken.engine.sampling import SamplingParams
 
     out = ft(env, "generate", "--prompt", "The sky is", "--max-tokens", "5", "--temperature", "0")
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", env["FREETOKEN_CACHE_DIR"])
-    engine = LLMEngine.from_config(EngineConfig(device="cpu"))  # no model: the demo
+    engine = LLMEngine.from_config(EngineConfig(model=demo_checkpoint(), device="cpu"))
     ids = engine.tokenizer.encode("The sky is")
     [done] = engine.generate([ids], SamplingParams(max_new_tokens=5, temperature=0))
     assert out.stdout == done.text + "\n"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.batch import ForwardBatch
+from freetoken.config import MoEOptions
 from freetoken.engine.cuda_graphs import KEY_BUCKET
 from freetoken.engine.runner import ModelRunner
-from freetoken.moe.runtime import MoEOptions
-from freetoken.weights.loader import load_model
+from freetoken.kv.batch import ForwardBatch
+from freetoken.models.loading import load_model
 from tiny_models import build
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.weights.loader import load_model
+from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

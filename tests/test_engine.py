@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken.config import EngineConfig
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import ContextLengthError, LLMEngine
 from freetoken.engine.sampling import SamplingParams
 
@@ -15,7 +16,13 @@ def engine(tmp_path_factory):
     mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     try:
         yield LLMEngine.from_config(
-            EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=2048, max_batch_size=2)
+            EngineConfig(
+                model=demo_checkpoint(),
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=2048,
+                max_batch_size=2,
+            )
         )
     finally:
         mp.undo()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.weights.loader import load_model
+from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
 
 PROMPT_LEN, DECODE_STEPS, TOL = 40, 20, 1e-4

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from freetoken.activations import activation
 from freetoken.kernels.grouped_experts import (
     grouped_expert_forward,
     grouped_gemm_experts,
     reference_grouped_experts,
 )
-from freetoken.layers.mlp import activation
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(

@@ -10,8 +10,8 @@ import torch
 
 from freetoken.engine.runner import ModelRunner
 from freetoken.errors import CheckpointError, InsufficientMemoryError, UnsupportedModelError
-from freetoken.weights import loader
-from freetoken.weights.loader import load_model
+from freetoken.models import loading as loader
+from freetoken.models.loading import load_model
 from tiny_models import build
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
-from freetoken.moe.runtime import MoEOptions, parse_cache_size
-from freetoken.weights.loader import load_model
+from freetoken.models.loading import load_model
+from freetoken.moe.runtime import parse_cache_size
 from tiny_models import build
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -111,7 +112,7 @@ def test_bad_strategy_is_rejected():
 
 
 def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float32):
-    from freetoken.models.config import decoder_config, routed_experts
+    from freetoken.model_config import decoder_config, routed_experts
     from freetoken.moe.store import HostExpertStore
 
     raw = {

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.scheduler import Scheduler
@@ -22,11 +23,14 @@ def cache_dir(tmp_path_factory):
     mp.undo()
 
 
+def demo_config(**options) -> EngineConfig:
+    return EngineConfig(model=demo_checkpoint(), device="cpu", dtype="float32", **options)
+
+
 def demo(kv_tokens: int, **options) -> LLMEngine:
-    config = EngineConfig(
-        device="cpu", dtype="float32", kv_cache_tokens=kv_tokens, max_batch_size=3, **options
+    return LLMEngine.from_config(
+        demo_config(kv_cache_tokens=kv_tokens, max_batch_size=3, **options)
     )
-    return LLMEngine.from_config(config)
 
 
 def prompts(engine):
@@ -132,18 +136,26 @@ def test_long_requests_filling_the_pool_are_preempted_not_failed(cache_dir):
 def test_the_pool_holds_the_models_context_where_memory_allows(cache_dir, monkeypatch):
     from freetoken.engine import runner
 
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32"))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=demo_checkpoint(), device="cpu", dtype="float32")
+    )
     assert engine.max_context == engine.runner.config.max_position_embeddings == 32768
     assert engine.runner.kv.capacity_tokens >= 32768
     per_token = runner.kv_bytes_per_token(engine.runner.config, torch.float32)
     # With little memory free, the pool takes a quarter of it and the context follows it.
     monkeypatch.setattr(runner, "available_host_bytes", lambda: 4 * 1000 * per_token)
-    small = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32"))
+    small = LLMEngine.from_config(
+        EngineConfig(model=demo_checkpoint(), device="cpu", dtype="float32")
+    )
     assert small.max_context == small.runner.kv.capacity_tokens == 1008  # 63 pages of 16
 
 
 def test_max_model_len_bounds_the_context(cache_dir):
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32", max_model_len=1000))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=demo_checkpoint(), device="cpu", dtype="float32", max_model_len=1000)
+    )
     assert engine.max_context == 1000 and engine.runner.kv.capacity_tokens >= 1000
     with pytest.raises(FreetokenError, match="beyond the model's context of 32768"):
-        LLMEngine.from_config(EngineConfig(device="cpu", max_model_len=40000))
+        LLMEngine.from_config(
+            EngineConfig(model=demo_checkpoint(), device="cpu", max_model_len=40000)
+        )

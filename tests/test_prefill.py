@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
-from freetoken.moe.runtime import MoEOptions
-from freetoken.weights.loader import load_model
+from freetoken.models.loading import load_model
 from tiny_models import build
 
 PROMPT = 40

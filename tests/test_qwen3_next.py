@@ -17,7 +17,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import CheckpointError
 from freetoken.kv.recurrent import OutOfStateSlotsError, RecurrentStatePool
 from freetoken.models.families import family_for
-from freetoken.weights.loader import load_model
+from freetoken.models.loading import load_model
 from tiny_models import build, build_chat_model
 
 TOL = 1e-4  # against transformers

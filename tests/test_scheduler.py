@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from freetoken.config import EngineConfig
+from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.scheduler import Scheduler
@@ -15,7 +16,9 @@ from freetoken.engine.scheduler import Scheduler
 @pytest.fixture()
 def small_engine(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
-    return LLMEngine.from_config(EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=256))
+    return LLMEngine.from_config(
+        EngineConfig(model=demo_checkpoint(), device="cpu", dtype="float32", kv_cache_tokens=256)
+    )
 
 
 def test_requests_wait_for_kv_pages(small_engine):

@@ -1,22 +1,45 @@
-"""Engine settings, built once from CLI flags (or by library users) and passed down."""
+"""Engine settings, built once from CLI flags (or by library users) and passed down.
+
+This module imports nothing heavy (no torch): `ft --help` and the CLI's parser read it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+# Where routed experts run (moe/runtime.py says what each does).
+STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
 
-from freetoken.moe.runtime import MoEOptions
 
+@dataclass(frozen=True)
+class MoEOptions:
+    strategy: str = "auto"
+    cache_size: str | None = None  # slots ("512") or bytes ("8GiB"); None: from the budget
+    policy: str | None = None  # eviction policy name; None: the default
+    max_fetch: int | None = None  # hybrid: at most this many fills per layer step
+    cpu_threads: int | None = None
+    # Chunks of at least this many tokens fill every miss they can: the CPU runs long chunks at
+    # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
+    fill_all_from_tokens: int = 32
+    # Chunks of at least this many tokens stream whole layers through two buffers
+    # (moe/prefill.py); None turns streaming off. A chunk of T tokens with top-k of E experts
+    # routes to E * (1 - (1 - k/E)^T) experts per layer: for Qwen3-30B-A3B (k=8, E=128), 112 at
+    # 32 tokens and all but 0.03% at 128; from there on-demand filling moves the same bytes as
+    # streaming, without the overlap. Streaming ran at 0.97-1.09x the PCIe floor from 1k to 8k
+    # tokens on the H200 machine (benchmarks/results/2026-11-29-prefill-h200.md).
+    prefill_stream_threshold: int | None = 128
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown MoE strategy {self.strategy!r}; use one of {STRATEGIES}")
+        if self.max_fetch is not None and self.max_fetch < 1:
+            raise ValueError("--moe-hybrid-max-fetch must be at least 1")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Path | None = None  # None: the built-in demo checkpoint
+    model: Path | None = None  # a checkpoint directory (the CLI puts the demo's here when none)
     dtype: str = "auto"  # auto follows the checkpoint; float32 | bfloat16 | float16
     device: str | None = None  # None: cuda when available, else cpu
     # KV capacity shared by all running sequences; None: one sequence of max_model_len, within
@@ -38,6 +61,3 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy
-
-    def resolved_device(self) -> torch.device:
-        return torch.device(self.device or default_device())

@@ -6,12 +6,10 @@ import argparse
 import json
 from dataclasses import asdict
 
-import torch
-
-from freetoken.config import default_device
+from freetoken.devices import resolve_device
+from freetoken.models.loading import resolve_dtype
 from freetoken.moe.bandwidth import measure, save_profile
 from freetoken.moe.store import ExpertShape
-from freetoken.weights.loader import resolve_dtype
 
 
 def expert_shape(args: argparse.Namespace) -> ExpertShape:
@@ -33,7 +31,7 @@ def gbps(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or default_device())
+    device = resolve_device(args.device)
     shape = expert_shape(args)
     profile = measure(
         shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,

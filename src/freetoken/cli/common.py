@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from freetoken.engine.generate import LLMEngine
@@ -12,10 +13,14 @@ from freetoken.engine.sampling import SamplingParams
 def load_engine(args: argparse.Namespace) -> LLMEngine:
     from freetoken.cli.main import engine_config
 
-    if args.model is None:
+    config = engine_config(args)
+    if config.model is None:
+        from freetoken.demo import demo_checkpoint
+
         print("Using the built-in demo model: its weights are random, its replies are noise.",
               file=sys.stderr)  # fmt: skip
-    return LLMEngine.from_config(engine_config(args))
+        config = dataclasses.replace(config, model=demo_checkpoint())
+    return LLMEngine.from_config(config)
 
 
 def sampling_params(args: argparse.Namespace, engine: LLMEngine) -> SamplingParams:

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from freetoken.cli import launch
-from freetoken.config import EngineConfig
-from freetoken.moe.runtime import STRATEGIES, MoEOptions
+from freetoken.config import STRATEGIES, EngineConfig, MoEOptions
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 
 log = logging.getLogger(__name__)

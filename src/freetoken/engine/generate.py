@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.devices import resolve_device
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
@@ -31,9 +32,9 @@ from freetoken.errors import FreetokenError
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence, OutOfPagesError
 from freetoken.kv.radix import RadixCache
+from freetoken.models.loading import load_model
 from freetoken.telemetry import PrefixReuseTelemetry
 from freetoken.tokenizer import Tokenizer
-from freetoken.weights.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +143,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        path = config.model
-        if path is None:
-            from freetoken.demo import demo_checkpoint
-
-            path = demo_checkpoint()
-        loaded = load_model(
-            Path(path), config.dtype, config.resolved_device(), progress=config.progress
-        )
+        if config.model is None:
+            raise FreetokenError(
+                "EngineConfig.model names no checkpoint (freetoken.demo.demo_checkpoint() "
+                "builds the demo model's)"
+            )
+        device = resolve_device(config.device)
+        loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress)
         runner = ModelRunner(
             loaded,
             config.kv_cache_tokens,

@@ -7,13 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
-from freetoken.engine.batch import ForwardBatch, commit
+from freetoken.config import MoEOptions
 from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
 from freetoken.errors import FreetokenError
+from freetoken.kv.batch import ForwardBatch, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
-from freetoken.moe.runtime import MoEOptions, MoERuntime, build_runtime
-from freetoken.weights.loader import LoadedModel
+from freetoken.models.loading import LoadedModel
+from freetoken.moe.runtime import MoERuntime, build_runtime
 from freetoken.weights.memory import available_host_bytes, gib
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,11 @@
 #include <time.h>
 
 enum { DT_BF16 = 0, DT_F32 = 1 };
-enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_RELU = 3 };
+/* Activation codes: freetoken/activations.py holds the one table, passed as -D defines by
+ * kernels/native.py when it compiles this file. */
+#if !defined(ACT_SILU) || !defined(ACT_GELU) || !defined(ACT_GELU_TANH) || !defined(ACT_RELU)
+#error "compile through freetoken.kernels.native, which defines the ACT_* codes"
+#endif
 
 #define ROW_BLOCK 16 /* weight rows per work item: a few hundred items per call to balance */
 

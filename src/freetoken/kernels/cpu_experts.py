@@ -14,8 +14,9 @@ import ctypes
 import numpy as np
 import torch
 
+from freetoken.activations import activation_code, supported
 from freetoken.kernels import native
-from freetoken.kernels.grouped_experts import _ACT_CODES, reference_grouped_experts
+from freetoken.kernels.grouped_experts import reference_grouped_experts
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -36,7 +37,7 @@ class NativeCPUExperts:
         self._lib = lib
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.dtype_code = _DTYPES[w_gate_up.dtype]
-        self.act_code = _ACT_CODES[act]
+        self.act_code = activation_code(act)
         self.threads = threads
         self.hidden = w_gate_up.shape[2]
         self.intermediate = w_down.shape[2]
@@ -47,7 +48,7 @@ class NativeCPUExperts:
     ) -> NativeCPUExperts | None:
         """`spin_seconds`: how long the job handoff spins before sleeping (see the C source);
         for machines where these cores have nothing else to run."""
-        if w_gate_up.dtype not in _DTYPES or act not in _ACT_CODES:
+        if w_gate_up.dtype not in _DTYPES or not supported(act):
             return None
         if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
             return None

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.layers.mlp import activation
+from freetoken.activations import activation, activation_code
 
 try:  # Triton is optional: CPU-only installs (and CI) run the torch reference.
     import triton
@@ -71,9 +71,6 @@ REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide
 # (`grouped_gemm_experts`), which read each used expert once.
 GROUPED_GEMM_FROM_ROUTES = 512
 GROUPED_MM_MAX_GROUPS = 512  # below torch._grouped_mm's limit on groups (slots) per call (1024)
-
-# Activation names (as in HF configs) -> the code the kernel branches on at compile time.
-_ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +371,7 @@ def triton_grouped_expert_forward(
     if triton is None:
         raise RuntimeError("triton is not installed")
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
-    if act not in _ACT_CODES:
-        raise ValueError(f"unsupported activation {act!r}; supported: {sorted(_ACT_CODES)}")
+    act_code = activation_code(act)  # (a clear error for an unknown name)
     if w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         # Copying a slot bank per call would cost more than the computation; the pool owner
         # must keep the inner dimension contiguous (any layout of the outer two is fine).
@@ -402,7 +398,7 @@ def triton_grouped_expert_forward(
         HIDDEN=h,
         INTER=i,
         K=k,
-        ACT=_ACT_CODES[act],
+        ACT=act_code,
         BLOCK_N=GATE_UP_BLOCK_N,
         BLOCK_K=GATE_UP_BLOCK_K,
         num_warps=GATE_UP_WARPS,

@@ -20,11 +20,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+from freetoken.activations import KERNEL_CODES
 from freetoken.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
+# Constants a source takes from Python's one definition of them, as -D macros.
+DEFINES: dict[str, dict[str, int]] = {"cpu_experts": KERNEL_CODES}
 DISABLE_ENV = "FREETOKEN_NATIVE"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -49,15 +52,17 @@ def load(name: str) -> ctypes.CDLL | None:
     be built here."""
     with _lock:
         if name not in _loaded:
+            macros = DEFINES.get(name, {})
+            flags = [f"-D{key}={value}" for key, value in sorted(macros.items())]
             try:
-                _loaded[name] = _build_and_load(name)
+                _loaded[name] = _build_and_load(name, flags)
             except OSError as e:  # an unwritable cache directory, a library that will not load
                 log.warning("cannot build or load %s (%s): torch runs it instead (slower)", name, e)
                 _loaded[name] = None
         return _loaded[name]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
+def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     source = Path(__file__).with_name(f"{name}.c")
@@ -66,7 +71,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s runs on torch instead (slower)", name)
         return None
     key = hashlib.sha256(
-        "\n".join([source.read_text(), cc, *FLAGS, _cpu_signature()]).encode()
+        "\n".join([source.read_text(), cc, *FLAGS, *defines, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "native" / f"{name}-{key}.so"
     if not target.exists():
@@ -75,7 +80,9 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         result = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp, "-lm", "-ldl"], capture_output=True, text=True
+            [cc, *FLAGS, *defines, str(source), "-o", tmp, "-lm", "-ldl"],
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
             os.unlink(tmp)

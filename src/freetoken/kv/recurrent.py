@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.errors import FreetokenError
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 
 class OutOfStateSlotsError(FreetokenError, RuntimeError):

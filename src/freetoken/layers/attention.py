@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 
 class Attention(nn.Module):

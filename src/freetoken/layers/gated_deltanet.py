@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.batch import ForwardBatch, StateGroup
+from freetoken.activations import activation
+from freetoken.kv.batch import ForwardBatch, StateGroup
 from freetoken.kv.recurrent import RecurrentStatePool
-from freetoken.layers.mlp import activation
 from freetoken.layers.norm import GatedRMSNorm
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 CHUNK_SIZE = 64
 

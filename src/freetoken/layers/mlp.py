@@ -1,23 +1,7 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
-def activation(name: str):
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(
-            f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}"
-        ) from None
+from freetoken.activations import activation
 
 
 class GatedMLP(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers.mlp import GatedMLP
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 
 def route(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from freetoken.models.config import RopeConfig
+from freetoken.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

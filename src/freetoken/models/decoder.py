@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.batch import ForwardBatch
+from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
@@ -15,7 +15,7 @@ from freetoken.layers.mlp import GatedMLP
 from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import RotaryEmbedding
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 # Hugging Face names of the common decoder layout -> our parameter names. Families whose
 # checkpoints use other names first rewrite them to this layout with their own `renames`.

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from freetoken.config import MoEOptions
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache
@@ -40,7 +41,6 @@ from freetoken.telemetry import MoETelemetry
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
 # When the split would fill this share of the misses anyway, the CPU path is not worth its cost:
 # on the H200 host (B_P' 41-49 GB/s, B_H' 4-8 GB/s, 86% filled) each CPU job's fixed cost
 # (handoff, waiting, ~0.7 ms) exceeded the PCIe time it saved, and hybrid ran 25-35% below
@@ -53,31 +53,6 @@ DEFAULT_CPU_BANDWIDTH = 34e9
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MoEOptions:
-    strategy: str = "auto"
-    cache_size: str | None = None  # slots ("512") or bytes ("8GiB"); None: from the budget
-    policy: str | None = None  # eviction policy name; None: the default
-    max_fetch: int | None = None  # hybrid: at most this many fills per layer step
-    cpu_threads: int | None = None
-    # Chunks of at least this many tokens fill every miss they can: the CPU runs long chunks at
-    # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
-    fill_all_from_tokens: int = 32
-    # Chunks of at least this many tokens stream whole layers through two buffers
-    # (moe/prefill.py); None turns streaming off. A chunk of T tokens with top-k of E experts
-    # routes to E * (1 - (1 - k/E)^T) experts per layer: for Qwen3-30B-A3B (k=8, E=128), 112 at
-    # 32 tokens and all but 0.03% at 128; from there on-demand filling moves the same bytes as
-    # streaming, without the overlap. Streaming ran at 0.97-1.09x the PCIe floor from 1k to 8k
-    # tokens on the H200 machine (benchmarks/results/2026-11-29-prefill-h200.md).
-    prefill_stream_threshold: int | None = 128
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown MoE strategy {self.strategy!r}; use one of {STRATEGIES}")
-        if self.max_fetch is not None and self.max_fetch < 1:
-            raise ValueError("--moe-hybrid-max-fetch must be at least 1")
 
 
 def parse_cache_size(value: str, expert_bytes: int) -> int:

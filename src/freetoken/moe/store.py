@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

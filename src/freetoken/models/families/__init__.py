@@ -1,6 +1,7 @@
-"""Registry of model families keyed by the `architectures` value of config.json.
+"""The registry of model families: each family file declares its `FAMILY`, with the
+`architectures` values of config.json it reads; this module lists the files once.
 
-Family modules are imported only when a checkpoint asks for them.
+A new family is a file here and a line in FAMILY_MODULES.
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from typing import Any
 from freetoken.errors import UnsupportedModelError
 from freetoken.models.family import Family
 
-ARCHITECTURES: dict[str, str] = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "Qwen3ForCausalLM": "qwen3",
-    "LlamaForCausalLM": "llama",
+FAMILY_MODULES = ("qwen3_moe", "qwen3_next", "qwen2_moe", "mixtral", "olmoe", "qwen3", "llama")
+FAMILIES: tuple[Family, ...] = tuple(
+    importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES
+)
+ARCHITECTURES: dict[str, Family] = {
+    arch: family for family in FAMILIES for arch in family.architectures
 }
 
 
@@ -26,8 +25,7 @@ def family_for(raw_config: dict[str, Any]) -> Family:
     archs = raw_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
-            module = importlib.import_module(f"{__name__}.{ARCHITECTURES[arch]}")
-            return module.FAMILY
+            return ARCHITECTURES[arch]
     shown = ", ".join(archs) if archs else "none given"
     raise UnsupportedModelError(
         f"unsupported architecture ({shown}); supported: {', '.join(sorted(ARCHITECTURES))}"

@@ -1,4 +1,4 @@
-from freetoken.models.config import decoder_config, routed_experts, sparse_layer_pattern
+from freetoken.model_config import decoder_config, routed_experts, sparse_layer_pattern
 from freetoken.models.family import Family
 
 

@@ -1,4 +1,4 @@
-from freetoken.models.config import (
+from freetoken.model_config import (
     LinearAttentionConfig,
     decoder_config,
     linear_attention_pattern,

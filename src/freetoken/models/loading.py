@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from freetoken.errors import CheckpointError, InsufficientMemoryError
-from freetoken.models.config import ModelConfig
+from freetoken.model_config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import HostExpertStore
