@@ -15,8 +15,11 @@ offload runtime's `host_phase` / `device_phase`) is folded instead: the host pha
 the graphs and leaves each route's slot and the CPU partial in buffers, and the next graph
 begins with the layer's GPU experts, so the host launches no kernel of its own for them (three
 Triton launches cost ~250 us of host time per layer on the H200 machine, one graph launch
-~120 us). Attention reads key tables padded to a multiple of `KEY_BUCKET`,
-so one capture serves a batch size until the longest sequence crosses the next multiple.
+~120 us). Attention reads each sequence's length and page-table row on the device
+(kernels/paged_attention.py), so one capture serves a batch size at every context length; a
+replay copies in one packed buffer of the step's values (tokens, positions, write slots, rows,
+lengths), and the page table the graphs read is the cache's own, kept up to date by
+ForwardBatch.build.
 
 A shape is captured the second time it is seen: the first run is eager and warms up what a
 capture cannot do (kernel compilation, library handles).
@@ -27,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +39,7 @@ from freetoken.kv.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-KEY_BUCKET = 256  # keys per padding step: a new capture every 256 tokens of context
-MAX_CAPTURES = 4  # captured shapes kept (each holds its own activation memory)
+MAX_CAPTURES = 8  # captured batch sizes kept (each holds its own activation memory)
 
 
 @dataclass
@@ -87,12 +89,12 @@ class DecodeGraphs:
 
     @staticmethod
     def key(batch: ForwardBatch) -> tuple:
-        return (batch.num_tokens, batch.key_slots.shape[1], batch.sliding_mask is not None)
+        return (batch.num_tokens,)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Logits [B, V] of a decode batch (one new token per sequence, keys padded with
-        KEY_BUCKET) from its graphs, capturing them on the second sighting; None when the
-        caller should run this step eagerly."""
+        """Logits [B, V] of a decode batch (one new token per sequence) from its graphs,
+        capturing them on the second sighting; None when the caller should run this step
+        eagerly."""
         key = self.key(batch)
         capture = self.captures.get(key)
         if capture is None:
@@ -112,11 +114,7 @@ class DecodeGraphs:
             if len(self.captures) > MAX_CAPTURES:
                 self.captures.popitem(last=False)
         self.captures.move_to_end(key)
-        for f in fields(ForwardBatch):
-            static = getattr(capture.batch, f.name)
-            if isinstance(static, torch.Tensor):
-                static.copy_(getattr(batch, f.name), non_blocking=True)
-        capture.batch.seq_lens = batch.seq_lens
+        capture.batch.packed.copy_(batch.packed, non_blocking=True)
         with torch.inference_mode():  # the static tensors were made under it, by the capture
             for i, graph in enumerate(capture.graphs):
                 graph.replay()
@@ -126,12 +124,7 @@ class DecodeGraphs:
         return capture.logits.clone()
 
     def _capture(self, batch: ForwardBatch) -> _Capture:
-        static = ForwardBatch(
-            **{
-                f.name: (v.clone() if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
-                for f in fields(ForwardBatch)
-            }
-        )
+        static = batch.views_of(batch.packed.clone())
         device = batch.input_ids.device
         pool = torch.cuda.graph_pool_handle()
         graphs: list[torch.cuda.CUDAGraph] = []

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.config import MoEOptions
-from freetoken.engine.cuda_graphs import KEY_BUCKET, DecodeGraphs
+from freetoken.engine.cuda_graphs import DecodeGraphs
 from freetoken.errors import FreetokenError
-from freetoken.kv.batch import ForwardBatch, commit
+from freetoken.kv.batch import ForwardBatch, PinnedStaging, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.models.loading import LoadedModel
@@ -97,7 +97,10 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.model.device,
             kv_layers=cfg.attention_layers,
+            max_seq_tokens=self.max_model_len,
         )
+        # Pinned buffers for each forward's packed copy of its per-step values.
+        self.staging = PinnedStaging() if self.model.device.type == "cuda" else None
         self.states = RecurrentStatePool.for_model(
             cfg, max_sequences + state_anchors, self.model.dtype, self.model.device
         )
@@ -161,13 +164,7 @@ class ModelRunner:
         self._install_moe()
         decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
         batch = ForwardBatch.build(
-            self.kv,
-            seqs,
-            new_tokens,
-            self.device,
-            sliding_window=self.config.sliding_window,
-            key_bucket=KEY_BUCKET if decode else None,
-            captures=captures,
+            self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )
         logits = self.graphs.run(batch) if decode else None
         if logits is None:

@@ -2,8 +2,11 @@
 
 A batch is a list of sequences, each with some positions already in the KV cache and some new
 tokens (a whole prompt, a prefill chunk, or one decode token). Tokens are flattened sequence
-by sequence; attention works on a padded [batch, queries, keys] view built from the tables
-here, once per forward, shared by all layers.
+by sequence. Attention reads each sequence's keys where they lie, through its row of the
+cache's device page table and its length: no key table, no mask, nothing whose size grows
+with the context is built here. The per-step values (tokens, positions, write slots, rows,
+lengths) travel to the device in one packed copy, together with the page-table entries added
+since the last step (`PagedKVCache.pending_rows`).
 """
 
 from __future__ import annotations
@@ -26,26 +29,67 @@ class StateGroup:
     captures: list[tuple[int, int]] = field(default_factory=list)  # only when n == 1
 
 
+class PinnedStaging:
+    """Page-locked host buffers for the packed per-step copy (a copy from pageable memory is
+    synchronous, and pinning a new buffer each step costs more than the copy). Two buffers
+    alternate; each is rewritten only after the copy that last read it has run."""
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def upload(self, values: list[int], device: torch.device) -> torch.Tensor:
+        i, self._turn = self._turn, 1 - self._turn
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < len(values):
+            buffer = torch.empty(max(len(values), 1024), dtype=torch.long).pin_memory()
+            self._buffers[i] = buffer
+        host = buffer[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.long))
+        flat = host.to(device, non_blocking=True)
+        event = self._events[i] or torch.cuda.Event()
+        event.record()
+        self._events[i] = event
+        return flat
+
+
 @dataclass
 class ForwardBatch:
+    # Device tensors, views of one packed copy (`packed`); int64 throughout.
     input_ids: torch.Tensor  # [T] new tokens, flattened sequence by sequence
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] KV slot of each new token
-    key_slots: torch.Tensor  # [B, K] KV slots of every key each sequence attends to (padded)
-    query_index: torch.Tensor  # [B, Q] flat index of each sequence's queries (padded with 0)
-    query_rows: torch.Tensor  # [T] row of each new token in the padded [B * Q] queries
-    causal_mask: torch.Tensor  # [B, 1, Q, K] bool
-    # One sequence whose keys end with its new tokens (no padding): the causal mask is the
-    # lower-right triangle, which SDPA's fused kernels take without a materialised mask.
-    causal_lower_right: bool
-    sliding_mask: torch.Tensor | None  # [B, 1, Q, K] bool, when some layer slides
+    rows: torch.Tensor  # [B] each sequence's row of the page table
+    lengths: torch.Tensor  # [B] keys of each sequence after this forward
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    packed: torch.Tensor  # the above, in one buffer (what a decode graph copies in)
+    page_table: torch.Tensor  # the cache's [rows, pages] table (persistent, not per batch)
+    page_size: int
+    # The same on the host, for the code that loops over sequences.
     seq_lens: list[int]  # total length of each sequence after this forward
     counts: list[int]  # new tokens of each sequence
+    row_ids: list[int]
     state_slots: torch.Tensor | None = None  # [B] recurrent state slot of each sequence
     # Per sequence: (k, slot) = copy the recurrent state after its first k new tokens into
     # pool slot `slot` (an anchor checkpoint, kv/anchors.py); k ascending, 0 <= k <= count.
     captures: list[list[tuple[int, int]]] | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence."""
+        return self.num_tokens == len(self.counts)
+
+    @property
+    def starts(self) -> list[int]:
+        """Flat index of each sequence's first new token."""
+        out, start = [], 0
+        for n in self.counts:
+            out.append(start)
+            start += n
+        return out
 
     def state_groups(self) -> list[StateGroup]:
         """How linear-attention layers walk the batch, in flat token order. Sequences with
@@ -74,75 +118,76 @@ class ForwardBatch:
         seqs: Sequence[KVSequence],
         new_tokens: Sequence[Sequence[int]],
         device: torch.device,
-        sliding_window: int | None = None,
-        key_bucket: int | None = None,
         captures: list[list[tuple[int, int]]] | None = None,
+        staging: PinnedStaging | None = None,
     ) -> ForwardBatch:
-        """Reserve pages for the new tokens and build the tables. Does not advance
-        `seq.length`; call :func:`commit` after the forward succeeds. With `key_bucket`, the
-        key tables are padded (masked) to a multiple of it, so their shape changes rarely: what
-        a captured CUDA graph needs."""
+        """Reserve pages for the new tokens, bring the device page table up to date and
+        build the batch (on a GPU, through `staging`'s pinned buffers when given). Does not
+        advance `seq.length`; call :func:`commit` after the forward succeeds. The host's work
+        is proportional to the new tokens and the pages added, never to the context."""
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
-        starts, counts, totals = [], [], []
+        counts, totals, last = [], [], []
         for seq, toks in zip(seqs, new_tokens, strict=True):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
             cache.reserve(seq, len(toks))
-            starts.append(seq.length)
+            start = seq.length
             counts.append(len(toks))
-            totals.append(seq.length + len(toks))
+            totals.append(start + len(toks))
             ids.extend(toks)
-            positions.extend(range(seq.length, seq.length + len(toks)))
-            write_slots.extend(cache.slots(seq, seq.length, seq.length + len(toks)))
-
-        b, q_max, k_max = len(seqs), max(counts), max(totals)
-        if key_bucket:
-            k_max = -(-k_max // key_bucket) * key_bucket
-        key_slots = torch.zeros(b, k_max, dtype=torch.long)
-        query_index = torch.zeros(b, q_max, dtype=torch.long)
-        q_pos = torch.full((b, q_max), -1, dtype=torch.long)
-        k_len = torch.tensor(totals)
-        offset = 0
-        for i, seq in enumerate(seqs):
-            key_slots[i, : totals[i]] = torch.tensor(cache.slots(seq, 0, totals[i]))
-            query_index[i, : counts[i]] = torch.arange(offset, offset + counts[i])
-            q_pos[i, : counts[i]] = torch.arange(starts[i], totals[i])
-            offset += counts[i]
-        k_pos = torch.arange(k_max)
-        # A query at position p sees keys at positions <= p of its own sequence.
-        causal = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
-            k_pos[None, None, :] < k_len[:, None, None]
-        )
-        sliding = None
-        if sliding_window:
-            sliding = causal & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
-            sliding = sliding[:, None].to(device)
-        last = torch.tensor(counts).cumsum(0) - 1
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
+            positions.extend(range(start, start + len(toks)))
+            write_slots.extend(cache.slot(seq, p) for p in range(start, start + len(toks)))
+            last.append(len(ids) - 1)
+        row_ids = [seq.row for seq in seqs]
+        update_index, update_pages = cache.pending_rows(list(seqs))
+        t, b, u = len(ids), len(seqs), len(update_index)
+        values = [*ids, *positions, *write_slots, *row_ids, *totals, *last, *update_index,
+                  *update_pages]  # fmt: skip
+        if staging is not None and device.type == "cuda":
+            flat = staging.upload(values, device)
+        else:
+            flat = torch.tensor(values, dtype=torch.long).to(device)
+        if u:
+            cache.page_table.view(-1).index_copy_(
+                0, flat[3 * t + 3 * b : 3 * t + 3 * b + u], flat[3 * t + 3 * b + u :]
+            )
+        views = flat[: 3 * t + 3 * b].split([t, t, t, b, b, b])
         return ForwardBatch(
-            input_ids=dev(torch.tensor(ids, dtype=torch.long)),
-            positions=dev(torch.tensor(positions, dtype=torch.long)),
-            write_slots=dev(torch.tensor(write_slots, dtype=torch.long)),
-            key_slots=dev(key_slots),
-            query_index=dev(query_index),
-            # An index, not a mask: boolean indexing would make the host wait for the device.
-            query_rows=dev(torch.nonzero((q_pos >= 0).flatten()).squeeze(1)),
-            causal_mask=dev(causal[:, None]),
-            # (never with bucketed keys: a graph captured this way would replay it padded)
-            causal_lower_right=b == 1 and not key_bucket and k_max == totals[0],
-            sliding_mask=sliding,
-            last_index=dev(last),
+            input_ids=views[0],
+            positions=views[1],
+            write_slots=views[2],
+            rows=views[3],
+            lengths=views[4],
+            last_index=views[5],
+            packed=flat[: 3 * t + 3 * b],
+            page_table=cache.page_table,
+            page_size=cache.page_size,
             seq_lens=totals,
             counts=counts,
+            row_ids=row_ids,
             state_slots=None
             if any(seq.state_slot is None for seq in seqs)
-            else dev(torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long)),
+            else torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long).to(device),
             captures=captures,
+        )
+
+    def views_of(self, packed: torch.Tensor) -> ForwardBatch:
+        """This batch over another packed buffer of the same layout (a decode graph's static
+        inputs), the rest shared."""
+        t, b = self.num_tokens, len(self.counts)
+        views = packed.split([t, t, t, b, b, b])
+        return ForwardBatch(
+            *views,
+            packed,
+            self.page_table,
+            self.page_size,
+            list(self.seq_lens),
+            list(self.counts),
+            list(self.row_ids),
+            self.state_slots,
+            self.captures,
         )
 
 

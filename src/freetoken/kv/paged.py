@@ -1,7 +1,13 @@
 """Paged KV cache: fixed-size pages in one pool per layer, a page table per sequence.
 
 Pages let sequences of very different lengths share one preallocated pool without
-fragmentation, and let later work (the radix prefix cache) share pages between sequences.
+fragmentation, and let the radix prefix cache share pages between sequences.
+
+The page tables live twice: as each sequence's Python list (what the host decides with) and as
+rows of one device tensor, `page_table [rows, pages]`, that attention kernels read in place.
+A sequence takes a row when it first gets pages; the device row follows its list
+incrementally (`pending_rows`): a decode step sends only the pages added since the last, so
+the host's work per step does not grow with the context.
 """
 
 from __future__ import annotations
@@ -46,12 +52,25 @@ class PageAllocator:
 class KVSequence:
     """The page table of one sequence and how many of its positions hold K/V.
 
-    Models with linear-attention layers also give the sequence a slot of the recurrent state
-    pool (`kv/recurrent.py`), whose state summarises the same `length` positions."""
+    `pages` only grows (or is set while the sequence is empty): the first `synced` entries
+    are in its row of the device page table. Models with linear-attention layers also give
+    the sequence a slot of the recurrent state pool (`kv/recurrent.py`), whose state
+    summarises the same `length` positions."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
     state_slot: int | None = None
+    row: int | None = None  # its row of PagedKVCache.page_table, while it holds pages
+    synced: int = 0
+
+
+# Rows of the device page table: sequences that may hold KV pages at once (running and
+# being set up). Each row costs 8 bytes per page a sequence may have.
+PAGE_TABLE_ROWS = 256
+
+
+class OutOfRowsError(FreetokenError):
+    """More sequences hold KV pages at once than the device page table has rows for."""
 
 
 class PagedKVCache:
@@ -65,10 +84,17 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_layers: tuple[bool, ...] | None = None,
+        max_seq_tokens: int | None = None,
     ):
-        """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do."""
+        """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do.
+        `max_seq_tokens`: the longest sequence (default: the whole pool), which sizes the
+        device page table's rows."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
+        max_pages = min(num_pages, -(-(max_seq_tokens or num_pages * page_size) // page_size))
+        # int64: kernels and torch index with its entries directly.
+        self.page_table = torch.zeros(PAGE_TABLE_ROWS, max_pages, dtype=torch.long, device=device)
+        self._free_rows = list(range(PAGE_TABLE_ROWS - 1, -1, -1))
         # Called with a number of pages when the pool runs short; returns pages it freed.
         self.reclaim: Callable[[int], list[int]] | None = None
         shape = (num_pages * page_size, num_kv_heads, head_dim)
@@ -94,20 +120,47 @@ class PagedKVCache:
         """Make room for `new_tokens` more positions after `seq.length`."""
         needed = -(-(seq.length + new_tokens) // self.page_size) - len(seq.pages)
         if needed > 0:
+            if len(seq.pages) + needed > self.page_table.shape[1]:
+                raise OutOfPagesError(
+                    f"a sequence of {seq.length + new_tokens} tokens is longer than the "
+                    f"{self.page_table.shape[1] * self.page_size} its page table holds"
+                )
             short = needed - self.allocator.num_free
             if short > 0 and self.reclaim is not None:
                 self.allocator.free(self.reclaim(short))  # e.g. evict cached prefixes
             seq.pages.extend(self.allocator.alloc(needed))
+        if seq.row is None and seq.pages:
+            if not self._free_rows:
+                raise OutOfRowsError(
+                    f"{PAGE_TABLE_ROWS} sequences already hold KV pages: finish some first"
+                )
+            seq.row, seq.synced = self._free_rows.pop(), 0
 
     def release(self, seq: KVSequence) -> None:
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.length = 0
+        if seq.row is not None:
+            self._free_rows.append(seq.row)
+            seq.row, seq.synced = None, 0
 
-    def slots(self, seq: KVSequence, start: int, end: int) -> list[int]:
-        """Flat slot index of each position in [start, end) of `seq`."""
-        ps = self.page_size
-        return [seq.pages[p // ps] * ps + p % ps for p in range(start, end)]
+    def pending_rows(self, seqs: list[KVSequence]) -> tuple[list[int], list[int]]:
+        """The page-table entries the device lacks for these sequences, as (flat index into
+        `page_table`, page), and mark them sent: the caller copies them over before any
+        kernel reads the rows."""
+        width = self.page_table.shape[1]
+        index, pages = [], []
+        for seq in seqs:
+            if seq.synced < len(seq.pages):
+                base = seq.row * width
+                index.extend(range(base + seq.synced, base + len(seq.pages)))
+                pages.extend(seq.pages[seq.synced :])
+                seq.synced = len(seq.pages)
+        return index, pages
+
+    def slot(self, seq: KVSequence, position: int) -> int:
+        """Flat slot index of one position of `seq`."""
+        return seq.pages[position // self.page_size] * self.page_size + position % self.page_size
 
     def copy_prefix(self, src_page: int, dst_page: int, n: int) -> None:
         """Copy the K/V of a page's first `n` positions into another page, in every layer:

@@ -4,10 +4,9 @@ biases, sliding window and output gate: every variant our families use, in one m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
+from freetoken.kernels.paged_attention import paged_attention
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.layers.norm import RMSNorm
@@ -41,7 +40,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, zc)
             self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps, zc)
         self.clip_qkv = cfg.clip_qkv
-        self.sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
+        sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
+        self.window = cfg.sliding_window if sliding else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -70,29 +70,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         kv.write(self.layer, batch.write_slots, k, v)
-        keys = kv.k[self.layer][batch.key_slots].transpose(1, 2)  # [B, kvh, K, d]
-        values = kv.v[self.layer][batch.key_slots].transpose(1, 2)
-        queries = q[batch.query_index].transpose(1, 2)  # [B, h, Q, d]
-        if self.sliding:
-            mask = batch.sliding_mask
-        elif batch.causal_lower_right:
-            # A long prompt's chunk: flash / memory-efficient kernels instead of a [Q, K] mask.
-            mask = causal_lower_right(queries.shape[2], keys.shape[2])
-        else:
-            mask = batch.causal_mask
-        out = _sdpa_gqa(queries, keys, values, mask, self.scale)  # [B, h, Q, d]
-        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        out = out.index_select(0, batch.query_rows)  # [T, h * d], back in flat token order
+        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], batch, self.scale, self.window)
+        out = out.reshape(t, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
-
-
-def _sdpa_gqa(q, k, v, mask, scale):
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        # Expanded view, materialised by SDPA: simple and exact. A paged decode kernel that
-        # reads each KV head once for its whole group is the fast path to add on GPU.
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -90,7 +90,7 @@ class StepModes:
     Each way keeps its last `window` step times and their medians are compared, after
     `min_samples` of each (the first step timed each way is a warm-up and not counted: the
     first CPU job may, for one, compile the CPU kernel). A median, because a step that also
-    captures a decode graph (a batch size's second step, and one every 256 tokens of context)
+    captures a decode graph (a batch size's second step)
     takes hundreds of milliseconds: a running average needed dozens of re-checks to forget one,
     and on the H200 machine hybrid kept filling everything at batch 1 for that reason.
 

@@ -1,0 +1,99 @@
+"""A random Qwen3-MoE checkpoint on disk, in Hugging Face layout, for side-by-side runs.
+
+llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
+files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors
+file per layer, with random bf16 weights: each tensor is a window of one shared block of
+normals (drawing tens of GB of normals takes minutes, and speed depends on bytes, not values).
+
+    python benchmarks/checkpoint.py OUT_DIR --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from freetoken.qwen_vocab import write_qwen_tokenizer
+
+BLOCK = 1 << 24  # values in the shared block of normals
+
+
+def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    h, d = raw["hidden_size"], raw["head_dim"]
+    q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
+    e, i = raw["num_experts"], raw["moe_intermediate_size"]
+    p = f"model.layers.{layer}."
+    shapes = {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "self_attn.q_norm.weight": (d,),
+        p + "self_attn.k_norm.weight": (d,),
+        p + "mlp.gate.weight": (e, h),
+    }
+    for x in range(e):
+        shapes[p + f"mlp.experts.{x}.gate_proj.weight"] = (i, h)
+        shapes[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
+        shapes[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
+    return shapes
+
+
+def write_random_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
+    """Write config.json, tokenizer files and random bf16 weights for `raw` into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randn(BLOCK, generator=gen).mul_(0.02).to(torch.bfloat16)
+
+    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16)
+        n = 1
+        for s in shape:
+            n *= s
+        start = int(torch.randint(0, BLOCK, (1,), generator=gen))
+        reps = -(-(start + n) // BLOCK)
+        flat = block.repeat(reps)[start : start + n] if reps > 1 else block[start : start + n]
+        return flat.clone().view(shape)
+
+    h, v = raw["hidden_size"], raw["vocab_size"]
+    files = {
+        "embed.safetensors": {
+            "model.embed_tokens.weight": (v, h),
+            "lm_head.weight": (v, h),
+            "model.norm.weight": (h,),
+        }
+    }
+    for layer in range(raw["num_hidden_layers"]):
+        files[f"layer-{layer:03d}.safetensors"] = tensors_of_layer(raw, layer)
+    weight_map = {}
+    for file, shapes in files.items():
+        save_file({n: tensor(n, s) for n, s in shapes.items()}, str(out / file))
+        weight_map.update(dict.fromkeys(shapes, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {**raw, "model_type": "qwen3_moe", "torch_dtype": "bfloat16", "dtype": "bfloat16",
+              "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_qwen_tokenizer(out, model_max_length=raw["max_position_embeddings"])
+    return out
+
+
+def main() -> None:
+    from decode_offload import qwen3_30b_a3b
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    print(write_random_checkpoint(qwen3_30b_a3b(args.layers), args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Decode speed against context length, beside llama.cpp on the same checkpoint and machine.
+
+    python benchmarks/decode_context.py --layers 16 --contexts 0 8192 32768 65536 \\
+        --strategy fused --strategy hybrid --cache 8GiB --batch 1 --batch 4 \\
+        --checkpoint DIR --llama-bench BIN --gguf FILE --ncmoe 10 --out results.md
+
+Each (strategy, batch, context) gets a runner whose sequences already hold `context` tokens of
+KV (the pages reserved and counted as written: attention reads the same bytes whatever their
+values, and filling 64k tokens by prefill would take longer than the measurement), then decodes
+`--warmup` steps and `--rounds` timed rounds of `--steps` (median round reported). With
+`--checkpoint` the model is loaded from those files (the ones llama.cpp's converter read), else
+a random Qwen3-30B-A3B-shaped model is built in memory; routing is uniform random for the
+offloaded strategies (decode_offload.py says why). llama-bench runs with `-d` at the same
+contexts: all layers on the GPU (`-ngl 99`), and with `--ncmoe N` the experts of the first N
+layers on the CPU; on a CPU device, with `-t` threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny, use_uniform_routing
+from freetoken.config import MoEOptions
+from freetoken.engine.runner import ModelRunner
+from freetoken.models.loading import load_model
+
+
+def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device) -> dict:
+    runner = ModelRunner(loaded, kv_cache_tokens=batch * (context + warmup + steps * rounds + 64),
+                         moe=options, max_model_len=context + warmup + steps * rounds + 64)  # fmt: skip
+    seqs = [runner.new_sequence() for _ in range(batch)]
+    for seq in seqs:
+        runner.kv.reserve(seq, max(context, 1))
+        seq.length = context  # held, as far as attention is concerned
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    tokens = torch.randint(0, vocab, (warmup + steps * rounds, batch), generator=gen).tolist()
+    for t in tokens[:warmup]:
+        runner.forward(seqs, [[x] for x in t])
+    seconds = []
+    for r in range(rounds):
+        sync(device)
+        start = time.perf_counter()
+        for t in tokens[warmup + r * steps : warmup + (r + 1) * steps]:
+            runner.forward(seqs, [[x] for x in t])
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    per_round = sorted(batch * steps / s for s in seconds)
+    strategy = runner.moe.strategy if runner.moe is not None else "dense"
+    if runner.moe is not None and runner.moe.cpu is not None:
+        runner.moe.cpu.shutdown()
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens_per_s": per_round[len(per_round) // 2], "resolved": strategy,
+            "spread": (per_round[-1] - per_round[0]) / per_round[len(per_round) // 2]}  # fmt: skip
+
+
+def llama_bench(binary, gguf, contexts, extra, label) -> dict[int, float]:
+    """llama-bench tg tok/s per context (`-d`), or {} when it fails."""
+    command = [binary, "-m", str(gguf), "-p", "0", "-n", "32", "-r", "1", "-o", "json",
+               "-d", ",".join(str(c) for c in contexts), *extra]  # fmt: skip
+    env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)}
+    print("running", " ".join(command), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        print(f"llama-bench ({label}) failed:\n{done.stderr[-3000:]}", flush=True)
+        return {}
+    return {int(r["n_depth"]): float(r["avg_ts"]) for r in json.loads(done.stdout)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0, 8192, 32768, 65536])
+    ap.add_argument("--strategy", action="append")
+    ap.add_argument("--cache", default="8GiB", help="expert cache of the offloaded strategies")
+    ap.add_argument("--batch", action="append", type=int)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--checkpoint", type=Path, help="load the model from this checkpoint")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--llama-bench", help="the llama-bench binary, to run beside")
+    ap.add_argument("--gguf", type=Path, help="the checkpoint converted to GGUF, for llama-bench")
+    ap.add_argument("--ncmoe", type=int, help="llama-bench -ncmoe: experts of N layers on CPU")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-bench -t")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    strategies = args.strategy or (["fused", "hybrid"] if device.type == "cuda" else ["fused"])
+    batches = args.batch or [1, 4]
+    if args.checkpoint:
+        loaded = load_model(args.checkpoint, "bfloat16", device)
+    else:
+        raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+        loaded = random_model(raw, device)
+    rows = []
+    for strategy in strategies:
+        offloaded = strategy not in ("fused", "cpu")
+        if offloaded:
+            use_uniform_routing(loaded)  # (the fused runs go first and keep the model's router)
+        options = MoEOptions(strategy, args.cache if offloaded else None)
+        for batch in batches:
+            for context in args.contexts:
+                r = decode_speed(loaded, options, batch, context, args.warmup, args.steps,
+                                 args.rounds, device)  # fmt: skip
+                row = {"engine": "freetoken", "config": strategy, "batch": batch,
+                       "context": context, **r}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.llama_bench and args.gguf:
+        configs = [("all on GPU", ["-ngl", "99"])] if device.type == "cuda" else []
+        if device.type == "cuda" and args.ncmoe:
+            configs.append((f"-ncmoe {args.ncmoe}", ["-ngl", "99", "-ncmoe", str(args.ncmoe)]))
+        if device.type == "cpu":
+            configs.append((f"CPU, {args.threads} threads", ["-t", str(args.threads)]))
+        for label, extra in configs:
+            for context, tps in llama_bench(args.llama_bench, args.gguf, args.contexts, extra,
+                                            label).items():  # fmt: skip
+                rows.append({"engine": "llama.cpp", "config": label, "batch": 1,
+                             "context": context, "tokens_per_s": tps})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"# decode_context: Qwen3-30B-A3B shape, {loaded.config.num_layers} layers, bf16",
+        "",
+        f"- device: {name}, {os.cpu_count()} CPU threads; torch {torch.__version__}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",
+        f"- model: {args.checkpoint or 'random, in memory'}; offloaded strategies' expert cache "
+        f"{args.cache}, uniform random routing; {args.rounds} rounds of {args.steps} decode "
+        f"steps after {args.warmup} (median round); llama-bench tg32 with -d, 1 repetition",
+        "",
+        "| engine | config | batch | " + " | ".join(f"ctx {c}" for c in args.contexts)
+        + " | longest / shortest |",
+        "|---|---|---|" + "---|" * (len(args.contexts) + 1),
+    ]  # fmt: skip
+    groups: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        groups.setdefault((r["engine"], r["config"], r["batch"]), {})[r["context"]] = r[
+            "tokens_per_s"
+        ]
+    for (engine, config, batch), by_context in groups.items():
+        cells = [f"{by_context[c]:.1f}" if c in by_context else "-" for c in args.contexts]
+        first, last = by_context.get(args.contexts[0]), by_context.get(args.contexts[-1])
+        keep = f"{last / first:.2f}" if first and last else "-"
+        lines.append(f"| {engine} | {config} | {batch} | " + " | ".join(cells) + f" | {keep} |")
+    report(lines, args.out)
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

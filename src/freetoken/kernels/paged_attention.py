@@ -1,0 +1,275 @@
+"""Attention over the paged KV cache, reading keys and values where they lie.
+
+Every sequence's keys are its first `lengths[b]` positions, found through its row of the page
+table: position j lives at slot `page_table[row, j // page_size] * page_size + j % page_size`
+of the flat `[slots, kv_heads, head_dim]` pools. Queries are the batch's new tokens (the last
+`counts[b]` positions of each sequence), so the causal mask is implied by positions, and a
+sliding window keeps keys within `window` positions of the query. Grouped-query attention reads
+each KV head once for its whole group of query heads. Attention sinks (gpt-oss) add one logit
+per head to the softmax's denominator.
+
+Two implementations of that one contract:
+- `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding): programs over
+  (sequence, KV head, split of the keys) each run an online softmax over their split, a second
+  kernel merges the splits. Lengths are read on the device, so a CUDA graph captured once
+  serves every length, and the split count is fixed per batch size.
+- `paged_attention_torch`: any batch, any device, the reference and the CPU path: per sequence,
+  its keys gathered on the device from the table (no host work per key), then SDPA (a fused
+  kernel with an implicit lower-right causal mask on the GPU) or, with sinks, the explicit
+  softmax.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from freetoken.kv.batch import ForwardBatch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+DECODE_BLOCK_N = 64  # keys per inner step of a split
+# Splits per (sequence, KV head): enough programs to fill the GPU at batch 1 (132 SMs on an
+# H200) and no more, since each split's partial costs a read and a write in the merge.
+DECODE_TARGET_PROGRAMS = 256
+DECODE_MAX_SPLITS = 64
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the batch's new tokens: q [T, heads, d] -> [T, heads, d]."""
+    if batch.is_decode and q.is_cuda and triton is not None:
+        return paged_decode_triton(q, k_pool, v_pool, batch, scale, window, sinks)
+    return paged_attention_torch(q, k_pool, v_pool, batch, scale, window, sinks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_slots(batch: ForwardBatch, b: int) -> torch.Tensor:
+    """The KV slots of sequence b's keys, in position order, computed on the device."""
+    length, ps = batch.seq_lens[b], batch.page_size
+    pages = batch.page_table[batch.row_ids[b], : -(-length // ps)]
+    offsets = torch.arange(ps, device=pages.device)
+    return (pages[:, None] * ps + offsets).flatten()[:length]
+
+
+def paged_attention_torch(
+    q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+        slots = sequence_slots(batch, b)
+        keys = k_pool.index_select(0, slots).transpose(0, 1)[None]  # [1, kvh, L, d]
+        values = v_pool.index_select(0, slots).transpose(0, 1)[None]
+        queries = q[start : start + count].transpose(0, 1)[None]  # [1, h, n, d]
+        length = batch.seq_lens[b]
+        mask = None
+        if window is not None or sinks is not None:
+            q_pos = torch.arange(length - count, length, device=q.device)[:, None]
+            k_pos = torch.arange(length, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        if sinks is not None:
+            o = _attention_with_sinks(queries, keys, values, mask, scale, sinks)
+        else:
+            o = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask if mask is not None else causal_lower_right(count, length),
+                scale=scale,
+                enable_gqa=True,
+            )
+        out[start : start + count] = o[0].transpose(0, 1)
+    return out
+
+
+def _attention_with_sinks(q, k, v, mask, scale, sinks):
+    """Softmax attention whose denominator also holds exp(sinks[h]) (a logit with no value)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [1, h, n, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton decode
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_splits(batch_size: int, kv_heads: int) -> int:
+    """How many splits each (sequence, KV head) gets: fixed by the batch's shape, so a graph
+    captured for a batch size serves every context length."""
+    return max(1, min(DECODE_MAX_SPLITS, DECODE_TARGET_PROGRAMS // max(1, batch_size * kv_heads)))
+
+
+def paged_decode_triton(
+    q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None, splits=None
+) -> torch.Tensor:
+    """One query per sequence: q [B, heads, d] -> [B, heads, d]. `splits` overrides
+    `decode_splits` (tests)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    b, heads, d = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim {d} is not a power of two >= 16")
+    splits = splits or decode_splits(b, kv_heads)
+    partial = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+    table = batch.page_table
+    _decode_split_kernel[(b, kv_heads, splits)](
+        q, k_pool, v_pool, table, batch.rows, batch.lengths, partial, lse,
+        scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
+        window or 0,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        table.stride(0), splits,
+        PAGE=batch.page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_D=d, BLOCK_N=DECODE_BLOCK_N, INTERPRETED=INTERPRETED,
+        # fp32 (tests, CPU-exact runs) without TF32 rounding; bf16 / fp16 as they are.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    has_sinks = sinks is not None
+    _decode_merge_kernel[(b, heads)](
+        partial, lse, sinks if has_sinks else lse, out,
+        out.stride(0), out.stride(1), splits,
+        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_D=d, HAS_SINKS=has_sinks,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_block(
+        q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table, stride_kn,
+        head_offset, PAGE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One block of keys [start, start + BLOCK_N) into the online softmax (m, total, acc)."""
+        j = start + tl.arange(0, BLOCK_N)
+        valid = j < hi
+        page = tl.load(TABLE + row * stride_table + j // PAGE, mask=valid, other=0)
+        slot = page * PAGE + j % PAGE
+        offs = slot[:, None] * stride_kn + head_offset + tl.arange(0, HEAD_D)[None, :]
+        k = tl.load(K + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(V + offs, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # base-2 logits
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, total, acc
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, TABLE, ROWS, LENGTHS, PARTIAL, LSE,
+        qk_scale, window,
+        stride_qb, stride_qh, stride_kn, stride_kh, stride_table, splits,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(LENGTHS + seq)
+        row = tl.load(ROWS + seq)
+        first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        span = length - first
+        # Each split takes a whole number of blocks; later splits may find nothing to do.
+        per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
+        lo = first + split * per_split
+        hi = tl.minimum(lo + per_split, length)
+
+        g = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
+        d = tl.arange(0, HEAD_D)
+        q = tl.load(
+            Q + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=head_ok[:, None],
+            other=0.0,
+        )
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_D], tl.float32)
+        if INTERPRETED:
+            # The CPU interpreter cannot range over loaded values; the compiled kernel keeps
+            # its `for` loop, which Triton pipelines.
+            start = lo
+            while start < hi:
+                m, total, acc = _attend_block(
+                    q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
+                    stride_kn, kv_head * stride_kh, PAGE, HEAD_D, BLOCK_N, PRECISION,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                m, total, acc = _attend_block(
+                    q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
+                    stride_kn, kv_head * stride_kh, PAGE, HEAD_D, BLOCK_N, PRECISION,
+                )  # fmt: skip
+        out_offs = (seq * (GROUP * tl.num_programs(1)) + heads) * splits + split
+        empty = total == 0.0
+        tl.store(
+            PARTIAL + out_offs[:, None] * HEAD_D + d[None, :],
+            acc / tl.where(empty, 1.0, total)[:, None],
+            mask=head_ok[:, None],
+        )
+        # Log-sum-exp in base 2; -inf for a split with no keys, which the merge skips.
+        lse = tl.where(empty, float("-inf"), m + tl.log2(total))
+        tl.store(LSE + out_offs, lse, mask=head_ok)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        PARTIAL, LSE, SINKS, OUT, stride_ob, stride_oh, splits,
+        SPLITS_PAD: tl.constexpr, HEAD_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        heads = tl.num_programs(1)
+        s = tl.arange(0, SPLITS_PAD)
+        ok = s < splits
+        base = (seq * heads + head) * splits
+        lse = tl.load(LSE + base + s, mask=ok, other=float("-inf"))
+        top = tl.max(lse, 0)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(top, sink)
+        w = tl.exp2(lse - top)
+        total = tl.sum(w, 0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - top)
+        d = tl.arange(0, HEAD_D)
+        part = tl.load(PARTIAL + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None],
+                       other=0.0)  # fmt: skip
+        o = tl.sum(part * w[:, None], 0) / total
+        tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))

@@ -1,0 +1,207 @@
+"""Attention over the paged KV cache (kernels/paged_attention.py).
+
+- The torch path (the CPU path and the reference) against a dense fp64 oracle that walks each
+  sequence's pages in Python, on random page layouts, lengths, GQA ratios, windows and sinks,
+  for decode batches and prefill chunks.
+- The Triton decode kernel against the torch path under Triton's CPU interpreter (in one
+  subprocess: TRITON_INTERPRET must be set before triton is imported; skipped without
+  triton), and on CUDA when there is one.
+- The host's work per batch does not grow with the context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.kernels.paged_attention import paged_attention_torch
+from freetoken.kv.batch import ForwardBatch
+from freetoken.kv.paged import KVSequence, PagedKVCache
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+)
+
+
+def make_case(lengths, counts, heads, kv_heads, head_dim=16, page_size=4, seed=0,
+              dtype=torch.float32, device="cpu"):  # fmt: skip
+    """A batch of sequences with `lengths[b]` keys, the last `counts[b]` of them new, their
+    pages scattered over the pool; random K/V everywhere and random queries."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lengths) + 7
+    cache = PagedKVCache(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
+    every = cache.allocator.alloc(num_pages)
+    rng.shuffle(every)
+    cache.allocator.free(every)  # the free list in random order
+    seqs = []
+    for length, count in zip(lengths, counts, strict=True):
+        seq = KVSequence()
+        cache.reserve(seq, length)
+        seq.length = length - count
+        seqs.append(seq)
+    batch = ForwardBatch.build(cache, seqs, [[1] * n for n in counts], torch.device(device))
+    cache.k[0].copy_(torch.randn_like(cache.k[0]))
+    cache.v[0].copy_(torch.randn_like(cache.v[0]))
+    q = torch.randn(sum(counts), heads, head_dim, dtype=dtype, device=device)
+    return q, cache, seqs, batch
+
+
+def oracle(q, cache, seqs, batch, scale, window=None, sinks=None):
+    """Dense attention in fp64, each sequence's keys found by walking its page list."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    heads, kv_heads = q.shape[1], cache.k[0].shape[1]
+    for b, seq in enumerate(seqs):
+        length, count, start = batch.seq_lens[b], batch.counts[b], batch.starts[b]
+        slots = [cache.slot(seq, j) for j in range(length)]
+        keys = cache.k[0][slots].double().cpu()  # [L, kvh, d]
+        values = cache.v[0][slots].double().cpu()
+        for i in range(count):
+            p = length - count + i
+            for h in range(heads):
+                kh = h // (heads // kv_heads)
+                s = (keys[:, kh] @ q[start + i, h].double().cpu()) * scale
+                allowed = torch.arange(length) <= p
+                if window is not None:
+                    allowed &= torch.arange(length) > p - window
+                s = s.masked_fill(~allowed, float("-inf"))
+                if sinks is not None:
+                    s = torch.cat([s, sinks[h].double().cpu().view(1)])
+                w = torch.softmax(s, 0)[:length]
+                out[start + i, h] = w @ values[:, kh]
+    return out
+
+
+CASES = [
+    # lengths, counts, heads, kv_heads, window, sinks
+    ([1, 7, 33], [1, 1, 1], 4, 4, None, False),
+    ([5, 64, 130], [1, 1, 1], 8, 2, None, False),  # GQA 4
+    ([17, 200], [1, 1], 8, 1, None, False),  # MQA
+    ([40, 9], [1, 1], 6, 2, 8, False),  # a window shorter than the context
+    ([31, 100], [1, 1], 4, 2, None, True),  # attention sinks
+    ([12, 50], [12, 6], 4, 2, None, False),  # a whole prompt and a chunk on a cached prefix
+    ([70, 23], [9, 23], 8, 2, 16, True),  # prefill with a window and sinks
+]
+
+
+@pytest.mark.parametrize(("lengths", "counts", "heads", "kv_heads", "window", "sinks"), CASES)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_torch_path_matches_the_dense_oracle(lengths, counts, heads, kv_heads, window, sinks,
+                                              page_size):  # fmt: skip
+    q, cache, seqs, batch = make_case(lengths, counts, heads, kv_heads, page_size=page_size)
+    sink = torch.randn(heads) if sinks else None
+    scale = 16**-0.5
+    ours = paged_attention_torch(q, cache.k[0], cache.v[0], batch, scale, window, sink)
+    expected = oracle(q, cache, seqs, batch, scale, window, sink)
+    assert (ours.double() - expected).abs().max().item() < 1e-5
+
+
+def test_host_work_per_decode_batch_does_not_grow_with_the_context():
+    """Building a decode batch sends the step's values and the new page-table entries only."""
+
+    def build_time(context: int) -> float:
+        cache = PagedKVCache(1, context // 16 + 8, 16, 2, 16, torch.float32, "cpu")
+        seqs = [KVSequence() for _ in range(4)]
+        for seq in seqs:
+            cache.reserve(seq, context // 4)
+            seq.length = context // 4 - 1
+        ForwardBatch.build(cache, seqs, [[1]] * 4, torch.device("cpu"))  # the rows, once
+        best = float("inf")
+        for _ in range(30):
+            start = time.perf_counter()
+            ForwardBatch.build(cache, seqs, [[1]] * 4, torch.device("cpu"))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    short, long = build_time(1024), build_time(262144)
+    assert long < 3 * short, (short, long)  # was ~linear in the context (a key table per step)
+
+
+def test_the_device_page_table_follows_the_page_lists():
+    cache = PagedKVCache(1, 64, 4, 1, 16, torch.float32, "cpu")
+    a, b = KVSequence(), KVSequence()
+    cache.reserve(a, 9)
+    cache.reserve(b, 3)
+    ForwardBatch.build(cache, [a, b], [[1], [1]], torch.device("cpu"))
+    assert cache.page_table[a.row, : len(a.pages)].tolist() == a.pages
+    assert cache.page_table[b.row, : len(b.pages)].tolist() == b.pages
+    a.length = 12  # crosses into a new page: only that entry is sent
+    index, pages = cache.pending_rows([a])
+    assert index == [] and pages == []
+    cache.reserve(a, 1)
+    index, pages = cache.pending_rows([a])
+    assert pages == a.pages[-1:] and index == [a.row * cache.page_table.shape[1] + 3]
+    cache.release(a)
+    assert a.row is None and a.synced == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton decode kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_cases(device: str) -> dict[str, float]:
+    """Max abs error of the Triton decode kernel against the torch path, per case."""
+    from freetoken.kernels.paged_attention import paged_decode_triton
+
+    res = {}
+    cases = {
+        "mha": ([1, 7, 33], 4, 4, None, False, None),
+        "gqa": ([5, 64, 130], 8, 2, None, False, None),
+        "mqa_long": ([17, 300], 8, 1, None, False, 3),
+        "window": ([40, 9, 100], 6, 2, 8, False, None),
+        "sinks": ([31, 100], 4, 2, None, True, None),
+        "one_split": ([90], 4, 2, None, False, 1),
+        "many_splits": ([90, 3], 4, 2, 20, True, 16),
+    }
+    for name, (lengths, heads, kv_heads, window, sinks, splits) in cases.items():
+        for page_size in (4, 16):
+            q, cache, _, batch = make_case(
+                lengths, [1] * len(lengths), heads, kv_heads, 32, page_size, device=device
+            )
+            sink = torch.randn(heads, device=device) if sinks else None
+            args = (q, cache.k[0], cache.v[0], batch, 32**-0.5, window, sink)
+            ours = paged_decode_triton(*args, splits=splits)
+            ref = paged_attention_torch(*args)
+            res[f"{name}/{page_size}"] = (ours - ref).abs().max().item()
+    return res
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, float]:
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "import test_paged_attention as m; print(json.dumps(m._decode_cases('cpu')))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+def test_triton_decode_matches_the_torch_path_in_the_interpreter(interpreter_results):
+    assert len(interpreter_results) == 14
+    assert max(interpreter_results.values()) < 1e-4, interpreter_results
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_matches_the_torch_path_on_cuda():
+    results = _decode_cases("cuda")
+    assert max(results.values()) < 1e-3, results  # fp32 on the GPU: tf32-free dots
