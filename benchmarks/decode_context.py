@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 
 import torch
-
 from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny, use_uniform_routing
+
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.models.loading import load_model
 
 
 def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device) -> dict:
-    runner = ModelRunner(loaded, kv_cache_tokens=batch * (context + warmup + steps * rounds + 64),
-                         moe=options, max_model_len=context + warmup + steps * rounds + 64)  # fmt: skip
+    longest = context + warmup + steps * rounds + 64
+    runner = ModelRunner(loaded, batch * longest, moe=options, max_model_len=longest)
     seqs = [runner.new_sequence() for _ in range(batch)]
     for seq in seqs:
         runner.kv.reserve(seq, max(context, 1))
@@ -103,6 +103,9 @@ def main() -> int:
         loaded = load_model(args.checkpoint, "bfloat16", device)
     else:
         raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+        # Contexts beyond the model's 40k: the shape is what is measured, not its training.
+        raw["max_position_embeddings"] = max(raw["max_position_embeddings"],
+                                             max(args.contexts) + 1024)  # fmt: skip
         loaded = random_model(raw, device)
     rows = []
     for strategy in strategies:

@@ -184,3 +184,44 @@ def test_unwritable_cache_falls_back(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert native.load("cpu_experts") is None
     assert "cannot build or load cpu_experts" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense layers on the same team (kernels/cpu_linear.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_linear_matches_torch(dtype, rows, with_bias):
+    from freetoken.kernels.cpu_linear import native_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    n, h = 1000 + 7, 300  # rows of w not a multiple of the kernel's block
+    w = torch.randn(n, h, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(rows, h, generator=gen).to(dtype)
+    ours = native_linear(x, w, bias)
+    exact = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    assert ours.dtype == dtype and ours.shape == (rows, n)
+    if dtype == torch.float32:
+        assert (ours.double() - exact).abs().max().item() < 1e-4
+    else:
+        # One rounding of the fp32 sum to bf16, as torch's: within one bf16 step of exact.
+        step = exact.abs().clamp_min(1e-3) * 2**-7
+        assert ((ours.double() - exact).abs() <= step).all()
+        torch_result = torch.nn.functional.linear(x, w, bias)
+        assert (ours.float() - torch_result.float()).abs().max().item() <= step.max().item()
+
+
+def test_linear_takes_only_decode_sized_cpu_batches():
+    from freetoken.kernels.cpu_linear import MIN_WEIGHT_BYTES, takes
+
+    big = torch.zeros(MIN_WEIGHT_BYTES // 4, 1)
+    with torch.no_grad():
+        assert takes(torch.zeros(4, 1), big)
+        assert not takes(torch.zeros(64, 1), big)  # a prefill chunk: torch's GEMM
+        assert not takes(torch.zeros(4, 1), torch.zeros(8, 1))  # too small to gain
+        assert not takes(torch.zeros(4, 1, dtype=torch.float16), big.half())
+    assert not takes(torch.zeros(4, 1), big.requires_grad_())  # grad enabled: autograd's own

@@ -105,6 +105,31 @@ def test_torch_path_matches_the_dense_oracle(lengths, counts, heads, kv_heads, w
     assert (ours.double() - expected).abs().max().item() < 1e-5
 
 
+needs_native = pytest.mark.skipif(
+    __import__("freetoken.kernels.cpu_team", fromlist=["library"]).library() is None,
+    reason="no C compiler",
+)
+
+
+@needs_native
+@pytest.mark.parametrize(("lengths", "counts", "heads", "kv_heads", "window", "sinks"),
+                         [c for c in CASES if set(c[1]) == {1}])  # fmt: skip
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_native_cpu_decode_matches_the_dense_oracle(lengths, counts, heads, kv_heads, window,
+                                                    sinks, page_size):  # fmt: skip
+    from freetoken.kernels.paged_attention import paged_decode_cpu
+
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        q, cache, seqs, batch = make_case(lengths, counts, heads, kv_heads, page_size=page_size,
+                                          dtype=dtype)  # fmt: skip
+        sink = torch.randn(heads) if sinks else None
+        ours = paged_decode_cpu(q, cache.k[0], cache.v[0], batch, 0.25, window, sink)
+        assert ours.dtype == dtype
+        expected = oracle(q, cache, seqs, batch, 0.25, window, sink)
+        # bf16: the result is rounded to bf16 (about 4e-3 of values near 1), as SDPA's is.
+        assert (ours.double() - expected).abs().max().item() < tolerance
+
+
 def test_host_work_per_decode_batch_does_not_grow_with_the_context():
     """Building a decode batch sends the step's values and the new page-table entries only."""
 

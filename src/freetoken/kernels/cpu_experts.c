@@ -25,6 +25,9 @@
  * accumulation order inside a dot product differs. Contributions are summed per token in fp32,
  * by expert id and then in the caller's route order.
  */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -61,6 +64,13 @@ static inline float round_bf16(float f) {
 
 static inline float rnd(float f, int bf16) { return bf16 ? round_bf16(f) : f; }
 
+/* The bits of a float that is already a bf16 value. */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
 static float dot_bf16(const uint16_t *restrict w, const float *restrict x, int64_t n) {
     float acc[4][16] = {{0}};
     int64_t k = 0;
@@ -88,6 +98,31 @@ static float dot_f32(const float *restrict w, const float *restrict x, int64_t n
     return s;
 }
 
+/* bf16 weights against bf16 activations (x bf16, as the model holds it: exact). With
+ * AVX512-BF16 one instruction multiplies 32 pairs and adds them into fp32 accumulators, half
+ * the work of converting each weight to fp32 first. */
+static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict x, int64_t n) {
+    int64_t k = 0;
+    float s = 0.0f;
+#if defined(__AVX512BF16__)
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (; k + 128 <= n; k += 128) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k),
+                              (__m512bh)_mm512_loadu_si512(x + k));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32),
+                              (__m512bh)_mm512_loadu_si512(x + k + 32));
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 64),
+                              (__m512bh)_mm512_loadu_si512(x + k + 64));
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 96),
+                              (__m512bh)_mm512_loadu_si512(x + k + 96));
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#endif
+    for (; k < n; k++) s += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
+    return s;
+}
+
 /* Row `row` of an expert's [rows, n] matrix at flat id `pair` of a bank, dotted with x. */
 static inline float row_dot(int dtype, const void *bank, int64_t pair, int64_t rows, int64_t row,
                             int64_t n, const float *x) {
@@ -109,7 +144,10 @@ static inline float activate(float g, int act) {
 /* A job: routes grouped by expert. Group g is routes [group_start[g], group_start[g + 1]), all
  * with the expert at flat id group_pair[g]. Route r reads row route_row[r] of x [*, H] and adds
  * route_w[r] * expert(x) into row route_row[r] of out [*, H] (fp32, zeroed at submission).
- * a_buf [R, I] is scratch. */
+ * a_buf [R, I] is scratch. With bf16 banks the activations are bf16 too (x16, a16: the values
+ * torch would multiply, each already rounded to bf16), for dot_bf16_bf16. */
+enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2 };
+
 typedef struct {
     int dtype, act, workers;
     const void *w_gate_up, *w_down;
@@ -117,8 +155,128 @@ typedef struct {
     const float *x, *route_w;
     const int64_t *group_start, *group_pair, *route_row;
     float *a_buf, *out;
+    uint16_t *a16;
     int64_t gate_items, down_items; /* gate items come first, then down items */
+    /* A dense layer (JOB_LINEAR): out [T, N] = x [T, H] . w [N, H]^T + bias, each output
+     * rounded as torch rounds it; its items are ROW_BLOCK rows of w, for every row of x. */
+    int kind;
+    const void *w, *bias;
+    const uint16_t *x16; /* with bf16 weights: x in bf16 (else x, fp32) */
+    int64_t N, T;
+    /* Decode attention over the paged KV cache (JOB_ATTENTION): phase 1 items are (sequence,
+     * KV head, split of its keys), each an online softmax over its keys for the KV head's
+     * group of query heads, left as partials; phase 2 items merge one (sequence, head). */
+    const void *k_pool, *v_pool;
+    const int64_t *table, *rows, *lengths;
+    const float *sinks;
+    int64_t B, heads, kv_heads, D, page, width, window, splits;
+    float scale;
+    float *part_m, *part_l, *part_acc;
 } job_t;
+
+/* Linear item: ROW_BLOCK rows of w, each streamed once for all T rows of x. */
+static void linear_item(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t n0 = item * ROW_BLOCK, n1 = n0 + ROW_BLOCK < j->N ? n0 + ROW_BLOCK : j->N;
+    for (int64_t n = n0; n < n1; n++) {
+        float b = 0.0f;
+        if (j->bias)
+            b = bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[n]) : ((const float *)j->bias)[n];
+        for (int64_t t = 0; t < j->T; t++) {
+            float y = bf16 ? dot_bf16_bf16((const uint16_t *)j->w + n * j->H, j->x16 + t * j->H,
+                                           j->H)
+                           : dot_f32((const float *)j->w + n * j->H, j->x + t * j->H, j->H);
+            j->out[t * j->N + n] = rnd(y + b, bf16);
+        }
+    }
+}
+
+#define ATTN_BLOCK 32 /* keys scored at once, before their softmax weights are applied */
+#define ATTN_MAX_GROUP 64
+
+/* Phase 1: keys [lo, hi) of one sequence for one KV head's group of query heads. */
+static void attention_partial(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t s = item % j->splits, kvh = (item / j->splits) % j->kv_heads;
+    const int64_t b = item / (j->splits * j->kv_heads);
+    const int64_t G = j->heads / j->kv_heads, D = j->D, L = j->lengths[b];
+    const int64_t first = j->window > 0 && L > j->window ? L - j->window : 0;
+    const int64_t per = (L - first + j->splits - 1) / j->splits;
+    const int64_t lo = first + s * per, hi = lo + per < L ? lo + per : L;
+    const int64_t *pages = j->table + j->rows[b] * j->width;
+    const int64_t stride = j->kv_heads * D; /* elements from one slot to the next */
+    float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP], scores[ATTN_MAX_GROUP][ATTN_BLOCK];
+    float *acc = j->part_acc + ((b * j->heads + kvh * G) * j->splits + s) * D;
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        float *a = acc + g * j->splits * D;
+        for (int64_t d = 0; d < D; d++) a[d] = 0.0f;
+    }
+    for (int64_t start = lo; start < hi; start += ATTN_BLOCK) {
+        const int64_t n = hi - start < ATTN_BLOCK ? hi - start : ATTN_BLOCK;
+        int64_t off[ATTN_BLOCK]; /* element offset of each key's head vector in the pools */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            off[t] = (pages[pos / j->page] * j->page + pos % j->page) * stride + kvh * D;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t q = (b * j->heads + kvh * G + g) * D;
+            float top = m[g];
+            for (int64_t t = 0; t < n; t++) {
+                float sc = bf16 ? dot_bf16_bf16((const uint16_t *)j->k_pool + off[t], j->x16 + q,
+                                                D)
+                                : dot_f32((const float *)j->k_pool + off[t], j->x + q, D);
+                sc *= j->scale;
+                scores[g][t] = sc;
+                if (sc > top) top = sc;
+            }
+            float *a = acc + g * j->splits * D;
+            if (top > m[g]) { /* a larger logit: rescale what is summed so far */
+                const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - top);
+                l[g] *= alpha;
+                for (int64_t d = 0; d < D; d++) a[d] *= alpha;
+                m[g] = top;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const float p = expf(scores[g][t] - top);
+                l[g] += p;
+                if (bf16) {
+                    const uint16_t *v = (const uint16_t *)j->v_pool + off[t];
+                    for (int64_t d = 0; d < D; d++) a[d] += p * bf16_to_f32(v[d]);
+                } else {
+                    const float *v = (const float *)j->v_pool + off[t];
+                    for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t i = (b * j->heads + kvh * G + g) * j->splits + s;
+        j->part_m[i] = m[g];
+        j->part_l[i] = l[g];
+    }
+}
+
+/* Phase 2: one (sequence, head) from its splits' partials (and its sink's logit). */
+static void attention_merge(const job_t *j, int64_t item) {
+    const int64_t h = item % j->heads, D = j->D, S = j->splits;
+    const int64_t base = item * S;
+    float top = j->sinks ? j->sinks[h] : -INFINITY;
+    for (int64_t s = 0; s < S; s++)
+        if (j->part_m[base + s] > top) top = j->part_m[base + s];
+    float total = j->sinks ? expf(j->sinks[h] - top) : 0.0f;
+    float *out = j->out + item * D;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t s = 0; s < S; s++) {
+        if (j->part_m[base + s] == -INFINITY) continue; /* a split with no keys */
+        const float w = expf(j->part_m[base + s] - top);
+        total += w * j->part_l[base + s];
+        const float *a = j->part_acc + (base + s) * D;
+        for (int64_t d = 0; d < D; d++) out[d] += w * a[d];
+    }
+    for (int64_t d = 0; d < D; d++) out[d] /= total;
+}
 
 /* Gate item: ROW_BLOCK rows of one group's gate and up projections, for every route of the
  * group: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. */
@@ -128,12 +286,24 @@ static void gate_item(const job_t *j, int64_t item) {
     const int64_t g = item / blocks, n0 = (item % blocks) * ROW_BLOCK;
     const int64_t n1 = n0 + ROW_BLOCK < j->I ? n0 + ROW_BLOCK : j->I;
     const int64_t H = j->H, I = j->I, pair = j->group_pair[g];
+    const uint16_t *gu16 = (const uint16_t *)j->w_gate_up + pair * 2 * I * H;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
-            const float *xr = j->x + j->route_row[r] * H;
-            float gate = rnd(row_dot(j->dtype, j->w_gate_up, pair, 2 * I, n, H, xr), bf16);
-            float up = rnd(row_dot(j->dtype, j->w_gate_up, pair, 2 * I, I + n, H, xr), bf16);
-            j->a_buf[r * I + n] = rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+            float gate, up;
+            if (bf16) {
+                const uint16_t *xr = j->x16 + j->route_row[r] * H;
+                gate = round_bf16(dot_bf16_bf16(gu16 + n * H, xr, H));
+                up = round_bf16(dot_bf16_bf16(gu16 + (I + n) * H, xr, H));
+            } else {
+                const float *xr = j->x + j->route_row[r] * H;
+                gate = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, n, H, xr);
+                up = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, I + n, H, xr);
+            }
+            float a = rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+            if (bf16)
+                j->a16[r * I + n] = bf16_bits(a);
+            else
+                j->a_buf[r * I + n] = a;
         }
 }
 
@@ -147,8 +317,11 @@ static void down_item(const job_t *j, int64_t item) {
     for (int64_t g = 0; g < j->n_groups; g++)
         for (int64_t n = n0; n < n1; n++)
             for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
-                float y = rnd(row_dot(j->dtype, j->w_down, j->group_pair[g], H, n, I,
-                                      j->a_buf + r * I), bf16);
+                float y = bf16 ? round_bf16(dot_bf16_bf16(
+                                     (const uint16_t *)j->w_down + (j->group_pair[g] * H + n) * I,
+                                     j->a16 + r * I, I))
+                               : row_dot(j->dtype, j->w_down, j->group_pair[g], H, n, I,
+                                         j->a_buf + r * I);
                 j->out[j->route_row[r] * H + n] += rnd(y * j->route_w[r], bf16);
             }
 }
@@ -230,14 +403,22 @@ static void run_items(const job_t *j, uint64_t gen) {
                                          __ATOMIC_SEQ_CST))
             continue;
         int64_t item = (int64_t)(c & 0xffffffffu);
-        if (item < j->gate_items) {
-            gate_item(j, item);
+        if (j->kind == JOB_LINEAR) {
+            linear_item(j, item);
+        } else if (item < j->gate_items) {
+            if (j->kind == JOB_ATTENTION)
+                attention_partial(j, item);
+            else
+                gate_item(j, item);
             ADD(&gate_done, 1);
         } else {
-            /* Down items read every gate item's output; all are taken by now, and each takes
-             * microseconds. */
+            /* Phase 2 items read every phase 1 item's output; all are taken by now, and each
+             * takes microseconds. */
             while (LOAD(&gate_done) < j->gate_items) cpu_relax();
-            down_item(j, item - j->gate_items);
+            if (j->kind == JOB_ATTENTION)
+                attention_merge(j, item - j->gate_items);
+            else
+                down_item(j, item - j->gate_items);
         }
         did++;
     }
@@ -306,7 +487,7 @@ typedef struct {
     void *p;
     size_t cap;
 } buf_t;
-enum { B_X, B_A, B_GROUP_START, B_GROUP_PAIR, B_ROW, B_W, B_ORDER, N_BUFS };
+enum { B_X, B_A, B_GROUP_START, B_GROUP_PAIR, B_ROW, B_W, B_ORDER, B_META, N_BUFS };
 static buf_t scratch[2][N_BUFS];
 
 static void *grow(buf_t *b, size_t bytes) {
@@ -335,18 +516,26 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
                      const float *route_w, float *out) {
     buf_t *b = scratch[slot];
     const int64_t H = j->H, I = j->I;
-    float *x32 = grow(&b[B_X], sizeof(float) * n_rows * H);
+    const int bf16 = j->dtype == DT_BF16;
+    void *xs = grow(&b[B_X], (bf16 ? sizeof(uint16_t) : sizeof(float)) * n_rows * H);
     float *a = grow(&b[B_A], sizeof(float) * n_routes * I);
     int64_t *start = grow(&b[B_GROUP_START], sizeof(int64_t) * (n_routes + 1));
     int64_t *pair = grow(&b[B_GROUP_PAIR], sizeof(int64_t) * (n_routes + 1));
     int64_t *row = grow(&b[B_ROW], sizeof(int64_t) * (n_routes + 1));
     float *w = grow(&b[B_W], sizeof(float) * (n_routes + 1));
     route_key_t *order = grow(&b[B_ORDER], sizeof(route_key_t) * (n_routes + 1));
-    if (!x32 || !a || !start || !pair || !row || !w || !order) return 0;
-    if (x_bf16)
-        for (int64_t i = 0; i < n_rows * H; i++) x32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    if (!xs || !a || !start || !pair || !row || !w || !order) return 0;
+    /* x in the banks' dtype, as torch casts it: bf16 banks take bf16 x (rounded from fp32). */
+    const int64_t nx = n_rows * H;
+    if (bf16 && x_bf16)
+        memcpy(xs, x, sizeof(uint16_t) * nx);
+    else if (bf16)
+        for (int64_t i = 0; i < nx; i++)
+            ((uint16_t *)xs)[i] = bf16_bits(round_bf16(((const float *)x)[i]));
+    else if (x_bf16)
+        for (int64_t i = 0; i < nx; i++) ((float *)xs)[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     else
-        memcpy(x32, x, sizeof(float) * n_rows * H);
+        memcpy(xs, x, sizeof(float) * nx);
     memset(out, 0, sizeof(float) * n_rows * H);
     /* Group the routes by expert, keeping their order within a group (a stable sort). */
     for (int64_t r = 0; r < n_routes; r++) order[r] = (route_key_t){route_pair[r], r};
@@ -362,30 +551,24 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     }
     start[groups] = n_routes;
     j->n_groups = groups;
-    j->x = x32;
+    j->x = xs;
+    j->x16 = xs;
     j->route_w = w;
     j->group_start = start;
     j->group_pair = pair;
     j->route_row = row;
     j->a_buf = a;
+    j->a16 = (uint16_t *)a;
     j->out = out;
     j->gate_items = groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK);
     j->down_items = groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0;
     return 1;
 }
 
-/* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
- * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it. The job is
- * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
- * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The routes and x
- * are copied before this returns; `out` must stay alive until the job is waited for.
- * *experts receives the number of distinct experts the job reads. Returns 0 if no thread can
- * be started or the job's buffers cannot be allocated. */
-uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
-                               int64_t I, const void *x, int x_bf16, int64_t n_rows,
-                               int64_t n_routes, const int64_t *route_row,
-                               const int64_t *route_pair, const float *route_w, float *out,
-                               int act, int threads, int64_t *experts) {
+/* The start of a submission: the team grown to `threads`, any job still running waited for.
+ * Returns the new job's generation with team_mutex held, or 0 (unlocked) if no thread can be
+ * started. */
+static uint64_t begin_job(int threads) {
     if (threads > MAX_TEAM) threads = MAX_TEAM;
     pthread_mutex_lock(&team_mutex);
     for (; team_size < threads; team_size++) {
@@ -403,22 +586,19 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
         ft_cpu_experts_wait(last);
         pthread_mutex_lock(&team_mutex);
     }
-    uint64_t gen = LOAD(&published) + 1;
-    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I};
-    if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
-                   out)) {
-        pthread_mutex_unlock(&team_mutex);
-        return 0;
-    }
-    jobs[gen & 1] = j;
-    *experts = j.n_groups;
+    return LOAD(&published) + 1;
+}
+
+/* Publishes job `gen` (described by j) to the team and releases team_mutex. */
+static uint64_t publish(const job_t *j, uint64_t gen, int64_t items) {
+    jobs[gen & 1] = *j;
     ready_until = 0.0; /* a prepared team sleeps again after this job */
     job_started[gen & 1] = now();
     STORE(&gate_done, 0);
     STORE(&items_done, 0);
     STORE(&claim, (gen & 0xffffffffu) << 32);
     STORE(&published, gen);
-    if (j.gate_items + j.down_items == 0) {
+    if (items == 0) {
         job_seconds[gen & 1] = 0.0;
         STORE(&completed, gen);
     }
@@ -429,4 +609,126 @@ uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_d
      * the mutex, so it either saw this job or waits on the condition before this broadcast. */
     if (wake) pthread_cond_broadcast(&work_cond);
     return gen;
+}
+
+/* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
+ * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it. The job is
+ * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
+ * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The routes and x
+ * are copied before this returns; `out` must stay alive until the job is waited for.
+ * *experts receives the number of distinct experts the job reads. Returns 0 if no thread can
+ * be started or the job's buffers cannot be allocated. */
+uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
+                               int64_t I, const void *x, int x_bf16, int64_t n_rows,
+                               int64_t n_routes, const int64_t *route_row,
+                               const int64_t *route_pair, const float *route_w, float *out,
+                               int act, int threads, int64_t *experts) {
+    uint64_t gen = begin_job(threads);
+    if (!gen) return 0;
+    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I};
+    j.kind = JOB_EXPERTS;
+    if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
+                   out)) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    *experts = j.n_groups;
+    return publish(&j, gen, j.gate_items + j.down_items);
+}
+
+/* Starts a dense layer on the team: out [T, N] (fp32, each value rounded as torch rounds the
+ * layer's output dtype) = x [T, H] . w [N, H]^T + bias (bias [N] or NULL; w and bias in
+ * `dtype`, x bf16 when x_bf16, else fp32). x is copied before this returns; wait with
+ * ft_cpu_experts_wait. Returns 0 if no thread can be started or memory runs out. */
+uint64_t ft_cpu_linear_submit(int dtype, const void *w, const void *bias, int64_t N, int64_t H,
+                              const void *x, int x_bf16, int64_t T, float *out, int threads) {
+    uint64_t gen = begin_job(threads);
+    if (!gen) return 0;
+    /* x copied into the slot's buffer, in the weights' dtype (the layer's dtype: exact). */
+    const size_t item = dtype == DT_BF16 ? sizeof(uint16_t) : sizeof(float);
+    void *xc = grow(&scratch[gen & 1][B_X], item * T * H);
+    if (!xc || (dtype == DT_BF16) != (x_bf16 != 0)) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    memcpy(xc, x, item * T * H);
+    job_t j = {dtype, 0, threads};
+    j.kind = JOB_LINEAR;
+    j.w = w;
+    j.bias = bias;
+    j.N = N;
+    j.H = H;
+    j.T = T;
+    j.x = xc;
+    j.x16 = xc;
+    j.out = out;
+    j.gate_items = (N + ROW_BLOCK - 1) / ROW_BLOCK; /* (the count run_items reads) */
+    j.down_items = 0;
+    return publish(&j, gen, j.gate_items);
+}
+
+/* Starts decode attention over the paged KV cache on the team: one query per sequence,
+ * q [B, heads, D] (in the pools' dtype, copied here) against each sequence's first lengths[b]
+ * keys, found through row rows[b] of table [*, width] (page ids; a position p lives at slot
+ * table[row, p / page] * page + p % page of the [slots, kv_heads, D] pools), the last `window`
+ * of them when window > 0, with each head's sink logit in the softmax's denominator when
+ * sinks is given (fp32 [heads]). out [B, heads, D] fp32. rows, lengths and sinks are copied;
+ * the pools and table are read in place until the job is waited for. */
+uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
+                                 const void *v_pool, const int64_t *table, int64_t width,
+                                 int64_t page, const int64_t *rows, const int64_t *lengths,
+                                 int64_t B, int64_t heads, int64_t kv_heads, int64_t D,
+                                 int64_t window, float scale, const float *sinks, float *out,
+                                 int threads) {
+    const int64_t G = heads / kv_heads;
+    if (G > ATTN_MAX_GROUP || heads % kv_heads) return 0;
+    uint64_t gen = begin_job(threads);
+    if (!gen) return 0;
+    buf_t *b = scratch[gen & 1];
+    /* Splits so the team has work: two items per thread, but never splits under a block. */
+    int64_t longest = 0;
+    for (int64_t i = 0; i < B; i++) longest = lengths[i] > longest ? lengths[i] : longest;
+    int64_t splits = (2 * (threads + 1) + B * kv_heads - 1) / (B * kv_heads);
+    const int64_t most = (longest + ATTN_BLOCK - 1) / ATTN_BLOCK;
+    splits = splits > most ? most : splits;
+    splits = splits < 1 ? 1 : splits;
+    const size_t item = dtype == DT_BF16 ? sizeof(uint16_t) : sizeof(float);
+    void *qc = grow(&b[B_X], item * B * heads * D);
+    float *acc = grow(&b[B_A], sizeof(float) * B * heads * splits * (D + 2));
+    int64_t *meta = grow(&b[B_META], sizeof(int64_t) * 2 * B + sizeof(float) * heads);
+    if (!qc || !acc || !meta) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    memcpy(qc, q, item * B * heads * D);
+    memcpy(meta, rows, sizeof(int64_t) * B);
+    memcpy(meta + B, lengths, sizeof(int64_t) * B);
+    float *sink = sinks ? (float *)(meta + 2 * B) : NULL;
+    if (sink) memcpy(sink, sinks, sizeof(float) * heads);
+    job_t j = {dtype, 0, threads};
+    j.kind = JOB_ATTENTION;
+    j.x = qc;
+    j.x16 = qc;
+    j.k_pool = k_pool;
+    j.v_pool = v_pool;
+    j.table = table;
+    j.rows = meta;
+    j.lengths = meta + B;
+    j.sinks = sink;
+    j.B = B;
+    j.heads = heads;
+    j.kv_heads = kv_heads;
+    j.D = D;
+    j.page = page;
+    j.width = width;
+    j.window = window;
+    j.splits = splits;
+    j.scale = scale;
+    j.part_acc = acc;
+    j.part_m = acc + B * heads * splits * D;
+    j.part_l = j.part_m + B * heads * splits;
+    j.out = out;
+    j.gate_items = B * kv_heads * splits;
+    j.down_items = B * heads;
+    return publish(&j, gen, j.gate_items + j.down_items);
 }

@@ -9,20 +9,14 @@ cost ~0.1 ms per decode layer step.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 
 from freetoken.activations import activation_code, supported
-from freetoken.kernels import native
+from freetoken.kernels.cpu_team import library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# dtype, w_gate_up, w_down, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
-# out, act, threads, experts (out)
-_SIGNATURE = [_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
@@ -52,15 +46,10 @@ class NativeCPUExperts:
             return None
         if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
             return None
-        lib = native.load("cpu_experts")
+        lib = library()
         if lib is None:
             return None
-        submit, wait = lib.ft_cpu_experts_submit, lib.ft_cpu_experts_wait
-        submit.argtypes, submit.restype = _SIGNATURE, ctypes.c_uint64
-        wait.argtypes, wait.restype = [ctypes.c_uint64], ctypes.c_double
-        lib.ft_cpu_experts_set_spin.argtypes = [ctypes.c_double]
         lib.ft_cpu_experts_set_spin(spin_seconds)
-        lib.ft_cpu_experts_prepare.argtypes = [ctypes.c_double]
         return cls(lib, w_gate_up, w_down, act, threads)
 
     def __call__(

@@ -8,15 +8,20 @@ sliding window keeps keys within `window` positions of the query. Grouped-query 
 each KV head once for its whole group of query heads. Attention sinks (gpt-oss) add one logit
 per head to the softmax's denominator.
 
-Two implementations of that one contract:
+Three implementations of that one contract:
 - `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding): programs over
   (sequence, KV head, split of the keys) each run an online softmax over their split, a second
   kernel merges the splits. Lengths are read on the device, so a CUDA graph captured once
   serves every length, and the split count is fixed per batch size.
+- `paged_decode_cpu`: one new token per sequence on the CPU, through the native library's
+  thread team (cpu_experts.c, `ft_cpu_attention_submit`): the same splits and online softmax,
+  reading bf16 keys and values in place with AVX512-BF16 dot products where the CPU has them.
 - `paged_attention_torch`: any batch, any device, the reference and the CPU path: per sequence,
   its keys gathered on the device from the table (no host work per key), then SDPA (a fused
-  kernel with an implicit lower-right causal mask on the GPU) or, with sinks, the explicit
-  softmax.
+  kernel with an implicit lower-right causal mask on the GPU) or, for one query (decode) and
+  with sinks, the explicit softmax as two batched products over the KV heads: on the CPU,
+  SDPA's fused kernel cost 0.5 ms of fixed work per call at decode, more than the rest of the
+  layer's attention.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from freetoken.kernels import cpu_team
 from freetoken.kv.batch import ForwardBatch
 
 try:
@@ -55,7 +61,46 @@ def paged_attention(
     """Attention of the batch's new tokens: q [T, heads, d] -> [T, heads, d]."""
     if batch.is_decode and q.is_cuda and triton is not None:
         return paged_decode_triton(q, k_pool, v_pool, batch, scale, window, sinks)
+    if batch.is_decode and cpu_decode_takes(q, k_pool):
+        return paged_decode_cpu(q, k_pool, v_pool, batch, scale, window, sinks)
     return paged_attention_torch(q, k_pool, v_pool, batch, scale, window, sinks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Native CPU decode
+# ---------------------------------------------------------------------------------------------
+
+_CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+def cpu_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_pool.dtype
+        and q.dtype in _CPU_DTYPES
+        and q.shape[1] // k_pool.shape[1] <= 64
+        and k_pool.is_contiguous()
+        and cpu_team.library() is not None
+    )
+
+
+def paged_decode_cpu(q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None):
+    """One query per sequence on the CPU team: q [B, heads, d] -> [B, heads, d]."""
+    b, heads, d = q.shape
+    q = q.contiguous()
+    out = torch.empty(b, heads, d, dtype=torch.float32)
+    sink = sinks.float().contiguous() if sinks is not None else None  # held until done
+    table = batch.page_table
+    ticket = cpu_team.library().ft_cpu_attention_submit(
+        _CPU_DTYPES[q.dtype], q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        table.data_ptr(), table.shape[1], batch.page_size, batch.rows.data_ptr(),
+        batch.lengths.data_ptr(), b, heads, k_pool.shape[1], d, window or 0, scale,
+        sink.data_ptr() if sink is not None else None, out.data_ptr(), cpu_team.team_threads(),
+    )  # fmt: skip
+    if ticket == 0:
+        return paged_attention_torch(q, k_pool, v_pool, batch, scale, window, sinks)
+    cpu_team.wait(ticket)
+    return out.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,8 +133,8 @@ def paged_attention_torch(
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-        if sinks is not None:
-            o = _attention_with_sinks(queries, keys, values, mask, scale, sinks)
+        if sinks is not None or count == 1:
+            o = _explicit_attention(queries, keys, values, mask, scale, sinks)
         else:
             o = F.scaled_dot_product_attention(
                 queries,
@@ -103,16 +148,27 @@ def paged_attention_torch(
     return out
 
 
-def _attention_with_sinks(q, k, v, mask, scale, sinks):
-    """Softmax attention whose denominator also holds exp(sinks[h]) (a logit with no value)."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [1, h, n, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return (probs @ v.float()).to(q.dtype)
+def _explicit_attention(q, k, v, mask, scale, sinks):
+    """Softmax attention as products over each KV head's group of query heads (no K/V copied
+    per head); the softmax in fp32, its denominator also holding exp(sinks[h]) when given (a
+    logit with no value). q [1, h, n, d], k and v [1, kvh, L, d], mask [n, L] or None (all
+    keys visible)."""
+    _, heads, n, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # [kvh, group * n, d] @ [kvh, d, L]: query heads of a group share their KV head's keys.
+    qg = q[0].reshape(kv_heads, group * n, d)
+    scores = torch.bmm(qg.float(), k[0].float().transpose(1, 2)) * scale
+    scores = scores.view(kv_heads, group, n, length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(kv_heads, group, 1, 1).expand(kv_heads, group, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.view(kv_heads, group * n, length).to(v.dtype), v[0])
+    return out.view(1, heads, n, d)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from torch import nn
 from freetoken.kernels.paged_attention import paged_attention
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
 from freetoken.model_config import ModelConfig
@@ -27,10 +28,10 @@ class Attention(nn.Module):
         # With an output gate, q_proj yields each head's query then its gate, head by head.
         self.output_gate = cfg.attn_output_gate
         q_out = 2 * q_dim if self.output_gate else q_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         zc = cfg.zero_centered_norm
         if cfg.qk_norm == "per_head":  # Qwen3: one norm over each head's vector

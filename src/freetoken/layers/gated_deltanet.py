@@ -23,6 +23,7 @@ from torch import nn
 from freetoken.activations import activation
 from freetoken.kv.batch import ForwardBatch, StateGroup
 from freetoken.kv.recurrent import RecurrentStatePool
+from freetoken.layers.linear import Linear
 from freetoken.layers.norm import GatedRMSNorm
 from freetoken.model_config import ModelConfig
 
@@ -121,15 +122,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = la.key_head_dim, la.value_head_dim
         self.key_dim, self.value_dim = la.key_dim, la.value_dim
         h = cfg.hidden_size
-        self.in_proj_qkvz = nn.Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * la.num_value_heads, bias=False)
+        self.in_proj_qkvz = Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
+        self.in_proj_ba = Linear(h, 2 * la.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(
             la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(la.value_dim, h, bias=False)
+        self.out_proj = Linear(la.value_dim, h, bias=False)
         self.act = activation(cfg.hidden_act)
 
     def _project(self, x: torch.Tensor):

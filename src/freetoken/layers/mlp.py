@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from freetoken.activations import activation
+from freetoken.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
@@ -9,9 +10,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

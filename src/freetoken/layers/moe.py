@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.model_config import ModelConfig
 
@@ -51,13 +52,13 @@ class MoEBlock(nn.Module):
         self.moe_layer, self.top_k, self.renormalize = moe_layer, moe.top_k, moe.norm_topk_prob
         self.fp32_gate_weights = moe.fp32_gate_weights
         h = cfg.hidden_size
-        self.router = nn.Linear(h, moe.num_experts, bias=False)
+        self.router = Linear(h, moe.num_experts, bias=False)
         self.shared = None
         self.shared_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared = GatedMLP(h, moe.shared_expert_intermediate_size, cfg.hidden_act)
             if moe.shared_expert_gated:
-                self.shared_gate = nn.Linear(h, 1, bias=False)
+                self.shared_gate = Linear(h, 1, bias=False)
         self.executor: ExpertExecutor = _not_installed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
+from freetoken.layers.linear import Linear, linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
@@ -61,7 +62,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `to_empty`, or a dtype cast, clobbered it)."""
@@ -95,4 +96,4 @@ class DecoderModel(nn.Module):
             x = layer(x, cos_sin, batch, kv, states)
         if not all_logits:
             x = x[batch.last_index]
-        return (self.norm(x) @ self.lm_head_weight().t()).float()
+        return linear(self.norm(x), self.lm_head_weight()).float()

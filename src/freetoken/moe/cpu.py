@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
+from freetoken.kernels.cpu_team import team_threads
 from freetoken.moe.store import HostExpertStore
 
 # How long (microseconds) idle expert threads spin for the next job before sleeping; 0 by
@@ -85,7 +86,7 @@ class CPUExpertExecutor:
             # that core is the thread driving it until it waits. Counted from the CPUs this
             # process may use, not from torch's thread count, which the runtime lowers to 1
             # beside a GPU.
-            team = threads or max(1, len(os.sched_getaffinity(0)) - 1)
+            team = threads or team_threads()
             spin = float(os.environ.get(SPIN_ENV, 0)) * 1e-6
             self.native = NativeCPUExperts.create(
                 store.w_gate_up, store.w_down, act, team, spin_seconds=spin

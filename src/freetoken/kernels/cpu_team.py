@@ -1,0 +1,57 @@
+"""The native CPU library (cpu_experts.c) and its team of threads, shared by every CPU kernel:
+routed experts (cpu_experts.py), dense layers (cpu_linear.py) and decode attention
+(paged_attention.py). One place loads it and declares its functions."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from freetoken.kernels import native
+
+_P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                               ctypes.c_double, ctypes.c_uint64)  # fmt: skip
+SIGNATURES = {
+    # dtype, w_gate_up, w_down, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair,
+    # route_w, out, act, threads, experts (out)
+    "ft_cpu_experts_submit": (
+        [_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
+        _U64,
+    ),
+    # dtype, w, bias, N, H, x, x_bf16, T, out, threads
+    "ft_cpu_linear_submit": ([_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _INT], _U64),
+    # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
+    # window, scale, sinks, out, threads
+    "ft_cpu_attention_submit": (
+        [_INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _INT],
+        _U64,
+    ),
+    "ft_cpu_experts_wait": ([_U64], _D),
+    "ft_cpu_experts_set_spin": ([_D], None),
+    "ft_cpu_experts_prepare": ([_D], None),
+}
+_lib: ctypes.CDLL | bool | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library with its functions declared, or None where it cannot be built."""
+    global _lib
+    if _lib is None:
+        lib = native.load("cpu_experts")
+        if lib is not None:
+            for name, (args, result) in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, result
+        _lib = lib or False
+    return _lib or None
+
+
+def team_threads() -> int:
+    """The team's default size: one thread per usable core but one (the caller that waits for
+    a job works on it too)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def wait(ticket: int) -> float:
+    """Work on job `ticket` until it is done (ctypes releases the GIL); its seconds."""
+    return library().ft_cpu_experts_wait(ticket)
