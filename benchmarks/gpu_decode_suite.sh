@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBU
 export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
 if [ "${TESTS:-1}" = 1 ]; then
   (cd tests && timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short \
-    -k "not interpreter" test_paged_attention.py test_cuda_graphs.py test_device_numerics.py \
+    -k "not interpreter" test_paged_attention.py test_norm_rope.py test_cuda_graphs.py test_device_numerics.py \
     test_moe_runtime.py test_prefill.py) > "$out/cuda-tests.txt" 2>&1
   grep -E "passed|failed|Error" "$out/cuda-tests.txt" | tail -5
 fi

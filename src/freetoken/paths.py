@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import platformdirs
-
 CACHE_DIR_ENV = "FREETOKEN_CACHE_DIR"
 
 
@@ -20,8 +18,11 @@ def cache_dir() -> Path:
     so one override reaches every cached artifact and tests can monkeypatch it.
     """
     override = os.environ.get(CACHE_DIR_ENV)
-    path = (
-        Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("freetoken"))
-    )
+    if override:
+        path = Path(override).expanduser()
+    else:
+        import platformdirs  # only here: kernels import this module, and some hosts lack it
+
+        path = Path(platformdirs.user_cache_dir("freetoken"))
     path.mkdir(parents=True, exist_ok=True)
     return path

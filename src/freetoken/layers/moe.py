@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels import norm_rope
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.model_config import ModelConfig
@@ -25,6 +26,8 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing. Returns (weights [T, k], expert ids [T, k]); the weights are in
     the logits' dtype unless `fp32_weights`."""
+    if norm_rope.available(router_logits):  # one launch on the GPU (kernels/norm_rope.py)
+        return norm_rope.route(router_logits, top_k, renormalize, fp32_weights)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

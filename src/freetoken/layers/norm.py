@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels import norm_rope
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back, as the reference implementations do.
@@ -17,6 +19,11 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
+            return norm_rope.rms_norm(x, self.weight, self.eps, self.zero_centered)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -29,4 +36,4 @@ class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * silu(gate): the output norm of gated DeltaNet (norm first, then gate)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
+        return (self.reference(x) * F.silu(gate.float())).to(x.dtype)

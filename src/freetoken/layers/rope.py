@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from freetoken.kernels import norm_rope
 from freetoken.model_config import RopeConfig
 
 
@@ -92,6 +93,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, head_dim]; with partial rotary only the first dims turn."""
+    if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
+        return norm_rope.apply_rotary(x, cos, sin)
+    return rotary_reference(x, cos, sin)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
     if rot == x.shape[-1]:

@@ -1,0 +1,103 @@
+"""The one-launch RMSNorm and rotary kernels (kernels/norm_rope.py) against the torch code they
+replace on the GPU: under Triton's CPU interpreter (one subprocess: TRITON_INTERPRET must be
+set before triton is imported; skipped without triton) and on CUDA when there is one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+)
+
+
+def _cases(device: str) -> dict[str, float]:
+    """Max abs difference between kernel and reference, per case."""
+    from freetoken.kernels import norm_rope
+    from freetoken.layers.norm import RMSNorm
+    from freetoken.layers.rope import RotaryEmbedding, rotary_reference
+    from freetoken.model_config import RopeConfig
+
+    torch.manual_seed(0)
+    res = {}
+    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        for shape in ((5, 72), (3, 4, 16), (1, 2048)):
+            for zero_centered in (False, True):
+                norm = RMSNorm(shape[-1], 1e-6, zero_centered).to(device, dtype)
+                with torch.no_grad():
+                    norm.weight.normal_(0.5, 0.3)
+                x = torch.randn(shape, device=device).to(dtype)
+                ours = norm_rope.rms_norm(x, norm.weight, norm.eps, zero_centered)
+                ref = norm.reference(x)
+                key = f"norm/{dtype}/{shape}/{zero_centered}"
+                res[key] = (ours.float() - ref.float()).abs().max().item()
+        for head_dim, partial in ((16, 1.0), (32, 0.5), (128, 1.0)):
+            rope = RotaryEmbedding(RopeConfig(theta=1e4, partial_rotary_factor=partial), head_dim)
+            positions = torch.arange(7, device=device) * 37
+            cos, sin = rope.to(device).cos_sin(positions, dtype)
+            x = torch.randn(7, 3, head_dim, device=device).to(dtype)
+            ours = norm_rope.apply_rotary(x, cos, sin)
+            ref = rotary_reference(x, cos, sin)
+            res[f"rope/{dtype}/{head_dim}/{partial}"] = (
+                (ours.float() - ref.float()).abs().max().item()
+            )
+        for experts, k, renormalize in ((128, 8, True), (60, 4, False), (8, 2, True)):
+            logits = torch.randn(5, experts, device=device).to(dtype)
+            weights, ids = norm_rope.route(logits, k, renormalize, False)
+            ref_w, ref_ids = route_reference(logits, k, renormalize)
+            key = f"route/{dtype}/{experts}/{k}"
+            res[key] = (weights.float() - ref_w.float()).abs().max().item()
+            res[key + "/ids"] = float((ids != ref_ids).sum().item())
+    return res
+
+
+def route_reference(logits, k, renormalize):
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w.to(logits.dtype), ids
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, float]:
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "import test_norm_rope as m; print(json.dumps(m._cases('cpu')))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
+    results = interpreter_results
+    assert len(results) == 15
+    # fp32: the norm's sum of squares in another order (a few ulp), the rotation bit for bit,
+    # the routing's choice exactly and its weights to a few ulp.
+    assert max(v for k, v in results.items() if k.startswith("norm")) < 1e-5
+    assert max(v for k, v in results.items() if k.startswith("rope")) == 0.0
+    assert max(v for k, v in results.items() if k.startswith("route") and "ids" not in k) < 1e-6
+    assert sum(v for k, v in results.items() if k.endswith("/ids")) == 0
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_match_the_torch_code_on_cuda():
+    results = _cases("cuda")
+    for key, value in results.items():
+        # bf16: at most one step of a bf16 value near the norm's output scale (2^-7 of ~2).
+        limit = 0 if key.endswith("/ids") else 2**-6 if "bfloat16" in key else 1e-5
+        assert value <= limit, (key, value)
