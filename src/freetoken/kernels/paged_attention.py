@@ -42,7 +42,12 @@ except ImportError:  # CPU-only installs
     triton = None
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-DECODE_BLOCK_N = 64  # keys per inner step of a split
+# Keys per inner step of a split, warps and pipeline stages: the fastest of 36 variants in CUDA
+# graphs on the H200 machine at 32k keys (benchmarks/paged_attention.py: 25.8 us a layer at
+# batch 1, 70.9 at batch 4, 3.8 TB/s, against 27.9 and 78.2 for 64 keys, 4 warps, 3 stages).
+DECODE_BLOCK_N = 128
+DECODE_WARPS = 4
+DECODE_STAGES = 3
 # Splits per (sequence, KV head): enough programs to fill the GPU at batch 1 (132 SMs on an
 # H200) and no more, since each split's partial costs a read and a write in the merge.
 DECODE_TARGET_PROGRAMS = 256
@@ -209,8 +214,7 @@ def paged_decode_triton(
         HEAD_D=d, BLOCK_N=block_n or DECODE_BLOCK_N, INTERPRETED=INTERPRETED,
         # fp32 (tests, CPU-exact runs) without TF32 rounding; bf16 / fp16 as they are.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **({"num_warps": num_warps} if num_warps else {}),
-        **({"num_stages": num_stages} if num_stages else {}),
+        num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES,
     )  # fmt: skip
     out = torch.empty_like(q)
     has_sinks = sinks is not None
