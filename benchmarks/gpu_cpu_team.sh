@@ -9,7 +9,7 @@ export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
 (cd tests && python3 -m pytest -q -p no:cacheprovider --tb=short test_cpu_experts.py) 2>&1 | tail -2
 for spin in 0 2000; do
   echo "spin ${spin} us"
-  FREETOKEN_CPU_SPIN_US=$spin python3 -m freetoken.cli.main bench bw --seconds 1.5 | grep "B_"
+  python3 -m freetoken.cli.main bench bw --seconds 1.5 --cpu-spin-us $spin | grep "B_"
 done
 python3 benchmarks/decode_offload.py --out "$out/decode_offload.md" --layers 16 --steps 48 \
   --warmup 16 --cache 8GiB --strategy offload --strategy static --strategy hybrid 2>&1 | grep "^|"

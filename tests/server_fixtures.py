@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from freetoken.config import EngineConfig, MoEOptions
+from freetoken.config import EngineConfig, MoEOptions, ServerConfig
 from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.scheduler import Scheduler
@@ -25,13 +25,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(engine, name="test-model", api_key=None, max_running=4, max_queued=64):
+def running_server(
+    engine, name="test-model", api_key=None, max_running=4, max_queued=64, sandbox=None, **config
+):
+    """`config`: ServerConfig fields beside the key; `sandbox`: a TemplateSandbox."""
     scheduler = Scheduler(engine, max_running, max_queued)
-    core = GenerationCore(scheduler, engine.tokenizer, name)
+    core = GenerationCore(scheduler, engine.tokenizer, name, template_sandbox=sandbox)
+    app = create_app(core, ServerConfig(api_key=api_key, **config))
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(core, api_key), host="127.0.0.1", port=port, log_level="error")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -133,6 +133,31 @@ def test_repetition_penalty_hand_worked() -> None:
     assert out.tolist() == [[4.0, -0.5, 0.5, 3.0, 0.0]]
 
 
+def test_frequency_and_presence_penalties_count_the_output_hand_worked() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0)
+    # Token 3 came twice in the output, token 1 once; the prompt (history) is not counted.
+    out = Sampler().filter_logits(logits, [params], history=[[0, 0, 0]], outputs=[[3, 1, 3]])
+    assert out.tolist() == [[2.0, 1.0 - 0.5 - 1.0, 0.5, 3.0 - 1.0 - 1.0]]
+    # Greedy follows: token 0 wins once 3 is penalised.
+    assert Sampler().sample(logits, [params], [None], outputs=[[3, 1, 3]]).tolist() == [0]
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=2.5)
+
+
+def test_logit_bias_adds_to_chosen_tokens_per_row() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={2: 5.0, 0: -100}),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler().filter_logits(logits, params)
+    assert out.tolist() == [[-98.0, 1.0, 5.0], [2.0, 1.0, 0.0]]
+    assert Sampler().sample(logits, params, [None, None]).tolist() == [2, 0]
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101})
+
+
 def test_repetition_penalty_changes_greedy_choice_per_row() -> None:
     logits = torch.tensor([[3.0, 2.0, -5.0], [3.0, 2.0, -5.0], [3.0, 2.0, -5.0]])
     params = [

@@ -131,11 +131,11 @@ ERRORS = [
         "Unrecognized request argument supplied: temprature",
     ),
     ("{not json", 400, "not valid JSON"),
-    (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages' must be an array"),
+    (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages': Input should be a valid array"),
     (
         json.dumps({**greedy(max_tokens="many"), "messages": [{"role": "user", "content": "x"}]}),
         400,
-        "'max_tokens' must be an integer",
+        "'max_tokens': Input should be a valid integer",
     ),
     (
         json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
@@ -376,7 +376,7 @@ def test_tool_choice_forces_a_call(engine, client, monkeypatch):
         )  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="no tools"):
         client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required")
-    with pytest.raises(openai.BadRequestError, match="tool_choice must be"):
+    with pytest.raises(openai.BadRequestError, match="'tool_choice': Input should be"):
         client.chat.completions.create(
             model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="sometimes"
         )

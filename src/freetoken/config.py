@@ -18,7 +18,15 @@ class MoEOptions:
     cache_size: str | None = None  # slots ("512") or bytes ("8GiB"); None: from the budget
     policy: str | None = None  # eviction policy name; None: the default
     max_fetch: int | None = None  # hybrid: at most this many fills per layer step
-    cpu_threads: int | None = None
+    cpu_threads: int | None = None  # the CPU expert team; None: usable CPUs minus one
+    # How long (microseconds) idle expert threads spin for the next job before sleeping. On the
+    # H200 machine spinning 2 ms halved the team's bandwidth beside PCIe copies (46.6 -> 24.4
+    # GB/s) and slowed every offload strategy's decode
+    # (benchmarks/results/2026-11-29-decode-offload-h200-fold.md).
+    cpu_spin_us: float = 0.0
+    # How long (microseconds) a team woken ahead of a decode layer's job waits awake for it;
+    # 0 turns the early wake-up off (+8-11% tok/s at batch 1 on the H200 machine).
+    cpu_prepare_us: float = 2000.0
     # Chunks of at least this many tokens fill every miss they can: the CPU runs long chunks at
     # GEMM speed, far below the GPU, so splitting them loses (streamed prefill replaces this).
     fill_all_from_tokens: int = 32
@@ -35,6 +43,23 @@ class MoEOptions:
             raise ValueError(f"unknown MoE strategy {self.strategy!r}; use one of {STRATEGIES}")
         if self.max_fetch is not None and self.max_fetch < 1:
             raise ValueError("--moe-hybrid-max-fetch must be at least 1")
+        if self.cpu_spin_us < 0 or self.cpu_prepare_us < 0:
+            raise ValueError("--cpu-spin-us and --cpu-prepare-us must not be negative")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`ft serve`'s own settings (the engine's are EngineConfig's)."""
+
+    api_key: str | None = None  # required on every endpoint but /health when set
+    max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are read
+    # Client chat templates (`chat_template_kwargs.chat_template`) are refused unless allowed;
+    # allowed ones render in a worker process killed after `template_timeout_s`.
+    allow_request_chat_template: bool = False
+    template_timeout_s: float = 2.0
+    # SIGTERM: stop admitting, let requests finish for this long, then end the rest (streams
+    # with their API's error event) and exit.
+    shutdown_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
+        self.path = path  # the checkpoint directory (a template sandbox loads it again)
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise CheckpointError(
                 f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}"

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     shape = expert_shape(args)
     profile = measure(
         shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,
-        threads=args.cpu_threads,
+        threads=args.cpu_threads, spin_us=args.cpu_spin_us,
     )  # fmt: skip
     path = save_profile(profile)
     if args.json:

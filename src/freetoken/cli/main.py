@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from freetoken.cli import launch
-from freetoken.config import STRATEGIES, EngineConfig, MoEOptions
+from freetoken.config import STRATEGIES, EngineConfig, MoEOptions, ServerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g,
         "--state-anchors",
         type=int,
-        default=16,
+        default=EngineConfig.state_anchors,
         help="hybrid models: recurrent-state checkpoints kept at edit boundaries for prefix "
         "reuse (each costs one sequence's state)",
     )
@@ -77,9 +77,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     option(m, "--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
     option(
         m,
+        "--cpu-spin-us",
+        type=float,
+        default=MoEOptions.cpu_spin_us,
+        help="idle CPU expert threads spin this long before sleeping (default: 0, sleep)",
+    )
+    option(
+        m,
+        "--cpu-prepare-us",
+        type=float,
+        default=MoEOptions.cpu_prepare_us,
+        help="a CPU team woken ahead of a decode layer's job waits this long for it "
+        "(default: %(default)s; 0 turns the early wake-up off)",
+    )
+    option(
+        m,
         "--prefill-stream-threshold",
         type=int,
-        default=128,
+        default=MoEOptions.prefill_stream_threshold,
         help="stream whole expert layers for prompt chunks of at least this many tokens "
         "(default 128; 0 turns streaming off)",
     )
@@ -124,10 +139,43 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=1919)
     serve.add_argument("--api-key", help="require this key (default: $FREETOKEN_API_KEY, if set)")
     serve.add_argument("--served-model-name", help="model id clients send (default: dir name)")
-    serve.add_argument("--max-running-requests", type=int, default=4)
+    serve.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=EngineConfig.max_batch_size,
+        help="requests decoded together (default: %(default)s)",
+    )
     serve.add_argument("--max-queued-requests", type=int, default=64, help="then 429")
     serve.add_argument(
-        "--max-prefill-chunk", type=int, default=8192, help="prompt tokens per engine step"
+        "--max-prefill-chunk",
+        type=int,
+        default=EngineConfig.max_prefill_chunk,
+        help="prompt tokens per engine step (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=ServerConfig.max_request_bytes,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="render chat templates that requests bring (chat_template_kwargs.chat_template), "
+        "in a worker process with a time limit; refused by default",
+    )
+    serve.add_argument(
+        "--template-timeout",
+        type=float,
+        default=ServerConfig.template_timeout_s,
+        help="seconds a request's own chat template may take to render (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServerConfig.shutdown_timeout_s,
+        help="on SIGTERM, seconds requests in flight may take to finish before they are ended "
+        "(default: %(default)s)",
     )
     serve.set_defaults(func="freetoken.cli.serve:run")
 
@@ -144,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     bw.add_argument("--pool-gib", type=float, default=2.0, help="host pool cycled through")
     bw.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
+    bw.add_argument(
+        "--cpu-spin-us", type=float, default=0.0, help="idle CPU threads spin this long first"
+    )
     bw.add_argument("--json", action="store_true", help="print one JSON object")
     bw.set_defaults(func="freetoken.cli.bench_bw:run")
     cache = bench_sub.add_parser("cache", help="replay a routing trace through the expert cache")
@@ -173,6 +224,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         policy=args.moe_policy,
         max_fetch=args.moe_hybrid_max_fetch,
         cpu_threads=args.cpu_threads,
+        cpu_spin_us=args.cpu_spin_us,
+        cpu_prepare_us=args.cpu_prepare_us,
         prefill_stream_threshold=args.prefill_stream_threshold or None,
     )
     return EngineConfig(
@@ -185,6 +238,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,
         moe=moe,
+        # Serving's batch and chunk flags; the other commands run one request at a time.
+        **{
+            key: getattr(args, flag)
+            for key, flag in (
+                ("max_batch_size", "max_running_requests"),
+                ("max_prefill_chunk", "max_prefill_chunk"),
+            )
+            if getattr(args, flag, None) is not None
+        },
     )
 
 

@@ -3,30 +3,91 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from freetoken.cli.common import load_engine
+from freetoken.config import ServerConfig
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
+log = logging.getLogger(__name__)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings from its flags; refuses an empty key, which would read as "no
+    auth" where the operator meant to set one."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise SystemExit(f"error: {source} is empty; give a key, or leave it out to serve "
+                         "without one")  # fmt: skip
+    return ServerConfig(
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        allow_request_chat_template=args.allow_request_chat_template,
+        template_timeout_s=args.template_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def exposed(host: str) -> bool:
+    """Whether `host` accepts connections from other machines."""
+    return host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.")
+
+
+def make_server(app, core, host: str, port: int, config: ServerConfig):
+    """A uvicorn server whose SIGTERM (or first Ctrl-C) drains: no new requests, those in
+    flight may finish within the shutdown timeout, then the rest are ended (streams with their
+    API's error event) and the process exits."""
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            # A signal handler: hand the drain to the event loop's thread.
+            self.loop.call_soon_threadsafe(core.begin_shutdown, config.shutdown_timeout_s)
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own deadline is the backstop: past the drain, ended streams need a moment to
+    # send their last event.
+    return DrainingServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=config.shutdown_timeout_s + 3,
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from freetoken.engine.scheduler import Scheduler
     from freetoken.server.app import create_app
     from freetoken.server.core import GenerationCore
+    from freetoken.server.sandbox import TemplateSandbox
 
+    config = server_config(args)
+    if exposed(args.host) and not config.api_key:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach this "
+              f"port can use the model (set --api-key or ${API_KEY_ENV})",
+              file=sys.stderr)  # fmt: skip
     engine = load_engine(args)
-    engine.max_prefill_chunk = args.max_prefill_chunk
     name = args.served_model_name or (args.model.name if args.model else "freetoken-demo")
-    scheduler = Scheduler(engine, args.max_running_requests, args.max_queued_requests)
-    core = GenerationCore(scheduler, engine.tokenizer, name)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    app = create_app(core, api_key)
+    scheduler = Scheduler(engine, max_queued=args.max_queued_requests)
+    sandbox = None
+    if config.allow_request_chat_template:
+        sandbox = TemplateSandbox(engine.tokenizer.path, config.template_timeout_s)
+    core = GenerationCore(scheduler, engine.tokenizer, name, template_sandbox=sandbox)
+    app = create_app(core, config)
     url = f"http://{args.host}:{args.port}"
-    auth = ' -H "Authorization: Bearer $FREETOKEN_API_KEY"' if api_key else ""
+    auth = ' -H "Authorization: Bearer $FREETOKEN_API_KEY"' if config.api_key else ""
     print(
         f"freetoken serving {name} at {url}/v1 (OpenAI) and {url}/v1/messages (Anthropic)\n"
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
@@ -36,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    scheduler.shutdown()
+    try:
+        make_server(app, core, args.host, args.port, config).run()
+    finally:
+        scheduler.shutdown()
+        if sandbox is not None:
+            sandbox.close()
     return 0

@@ -400,11 +400,17 @@ class LLMEngine:
         return logits
 
     def _sample(self, group: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        # The whole history only where a repetition penalty reads it: copying it every step
+        # would cost the host time that grows with the context.
+        history = None
+        if any(r.params.repetition_penalty != 1.0 for r in group):
+            history = [r.prompt_ids + r.output_ids for r in group]
         tokens = self.sampler.sample(
             logits,
             [r.params for r in group],
             [r.generator for r in group],
-            [r.prompt_ids + r.output_ids for r in group],
+            history,
+            [r.output_ids for r in group],
         ).tolist()
         return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
 

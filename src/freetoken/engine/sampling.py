@@ -1,8 +1,9 @@
 """Per-request sampling parameters and a batched next-token sampler.
 
 The transforms run in the order HF transformers and vLLM use, so a parameter set means what
-users expect it to mean: repetition penalty, then either greedy argmax or temperature, top-k,
-top-p, min-p and a random draw.
+users expect it to mean: repetition penalty, the OpenAI frequency and presence penalties
+(counted over the output, as the OpenAI API and vLLM count them), logit bias, then either
+greedy argmax or temperature, top-k, top-p, min-p and a random draw.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: logit -= frequency_penalty * count + presence_penalty * (count > 0), count the
+    # times the token came in the output so far; each in [-2, 2].
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings
@@ -34,6 +40,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
 
         _require_int("max_new_tokens", self.max_new_tokens, minimum=1)
         _require_real("temperature", self.temperature)
@@ -51,6 +59,16 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}"
             )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require_real(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        for token_id, bias in self.logit_bias:
+            _require_int("logit_bias token ids", token_id, minimum=0)
+            _require_real("logit_bias values", bias)
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=0)
             if self.seed >= 2**64:  # torch.Generator seeds are 64-bit
@@ -100,15 +118,17 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         history: Sequence[Sequence[int]] | None = None,
+        outputs: Sequence[Sequence[int]] | None = None,
     ) -> Tensor:
         """`logits` is [B, V]; returns [B] int64 token ids on the logits' device.
 
         `history[i]` holds the tokens the repetition penalty looks at for row i (HF counts the
-        prompt too; that choice is the caller's)."""
+        prompt too; that choice is the caller's); `outputs[i]` the row's output so far, which
+        the frequency and presence penalties count."""
         batch = _check_batch(logits, params, history)
         if len(generators) != batch:
             raise ValueError(f"got {len(generators)} generators for a batch of {batch}")
-        x = _penalized(logits, params, history)
+        x = _penalized(logits, params, history, outputs)
         # An argmax over every row costs next to nothing next to the model, and it already is
         # the answer for the greedy rows; sampled rows overwrite theirs below.
         tokens = x.argmax(dim=-1)
@@ -125,11 +145,12 @@ class Sampler:
         logits: Tensor,
         params: Sequence[SamplingParams],
         history: Sequence[Sequence[int]] | None = None,
+        outputs: Sequence[Sequence[int]] | None = None,
     ) -> Tensor:
         """The fp32 logits `sample` draws from, with filtered-out tokens at -inf. Greedy rows
-        only get the repetition penalty. Handy for logprobs and for tests."""
+        only get the penalties and bias. Handy for logprobs and for tests."""
         _check_batch(logits, params, history)
-        x = _penalized(logits, params, history)
+        x = _penalized(logits, params, history, outputs)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             index = torch.tensor(rows, device=x.device)
@@ -151,12 +172,34 @@ def _check_batch(
 
 
 def _penalized(
-    logits: Tensor, params: Sequence[SamplingParams], history: Sequence[Sequence[int]] | None
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    history: Sequence[Sequence[int]] | None,
+    outputs: Sequence[Sequence[int]] | None = None,
 ) -> Tensor:
-    """An fp32 copy of `logits` (never the caller's tensor) with the CTRL repetition penalty."""
+    """An fp32 copy of `logits` (never the caller's tensor) with the CTRL repetition penalty,
+    the frequency and presence penalties and the logit bias."""
     x = logits.to(torch.float32, copy=True)
-    if history is None:
-        return x
+    if history is not None:
+        _repetition_penalty(x, params, history)
+    for i, p in enumerate(params):
+        if (p.frequency_penalty or p.presence_penalty) and outputs is not None and outputs[i]:
+            ids = torch.tensor(outputs[i], device=x.device)
+            counts = torch.zeros(x.shape[1], device=x.device).index_add_(
+                0, ids, torch.ones(len(ids), device=x.device)
+            )
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=x.device)
+            x[i].index_add_(0, ids, bias)
+    return x
+
+
+def _repetition_penalty(
+    x: Tensor, params: Sequence[SamplingParams], history: Sequence[Sequence[int]]
+) -> None:
+    """The CTRL repetition penalty, in place."""
     rows: list[int] = []
     seen: list[list[int]] = []
     for i, (p, past) in enumerate(zip(params, history, strict=True)):
@@ -164,7 +207,7 @@ def _penalized(
             rows.append(i)
             seen.append(list(set(past)))  # each token is penalised once, however often it came
     if not rows:
-        return x
+        return
     width = max(len(ids) for ids in seen)
     # Pad each row with its own first id: re-writing the same value there is harmless, and one
     # gather/scatter then serves rows with histories of any length.
@@ -179,7 +222,6 @@ def _penalized(
     # Dividing a negative logit would raise it, so negatives are multiplied instead.
     new = torch.where(old > 0, old / penalty, old * penalty)
     x[row_index] = sub.scatter_(1, index, new)
-    return x
 
 
 def _warped(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:

@@ -29,6 +29,10 @@ class QueueFullError(FreetokenError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
 
 
+class ShutdownError(FreetokenError):
+    """The server shut down before the request finished."""
+
+
 @dataclass
 class Ticket:
     """A client's handle on one submitted request."""
@@ -58,11 +62,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine: LLMEngine, max_running: int = 4, max_queued: int = 64):
+    def __init__(self, engine: LLMEngine, max_running: int | None = None, max_queued: int = 64):
+        """`max_running`: at most this many requests at once (default and at most: the
+        engine's `max_batch_size`, which sized its state pools)."""
         self.engine = engine
-        self.engine.max_batch_size = max_running
-        self.max_running = max_running
+        self.max_running = min(max_running or engine.max_batch_size, engine.max_batch_size)
         self.max_queued = max_queued
+        self._admitting = True
+        self._end_all = False
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: dict[int, Ticket] = {}  # engine request id -> ticket
         self._cancel: set[int] = set()
@@ -77,6 +84,18 @@ class Scheduler:
 
     # -- client side (any thread) ---------------------------------------------------------
 
+    def stop_admitting(self) -> None:
+        """Refuse new submissions (shutting down); those queued or running go on."""
+        with self._lock:
+            self._admitting = False
+
+    def end_all(self) -> None:
+        """End every request, queued or running: each gets a ShutdownError (from any thread;
+        the engine thread does it at its next step boundary)."""
+        with self._lock:
+            self._end_all = True
+        self._wake.set()
+
     def submit(
         self,
         prompt_ids: Sequence[int],
@@ -89,6 +108,8 @@ class Scheduler:
         when the engine takes it (its prefix-cache reuse is known then)."""
         ticket = Ticket(next(self._ids), list(prompt_ids), params, on_output, on_admit)
         with self._lock:
+            if not self._admitting:
+                raise ShutdownError("the server is shutting down")
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(
                     f"the server is busy: {len(self._waiting)} requests are waiting; retry later"
@@ -141,6 +162,8 @@ class Scheduler:
     def _admit_and_cancel(self) -> None:
         engine = self.engine
         with self._lock:
+            if self._end_all:
+                self._end_everything()
             for req in [r for r in [*engine.running, *engine.preempted] if r.id in self._cancel]:
                 engine.abort(req)
                 self._active.pop(req.id, None)
@@ -162,6 +185,18 @@ class Scheduler:
                         ticket.on_admit(ticket.request)
                     except Exception:
                         log.exception("admission callback of request %d failed", ticket.id)
+
+    def _end_everything(self) -> None:
+        """(Under the lock, on the engine thread.) Every request ends with a ShutdownError."""
+        error = ShutdownError("the server shut down before this request finished")
+        for req in [*self.engine.running, *self.engine.preempted]:
+            self.engine.abort(req)
+            ticket = self._active.pop(req.id, None)
+            if ticket is not None:
+                self._deliver(ticket, None, error)
+        while self._waiting:
+            self._deliver(self._waiting.popleft(), None, error)
+        self._cancel.clear()
 
     def _step(self) -> None:
         start = time.perf_counter()

@@ -150,11 +150,12 @@ def measure(
     batch: int = 8,
     seconds: float = 2.0,
     threads: int | None = None,
+    spin_us: float = 0.0,
 ) -> BandwidthProfile:
     has_gpu = device.type == "cuda"
     pool = _ExpertPool(shape, pool_bytes, pin=has_gpu)
     # The pool quacks like a store; the team is the one the runtime would use.
-    executor = CPUExpertExecutor(pool, threads=threads)
+    executor = CPUExpertExecutor(pool, threads=threads, spin_us=spin_us)
     try:
         _measure_cpu(executor, pool, batch, 0.3)  # warm-up: threads, allocator
         cpu_alone = _measure_cpu(executor, pool, batch, seconds)

@@ -9,7 +9,6 @@ Python thread and torch's intra-op pool.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,15 +18,6 @@ import torch
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.kernels.cpu_team import team_threads
 from freetoken.moe.store import HostExpertStore
-
-# How long (microseconds) idle expert threads spin for the next job before sleeping; 0 by
-# default. On the H200 machine spinning 2 ms halved the team's bandwidth beside PCIe copies
-# (46.6 -> 24.4 GB/s) and slowed every offload strategy's decode (benchmarks/results/
-# 2026-11-29-decode-offload-h200-fold.md).
-SPIN_ENV = "FREETOKEN_CPU_SPIN_US"
-# How long (microseconds) a team woken ahead of a decode layer's job (`prepare`) waits awake for
-# it; 0 turns the early wake-up off.
-PREPARE_ENV = "FREETOKEN_CPU_PREPARE_US"
 
 
 @dataclass
@@ -69,10 +59,13 @@ class CPUExpertExecutor:
         act: str = "silu",
         threads: int | None = None,
         native: bool = True,
+        spin_us: float = 0.0,
+        prepare_us: float = 2000.0,
     ):
         """`threads`: the native kernel's team (the thread waiting for a job works on it too),
         and torch's intra-op pool for the fallback; by default one fewer than the CPUs this
-        process may use."""
+        process may use. `spin_us`, `prepare_us`: how idle threads wait (MoEOptions'
+        cpu_spin_us and cpu_prepare_us say why)."""
         self.store = store
         self.act = act
         # torch's intra-op pool defaults to one thread per physical core; only an explicit
@@ -87,11 +80,10 @@ class CPUExpertExecutor:
             # process may use, not from torch's thread count, which the runtime lowers to 1
             # beside a GPU.
             team = threads or team_threads()
-            spin = float(os.environ.get(SPIN_ENV, 0)) * 1e-6
             self.native = NativeCPUExperts.create(
-                store.w_gate_up, store.w_down, act, team, spin_seconds=spin
+                store.w_gate_up, store.w_down, act, team, spin_seconds=spin_us * 1e-6
             )
-        self.prepare_seconds = float(os.environ.get(PREPARE_ENV, 2000)) * 1e-6
+        self.prepare_seconds = prepare_us * 1e-6
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
     def prepare(self) -> None:

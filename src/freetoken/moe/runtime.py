@@ -432,6 +432,11 @@ def unpack_bytes(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.T
     return out
 
 
+def cpu_waits(options: MoEOptions) -> dict[str, float]:
+    """How the CPU expert team's idle threads wait, from the options."""
+    return {"spin_us": options.cpu_spin_us, "prepare_us": options.cpu_prepare_us}
+
+
 def resolve_strategy(
     options: MoEOptions,
     device: torch.device,
@@ -499,10 +504,10 @@ def build_runtime(
         cache = ExpertCache(store, slots, device, policy=policy)
     cpu = None
     if strategy == "fused" and device.type == "cpu":
-        executor = CPUExpertExecutor(store, act, options.cpu_threads)
+        executor = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
         cpu = executor if executor.native is not None else None
     if strategy != "fused":
-        cpu = CPUExpertExecutor(store, act, options.cpu_threads)
+        cpu = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
         if device.type == "cuda" and cpu.native is not None:
             # Torch's own CPU work is now only the policy's small ops: one thread, so its
             # spinning OpenMP team does not take cores from the expert kernel's.

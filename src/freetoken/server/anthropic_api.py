@@ -1,10 +1,14 @@
-"""Anthropic adapter: /v1/messages (stream and not) and /v1/messages/count_tokens."""
+"""Anthropic adapter: /v1/messages (stream and not) and /v1/messages/count_tokens.
+
+As in openai_api.py, each endpoint is `prepare_*` (off the event loop) then `answer_*`.
+"""
 
 from __future__ import annotations
 
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
@@ -14,9 +18,11 @@ from freetoken.server.core import (
     ForcedOutput,
     GenerationCore,
     GenerationRequest,
+    failed,
     with_keepalive,
 )
-from freetoken.server.errors import ApiError
+from freetoken.server.errors import ApiError, bad_request, shown
+from freetoken.server.schemas import CountTokensRequest, MessagesBase, MessagesRequest
 from freetoken.server.validate import (
     field,
     stop_list,
@@ -62,39 +68,28 @@ def system_text(system: Any, where: str) -> str:
     return text_of(system, where)
 
 
-def template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def template_messages(body: MessagesBase) -> list[dict[str, Any]]:
     """Anthropic system + messages -> the chat template's message dicts."""
     out: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system and (text := system_text(system, "system")):
+    if body.system and (text := system_text(body.system, "system")):
         out.append({"role": "system", "content": text})
-    messages = field(body, "messages", list)
-    if not messages:
-        raise ApiError(400, "invalid_request_error", "messages must not be empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, "invalid_request_error", f"messages[{i}] must be an object")
-        role = field(m, "role", str)
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    for i, m in enumerate(body.messages):
+        role = m.role
         if role == "system":
             # Mid-conversation system messages (the `mid-conversation-system` beta Claude
             # Code uses): rendered where they stand.
-            out.append(
-                {"role": "system", "content": system_text(m.get("content"), f"messages[{i}]")}
-            )
+            out.append({"role": "system", "content": system_text(m.content, f"messages[{i}]")})
             continue
         if role not in ("user", "assistant"):
-            raise ApiError(400, "invalid_request_error", f"messages[{i}]: unknown role '{role}'")
-        blocks = _blocks(m.get("content"), f"messages[{i}]")
+            raise bad_request(f"messages.{i}.role: unknown role '{shown(role, 40)}'")
+        blocks = _blocks(m.content, f"messages[{i}]")
         if role == "user":
             text = []
             for b in blocks:
                 if b["type"] == "tool_result":
-                    content = b.get("content")
-                    result = (
-                        content
-                        if isinstance(content, str)
-                        else text_of(_text_only(content or []), f"messages[{i}].tool_result")
-                    )
+                    result = tool_result_text(b.get("content"), f"messages.{i}.tool_result")
                     out.append(
                         {
                             "role": "tool",
@@ -139,75 +134,104 @@ def _text_only(blocks: list[Any]) -> list[dict[str, Any]]:
     return [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
 
 
-def messages_tool_choice(body: dict[str, Any]) -> str | None:
+def tool_result_text(content: Any, where: str) -> str:
+    """A tool result's content as text. Blocks other than text (an image a tool read) become
+    a note in their place, so the model knows something was there."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content: must be a string or a list of blocks")
+    parts = []
+    for block in _blocks(content, where):
+        if block["type"] == "text":
+            parts.append(field(block, "text", str))
+        else:
+            parts.append(f"[{shown(block['type'], 40)} omitted: this model reads text only]")
+    return "".join(parts)
+
+
+def messages_tool_choice(body: MessagesBase) -> str | None:
     """None when the model decides (or no tool may be called), else REQUIRED or a tool name."""
-    choice = field(body, "tool_choice", dict, {"type": "auto"})
-    kind = choice.get("type")
-    if kind in ("auto", "none"):
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
         return None
-    if kind == "any":
+    if choice.type == "any":
         return REQUIRED
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return choice["name"]
-    raise ApiError(
-        400, "invalid_request_error", "tool_choice.type must be auto, any, none or tool (+ name)"
-    )
+    if choice.name is None:
+        raise bad_request("tool_choice: a choice of type 'tool' needs a 'name'")
+    return choice.name
 
 
-def template_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    tools = field(body, "tools", list, [])
-    choice = field(body, "tool_choice", dict, {"type": "auto"})
-    if choice.get("type") == "none":
+def template_tools(body: MessagesBase) -> list[dict[str, Any]]:
+    if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return []
-    out = []
-    for t in tools:
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise ApiError(400, "invalid_request_error", "every tool needs a 'name'")
-        parameters = t.get("input_schema", {"type": "object"})
-        out.append(template_tool(t["name"], t.get("description", ""), parameters))
-    return out
+    return [
+        template_tool(t.name, t.description or "", t.input_schema or {"type": "object"})
+        for t in body.tools
+    ]
 
 
-def reasoning(core: GenerationCore, body: dict[str, Any]) -> dict[str, Any]:
+def reasoning(core: GenerationCore, body: MessagesBase) -> dict[str, Any]:
     """`thinking` and `output_config.effort` as chat template arguments, where the template
     has them (see GenerationCore.reasoning_options)."""
-    thinking = field(body, "thinking", dict, {}).get("type")
-    effort = field(field(body, "output_config", dict, {}), "effort", str, None)
+    thinking = body.thinking.type if body.thinking is not None else None
+    effort = body.output_config.effort if body.output_config is not None else None
     on = {"disabled": False, "enabled": True}.get(thinking)  # adaptive: the template decides
     return core.reasoning_options(effort=effort, thinking=on)
 
 
-def _request(core: GenerationCore, body: dict[str, Any]) -> tuple[str, GenerationRequest]:
-    model = core.check_model(field(body, "model", str))
+def render(core: GenerationCore, body: MessagesBase) -> tuple[list[int], list[dict[str, Any]]]:
+    """The prompt's tokens and the template's tools."""
     tools = template_tools(body)
-    prompt = core.render(template_messages(body), tools=tools, **reasoning(core, body))
+    kwargs = {**reasoning(core, body), **core.template_kwargs(getattr(body, "chat_template_kwargs",
+                                                                         None))}  # fmt: skip
+    return core.render(template_messages(body), tools=tools, **kwargs), tools
+
+
+@dataclass
+class Prepared:
+    request: GenerationRequest
+    model: str
+    stream: bool
+
+
+def prepare_messages(core: GenerationCore, body: MessagesRequest) -> Prepared:
+    model = core.check_model(body.model)
+    if body.output_config is not None and body.output_config.format is not None:
+        raise bad_request(
+            "output_config.format (structured output) is not supported: no constrained "
+            "decoding yet"
+        )
+    prompt, tools = render(core, body)
     forced = ForcedOutput()
     if (tool := messages_tool_choice(body)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
-    max_tokens = field(body, "max_tokens", int)
-    if max_tokens < 1:
-        raise ApiError(400, "invalid_request_error", "max_tokens must be at least 1")
+    if body.max_tokens < 1:
+        raise bad_request("max_tokens: must be at least 1")
     try:
         params = SamplingParams(
-            max_new_tokens=core.output_budget(prompt, max_tokens),
-            temperature=field(body, "temperature", float, 1.0),
-            top_p=field(body, "top_p", float, 1.0),
-            top_k=field(body, "top_k", int, 0),
-            stop=stop_list(body.get("stop_sequences")),
+            max_new_tokens=core.output_budget(prompt, body.max_tokens),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            stop=stop_list(body.stop_sequences),
         )
     except ValueError as e:
-        raise ApiError(400, "invalid_request_error", str(e)) from e
-    return model, GenerationRequest(prompt, params, tools=tools, forced=forced)
+        raise bad_request(str(e)) from e
+    return Prepared(GenerationRequest(prompt, params, tools=tools, forced=forced), model,
+                    bool(body.stream))  # fmt: skip
 
 
-async def messages(core: GenerationCore, body: dict[str, Any]):
-    stream = field(body, "stream", bool, False)
-    model, req = _request(core, body)
+def answer_messages(core: GenerationCore, prepared: Prepared):
+    """Submit: the stream, or a coroutine of the whole message."""
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    generation = core.start(req)
-    if stream:
-        return _stream(generation, mid, model, len(req.prompt_ids))
-    events = generation
+    generation = core.start(prepared.request)
+    if prepared.stream:
+        return _stream(generation, mid, prepared.model, len(prepared.request.prompt_ids))
+    return _whole(generation, mid, prepared.model)
+
+
+async def _whole(events, mid: str, model: str) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     args: dict[int, list[str]] = {}
     usage, finish = None, None
@@ -230,6 +254,8 @@ async def messages(core: GenerationCore, body: dict[str, Any]):
             usage = e
         elif isinstance(e, ev.Finish):
             finish = e
+        elif isinstance(e, ev.Failure):
+            raise failed(e)
     for i, parts in args.items():
         content[i]["input"] = json.loads("".join(parts) or "{}")
     return {
@@ -350,11 +376,14 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
                 },
             )
             yield _sse("message_stop", {})
+        elif isinstance(e, ev.Failure):
+            # Anthropic's own mid-stream error event (an overloaded_error when the server
+            # shuts down, which clients retry).
+            yield f"event: error\ndata: {json.dumps(failed(e).anthropic_body())}\n\n"
+            return
 
 
-def count_tokens(core: GenerationCore, body: dict[str, Any]) -> dict[str, int]:
-    core.check_model(field(body, "model", str))
-    prompt = core.render(
-        template_messages(body), tools=template_tools(body), **reasoning(core, body)
-    )
+def count_tokens(core: GenerationCore, body: CountTokensRequest) -> dict[str, int]:
+    core.check_model(body.model)
+    prompt, _ = render(core, body)
     return {"input_tokens": len(prompt)}

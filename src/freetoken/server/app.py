@@ -1,81 +1,184 @@
-"""The FastAPI application: routes, API key, errors in each API's own shape, stats."""
+"""The FastAPI application: routes, API key, errors in each API's own shape, stats.
+
+Every POST runs the same pipeline: the body is read up to `max_request_bytes` (413 beyond);
+parsed and validated by its schema (server/schemas.py) and prepared by its adapter (the chat
+rendered, the prompt tokenized) in a worker thread, so the event loop keeps answering other
+clients, /health included, meanwhile; then submitted on the event loop. A stream is returned
+as it comes; a whole answer is awaited while the client is watched, and cancelled within a
+fraction of a second of its leaving.
+"""
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
+import hmac
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
+from freetoken.config import ServerConfig
 from freetoken.engine.scheduler import QueueFullError
 from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
-from freetoken.server.errors import ApiError
-from freetoken.server.stats import metrics_text, stats_json
-from freetoken.server.validate import reject_unknown
+from freetoken.server.errors import ApiError, shown
+from freetoken.server.schemas import SCHEMAS, Body
+from freetoken.server.stats import Metrics, stats_json
 
 log = logging.getLogger(__name__)
 
+# How often a whole (non-streamed) answer checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
+RETRY_AFTER_S = 2  # a 429's Retry-After: about a few decode steps of a busy server
 
-def _is_anthropic(path: str) -> bool:
+
+def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
 def error_response(path: str, err: ApiError) -> JSONResponse:
-    body = err.anthropic_body() if _is_anthropic(path) else err.openai_body()
-    return JSONResponse(body, status_code=err.status)
+    body = err.anthropic_body() if is_anthropic(path) else err.openai_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
-async def json_body(request: Request, endpoint: str) -> dict[str, Any]:
+# Type names pydantic puts in an error's location for the member of a union it tried.
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """An error's location without the union members pydantic names in it
+    (`('tool_choice', "literal['auto',...]")` is about `tool_choice`)."""
+    return tuple(
+        p for p in loc
+        if not (isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p or not p.islower()))
+    )  # fmt: skip
+
+
+def validation_error(err: ValidationError, anthropic: bool) -> ApiError:
+    """A schema's verdict in the words of the called API: Anthropic's are pydantic's own
+    (`messages.0.content: Input should be a valid string`), OpenAI names unknown arguments
+    together and quotes the field. A value no member of a union takes gets the deepest
+    complaint (a bad block inside a list), or each member's where none went deeper."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, "invalid_request_error", f"the body is not valid JSON: "
+                        f"{shown(first['msg'].removeprefix('Invalid JSON: '), 200)}")  # fmt: skip
+    if first["type"] == "model_type" and not first["loc"]:
+        return ApiError(400, "invalid_request_error", "the body must be a JSON object")
+    extra = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    if extra and not anthropic:
+        names = ", ".join(shown(str(n), 60) for n in extra)
+        return ApiError(400, "invalid_request_error",
+                        f"Unrecognized request argument supplied: {names}")  # fmt: skip
+    top = _field_path(first["loc"])[:1]
+    related = [(e, _field_path(e["loc"])) for e in errors if _field_path(e["loc"])[:1] == top]
+    loc = max((path for _, path in related), key=len)
+    messages = list(dict.fromkeys(e["msg"] for e, path in related if path == loc))
+    message = ", or ".join(messages)
+    if anthropic:
+        where = ".".join(str(p) for p in loc)
+        return ApiError(400, "invalid_request_error", f"{where}: {message}")
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    missing = all(e["type"] == "missing" for e, path in related if path == loc)
+    text = f"missing required field '{where}'" if missing else f"'{where}': {message}"
+    return ApiError(400, "invalid_request_error", text, param=where)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) what exceeds `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, "invalid_request_error",
+                    f"the request body is larger than this server's limit of {limit} bytes "
+                    "(--max-request-bytes)")  # fmt: skip
+
+
+async def parse(request: Request, endpoint: str, limit: int) -> Body:
+    raw = await read_body(request, limit)
+    schema = SCHEMAS[endpoint]
     try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise ApiError(400, "invalid_request_error", f"the body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ApiError(400, "invalid_request_error", "the body must be a JSON object")
-    reject_unknown(body, endpoint)
-    return body
+        # A worker thread: a large body's parsing must not stall the event loop.
+        return await asyncio.to_thread(schema.model_validate_json, raw)
+    except ValidationError as e:
+        raise validation_error(e, is_anthropic(request.url.path)) from None
 
 
-def respond(result) -> Any:
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+async def whole_answer(request: Request, answer) -> Response:
+    """Await a whole answer while watching its client: one that leaves cancels it (and with
+    it the request's generation) within DISCONNECT_POLL_S."""
+    task = asyncio.ensure_future(answer)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return JSONResponse(task.result())
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nobody reads it
 
 
-def create_app(core: GenerationCore, api_key: str | None = None) -> FastAPI:
+def create_app(core: GenerationCore, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
     app = FastAPI(title="freetoken", docs_url=None, redoc_url=None)
     app.state.core = core
+    metrics = Metrics(core)
+    core.metrics = metrics
+    api_key = config.api_key
+
+    def authorized(request: Request) -> bool:
+        bearer = request.headers.get("authorization", "")
+        given = bearer[7:] if bearer.lower().startswith("bearer ") else ""
+        given = given or request.headers.get("x-api-key", "")
+        # Constant time: the comparison must not tell how much of a guess was right.
+        return hmac.compare_digest(given.encode(), api_key.encode())
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
         path = request.url.path
-        if api_key and path != "/health":
-            bearer = request.headers.get("authorization", "")
-            given = bearer[7:] if bearer.lower().startswith("bearer ") else None
-            if api_key not in (given, request.headers.get("x-api-key")):
-                err = ApiError(
-                    401,
-                    "authentication_error",
-                    "invalid or missing API key",
-                    code="invalid_api_key",
-                )
-                return error_response(path, err)
+        if api_key and path != "/health" and not authorized(request):
+            err = ApiError(401, "authentication_error", "invalid or missing API key",
+                           code="invalid_api_key")  # fmt: skip
+            return error_response(path, err)
         try:
             return await call_next(request)
         except ApiError as err:
             return error_response(path, err)
         except QueueFullError as e:
-            return error_response(path, ApiError(429, "rate_limit_error", str(e)))
+            err = ApiError(429, "rate_limit_error", str(e),
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+            return error_response(path, err)
         except Exception:
             log.exception("unhandled error on %s", path)
             return error_response(path, ApiError(500, "api_error", "internal server error"))
 
+    async def generate(request: Request, endpoint: str, prepare, answer) -> Response:
+        core.check_serving()
+        body = await parse(request, endpoint, config.max_request_bytes)
+        prepared = await asyncio.to_thread(prepare, core, body)
+        result = answer(core, prepared)  # submitted now: a full queue fails before a response
+        if prepared.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return await whole_answer(request, result)
+
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "draining" if core.draining else "ok"}
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root():
@@ -88,30 +191,34 @@ def create_app(core: GenerationCore, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return respond(await openai_api.chat_completions(core, await json_body(request, "chat")))
+        return await generate(request, "chat", openai_api.prepare_chat, openai_api.answer_chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return respond(await openai_api.completions(core, await json_body(request, "completions")))
+        return await generate(request, "completions", openai_api.prepare_completion,
+                              openai_api.answer_completion)  # fmt: skip
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return respond(await responses_api.responses(core, await json_body(request, "responses")))
+        return await generate(request, "responses", responses_api.prepare_responses,
+                              responses_api.answer_responses)  # fmt: skip
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return respond(await anthropic_api.messages(core, await json_body(request, "messages")))
+        return await generate(request, "messages", anthropic_api.prepare_messages,
+                              anthropic_api.answer_messages)  # fmt: skip
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        return anthropic_api.count_tokens(core, await json_body(request, "count_tokens"))
+        body = await parse(request, "count_tokens", config.max_request_bytes)
+        return await asyncio.to_thread(anthropic_api.count_tokens, core, body)
 
     @app.get("/v1/stats")
-    async def stats():
+    async def stats() -> dict[str, Any]:
         return stats_json(core)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(metrics_text(core), media_type="text/plain; version=0.0.4")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

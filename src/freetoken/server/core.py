@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.engine.generate import StepOutput
 from freetoken.engine.sampling import SamplingParams
-from freetoken.engine.scheduler import Scheduler
+from freetoken.engine.scheduler import Scheduler, ShutdownError
 from freetoken.server import events as ev
-from freetoken.server.errors import ApiError
+from freetoken.server.errors import ApiError, bad_request, shown
+from freetoken.server.sandbox import TemplateTimeout
 from freetoken.tokenizer import Tokenizer
 
 REQUIRED = "required"  # a tool choice: the reply must call some tool
@@ -42,12 +44,31 @@ class GenerationRequest:
     forced: ForcedOutput = ForcedOutput()
 
 
+# chat_template_kwargs that the renderer itself sets: a client's would collide with them.
+RENDER_ARGUMENTS = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+     "continue_final_message", "return_dict", "return_tensors", "chat_template"}
+)  # fmt: skip
+
+
 class GenerationCore:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        model_name: str,
+        template_sandbox=None,
+    ):
+        """`template_sandbox`: a TemplateSandbox (server/sandbox.py) where client chat
+        templates render; None refuses them."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.template_sandbox = template_sandbox
+        self.metrics = None  # the app's Metrics (server/stats.py), observed per token
+        self.draining = False  # shutting down: no new requests
         self.max_context = scheduler.engine.max_context
+        self.vocab_size = len(tokenizer.hf)  # ids a request may name (logit_bias)
         # A request that sets no output limit gets the checkpoint's own (generation_config's
         # max_new_tokens), else whatever the context leaves.
         self.default_max_tokens = tokenizer.default_max_new_tokens
@@ -66,10 +87,39 @@ class GenerationCore:
             raise ApiError(
                 404,
                 "invalid_request_error",
-                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"model '{shown(model)}' does not exist; this server serves '{self.model_name}'",
                 code="model_not_found",
+                param="model",
             )
         return model
+
+    def template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """A client's `chat_template_kwargs`, checked: none that the renderer sets itself,
+        and a template of the client's own only where the operator allows it."""
+        kwargs = dict(kwargs or {})
+        taken = sorted(RENDER_ARGUMENTS.intersection(kwargs) - {"chat_template"})
+        if taken:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the request's own "
+                "fields do", param="chat_template_kwargs",
+            )  # fmt: skip
+        if "chat_template" in kwargs:
+            if self.template_sandbox is None:
+                raise bad_request(
+                    "chat templates in requests are refused: this server renders its "
+                    "checkpoint's own (start it with --allow-request-chat-template to allow "
+                    "them)",
+                    param="chat_template_kwargs.chat_template",
+                )
+            if not isinstance(kwargs["chat_template"], str):
+                raise bad_request("chat_template must be a string", param="chat_template")
+        return kwargs
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # text the tokenizer cannot take is the request's fault
+            raise bad_request(f"cannot tokenize the text: {shown(str(e), 200)}") from e
 
     def render(
         self,
@@ -83,13 +133,20 @@ class GenerationCore:
             raise ApiError(400, "invalid_request_error", "this model has no chat template")
         try:
             text = self._render(messages, tools, template_kwargs)
+        except TemplateTimeout as e:
+            raise bad_request(str(e), param="chat_template_kwargs.chat_template") from e
         except Exception as e:  # template errors are the request's fault (bad roles, shapes)
-            raise ApiError(400, "invalid_request_error", f"cannot render the chat: {e}") from e
-        return self.tokenizer.encode(text)
+            raise bad_request(f"cannot render the chat: {shown(str(e), 300)}") from e
+        return self.encode(text)
+
+    def _render_once(self, messages, tools, template_kwargs) -> str:
+        if "chat_template" in template_kwargs:
+            return self.template_sandbox.render(messages, tools, template_kwargs)
+        return self.tokenizer.render_chat(messages, tools=tools, **template_kwargs)
 
     def _render(self, messages, tools, template_kwargs) -> str:
         try:
-            return self.tokenizer.render_chat(messages, tools=tools or None, **template_kwargs)
+            return self._render_once(messages, tools or None, template_kwargs)
         except Exception:
             # Agents put system messages mid-conversation (Claude Code's reminders). Templates
             # that take a system message only first get those as user turns, in place.
@@ -99,7 +156,7 @@ class GenerationCore:
             moved = [messages[0]] + [
                 {**m, "role": "user"} if m.get("role") == "system" else m for m in messages[1:]
             ]
-            return self.tokenizer.render_chat(moved, tools=tools or None, **template_kwargs)
+            return self._render_once(moved, tools or None, template_kwargs)
 
     def reasoning_options(
         self, effort: str | None = None, thinking: bool | None = None
@@ -203,6 +260,7 @@ class GenerationCore:
             tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
             parser = make_parser(self.parser_name, starts_in_reasoning=prompt_opens_reasoning(tail))
         completion_tokens = 0
+        started = last = time.perf_counter()
         try:
             if parser is not None and req.forced.text:
                 for event in parser.feed(req.forced.text):
@@ -210,7 +268,13 @@ class GenerationCore:
             while True:
                 out, error = await queue.get()
                 if error is not None:
-                    raise ApiError(400, "invalid_request_error", str(error)) from error
+                    yield failure(error)
+                    return
+                now = time.perf_counter()
+                if self.metrics is not None:
+                    latency = self.metrics.inter_token if completion_tokens else self.metrics.ttft
+                    latency.observe(now - (last if completion_tokens else started))
+                last = now
                 completion_tokens += 1
                 if out.text:
                     for event in parser.feed(out.text) if parser else [ev.TextDelta(out.text)]:
@@ -223,10 +287,30 @@ class GenerationCore:
                         len(req.prompt_ids), completion_tokens, out.request.cached_tokens
                     )
                     yield self._finish(out, parser)
+                    if self.metrics is not None:
+                        self.metrics.duration.observe(now - started)
                     return
         finally:
             if not (ticket.request is not None and ticket.request.finished):
                 self.scheduler.cancel(ticket)
+
+    # -- shutting down --------------------------------------------------------------------
+
+    def check_serving(self) -> None:
+        """Refuse new work (503) once the server is shutting down."""
+        if self.draining:
+            raise ApiError(503, "overloaded_error", "the server is shutting down",
+                           headers={"Retry-After": "10"})  # fmt: skip
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop taking requests; those in flight may finish within `timeout` seconds, after
+        which the scheduler ends them (each gets a Failure: streams end with their API's error
+        event). Called from the event loop's thread, at the first SIGTERM."""
+        if self.draining:
+            return
+        self.draining = True
+        self.scheduler.stop_admitting()
+        asyncio.get_running_loop().call_later(timeout, self.scheduler.end_all)
 
     def _finish(self, out: StepOutput, parser) -> ev.Finish:
         request = out.request
@@ -264,6 +348,20 @@ class Generation:
             return await asyncio.wait_for(asyncio.shield(self._admitted), timeout)
         except asyncio.TimeoutError:
             return None
+
+
+def failure(error: BaseException) -> ev.Failure:
+    """The event for a request the engine could not finish."""
+    if isinstance(error, ShutdownError):
+        return ev.Failure(503, "overloaded_error", str(error))
+    if isinstance(error, ValueError):  # refused at admission (the context, an empty prompt)
+        return ev.Failure(400, "invalid_request_error", str(error))
+    return ev.Failure(500, "server_error", f"the engine failed: {shown(str(error), 200)}")
+
+
+def failed(event: ev.Failure) -> ApiError:
+    """A whole answer's error for a Failure event."""
+    return ApiError(event.status, event.kind, event.message)
 
 
 async def with_keepalive(events: AsyncIterator[ev.Event], interval: float):

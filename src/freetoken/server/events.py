@@ -50,6 +50,24 @@ class Finish:
     stop_sequence: str | None = None
 
 
+@dataclass(frozen=True)
+class Failure:
+    """The generation ended without finishing: the engine failed, or the server is shutting
+    down. The last event: a stream ends with its API's error event, a whole answer is the
+    error."""
+
+    status: int  # the HTTP status it stands for: 400, 500, 503
+    kind: str  # an OpenAI error type, e.g. "server_error"
+    message: str
+
+
 Event = (
-    TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Usage | Finish
+    TextDelta
+    | ReasoningDelta
+    | ToolCallStart
+    | ToolCallArgsDelta
+    | ToolCallEnd
+    | Usage
+    | Finish
+    | Failure
 )

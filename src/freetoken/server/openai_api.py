@@ -1,4 +1,9 @@
-"""OpenAI adapter: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI adapter: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each endpoint is two steps: `prepare_*` (validate what the schema cannot, render the chat,
+tokenize: CPU work, run off the event loop by app.py) and `answer_*` (submit, then the whole
+answer or its stream).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.engine.sampling import SamplingParams
@@ -15,130 +21,151 @@ from freetoken.server.core import (
     ForcedOutput,
     GenerationCore,
     GenerationRequest,
+    failed,
     with_keepalive,
 )
-from freetoken.server.errors import ApiError
-from freetoken.server.validate import (
-    field,
-    stop_list,
-    template_tool_call,
-    text_of,
-    tool_arguments,
-)
+from freetoken.server.errors import bad_request, shown
+from freetoken.server.schemas import ChatMessage, ChatRequest, CompletionRequest, Sampling
+from freetoken.server.validate import stop_list, template_tool_call, text_of, tool_arguments
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
-def check_model(core: GenerationCore, body: dict[str, Any]) -> str:
-    return core.check_model(field(body, "model", str))
+@dataclass
+class Prepared:
+    request: GenerationRequest
+    model: str
+    stream: bool
+    include_usage: bool = False
+    echo: str = ""  # completions: the prompt text, given back before the completion
 
 
-def sampling(core: GenerationCore, body: dict[str, Any], prompt_ids: list[int]) -> SamplingParams:
-    max_tokens = field(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = field(body, "max_tokens", int, None)
+def refuse_unsupported(body: Sampling) -> None:
+    """Options that would change the answer and that freetoken cannot honour: a 400 naming
+    each, rather than an answer that silently lacks it."""
+    if body.logprobs or body.top_logprobs:
+        raise bad_request("logprobs are not supported", param="logprobs")
+    if (body.n or 1) != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        raise bad_request(
+            f"response_format {fmt.type!r} is not supported (no constrained decoding): only "
+            "'text'",
+            param="response_format",
+        )
+    for name in ("audio", "prediction", "functions", "function_call", "web_search_options"):
+        if getattr(body, name, None) is not None:
+            raise bad_request(f"'{name}' is not supported", param=name)
+    if getattr(body, "suffix", None):
+        raise bad_request("'suffix' (insertion) is not supported", param="suffix")
+    if (getattr(body, "best_of", None) or 1) != 1:
+        raise bad_request("only best_of=1 is supported", param="best_of")
+
+
+def sampling(
+    core: GenerationCore, body: Sampling, prompt_ids: list[int], max_tokens: int | None
+) -> SamplingParams:
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, "invalid_request_error", "max_tokens must be at least 1")
-    if field(body, "n", int, 1) != 1:
-        raise ApiError(400, "invalid_request_error", "only n=1 is supported")
+        raise bad_request("max_tokens must be at least 1", param="max_tokens")
     try:
         return SamplingParams(
             max_new_tokens=core.output_budget(prompt_ids, max_tokens),
-            temperature=field(body, "temperature", float, 1.0),
-            top_p=field(body, "top_p", float, 1.0),
-            top_k=field(body, "top_k", int, 0),
-            min_p=field(body, "min_p", float, 0.0),
-            repetition_penalty=field(body, "repetition_penalty", float, 1.0),
-            seed=field(body, "seed", int, None),
-            stop=stop_list(body.get("stop")),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=logit_bias(core, body.logit_bias),
+            seed=body.seed,
+            stop=stop_list(body.stop),
         )
     except ValueError as e:
-        raise ApiError(400, "invalid_request_error", str(e)) from e
+        raise bad_request(str(e)) from e
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def logit_bias(core: GenerationCore, bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as strings) with each id checked against the
+    vocabulary."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= core.vocab_size:
+            raise bad_request(
+                f"logit_bias: {shown(key, 20)!r} is not a token id of this model "
+                f"(0 to {core.vocab_size - 1})",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the chat template's message dicts."""
-    messages = field(body, "messages", list)
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, "invalid_request_error", f"messages[{i}] must be an object")
-        role = field(m, "role", str)
-        if role == "developer":
-            role = "system"
+        role = "system" if m.role == "developer" else m.role
         if role not in ("system", "user", "assistant", "tool"):
-            raise ApiError(400, "invalid_request_error", f"messages[{i}]: unknown role '{role}'")
-        msg: dict[str, Any] = {"role": role, "content": text_of(m.get("content"), f"messages[{i}]")}
+            raise bad_request(f"messages[{i}]: unknown role '{m.role[:40]}'")
+        msg: dict[str, Any] = {"role": role, "content": text_of(m.content, f"messages[{i}]")}
         if role == "assistant":
-            if m.get("reasoning_content"):
-                msg["reasoning_content"] = field(m, "reasoning_content", str)
-            calls = field(m, "tool_calls", list, [])
-            if calls:
-                msg["tool_calls"] = [_template_call(c, i) for c in calls]
+            if m.reasoning_content:
+                msg["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    template_tool_call(c.id, c.function.name, tool_arguments(c.function.arguments))
+                    for c in m.tool_calls
+                ]
         if role == "tool":
-            msg["tool_call_id"] = field(m, "tool_call_id", str, "")
+            msg["tool_call_id"] = m.tool_call_id or ""
         out.append(msg)
     return out
 
 
-def _template_call(call: Any, i: int) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict):
-        raise ApiError(400, "invalid_request_error", f"messages[{i}].tool_calls: bad tool call")
-    arguments = tool_arguments(fn.get("arguments"))
-    return template_tool_call(call.get("id"), field(fn, "name", str), arguments)
-
-
-def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    tools = field(body, "tools", list, [])
-    choice = body.get("tool_choice", "auto")
-    if choice == "none":
+def chat_tools(body: ChatRequest) -> list[dict[str, Any]]:
+    if body.tool_choice == "none" or not body.tools:
         return []
-    for t in tools:
-        if not isinstance(t, dict) or t.get("type") != "function" or "function" not in t:
-            raise ApiError(400, "invalid_request_error", "tools must be function tools")
-    return tools
+    return [t.model_dump(exclude_none=True) for t in body.tools]
 
 
-def chat_tool_choice(choice: Any) -> str | None:
-    """A chat `tool_choice`: None when the model decides (or no tool may be called), else
-    REQUIRED or a tool name."""
-    if choice in ("auto", "none"):
+def chat_tool_choice(choice) -> str | None:
+    """A chat `tool_choice` (validated by the schema): None when the model decides (or no
+    tool may be called), else REQUIRED or a tool name."""
+    if choice in (None, "auto", "none"):
         return None
     if choice == "required":
         return REQUIRED
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if isinstance(name, str) and choice.get("type") == "function":  # (a dict, then)
-        return name
-    raise ApiError(
-        400,
-        "invalid_request_error",
-        "tool_choice must be 'auto', 'none', 'required' or "
-        "{'type': 'function', 'function': {'name': ...}}",
-    )
+    return choice.function.name
 
 
-async def chat_completions(core: GenerationCore, body: dict[str, Any]):
-    model = check_model(core, body)
-    stream = field(body, "stream", bool, False)
+def prepare_chat(core: GenerationCore, body: ChatRequest) -> Prepared:
+    model = core.check_model(body.model)
+    refuse_unsupported(body)
     tools = chat_tools(body)
     template_kwargs = {
-        **core.reasoning_options(effort=field(body, "reasoning_effort", str, None)),
-        **field(body, "chat_template_kwargs", dict, {}),  # e.g. enable_thinking
+        **core.reasoning_options(effort=body.reasoning_effort),
+        **core.template_kwargs(body.chat_template_kwargs),  # e.g. enable_thinking
     }
-    prompt = core.render(chat_messages(body), tools=tools, **template_kwargs)
+    prompt = core.render(chat_messages(body.messages), tools=tools, **template_kwargs)
     forced = ForcedOutput()
-    if (tool := chat_tool_choice(body.get("tool_choice", "auto"))) is not None:
+    if (tool := chat_tool_choice(body.tool_choice)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
-    params = sampling(core, body, prompt)
-    req = GenerationRequest(prompt, params, tools=tools, forced=forced)
+    max_tokens = body.max_completion_tokens
+    max_tokens = body.max_tokens if max_tokens is None else max_tokens
+    params = sampling(core, body, prompt, max_tokens)
+    request = GenerationRequest(prompt, params, tools=tools, forced=forced)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(request, model, bool(body.stream), include_usage)
+
+
+def answer_chat(core: GenerationCore, prepared: Prepared):
+    """Submit: the stream, or a coroutine of the whole answer."""
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if stream:
-        options = field(body, "stream_options", dict, {})
-        usage = field(options, "include_usage", bool, False)
-        return _chat_stream(core.start(req), cid, created, model, usage)
-    return await _chat_whole(core.start(req), cid, created, model)
+    events = core.start(prepared.request)
+    if prepared.stream:
+        return _chat_stream(events, cid, created, prepared.model, prepared.include_usage)
+    return _chat_whole(events, cid, created, prepared.model)
 
 
 async def _chat_whole(events, cid, created, model) -> dict[str, Any]:
@@ -160,6 +187,8 @@ async def _chat_whole(events, cid, created, model) -> dict[str, Any]:
             usage = e
         elif isinstance(e, ev.Finish):
             finish = e
+        elif isinstance(e, ev.Failure):
+            raise failed(e)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
@@ -195,6 +224,12 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
+def stream_error(e: ev.Failure) -> str:
+    """A stream that cannot finish ends with an error chunk (which the OpenAI SDKs raise as
+    an APIError), then [DONE]."""
+    return sse(failed(e).openai_body())
+
+
 # Seconds without an event (a long prefill) before a keep-alive: an SSE comment, which the
 # OpenAI SDKs skip, so clients and proxies with idle timeouts do not give up.
 KEEPALIVE_INTERVAL = 10.0
@@ -202,6 +237,7 @@ KEEPALIVE = ": keep-alive\n\n"
 
 
 async def _chat_stream(events, cid, created, model, include_usage) -> AsyncIterator[str]:
+    usage = None
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse(
             {
@@ -242,7 +278,10 @@ async def _chat_stream(events, cid, created, model, include_usage) -> AsyncItera
             usage = e
         elif isinstance(e, ev.Finish):
             yield chunk({}, FINISH[e.reason])
-    if include_usage:
+        elif isinstance(e, ev.Failure):
+            yield stream_error(e)
+            break
+    if include_usage and usage is not None:
         yield sse(
             {
                 "id": cid,
@@ -256,16 +295,22 @@ async def _chat_stream(events, cid, created, model, include_usage) -> AsyncItera
     yield sse("[DONE]")
 
 
-async def completions(core: GenerationCore, body: dict[str, Any]):
-    model = check_model(core, body)
-    stream = field(body, "stream", bool, False)
-    prompt = field(body, "prompt", str)
-    if not prompt:
-        raise ApiError(400, "invalid_request_error", "prompt must not be empty")
-    prompt_ids = core.tokenizer.encode(prompt)
-    params = sampling(core, body, prompt_ids)
-    req = GenerationRequest(prompt_ids, params, parse_output=False)
+def prepare_completion(core: GenerationCore, body: CompletionRequest) -> Prepared:
+    model = core.check_model(body.model)
+    refuse_unsupported(body)
+    if not body.prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    prompt_ids = core.encode(body.prompt)
+    params = sampling(core, body, prompt_ids, body.max_tokens)
+    request = GenerationRequest(prompt_ids, params, parse_output=False)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    echo = body.prompt if body.echo else ""
+    return Prepared(request, model, bool(body.stream), include_usage, echo)
+
+
+def answer_completion(core: GenerationCore, prepared: Prepared):
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    model = prepared.model
 
     def payload(text: str, finish: str | None) -> dict[str, Any]:
         return {
@@ -276,29 +321,42 @@ async def completions(core: GenerationCore, body: dict[str, Any]):
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
         }
 
-    events = core.start(req)
-    if stream:
+    events = core.start(prepared.request)
 
-        async def chunks():
-            async for e in with_keepalive(events, KEEPALIVE_INTERVAL):
-                if e is None:
-                    yield KEEPALIVE
-                elif isinstance(e, ev.TextDelta):
-                    yield sse(payload(e.text, None))
-                elif isinstance(e, ev.Finish):
-                    yield sse(payload("", FINISH[e.reason]))
-            yield sse("[DONE]")
+    async def chunks():
+        if prepared.echo:
+            yield sse(payload(prepared.echo, None))
+        usage = None
+        async for e in with_keepalive(events, KEEPALIVE_INTERVAL):
+            if e is None:
+                yield KEEPALIVE
+            elif isinstance(e, ev.TextDelta):
+                yield sse(payload(e.text, None))
+            elif isinstance(e, ev.Usage):
+                usage = e
+            elif isinstance(e, ev.Finish):
+                yield sse(payload("", FINISH[e.reason]))
+            elif isinstance(e, ev.Failure):
+                yield stream_error(e)
+                break
+        if prepared.include_usage and usage is not None:
+            yield sse({**payload("", None), "choices": [], "usage": usage_json(usage)})
+        yield sse("[DONE]")
 
-        return chunks()
-    text, usage, finish = [], None, None
-    async for e in events:
-        if isinstance(e, ev.TextDelta):
-            text.append(e.text)
-        elif isinstance(e, ev.Usage):
-            usage = e
-        elif isinstance(e, ev.Finish):
-            finish = e
-    return {**payload("".join(text), FINISH[finish.reason]), "usage": usage_json(usage)}
+    async def whole():
+        text, usage, finish = [prepared.echo], None, None
+        async for e in events:
+            if isinstance(e, ev.TextDelta):
+                text.append(e.text)
+            elif isinstance(e, ev.Usage):
+                usage = e
+            elif isinstance(e, ev.Finish):
+                finish = e
+            elif isinstance(e, ev.Failure):
+                raise failed(e)
+        return {**payload("".join(text), FINISH[finish.reason]), "usage": usage_json(usage)}
+
+    return chunks() if prepared.stream else whole()
 
 
 def models(core: GenerationCore) -> dict[str, Any]:

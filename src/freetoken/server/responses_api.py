@@ -17,10 +17,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
-from freetoken.server.core import ForcedOutput, GenerationCore, GenerationRequest, with_keepalive
-from freetoken.server.errors import ApiError
-from freetoken.server.openai_api import KEEPALIVE_INTERVAL, chat_tool_choice, check_model, sampling
+from freetoken.server.core import (
+    REQUIRED,
+    ForcedOutput,
+    GenerationCore,
+    GenerationRequest,
+    failed,
+    with_keepalive,
+)
+from freetoken.server.errors import ApiError, bad_request
+from freetoken.server.openai_api import KEEPALIVE_INTERVAL
+from freetoken.server.schemas import ResponsesRequest
 from freetoken.server.validate import (
     field,
     template_tool,
@@ -360,26 +369,91 @@ def reasoning(core: GenerationCore, body: dict[str, Any]) -> dict[str, Any]:
     return core.reasoning_options(effort=effort)
 
 
-async def responses(core: GenerationCore, body: dict[str, Any]):
-    model = check_model(core, body)
-    stream = field(body, "stream", bool, False)
-    tools, names = template_tools(body)
-    prompt = core.render(template_messages(body, names), tools=tools, **reasoning(core, body))
+def tool_choice(choice: Any) -> str | None:
+    """The Responses `tool_choice` (the chat one, with a named tool at its top level)."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return REQUIRED
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    if named and isinstance(choice.get("name"), str):
+        return choice["name"]
+    raise bad_request(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        param="tool_choice",
+    )
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None or body.conversation is not None:
+        raise bad_request(
+            "this server keeps no responses: send the whole conversation as input",
+            param="previous_response_id",
+        )
+    if body.background:
+        raise bad_request("background responses are not supported", param="background")
+    if body.prompt is not None:
+        raise bad_request("stored prompts are not supported", param="prompt")
+    if body.top_logprobs:
+        raise bad_request("logprobs are not supported", param="top_logprobs")
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        raise bad_request(
+            f"text.format {fmt.type!r} is not supported (no constrained decoding): only 'text'",
+            param="text.format",
+        )
+
+
+@dataclass
+class Prepared:
+    request: GenerationRequest
+    model: str
+    stream: bool
+    body: dict[str, Any]  # the request as sent, for the fields a response echoes
+    names: dict[str, ClientTool]
+
+
+def prepare_responses(core: GenerationCore, body: ResponsesRequest) -> Prepared:
+    model = core.check_model(body.model)
+    refuse_unsupported(body)
+    raw = body.model_dump(exclude_unset=True)
+    tools, names = template_tools(raw)
+    kwargs = {**reasoning(core, raw), **core.template_kwargs(body.chat_template_kwargs)}
+    prompt = core.render(template_messages(raw, names), tools=tools, **kwargs)
     forced = ForcedOutput()
-    choice = body.get("tool_choice", "auto")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        # The Responses API names the tool at the top level of the choice.
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if (tool := chat_tool_choice(choice)) is not None:
+    if (tool := tool_choice(body.tool_choice)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
-    chat_like = {**body, "max_tokens": body.get("max_output_tokens")}
-    req = GenerationRequest(prompt, sampling(core, chat_like, prompt), tools=tools, forced=forced)
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise bad_request("max_output_tokens must be at least 1", param="max_output_tokens")
+    try:
+        params = SamplingParams(
+            max_new_tokens=core.output_budget(prompt, body.max_output_tokens),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    request = GenerationRequest(prompt, params, tools=tools, forced=forced)
+    return Prepared(request, model, bool(body.stream), raw, names)
+
+
+def answer_responses(core: GenerationCore, prepared: Prepared):
+    """Submit: the stream, or a coroutine of the whole response."""
     rid, created = _id("resp"), int(time.time())
-    events = core.start(req)
-    if stream:
-        return _stream(events, rid, created, model, body, names)
+    events = core.start(prepared.request)
+    if prepared.stream:
+        return _stream(events, rid, created, prepared.model, prepared.body, prepared.names)
+    return _whole(events, rid, created, prepared.model, prepared.body, prepared.names)
+
+
+async def _whole(events, rid, created, model, body, names) -> dict[str, Any]:
     builder, usage, finish = _Builder(names), None, None
     async for e in events:
+        if isinstance(e, ev.Failure):
+            raise failed(e)
         builder.feed(e)
         usage = e if isinstance(e, ev.Usage) else usage
         finish = e if isinstance(e, ev.Finish) else finish
@@ -408,6 +482,13 @@ async def _stream(events, rid, created, model, body, names) -> AsyncIterator[str
             # resets their idle timers (an SSE comment would not reach Codex's).
             yield sse("keepalive", {})
             continue
+        if isinstance(e, ev.Failure):
+            for kind, data in builder.finish():
+                yield sse(kind, data)
+            response = _response(rid, created, model, body, builder.output, "failed", None, None)
+            response["error"] = {"code": e.kind, "message": e.message}
+            yield sse("response.failed", {"response": response})
+            return
         for kind, data in builder.feed(e):
             yield sse(kind, data)
         usage = e if isinstance(e, ev.Usage) else usage

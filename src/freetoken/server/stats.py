@@ -54,86 +54,90 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
     }
 
 
-def metrics_text(core: GenerationCore) -> str:
-    s = stats_json(core)
-    lines = []
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so several servers in one process,
+    as in the tests, do not share them): latency histograms the core observes, and the
+    snapshot of `/v1/stats` as gauges and counters, read when scraped."""
 
-    def metric(name: str, kind: str, help_: str, value: float) -> None:
-        lines.extend(
-            [
-                f"# HELP freetoken_{name} {help_}",
-                f"# TYPE freetoken_{name} {kind}",
-                f"freetoken_{name} {value}",
+    # Seconds: from a fraction of a decode step to a long prefill behind a queue.
+    LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+    def __init__(self, core: GenerationCore):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "freetoken_time_to_first_token_seconds",
+            "From a request's arrival to its first output token.",
+            buckets=self.LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "freetoken_inter_token_latency_seconds",
+            "Between consecutive output tokens of a request.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "freetoken_request_duration_seconds",
+            "From a request's arrival to its last output token.",
+            buckets=self.LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_SnapshotCollector(core))
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """/v1/stats as Prometheus families, computed at each scrape."""
+
+    def __init__(self, core: GenerationCore):
+        self.core = core
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = stats_json(self.core)
+        reuse = s["prefix_reuse"]
+        gauges = [
+            ("requests_running", "Requests admitted and not finished.", s["requests"]["running"]),
+            ("requests_queued", "Requests waiting for a slot.", s["requests"]["queued"]),
+            ("requests_preempted", "Requests waiting to resume after their KV was taken for "
+             "older ones.", s["requests"]["preempted"]),
+            ("kv_pages_used", "KV cache pages in use.", s["kv_pages"]["used"]),
+            ("kv_pages_free", "KV cache pages free.", s["kv_pages"]["free"]),
+            ("kv_pages_cached", "KV pages held by the prefix cache.", s["kv_pages"]["cached"]),
+        ]  # fmt: skip
+        counters = [
+            ("preemptions", "Times a request's KV was taken for an older request.",
+             s["requests"]["preemptions"]),
+            ("prefill_tokens", "Prompt tokens prefilled.", s["tokens"]["prefill"]),
+            ("decode_tokens", "Tokens decoded.", s["tokens"]["decode"]),
+            ("prompt_tokens_reused", "Prompt tokens reused.", reuse["reused_tokens"]),
+            ("prompt_tokens_recomputed", "Prompt tokens computed.", reuse["recomputed_tokens"]),
+            ("anchor_restores", "Requests resumed from an anchor checkpoint.",
+             reuse["anchor_restores"]),
+        ]  # fmt: skip
+        if s["prefill_streaming"] is not None:
+            p = s["prefill_streaming"]
+            counters += [
+                ("prefill_stream_bytes_h2d", "Streamed prefill bytes over PCIe.", p["bytes_h2d"]),
+                ("prefill_stream_bytes_d2d", "Streamed prefill bytes on device.", p["bytes_d2d"]),
+                ("prefill_stream_copy_wait_seconds", "Time the GPU waited for streamed prefill "
+                 "copies.", p["copy_wait_s"]),
+            ]  # fmt: skip
+        if s["moe"] is not None:
+            t = s["moe"]["total"]
+            gauges.append(("moe_cache_hit_rate", "Expert cache hit rate.", s["moe"]["hit_rate"]))
+            counters += [
+                (f"moe_{key}", f"Expert {key} (distinct pairs per step).", t[key])
+                for key in ("accesses", "hits", "misses", "fills", "cpu", "bytes_h2d")
             ]
-        )
-
-    metric("requests_running", "gauge", "Requests being generated.", s["requests"]["running"])
-    metric("requests_queued", "gauge", "Requests waiting for a slot.", s["requests"]["queued"])
-    metric(
-        "requests_preempted",
-        "gauge",
-        "Requests waiting to resume after their KV was taken for older ones.",
-        s["requests"]["preempted"],
-    )
-    metric(
-        "preemptions_total",
-        "counter",
-        "Times a request's KV was taken for an older request.",
-        s["requests"]["preemptions"],
-    )
-    metric("prefill_tokens_total", "counter", "Prompt tokens prefilled.", s["tokens"]["prefill"])
-    metric("decode_tokens_total", "counter", "Tokens decoded.", s["tokens"]["decode"])
-    metric("ttft_seconds_mean", "gauge", "Mean time to first token.", s["ttft_seconds"]["mean"])
-    metric(
-        "ttft_seconds_p95",
-        "gauge",
-        "95th percentile time to first token.",
-        s["ttft_seconds"]["p95"],
-    )
-    metric("kv_pages_used", "gauge", "KV cache pages in use.", s["kv_pages"]["used"])
-    metric("kv_pages_free", "gauge", "KV cache pages free.", s["kv_pages"]["free"])
-    metric(
-        "kv_pages_cached", "gauge", "KV pages held by the prefix cache.", s["kv_pages"]["cached"]
-    )
-    reuse = s["prefix_reuse"]
-    metric("prompt_tokens_reused_total", "counter", "Prompt tokens reused.", reuse["reused_tokens"])
-    metric(
-        "prompt_tokens_recomputed_total",
-        "counter",
-        "Prompt tokens computed.",
-        reuse["recomputed_tokens"],
-    )
-    metric(
-        "anchor_restores_total",
-        "counter",
-        "Requests resumed from an anchor checkpoint.",
-        reuse["anchor_restores"],
-    )
-    if s["prefill_streaming"] is not None:
-        p = s["prefill_streaming"]
-        metric(
-            "prefill_stream_bytes_h2d_total",
-            "counter",
-            "Streamed prefill bytes over PCIe.",
-            p["bytes_h2d"],
-        )
-        metric(
-            "prefill_stream_bytes_d2d_total",
-            "counter",
-            "Streamed prefill bytes on device.",
-            p["bytes_d2d"],
-        )
-        metric(
-            "prefill_stream_copy_wait_seconds_total",
-            "counter",
-            "Time the GPU waited for streamed prefill copies.",
-            p["copy_wait_s"],
-        )
-    if s["moe"] is not None:
-        t = s["moe"]["total"]
-        metric("moe_cache_hit_rate", "gauge", "Expert cache hit rate.", s["moe"]["hit_rate"])
-        for key in ("accesses", "hits", "misses", "fills", "cpu", "bytes_h2d"):
-            metric(
-                f"moe_{key}_total", "counter", f"Expert {key} (distinct pairs per step).", t[key]
-            )
-    return "\n".join(lines) + "\n"
+        for name, help_, value in gauges:
+            yield GaugeMetricFamily(f"freetoken_{name}", help_, value=value)
+        for name, help_, value in counters:
+            yield CounterMetricFamily(f"freetoken_{name}", help_, value=value)

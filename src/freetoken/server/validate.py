@@ -1,9 +1,14 @@
-"""Small typed readers for request JSON: wrong types become a clear 400, not a traceback."""
+"""Readers for the free-form JSON inside requests (content blocks, Responses items, tool
+results: objects whose fields depend on their `type`, which the schemas leave open): a wrong
+type becomes a 400 that names the field, not a traceback; and the chat template's own shapes
+for tools and past tool calls, whichever API sent them."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from pydantic import BaseModel
 
 from freetoken.server.errors import ApiError
 
@@ -45,6 +50,8 @@ def text_of(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
+            if isinstance(part, BaseModel):  # a schema's Part
+                part = part.model_dump()
             if not isinstance(part, dict) or part.get("type") not in (
                 "text",
                 "input_text",
@@ -90,63 +97,3 @@ def template_tool(name: str, description: str, parameters: Any) -> dict[str, Any
 def template_tool_call(call_id: Any, name: str, arguments: Any) -> dict[str, Any]:
     """A past tool call in an assistant message, as the chat template takes it."""
     return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
-
-
-# Request fields each endpoint accepts: the official API's (supported or ignored, see
-# docs/api.md) plus freetoken's sampling extensions. Anything else is rejected, as the hosted
-# APIs do, so a misspelt parameter is an error rather than silently ignored.
-_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
-_CHAT_COMMON = {
-    "model",
-    "temperature",
-    "top_p",
-    "stream",
-    "stream_options",
-    "metadata",
-    "user",
-    "seed",
-    "stop",
-    "n",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "service_tier",
-    "store",
-    "safety_identifier",
-    "prompt_cache_key",
-}
-ALLOWED_FIELDS = {
-    "chat": _CHAT_COMMON | _EXTENSIONS | {
-        "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice",
-        "parallel_tool_calls", "response_format", "reasoning_effort", "modalities", "audio",
-        "prediction", "functions", "function_call", "verbosity", "web_search_options"},
-    "completions": _CHAT_COMMON | _EXTENSIONS | {
-        "prompt", "max_tokens", "best_of", "echo", "suffix"},
-    "responses": _EXTENSIONS | {
-        "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
-        "temperature", "top_p", "stream", "stream_options", "reasoning", "text", "metadata",
-        "parallel_tool_calls", "previous_response_id", "store", "truncation", "user", "include",
-        "background", "max_tool_calls", "prompt", "prompt_cache_key", "safety_identifier",
-        "service_tier", "top_logprobs", "conversation", "client_metadata"},
-    "messages": _EXTENSIONS | {
-        "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream",
-        "temperature", "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier",
-        "container", "mcp_servers", "context_management", "output_config", "inference_geo",
-        "speed", "diagnostics"},
-    "count_tokens": {"model", "messages", "system", "tools", "tool_choice", "thinking",
-                     "mcp_servers", "context_management", "output_config"},
-}  # fmt: skip
-
-
-def reject_unknown(body: dict[str, Any], endpoint: str) -> None:
-    unknown = sorted(set(body) - ALLOWED_FIELDS[endpoint])
-    if unknown:
-        anthropic = endpoint in ("messages", "count_tokens")
-        message = (
-            f"{unknown[0]}: Extra inputs are not permitted"
-            if anthropic
-            else f"Unrecognized request argument supplied: {', '.join(unknown)}"
-        )
-        raise ApiError(400, "invalid_request_error", message)
