@@ -89,7 +89,6 @@ def post_stream(server, name: str, **changes) -> list[tuple[str | None, object]]
 def rendered_prompt(server, name: str) -> str:
     """The prompt a fixture renders to, through the adapter's own path."""
     from freetoken.server import anthropic_api, openai_api, responses_api
-
     from freetoken.server.schemas import SCHEMAS
 
     core, body = server[1], body_of(name)
@@ -176,7 +175,6 @@ def test_a_template_that_takes_system_first_only_gets_later_ones_as_user_turns(s
 
 def test_reasoning_settings_reach_the_template(server):
     from freetoken.server import anthropic_api, responses_api
-
     from freetoken.server.schemas import CountTokensRequest
 
     def body(**fields):

@@ -131,7 +131,11 @@ ERRORS = [
         "Unrecognized request argument supplied: temprature",
     ),
     ("{not json", 400, "not valid JSON"),
-    (json.dumps({"model": MODEL, "messages": "hi"}), 400, "'messages': Input should be a valid array"),
+    (
+        json.dumps({"model": MODEL, "messages": "hi"}),
+        400,
+        "'messages': Input should be a valid array",
+    ),
     (
         json.dumps({**greedy(max_tokens="many"), "messages": [{"role": "user", "content": "x"}]}),
         400,

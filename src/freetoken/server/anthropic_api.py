@@ -199,8 +199,7 @@ def prepare_messages(core: GenerationCore, body: MessagesRequest) -> Prepared:
     model = core.check_model(body.model)
     if body.output_config is not None and body.output_config.format is not None:
         raise bad_request(
-            "output_config.format (structured output) is not supported: no constrained "
-            "decoding yet"
+            "output_config.format (structured output) is not supported: no constrained decoding yet"
         )
     prompt, tools = render(core, body)
     forced = ForcedOutput()

@@ -50,8 +50,7 @@ def refuse_unsupported(body: Sampling) -> None:
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":
         raise bad_request(
-            f"response_format {fmt.type!r} is not supported (no constrained decoding): only "
-            "'text'",
+            f"response_format {fmt.type!r} is not supported (no constrained decoding): only 'text'",
             param="response_format",
         )
     for name in ("audio", "prediction", "functions", "function_call", "web_search_options"):
@@ -238,6 +237,7 @@ KEEPALIVE = ": keep-alive\n\n"
 
 async def _chat_stream(events, cid, created, model, include_usage) -> AsyncIterator[str]:
     usage = None
+
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return sse(
             {
