@@ -409,7 +409,9 @@ def test_cache_dir_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.delenv(paths.CACHE_DIR_ENV)
     default = tmp_path / "platform-default"
-    monkeypatch.setattr(paths.platformdirs, "user_cache_dir", lambda app: str(default / app))
+    import platformdirs  # paths imports it lazily, so patch the module itself
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(default / app))
     assert paths.cache_dir() == default / "freetoken" and paths.cache_dir().is_dir()
 
 
