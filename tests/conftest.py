@@ -24,3 +24,12 @@ def server(engine):
 
     with running_server(engine, MODEL, max_running=8) as (base, core):
         yield base, core
+
+
+@pytest.fixture
+def fresh_engine(engine):
+    """A demo engine of this test's own, for a server with its own settings in a module whose
+    `server` fixture drives the shared one (one scheduler per engine at a time)."""
+    from server_fixtures import demo_engine
+
+    return demo_engine()

@@ -52,9 +52,9 @@ def running_server(
         scheduler.shutdown()
 
 
-def demo_engine() -> LLMEngine:
+def demo_engine(**changes) -> LLMEngine:
     """The demo model on the CPU in fp32, with the hybrid strategy and a small CPU-tier expert
-    cache so the MoE telemetry sees misses."""
+    cache so the MoE telemetry sees misses; `changes`: other EngineConfig fields."""
     config = EngineConfig(
         model=demo_checkpoint(),
         device="cpu",
@@ -62,6 +62,7 @@ def demo_engine() -> LLMEngine:
         kv_cache_tokens=2048,
         max_batch_size=8,
         moe=MoEOptions("hybrid", "40"),
+        **changes,
     )
     return LLMEngine.from_config(config)
 

@@ -103,8 +103,8 @@ def rendered_prompt(server, name: str) -> str:
             **anthropic_api.reasoning(core, body),
         )
     elif endpoint == "/v1/responses":
-        tools, names = responses_api.template_tools(body)
-        ids = core.render(responses_api.template_messages(body, names), tools=tools)
+        tools, names = responses_api.template_tools(parsed)
+        ids = core.render(responses_api.template_messages(parsed, names), tools=tools)
     else:
         ids = core.render(openai_api.chat_messages(parsed.messages),
                           tools=openai_api.chat_tools(parsed))  # fmt: skip
@@ -187,9 +187,12 @@ def test_reasoning_settings_reach_the_template(server):
     assert anthropic_api.reasoning(core, body(thinking={"type": "adaptive"})) == {}
     # No reasoning_effort in Qwen3's template: an effort reaches only templates that read it.
     assert anthropic_api.reasoning(core, body(output_config={"effort": "high"})) == {}
-    assert responses_api.reasoning(core, {"reasoning": {"effort": "none"}}) == {
-        "enable_thinking": False
-    }
+    from freetoken.server.schemas import ResponsesRequest
+
+    off_effort = ResponsesRequest.model_validate(
+        {"model": MODEL, "input": "x", "reasoning": {"effort": "none"}}
+    )
+    assert responses_api.reasoning(core, off_effort) == {"enable_thinking": False}
     plain = core.tokenizer.decode(
         core.render([{"role": "user", "content": "hi"}]), skip_special_tokens=False
     )
@@ -243,11 +246,12 @@ def test_the_sdk_reads_cache_reads_from_a_stream(server, reply):
 
 def test_codex_hosted_tools_are_skipped_and_namespaces_flattened(server):
     from freetoken.server import responses_api
+    from freetoken.server.schemas import ResponsesRequest
 
     body = body_of("codex_turn")
     kinds = {t["type"] for t in body["tools"]}
     assert {"function", "namespace", "web_search"} <= kinds and "client_metadata" in body
-    tools, names = responses_api.template_tools(body)
+    tools, names = responses_api.template_tools(ResponsesRequest.model_validate(body))
     exposed = [t["function"]["name"] for t in tools]
     namespace = next(t for t in body["tools"] if t["type"] == "namespace")
     inner = namespace["tools"][0]["name"]
@@ -304,6 +308,7 @@ def test_custom_tools_take_one_string_and_answer_as_custom_calls(server, reply):
 
 def test_reasoning_items_go_back_into_the_turn_they_led_to(server):
     from freetoken.server import responses_api
+    from freetoken.server.schemas import ResponsesRequest
 
     items = [
         {"role": "user", "content": "q"},
@@ -311,7 +316,8 @@ def test_reasoning_items_go_back_into_the_turn_they_led_to(server):
          "content": [{"type": "reasoning_text", "text": "let me think"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
     ]  # fmt: skip
-    messages = responses_api.template_messages({"input": items}, {})
+    body = ResponsesRequest(model=MODEL, input=items)
+    messages = responses_api.template_messages(body, {})
     assert messages[-1]["reasoning_content"] == "let me think"
     assert messages[-1]["tool_calls"][0]["function"]["name"] == "f"
 

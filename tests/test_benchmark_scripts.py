@@ -65,3 +65,19 @@ def test_agent_replay_reuses_earlier_turns(tmp_path, family):
     reused_with_cache = [int(row[3]) for row in rows]
     reused_without = [int(row[-1]) for row in rows]
     assert reused_with_cache[-1] > 0 and reused_without == [0, 0, 0]
+
+
+def test_soak_counts_answers_and_memory(tmp_path):
+    out = tmp_path / "soak.md"
+    result = subprocess.run(
+        [sys.executable, "soak.py", "--minutes", "0.25", "--clients", "3", "--warmup-s", "2",
+         "--sample-s", "1", "--kv-cache-tokens", "4096", "--out", str(out)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    row = next(r for r in out.read_text().splitlines() if r.startswith("| ") and "---" not in r
+               and not r.startswith("| requests"))  # fmt: skip
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    requests, errors, cancelled = int(cells[0]), int(cells[1]), int(cells[2])
+    assert requests > 0 and errors == 0 and 0 <= cancelled <= requests
+    assert cells[-2:] == ["0", "0"]  # nothing left running, no KV page held

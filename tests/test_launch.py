@@ -140,9 +140,9 @@ def test_a_missing_client_says_how_to_install_it(served, fake_clients, tmp_path)
     assert done.returncode == 2 and "npm install -g @openai/codex" in done.stderr
 
 
-def test_a_server_with_a_key_needs_it(engine, fake_clients):
+def test_a_server_with_a_key_needs_it(fresh_engine, fake_clients):
     env, log, _ = fake_clients
-    with running_server(engine, MODEL, api_key="s3cret") as (base, _):
+    with running_server(fresh_engine, MODEL, api_key="s3cret") as (base, _):
         refused = launch(env, "--url", base, "claude")
         assert refused.returncode == 2 and "needs an API key" in refused.stderr
         assert (

@@ -53,3 +53,16 @@ def test_requests_wait_for_kv_pages(small_engine):
         scheduler.shutdown()
     assert not errors
     assert all(r == ["length"] for r in results.values())
+
+
+def test_an_engine_takes_one_scheduler_at_a_time(small_engine):
+    """Two schedulers' threads stepping one engine would each drop the other's outputs (its
+    clients would wait forever): the second is refused until the first is shut down."""
+    first = Scheduler(small_engine)
+    try:
+        with pytest.raises(RuntimeError, match="already driven"):
+            Scheduler(small_engine)
+    finally:
+        first.shutdown()
+    second = Scheduler(small_engine)
+    second.shutdown()

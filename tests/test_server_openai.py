@@ -179,8 +179,8 @@ def test_errors_have_openai_shape_and_server_keeps_serving(server, client, body,
     assert ok.choices[0].finish_reason == "length"
 
 
-def test_api_key(engine):
-    with running_server(engine, MODEL, api_key="sekret") as (base, _):
+def test_api_key(fresh_engine):
+    with running_server(fresh_engine, MODEL, api_key="sekret") as (base, _):
         assert httpx.get(base + "/health").status_code == 200
         denied = httpx.get(base + "/v1/models")
         assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
@@ -191,8 +191,8 @@ def test_api_key(engine):
         assert good.models.list().data[0].id == MODEL
 
 
-def test_full_queue_answers_429(engine):
-    with running_server(engine, MODEL, max_running=1, max_queued=1) as (base, _):
+def test_full_queue_answers_429(fresh_engine):
+    with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
         body = {
             **greedy(max_tokens=300),
             "stream": True,

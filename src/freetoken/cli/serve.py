@@ -6,12 +6,12 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from freetoken.cli.common import load_engine
 from freetoken.config import ServerConfig
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
-log = logging.getLogger(__name__)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -31,38 +31,48 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def exposed(host: str) -> bool:
-    """Whether `host` accepts connections from other machines."""
-    return host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.")
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell an operator who serves other machines without a key."""
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    if loopback or api_key:
+        return None
+    return (f"warning: serving on {host} without an API key: anyone who can reach this port "
+            f"can use the model (set --api-key or ${API_KEY_ENV})")  # fmt: skip
 
 
 def make_server(app, core, host: str, port: int, config: ServerConfig):
     """A uvicorn server whose SIGTERM (or first Ctrl-C) drains: no new requests, those in
     flight may finish within the shutdown timeout, then the rest are ended (streams with their
     API's error event) and the process exits."""
-    import asyncio
+    import contextlib
 
     import uvicorn
 
-    class DrainingServer(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            self.loop = asyncio.get_running_loop()
-            await super().startup(sockets)
+    from freetoken.server.core import shutdown_reserve
 
+    class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            # A signal handler: hand the drain to the event loop's thread.
-            self.loop.call_soon_threadsafe(core.begin_shutdown, config.shutdown_timeout_s)
+            core.begin_shutdown(config.shutdown_timeout_s)
             super().handle_exit(sig, frame)
 
-    # uvicorn's own deadline is the backstop: past the drain, ended streams need a moment to
-    # send their last event.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # Drained: exit normally, after the caller's cleanup, instead of uvicorn
+                # raising the signal again on the way out.
+                self._captured_signals.clear()
+
+    # uvicorn's own deadline is the backstop, half-way into the reserve the engine keeps
+    # past the drain: ended streams need a moment to send their last event.
+    timeout = config.shutdown_timeout_s
     return DrainingServer(
         uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level="warning",
-            timeout_graceful_shutdown=config.shutdown_timeout_s + 3,
+            timeout_graceful_shutdown=timeout - shutdown_reserve(timeout) / 2,
         )
     )
 
@@ -74,10 +84,8 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.server.sandbox import TemplateSandbox
 
     config = server_config(args)
-    if exposed(args.host) and not config.api_key:
-        print(f"warning: serving on {args.host} without an API key: anyone who can reach this "
-              f"port can use the model (set --api-key or ${API_KEY_ENV})",
-              file=sys.stderr)  # fmt: skip
+    if warning := exposure_warning(args.host, config.api_key):
+        print(warning, file=sys.stderr)
     engine = load_engine(args)
     name = args.served_model_name or (args.model.name if args.model else "freetoken-demo")
     scheduler = Scheduler(engine, max_queued=args.max_queued_requests)
@@ -100,7 +108,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         make_server(app, core, args.host, args.port, config).run()
     finally:
-        scheduler.shutdown()
+        # Within the shutdown deadline when there is one (the engine thread is a daemon: a
+        # step still running past it does not hold the exit).
+        deadline = core.shutdown_deadline
+        left = 10.0 if deadline is None else max(0.0, deadline - time.monotonic() - 0.2)
+        scheduler.shutdown(timeout=left)
         if sandbox is not None:
             sandbox.close()
+    if deadline is not None:
+        # Everything we own is released; the interpreter's own teardown (freeing torch and
+        # the model, ~1 s) would overrun the deadline the operator set.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,10 +62,22 @@ class SchedulerStats:
     ttft: list[float]  # recent times to first token, seconds
 
 
+# Engines a live scheduler's thread steps. A second scheduler on one of them would step it
+# from a second thread, and each would drop the outputs of the other's requests.
+_DRIVEN: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+
 class Scheduler:
     def __init__(self, engine: LLMEngine, max_running: int | None = None, max_queued: int = 64):
         """`max_running`: at most this many requests at once (default and at most: the
-        engine's `max_batch_size`, which sized its state pools)."""
+        engine's `max_batch_size`, which sized its state pools). One scheduler per engine at a
+        time: shut one down before giving its engine to another."""
+        if engine in _DRIVEN:
+            raise RuntimeError(
+                "this engine is already driven by a running Scheduler; shut that one down "
+                "before starting another on it"
+            )
+        _DRIVEN.add(engine)
         self.engine = engine
         self.max_running = min(max_running or engine.max_batch_size, engine.max_batch_size)
         self.max_queued = max_queued
@@ -143,10 +156,12 @@ class Scheduler:
                 ttft=list(self._ttft),
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            _DRIVEN.discard(self.engine)
 
     # -- engine thread --------------------------------------------------------------------
 

@@ -21,15 +21,19 @@ from freetoken.server.core import (
     failed,
     with_keepalive,
 )
-from freetoken.server.errors import ApiError, bad_request, shown
-from freetoken.server.schemas import CountTokensRequest, MessagesBase, MessagesRequest
-from freetoken.server.validate import (
-    field,
-    stop_list,
-    template_tool,
-    template_tool_call,
-    text_of,
+from freetoken.server.errors import bad_request, shown
+from freetoken.server.schemas import (
+    CountTokensRequest,
+    MessagesBase,
+    MessagesRequest,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    location,
+    parse_as,
 )
+from freetoken.server.validate import stop_list, template_tool, template_tool_call
 
 STOP_REASON = {
     "stop": "end_turn",
@@ -39,17 +43,6 @@ STOP_REASON = {
 }
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise ApiError(400, "invalid_request_error", f"{where}: content must be a string or a list")
-    for block in content:
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise ApiError(400, "invalid_request_error", f"{where}: every block needs a 'type'")
-    return content
-
-
 # Claude Code opens its system prompt with a billing header for Anthropic's servers, which read
 # it and do not show it to the model. Its text changes with the conversation (captured:
 # `cc_version=2.1.197.1c0`, `.363`, `.c40`), so keeping it would also keep conversations from
@@ -57,96 +50,88 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 _BILLING_HEADER = "x-anthropic-billing-header:"
 
 
-def system_text(system: Any, where: str) -> str:
+def system_text(system: str | list[dict[str, Any]], where: tuple) -> str:
     """A system prompt (a string or text blocks) as text, without the billing header."""
     if isinstance(system, list):
-        system = [
-            b
-            for b in _text_only(system)
-            if not (isinstance(b.get("text"), str) and b["text"].startswith(_BILLING_HEADER))
-        ]
-    return text_of(system, where)
+        blocks = [parse_as(TextBlock, b, (*where, i), ANTHROPIC) for i, b in enumerate(system)]
+        return "".join(b.text for b in blocks if not b.text.startswith(_BILLING_HEADER))
+    return system
+
+
+ANTHROPIC = True  # errors located as Anthropic writes them (messages.0.content)
+# Blocks each role may hold, by type; redacted thinking is dropped.
+USER_BLOCKS = {"text": TextBlock, "tool_result": ToolResultBlock}
+ASSISTANT_BLOCKS = {"text": TextBlock, "thinking": ThinkingBlock, "tool_use": ToolUseBlock}
+
+
+def _blocks(content: str | list[dict[str, Any]], kinds: dict, where: tuple) -> list:
+    if isinstance(content, str):
+        return [TextBlock(type="text", text=content)]
+    out = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "redacted_thinking" and "thinking" in kinds:
+            continue
+        if kind not in kinds:
+            raise bad_request(f"{location((*where, j), ANTHROPIC)}: unsupported block type "
+                              f"{shown(str(kind), 40)!r}")  # fmt: skip
+        out.append(parse_as(kinds[kind], block, (*where, j), ANTHROPIC))
+    return out
 
 
 def template_messages(body: MessagesBase) -> list[dict[str, Any]]:
     """Anthropic system + messages -> the chat template's message dicts."""
     out: list[dict[str, Any]] = []
-    if body.system and (text := system_text(body.system, "system")):
+    if body.system and (text := system_text(body.system, ("system",))):
         out.append({"role": "system", "content": text})
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
-        role = m.role
-        if role == "system":
+        where = ("messages", i, "content")
+        if m.role == "system":
             # Mid-conversation system messages (the `mid-conversation-system` beta Claude
             # Code uses): rendered where they stand.
-            out.append({"role": "system", "content": system_text(m.content, f"messages[{i}]")})
-            continue
-        if role not in ("user", "assistant"):
-            raise bad_request(f"messages.{i}.role: unknown role '{shown(role, 40)}'")
-        blocks = _blocks(m.content, f"messages[{i}]")
-        if role == "user":
+            out.append({"role": "system", "content": system_text(m.content, where)})
+        elif m.role == "user":
             text = []
-            for b in blocks:
-                if b["type"] == "tool_result":
-                    result = tool_result_text(b.get("content"), f"messages.{i}.tool_result")
-                    out.append(
-                        {
-                            "role": "tool",
-                            "tool_call_id": b.get("tool_use_id", ""),
-                            "content": result,
-                        }
-                    )
-                elif b["type"] == "text":
-                    text.append(field(b, "text", str))
+            for b in _blocks(m.content, USER_BLOCKS, where):
+                if isinstance(b, ToolResultBlock):
+                    result = tool_result_text(b.content, (*where, "content"))
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
                 else:
-                    raise ApiError(
-                        400,
-                        "invalid_request_error",
-                        f"messages[{i}]: unsupported block type '{b['type']}'",
-                    )
+                    text.append(b.text)
             if text:
                 out.append({"role": "user", "content": "".join(text)})
-        else:
+        elif m.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": ""}
             calls = []
-            for b in blocks:
-                if b["type"] == "text":
-                    msg["content"] += field(b, "text", str)
-                elif b["type"] == "thinking":
-                    msg["reasoning_content"] = field(b, "thinking", str)
-                elif b["type"] == "tool_use":
-                    name = field(b, "name", str)
-                    calls.append(template_tool_call(b.get("id"), name, b.get("input") or {}))
-                elif b["type"] != "redacted_thinking":
-                    raise ApiError(
-                        400,
-                        "invalid_request_error",
-                        f"messages[{i}]: unsupported block type '{b['type']}'",
-                    )
+            for b in _blocks(m.content, ASSISTANT_BLOCKS, where):
+                if isinstance(b, TextBlock):
+                    msg["content"] += b.text
+                elif isinstance(b, ThinkingBlock):
+                    msg["reasoning_content"] = b.thinking
+                else:
+                    calls.append(template_tool_call(b.id, b.name, b.input or {}))
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        else:
+            raise bad_request(f"messages.{i}.role: unknown role '{shown(m.role, 40)}'")
     return out
 
 
-def _text_only(blocks: list[Any]) -> list[dict[str, Any]]:
-    return [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
-
-
-def tool_result_text(content: Any, where: str) -> str:
+def tool_result_text(content: str | list[dict[str, Any]] | None, where: tuple) -> str:
     """A tool result's content as text. Blocks other than text (an image a tool read) become
     a note in their place, so the model knows something was there."""
     if content is None or isinstance(content, str):
         return content or ""
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content: must be a string or a list of blocks")
     parts = []
-    for block in _blocks(content, where):
-        if block["type"] == "text":
-            parts.append(field(block, "text", str))
+    for j, block in enumerate(content):
+        if block.get("type") == "text":
+            parts.append(parse_as(TextBlock, block, (*where, j), ANTHROPIC).text)
         else:
-            parts.append(f"[{shown(block['type'], 40)} omitted: this model reads text only]")
+            kind = shown(str(block.get("type")), 40)
+            parts.append(f"[{kind} omitted: this model reads text only]")
     return "".join(parts)
 
 

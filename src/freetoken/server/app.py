@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from freetoken.config import ServerConfig
 from freetoken.engine.scheduler import QueueFullError
 from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError, shown
-from freetoken.server.schemas import SCHEMAS, Body
+from freetoken.server.schemas import SCHEMAS, Body, schema_error
 from freetoken.server.stats import Metrics, stats_json
 
 log = logging.getLogger(__name__)
@@ -39,53 +42,11 @@ def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_response(path: str, err: ApiError) -> JSONResponse:
+def error_response(path: str, err: ApiError) -> Response:
     body = err.anthropic_body() if is_anthropic(path) else err.openai_body()
-    return JSONResponse(body, status_code=err.status, headers=err.headers)
-
-
-# Type names pydantic puts in an error's location for the member of a union it tried.
-_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _field_path(loc: tuple) -> tuple:
-    """An error's location without the union members pydantic names in it
-    (`('tool_choice', "literal['auto',...]")` is about `tool_choice`)."""
-    return tuple(
-        p for p in loc
-        if not (isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p or not p.islower()))
-    )  # fmt: skip
-
-
-def validation_error(err: ValidationError, anthropic: bool) -> ApiError:
-    """A schema's verdict in the words of the called API: Anthropic's are pydantic's own
-    (`messages.0.content: Input should be a valid string`), OpenAI names unknown arguments
-    together and quotes the field. A value no member of a union takes gets the deepest
-    complaint (a bad block inside a list), or each member's where none went deeper."""
-    errors = err.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return ApiError(400, "invalid_request_error", f"the body is not valid JSON: "
-                        f"{shown(first['msg'].removeprefix('Invalid JSON: '), 200)}")  # fmt: skip
-    if first["type"] == "model_type" and not first["loc"]:
-        return ApiError(400, "invalid_request_error", "the body must be a JSON object")
-    extra = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
-    if extra and not anthropic:
-        names = ", ".join(shown(str(n), 60) for n in extra)
-        return ApiError(400, "invalid_request_error",
-                        f"Unrecognized request argument supplied: {names}")  # fmt: skip
-    top = _field_path(first["loc"])[:1]
-    related = [(e, _field_path(e["loc"])) for e in errors if _field_path(e["loc"])[:1] == top]
-    loc = max((path for _, path in related), key=len)
-    messages = list(dict.fromkeys(e["msg"] for e, path in related if path == loc))
-    message = ", or ".join(messages)
-    if anthropic:
-        where = ".".join(str(p) for p in loc)
-        return ApiError(400, "invalid_request_error", f"{where}: {message}")
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    missing = all(e["type"] == "missing" for e, path in related if path == loc)
-    text = f"missing required field '{where}'" if missing else f"'{where}': {message}"
-    return ApiError(400, "invalid_request_error", text, param=where)
+    # ASCII JSON: whatever of the request an error quotes, it can always be encoded.
+    return Response(json.dumps(body), status_code=err.status, headers=err.headers,
+                    media_type="application/json")  # fmt: skip
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -115,7 +76,7 @@ async def parse(request: Request, endpoint: str, limit: int) -> Body:
         # A worker thread: a large body's parsing must not stall the event loop.
         return await asyncio.to_thread(schema.model_validate_json, raw)
     except ValidationError as e:
-        raise validation_error(e, is_anthropic(request.url.path)) from None
+        raise schema_error(e, is_anthropic(request.url.path)) from None
 
 
 async def whole_answer(request: Request, answer) -> Response:
@@ -133,39 +94,61 @@ async def whole_answer(request: Request, answer) -> Response:
             return Response(status_code=499)  # nobody reads it
 
 
+class RequireKey:
+    """ASGI middleware: every path but /health needs the key, as a bearer token or in
+    x-api-key. Plain ASGI, not Starlette's BaseHTTPMiddleware, under which an endpoint
+    cannot see its client leave (its `is_disconnected` never answers true)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    def authorized(self, headers: Headers) -> bool:
+        bearer = headers.get("authorization", "")
+        given = bearer[7:] if bearer.lower().startswith("bearer ") else ""
+        given = given or headers.get("x-api-key", "")
+        # Constant time: the comparison must not tell how much of a guess was right.
+        return hmac.compare_digest(given.encode(), self.key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        guarded = scope["type"] == "http" and scope["path"] != "/health"
+        if guarded and not self.authorized(Headers(scope=scope)):
+            err = ApiError(401, "authentication_error", "invalid or missing API key",
+                           code="invalid_api_key")  # fmt: skip
+            await error_response(scope["path"], err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(core: GenerationCore, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     app = FastAPI(title="freetoken", docs_url=None, redoc_url=None)
     app.state.core = core
     metrics = Metrics(core)
     core.metrics = metrics
-    api_key = config.api_key
 
-    def authorized(request: Request) -> bool:
-        bearer = request.headers.get("authorization", "")
-        given = bearer[7:] if bearer.lower().startswith("bearer ") else ""
-        given = given or request.headers.get("x-api-key", "")
-        # Constant time: the comparison must not tell how much of a guess was right.
-        return hmac.compare_digest(given.encode(), api_key.encode())
+    if config.api_key:
+        app.add_middleware(RequireKey, key=config.api_key)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if api_key and path != "/health" and not authorized(request):
-            err = ApiError(401, "authentication_error", "invalid or missing API key",
-                           code="invalid_api_key")  # fmt: skip
-            return error_response(path, err)
-        try:
-            return await call_next(request)
-        except ApiError as err:
-            return error_response(path, err)
-        except QueueFullError as e:
-            err = ApiError(429, "rate_limit_error", str(e),
-                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
-            return error_response(path, err)
-        except Exception:
-            log.exception("unhandled error on %s", path)
-            return error_response(path, ApiError(500, "api_error", "internal server error"))
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> Response:
+        return error_response(request.url.path, err)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, e: QueueFullError) -> Response:
+        err = ApiError(429, "rate_limit_error", str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+        return error_response(request.url.path, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        # No such route or method: in the API's shape too, not Starlette's {"detail": ...}.
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {shown(request.url.path)}: {e.detail}"
+        return error_response(request.url.path, ApiError(e.status_code, kind, message))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> Response:
+        # Starlette logs the exception after this answer is sent.
+        return error_response(request.url.path, ApiError(500, "api_error", "internal server error"))
 
     async def generate(request: Request, endpoint: str, prepare, answer) -> Response:
         core.check_serving()

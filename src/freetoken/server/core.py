@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -51,6 +52,13 @@ RENDER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
+def shutdown_reserve(timeout: float) -> float:
+    """How much of a shutdown timeout to keep for after the requests are ended: the engine
+    ends them at its next step boundary (a prefill chunk can take a second on a CPU), then the
+    last events go out and the process exits."""
+    return min(2.0, timeout / 3)
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -67,6 +75,7 @@ class GenerationCore:
         self.template_sandbox = template_sandbox
         self.metrics = None  # the app's Metrics (server/stats.py), observed per token
         self.draining = False  # shutting down: no new requests
+        self.shutdown_deadline: float | None = None  # time.monotonic() to be gone by
         self.max_context = scheduler.engine.max_context
         self.vocab_size = len(tokenizer.hf)  # ids a request may name (logit_bias)
         # A request that sets no output limit gets the checkpoint's own (generation_config's
@@ -302,15 +311,22 @@ class GenerationCore:
             raise ApiError(503, "overloaded_error", "the server is shutting down",
                            headers={"Retry-After": "10"})  # fmt: skip
 
-    def begin_shutdown(self, timeout: float) -> None:
-        """Stop taking requests; those in flight may finish within `timeout` seconds, after
-        which the scheduler ends them (each gets a Failure: streams end with their API's error
-        event). Called from the event loop's thread, at the first SIGTERM."""
-        if self.draining:
-            return
+    def begin_shutdown(self, timeout: float) -> float:
+        """Stop taking requests; those in flight may finish until `timeout` seconds from now
+        less a reserve for the engine's last step and the exit, after which the scheduler ends
+        them (each gets a Failure: streams end with their API's error event). Returns the
+        deadline (time.monotonic()) by which the process should be gone. From any thread (the
+        server calls it from its SIGTERM handler)."""
+        if self.shutdown_deadline is not None:
+            return self.shutdown_deadline
+        self.shutdown_deadline = time.monotonic() + timeout
         self.draining = True
         self.scheduler.stop_admitting()
-        asyncio.get_running_loop().call_later(timeout, self.scheduler.end_all)
+        # A daemon timer: a process whose requests all finished sooner need not wait for it.
+        timer = threading.Timer(timeout - shutdown_reserve(timeout), self.scheduler.end_all)
+        timer.daemon = True
+        timer.start()
+        return self.shutdown_deadline
 
     def _finish(self, out: StepOutput, parser) -> ev.Finish:
         request = out.request

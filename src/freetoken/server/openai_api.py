@@ -90,7 +90,7 @@ def logit_bias(core: GenerationCore, bias: dict[str, float] | None) -> dict[int,
     vocabulary."""
     out = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= core.vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= core.vocab_size:
             raise bad_request(
                 f"logit_bias: {shown(key, 20)!r} is not a token id of this model "
                 f"(0 to {core.vocab_size - 1})",
@@ -107,7 +107,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         role = "system" if m.role == "developer" else m.role
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}]: unknown role '{m.role[:40]}'")
-        msg: dict[str, Any] = {"role": role, "content": text_of(m.content, f"messages[{i}]")}
+        content = text_of(m.content, ("messages", i, "content"))
+        msg: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             if m.reasoning_content:
                 msg["reasoning_content"] = m.reasoning_content

@@ -27,16 +27,20 @@ from freetoken.server.core import (
     failed,
     with_keepalive,
 )
-from freetoken.server.errors import ApiError, bad_request
+from freetoken.server.errors import bad_request, shown
 from freetoken.server.openai_api import KEEPALIVE_INTERVAL
-from freetoken.server.schemas import ResponsesRequest
-from freetoken.server.validate import (
-    field,
-    template_tool,
-    template_tool_call,
-    text_of,
-    tool_arguments,
+from freetoken.server.schemas import (
+    CustomToolCallItem,
+    FunctionCallItem,
+    FunctionTool,
+    MessageItem,
+    NamespaceTool,
+    ReasoningItem,
+    ResponsesRequest,
+    ToolOutputItem,
+    parse_as,
 )
+from freetoken.server.validate import template_tool, template_tool_call, text_of, tool_arguments
 
 
 def _id(prefix: str) -> str:
@@ -60,54 +64,59 @@ _CUSTOM_INPUT = {
 log = logging.getLogger(__name__)
 
 
-def template_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, ClientTool]]:
+def template_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[str, ClientTool]]:
     """The request's tools as the chat template takes them (function tools), and what each
     function name stands for."""
-    if body.get("tool_choice") == "none":
+    if body.tool_choice == "none":
         return [], {}
     out: list[dict[str, Any]] = []
     names: dict[str, ClientTool] = {}
 
-    def add(t: Any, namespace: str | None, where: str) -> None:
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise ApiError(400, "invalid_request_error", f"{where}: every tool needs a 'name'")
-        kind = t.get("type", "function")
-        if kind not in ("function", "custom"):
-            raise ApiError(
-                400, "invalid_request_error", f"{where}: a namespace holds function tools only"
-            )
+    def add(t: FunctionTool, namespace: str | None) -> None:
         # A clash between namespaces keeps both, the later one qualified by its namespace.
-        exposed = t["name"] if t["name"] not in names else f"{namespace}.{t['name']}"
-        names[exposed] = ClientTool(t["name"], namespace, custom=kind == "custom")
-        parameters = _CUSTOM_INPUT if kind == "custom" else t.get("parameters", {"type": "object"})
-        out.append(template_tool(exposed, t.get("description", ""), parameters))
+        exposed = t.name if t.name not in names else f"{namespace}.{t.name}"
+        names[exposed] = ClientTool(t.name, namespace, custom=t.type == "custom")
+        parameters = _CUSTOM_INPUT if t.type == "custom" else t.parameters or {"type": "object"}
+        out.append(template_tool(exposed, t.description or "", parameters))
 
-    for i, t in enumerate(field(body, "tools", list, [])):
-        kind = t.get("type") if isinstance(t, dict) else None
+    for i, t in enumerate(body.tools or []):
+        kind = t.get("type")
         if kind in ("function", "custom"):
-            add(t, None, f"tools[{i}]")
+            add(parse_as(FunctionTool, t, ("tools", i)), None)
         elif kind == "namespace":
-            for j, inner in enumerate(field(t, "tools", list, [])):
-                add(inner, field(t, "name", str), f"tools[{i}].tools[{j}]")
+            group = parse_as(NamespaceTool, t, ("tools", i))
+            for j, inner in enumerate(group.tools):
+                tool = parse_as(FunctionTool, inner, ("tools", i, "tools", j))
+                add(tool, group.name)
         elif isinstance(kind, str):
             log.debug("skipping hosted tool %r: this server runs no hosted tools", kind)
         else:
-            raise ApiError(400, "invalid_request_error", f"tools[{i}] needs a 'type'")
+            raise bad_request(f"tools[{i}] needs a 'type'", param=f"tools[{i}].type")
     return out, names
 
 
-def template_messages(body: dict[str, Any], tools: dict[str, ClientTool]) -> list[dict[str, Any]]:
+# Input items by type; others (hosted tools' calls this server never ran) are skipped.
+ITEMS = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "custom_tool_call": CustomToolCallItem,
+    "function_call_output": ToolOutputItem,
+    "custom_tool_call_output": ToolOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+def template_messages(body: ResponsesRequest, tools: dict[str, ClientTool]) -> list[dict[str, Any]]:
     """`instructions` + `input` (a string or a list of items) -> the template's messages."""
     out: list[dict[str, Any]] = []
     exposed = {(t.namespace, t.name): name for name, t in tools.items()}
-    instructions = field(body, "instructions", str, None)
-    if instructions:
-        out.append({"role": "system", "content": instructions})
-    items = field(body, "input", (str, list))
+    if body.instructions:
+        out.append({"role": "system", "content": body.instructions})
+    items = body.input
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not items:
-        raise ApiError(400, "invalid_request_error", "input must not be empty")
+        raise bad_request("input must not be empty", param="input")
     reasoning = None  # text of a reasoning item, for the assistant turn that follows it
 
     def assistant() -> dict[str, Any]:
@@ -120,50 +129,40 @@ def template_messages(body: dict[str, Any], tools: dict[str, ClientTool]) -> lis
             reasoning = None
         return out[-1]
 
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise ApiError(400, "invalid_request_error", f"input[{i}] must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = field(item, "role", str)
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, "invalid_request_error", f"input[{i}]: unknown role '{role}'")
-            text = text_of(item.get("content"), f"input[{i}]")
-            if role == "assistant":
-                turn = assistant()
-                turn["content"] += text
-            else:
-                out.append({"role": role, "content": text})
-        elif kind in ("function_call", "custom_tool_call"):
-            name = field(item, "name", str)
-            name = exposed.get((item.get("namespace"), name), name)
-            if kind == "custom_tool_call":
-                arguments = {"input": item.get("input", "")}
-            else:
-                arguments = tool_arguments(item.get("arguments"))
-            call = template_tool_call(item.get("call_id"), name, arguments)
-            assistant().setdefault("tool_calls", []).append(call)
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.get("call_id", ""),
-                    "content": _output_text(output),
-                }
-            )
-        elif kind == "reasoning":
-            # Given back as reasoning of the turn it led to, so the prompt renders as the model
-            # wrote it (and the prefix cache finds it).
-            parts = item.get("content") or item.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-            reasoning = text if text else None
-        else:
+    for i, raw in enumerate(items):
+        kind = raw.get("type", "message")
+        if kind not in ITEMS:
             # Items of hosted tools this server never ran (web search calls, ...): nothing the
             # model wrote, so nothing to render.
             log.debug("skipping input item of type %r", kind)
+            continue
+        item = parse_as(ITEMS[kind], raw, ("input", i))
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            if role not in ("system", "user", "assistant"):
+                raise bad_request(f"input[{i}]: unknown role '{shown(item.role, 40)}'")
+            text = text_of(item.content, ("input", i, "content"))
+            if role == "assistant":
+                assistant()["content"] += text
+            else:
+                out.append({"role": role, "content": text})
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            name = exposed.get((item.namespace, item.name), item.name)
+            if isinstance(item, CustomToolCallItem):
+                arguments: Any = {"input": item.input}
+            else:
+                arguments = tool_arguments(item.arguments)
+            call = template_tool_call(item.call_id, name, arguments)
+            assistant().setdefault("tool_calls", []).append(call)
+        elif isinstance(item, ToolOutputItem):
+            out.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output)}
+            )
+        else:
+            # Given back as reasoning of the turn it led to, so the prompt renders as the model
+            # wrote it (and the prefix cache finds it).
+            parts = item.content or item.summary or []
+            reasoning = "".join(p.text or "" for p in parts) or None
     return out
 
 
@@ -363,10 +362,9 @@ def _response(rid, created, model, body, output, status, usage: ev.Usage | None,
     }
 
 
-def reasoning(core: GenerationCore, body: dict[str, Any]) -> dict[str, Any]:
+def reasoning(core: GenerationCore, body: ResponsesRequest) -> dict[str, Any]:
     """`reasoning.effort` as chat template arguments (GenerationCore.reasoning_options)."""
-    effort = field(field(body, "reasoning", dict, {}), "effort", str, None)
-    return core.reasoning_options(effort=effort)
+    return core.reasoning_options(effort=body.reasoning.effort if body.reasoning else None)
 
 
 def tool_choice(choice: Any) -> str | None:
@@ -387,7 +385,8 @@ def tool_choice(choice: Any) -> str | None:
 def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.previous_response_id is not None or body.conversation is not None:
         raise bad_request(
-            "this server keeps no responses: send the whole conversation as input",
+            "previous_response_id is not supported: this server keeps no responses; send the "
+            "whole conversation as input",
             param="previous_response_id",
         )
     if body.background:
@@ -416,10 +415,9 @@ class Prepared:
 def prepare_responses(core: GenerationCore, body: ResponsesRequest) -> Prepared:
     model = core.check_model(body.model)
     refuse_unsupported(body)
-    raw = body.model_dump(exclude_unset=True)
-    tools, names = template_tools(raw)
-    kwargs = {**reasoning(core, raw), **core.template_kwargs(body.chat_template_kwargs)}
-    prompt = core.render(template_messages(raw, names), tools=tools, **kwargs)
+    tools, names = template_tools(body)
+    kwargs = {**reasoning(core, body), **core.template_kwargs(body.chat_template_kwargs)}
+    prompt = core.render(template_messages(body, names), tools=tools, **kwargs)
     forced = ForcedOutput()
     if (tool := tool_choice(body.tool_choice)) is not None:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
@@ -437,7 +435,7 @@ def prepare_responses(core: GenerationCore, body: ResponsesRequest) -> Prepared:
     except ValueError as e:
         raise bad_request(str(e)) from e
     request = GenerationRequest(prompt, params, tools=tools, forced=forced)
-    return Prepared(request, model, bool(body.stream), raw, names)
+    return Prepared(request, model, bool(body.stream), body.model_dump(exclude_unset=True), names)
 
 
 def answer_responses(core: GenerationCore, prepared: Prepared):

@@ -11,9 +11,11 @@ names them (`docs/api.md`). `app.py` turns a ValidationError into each API's err
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from freetoken.server.errors import ApiError, bad_request, shown
 
 
 class Nested(BaseModel):
@@ -31,7 +33,7 @@ class Part(Nested):
     """A content part or block: its `type` says which of the other fields it has."""
 
     type: str
-    text: Any = None
+    text: str | None = None
 
 
 # -- OpenAI chat completions ---------------------------------------------------------------
@@ -255,6 +257,147 @@ class MessagesRequest(MessagesBase):
 
 class CountTokensRequest(MessagesBase):
     pass
+
+
+# -- free-form content: blocks, items and tools whose fields depend on their `type` -------
+#
+# The request schemas keep these as JSON objects, since clients send types freetoken skips
+# (hosted tools' items) or answers with a note (images); adapters parse each one they use
+# with `parse_as`, which reports a bad one at its place in the request.
+
+
+class TextBlock(Nested):
+    type: Literal["text"]
+    text: str
+
+
+class ToolResultBlock(Nested):
+    type: Literal["tool_result"]
+    tool_use_id: str = ""
+    content: str | list[JSONObject] | None = None
+    is_error: bool | None = None
+
+
+class ToolUseBlock(Nested):
+    type: Literal["tool_use"]
+    id: str | None = None
+    name: str
+    input: JSONObject | None = None
+
+
+class ThinkingBlock(Nested):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class MessageItem(Nested):
+    type: Literal["message"] = "message"
+    role: str
+    content: str | list[Part] | None = None
+
+
+class FunctionCallItem(Nested):
+    type: Literal["function_call"]
+    name: str
+    call_id: str | None = None
+    arguments: str | JSONObject | None = None
+    namespace: str | None = None
+
+
+class CustomToolCallItem(Nested):
+    type: Literal["custom_tool_call"]
+    name: str
+    call_id: str | None = None
+    input: str = ""
+    namespace: str | None = None
+
+
+class ToolOutputItem(Nested):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str = ""
+    output: Any = None
+
+
+class ReasoningItem(Nested):
+    type: Literal["reasoning"]
+    content: list[Part] | None = None
+    summary: list[Part] | None = None
+
+
+class FunctionTool(Nested):
+    type: Literal["function", "custom"] = "function"
+    name: str
+    description: str | None = None
+    parameters: JSONObject | None = None
+
+
+class NamespaceTool(Nested):
+    type: Literal["namespace"]
+    name: str
+    tools: list[JSONObject] = []
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse_as(model: type[Model], value: Any, where: tuple, anthropic: bool = False) -> Model:
+    """`value` (free-form JSON of the request, at `where`) as `model`, or the 400 that says
+    what is wrong with it there."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise schema_error(e, anthropic, where) from None
+
+
+# Type names pydantic puts in an error's location for the member of a union it tried.
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """An error's location without the union members pydantic names in it
+    (`('tool_choice', "literal['auto',...]")` is about `tool_choice`)."""
+    return tuple(
+        p for p in loc
+        if not (isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p or not p.islower()))
+    )  # fmt: skip
+
+
+def location(loc: tuple, anthropic: bool) -> str:
+    """A field's place as each API writes it: `messages.0.content`, `messages[0].content`."""
+    if anthropic:
+        return ".".join(str(p) for p in loc)
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def schema_error(err: ValidationError, anthropic: bool, where: tuple = ()) -> ApiError:
+    """A schema's verdict in the words of the called API: Anthropic's are pydantic's own
+    (`messages.0.content: Input should be a valid string`), OpenAI names unknown arguments
+    together and quotes the field. A value no member of a union takes gets the deepest
+    complaint (a bad block inside a list), or each member's where none went deeper. `where`:
+    the location of the value parsed, for parts of a request parsed on their own."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(
+            f"the body is not valid JSON: {shown(first['msg'].removeprefix('Invalid JSON: '), 200)}"
+        )
+    if first["type"] == "model_type" and not first["loc"] and not where:
+        return bad_request("the body must be a JSON object")
+    extra = [e["loc"][0] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    if extra and not anthropic and not where:
+        names = ", ".join(shown(str(n), 60) for n in extra)
+        return bad_request(f"Unrecognized request argument supplied: {names}")
+    top = _field_path(first["loc"])[:1]
+    related = [(e, _field_path(e["loc"])) for e in errors if _field_path(e["loc"])[:1] == top]
+    loc = max((path for _, path in related), key=len)
+    message = ", or ".join(dict.fromkeys(e["msg"] for e, path in related if path == loc))
+    place = location(where + loc, anthropic)
+    if anthropic:
+        return bad_request(f"{place}: {message}")
+    missing = all(e["type"] == "missing" for e, path in related if path == loc)
+    text = f"missing required field '{place}'" if missing else f"'{place}': {message}"
+    return bad_request(text, param=place)
 
 
 SCHEMAS: dict[str, type[Body]] = {

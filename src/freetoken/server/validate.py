@@ -1,68 +1,33 @@
-"""Readers for the free-form JSON inside requests (content blocks, Responses items, tool
-results: objects whose fields depend on their `type`, which the schemas leave open): a wrong
-type becomes a 400 that names the field, not a traceback; and the chat template's own shapes
-for tools and past tool calls, whichever API sent them."""
+"""What the adapters share in reading requests: content as text, stop lists, tool arguments,
+and the chat template's own shapes for tools and past tool calls, whichever API sent them."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from pydantic import BaseModel
+from freetoken.server.errors import ApiError, bad_request, shown
+from freetoken.server.schemas import Part, location, parse_as
 
-from freetoken.server.errors import ApiError
-
-_MISSING = object()
-_NAMES = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "a boolean",
-    list: "an array",
-    dict: "an object",
-}
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = _MISSING):
-    """`body[key]` checked against `kind`; `default` when absent or null (required if none)."""
-    value = body.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise ApiError(400, "invalid_request_error", f"missing required field '{key}'")
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    # bool is an int in Python, not in JSON: true is no valid max_tokens.
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:
-        names = " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
-        raise ApiError(400, "invalid_request_error", f"'{key}' must be {names}")
-    return value
-
-
-def text_of(content: Any, where: str) -> str:
-    """Message content as text: a string, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, BaseModel):  # a schema's Part
-                part = part.model_dump()
-            if not isinstance(part, dict) or part.get("type") not in (
-                "text",
-                "input_text",
-                "output_text",
-            ):
-                raise ApiError(
-                    400, "invalid_request_error", f"{where}: only text content parts are supported"
-                )
-            parts.append(field(part, "text", str))
-        return "".join(parts)
-    raise ApiError(400, "invalid_request_error", f"{where}: content must be a string or a list")
+def text_of(content: Any, where: tuple, anthropic: bool = False) -> str:
+    """Message content as text: a string, or a list of text parts (schema Parts, or JSON
+    objects parsed as them here)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Part):
+            part = parse_as(Part, part, (*where, i), anthropic)
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise bad_request(
+                f"{location((*where, i), anthropic)}: only text content parts are supported "
+                f"(got {shown(part.type, 40)!r})"
+            )
+        parts.append(part.text)
+    return "".join(parts)
 
 
 def stop_list(value: Any) -> tuple[str, ...]:
