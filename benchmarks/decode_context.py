@@ -26,9 +26,16 @@ import time
 from pathlib import Path
 
 import torch
-from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny, use_uniform_routing
+from decode_offload import (
+    contender_options,
+    qwen3_30b_a3b,
+    random_model,
+    report,
+    sync,
+    tiny,
+    use_uniform_routing,
+)
 
-from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.models.loading import load_model
 
@@ -112,7 +119,7 @@ def main() -> int:
         offloaded = strategy not in ("fused", "cpu")
         if offloaded:
             use_uniform_routing(loaded)  # (the fused runs go first and keep the model's router)
-        options = MoEOptions(strategy, args.cache if offloaded else None)
+        options = contender_options(strategy, cache_size=args.cache if offloaded else None)
         for batch in batches:
             for context in args.contexts:
                 r = decode_speed(loaded, options, batch, context, args.warmup, args.steps,

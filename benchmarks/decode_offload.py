@@ -101,6 +101,15 @@ def random_model(raw: dict, device: torch.device) -> LoadedModel:
     return LoadedModel(model.eval(), cfg, Path("random"), raw, store)
 
 
+def contender_options(label: str, **fields) -> MoEOptions:
+    """MoEOptions of a contender label: a strategy, or `offload:host` (offload with its decode
+    decisions on the host, as before device control)."""
+    strategy, _, variant = label.partition(":")
+    if variant not in ("", "host"):
+        raise SystemExit(f"unknown contender {label!r}: a strategy, or offload:host")
+    return MoEOptions(strategy=strategy, device_control=variant != "host", **fields)
+
+
 class UniformRouter(torch.nn.Module):
     """Router logits drawn at random for every token: each token's experts are a uniform
     random top-k, with no reuse between tokens or layers. A random-weight model's own router
@@ -273,7 +282,7 @@ def main() -> int:
             if strategy == "cpu" and any(r["strategy"].startswith("cpu") for r in rows):
                 continue  # no cache: the same at every cache size
             for batch, threads in itertools.product(batches, teams):
-                options = MoEOptions(strategy=strategy, cache_size=size, cpu_threads=threads)
+                options = contender_options(strategy, cache_size=size, cpu_threads=threads)
                 total = args.steps * args.rounds
                 contender = prepare(loaded, options, batch, total, args.warmup, args.prompt,
                                     device)  # fmt: skip

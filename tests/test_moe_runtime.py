@@ -52,6 +52,8 @@ CONFIGS = [
     MoEOptions(strategy="static", cache_size="9"),
     MoEOptions(strategy="offload", cache_size="24"),  # the whole pool of 3 layers x 8 experts
     MoEOptions(strategy="hybrid", cache_size="6", policy="lru"),
+    # decode decided on the host, as before device control (decode at "5" decides on the device)
+    MoEOptions(strategy="offload", cache_size="5", device_control=False),
 ]
 
 
@@ -151,7 +153,8 @@ def test_telemetry_counts_hand_worked_offload():
     from freetoken.moe.runtime import build_runtime
 
     store = tiny_store()
-    rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "2", policy="lru"))
+    options = MoEOptions("offload", "2", policy="lru", device_control=False)  # the host path
+    rt = build_runtime(store, torch.device("cpu"), options)
     # 2 slots, LRU. L0e0 miss->fill, L1e1 miss->fill, L0e0 hit, L1e2 miss: the least recently
     # used of {L0e0 (used at step 3), L1e1 (step 2)} is L1e1 -> evicted; then L0e0 and L1e2 hit.
     t = drive(rt, store, [(0, [[0]]), (1, [[1]]), (0, [[0]]), (1, [[2]]), (0, [[0]]), (1, [[2]])])
@@ -307,12 +310,15 @@ def test_the_cpu_team_is_woken_early_only_for_steps_that_will_use_it():
     "options",
     [
         MoEOptions("offload", "3"),
+        MoEOptions("offload", "6"),  # decode decided on the device, in the graph
+        MoEOptions("offload", "24"),  # the whole pool, on the device
+        MoEOptions("offload", "6", device_control=False),
         MoEOptions("hybrid", "5"),
         MoEOptions("static", "9"),
         MoEOptions("cpu"),
         MoEOptions("hybrid", "12", policy="lru"),
     ],
-    ids=lambda o: f"{o.strategy}-{o.cache_size}",
+    ids=lambda o: f"{o.strategy}-{o.cache_size}-{'device' if o.device_control else 'host'}",
 )
 def test_strategies_on_cuda_match_fused(tmp_path, options):
     """The real device tier: copy stream, events, pinned host pool, Triton kernel."""
@@ -324,6 +330,10 @@ def test_strategies_on_cuda_match_fused(tmp_path, options):
     assert torch.equal(tokens, ref_tokens)
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert runner.moe.strategy == options.strategy
+    if options.strategy == "offload" and options.device_control and options.cache_size != "3":
+        assert runner.graphs.replays > 0 and runner.moe.control is not None
+        # whole steps in one graph: no segment cut at an MoE layer
+        assert all(len(c.graphs) == 1 for c in runner.graphs.captures.values())
 
 
 def test_auto_picks_from_the_profile():

@@ -74,6 +74,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     option(
         m, "--moe-hybrid-max-fetch", type=int, help="hybrid: at most this many fills per layer step"
     )
+    option(
+        m,
+        "--no-moe-device-control",
+        action="store_true",
+        help="offload: decide decode steps' fills on the host instead of on the device",
+    )
     option(m, "--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
     option(
         m,
@@ -227,6 +233,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_spin_us=args.cpu_spin_us,
         cpu_prepare_us=args.cpu_prepare_us,
         prefill_stream_threshold=args.prefill_stream_threshold or None,
+        device_control=not args.no_moe_device_control,
     )
     return EngineConfig(
         model=args.model,

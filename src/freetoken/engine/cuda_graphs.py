@@ -4,18 +4,19 @@ Eager PyTorch launches each of a decode step's ~50 kernels per layer from Python
 machine that cost 10-25 us each, several times the GPU work at batch 1. A captured graph
 replays them in one launch.
 
-The `fused` MoE runtime runs on the device alone, so the whole step is one graph. The other
-strategies decide on the host, per layer, which experts to copy or run on the CPU: the step is
-captured as one graph per stretch between those decisions. During capture the model runs its
-ordinary forward; when it reaches an MoE executor, the current graph ends, a static output
-buffer stands in for the executor's result, and the next graph begins. A replay then
-alternates: graph 0, executor of MoE layer 0 (eager, its result copied into the buffer that
-graph 1 reads), graph 1, ... An executor that splits into a host and a device phase (the
+An MoE executor whose call runs on the device alone (`capturable`: `fused`, and `offload`
+deciding on the device, moe/device_control.py) is captured with the rest, so the whole step is
+one graph. The other strategies decide on the host, per layer, which experts to copy or run on
+the CPU: the step is captured as one graph per stretch between those decisions. During capture
+the model runs its ordinary forward; when it reaches an MoE executor, the current graph ends, a
+static output buffer stands in for the executor's result, and the next graph begins. A replay
+then alternates: graph 0, executor of MoE layer 0 (eager, its result copied into the buffer
+that graph 1 reads), graph 1, ... An executor that splits into a host and a device phase (the
 offload runtime's `host_phase` / `device_phase`) is folded instead: the host phase runs between
 the graphs and leaves each route's slot and the CPU partial in buffers, and the next graph
 begins with the layer's GPU experts, so the host launches no kernel of its own for them (three
-Triton launches cost ~250 us of host time per layer on the H200 machine, one graph launch
-~120 us). Attention reads each sequence's length and page-table row on the device
+Triton launches cost ~250 us of host time per layer on the H200 machine, one graph launch ~120
+us). Attention reads each sequence's length and page-table row on the device
 (kernels/paged_attention.py), so one capture serves a batch size at every context length; a
 replay copies in one packed buffer of the step's values (tokens, positions, write slots, rows,
 lengths), and the page table the graphs read is the cache's own, kept up to date by
@@ -78,10 +79,8 @@ class _Capture:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: PagedKVCache, capturable_executor: bool):
+    def __init__(self, model, kv: PagedKVCache):
         self.model, self.kv = model, kv
-        # Whether the MoE executor can run inside a graph (no host decisions): `fused`.
-        self.capturable_executor = capturable_executor
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.seen: set[tuple] = set()
         self.eager: set[tuple] = set()  # shapes whose capture ran out of device memory
@@ -139,6 +138,9 @@ class DecodeGraphs:
 
         def cut(executor):
             def at_executor(moe_layer, x, ids, weights):
+                capturable = getattr(executor, "capturable", None)
+                if capturable is not None and capturable(x.shape[0], ids.numel()):
+                    return executor(moe_layer, x, ids, weights)  # no host decision: in-graph
                 foldable = getattr(executor, "foldable", None)
                 if foldable is not None and foldable(x.shape[0], ids.numel()):
                     # The graph packs what the host phase reads back; the layer's GPU kernel
@@ -165,9 +167,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        if not self.capturable_executor:
-            for block, executor in zip(moe_blocks, executors, strict=True):
-                block.executor = cut(executor)
+        for block, executor in zip(moe_blocks, executors, strict=True):
+            block.executor = cut(executor)
         try:
             with torch.cuda.stream(stream):
                 begin()

@@ -119,8 +119,7 @@ class ModelRunner:
         # Not for linear-attention layers yet: their decode path groups sequences on the host
         # and reads the state pool, which DecodeGraphs does not hand to a replay.
         if cuda_graphs and self.device.type == "cuda" and self.states is None:
-            capturable = self.moe is None or self.moe.strategy == "fused"
-            self.graphs = DecodeGraphs(self.model, self.kv, capturable)
+            self.graphs = DecodeGraphs(self.model, self.kv)
 
     @property
     def device(self) -> torch.device:

@@ -91,7 +91,10 @@ class ExpertCache:
         if self.policy is None:
             scores = (pair_of >= 0).astype(np.float32)
         else:
-            scores = np.array(self.policy.slot_scores(moe_layer, pair_of), dtype=np.float32)
+            scores = self.policy.slot_scores(moe_layer, pair_of)
+            if isinstance(scores, torch.Tensor):  # the policy lives on the device
+                scores = scores.cpu().numpy()
+            scores = np.array(scores, dtype=np.float32)
         scores[np.asarray(protected, dtype=np.int64)] = np.inf
         if count >= len(scores):
             return np.argsort(scores, kind="stable")[:count]

@@ -142,6 +142,18 @@ class ExpectedNextUsePolicy(_ArrayState):
         # -L * (1 - p) / p = L - L / p
         self._rows[layer][:] = self.L - self.L / p.clip(min=self.floor)
 
+    def observe_masked(self, layer: int, experts, mask) -> None:
+        """`observe` in fixed shapes, for a decode graph (moe/device_control.py): `experts`
+        [R] may repeat, `mask` marks one of each; the same result to the bit (adding a zero
+        changes no float)."""
+        p = self.p[layer]
+        p *= 1.0 - self.rate
+        if self.on_host:
+            p[np.asarray(experts)[np.asarray(mask)]] += self.rate
+        else:
+            p.index_add_(0, experts, mask.to(p.dtype) * self.rate)
+        self._rows[layer][:] = self.L - self.L / p.clip(min=self.floor)
+
     def pair_scores(self, layer: int, pairs):
         pairs = self._ids(pairs)
         return self.neg_dist[layer][pairs] + self.neg_wait[pairs]

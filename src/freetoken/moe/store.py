@@ -18,6 +18,8 @@ from freetoken.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
+
 
 @dataclass(frozen=True)
 class ExpertShape:
@@ -65,7 +67,9 @@ class HostExpertStore:
         registered = []
         for bank in (self.w_gate_up, self.w_down):
             ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
-            err = cudart.cudaHostRegister(ptr, size, 0)
+            # Portable and mapped: the device may also read the pool in place, by its host
+            # address (unified addressing), as the device-launched fills do.
+            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED)
             if int(err) != 0:
                 for p in registered:
                     cudart.cudaHostUnregister(p)

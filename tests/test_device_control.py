@@ -1,0 +1,157 @@
+"""The expert cache's decisions on the device (moe/device_control.py), on the CPU twin: every
+plan keeps the tables consistent, protects the hits, fills exactly the misses into the
+lowest-scored slots, and leaves every routed expert's weights in its slot; the runtime
+switches between device and host decisions without losing the placement; the fill kernel
+copies what the plan says under Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freetoken.config import MoEOptions
+from freetoken.kernels.expert_fill import fill_rows
+from freetoken.moe.cache import ExpertCache
+from freetoken.moe.device_control import DeviceControl
+from freetoken.moe.policy import ExpectedNextUsePolicy
+from test_moe_runtime import drive, tiny_store
+
+LAYERS, EXPERTS = 3, 6
+
+
+def check_tables(control: DeviceControl) -> None:
+    slot_of, pair_of = control.slot_of[:-1].numpy(), control.pair_of[:-1].numpy()
+    assert control.slot_of[-1] == -1 and control.pair_of[-1] == -1  # the sinks
+    for pair in np.flatnonzero(slot_of >= 0):
+        assert pair_of[slot_of[pair]] == pair
+    for slot in np.flatnonzero(pair_of >= 0):
+        assert slot_of[pair_of[slot]] == slot
+    assert (slot_of >= 0).sum() == (pair_of >= 0).sum()
+
+
+steps = st.lists(
+    st.tuples(
+        st.integers(0, LAYERS - 1),
+        st.lists(st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=2, unique=True),
+                 min_size=1, max_size=3),
+    ),
+    min_size=1, max_size=25,
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+@given(steps=steps, extra_slots=st.integers(0, LAYERS * EXPERTS))
+def test_every_plan_keeps_the_cache_right(steps, extra_slots):
+    store = tiny_store(num_layers=LAYERS, num_experts=EXPERTS)
+    slots = min(6 + extra_slots, store.num_pairs)  # a slot for each of up to 3 x 2 routes
+    policy = ExpectedNextUsePolicy()
+    cache = ExpertCache(store, slots, torch.device("cpu"), policy=policy)
+    control = DeviceControl(cache, policy)
+    for layer, routes in steps:
+        pairs = torch.tensor(routes) + layer * EXPERTS
+        before_slot = control.slot_of.clone()
+        before_pair = control.pair_of[:-1].clone()
+        distinct = torch.unique(pairs)
+        hits = distinct[before_slot[distinct] >= 0]
+        misses = distinct[before_slot[distinct] < 0]
+        scores = torch.as_tensor(policy.slot_scores(layer, before_pair)).float()
+        got, fill_pairs, fill_slots = control.plan(layer, pairs)
+        check_tables(control)
+        # Every route has its expert's slot; the hits kept theirs.
+        assert torch.equal(got, control.slot_of[pairs]) and (got >= 0).all()
+        assert torch.equal(control.slot_of[hits], before_slot[hits])
+        # Exactly the misses are filled, each into its own slot, none a hit's.
+        real = fill_slots != slots
+        assert sorted(fill_pairs[real].tolist()) == sorted(misses.tolist())
+        victims = fill_slots[real]
+        assert len(set(victims.tolist())) == len(victims)
+        assert not set(victims.tolist()) & set(before_slot[hits].tolist())
+        # The victims are the lowest-scored of the slots the hits do not hold.
+        free = torch.ones(slots, dtype=torch.bool)
+        free[before_slot[hits]] = False
+        lowest = scores[free].sort().values[: len(victims)]
+        assert torch.equal(scores[victims].sort().values, lowest)
+        # The fills put each routed expert's weights in its slot.
+        fill_rows(cache.w_gate_up, store.w_gate_up, fill_pairs, fill_slots, slots)
+        fill_rows(cache.w_down, store.w_down, fill_pairs, fill_slots, slots)
+        for pair, slot in zip(pairs.reshape(-1).tolist(), got.reshape(-1).tolist(), strict=True):
+            assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
+            assert torch.equal(cache.w_down[slot], store.w_down[pair])
+    counts = control.take_counters()
+    assert counts[:, 0].sum() == len(steps)
+    assert (control.counters == 0).all()  # taken
+
+
+def test_the_device_update_of_the_policy_is_the_host_one_to_the_bit():
+    host, masked = ExpectedNextUsePolicy(), ExpectedNextUsePolicy()
+    for policy in (host, masked):
+        policy.reset(LAYERS, EXPERTS, 4, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        layer = int(rng.integers(LAYERS))
+        experts = rng.choice(EXPERTS, size=3, replace=False)
+        host.observe(layer, experts)
+        repeated = torch.tensor(np.concatenate([experts, experts[:2]]))
+        mask = torch.tensor([True] * 3 + [False] * 2)
+        masked.observe_masked(layer, repeated, mask)
+        pairs = torch.arange(LAYERS * EXPERTS)
+        assert np.array_equal(host.pair_scores(layer, pairs), masked.pair_scores(layer, pairs))
+
+
+def test_the_runtime_moves_between_device_and_host_decisions():
+    """Decode-sized calls decide on the device, calls with more routes than slots on the host:
+    each sees the placement the other left, and every output is the reference's."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store(num_layers=2, num_experts=4)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "3"))
+    assert rt.control is not None and rt.capturable(1, 1) and not rt.capturable(4, 4)
+    steps = [(0, [[0]]), (1, [[1]]), (0, [[0], [1], [2], [3]]), (0, [[3]]), (1, [[2]]),
+             (1, [[0], [1], [2], [3]]), (0, [[0]])]  # fmt: skip
+    t = drive(rt, store, steps)
+    assert t.total().calls == len(steps)
+    check_tables(rt.control)
+    rt.control.push_host_tables()
+    assert torch.equal(rt.cache.slot_of, rt.control.slot_of[:-1])
+    cached = torch.nonzero(rt.cache.slot_of >= 0).flatten()
+    for pair in cached.tolist():
+        assert torch.equal(rt.cache.w_gate_up[rt.cache.slot_of[pair]], store.w_gate_up[pair])
+
+
+def test_offload_without_device_control_decides_on_the_host():
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store()
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "3", device_control=False))
+    assert rt.control is None and not rt.capturable(1, 1)
+
+
+_INTERPRETED = """
+import json, torch
+from freetoken.kernels.expert_fill import _fill_kernel
+src = torch.randn(10, 3, 50)
+dst = torch.zeros(4, 3, 50)
+pairs = torch.tensor([7, 10, 2, 10])
+slots = torch.tensor([1, 4, 3, 4])  # 4: the sink
+_fill_kernel[(4, 3)](dst, src, pairs, slots, 4, 150, BLOCK=64)
+print(json.dumps({"ok": bool(torch.equal(dst[1], src[7]) and torch.equal(dst[3], src[2])
+                  and (dst[0] == 0).all() and (dst[2] == 0).all())}))
+"""
+
+
+def test_the_fill_kernel_copies_the_planned_rows_in_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}
