@@ -47,14 +47,15 @@ steps = st.lists(
 )  # fmt: skip
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None)
-@given(steps=steps, extra_slots=st.integers(0, LAYERS * EXPERTS))
-def test_every_plan_keeps_the_cache_right(steps, extra_slots):
+def check_plans(steps, extra_slots: int, fused: bool = False) -> None:
+    """Run the plans of `steps` (layer, routes) and check each against what a plan must do;
+    `fused`: through the one-program Triton plan (under the interpreter on the CPU)."""
     store = tiny_store(num_layers=LAYERS, num_experts=EXPERTS)
     slots = min(6 + extra_slots, store.num_pairs)  # a slot for each of up to 3 x 2 routes
     policy = ExpectedNextUsePolicy()
     cache = ExpertCache(store, slots, torch.device("cpu"), policy=policy)
     control = DeviceControl(cache, policy)
+    control.fused = fused
     for layer, routes in steps:
         pairs = torch.tensor(routes) + layer * EXPERTS
         before_slot = control.slot_of.clone()
@@ -87,7 +88,15 @@ def test_every_plan_keeps_the_cache_right(steps, extra_slots):
             assert torch.equal(cache.w_down[slot], store.w_down[pair])
     counts = control.take_counters()
     assert counts[:, 0].sum() == len(steps)
+    distinct_per_step = [len({e for route in routes for e in route}) for _, routes in steps]
+    assert counts[:, 1].sum() == sum(distinct_per_step)
     assert (control.counters == 0).all()  # taken
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+@given(steps=steps, extra_slots=st.integers(0, LAYERS * EXPERTS))
+def test_every_plan_keeps_the_cache_right(steps, extra_slots):
+    check_plans(steps, extra_slots)
 
 
 def test_the_device_update_of_the_policy_is_the_host_one_to_the_bit():
@@ -145,6 +154,30 @@ _fill_kernel[(4, 3)](dst, src, pairs, slots, 4, 150, BLOCK=64)
 print(json.dumps({"ok": bool(torch.equal(dst[1], src[7]) and torch.equal(dst[3], src[2])
                   and (dst[0] == 0).all() and (dst[2] == 0).all())}))
 """
+
+
+_INTERPRETED_PLANS = """
+import random, sys
+sys.path.insert(0, {tests!r})
+from test_device_control import EXPERTS, LAYERS, check_plans
+rng = random.Random(0)
+for case in range(12):
+    steps = [(rng.randrange(LAYERS), [rng.sample(range(EXPERTS), 2)
+              for _ in range(rng.randint(1, 3))]) for _ in range(rng.randint(1, 12))]
+    check_plans(steps, rng.randint(0, LAYERS * EXPERTS), fused=True)
+print("ok")
+"""
+
+
+def test_the_one_program_plan_keeps_the_cache_right_in_the_interpreter():
+    pytest.importorskip("triton")
+    script = _INTERPRETED_PLANS.format(tests=os.path.dirname(__file__))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "ok"
 
 
 def test_the_fill_kernel_copies_the_planned_rows_in_the_interpreter():

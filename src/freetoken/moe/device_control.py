@@ -19,6 +19,8 @@ reads or writes the sink instead of branching, and index -1 (an empty slot's pai
 pair's slot) lands on it. The same code runs on the CPU (the cache tier in the tests) and on
 CUDA; `kernels/expert_fill.py` does the copies on CUDA, reading the pinned host pool where it
 lies. It needs a slot for every route of a call (S >= R), which any real cache has for decode.
+On CUDA, with the `expected-next-use` policy and up to 64 routes, the whole plan is one Triton
+program (kernels/cache_control.py); these torch ops are its CPU twin and reference.
 
 The policy must have a fixed-shape update (`observe_masked`); `expected-next-use` has one,
 and is what device control uses when the configured policy has none.
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels import cache_control
 from freetoken.moe.cache import ExpertCache
+from freetoken.moe.policy import ExpectedNextUsePolicy
 
 # counters per MoE layer, kept on the device and folded into the telemetry when it is read
 CALLS, ACCESSES, HITS, FILLS = range(4)
@@ -45,6 +49,15 @@ class DeviceControl:
         self.slot_of = torch.full((self.num_pairs + 1,), -1, dtype=torch.long, device=device)
         self.pair_of = torch.full((self.num_slots + 1,), -1, dtype=torch.long, device=device)
         self.counters = torch.zeros(store.num_layers, 4, dtype=torch.long, device=device)
+        # scratch of the one-program plan: slot scores, victims, and per call size its outputs
+        self.scores = torch.empty(self.num_slots + 1, dtype=torch.float32, device=device)
+        self.victims = torch.empty(cache_control.MAX_ROUTES, dtype=torch.long, device=device)
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.fused = (
+            device.type == "cuda"
+            and cache_control.triton is not None
+            and isinstance(policy, ExpectedNextUsePolicy)
+        )
         self.pull_host_tables()
 
     def fits(self, routes: int) -> bool:
@@ -68,10 +81,25 @@ class DeviceControl:
 
     # -- one layer step -----------------------------------------------------------------------
 
+    def outputs(self, routes: int) -> tuple[torch.Tensor, ...]:
+        """The one-program plan's outputs for calls of this many routes (made once, outside
+        any capture: a shape runs eagerly before it is captured)."""
+        if routes not in self._outputs:
+            self._outputs[routes] = tuple(
+                torch.empty(routes, dtype=torch.long, device=self.device) for _ in range(3)
+            )
+        return self._outputs[routes]
+
     def plan(self, moe_layer: int, pairs: torch.Tensor):
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
         of every route once the fills are done, and the copies to make (fill_slots == S,
         the sink, where there is none)."""
+        if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
+            return cache_control.plan_layer(self, moe_layer, pairs)
+        return self.plan_torch(moe_layer, pairs)
+
+    def plan_torch(self, moe_layer: int, pairs: torch.Tensor):
+        """`plan` as torch ops: the CPU twin and the reference of the one-program plan."""
         S, P = self.num_slots, self.num_pairs
         flat = pairs.reshape(-1)
         R = flat.numel()

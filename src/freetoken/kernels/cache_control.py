@@ -1,0 +1,149 @@
+"""A layer step's expert-cache decisions as ONE Triton program (moe/device_control.py says what
+it decides; its torch ops are the CPU twin and the reference).
+
+The torch form is ~45 small kernels a layer; inside a CUDA graph each still costs a few
+microseconds, ~130 us a layer on the H200 machine, which kept a fully cached offload step at
+0.38x fused. Here one program of one block does it all, with the data in registers:
+
+1. the R routes' pairs, the first occurrence of each marked by an [R, R] comparison;
+2. their slots from `slot_of`: hits (protected) and misses (m of them, each given its rank);
+3. only when m > 0: the keep-score of every slot (the policy's `neg_dist[layer] + neg_wait`,
+   as `ExpectedNextUsePolicy.slot_scores`) into a scratch row, the hits' slots set to +inf,
+   then m rounds of argmin over the row, each victim set to +inf as it is taken;
+4. the tables: victims' old pairs out, misses in; the fill list; every route's slot;
+5. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
+
+Stores another thread of the block reads later are followed by a barrier. Ties between equal
+scores go to the lowest slot (the torch form's top-k may pick another of them: the same
+decision up to the order of equals).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only installs take the torch form.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+MAX_ROUTES = 64  # routes per call the one block holds (batch 8 of top-8)
+SLOT_BLOCK = 1024
+
+
+def plan_layer(control, moe_layer: int, pairs: torch.Tensor):
+    """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
+    [R]) into the control's persistent buffers."""
+    policy = control.policy
+    # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
+    neg_dist, neg_wait, p = (torch.as_tensor(a) for a in (
+        policy.neg_dist[moe_layer], policy.neg_wait, policy.p[moe_layer]))  # fmt: skip
+    flat = pairs.reshape(-1)
+    R = flat.numel()
+    out_slots, fill_pairs, fill_slots = control.outputs(R)
+    _plan_kernel[(1,)](
+        flat, control.slot_of, control.pair_of, control.scores, control.victims,
+        neg_dist, neg_wait, p,
+        out_slots, fill_pairs, fill_slots, control.counters[moe_layer],
+        R, control.num_slots, control.num_pairs, moe_layer * control.num_experts,
+        control.num_experts, float(policy.L), policy.rate, policy.floor,
+        BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_E=max(16, triton.next_power_of_2(control.num_experts)),
+        BLOCK_S=SLOT_BLOCK,
+    )  # fmt: skip
+    return out_slots.view(pairs.shape), fill_pairs, fill_slots
+
+
+if triton is not None:
+
+    @triton.jit
+    def _plan_kernel(
+        pairs_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
+        out_slots, fill_pairs, fill_slots, counters,
+        R, S, P, base, E, L, rate, floor,
+        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.arange(0, BLOCK_R)
+        valid = r < R
+        pairs = tl.load(pairs_ptr + r, mask=valid, other=-1)
+        # first occurrence: no earlier route with the same pair
+        same = (pairs[:, None] == pairs[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
+        first = valid & (tl.sum(same.to(tl.int32), 1) == 0)
+        slot = tl.load(slot_of + tl.where(valid, pairs, P), mask=valid, other=-1)
+        hit = first & (slot >= 0)
+        miss = first & (slot < 0)
+        miss_i = miss.to(tl.int32)
+        m = tl.sum(miss_i, 0)
+        rank = tl.cumsum(miss_i, 0) - miss_i
+        inf = float("inf")
+        # (`while`, not `for ... in range`: the CPU interpreter cannot range over runtime
+        # values, and nothing here gains from pipelining)
+        if m > 0:
+            start = 0
+            while start < S:
+                s = start + tl.arange(0, BLOCK_S)
+                held = tl.load(pair_of + s, mask=s < S, other=-1)
+                held = tl.where(held < 0, P, held)  # empty: the sink, scored -inf
+                score = tl.load(neg_dist + held) + tl.load(neg_wait + held)
+                tl.store(scores + s, score, mask=s < S)
+                start += BLOCK_S
+            tl.debug_barrier()
+            tl.store(scores + slot, tl.full((BLOCK_R,), inf, tl.float32), mask=hit)
+            tl.debug_barrier()
+            j = 0
+            while j < m:
+                # lane-wise running minimum over the blocks (the lower slot wins ties), then
+                # the lowest slot of the smallest score
+                low = tl.full((BLOCK_S,), inf, tl.float32)
+                at = tl.zeros((BLOCK_S,), tl.int32) + S
+                start = 0
+                while start < S:
+                    s = start + tl.arange(0, BLOCK_S)
+                    v = tl.load(scores + s, mask=s < S, other=inf)
+                    better = v < low
+                    low = tl.where(better, v, low)
+                    at = tl.where(better, s, at)
+                    start += BLOCK_S
+                least = tl.min(low, 0)
+                best_slot = tl.min(tl.where(low == least, at, 2147483647), 0)
+                tl.store(victims + j, best_slot.to(tl.int64))
+                tl.store(scores + best_slot, inf)
+                tl.debug_barrier()
+                j += 1
+        victim = tl.load(victims + rank, mask=miss, other=S)
+        dst = tl.where(miss, victim, S)
+        src = tl.where(miss, pairs, P)
+        tl.store(fill_slots + r, dst, mask=valid)
+        tl.store(fill_pairs + r, src, mask=valid)
+        evicted = tl.load(pair_of + dst, mask=miss, other=-1)
+        tl.store(slot_of + evicted, tl.full((BLOCK_R,), -1, tl.int64), mask=miss & (evicted >= 0))
+        tl.debug_barrier()
+        tl.store(slot_of + src, dst, mask=miss)
+        tl.store(pair_of + dst, src, mask=miss)
+        tl.debug_barrier()
+        routed = tl.load(slot_of + tl.where(valid, pairs, P), mask=valid, other=-1)
+        tl.store(out_slots + r, routed, mask=valid)
+        # the policy: p = p * (1 - rate) + rate where used; its row of -L * (1 - p) / p
+        e = tl.arange(0, BLOCK_E)
+        experts = pairs - base
+        used = tl.sum(((experts[None, :] == e[:, None]) & first[None, :]).to(tl.int32), 1) > 0
+        p = tl.load(p_row + e, mask=e < E, other=1.0)
+        p = p * (1.0 - rate)
+        p = tl.where(used, p + rate, p)
+        tl.store(p_row + e, p, mask=e < E)
+        tl.store(neg_wait + base + e, L - L / tl.maximum(p, floor), mask=e < E)
+        # counters: calls, accesses, hits, fills
+        c = tl.arange(0, 4)
+        counts = tl.where(
+            c == 0,
+            1,
+            tl.where(
+                c == 1,
+                tl.sum(first.to(tl.int64), 0),
+                tl.where(c == 2, tl.sum(hit.to(tl.int64), 0), m.to(tl.int64)),
+            ),
+        )
+        old = tl.load(counters + c)
+        tl.store(counters + c, old + counts)
