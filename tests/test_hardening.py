@@ -341,6 +341,11 @@ def test_serve_flags_reach_the_engine_config_before_it_is_built():
     defaults = engine_config(serve_args())
     assert defaults.max_batch_size == EngineConfig.max_batch_size
     assert defaults.max_prefill_chunk == EngineConfig.max_prefill_chunk
+    assert defaults.moe.device_control
+    from freetoken.cli.main import build_parser
+
+    host = build_parser().parse_args(["serve", "--no-moe-device-control"])
+    assert not engine_config(host).moe.device_control
 
 
 def test_a_hybrid_model_runs_as_many_requests_as_asked(tmp_path):
