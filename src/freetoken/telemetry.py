@@ -44,6 +44,7 @@ class MoETelemetry:
         self,
         layer: int,
         *,
+        calls: int = 1,
         accesses: int,
         hits: int,
         fills: int,
@@ -52,7 +53,7 @@ class MoETelemetry:
         bytes_h2d: int,
     ) -> None:
         c = self.layers[layer]
-        c.calls += 1
+        c.calls += calls
         c.accesses += accesses
         c.hits += hits
         c.misses += accesses - hits

@@ -22,6 +22,14 @@ import torch
 from freetoken.kernels.host_copies import HostToDeviceCopier
 from freetoken.moe.store import HostExpertStore
 
+
+def host_array(values) -> np.ndarray:
+    """A policy's scores as numpy: its state may live on the device (device control)."""
+    if isinstance(values, torch.Tensor):
+        return values.cpu().numpy()
+    return np.asarray(values)
+
+
 # One fill in this many is timed for the bandwidth tracker (see `_on_copy_stream`).
 TIME_FILLS_EVERY = 8
 
@@ -91,10 +99,7 @@ class ExpertCache:
         if self.policy is None:
             scores = (pair_of >= 0).astype(np.float32)
         else:
-            scores = self.policy.slot_scores(moe_layer, pair_of)
-            if isinstance(scores, torch.Tensor):  # the policy lives on the device
-                scores = scores.cpu().numpy()
-            scores = np.array(scores, dtype=np.float32)
+            scores = host_array(self.policy.slot_scores(moe_layer, pair_of)).astype(np.float32)
         scores[np.asarray(protected, dtype=np.int64)] = np.inf
         if count >= len(scores):
             return np.argsort(scores, kind="stable")[:count]

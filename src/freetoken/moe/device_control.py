@@ -110,7 +110,7 @@ class DeviceControl:
         hit = first & (slot >= 0)
         miss = first & (slot < 0)
         # Keep-scores of every slot (empty: -inf); the hits' slots are protected.
-        scores = torch.empty(S + 1, dtype=torch.float32, device=self.device)
+        scores = self.scores
         scores[:S] = torch.as_tensor(self.policy.slot_scores(moe_layer, self.pair_of[:S]))
         # (index_fill_, not an indexed assignment of a Python number: that copies the number
         # from the host, which a graph capture refuses)

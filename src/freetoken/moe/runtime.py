@@ -38,7 +38,7 @@ from freetoken.config import MoEOptions
 from freetoken.kernels.expert_fill import HostRows, fill_rows
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
-from freetoken.moe.cache import ExpertCache
+from freetoken.moe.cache import ExpertCache, host_array
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.device_control import DeviceControl
 from freetoken.moe.policy import ExpectedNextUsePolicy, default_policy, make_policy
@@ -125,14 +125,11 @@ class MoERuntime:
         """The counters, with those the device keeps (device-decided calls) folded in."""
         if self.control is not None:
             counts = self.control.take_counters().tolist()
-            layers = self._telemetry.layers
-            for layer, (calls, accesses, hits, fills) in zip(layers, counts, strict=True):
-                layer.calls += calls
-                layer.accesses += accesses
-                layer.hits += hits
-                layer.misses += accesses - hits
-                layer.fills += fills
-                layer.bytes_h2d += fills * self.store.shape.nbytes
+            for layer, (calls, accesses, hits, fills) in enumerate(counts):
+                self._telemetry.record(
+                    layer, calls=calls, accesses=accesses, hits=hits, fills=fills, cpu=0,
+                    cpu_routes=0, bytes_h2d=fills * self.store.shape.nbytes,
+                )  # fmt: skip
         return self._telemetry
 
     def capturable(self, tokens: int, routes: int) -> bool:
@@ -496,13 +493,6 @@ def unpack_bytes(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.T
     return out
 
 
-def host_array(values) -> np.ndarray:
-    """A policy's scores as numpy: its state may live on the device (device control)."""
-    if isinstance(values, torch.Tensor):
-        return values.cpu().numpy()
-    return np.asarray(values)
-
-
 def cpu_waits(options: MoEOptions) -> dict[str, float]:
     """How the CPU expert team's idle threads wait, from the options."""
     return {"spin_us": options.cpu_spin_us, "prepare_us": options.cpu_prepare_us}
@@ -572,6 +562,17 @@ def build_runtime(
         cache.preload(range(store.num_pairs - slots, store.num_pairs))
     else:
         policy = make_policy(options.policy) if options.policy else default_policy()
+        if (
+            strategy == "offload"
+            and options.device_control
+            and not hasattr(policy, "observe_masked")
+        ):
+            # Device control needs a policy with a fixed-shape update; the default's is not
+            # written yet: the closest one that has it (38.0% against 42.3% hits on
+            # gpt-oss-20b at a 10% cache).
+            log.info("device control: policy %s has no device form; using expected-next-use",
+                     policy.name)  # fmt: skip
+            policy = ExpectedNextUsePolicy()
         cache = ExpertCache(store, slots, device, policy=policy)
     cpu = None
     if strategy == "fused" and device.type == "cpu":
@@ -605,12 +606,7 @@ def build_runtime(
             streamer = LayerStreamer(store, cache, device, act)
     control = None
     if strategy == "offload" and options.device_control:
-        if not hasattr(cache.policy, "observe_masked"):
-            # The default policy's update is not written in fixed shapes yet: the closest
-            # one that is (38.0% against 42.3% hits on gpt-oss-20b at a 10% cache).
-            log.info("device control: policy %s has no device form; using expected-next-use",
-                     cache.policy.name)  # fmt: skip
-            cache.policy = ExpectedNextUsePolicy()
+        # The policy's state moves to the device, where the plans read and update it.
         cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
         control = DeviceControl(cache, cache.policy)
     return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer, control)
