@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.kernels.expert_fill import HostRows, fill_rows
+from freetoken.kernels.expert_fill import HostRows, fill_experts
 from freetoken.model_config import decoder_config, routed_experts
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.store import HostExpertStore
@@ -60,8 +60,7 @@ def fill_figures(cache, store, banks, count: int, args, gen) -> list[float]:
     # correctness, on poisoned slots
     cache.w_gate_up.fill_(float("nan"))
     cache.w_down.fill_(float("nan"))
-    for dst, src in banks:
-        fill_rows(dst, src, pairs_d[0], slots_d, sink)
+    fill_experts(banks, pairs_d[0], slots_d, sink)
     torch.cuda.synchronize()
     for j in range(count):
         s, p = int(slots[j]), int(rotations[0][j])
@@ -71,8 +70,7 @@ def fill_figures(cache, store, banks, count: int, args, gen) -> list[float]:
 
     def kernel():
         pairs = pairs_d[next(turn) % len(pairs_d)]
-        for dst, src in banks:
-            fill_rows(dst, src, pairs, slots_d, sink)
+        fill_experts(banks, pairs, slots_d, sink)
 
     def native():
         pairs = rotations[next(turn) % len(rotations)][:count].tolist()

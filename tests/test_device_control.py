@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken.config import MoEOptions
-from freetoken.kernels.expert_fill import fill_rows
+from freetoken.kernels.expert_fill import fill_experts
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.device_control import DeviceControl
 from freetoken.moe.policy import ExpectedNextUsePolicy
@@ -81,8 +81,8 @@ def check_plans(steps, extra_slots: int, fused: bool = False) -> None:
         lowest = scores[free].sort().values[: len(victims)]
         assert torch.equal(scores[victims].sort().values, lowest)
         # The fills put each routed expert's weights in its slot.
-        fill_rows(cache.w_gate_up, store.w_gate_up, fill_pairs, fill_slots, slots)
-        fill_rows(cache.w_down, store.w_down, fill_pairs, fill_slots, slots)
+        banks = ((cache.w_gate_up, store.w_gate_up), (cache.w_down, store.w_down))
+        fill_experts(banks, fill_pairs, fill_slots, slots)
         for pair, slot in zip(pairs.reshape(-1).tolist(), got.reshape(-1).tolist(), strict=True):
             assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
             assert torch.equal(cache.w_down[slot], store.w_down[pair])
@@ -146,13 +146,15 @@ def test_offload_without_device_control_decides_on_the_host():
 _INTERPRETED = """
 import json, torch
 from freetoken.kernels.expert_fill import _fill_kernel
-src = torch.randn(10, 3, 50)
-dst = torch.zeros(4, 3, 50)
+src, src1 = torch.randn(10, 3, 50), torch.randn(10, 70)
+dst, dst1 = torch.zeros(4, 3, 50), torch.zeros(4, 70)
 pairs = torch.tensor([7, 10, 2, 10])
 slots = torch.tensor([1, 4, 3, 4])  # 4: the sink
-_fill_kernel[(4, 3)](dst, src, pairs, slots, 4, 150, BLOCK=64)
-print(json.dumps({"ok": bool(torch.equal(dst[1], src[7]) and torch.equal(dst[3], src[2])
-                  and (dst[0] == 0).all() and (dst[2] == 0).all())}))
+# bank 0: rows of 150 in blocks of 64 (3 programs), bank 1: rows of 70 (2 programs)
+_fill_kernel[(5,)](dst, src, 150, dst1, src1, 70, 3, pairs, slots, 4, 4, BLOCK=64)
+ok = all(torch.equal(d[1], s[7]) and torch.equal(d[3], s[2]) and (d[0] == 0).all()
+         and (d[2] == 0).all() for d, s in ((dst, src), (dst1, src1)))
+print(json.dumps({"ok": bool(ok)}))
 """
 
 

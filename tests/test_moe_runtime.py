@@ -153,7 +153,8 @@ def test_telemetry_counts_hand_worked_offload():
     from freetoken.moe.runtime import build_runtime
 
     store = tiny_store()
-    options = MoEOptions("offload", "2", policy="lru", device_control=False)  # the host path
+    # the host path, from a cold cache
+    options = MoEOptions("offload", "2", policy="lru", device_control=False, warm_cache=False)
     rt = build_runtime(store, torch.device("cpu"), options)
     # 2 slots, LRU. L0e0 miss->fill, L1e1 miss->fill, L0e0 hit, L1e2 miss: the least recently
     # used of {L0e0 (used at step 3), L1e1 (step 2)} is L1e1 -> evicted; then L0e0 and L1e2 hit.
@@ -178,7 +179,8 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     t = drive(rt, store, [(0, [[3], [3]])])
     assert (t.total().accesses, t.total().cpu, t.total().cpu_routes) == (1, 1, 2)
 
-    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "8", policy="lru"))
+    options = MoEOptions("hybrid", "8", policy="lru", warm_cache=False)
+    rt = build_runtime(store, torch.device("cpu"), options)
     rt.tracker.fill = rt.tracker.cpu = 1e9  # equal bandwidths: half the misses are filled
     rt.tracker.alpha = 0.0  # keep them fixed for the example
     t = drive(rt, store, [(1, [[0, 1], [2, 3]])])  # 4 distinct misses -> q = 2, m - q = 2
@@ -370,3 +372,25 @@ def test_round_trip_packs_tensors_of_mixed_dtypes_into_one_buffer():
     assert packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
     for got, want in zip(unpack_bytes(packed, tensors), tensors, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_offload_and_hybrid_start_with_every_slot_filled():
+    """A warm cache: every slot holds an expert from the start, the layers' experts in turn,
+    each in its slot (an empty slot would be a miss paid later)."""
+    from freetoken.moe.runtime import build_runtime, warm_order
+
+    store = tiny_store()  # two layers of four experts
+    assert warm_order(store) == [0, 4, 1, 5, 2, 6, 3, 7]
+    for strategy in ("offload", "hybrid"):
+        rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, "3"))
+        cache = rt.cache
+        assert cache.pair_of.tolist() == [0, 4, 1]
+        for slot, pair in enumerate(cache.pair_of.tolist()):
+            assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
+            assert torch.equal(cache.w_down[slot], store.w_down[pair])
+        if rt.control is not None:
+            assert rt.control.pair_of[:-1].tolist() == [0, 4, 1]
+        cold = build_runtime(
+            store, torch.device("cpu"), MoEOptions(strategy, "3", warm_cache=False)
+        )
+        assert (cold.cache.pair_of == -1).all()

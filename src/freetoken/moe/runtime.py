@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from freetoken.config import MoEOptions
-from freetoken.kernels.expert_fill import HostRows, fill_rows
+from freetoken.kernels.expert_fill import HostRows, fill_experts
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache, host_array
@@ -183,8 +183,7 @@ class MoERuntime:
         """Decide, fill and compute on the device (moe/device_control.py)."""
         pairs = ids + moe_layer * self.store.num_experts
         slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs)
-        for dst, src in self._fill_banks:
-            fill_rows(dst, src, fill_pairs, fill_slots, self.cache.num_slots)
+        fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         return self._gpu(x, slots, weights)
 
     def _streams(self, tokens: int) -> bool:
@@ -536,6 +535,13 @@ def cache_slots_for(
     return max(0, min(store.num_pairs, (free - reserve_bytes) // store.shape.nbytes))
 
 
+def warm_order(store: HostExpertStore) -> list[int]:
+    """The pairs a warm cache starts with, in the order they take slots: expert 0 of every
+    layer, then expert 1, ..., so a partial fill gives every layer the same share."""
+    L, E = store.num_layers, store.num_experts
+    return [layer * E + expert for expert in range(E) for layer in range(L)]
+
+
 def build_runtime(
     store: HostExpertStore,
     device: torch.device,
@@ -574,6 +580,8 @@ def build_runtime(
                      policy.name)  # fmt: skip
             policy = ExpectedNextUsePolicy()
         cache = ExpertCache(store, slots, device, policy=policy)
+        if options.warm_cache:
+            cache.preload(warm_order(store))
     cpu = None
     if strategy == "fused" and device.type == "cpu":
         executor = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
