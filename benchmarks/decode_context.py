@@ -50,14 +50,19 @@ def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
     tokens = torch.randint(0, vocab, (warmup + steps * rounds, batch), generator=gen).tolist()
+
+    def step(t, runner=runner):
+        # the sampler's wait for the step, as in serving
+        runner.forward(seqs, [[x] for x in t])[:, 0].max().item()
+
     for t in tokens[:warmup]:
-        runner.forward(seqs, [[x] for x in t])
+        step(t)
     seconds = []
     for r in range(rounds):
         sync(device)
         start = time.perf_counter()
         for t in tokens[warmup + r * steps : warmup + (r + 1) * steps]:
-            runner.forward(seqs, [[x] for x in t])
+            step(t)
         sync(device)
         seconds.append(time.perf_counter() - start)
     per_round = sorted(batch * steps / s for s in seconds)

@@ -102,11 +102,11 @@ def random_model(raw: dict, device: torch.device) -> LoadedModel:
 
 
 def contender_options(label: str, **fields) -> MoEOptions:
-    """MoEOptions of a contender label: a strategy, or `offload:host` (offload with its decode
-    decisions on the host, as before device control)."""
+    """MoEOptions of a contender label: a strategy, or `offload:host` / `hybrid:host` (the
+    strategy with its decode decisions on the host, as before device control)."""
     strategy, _, variant = label.partition(":")
     if variant not in ("", "host"):
-        raise SystemExit(f"unknown contender {label!r}: a strategy, or offload:host")
+        raise SystemExit(f"unknown contender {label!r}: a strategy, or STRATEGY:host")
     return MoEOptions(strategy=strategy, device_control=variant != "host", **fields)
 
 
@@ -146,7 +146,10 @@ class Contender:
     seconds: list[float] = field(default_factory=list)
 
     def step(self) -> None:
-        self.runner.forward(self.seqs, [[t] for t in self.tokens.pop(0)])
+        logits = self.runner.forward(self.seqs, [[t] for t in self.tokens.pop(0)])
+        # The sampler's wait for the step, as in serving: the next step's inputs depend on it
+        # (and hybrid times its ways of stepping from one step's start to the next's).
+        logits[:, 0].max().item()
 
 
 def prepare(loaded, options: MoEOptions, batch, steps, warmup, prompt, device) -> Contender:

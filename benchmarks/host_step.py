@@ -42,7 +42,10 @@ def expert_store(layers: int, experts: int, top_k: int, hidden: int, inter: int)
 def measure(store, strategy: str, slots: int, batch: int, top_k: int, steps: int, warmup: int):
     """Mean host time per layer step of each phase (us) and the hit rate, over `steps` decode
     steps of uniform random routing after `warmup`."""
-    rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, str(slots)))
+    # the host's decisions (device control's take no host time on a GPU: its twin here would
+    # time torch's CPU ops instead)
+    options = MoEOptions(strategy, str(slots), device_control=False)
+    rt = build_runtime(store, torch.device("cpu"), options)
     gen = torch.Generator().manual_seed(1)
     E, H = store.num_experts, store.shape.hidden
     x = torch.randn(batch, H, generator=gen).to(torch.bfloat16)

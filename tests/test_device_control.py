@@ -47,31 +47,54 @@ steps = st.lists(
 )  # fmt: skip
 
 
-def check_plans(steps, extra_slots: int, fused: bool = False) -> None:
+def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> None:
     """Run the plans of `steps` (layer, routes) and check each against what a plan must do;
-    `fused`: through the one-program Triton plan (under the interpreter on the CPU)."""
+    `fused`: through the one-program Triton plan (under the interpreter on the CPU); `split`:
+    hybrid's (f, lo, hi), None for offload's fill-every-miss."""
     store = tiny_store(num_layers=LAYERS, num_experts=EXPERTS)
     slots = min(6 + extra_slots, store.num_pairs)  # a slot for each of up to 3 x 2 routes
     policy = ExpectedNextUsePolicy()
     cache = ExpertCache(store, slots, torch.device("cpu"), policy=policy)
-    control = DeviceControl(cache, policy)
+    split_values = None if split is None else torch.tensor(split, dtype=torch.float32)
+    control = DeviceControl(cache, policy, split_values)
     control.fused = fused
+    gen = torch.Generator().manual_seed(len(steps))
     for layer, routes in steps:
         pairs = torch.tensor(routes) + layer * EXPERTS
+        weights = torch.rand(pairs.shape, generator=gen)
         before_slot = control.slot_of.clone()
         before_pair = control.pair_of[:-1].clone()
         distinct = torch.unique(pairs)
         hits = distinct[before_slot[distinct] >= 0]
         misses = distinct[before_slot[distinct] < 0]
         scores = torch.as_tensor(policy.slot_scores(layer, before_pair)).float()
-        got, fill_pairs, fill_slots = control.plan(layer, pairs)
+        pair_scores = torch.as_tensor(policy.pair_scores(layer, misses)).float()
+        got, fill_pairs, fill_slots = control.plan(layer, pairs, weights)
         check_tables(control)
-        # Every route has its expert's slot; the hits kept theirs.
-        assert torch.equal(got, control.slot_of[pairs]) and (got >= 0).all()
+        # The split: q misses filled, those the policy scores highest (ties: the lower pair).
+        m = len(misses)
+        if split is None:
+            q = m
+        else:
+            f, lo, hi = split
+            q = min(max(int(np.floor(np.float32(m) * np.float32(f) + np.float32(0.5))),
+                        min(int(lo), m)), min(int(hi), m))  # fmt: skip
+        best = sorted(zip((-pair_scores).tolist(), misses.tolist(), strict=True))[:q]
+        filled = sorted(pair for _, pair in best)
+        # GPU routes have their expert's slot, the CPU's -1; the hits kept theirs.
+        gpu = got >= 0
+        assert torch.equal(got, control.slot_of[pairs])
         assert torch.equal(control.slot_of[hits], before_slot[hits])
-        # Exactly the misses are filled, each into its own slot, none a hit's.
+        on_gpu = set(hits.tolist()) | set(filled)
+        assert torch.equal(gpu, torch.tensor([[p in on_gpu for p in r] for r in pairs.tolist()]))
+        # The CPU's routes: the others, each with its gate weight.
+        R = pairs.numel()
+        cpu_pairs = control.cpu_pairs[:R]
+        assert torch.equal(cpu_pairs, torch.where(gpu, -1, pairs).reshape(-1))
+        assert torch.equal(control.cpu_weights[:R], weights.reshape(-1))
+        # Exactly the filled misses are copied, each into its own slot, none a hit's.
         real = fill_slots != slots
-        assert sorted(fill_pairs[real].tolist()) == sorted(misses.tolist())
+        assert sorted(fill_pairs[real].tolist()) == filled
         victims = fill_slots[real]
         assert len(set(victims.tolist())) == len(victims)
         assert not set(victims.tolist()) & set(before_slot[hits].tolist())
@@ -80,23 +103,35 @@ def check_plans(steps, extra_slots: int, fused: bool = False) -> None:
         free[before_slot[hits]] = False
         lowest = scores[free].sort().values[: len(victims)]
         assert torch.equal(scores[victims].sort().values, lowest)
-        # The fills put each routed expert's weights in its slot.
+        # The fills put each GPU route's expert's weights in its slot.
         banks = ((cache.w_gate_up, store.w_gate_up), (cache.w_down, store.w_down))
         fill_experts(banks, fill_pairs, fill_slots, slots)
         for pair, slot in zip(pairs.reshape(-1).tolist(), got.reshape(-1).tolist(), strict=True):
-            assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
-            assert torch.equal(cache.w_down[slot], store.w_down[pair])
+            if slot >= 0:
+                assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
+                assert torch.equal(cache.w_down[slot], store.w_down[pair])
     counts = control.take_counters()
     assert counts[:, 0].sum() == len(steps)
     distinct_per_step = [len({e for route in routes for e in route}) for _, routes in steps]
     assert counts[:, 1].sum() == sum(distinct_per_step)
+    # accesses = hits + fills + the CPU's pairs
+    assert (counts[:, 1] == counts[:, 2] + counts[:, 3] + counts[:, 4]).all()
+    if split is None:
+        assert (counts[:, 4:] == 0).all()
     assert (control.counters == 0).all()  # taken
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None)
-@given(steps=steps, extra_slots=st.integers(0, LAYERS * EXPERTS))
-def test_every_plan_keeps_the_cache_right(steps, extra_slots):
-    check_plans(steps, extra_slots)
+splits = st.one_of(
+    st.none(),
+    st.tuples(st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0]), st.sampled_from([0.0, 1.0]),
+              st.sampled_from([0.0, 1.0, 2.0, 2.0**30])),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(steps=steps, extra_slots=st.integers(0, LAYERS * EXPERTS), split=splits)
+def test_every_plan_keeps_the_cache_right(steps, extra_slots, split):
+    check_plans(steps, extra_slots, split=split)
 
 
 def test_the_device_update_of_the_policy_is_the_host_one_to_the_bit():
@@ -166,7 +201,8 @@ rng = random.Random(0)
 for case in range(12):
     steps = [(rng.randrange(LAYERS), [rng.sample(range(EXPERTS), 2)
               for _ in range(rng.randint(1, 3))]) for _ in range(rng.randint(1, 12))]
-    check_plans(steps, rng.randint(0, LAYERS * EXPERTS), fused=True)
+    split = [None, (0.5, 1.0, 2.0**30), (0.0, 0.0, 0.0), (0.7, 0.0, 1.0)][case % 4]
+    check_plans(steps, rng.randint(0, LAYERS * EXPERTS), fused=True, split=split)
 print("ok")
 """
 
@@ -190,3 +226,39 @@ def test_the_fill_kernel_copies_the_planned_rows_in_the_interpreter():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}
+
+
+def test_hybrid_on_the_device_splits_as_each_step_mode_says():
+    """Hybrid decode calls decided on the device (the CPU tier's twin, with the CPU's routes
+    run on the executor at once): before each decode step the host writes the split of the
+    step's way (`StepModes`) where the plans read it; `cpu` gives every miss to the CPU,
+    `fill` fills them all, `split` fills q = m * B_P / (B_P + B_H); the output is the
+    reference's every time."""
+    from freetoken.moe.runtime import build_runtime
+    from freetoken.moe.split import CPU, FILL, SPLIT
+    from test_moe_runtime import reference
+
+    store = tiny_store(num_layers=2, num_experts=8)  # top-1
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4", warm_cache=False))
+    assert rt.control is not None and rt.capturable(4, 4)
+    rt.tracker.fill, rt.tracker.cpu, rt.tracker.alpha = 3e9, 1e9, 0.0  # q = round(m * 3 / 4)
+    gen = torch.Generator().manual_seed(2)
+    expected = {CPU: (0, 4), FILL: (4, 0), SPLIT: (3, 1)}  # (fills, CPU pairs) of 4 misses
+    for step, mode in enumerate([CPU, FILL, SPLIT, CPU]):
+        rt.step_modes.choose = lambda tokens, mode=mode: mode
+        rt.begin_step(4, decode=True)
+        layer = step % 2
+        # four tokens on four experts this cache does not hold (the layer's other half)
+        ids = torch.tensor([[e] for e in range(4)]) + (4 if step >= 2 else 0)
+        x = torch.randn(4, store.shape.hidden, generator=gen)
+        weights = torch.rand(ids.shape, generator=gen)
+        rt.control.pull_host_tables()  # nothing cached of these (the host tables start empty)
+        rt.control.slot_of[:-1] = -1
+        rt.control.pair_of[:-1] = -1
+        before = rt.telemetry.layers[layer]
+        fills, cpu = before.fills, before.cpu
+        out = rt(layer, x, ids, weights)
+        assert torch.allclose(out, reference(store, layer, x, ids, weights), atol=1e-5)
+        after = rt.telemetry.layers[layer]
+        assert (after.fills - fills, after.cpu - cpu) == expected[mode], mode
+    assert rt.telemetry.total().cpu_routes == 4 + 1 + 4

@@ -179,7 +179,8 @@ def test_telemetry_counts_cpu_routes_and_hybrid_split():
     t = drive(rt, store, [(0, [[3], [3]])])
     assert (t.total().accesses, t.total().cpu, t.total().cpu_routes) == (1, 1, 2)
 
-    options = MoEOptions("hybrid", "8", policy="lru", warm_cache=False)
+    # the host's split (device control's: tests/test_device_control.py)
+    options = MoEOptions("hybrid", "8", policy="lru", warm_cache=False, device_control=False)
     rt = build_runtime(store, torch.device("cpu"), options)
     rt.tracker.fill = rt.tracker.cpu = 1e9  # equal bandwidths: half the misses are filled
     rt.tracker.alpha = 0.0  # keep them fixed for the example
@@ -233,7 +234,8 @@ def test_cpu_share_of_some_tokens_in_bf16(strategy):
     from freetoken.moe.runtime import build_runtime
 
     store = tiny_store(num_experts=6, dtype=torch.bfloat16)
-    rt = build_runtime(store, torch.device("cpu"), MoEOptions(strategy, "3", policy="lru"))
+    options = MoEOptions(strategy, "3", policy="lru", device_control=False)
+    rt = build_runtime(store, torch.device("cpu"), options)
     rt.tracker.fill = rt.tracker.cpu = 1e9
     rt.tracker.alpha = 0.0
     gen = torch.Generator().manual_seed(5)
@@ -258,7 +260,8 @@ def test_hybrid_times_its_step_modes_and_keeps_the_fastest():
 
     store = tiny_store()  # two MoE layers of four experts, top-1
     # Two slots for four pairs a step: every layer misses twice, and filling both fits.
-    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "2", policy="lru"))
+    options = MoEOptions("hybrid", "2", policy="lru", device_control=False)  # the host's clock
+    rt = build_runtime(store, torch.device("cpu"), options)
     rt.tracker.fill = rt.tracker.cpu = 1e9
     rt.tracker.alpha = 0.0
     rt.step_modes.explore_every = 8
@@ -315,7 +318,8 @@ def test_the_cpu_team_is_woken_early_only_for_steps_that_will_use_it():
         MoEOptions("offload", "6"),  # decode decided on the device, in the graph
         MoEOptions("offload", "24"),  # the whole pool, on the device
         MoEOptions("offload", "6", device_control=False),
-        MoEOptions("hybrid", "5"),
+        MoEOptions("hybrid", "5"),  # decided on the device, the CPU share by the doorbell
+        MoEOptions("hybrid", "5", device_control=False),
         MoEOptions("static", "9"),
         MoEOptions("cpu"),
         MoEOptions("hybrid", "12", policy="lru"),
@@ -332,10 +336,16 @@ def test_strategies_on_cuda_match_fused(tmp_path, options):
     assert torch.equal(tokens, ref_tokens)
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert runner.moe.strategy == options.strategy
-    if options.strategy == "offload" and options.device_control and options.cache_size != "3":
+    on_device = options.strategy in ("offload", "hybrid") and options.device_control
+    if on_device and options.cache_size != "3":
         assert runner.graphs.replays > 0 and runner.moe.control is not None
         # whole steps in one graph: no segment cut at an MoE layer
         assert all(len(c.graphs) == 1 for c in runner.graphs.captures.values())
+    if options.strategy == "hybrid" and options.device_control:
+        doorbell = runner.moe.doorbell
+        assert doorbell is not None and doorbell.errors == 0
+        total = runner.moe.telemetry.total()
+        assert total.cpu_routes > 0 and total.cpu_time_s > 0  # the listener ran CPU shares
 
 
 def test_auto_picks_from_the_profile():

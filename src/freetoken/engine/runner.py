@@ -161,7 +161,10 @@ class ModelRunner:
         `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
         new tokens into state pool slot `slot` (anchor checkpoints)."""
         self._install_moe()
-        decode = self.graphs is not None and not all_logits and all(len(t) == 1 for t in new_tokens)
+        one_each = not all_logits and all(len(t) == 1 for t in new_tokens)
+        if self.moe is not None:
+            self.moe.begin_step(sum(map(len, new_tokens)), decode=one_each)
+        decode = self.graphs is not None and one_each
         batch = ForwardBatch.build(
             self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )

@@ -6,12 +6,15 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
 0.38x fused. Here one program of one block does it all, with the data in registers:
 
 1. the R routes' pairs, the first occurrence of each marked by an [R, R] comparison;
-2. their slots from `slot_of`: hits (protected) and misses (m of them, each given its rank);
-3. only when m > 0: the keep-score of every slot (the policy's `neg_dist[layer] + neg_wait`,
+2. their slots from `slot_of`: hits (protected) and misses (m of them);
+3. the split: q from (f, lo, hi), the misses ranked by the policy's score (another [R, R]
+   comparison), the q best filled, each given its rank;
+4. only when q > 0: the keep-score of every slot (the policy's `neg_dist[layer] + neg_wait`,
    as `ExpectedNextUsePolicy.slot_scores`) into a scratch row, the hits' slots set to +inf,
-   then m rounds of argmin over the row, each victim set to +inf as it is taken;
-4. the tables: victims' old pairs out, misses in; the fill list; every route's slot;
-5. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
+   then q rounds of argmin over the row, each victim set to +inf as it is taken;
+5. the tables: victims' old pairs out, filled misses in; the fill list; every route's slot
+   (-1 for the CPU's), the CPU's routes and their gate weights;
+6. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
 
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
 scores go to the lowest slot (the torch form's top-k may pick another of them: the same
@@ -33,9 +36,9 @@ MAX_ROUTES = 64  # routes per call the one block holds (batch 8 of top-8)
 SLOT_BLOCK = 1024
 
 
-def plan_layer(control, moe_layer: int, pairs: torch.Tensor):
+def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
     """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
-    [R]) into the control's persistent buffers."""
+    [R]) into the control's persistent buffers, the CPU's routes into its route buffers."""
     policy = control.policy
     # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
     neg_dist, neg_wait, p = (torch.as_tensor(a) for a in (
@@ -43,10 +46,12 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor):
     flat = pairs.reshape(-1)
     R = flat.numel()
     out_slots, fill_pairs, fill_slots = control.outputs(R)
+    split = control.split if control.split is not None else control.fill_all
     _plan_kernel[(1,)](
-        flat, control.slot_of, control.pair_of, control.scores, control.victims,
-        neg_dist, neg_wait, p,
-        out_slots, fill_pairs, fill_slots, control.counters[moe_layer],
+        flat, weights.reshape(-1), control.slot_of, control.pair_of, control.scores,
+        control.victims, neg_dist, neg_wait, p, split,
+        out_slots, fill_pairs, fill_slots, control.cpu_pairs, control.cpu_weights,
+        control.counters[moe_layer],
         R, control.num_slots, control.num_pairs, moe_layer * control.num_experts,
         control.num_experts, float(policy.L), policy.rate, policy.floor,
         BLOCK_R=max(16, triton.next_power_of_2(R)),
@@ -60,8 +65,8 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(
-        pairs_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
-        out_slots, fill_pairs, fill_slots, counters,
+        pairs_ptr, weights_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
+        split, out_slots, fill_pairs, fill_slots, cpu_pairs, cpu_weights, counters,
         R, S, P, base, E, L, rate, floor,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
@@ -74,13 +79,27 @@ if triton is not None:
         slot = tl.load(slot_of + tl.where(valid, pairs, P), mask=valid, other=-1)
         hit = first & (slot >= 0)
         miss = first & (slot < 0)
-        miss_i = miss.to(tl.int32)
-        m = tl.sum(miss_i, 0)
-        rank = tl.cumsum(miss_i, 0) - miss_i
+        m = tl.sum(miss.to(tl.int32), 0)
         inf = float("inf")
+        # the split: the q misses of the highest pair scores (ties: the lower pair) are filled
+        frac = tl.load(split)
+        lo = tl.minimum(tl.load(split + 1).to(tl.int32), m)
+        hi = tl.minimum(tl.load(split + 2).to(tl.int32), m)
+        q = tl.minimum(tl.maximum(tl.floor(m.to(tl.float32) * frac + 0.5).to(tl.int32), lo), hi)
+        at_pair = tl.where(valid, pairs, P)
+        pair_score = tl.load(neg_dist + at_pair) + tl.load(neg_wait + at_pair)
+        key = tl.where(miss, pair_score, -inf)
+        ahead = miss[None, :] & (
+            (key[None, :] > key[:, None])
+            | ((key[None, :] == key[:, None]) & (pairs[None, :] < pairs[:, None]))
+        )
+        miss = miss & (tl.sum(ahead.to(tl.int32), 1) < q)
+        # (`miss` from here on: the misses filled)
+        miss_i = miss.to(tl.int32)
+        rank = tl.cumsum(miss_i, 0) - miss_i
         # (`while`, not `for ... in range`: the CPU interpreter cannot range over runtime
         # values, and nothing here gains from pipelining)
-        if m > 0:
+        if q > 0:
             start = 0
             while start < S:
                 s = start + tl.arange(0, BLOCK_S)
@@ -93,7 +112,7 @@ if triton is not None:
             tl.store(scores + slot, tl.full((BLOCK_R,), inf, tl.float32), mask=hit)
             tl.debug_barrier()
             j = 0
-            while j < m:
+            while j < q:
                 # lane-wise running minimum over the blocks (the lower slot wins ties), then
                 # the lowest slot of the smallest score
                 low = tl.full((BLOCK_S,), inf, tl.float32)
@@ -125,6 +144,10 @@ if triton is not None:
         tl.debug_barrier()
         routed = tl.load(slot_of + tl.where(valid, pairs, P), mask=valid, other=-1)
         tl.store(out_slots + r, routed, mask=valid)
+        on_cpu = valid & (routed < 0)
+        tl.store(cpu_pairs + r, tl.where(on_cpu, pairs, -1), mask=valid)
+        gate = tl.load(weights_ptr + r, mask=valid, other=0.0).to(tl.float32)
+        tl.store(cpu_weights + r, gate, mask=valid)
         # the policy: p = p * (1 - rate) + rate where used; its row of -L * (1 - p) / p
         e = tl.arange(0, BLOCK_E)
         experts = pairs - base
@@ -134,16 +157,13 @@ if triton is not None:
         p = tl.where(used, p + rate, p)
         tl.store(p_row + e, p, mask=e < E)
         tl.store(neg_wait + base + e, L - L / tl.maximum(p, floor), mask=e < E)
-        # counters: calls, accesses, hits, fills
-        c = tl.arange(0, 4)
-        counts = tl.where(
-            c == 0,
-            1,
-            tl.where(
-                c == 1,
-                tl.sum(first.to(tl.int64), 0),
-                tl.where(c == 2, tl.sum(hit.to(tl.int64), 0), m.to(tl.int64)),
-            ),
-        )
-        old = tl.load(counters + c)
-        tl.store(counters + c, old + counts)
+        # counters: calls, accesses, hits, fills, CPU pairs, CPU routes
+        c = tl.arange(0, 8)
+        accesses = tl.sum(first.to(tl.int64), 0)
+        hits = tl.sum(hit.to(tl.int64), 0)
+        fills = q.to(tl.int64)
+        counts = tl.where(c == 0, 1, tl.where(c == 1, accesses, tl.where(c == 2, hits, 0)))
+        counts = tl.where(c == 3, fills, tl.where(c == 4, accesses - hits - fills, counts))
+        counts = tl.where(c == 5, tl.sum(on_cpu.to(tl.int64), 0), counts)
+        old = tl.load(counters + c, mask=c < 6, other=0)
+        tl.store(counters + c, old + counts, mask=c < 6)

@@ -732,3 +732,135 @@ uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
     j.down_items = B * heads;
     return publish(&j, gen, j.gate_items + j.down_items);
 }
+
+/* ---- the device's doorbell ---------------------------------------------------------------
+ *
+ * A decode step captured in one CUDA graph hands each MoE layer's CPU share to this library
+ * with no host call (moe/doorbell.py): the graph writes the layer's routes, gate weights and
+ * activations into mapped pinned buffers, then rings `bell` (a stream memory write, fenced
+ * after them) with (tokens << 20 | top_k << 12 | layer + 1). A listener thread started here watches the
+ * bell: it clears it, runs the routes whose pair is >= 0 on the team (joining it, as a waiting
+ * caller does), writes the fp32 partial to `out` and answers in `done` with the bell's value;
+ * the graph, which went on with the GPU's share meanwhile, waits for that value (a stream
+ * wait), clears `done` and adds the partial. A layer with no CPU route is answered at once,
+ * long before the graph reaches its wait. The listener spins while steps come (pause loops,
+ * one core), polls every 20 us once idle for `idle_spin` seconds and every millisecond after
+ * a second. */
+
+typedef struct {
+    uint32_t *bell, *done;
+    const int64_t *pairs;
+    const float *weights;
+    const void *x;
+    float *out;
+    int x_bf16, dtype, act, threads;
+    int64_t max_routes, H, I, layers;
+    const void *w_gate_up, *w_down;
+    double *stats; /* per layer: jobs, routes, seconds, experts (accumulated) */
+    double idle_spin, prepare;
+    int stop;
+    uint64_t errors;
+    int64_t *rows, *routes;
+    float *gates;
+    pthread_t thread;
+} listener_t;
+
+static void serve_bell(listener_t *l, uint32_t bell) {
+    const int64_t layer = (int64_t)(bell & 0xfffu) - 1, k = (bell >> 12) & 0xffu;
+    const int64_t tokens = bell >> 20;
+    if (layer < 0 || layer >= l->layers || k < 1 || tokens * k > l->max_routes) {
+        l->errors++;
+        return;
+    }
+    int64_t n = 0;
+    for (int64_t r = 0; r < tokens * k; r++)
+        if (l->pairs[r] >= 0) {
+            l->rows[n] = r / k;
+            l->routes[n] = l->pairs[r];
+            l->gates[n++] = l->weights[r];
+        }
+    if (!n) {
+        memset(l->out, 0, sizeof(float) * tokens * l->H);
+        return;
+    }
+    int64_t experts = 0;
+    uint64_t ticket = ft_cpu_experts_submit(l->dtype, l->w_gate_up, l->w_down, l->H, l->I, l->x,
+                                            l->x_bf16, tokens, n, l->rows, l->routes, l->gates,
+                                            l->out, l->act, l->threads, &experts);
+    if (!ticket) { /* no thread or no memory: a zero partial, counted, and the graph goes on */
+        memset(l->out, 0, sizeof(float) * tokens * l->H);
+        l->errors++;
+        return;
+    }
+    double seconds = ft_cpu_experts_wait(ticket);
+    double *s = l->stats + 4 * layer;
+    s[0] += 1.0;
+    s[1] += (double)n;
+    s[2] += seconds;
+    s[3] += (double)experts;
+}
+
+static void *listener_main(void *arg) {
+    listener_t *l = arg;
+    double last = now();
+    while (!LOAD(&l->stop)) {
+        uint32_t bell = __atomic_load_n(l->bell, __ATOMIC_ACQUIRE);
+        if (!bell) {
+            const double idle = now() - last;
+            if (idle < l->idle_spin) {
+                for (int i = 0; i < 32; i++) cpu_relax();
+            } else { /* 20 us polls, 1 ms ones after a second without steps */
+                struct timespec pause = {0, idle < 1.0 ? 20000 : 1000000};
+                nanosleep(&pause, NULL);
+            }
+            continue;
+        }
+        __atomic_store_n(l->bell, 0u, __ATOMIC_SEQ_CST);
+        if (now() - last > 1e-3) ft_cpu_experts_prepare(l->prepare); /* the team, awake */
+        serve_bell(l, bell);
+        __atomic_store_n(l->done, bell, __ATOMIC_SEQ_CST); /* after the partial's stores */
+        last = now();
+    }
+    return NULL;
+}
+
+/* Starts a listener (see above); NULL if its thread or buffers cannot be had. `pairs` and
+ * `weights` hold max_routes entries, x and out max_routes rows. `threads`: the team threads of
+ * each job (the listener joins them). */
+void *ft_listener_start(uint32_t *bell, uint32_t *done, const int64_t *pairs,
+                        const float *weights, const void *x, int x_bf16, float *out,
+                        int64_t max_routes, int dtype, const void *w_gate_up, const void *w_down,
+                        int64_t H, int64_t I, int act, int threads, double *stats,
+                        int64_t layers, double idle_spin, double prepare) {
+    listener_t *l = calloc(1, sizeof(listener_t));
+    if (!l) return NULL;
+    *l = (listener_t){bell, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
+                      max_routes, H, I, layers, w_gate_up, w_down, stats, idle_spin, prepare};
+    const size_t routes = (size_t)max_routes;
+    l->rows = malloc(sizeof(int64_t) * routes);
+    l->routes = malloc(sizeof(int64_t) * routes);
+    l->gates = malloc(sizeof(float) * routes);
+    if (!l->rows || !l->routes || !l->gates ||
+        pthread_create(&l->thread, NULL, listener_main, l) != 0) {
+        free(l->rows);
+        free(l->routes);
+        free(l->gates);
+        free(l);
+        return NULL;
+    }
+    return l;
+}
+
+/* Layer steps the listener could not serve (a bad bell, no thread or memory for a job). */
+uint64_t ft_listener_errors(void *handle) { return LOAD(&((listener_t *)handle)->errors); }
+
+/* Stops and frees a listener; no graph may still ring it. */
+void ft_listener_stop(void *handle) {
+    listener_t *l = handle;
+    STORE(&l->stop, 1);
+    pthread_join(l->thread, NULL);
+    free(l->rows);
+    free(l->routes);
+    free(l->gates);
+    free(l);
+}

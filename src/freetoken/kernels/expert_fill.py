@@ -40,6 +40,9 @@ class HostRows:
     def data_ptr(self) -> int:
         return self.host.data_ptr()
 
+    def numel(self) -> int:
+        return self.host.numel()
+
 
 def fill_experts(banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int) -> None:
     """banks: ((dst [S, ...] the cache bank, src [P, ...] the host bank, or HostRows of it on

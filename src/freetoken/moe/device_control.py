@@ -1,25 +1,30 @@
-"""The expert cache's decisions on the device: lookup, victims, table updates and the fill
-list of one layer step, as fixed-shape tensor ops with no host sync, so a decode graph holds
-them (and the fills and the expert kernel after them) and the host is out of the loop.
+"""The expert cache's decisions on the device: lookup, split, victims, table updates, the fill
+list and the CPU's routes of one layer step, as fixed-shape tensor ops with no host sync, so a
+decode graph holds them (and the fills, the expert kernel and the CPU's share after them) and
+the host is out of the loop.
 
 For one layer step with R = T x k routes (pairs [T, k], flat `layer * E + expert` ids):
 
     sorted = sort(pairs)              the routed pairs in order; `first` marks distinct ones
-    slot   = slot_of[sorted]          hits have a slot, misses -1
+    slot   = slot_of[sorted]          hits have a slot, misses -1 (m of them)
+    q = clamp(floor(m * f + 0.5), min(lo, m), min(hi, m))    the split (moe/split.py), from
+                                      `split` = (f, lo, hi), which the host rewrites between
+                                      steps; offload's is (1, R, R): every miss filled
+    filled = the q misses the policy scores highest (ties: the lower pair)
     protected = slots of the hits     this step's kernel reads them: never victims
-    victims = the R lowest keep-scores among the other slots (the policy's, on the device):
-              one top-k over the S slots, the same cost for any number of misses
-    miss j  -> victims[rank of j among the misses]
-    tables: the victims' old pairs leave, the misses move in; the fill list is
+    victims = the q lowest keep-scores among the other slots (the policy's, on the device)
+    tables: the victims' old pairs leave, the filled misses move in; the fill list is
             (pair, slot) per route, the sink slot S where nothing is copied
-    slots  = slot_of[pairs]           every route now has a slot
+    slots  = slot_of[pairs]           every GPU route has a slot; the CPU's routes -1
+    cpu_pairs[r] = pair where slots[r] < 0, else -1; cpu_weights[r] = its gate weight
 
 Every table has a sink entry at its end (`slot_of[P]`, `pair_of[S]`): a masked-off entry
 reads or writes the sink instead of branching, and index -1 (an empty slot's pair, a missing
 pair's slot) lands on it. The same code runs on the CPU (the cache tier in the tests) and on
 CUDA; `kernels/expert_fill.py` does the copies on CUDA, reading the pinned host pool where it
-lies. It needs a slot for every route of a call (S >= R), which any real cache has for decode.
-On CUDA, with the `expected-next-use` policy and up to 64 routes, the whole plan is one Triton
+lies, and `moe/doorbell.py` hands the CPU's routes to the CPU team from inside the graph. It
+needs a slot for every route of a call (S >= R), which any real cache has for decode. On
+CUDA, with the `expected-next-use` policy and up to 64 routes, the whole plan is one Triton
 program (kernels/cache_control.py); these torch ops are its CPU twin and reference.
 
 The policy must have a fixed-shape update (`observe_masked`); `expected-next-use` has one,
@@ -35,11 +40,16 @@ from freetoken.moe.cache import ExpertCache
 from freetoken.moe.policy import ExpectedNextUsePolicy
 
 # counters per MoE layer, kept on the device and folded into the telemetry when it is read
-CALLS, ACCESSES, HITS, FILLS = range(4)
+CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
 
 
 class DeviceControl:
-    def __init__(self, cache: ExpertCache, policy):
+    def __init__(self, cache: ExpertCache, policy, split: torch.Tensor | None = None,
+                 cpu_routes: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+        """`split`: float32 (f, lo, hi), read at every plan (on CUDA mapped pinned memory the
+        host rewrites between steps); None fills every miss (offload). `cpu_routes`: where
+        plans write the CPU's routes, (pairs int64 [>= R], weights fp32 [>= R]); None: a
+        scratch of the control's own."""
         if not hasattr(policy, "observe_masked"):
             raise ValueError(f"policy {policy.name!r} has no fixed-shape update for the device")
         store, device = cache.store, cache.device
@@ -48,7 +58,14 @@ class DeviceControl:
         self.num_pairs, self.num_slots = store.num_pairs, cache.num_slots
         self.slot_of = torch.full((self.num_pairs + 1,), -1, dtype=torch.long, device=device)
         self.pair_of = torch.full((self.num_slots + 1,), -1, dtype=torch.long, device=device)
-        self.counters = torch.zeros(store.num_layers, 4, dtype=torch.long, device=device)
+        self.counters = torch.zeros(store.num_layers, 6, dtype=torch.long, device=device)
+        self.split = split
+        # offload's split, for the one-program plan: every miss filled
+        self.fill_all = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
+        if cpu_routes is None:
+            pairs = torch.empty(self.num_slots, dtype=torch.long, device=device)
+            cpu_routes = (pairs, torch.empty(self.num_slots, dtype=torch.float32, device=device))
+        self.cpu_pairs, self.cpu_weights = cpu_routes
         # scratch of the one-program plan: slot scores, victims, and per call size its outputs
         self.scores = torch.empty(self.num_slots + 1, dtype=torch.float32, device=device)
         self.victims = torch.empty(cache_control.MAX_ROUTES, dtype=torch.long, device=device)
@@ -61,8 +78,16 @@ class DeviceControl:
         self.pull_host_tables()
 
     def fits(self, routes: int) -> bool:
-        """Whether a call of this many routes can be decided here (a slot for each)."""
-        return routes <= self.num_slots
+        """Whether a call of this many routes can be decided here: a slot for each, and room
+        in the CPU's route buffers; with a split on CUDA, within the one-program plan (the
+        torch form reads the split on the host, which a graph would freeze)."""
+        if routes > min(self.num_slots, self.cpu_pairs.numel()):
+            return False
+        return (
+            self.split is None
+            or self.device.type != "cuda"
+            or (self.fused and routes <= cache_control.MAX_ROUTES)
+        )
 
     # -- keeping the host tables and these in step -----------------------------------------
     # A call the host decides (a prefill chunk, a streamed layer) works on the cache's host
@@ -90,15 +115,16 @@ class DeviceControl:
             )
         return self._outputs[routes]
 
-    def plan(self, moe_layer: int, pairs: torch.Tensor):
+    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
-        of every route once the fills are done, and the copies to make (fill_slots == S,
-        the sink, where there is none)."""
+        of every GPU route once the fills are done (-1: the CPU's), and the copies to make
+        (fill_slots == S, the sink, where there is none). The CPU's routes go to
+        `cpu_pairs[:R]` / `cpu_weights[:R]`."""
         if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
-            return cache_control.plan_layer(self, moe_layer, pairs)
-        return self.plan_torch(moe_layer, pairs)
+            return cache_control.plan_layer(self, moe_layer, pairs, weights)
+        return self.plan_torch(moe_layer, pairs, weights)
 
-    def plan_torch(self, moe_layer: int, pairs: torch.Tensor):
+    def plan_torch(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
         """`plan` as torch ops: the CPU twin and the reference of the one-program plan."""
         S, P = self.num_slots, self.num_pairs
         flat = pairs.reshape(-1)
@@ -109,13 +135,16 @@ class DeviceControl:
         slot = self.slot_of[ordered]
         hit = first & (slot >= 0)
         miss = first & (slot < 0)
+        if self.split is not None:
+            miss = miss & self._filled(moe_layer, ordered, miss)
+        # (`miss` from here on: the misses filled; the others stay out of the cache)
         # Keep-scores of every slot (empty: -inf); the hits' slots are protected.
         scores = self.scores
         scores[:S] = torch.as_tensor(self.policy.slot_scores(moe_layer, self.pair_of[:S]))
         # (index_fill_, not an indexed assignment of a Python number: that copies the number
         # from the host, which a graph capture refuses)
         scores.index_fill_(0, torch.where(hit, slot, S), float("inf"))
-        victims = torch.topk(scores[:S], R, largest=False, sorted=True).indices
+        victims = torch.topk(scores[:S], min(R, S), largest=False, sorted=True).indices
         rank = torch.cumsum(miss, 0) - 1
         fill_slots = torch.where(miss, victims[rank.clamp(min=0)], S)
         fill_pairs = torch.where(miss, ordered, P)
@@ -129,13 +158,35 @@ class DeviceControl:
         self.pair_of[S:].fill_(-1)
         experts = ordered - moe_layer * self.num_experts
         self.policy.observe_masked(moe_layer, experts, first)
-        counts = torch.stack([first.sum(), hit.sum(), miss.sum()])
+        routed = self.slot_of[pairs]
+        on_cpu = routed.reshape(-1) < 0
+        self.cpu_pairs[:R] = torch.where(on_cpu, flat, -1)
+        self.cpu_weights[:R] = weights.reshape(-1).float()
+        # the CPU's pairs: distinct routed ones neither hit nor filled
+        cpu = first.sum() - hit.sum() - miss.sum()
+        counts = torch.stack([first.sum(), hit.sum(), miss.sum(), cpu, on_cpu.sum()])
         self.counters[moe_layer, ACCESSES:].add_(counts)
         self.counters[moe_layer, CALLS].add_(1)
-        return self.slot_of[pairs], fill_pairs, fill_slots
+        return routed, fill_pairs, fill_slots
+
+    def _filled(self, moe_layer: int, ordered, miss) -> torch.Tensor:
+        """Which of the misses (`miss` over the sorted pairs) the split fills: the q the
+        policy scores highest, ties to the lower pair (the sort is stable)."""
+        f, lo, hi = self.split[0], self.split[1], self.split[2]
+        m = miss.sum()
+        q = torch.floor(m.to(torch.float32) * f + 0.5).long()
+        lo, hi = torch.minimum(lo.long(), m), torch.minimum(hi.long(), m)
+        q = torch.minimum(torch.maximum(q, lo), hi)
+        scores = torch.as_tensor(self.policy.pair_scores(moe_layer, ordered)).float()
+        key = torch.where(miss, scores, float("-inf"))
+        order = torch.sort(key, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.cumsum(miss[order], 0) - 1
+        return rank < q
 
     def take_counters(self) -> torch.Tensor:
-        """[L, 4] counts since the last call (calls, accesses, hits, fills), on the host."""
+        """[L, 6] counts since the last call (calls, accesses, hits, fills, CPU pairs, CPU
+        routes), on the host."""
         out = self.counters.to("cpu", copy=True)  # a copy on the CPU tier too
         self.counters.zero_()
         return out

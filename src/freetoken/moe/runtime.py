@@ -12,11 +12,13 @@ For one layer of one step (x [T, H], routed ids [T, k], gate weights [T, k]):
     GPU  hits + F, one grouped kernel by slot    after the fill event
     out = GPU partial + CPU partial              every route computed once, on one side
 
-`offload`'s decode calls skip the host entirely (moe/device_control.py): the lookup, the victims
-and the table updates are tensor ops on the device, the fills a device-launched copy from the
-pinned pool (kernels/expert_fill.py), so the layer, like `fused`'s, is captured in the step's
-CUDA graph. Calls the host must decide (long prefill chunks, streamed layers, a cache smaller
-than a call's routes) work on the host tables, synchronised with the device's around them.
+`offload`'s and `hybrid`'s decode calls skip the host entirely (moe/device_control.py): the
+lookup, the split, the victims and the table updates are tensor ops on the device, the fills a
+device-launched copy from the pinned pool (kernels/expert_fill.py), and hybrid's CPU share is
+handed to the CPU team and collected by stream memory operations (moe/doorbell.py), so the
+layer, like `fused`'s, is captured in the step's CUDA graph. Calls the host must decide (long
+prefill chunks, streamed layers, a cache smaller than a call's routes) work on the host
+tables, synchronised with the device's around them.
 
 Strategies: `fused` (every expert resident), `offload` (every miss filled), `cpu` (every miss
 on the CPU, no cache), `hybrid` (the split), `static` (a fixed set chosen at load stays on the
@@ -35,12 +37,14 @@ import numpy as np
 import torch
 
 from freetoken.config import MoEOptions
+from freetoken.kernels import cache_control, stream_memops
 from freetoken.kernels.expert_fill import HostRows, fill_experts
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache, host_array
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.device_control import DeviceControl
+from freetoken.moe.doorbell import CPUDoorbell
 from freetoken.moe.policy import ExpectedNextUsePolicy, default_policy, make_policy
 from freetoken.moe.prefill import LayerStreamer
 from freetoken.moe.split import CPU, FILL, SPLIT, BandwidthTracker, StepModes, split_misses
@@ -97,7 +101,12 @@ class MoERuntime:
         tracker: BandwidthTracker | None = None,
         streamer: LayerStreamer | None = None,
         control: DeviceControl | None = None,
+        doorbell: CPUDoorbell | None = None,
+        split: torch.Tensor | None = None,
     ):
+        """`control`: decode calls decided on the device; with `split` (the host's view of the
+        (f, lo, hi) the control's plans read), hybrid's split, whose CPU share runs through
+        `doorbell` on CUDA and on the executor at once on the CPU tier."""
         self.store, self.device, self.strategy = store, device, strategy
         self.cache, self.cpu, self.options, self.act = cache, cpu, options, act
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
@@ -108,6 +117,7 @@ class MoERuntime:
             if device.type == "cuda":
                 pool = tuple(HostRows(bank) for bank in pool)
             self._fill_banks = tuple(zip((cache.w_gate_up, cache.w_down), pool, strict=True))
+        self.doorbell, self._split = doorbell, split
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
         self._pinned_buffers: dict[tuple, object] = {}  # see `_pinned` and `_fetch`
@@ -125,12 +135,49 @@ class MoERuntime:
         """The counters, with those the device keeps (device-decided calls) folded in."""
         if self.control is not None:
             counts = self.control.take_counters().tolist()
-            for layer, (calls, accesses, hits, fills) in enumerate(counts):
+            for layer, (calls, accesses, hits, fills, cpu, cpu_routes) in enumerate(counts):
                 self._telemetry.record(
-                    layer, calls=calls, accesses=accesses, hits=hits, fills=fills, cpu=0,
-                    cpu_routes=0, bytes_h2d=fills * self.store.shape.nbytes,
+                    layer, calls=calls, accesses=accesses, hits=hits, fills=fills, cpu=cpu,
+                    cpu_routes=cpu_routes, bytes_h2d=fills * self.store.shape.nbytes,
                 )  # fmt: skip
+        self._fold_cpu_share()
         return self._telemetry
+
+    def _fold_cpu_share(self) -> None:
+        """The doorbell listener's seconds into the telemetry and its bandwidth into the
+        tracker (the CPU tier measures its jobs as it runs them)."""
+        if self.doorbell is None:
+            return
+        nbytes = self.store.shape.nbytes
+        for layer, (jobs, _routes, seconds, experts) in enumerate(self.doorbell.fold()):
+            if jobs:
+                self._telemetry.layers[layer].cpu_time_s += seconds
+                self.tracker.observe_cpu(int(experts * nbytes), seconds)
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        """Called before every forward: for hybrid deciding on the device, the last decode
+        step timed for `StepModes` (from one decode step's start to the next's, same batch
+        size), this one's way chosen and its split written where the plans read it."""
+        if self._split is None:
+            return
+        now = time.perf_counter()
+        last, self._step = self._step, None
+        if last is not None and decode and last[1] == tokens:
+            self.step_modes.observe(tokens, last[2], now - last[0])
+        if not decode or tokens >= self.options.fill_all_from_tokens:
+            return
+        self._fold_cpu_share()
+        mode = self.step_modes.choose(tokens)
+        self._step = (now, tokens, mode)
+        cap = float(self.options.max_fetch or 2**30)
+        if mode == SPLIT:
+            fill, cpu = self.tracker.fill, self.tracker.cpu
+            values = (fill / (fill + cpu) if fill + cpu > 0 else 1.0, 1.0, cap)
+        elif mode == FILL:
+            values = (1.0, 0.0, cap)
+        else:
+            values = (0.0, 0.0, 0.0)
+        self._split.numpy()[:] = values
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape runs on the device alone (a decode graph holds it)."""
@@ -180,11 +227,37 @@ class MoERuntime:
         return self._split_layer(moe_layer, x, ids, weights)
 
     def _device_layer(self, moe_layer, x, ids, weights) -> torch.Tensor:
-        """Decide, fill and compute on the device (moe/device_control.py)."""
+        """Decide, fill and compute on the device (moe/device_control.py); hybrid's CPU share
+        meanwhile, through the doorbell (moe/doorbell.py)."""
         pairs = ids + moe_layer * self.store.num_experts
-        slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs)
+        tokens, bell = x.shape[0], self.doorbell
+        if bell is not None:
+            bell.send(x)
+        slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs, weights)
+        if bell is not None:
+            bell.ring(moe_layer, tokens, ids.shape[1])
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
-        return self._gpu(x, slots, weights)
+        out = self._gpu(x, slots, weights)
+        if self._split is None:
+            return out  # offload: no CPU share
+        if bell is not None:
+            partial = bell.collect(moe_layer, tokens, ids.shape[1])
+        else:
+            partial = self._cpu_share(moe_layer, x, ids.numel())
+        return out + partial.to(x.dtype)
+
+    def _cpu_share(self, moe_layer: int, x: torch.Tensor, routes: int) -> torch.Tensor:
+        """The CPU tier's doorbell: the routes the plan left to the CPU, run now (fp32)."""
+        pairs = self.control.cpu_pairs[:routes]
+        ours = pairs >= 0
+        if not ours.any():
+            return torch.zeros(x.shape, dtype=torch.float32)
+        rows = torch.arange(routes) // (routes // x.shape[0])
+        weights = self.control.cpu_weights[:routes][ours]
+        result = self.cpu.submit(CPUJob(x, rows[ours], pairs[ours], weights)).result()
+        self.tracker.observe_cpu(result.weight_bytes, result.seconds)
+        self._telemetry.layers[moe_layer].cpu_time_s += result.seconds
+        return result.out
 
     def _streams(self, tokens: int) -> bool:
         """Whether a call of this many tokens streams whole expert layers (moe/prefill.py)."""
@@ -569,7 +642,7 @@ def build_runtime(
     else:
         policy = make_policy(options.policy) if options.policy else default_policy()
         if (
-            strategy == "offload"
+            strategy in ("offload", "hybrid")
             and options.device_control
             and not hasattr(policy, "observe_masked")
         ):
@@ -612,9 +685,35 @@ def build_runtime(
             )
         else:
             streamer = LayerStreamer(store, cache, device, act)
-    control = None
-    if strategy == "offload" and options.device_control:
-        # The policy's state moves to the device, where the plans read and update it.
-        cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-        control = DeviceControl(cache, cache.policy)
-    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer, control)
+    control = doorbell = split = None
+    if strategy in ("offload", "hybrid") and options.device_control:
+        cpu_routes = split_at = None
+        if strategy == "hybrid":
+            # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA
+            # in mapped pinned memory, which the plans read where it lies
+            split = split_at = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
+            if device.type == "cuda":
+                doorbell = _doorbell(store, act, cpu, options, device)
+                split_at = HostRows(split) if doorbell is not None else None
+                cpu_routes = doorbell.routes if doorbell is not None else None
+        if strategy == "offload" or split_at is not None:
+            # The policy's state moves to the device, where the plans read and update it.
+            cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
+            control = DeviceControl(cache, cache.policy, split_at, cpu_routes)
+        else:
+            split = None  # no doorbell: hybrid decides on the host
+    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer,
+                      control, doorbell, split)  # fmt: skip
+
+
+def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
+    """The CPU share's doorbell for hybrid deciding on the device, or None (with the reason
+    logged) where the native library or the driver's stream memory operations are missing."""
+    if cpu is None or cpu.native is None or not stream_memops.available():
+        log.info("device control: no native CPU kernel or stream memory operations here; "
+                 "hybrid decides on the host")  # fmt: skip
+        return None
+    # The listener thread joins each job, so the team gives it one of its threads.
+    threads = max(1, cpu.native.threads - 1)
+    prepare = options.cpu_prepare_us * 1e-6
+    return CPUDoorbell(store, act, threads, cache_control.MAX_ROUTES, device, prepare)

@@ -1,0 +1,132 @@
+"""The CPU's share of a layer the device decides, handed to the CPU team from inside the decode
+graph, so `hybrid`'s decode step, like `offload`'s, is one graph replay with no host call.
+
+Per layer step of T tokens (R = T x k routes), in the graph's stream order:
+
+    x -> `x` (pinned)                     a copy node
+    the plan (moe/device_control.py)      writes the CPU's routes and gate weights straight
+                                          into `pairs` / `weights` (mapped pinned memory)
+    bell = T << 20 | k << 12 | layer + 1  a stream memory write, fenced after all of the above
+    fills, the GPU's experts              while the CPU team computes its share
+    wait until done == bell; done = 0     stream memory operations (kernels/stream_memops.py)
+    partial <- `out` (pinned, fp32)       a copy node; the merge adds it in the layer's dtype
+
+The listener (a native thread of kernels/cpu_experts.c) watches the bell, runs the job on the
+team and answers in `done`. Layers are strictly in order (a layer rings only after the last
+one's answer came), so one set of buffers serves every layer and batch size. The listener
+counts jobs, routes, seconds and experts per layer; `fold` feeds them to the bandwidth
+tracker and the telemetry between steps.
+
+On the CPU tier (CI) there is no graph and no listener: the runtime runs the same routes on
+the executor at once (`MoERuntime._cpu_share`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from freetoken.activations import activation_code
+from freetoken.kernels import stream_memops
+from freetoken.kernels.cpu_team import library
+from freetoken.kernels.expert_fill import HostRows
+from freetoken.moe.store import HostExpertStore
+
+BELL, DONE = 0, 16  # int32 words of `words`, a cache line apart
+JOBS, ROUTES, SECONDS, EXPERTS = range(4)  # the listener's counters per layer
+# How long the listener spins after a job before it polls every 20 us: decode steps come
+# back to back, and a step's first layer should not wait for a sleeping thread.
+IDLE_SPIN_SECONDS = 0.05
+
+
+class CPUDoorbell:
+    def __init__(
+        self,
+        store: HostExpertStore,
+        act: str,
+        threads: int,
+        max_routes: int,
+        device: torch.device,
+        prepare_seconds: float = 2e-3,
+    ):
+        lib = library()
+        on_cuda = device.type == "cuda"
+        if lib is None or (on_cuda and not stream_memops.available()):
+            raise RuntimeError("the device's doorbell needs the native CPU library")
+        self.store, self.device, self.max_routes = store, device, max_routes
+        routes, hidden = max_routes, store.shape.hidden
+        self.words = torch.zeros(32, dtype=torch.int32, pin_memory=on_cuda)
+        self.pairs = torch.full((routes,), -1, dtype=torch.long, pin_memory=on_cuda)
+        self.weights = torch.zeros(routes, dtype=torch.float32, pin_memory=on_cuda)
+        self.x = torch.zeros(routes, hidden, dtype=store.shape.dtype, pin_memory=on_cuda)
+        self.out = torch.zeros(routes, hidden, dtype=torch.float32, pin_memory=on_cuda)
+        self.stats = np.zeros((store.num_layers, 4))
+        self._folded = self.stats.copy()
+        # the partial's place on the device (made here, never inside a capture)
+        self.partial = torch.empty(routes, hidden, dtype=torch.float32, device=device)
+        self._lib = lib
+        w_gate_up, w_down = store.w_gate_up, store.w_down
+        self._handle = lib.ft_listener_start(
+            self._word(BELL), self._word(DONE), self.pairs.data_ptr(), self.weights.data_ptr(),
+            self.x.data_ptr(), store.shape.dtype == torch.bfloat16, self.out.data_ptr(), routes,
+            0 if store.shape.dtype == torch.bfloat16 else 1,
+            w_gate_up.data_ptr(), w_down.data_ptr(), hidden, store.shape.intermediate,
+            activation_code(act), threads, self.stats.ctypes.data, store.num_layers,
+            IDLE_SPIN_SECONDS, prepare_seconds,
+        )  # fmt: skip
+        if not self._handle:
+            raise RuntimeError("could not start the CPU doorbell's listener thread")
+
+    def _word(self, index: int) -> int:
+        return self.words.data_ptr() + 4 * index
+
+    @property
+    def routes(self) -> tuple[HostRows, HostRows]:
+        """Where the plan writes the CPU's routes (DeviceControl's `cpu_routes`)."""
+        return HostRows(self.pairs), HostRows(self.weights)
+
+    @staticmethod
+    def bell_value(moe_layer: int, tokens: int, top_k: int) -> int:
+        """The bell of a layer step: what the listener reads the step's shape from."""
+        assert moe_layer < 4095 and top_k < 256 and tokens < 4096
+        return tokens << 20 | top_k << 12 | (moe_layer + 1)
+
+    def send(self, x: torch.Tensor) -> None:
+        """The layer's activations, for the CPU (before the bell)."""
+        self.x[: x.shape[0]].copy_(x, non_blocking=True)
+
+    def ring(self, moe_layer: int, tokens: int, top_k: int) -> None:
+        stream_memops.write(self._word(BELL), self.bell_value(moe_layer, tokens, top_k))
+
+    def collect(self, moe_layer: int, tokens: int, top_k: int) -> torch.Tensor:
+        """The CPU's fp32 partial [T, H] on the device, once the listener has answered."""
+        bell = self.bell_value(moe_layer, tokens, top_k)
+        stream_memops.wait_equal(self._word(DONE), bell)
+        stream_memops.write(self._word(DONE), 0)
+        partial = self.partial[:tokens]
+        partial.copy_(self.out[:tokens], non_blocking=True)
+        return partial
+
+    def fold(self) -> np.ndarray:
+        """The listener's counters per layer since the last call: [L, 4] (jobs, routes,
+        seconds, experts). Read while steps run: each is a double the listener adds to."""
+        now = self.stats.copy()
+        delta, self._folded = now - self._folded, now
+        return delta
+
+    @property
+    def errors(self) -> int:
+        """Layer steps the listener could not serve (computed as a zero partial)."""
+        return int(self._lib.ft_listener_errors(self._handle)) if self._handle else 0
+
+    def close(self) -> None:
+        """Stop the listener (after the device has finished every step that rings it)."""
+        if self._handle:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize(self.device)
+            self._lib.ft_listener_stop(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self.close()

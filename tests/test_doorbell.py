@@ -1,0 +1,73 @@
+"""The doorbell's listener (moe/doorbell.py, kernels/cpu_experts.c) driven by hand from the
+host, as the decode graph drives it on CUDA: each bell is cleared and answered with the bell's
+value once the fp32 partial of the routes marked for the CPU is in `out`; a layer with no CPU
+route is answered with zeros; a bell it cannot serve is counted and still answered, so a graph
+waiting on it never hangs; the counters add up."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.kernels.cpu_experts import torch_cpu_experts
+from freetoken.kernels.cpu_team import library
+from freetoken.moe.doorbell import BELL, DONE, JOBS, ROUTES, CPUDoorbell
+from test_moe_runtime import tiny_store
+
+pytestmark = pytest.mark.skipif(library() is None, reason="needs the native CPU library")
+
+
+def answer(words: np.ndarray, value: int, timeout: float = 10.0) -> None:
+    words[BELL] = value
+    deadline = time.monotonic() + timeout
+    while words[DONE] != value:
+        assert time.monotonic() < deadline, "the listener did not answer"
+        time.sleep(1e-4)
+    assert words[BELL] == 0  # cleared when taken
+    words[DONE] = 0  # as the graph does after its wait
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
+    store = tiny_store(num_layers=3, num_experts=5, hidden=16, inter=8, dtype=dtype)
+    k = 2
+    bell = CPUDoorbell(store, "silu", threads=1, max_routes=8, device=torch.device("cpu"))
+    words = bell.words.numpy()
+    gen = torch.Generator().manual_seed(0)
+    jobs = routes = 0
+    try:
+        for step in range(12):
+            layer, tokens = step % 3, 1 + step % 4
+            experts = torch.stack([torch.randperm(5, generator=gen)[:k] for _ in range(tokens)])
+            pairs = experts + layer * 5
+            ours = torch.rand(pairs.shape, generator=gen) < 0.6
+            if step % 5 == 0:
+                ours[:] = False  # a layer step with nothing for the CPU
+            flat = torch.where(ours, pairs, -1).reshape(-1)
+            weights = torch.rand(tokens * k, generator=gen)
+            x = torch.randn(tokens, 16, generator=gen).to(dtype)
+            bell.x[:tokens] = x
+            bell.pairs[: tokens * k] = flat
+            bell.weights[: tokens * k] = weights
+            bell.out.fill_(float("nan"))  # a stale partial would show
+            answer(words, bell.bell_value(layer, tokens, k))
+            keep = flat >= 0
+            rows = torch.arange(tokens).repeat_interleave(k)[keep]
+            want = torch_cpu_experts(x, rows, flat[keep], weights[keep], store.w_gate_up,
+                                     store.w_down, "silu")  # fmt: skip
+            got = bell.out[:tokens]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got, want, atol=tol, rtol=tol), step
+            jobs += bool(keep.any())
+            routes += int(keep.sum())
+        # a bell naming a layer the listener does not know: counted, answered all the same
+        answer(words, bell.bell_value(7, 1, k))
+        assert bell.errors == 1
+        counts = bell.fold()
+        assert counts[:, JOBS].sum() == jobs and counts[:, ROUTES].sum() == routes
+        assert (bell.fold() == 0).all()  # taken
+    finally:
+        bell.close()
