@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for decode decided on the device (moe/device_control.py): the CUDA tests of
-# the runtime and the graphs, the fill kernel against the copy engines, then decode tok/s of
-# offload with its decisions on the device and on the host, beside fused and hybrid.
+# the runtime, the graphs and the doorbell, the fill kernel against the copy engines, then
+# decode tok/s of offload and hybrid with their decisions on the device and on the host
+# (`STRATEGY:host`), beside fused.
 # Usage: bash benchmarks/gpu_device_control.sh OUT_DIR [decode_offload.py args...]
 set -uo pipefail
 out=${1:?output directory}
@@ -12,7 +13,8 @@ export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   (cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short \
-    -k "cuda or graph" test_moe_runtime.py test_cuda_graphs.py) > "$out/cuda-tests.txt" 2>&1
+    -k "cuda or graph or doorbell" test_moe_runtime.py test_cuda_graphs.py test_doorbell.py) \
+    > "$out/cuda-tests.txt" 2>&1
   grep -E "passed|failed|Error" "$out/cuda-tests.txt" | tail -5
 fi
 if [ "${FILL:-1}" = 1 ]; then
