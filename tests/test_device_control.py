@@ -56,7 +56,9 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
     policy = ExpectedNextUsePolicy()
     cache = ExpertCache(store, slots, torch.device("cpu"), policy=policy)
     split_values = None if split is None else torch.tensor(split, dtype=torch.float32)
-    control = DeviceControl(cache, policy, split_values)
+    cpu_x = torch.zeros(3, store.shape.hidden)  # where a doorbell's activations would go
+    pairs_buf, weights_buf = torch.empty(slots, dtype=torch.long), torch.empty(slots)
+    control = DeviceControl(cache, policy, split_values, (pairs_buf, weights_buf, cpu_x))
     control.fused = fused
     gen = torch.Generator().manual_seed(len(steps))
     for layer, routes in steps:
@@ -69,8 +71,10 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         misses = distinct[before_slot[distinct] < 0]
         scores = torch.as_tensor(policy.slot_scores(layer, before_pair)).float()
         pair_scores = torch.as_tensor(policy.pair_scores(layer, misses)).float()
-        got, fill_pairs, fill_slots = control.plan(layer, pairs, weights)
+        x = torch.randn(len(routes), store.shape.hidden, generator=gen)
+        got, fill_pairs, fill_slots = control.plan(layer, pairs, weights, x)
         check_tables(control)
+        assert torch.equal(cpu_x[: len(routes)], x)
         # The split: q misses filled, those the policy scores highest (ties: the lower pair).
         m = len(misses)
         if split is None:
@@ -262,3 +266,32 @@ def test_hybrid_on_the_device_splits_as_each_step_mode_says():
         after = rt.telemetry.layers[layer]
         assert (after.fills - fills, after.cpu - cpu) == expected[mode], mode
     assert rt.telemetry.total().cpu_routes == 4 + 1 + 4
+
+
+_INTERPRETED_MERGE = """
+import json, torch
+from freetoken.kernels.host_partial import MERGE_BLOCK, add_host_partial
+gen = torch.Generator().manual_seed(0)
+ok = True
+# fp32 only: the interpreter truncates fp32 -> bf16 where CUDA rounds to nearest even
+# (the bf16 merge is checked on CUDA: tests/test_doorbell.py)
+for dtype in (torch.float32,):
+    gpu = torch.randn(3, MERGE_BLOCK + 5, generator=gen).to(dtype)
+    partial = torch.randn(4 * (MERGE_BLOCK + 5), generator=gen)  # larger than T x H
+    words = torch.full((32,), 7, dtype=torch.int32)
+    # (the tensors themselves: the interpreter reads CPU tensors; CUDA gets HostRows of them)
+    out = add_host_partial(gpu, partial, words, 16)
+    want = gpu + partial[: gpu.numel()].view(gpu.shape).to(dtype)
+    ok &= bool(torch.equal(out, want)) and int(words[16]) == 0 and int(words[0]) == 7
+print(json.dumps({"ok": ok}))
+"""
+
+
+def test_the_merge_adds_the_host_partial_as_torch_rounds_it_in_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_MERGE], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}

@@ -71,3 +71,20 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
         assert (bell.fold() == 0).all()  # taken
     finally:
         bell.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_reads_the_partial_from_host_memory_and_rounds_as_torch(dtype):
+    from freetoken.kernels.expert_fill import HostRows
+    from freetoken.kernels.host_partial import add_host_partial
+
+    gen = torch.Generator().manual_seed(0)
+    gpu = torch.randn(4, 2048, generator=gen).to(dtype).cuda()
+    partial = torch.randn(8 * 2048, generator=gen).pin_memory()
+    words = torch.full((32,), 7, dtype=torch.int32).pin_memory()
+    out = add_host_partial(gpu, HostRows(partial), HostRows(words), DONE)
+    torch.cuda.synchronize()
+    want = gpu + partial[: gpu.numel()].view(gpu.shape).cuda().to(dtype)
+    assert torch.equal(out, want)
+    assert int(words[DONE]) == 0 and int(words[BELL]) == 7  # done cleared, nothing else

@@ -344,8 +344,9 @@ def test_strategies_on_cuda_match_fused(tmp_path, options):
     if options.strategy == "hybrid" and options.device_control:
         doorbell = runner.moe.doorbell
         assert doorbell is not None and doorbell.errors == 0
-        total = runner.moe.telemetry.total()
-        assert total.cpu_routes > 0 and total.cpu_time_s > 0  # the listener ran CPU shares
+        if options.cache_size == "5":  # 5 slots of 24: misses the split gives the CPU
+            total = runner.moe.telemetry.total()
+            assert total.cpu_routes > 0 and total.cpu_time_s > 0  # the listener ran them
 
 
 def test_auto_picks_from_the_profile():

@@ -13,7 +13,8 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
    as `ExpectedNextUsePolicy.slot_scores`) into a scratch row, the hits' slots set to +inf,
    then q rounds of argmin over the row, each victim set to +inf as it is taken;
 5. the tables: victims' old pairs out, filled misses in; the fill list; every route's slot
-   (-1 for the CPU's), the CPU's routes and their gate weights;
+   (-1 for the CPU's), the CPU's routes and their gate weights, and with a doorbell the
+   layer's activations, written into its mapped pinned buffers (moe/doorbell.py);
 6. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
 
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
@@ -34,9 +35,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 MAX_ROUTES = 64  # routes per call the one block holds (batch 8 of top-8)
 SLOT_BLOCK = 1024
+X_BLOCK = 2048
 
 
-def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
+def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None):
     """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
     [R]) into the control's persistent buffers, the CPU's routes into its route buffers."""
     policy = control.policy
@@ -47,7 +49,10 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
     R = flat.numel()
     out_slots, fill_pairs, fill_slots = control.outputs(R)
     split = control.split if control.split is not None else control.fill_all
+    copy_x = x is not None and control.cpu_x is not None
+    x = x.contiguous() if copy_x else flat
     _plan_kernel[(1,)](
+        x, control.cpu_x if copy_x else flat, x.numel() if copy_x else 0,
         flat, weights.reshape(-1), control.slot_of, control.pair_of, control.scores,
         control.victims, neg_dist, neg_wait, p, split,
         out_slots, fill_pairs, fill_slots, control.cpu_pairs, control.cpu_weights,
@@ -56,7 +61,7 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
         control.num_experts, float(policy.L), policy.rate, policy.floor,
         BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_E=max(16, triton.next_power_of_2(control.num_experts)),
-        BLOCK_S=SLOT_BLOCK,
+        BLOCK_S=SLOT_BLOCK, COPY_X=copy_x, BLOCK_X=X_BLOCK,
     )  # fmt: skip
     return out_slots.view(pairs.shape), fill_pairs, fill_slots
 
@@ -65,11 +70,19 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(
+        x, x_host, NX,
         pairs_ptr, weights_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
         split, out_slots, fill_pairs, fill_slots, cpu_pairs, cpu_weights, counters,
         R, S, P, base, E, L, rate, floor,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+        COPY_X: tl.constexpr, BLOCK_X: tl.constexpr,
     ):  # fmt: skip
+        if COPY_X:  # the activations, for the CPU's share (stores over PCIe, not waited on)
+            start = 0
+            while start < NX:
+                offs = start + tl.arange(0, BLOCK_X)
+                tl.store(x_host + offs, tl.load(x + offs, mask=offs < NX), mask=offs < NX)
+                start += BLOCK_X
         r = tl.arange(0, BLOCK_R)
         valid = r < R
         pairs = tl.load(pairs_ptr + r, mask=valid, other=-1)

@@ -17,6 +17,7 @@ For one layer step with R = T x k routes (pairs [T, k], flat `layer * E + expert
             (pair, slot) per route, the sink slot S where nothing is copied
     slots  = slot_of[pairs]           every GPU route has a slot; the CPU's routes -1
     cpu_pairs[r] = pair where slots[r] < 0, else -1; cpu_weights[r] = its gate weight
+    cpu_x = x                         the layer's activations, for the CPU (CUDA)
 
 Every table has a sink entry at its end (`slot_of[P]`, `pair_of[S]`): a masked-off entry
 reads or writes the sink instead of branching, and index -1 (an empty slot's pair, a missing
@@ -45,11 +46,12 @@ CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
 
 class DeviceControl:
     def __init__(self, cache: ExpertCache, policy, split: torch.Tensor | None = None,
-                 cpu_routes: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                 cpu_inputs: tuple | None = None):  # fmt: skip
         """`split`: float32 (f, lo, hi), read at every plan (on CUDA mapped pinned memory the
-        host rewrites between steps); None fills every miss (offload). `cpu_routes`: where
-        plans write the CPU's routes, (pairs int64 [>= R], weights fp32 [>= R]); None: a
-        scratch of the control's own."""
+        host rewrites between steps); None fills every miss (offload). `cpu_inputs`: where
+        plans write the CPU's share, (pairs int64 [>= R], weights fp32 [>= R], x [>= T, H] or
+        None), mapped pinned memory on CUDA (moe/doorbell.py); None: a scratch of the
+        control's own for the routes (the CPU tier reads x where it is)."""
         if not hasattr(policy, "observe_masked"):
             raise ValueError(f"policy {policy.name!r} has no fixed-shape update for the device")
         store, device = cache.store, cache.device
@@ -62,10 +64,11 @@ class DeviceControl:
         self.split = split
         # offload's split, for the one-program plan: every miss filled
         self.fill_all = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
-        if cpu_routes is None:
+        if cpu_inputs is None:
             pairs = torch.empty(self.num_slots, dtype=torch.long, device=device)
-            cpu_routes = (pairs, torch.empty(self.num_slots, dtype=torch.float32, device=device))
-        self.cpu_pairs, self.cpu_weights = cpu_routes
+            weights = torch.empty(self.num_slots, dtype=torch.float32, device=device)
+            cpu_inputs = (pairs, weights, None)
+        self.cpu_pairs, self.cpu_weights, self.cpu_x = cpu_inputs
         # scratch of the one-program plan: slot scores, victims, and per call size its outputs
         self.scores = torch.empty(self.num_slots + 1, dtype=torch.float32, device=device)
         self.victims = torch.empty(cache_control.MAX_ROUTES, dtype=torch.long, device=device)
@@ -115,13 +118,16 @@ class DeviceControl:
             )
         return self._outputs[routes]
 
-    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
+    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None):
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
         of every GPU route once the fills are done (-1: the CPU's), and the copies to make
         (fill_slots == S, the sink, where there is none). The CPU's routes go to
-        `cpu_pairs[:R]` / `cpu_weights[:R]`."""
+        `cpu_pairs[:R]` / `cpu_weights[:R]`, and x [T, H] to `cpu_x` where there is one."""
         if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
-            return cache_control.plan_layer(self, moe_layer, pairs, weights)
+            return cache_control.plan_layer(self, moe_layer, pairs, weights, x)
+        if self.cpu_x is not None:
+            host = getattr(self.cpu_x, "host", self.cpu_x)  # (HostRows: the tensor it wraps)
+            host[: x.shape[0]].copy_(x, non_blocking=True)
         return self.plan_torch(moe_layer, pairs, weights)
 
     def plan_torch(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):

@@ -3,13 +3,15 @@ graph, so `hybrid`'s decode step, like `offload`'s, is one graph replay with no 
 
 Per layer step of T tokens (R = T x k routes), in the graph's stream order:
 
-    x -> `x` (pinned)                     a copy node
-    the plan (moe/device_control.py)      writes the CPU's routes and gate weights straight
-                                          into `pairs` / `weights` (mapped pinned memory)
+    the plan (moe/device_control.py)      writes the CPU's routes, gate weights and the
+                                          activations straight into `pairs`, `weights` and
+                                          `x` (mapped pinned memory)
     bell = T << 20 | k << 12 | layer + 1  a stream memory write, fenced after all of the above
     fills, the GPU's experts              while the CPU team computes its share
-    wait until done == bell; done = 0     stream memory operations (kernels/stream_memops.py)
-    partial <- `out` (pinned, fp32)       a copy node; the merge adds it in the layer's dtype
+    wait until done == bell               a stream memory wait (kernels/stream_memops.py)
+    merge                                 GPU output + the fp32 partial read from `out` in
+                                          host memory, in the layer's dtype; done = 0
+                                          (kernels/host_partial.py)
 
 The listener (a native thread of kernels/cpu_experts.c) watches the bell, runs the job on the
 team and answers in `done`. Layers are strictly in order (a layer rings only after the last
@@ -30,6 +32,7 @@ from freetoken.activations import activation_code
 from freetoken.kernels import stream_memops
 from freetoken.kernels.cpu_team import library
 from freetoken.kernels.expert_fill import HostRows
+from freetoken.kernels.host_partial import add_host_partial
 from freetoken.moe.store import HostExpertStore
 
 BELL, DONE = 0, 16  # int32 words of `words`, a cache line apart
@@ -62,8 +65,6 @@ class CPUDoorbell:
         self.out = torch.zeros(routes, hidden, dtype=torch.float32, pin_memory=on_cuda)
         self.stats = np.zeros((store.num_layers, 4))
         self._folded = self.stats.copy()
-        # the partial's place on the device (made here, never inside a capture)
-        self.partial = torch.empty(routes, hidden, dtype=torch.float32, device=device)
         self._lib = lib
         w_gate_up, w_down = store.w_gate_up, store.w_down
         self._handle = lib.ft_listener_start(
@@ -81,9 +82,9 @@ class CPUDoorbell:
         return self.words.data_ptr() + 4 * index
 
     @property
-    def routes(self) -> tuple[HostRows, HostRows]:
-        """Where the plan writes the CPU's routes (DeviceControl's `cpu_routes`)."""
-        return HostRows(self.pairs), HostRows(self.weights)
+    def inputs(self) -> tuple[HostRows, HostRows, HostRows]:
+        """Where the plan writes the CPU's share (DeviceControl's `cpu_inputs`)."""
+        return HostRows(self.pairs), HostRows(self.weights), HostRows(self.x)
 
     @staticmethod
     def bell_value(moe_layer: int, tokens: int, top_k: int) -> int:
@@ -91,21 +92,14 @@ class CPUDoorbell:
         assert moe_layer < 4095 and top_k < 256 and tokens < 4096
         return tokens << 20 | top_k << 12 | (moe_layer + 1)
 
-    def send(self, x: torch.Tensor) -> None:
-        """The layer's activations, for the CPU (before the bell)."""
-        self.x[: x.shape[0]].copy_(x, non_blocking=True)
-
     def ring(self, moe_layer: int, tokens: int, top_k: int) -> None:
         stream_memops.write(self._word(BELL), self.bell_value(moe_layer, tokens, top_k))
 
-    def collect(self, moe_layer: int, tokens: int, top_k: int) -> torch.Tensor:
-        """The CPU's fp32 partial [T, H] on the device, once the listener has answered."""
-        bell = self.bell_value(moe_layer, tokens, top_k)
+    def merge(self, moe_layer: int, top_k: int, gpu: torch.Tensor) -> torch.Tensor:
+        """gpu [T, H] + the CPU's partial, once the listener has answered."""
+        bell = self.bell_value(moe_layer, gpu.shape[0], top_k)
         stream_memops.wait_equal(self._word(DONE), bell)
-        stream_memops.write(self._word(DONE), 0)
-        partial = self.partial[:tokens]
-        partial.copy_(self.out[:tokens], non_blocking=True)
-        return partial
+        return add_host_partial(gpu.contiguous(), HostRows(self.out), HostRows(self.words), DONE)
 
     def fold(self) -> np.ndarray:
         """The listener's counters per layer since the last call: [L, 4] (jobs, routes,
@@ -122,7 +116,7 @@ class CPUDoorbell:
     def close(self) -> None:
         """Stop the listener (after the device has finished every step that rings it)."""
         if self._handle:
-            if torch.cuda.is_available():
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._lib.ft_listener_stop(self._handle)
             self._handle = None

@@ -230,21 +230,17 @@ class MoERuntime:
         """Decide, fill and compute on the device (moe/device_control.py); hybrid's CPU share
         meanwhile, through the doorbell (moe/doorbell.py)."""
         pairs = ids + moe_layer * self.store.num_experts
-        tokens, bell = x.shape[0], self.doorbell
+        bell = self.doorbell
+        slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs, weights, x)
         if bell is not None:
-            bell.send(x)
-        slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs, weights)
-        if bell is not None:
-            bell.ring(moe_layer, tokens, ids.shape[1])
+            bell.ring(moe_layer, x.shape[0], ids.shape[1])
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         out = self._gpu(x, slots, weights)
         if self._split is None:
             return out  # offload: no CPU share
         if bell is not None:
-            partial = bell.collect(moe_layer, tokens, ids.shape[1])
-        else:
-            partial = self._cpu_share(moe_layer, x, ids.numel())
-        return out + partial.to(x.dtype)
+            return bell.merge(moe_layer, ids.shape[1], out)
+        return out + self._cpu_share(moe_layer, x, ids.numel()).to(x.dtype)
 
     def _cpu_share(self, moe_layer: int, x: torch.Tensor, routes: int) -> torch.Tensor:
         """The CPU tier's doorbell: the routes the plan left to the CPU, run now (fp32)."""
@@ -687,7 +683,7 @@ def build_runtime(
             streamer = LayerStreamer(store, cache, device, act)
     control = doorbell = split = None
     if strategy in ("offload", "hybrid") and options.device_control:
-        cpu_routes = split_at = None
+        cpu_inputs = split_at = None
         if strategy == "hybrid":
             # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA
             # in mapped pinned memory, which the plans read where it lies
@@ -695,11 +691,11 @@ def build_runtime(
             if device.type == "cuda":
                 doorbell = _doorbell(store, act, cpu, options, device)
                 split_at = HostRows(split) if doorbell is not None else None
-                cpu_routes = doorbell.routes if doorbell is not None else None
+                cpu_inputs = doorbell.inputs if doorbell is not None else None
         if strategy == "offload" or split_at is not None:
             # The policy's state moves to the device, where the plans read and update it.
             cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-            control = DeviceControl(cache, cache.policy, split_at, cpu_routes)
+            control = DeviceControl(cache, cache.policy, split_at, cpu_inputs)
         else:
             split = None  # no doorbell: hybrid decides on the host
     return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer,
