@@ -8,9 +8,9 @@ Per layer step of T tokens (R = T x k routes), in the graph's stream order:
                                           `x` (mapped pinned memory)
     bell = T << 20 | k << 12 | layer + 1  a stream memory write, fenced after all of the above
     fills, the GPU's experts              while the CPU team computes its share
-    wait until done == bell               a stream memory wait (kernels/stream_memops.py)
+    wait until done == bell; done = 0     stream memory operations (kernels/stream_memops.py)
     merge                                 GPU output + the fp32 partial read from `out` in
-                                          host memory, in the layer's dtype; done = 0
+                                          host memory, in the layer's dtype
                                           (kernels/host_partial.py)
 
 The listener (a native thread of kernels/cpu_experts.c) watches the bell, runs the job on the
@@ -35,7 +35,8 @@ from freetoken.kernels.expert_fill import HostRows
 from freetoken.kernels.host_partial import add_host_partial
 from freetoken.moe.store import HostExpertStore
 
-BELL, DONE = 0, 16  # int32 words of `words`, a cache line apart
+# int32 words of `words`, 256 bytes apart: never in one line of the GPU's L2 (128 bytes)
+BELL, DONE = 0, 64
 JOBS, ROUTES, SECONDS, EXPERTS = range(4)  # the listener's counters per layer
 # How long the listener spins after a job before it polls every 20 us: decode steps come
 # back to back, and a step's first layer should not wait for a sleeping thread.
@@ -58,7 +59,7 @@ class CPUDoorbell:
             raise RuntimeError("the device's doorbell needs the native CPU library")
         self.store, self.device, self.max_routes = store, device, max_routes
         routes, hidden = max_routes, store.shape.hidden
-        self.words = torch.zeros(32, dtype=torch.int32, pin_memory=on_cuda)
+        self.words = torch.zeros(128, dtype=torch.int32, pin_memory=on_cuda)
         self.pairs = torch.full((routes,), -1, dtype=torch.long, pin_memory=on_cuda)
         self.weights = torch.zeros(routes, dtype=torch.float32, pin_memory=on_cuda)
         self.x = torch.zeros(routes, hidden, dtype=store.shape.dtype, pin_memory=on_cuda)
@@ -99,7 +100,8 @@ class CPUDoorbell:
         """gpu [T, H] + the CPU's partial, once the listener has answered."""
         bell = self.bell_value(moe_layer, gpu.shape[0], top_k)
         stream_memops.wait_equal(self._word(DONE), bell)
-        return add_host_partial(gpu.contiguous(), HostRows(self.out), HostRows(self.words), DONE)
+        stream_memops.write(self._word(DONE), 0)
+        return add_host_partial(gpu.contiguous(), HostRows(self.out))
 
     def fold(self) -> np.ndarray:
         """The listener's counters per layer since the last call: [L, 4] (jobs, routes,
