@@ -294,3 +294,31 @@ def test_the_merge_adds_the_host_partial_as_torch_rounds_it_in_the_interpreter()
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}
+
+
+def test_hybrid_on_the_device_times_whole_steps_for_its_step_modes():
+    """Each way of stepping is timed from begin_step to end_step (the device's clock on CUDA,
+    wall time here) and tried in turn until each has its samples; a step that captured a
+    graph (end_step(timed=False)) and a non-decode forward are not counted."""
+    from freetoken.moe.runtime import build_runtime
+    from freetoken.moe.split import CPU, FILL, SPLIT
+
+    store = tiny_store(num_layers=2, num_experts=8)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4"))
+    gen = torch.Generator().manual_seed(4)
+
+    def step(timed=True, decode=True):
+        rt.begin_step(2, decode=decode)
+        for layer in range(2):
+            ids = torch.randint(0, 8, (2, 1), generator=gen)
+            rt(layer, torch.randn(2, store.shape.hidden, generator=gen), ids, torch.rand(2, 1))
+        rt.end_step(timed=timed)
+
+    step(timed=False)  # (a capture): chose a way, not timed
+    for _ in range(12):
+        step()
+    step(decode=False)  # a prefill chunk ends the last decode step's clock, uncounted
+    seen = rt.step_modes.samples[2]
+    # 4 timed steps each way (split, fill, cpu), the first of each a warm-up
+    assert [len(seen[m]) for m in (SPLIT, FILL, CPU)] == [3, 3, 3]
+    assert all(s > 0 for m in (SPLIT, FILL, CPU) for s in seen[m])

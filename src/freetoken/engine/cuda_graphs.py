@@ -85,6 +85,7 @@ class DecodeGraphs:
         self.seen: set[tuple] = set()
         self.eager: set[tuple] = set()  # shapes whose capture ran out of device memory
         self.replays = 0
+        self.captured_now = False  # whether the last `run` captured its shape
 
     @staticmethod
     def key(batch: ForwardBatch) -> tuple:
@@ -96,6 +97,7 @@ class DecodeGraphs:
         eagerly."""
         key = self.key(batch)
         capture = self.captures.get(key)
+        self.captured_now = False
         if capture is None:
             if key not in self.seen or key in self.eager:
                 self.seen.add(key)
@@ -110,6 +112,7 @@ class DecodeGraphs:
                 torch.cuda.empty_cache()
                 return None
             self.captures[key] = capture
+            self.captured_now = True
             if len(self.captures) > MAX_CAPTURES:
                 self.captures.popitem(last=False)
         self.captures.move_to_end(key)

@@ -169,7 +169,10 @@ class ModelRunner:
             self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )
         logits = self.graphs.run(batch) if decode else None
+        captured = decode and self.graphs.captured_now
         if logits is None:
             logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
+        if self.moe is not None:
+            self.moe.end_step(timed=not captured)
         commit(seqs, batch)
         return logits

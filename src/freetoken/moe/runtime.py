@@ -47,7 +47,15 @@ from freetoken.moe.device_control import DeviceControl
 from freetoken.moe.doorbell import CPUDoorbell
 from freetoken.moe.policy import ExpectedNextUsePolicy, default_policy, make_policy
 from freetoken.moe.prefill import LayerStreamer
-from freetoken.moe.split import CPU, FILL, SPLIT, BandwidthTracker, StepModes, split_misses
+from freetoken.moe.split import (
+    CPU,
+    FILL,
+    SPLIT,
+    BandwidthTracker,
+    StepClock,
+    StepModes,
+    split_misses,
+)
 from freetoken.moe.store import HostExpertStore
 from freetoken.telemetry import MoETelemetry
 
@@ -124,6 +132,8 @@ class MoERuntime:
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
         self.step_modes = StepModes()
         self._step: tuple[float, int, str] | None = None  # (start, tokens, mode) of a step
+        self._clock = StepClock(device)  # device-decided steps' times (begin_step, end_step)
+        self._timed = None  # the last such step: (start, stop, tokens, mode)
         # `static`'s placement never changes: the layers whose steps may give the CPU routes
         self._static_cpu_layers = set()
         if strategy == "static":
@@ -156,19 +166,17 @@ class MoERuntime:
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         """Called before every forward: for hybrid deciding on the device, the last decode
-        step timed for `StepModes` (from one decode step's start to the next's, same batch
-        size), this one's way chosen and its split written where the plans read it."""
+        step's time given to `StepModes`, this step's way chosen and its split written where
+        the plans read it."""
         if self._split is None:
             return
-        now = time.perf_counter()
-        last, self._step = self._step, None
-        if last is not None and decode and last[1] == tokens:
-            self.step_modes.observe(tokens, last[2], now - last[0])
+        self._observe_timed_step()
+        self._step = None
         if not decode or tokens >= self.options.fill_all_from_tokens:
             return
         self._fold_cpu_share()
         mode = self.step_modes.choose(tokens)
-        self._step = (now, tokens, mode)
+        self._step = (self._clock.start(), tokens, mode)
         cap = float(self.options.max_fetch or 2**30)
         if mode == SPLIT:
             fill, cpu = self.tracker.fill, self.tracker.cpu
@@ -178,6 +186,21 @@ class MoERuntime:
         else:
             values = (0.0, 0.0, 0.0)
         self._split.numpy()[:] = values
+
+    def end_step(self, timed: bool = True) -> None:
+        """Called after every forward was queued; `timed` False for a step whose time says
+        nothing of its way (one that captured a decode graph)."""
+        if self._step is not None and self._split is not None and timed:
+            start, tokens, mode = self._step
+            self._timed = (start, self._clock.stop(), tokens, mode)
+
+    def _observe_timed_step(self) -> None:
+        if self._timed is not None:
+            start, stop, tokens, mode = self._timed
+            seconds = self._clock.seconds(start, stop)
+            if seconds is not None:
+                self.step_modes.observe(tokens, mode, seconds)
+            self._timed = None
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape runs on the device alone (a decode graph holds it)."""
@@ -498,6 +521,8 @@ class MoERuntime:
         """Time hybrid decode steps in each of `StepModes`' ways: from the first MoE layer's
         round trip to the last one's, which waits for all the work of the layers before it,
         both paths of their misses included."""
+        if self._split is not None:
+            return  # a device-decided runtime times whole steps (begin_step, end_step)
         if self.strategy != "hybrid" or tokens >= self.options.fill_all_from_tokens:
             self._step = None
             return

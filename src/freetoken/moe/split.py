@@ -12,7 +12,10 @@ measured, they contend less (CPU GEMV 34 GB/s with a pinned copy at 54 GB/s at o
 
 from __future__ import annotations
 
+import time
 from collections import deque
+
+import torch
 
 
 def split_misses(
@@ -147,3 +150,36 @@ class StepModes:
         timed = self.timed[batch, mode] = self.timed.get((batch, mode), 0) + 1
         if timed > 1:  # the first is the warm-up
             self._samples(batch)[mode].append(seconds)
+
+
+class StepClock:
+    """Times decode steps decided on the device by the device's own clock: an event where a
+    step starts and one where all its work is queued, read when the next step starts (the
+    sampler has waited for the step by then). Gaps between steps (the host's scheduling,
+    other work, a benchmark's other contenders) are not counted. On the CPU, wall time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:  # one pair, reused: a step's times are read before the next is started
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._stop = torch.cuda.Event(enable_timing=True)
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        self._start.record()
+        return self._start
+
+    def stop(self):
+        if not self.cuda:
+            return time.perf_counter()
+        self._stop.record()
+        return self._stop
+
+    def seconds(self, start, stop) -> float | None:
+        """The step's seconds, or None if its work is not done yet."""
+        if not self.cuda:
+            return stop - start
+        if not stop.query():
+            return None
+        return start.elapsed_time(stop) / 1e3
