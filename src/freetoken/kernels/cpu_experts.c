@@ -816,9 +816,13 @@ static void *listener_main(void *arg) {
             continue;
         }
         __atomic_store_n(l->bell, 0u, __ATOMIC_SEQ_CST);
-        if (now() - last > 1e-3) ft_cpu_experts_prepare(l->prepare); /* the team, awake */
+        if (now() - last > l->prepare) ft_cpu_experts_prepare(l->prepare); /* wake the team */
         serve_bell(l, bell);
         __atomic_store_n(l->done, bell, __ATOMIC_SEQ_CST); /* after the partial's stores */
+        /* The next layer's job comes within a layer step: the team waits for it awake rather
+         * than asleep (a futex wake-up of every thread per layer otherwise). Off the GPU's
+         * path: done is written. */
+        ft_cpu_experts_prepare(l->prepare);
         last = now();
     }
     return NULL;
