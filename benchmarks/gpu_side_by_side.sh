@@ -10,7 +10,7 @@ out=${1:?output directory}; layers=${2:-16}; ncmoe=${3:-10}
 shift 3
 export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
-mkdir -p /tmp/lb /tmp/conv
+mkdir -p "$out" /tmp/lb /tmp/conv
 tar xJf .carry/llama-bench-cuda-sm90.tar.xz -C /tmp/lb
 tar xJf .carry/gguf-convert.tar.xz -C /tmp/conv
 start=$(date +%s)
