@@ -36,6 +36,12 @@ def test_decode_offload_table(tmp_path):
     for strategy in ("fused", "offload", "hybrid"):
         for team in ("t1", "t2"):  # each strategy with each CPU team size
             assert f"| {strategy}/{team} | 1 |" in table
+    header = next(line for line in table.splitlines() if line.startswith("| cache | strategy"))
+    column = [c.strip() for c in header.split("|")].index("host ms")
+    width = header.count("|")  # (the phase table below has fewer columns)
+    rows = [line.split("|") for line in table.splitlines()
+            if "/t1 | 1 |" in line and line.count("|") == width]  # fmt: skip
+    assert rows and all(float(row[column]) > 0 for row in rows)  # the host's time per step
 
 
 def test_host_step_table(tmp_path):
