@@ -734,7 +734,9 @@ def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
         log.info("device control: no native CPU kernel or stream memory operations here; "
                  "hybrid decides on the host")  # fmt: skip
         return None
-    # The listener thread joins each job, so the team gives it one of its threads.
-    threads = max(1, cpu.native.threads - 1)
+    # The listener thread joins each job, and spins between them, as the team does while
+    # decode steps come: the team gives up two threads, so the thread driving the GPU (and
+    # the driver's own) keep a core.
+    threads = max(1, cpu.native.threads - 2)
     prepare = options.cpu_prepare_us * 1e-6
     return CPUDoorbell(store, act, threads, cache_control.MAX_ROUTES, device, prepare)
