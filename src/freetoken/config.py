@@ -37,8 +37,9 @@ class MoEOptions:
     # streaming, without the overlap. Streaming ran at 0.97-1.09x the PCIe floor from 1k to 8k
     # tokens on the H200 machine (benchmarks/results/2026-11-29-prefill-h200.md).
     prefill_stream_threshold: int | None = 128
-    # `offload` decides its decode calls on the device (moe/device_control.py), so a decode
-    # step is one CUDA graph with no host in the loop; False keeps the host's decisions.
+    # `offload` and `hybrid` decide their decode calls on the device (moe/device_control.py,
+    # moe/doorbell.py), so a decode step is one CUDA graph with no host in the loop; False
+    # keeps the host's decisions.
     device_control: bool = True
     # `offload` and `hybrid` start with every slot filled, the layers' experts in turn (slot
     # s: expert s // L of layer s % L), rather than empty: a slot left empty is a miss paid

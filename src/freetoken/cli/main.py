@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         m,
         "--no-moe-device-control",
         action="store_true",
-        help="offload: decide decode steps' fills on the host instead of on the device",
+        help="offload and hybrid: decide decode steps on the host instead of on the device",
     )
     option(m, "--cpu-threads", type=int, help="CPU expert threads (default: cores - 1)")
     option(

@@ -1,13 +1,13 @@
 """The device expert cache: ONE pool of slots shared by every MoE layer.
 
 A slot holds every tensor of one expert (a row of each bank) in device memory. The tables,
-`slot_of[pair]` (-1 when not cached) and `pair_of[slot]` (-1 when empty), live on the host:
-every strategy that uses this cache decides per layer on the host, after the one round trip
-that tells it which experts were routed (it must know the misses to copy them or hand them to
-the CPU), so the lookup, the rewrite to slot ids and the policy's victim choice run there as
-numpy ops on the host tables (about a microsecond each; a torch op on a tiny tensor costs 5-10
-on the host, and on the device a launch of 10-25 us on the H200 machine and a second round trip
-to learn the victims).
+`slot_of[pair]` (-1 when not cached) and `pair_of[slot]` (-1 when empty), live on the host
+for the calls the host decides, after the one round trip that tells it which experts were
+routed: the lookup, the rewrite to slot ids and the policy's victim choice run there as numpy
+ops on the host tables (about a microsecond each; a torch op on a tiny tensor costs 5-10 on
+the host). Decode calls of `offload` and `hybrid` are decided on the device instead, on device
+copies of these tables (moe/device_control.py), which are synchronised with these around
+every host-decided call.
 Which slot to give up is the eviction policy's call (`moe/policy.py`).
 """
 
