@@ -20,10 +20,11 @@ layer, like `fused`'s, is captured in the step's CUDA graph. Calls the host must
 prefill chunks, streamed layers, a cache smaller than a call's routes) work on the host
 tables, synchronised with the device's around them.
 
-Strategies: `fused` (every expert resident), `offload` (every miss filled), `cpu` (every miss
-on the CPU, no cache), `hybrid` (the split), `static` (a fixed set chosen at load stays on the
-GPU, the rest always on the CPU: llama.cpp's and KTransformers' placement, kept as a
-baseline), `auto` (fused when everything fits, else hybrid).
+Strategies (moe/strategies.py says what each does; the runtime reads that, not names):
+`fused` (every expert resident), `offload` (every miss filled), `cpu` (every miss on the CPU,
+no cache), `hybrid` (the split), `static` (a fixed set chosen at load stays on the GPU, the
+rest always on the CPU: llama.cpp's and KTransformers' placement, kept as a baseline), `auto`
+(fused when everything fits, else hybrid).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from freetoken.moe.split import (
     split_misses,
 )
 from freetoken.moe.store import HostExpertStore
+from freetoken.moe.strategies import STRATEGIES
 from freetoken.telemetry import MoETelemetry
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ class MoERuntime:
         (f, lo, hi) the control's plans read), hybrid's split, whose CPU share runs through
         `doorbell` on CUDA and on the executor at once on the CPU tier."""
         self.store, self.device, self.strategy = store, device, strategy
+        self.kind = STRATEGIES[strategy]  # what the strategy does (moe/strategies.py)
         self.cache, self.cpu, self.options, self.act = cache, cpu, options, act
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
         self._telemetry = MoETelemetry.for_layers(store.num_layers)
@@ -136,7 +139,7 @@ class MoERuntime:
         self._timed = None  # the last such step: (start, stop, tokens, mode)
         # `static`'s placement never changes: the layers whose steps may give the CPU routes
         self._static_cpu_layers = set()
-        if strategy == "static":
+        if self.kind.fixed_placement:
             on_cpu = (cache.slot_of.numpy() < 0).reshape(store.num_layers, -1).any(1)
             self._static_cpu_layers = set(np.flatnonzero(on_cpu).tolist())
 
@@ -204,7 +207,7 @@ class MoERuntime:
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape runs on the device alone (a decode graph holds it)."""
-        if self.strategy == "fused":
+        if self.kind.resident:
             return self.cpu is None
         return self._decided_on_device(tokens, routes)
 
@@ -221,7 +224,7 @@ class MoERuntime:
     def __call__(
         self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.strategy == "fused":
+        if self.kind.resident:
             # Every expert is resident: no lookup, no host round trip, nothing to count but calls.
             self._telemetry.layers[moe_layer].calls += 1
             pairs = ids + moe_layer * self.store.num_experts
@@ -307,7 +310,7 @@ class MoERuntime:
         the host only `host_phase`: strategies that decide on the host and have a cache, for
         calls that neither stream whole layers nor take the grouped-GEMM path."""
         return (
-            self.strategy != "fused"
+            not self.kind.resident
             and self.cache is not None
             and not self._streams(tokens)
             and routes < GROUPED_GEMM_FROM_ROUTES
@@ -369,7 +372,7 @@ class MoERuntime:
         misses = pairs[missed] if len(pairs) == 1 else np.unique(pairs[missed])
         hits = len(routed) - len(misses)
         fill, policy = misses[:0], None
-        if self.strategy in ("offload", "hybrid"):
+        if self.kind.fills:
             policy = cache.policy
             q = self._fill_count(len(misses), hits, x.shape[0])
             fill = misses[:q]
@@ -435,11 +438,11 @@ class MoERuntime:
             or tokens >= self.options.fill_all_from_tokens
         ):
             return False
-        if self.strategy == "cpu":
+        if not self.kind.cached:
             return True
-        if self.strategy == "static":
+        if self.kind.fixed_placement:
             return moe_layer in self._static_cpu_layers
-        if self.strategy == "hybrid":
+        if self.kind.splits:
             return self._step is None or self._step[2] != FILL
         return False
 
@@ -523,7 +526,7 @@ class MoERuntime:
         both paths of their misses included."""
         if self._split is not None:
             return  # a device-decided runtime times whole steps (begin_step, end_step)
-        if self.strategy != "hybrid" or tokens >= self.options.fill_all_from_tokens:
+        if not self.kind.splits or tokens >= self.options.fill_all_from_tokens:
             self._step = None
             return
         now = time.perf_counter()
@@ -538,7 +541,7 @@ class MoERuntime:
         """How many misses to copy into the cache (the rest run on the CPU)."""
         if misses == 0:
             return 0
-        if self.strategy == "offload" or tokens >= self.options.fill_all_from_tokens:
+        if not self.kind.splits or tokens >= self.options.fill_all_from_tokens:
             q = misses
         else:
             mode = self._step[2] if self._step is not None else SPLIT
@@ -649,46 +652,24 @@ def build_runtime(
     slots = cache_slots_for(options, device, store, reserve_bytes + stream_bytes)
     profile = load_profile(device, store.shape)
     strategy = resolve_strategy(options, device, store, slots, profile)
-    if strategy in ("offload", "hybrid", "static") and device.type == "cuda" and not store.pin():
-        strategy = "cpu"
-    if strategy == "fused":
-        cache = ExpertCache.resident(store, device)
-    elif strategy == "cpu" or not slots:
-        strategy, cache = "cpu", None
-    elif strategy == "static":
-        cache = ExpertCache(store, slots, device)
-        # llama.cpp's --n-cpu-moe keeps whole layers on the CPU from the first layer on; the
-        # experts of the last layers stay on the GPU.
-        cache.preload(range(store.num_pairs - slots, store.num_pairs))
-    else:
-        policy = make_policy(options.policy) if options.policy else default_policy()
-        if (
-            strategy in ("offload", "hybrid")
-            and options.device_control
-            and not hasattr(policy, "observe_masked")
-        ):
-            # Device control needs a policy with a fixed-shape update; the default's is not
-            # written yet: the closest one that has it (38.0% against 42.3% hits on
-            # gpt-oss-20b at a 10% cache).
-            log.info("device control: policy %s has no device form; using expected-next-use",
-                     policy.name)  # fmt: skip
-            policy = ExpectedNextUsePolicy()
-        cache = ExpertCache(store, slots, device, policy=policy)
-        if options.warm_cache:
-            cache.preload(warm_order(store))
+    kind = STRATEGIES[strategy]
+    if not kind.resident and (
+        not slots or (kind.cached and device.type == "cuda" and not store.pin())
+    ):
+        kind = STRATEGIES["cpu"]  # no cache, or no pinned pool to fill it from
+    cache = _cache_for(kind, store, slots, device, options)
     cpu = None
-    if strategy == "fused" and device.type == "cpu":
+    if not kind.resident or device.type == "cpu":
         executor = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
-        cpu = executor if executor.native is not None else None
-    if strategy != "fused":
-        cpu = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
-        if device.type == "cuda" and cpu.native is not None:
+        # (fused on a CPU-only machine: the native kernel for decode-sized calls, if any)
+        cpu = executor if not kind.resident or executor.native is not None else None
+        if not kind.resident and device.type == "cuda" and cpu.native is not None:
             # Torch's own CPU work is now only the policy's small ops: one thread, so its
             # spinning OpenMP team does not take cores from the expert kernel's.
             torch.set_num_threads(1)
     log.info(
         "MoE strategy %s, expert cache %s slots of %d",
-        strategy,
+        kind.name,
         cache.num_slots if cache is not None else 0,
         store.num_pairs,
     )
@@ -696,35 +677,68 @@ def build_runtime(
     if profile is not None and profile.pcie_concurrent and profile.cpu_concurrent:
         tracker = BandwidthTracker(profile.pcie_concurrent, profile.cpu_concurrent)
     streamer = None
-    if strategy != "fused" and streaming:
-        need = stream_bytes
-        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < need + reserve_bytes:
+    if not kind.resident and streaming:
+        if (
+            device.type == "cuda"
+            and torch.cuda.mem_get_info(device)[0] < stream_bytes + reserve_bytes
+        ):
             log.warning(
                 "no room for two layers of experts (%.1f GiB): long prefills fill the cache "
                 "on demand, layer by layer",
-                need / 2**30,
+                stream_bytes / 2**30,
             )
         else:
             streamer = LayerStreamer(store, cache, device, act)
     control = doorbell = split = None
-    if strategy in ("offload", "hybrid") and options.device_control:
-        cpu_inputs = split_at = None
-        if strategy == "hybrid":
-            # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA
-            # in mapped pinned memory, which the plans read where it lies
-            split = split_at = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
-            if device.type == "cuda":
-                doorbell = _doorbell(store, act, cpu, options, device)
-                split_at = HostRows(split) if doorbell is not None else None
-                cpu_inputs = doorbell.inputs if doorbell is not None else None
-        if strategy == "offload" or split_at is not None:
-            # The policy's state moves to the device, where the plans read and update it.
-            cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-            control = DeviceControl(cache, cache.policy, split_at, cpu_inputs)
-        else:
-            split = None  # no doorbell: hybrid decides on the host
-    return MoERuntime(store, device, strategy, cache, cpu, options, act, tracker, streamer,
+    if kind.on_device and options.device_control:
+        control, doorbell, split = _device_control(kind, store, cache, cpu, act, options, device)
+    return MoERuntime(store, device, kind.name, cache, cpu, options, act, tracker, streamer,
                       control, doorbell, split)  # fmt: skip
+
+
+def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
+    """The strategy's expert cache: every expert resident, a fixed placement, or slots run by
+    an eviction policy (with the policy device control needs, when it decides)."""
+    if kind.resident:
+        return ExpertCache.resident(store, device)
+    if not kind.cached:
+        return None
+    if kind.fixed_placement:
+        cache = ExpertCache(store, slots, device)
+        # llama.cpp's --n-cpu-moe keeps whole layers on the CPU from the first layer on; the
+        # experts of the last layers stay on the GPU.
+        cache.preload(range(store.num_pairs - slots, store.num_pairs))
+        return cache
+    policy = make_policy(options.policy) if options.policy else default_policy()
+    if kind.on_device and options.device_control and not hasattr(policy, "observe_masked"):
+        # Device control needs a policy with a fixed-shape update; the default's is not
+        # written yet: the closest one that has it (38.0% against 42.3% hits on gpt-oss-20b at
+        # a 10% cache).
+        log.info("device control: policy %s has no device form; using expected-next-use",
+                 policy.name)  # fmt: skip
+        policy = ExpectedNextUsePolicy()
+    cache = ExpertCache(store, slots, device, policy=policy)
+    if options.warm_cache:
+        cache.preload(warm_order(store))
+    return cache
+
+
+def _device_control(kind, store, cache, cpu, act, options, device):
+    """(control, doorbell, split) for a strategy that decides its decode calls on the device;
+    (None, None, None) where it cannot (hybrid on CUDA without a doorbell)."""
+    cpu_inputs = split_at = split = doorbell = None
+    if kind.splits:
+        # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA in
+        # mapped pinned memory, which the plans read where it lies
+        split = split_at = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
+        if device.type == "cuda":
+            doorbell = _doorbell(store, act, cpu, options, device)
+            if doorbell is None:
+                return None, None, None  # hybrid decides on the host
+            split_at, cpu_inputs = HostRows(split), doorbell.inputs
+    # The policy's state moves to the device, where the plans read and update it.
+    cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
+    return DeviceControl(cache, cache.policy, split_at, cpu_inputs), doorbell, split
 
 
 def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
