@@ -1,6 +1,8 @@
 """Decode speed of every MoE strategy on a Qwen3-30B-A3B-shaped random bf16 model.
 
     python benchmarks/decode_offload.py --layers 16 --cache 8GiB --cache 37% --out results.md
+    python benchmarks/decode_offload.py --shape gpt-oss-20b --layers 24 \
+        --routing trace:../shared/traces/gpt-oss-20b-decode.npz --cache 10% --cache 25%
 
 Builds the model in memory (random weights: no checkpoint to write or read), measures B_P,
 B_H and both at once with the same code as `ft bench bw`, then for each cache size builds every
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from freetoken.config import MoEOptions
@@ -47,6 +50,22 @@ def qwen3_30b_a3b(layers: int) -> dict:
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
         "tie_word_embeddings": False,
     }  # fmt: skip
+
+
+def gpt_oss_20b(layers: int) -> dict:
+    """gpt-oss-20b's expert shapes and routing (24 layers of 32 experts, top-4, hidden and
+    expert width 2880), on the Qwen3-MoE layers: the bytes an expert moves and the routing a
+    trace of it gives, not its attention (sinks, sliding window) or its biased experts."""
+    raw = qwen3_30b_a3b(layers)
+    raw.update(
+        vocab_size=201088, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, intermediate_size=2880, moe_intermediate_size=2880, num_experts=32,
+        num_experts_per_tok=4, rope_theta=150000.0, max_position_embeddings=131072,
+    )  # fmt: skip
+    return raw
+
+
+SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b}
 
 
 def tiny(layers: int) -> dict:
@@ -132,6 +151,61 @@ def use_uniform_routing(loaded: LoadedModel, seed: int = 0) -> None:
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
             layer.moe.router = UniformRouter(loaded.config.moe.num_experts)
+
+
+class TraceRouter(torch.nn.Module):
+    """Router logits that make top-k pick what a real routing trace picked (moe/trace.py): MoE
+    layer l of the model routes row i of a call like layer l % L of trace token
+    (cursor + i * stride) % N, with the trace's router probabilities as gate weights where it
+    has them. Rows of one call are sequences of a batch: `stride` keeps them far apart in the
+    trace (different requests, as in serving) rather than consecutive tokens of one. The
+    cursor lives on the device and the last MoE layer advances it, so a CUDA graph replays the
+    trace token after token."""
+
+    def __init__(self, experts, probs, layer: int, num_experts: int, cursor, stride: int,
+                 last: bool):  # fmt: skip
+        super().__init__()
+        self.experts, self.probs, self.layer = experts, probs, layer % experts.shape[1]
+        self.num_experts, self.cursor, self.stride, self.last = num_experts, cursor, stride, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.experts.shape[0]
+        rows = (self.cursor + torch.arange(x.shape[0], device=x.device) * self.stride) % n
+        ids = self.experts[rows, self.layer]
+        logits = torch.full((x.shape[0], self.num_experts), -1e4, device=x.device, dtype=x.dtype)
+        logits.scatter_(1, ids, torch.log(self.probs[rows, self.layer]).to(x.dtype))
+        if self.last:
+            self.cursor.add_(1)
+        return logits
+
+
+def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dict:
+    """Route every MoE layer by the trace at `path`; returns what was read (for the report)."""
+    from freetoken.moe.trace import load_trace
+
+    trace = load_trace(path)
+    moe = loaded.config.moe
+    if trace.top_k != moe.top_k or trace.num_experts > moe.num_experts:
+        raise SystemExit(
+            f"trace {path}: top-{trace.top_k} of {trace.num_experts} experts does not fit a "
+            f"model of top-{moe.top_k} of {moe.num_experts} (use a shape that matches)"
+        )
+    device = next(loaded.model.parameters()).device
+    experts = torch.as_tensor(trace.routes(), device=device)
+    with np.load(path) as z:  # router probabilities where the trace has them, else equal
+        names = [f"probs_{int(r['index']):04d}" for r in trace.meta["requests"]]
+        if all(name in z.files for name in names):
+            probs = np.concatenate([z[name].astype(np.float32) for name in names])
+        else:
+            probs = np.full(experts.shape, 1.0 / trace.top_k, dtype=np.float32)
+    probs = torch.as_tensor(probs, device=device).clamp_min(1e-6)
+    cursor = torch.zeros((), dtype=torch.long, device=device)
+    blocks = [layer.moe for layer in loaded.model.layers if hasattr(layer, "moe")]
+    stride = max(1, experts.shape[0] // max_batch)
+    for i, block in enumerate(blocks):
+        block.router = TraceRouter(experts, probs, i, moe.num_experts, cursor, stride,
+                                   last=i == len(blocks) - 1)  # fmt: skip
+    return {"tokens": experts.shape[0], "layers": trace.num_layers, "top_k": trace.top_k}
 
 
 @dataclass
@@ -254,11 +328,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument(
         "--routing",
-        choices=("uniform", "model"),
         default="uniform",
-        help="uniform: random top-k per token (see UniformRouter); model: the random router",
+        help="uniform: random top-k per token (see UniformRouter); model: the random router; "
+        "trace:FILE: the choices of a real routing trace, token by token (see TraceRouter)",
     )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
@@ -266,10 +341,14 @@ def main() -> int:
     batches = args.batch or [1, 4]
     teams = args.cpu_threads or [None]
     device = torch.device(args.device)
-    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device)
     if args.routing == "uniform":
         use_uniform_routing(loaded)
+    elif args.routing.startswith("trace:"):
+        use_trace_routing(loaded, args.routing.removeprefix("trace:"))
+    elif args.routing != "model":
+        raise SystemExit(f"unknown --routing {args.routing!r}: uniform, model or trace:FILE")
     store = loaded.experts
     bw_profile = measure(store.shape, device, seconds=0.3 if args.tiny else 1.5)
     bw = {k: getattr(bw_profile, k) for k in ("pcie", "cpu_experts", "pcie_concurrent",
@@ -328,7 +407,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     lines = [
-        f"# decode_offload: Qwen3-30B-A3B shape, {args.layers} layers, random bf16 weights",
+        f"# decode_offload: {'tiny' if args.tiny else args.shape} shape, {args.layers} layers, "
+        "random bf16 weights",
         "",
         f"- GPU: {bw_profile.gpu}; CPU: {bw_profile.cpu}; torch {torch.__version__}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",

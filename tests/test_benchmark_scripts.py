@@ -87,3 +87,62 @@ def test_soak_counts_answers_and_memory(tmp_path):
     requests, errors, cancelled = int(cells[0]), int(cells[1]), int(cells[2])
     assert requests > 0 and errors == 0 and 0 <= cancelled <= requests
     assert cells[-2:] == ["0", "0"]  # nothing left running, no KV page held
+
+
+def write_trace(path, tokens=40, layers=2, experts=32, top_k=4, seed=0):
+    """A routing trace file in moe/trace.py's format: two requests."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    half = tokens // 2
+    arrays = {}
+    for r, n in enumerate((half, tokens - half)):
+        arrays[f"experts_{r:04d}"] = np.stack(
+            [[rng.choice(experts, top_k, replace=False) for _ in range(layers)] for _ in range(n)]
+        ).astype(np.int8)
+        arrays[f"probs_{r:04d}"] = rng.dirichlet(np.ones(top_k), (n, layers)).astype(np.float16)
+    meta = {
+        "num_layers": layers,
+        "num_experts": experts,
+        "top_k": top_k,
+        "requests": [{"index": 0, "tokens": half}, {"index": 1, "tokens": tokens - half}],
+    }
+    meta_bytes = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(path, meta_json=meta_bytes, **arrays)  # fmt: skip
+    return np.concatenate([arrays["experts_0000"], arrays["experts_0001"]])
+
+
+def test_trace_routing_replays_the_trace_token_by_token(tmp_path, monkeypatch):
+    """Every MoE layer's top-k is the trace's choice for its (token, layer), rows of a batch
+    far apart in the trace, and the cursor moves one token per forward (benchmarks/
+    decode_offload.py --routing trace:FILE)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from decode_offload import random_model, tiny, use_trace_routing
+
+    path = tmp_path / "trace.npz"
+    want = write_trace(path, tokens=40, layers=2)
+    loaded = random_model(tiny(3), torch.device("cpu"))  # 3 layers: layer 2 reads trace layer 0
+    use_trace_routing(loaded, str(path), max_batch=4)
+    routers = [layer.moe.router for layer in loaded.model.layers]
+    x = torch.zeros(4, loaded.config.hidden_size)
+    for step in range(12):
+        for layer, router in enumerate(routers):
+            ids = router(x).topk(4, dim=-1).indices.sort(-1).values
+            rows = [(step + b * 10) % 40 for b in range(4)]  # stride 40 // 4
+            expected = torch.as_tensor(want[rows, layer % 2]).long().sort(-1).values
+            assert torch.equal(ids, expected), (step, layer)
+    assert int(routers[0].cursor) == 12
+
+
+def test_decode_offload_runs_on_a_trace(tmp_path):
+    trace = tmp_path / "trace.npz"
+    write_trace(trace, tokens=60, layers=2)
+    out = tmp_path / "decode.md"
+    run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
+        "--cache", "40", "--strategy", "hybrid", "--routing", f"trace:{trace}",
+        "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    assert "| hybrid | 1 |" in out.read_text()
