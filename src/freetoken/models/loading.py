@@ -72,9 +72,11 @@ def load_model(
     needed = ckpt.nbytes(dtype) + HOST_MEMORY_MARGIN
     free = memory.available_host_bytes()
     if needed > free:
+        limit = memory.cgroup_limit()
+        where = f" (this container's memory limit is {memory.gib(limit)})" if limit else ""
         raise InsufficientMemoryError(
             f"{ckpt.path.name} needs about {memory.gib(needed)} of host memory to load at "
-            f"{str(dtype).removeprefix('torch.')}, but only {memory.gib(free)} is free"
+            f"{str(dtype).removeprefix('torch.')}, but only {memory.gib(free)} is free{where}"
         )
 
     with torch.device("meta"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.model_config import ModelConfig
+from freetoken.weights.memory import pinning_advice
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ class HostExpertStore:
                     cudart.cudaHostUnregister(p)
                 log.warning(
                     "could not page-lock the %.1f GiB expert pool (CUDA error %s); copies to the "
-                    "GPU would be slow, so experts that miss the cache run on the CPU instead",
+                    "GPU would be slow, so experts that miss the cache run on the CPU instead. "
+                    "To pin it: %s",
                     self.nbytes / 2**30,
                     int(err),
+                    pinning_advice(self.nbytes),
                 )
                 return False
             registered.append(ptr)

@@ -1,12 +1,31 @@
-"""How much host memory is free, for checks made before loading anything."""
+"""How much host memory is free and how much may be page-locked, for checks made before
+loading anything and for the advice given when the expert pool cannot be pinned.
+
+Free memory is the kernel's MemAvailable, lowered to what the process's memory cgroup still
+allows where one sets a limit (containers: cgroup v2's `memory.max`, v1's
+`memory.limit_in_bytes`), counting the cgroup's inactive page cache as reclaimable.
+"""
 
 from __future__ import annotations
 
 import os
+import resource
+from pathlib import Path
+
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value
+_V1_UNLIMITED = 2**62
 
 
-def available_host_bytes() -> int:
-    """Memory the kernel says can be allocated without swapping (MemAvailable)."""
+def available_host_bytes(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int:
+    """Memory that can be allocated without swapping or the cgroup's OOM killer."""
+    free = _mem_available()
+    room = cgroup_room(proc_cgroup, root)
+    return free if room is None else min(free, room)
+
+
+def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -15,6 +34,114 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cgroup_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int | None:
+    """The memory limit of this process's cgroup in bytes, or None where there is none."""
+    found = _cgroup_files(proc_cgroup, root)
+    return None if found is None else found[0]
+
+
+def cgroup_room(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes the cgroup still allows (limit - usage + its inactive page cache), or None."""
+    found = _cgroup_files(proc_cgroup, root)
+    if found is None:
+        return None
+    limit, usage, reclaimable = found
+    return max(0, limit - usage + reclaimable)
+
+
+def _cgroup_files(proc_cgroup: Path, root: Path) -> tuple[int, int, int] | None:
+    """(limit, usage, inactive file cache) of the memory cgroup, or None without a limit."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            found = _read_v2(root, rel)
+        elif "memory" in controllers.split(","):
+            found = _read_v1(root / "memory", rel)
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _candidates(base: Path, rel: str) -> list[Path]:
+    # A container usually sees its own cgroup mounted at the root, not at the path it has in
+    # the host's hierarchy: try both.
+    return [base / rel, base] if rel else [base]
+
+
+def _read_v2(root: Path, rel: str) -> tuple[int, int, int] | None:
+    for d in _candidates(root, rel):
+        raw = _read(d / "memory.max")
+        if raw is None:
+            continue
+        if raw == "max":
+            return None
+        usage = int(_read(d / "memory.current") or 0)
+        return int(raw), usage, _stat(d / "memory.stat", "inactive_file")
+    return None
+
+
+def _read_v1(base: Path, rel: str) -> tuple[int, int, int] | None:
+    for d in _candidates(base, rel):
+        raw = _read(d / "memory.limit_in_bytes")
+        if raw is None:
+            continue
+        if int(raw) >= _V1_UNLIMITED:
+            return None
+        usage = int(_read(d / "memory.usage_in_bytes") or 0)
+        return int(raw), usage, _stat(d / "memory.stat", "total_inactive_file")
+    return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _stat(path: Path, key: str) -> int:
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def locked_memory_limit() -> int | None:
+    """RLIMIT_MEMLOCK (what `ulimit -l` shows) in bytes, or None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def pinning_advice(nbytes: int) -> str:
+    """What may keep `nbytes` of host memory from being page-locked, and how to change it."""
+    hints = []
+    locked = locked_memory_limit()
+    if locked is not None and locked < nbytes:
+        hints.append(
+            f"the locked-memory limit is {gib(locked)} (`ulimit -l`): raise it, e.g. "
+            "`ulimit -l unlimited`, `LimitMEMLOCK=infinity` in a systemd unit, or "
+            "`--ulimit memlock=-1` for docker"
+        )
+    room = cgroup_room()
+    if room is not None and room < nbytes:
+        hints.append(
+            f"this container's memory limit leaves {gib(room)} free of "
+            f"{gib(cgroup_limit() or 0)}: raise it (docker `--memory`, Kubernetes "
+            "resources.limits.memory)"
+        )
+    if not hints:
+        hints.append("free host memory, or use a smaller model or dtype")
+    return "; ".join(hints)
 
 
 def gib(n: int) -> str:
