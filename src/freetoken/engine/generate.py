@@ -185,7 +185,7 @@ class LLMEngine:
             prompt_ids=prompt_ids,
             params=params,
             seq=self.runner.new_sequence(),
-            text=TextStream(self.tokenizer.decode, params.stop),
+            text=TextStream(self._decoder(params.keep_special_tokens), params.stop),
             generator=make_generator(params.seed, self.runner.device),
         )
         self._take_prefix(req)
@@ -413,6 +413,14 @@ class LLMEngine:
             [r.output_ids for r in group],
         ).tolist()
         return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
+
+    def _decoder(self, keep_special_tokens: bool):
+        """The tokenizer's decode for a request's text: special tokens dropped (they are
+        markup of the template, or the end of the reply) unless its output format is written
+        in them."""
+        if not keep_special_tokens:
+            return self.tokenizer.decode
+        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _accept(self, req: Request, token: int) -> StepOutput:
         params = req.params

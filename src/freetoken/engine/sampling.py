@@ -33,6 +33,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings
     ignore_eos: bool = False
+    # Keep special tokens in the output text (output formats written in them: Harmony's).
+    keep_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # Requests often arrive as JSON: accept lists (and a bare stop string, as the OpenAI API

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -255,7 +256,13 @@ class GenerationCore:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(resolve)
 
-        ticket = self.scheduler.submit(req.prompt_ids, req.params, on_output, on_admit)
+        params = req.params
+        if req.parse_output and self.parser_name:
+            from freetoken.server.parsers import keeps_special_tokens
+
+            if keeps_special_tokens(self.parser_name):
+                params = dataclasses.replace(params, keep_special_tokens=True)
+        ticket = self.scheduler.submit(req.prompt_ids, params, on_output, on_admit)
         return Generation(self._events(req, queue, ticket), admitted)
 
     async def _events(self, req, queue, ticket) -> AsyncIterator[ev.Event]:

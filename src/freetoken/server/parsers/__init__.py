@@ -19,6 +19,7 @@ __all__ = [
     "PARSERS",
     "OutputParser",
     "forced_tool_call",
+    "keeps_special_tokens",
     "make_parser",
     "parser_for_template",
     "prompt_opens_reasoning",
@@ -28,6 +29,7 @@ __all__ = [
 PARSERS: dict[str, str] = {
     "qwen3": "freetoken.server.parsers.qwen:QwenParser",
     "hermes": "freetoken.server.parsers.qwen:QwenParser",  # same <tool_call> JSON format
+    "harmony": "freetoken.server.parsers.harmony:HarmonyParser",  # gpt-oss
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
 }
 
@@ -64,6 +66,12 @@ def make_parser(name: str, **options: object) -> OutputParser:
     return _parser_class(name)(**options)
 
 
+def keeps_special_tokens(name: str) -> bool:
+    """Whether parser `name` reads markup the tokenizer holds as special tokens (Harmony's),
+    which the detokeniser must then keep in the text."""
+    return bool(getattr(_parser_class(name), "keeps_special_tokens", False))
+
+
 def forced_tool_call(name: str, tool: str | None, in_reasoning: bool) -> str | None:
     """The text that opens a tool call (of `tool`, or of any tool when None) in the output
     format of parser `name`, closing a thinking block first when the prompt opened one; None
@@ -77,10 +85,12 @@ def parser_for_template(chat_template: str | None) -> str | None:
 
     Templates that write tool calls as `<tool_call>` JSON (Qwen2.5/Qwen3, Hermes) or that
     mention `<think>` blocks get the Qwen parser (its tool call detection is harmless for a
-    model that never writes `<tool_call>`).
+    model that never writes `<tool_call>`); Harmony's channels (gpt-oss) its own.
     """
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template:
+        return "harmony"
     if "<tool_call>" in chat_template or "<think>" in chat_template:
         return "qwen3"
     return None

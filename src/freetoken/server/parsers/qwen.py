@@ -46,8 +46,6 @@ Rules (each decided from the text alone, so the events never depend on how it wa
 from __future__ import annotations
 
 import json
-import re
-import secrets
 
 from freetoken.server.events import (
     Event,
@@ -57,261 +55,21 @@ from freetoken.server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from freetoken.server.parsers.json_stream import (
+    JSON_END,
+    JSON_ERR,
+    JSON_OK,
+    WHITESPACE,
+    JsonStream,
+    find_first,
+    new_call_id,
+    partial_tag_len,
+)
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-
-_WS = " \t\r\n"
-
-
-def new_call_id() -> str:
-    """A fresh tool call id: "call_" and 24 random hex digits."""
-    return "call_" + secrets.token_hex(12)
-
-
-def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    start = max(0, len(text) - max(map(len, tags)) + 1)
-    i = text.find("<", start)
-    while i != -1:
-        tail = text[i:]
-        if any(tag.startswith(tail) for tag in tags):
-            return len(text) - i
-        i = text.find("<", i + 1)
-    return 0
-
-
-def _find_first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
-    """(position, tag) of the earliest of `tags` in `text`, or (-1, "")."""
-    best, found = -1, ""
-    for tag in tags:
-        i = text.find(tag)
-        if i != -1 and (best == -1 or i < best):
-            best, found = i, tag
-    return best, found
-
-
-# ---------------------------------------------------------------------------------------------
-# A JSON value, checked character by character.
-
-_OK, _END, _ERR = 0, 1, 2  # push(): consumed / value already complete, char not taken / invalid
-
-(_V, _OBJ, _KEY, _STR, _KSTR, _ESC, _UNI, _COLON, _AFTER, _NUM, _LIT, _DONE) = range(12)
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
-_CONTROL = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
-
-
-class _JsonStream:
-    """Validates one JSON value as it arrives and hands out (`take`) the longest prefix so far
-    that `repair` could still close into valid JSON. Text is held back only inside short
-    tokens: an escape sequence, a number, a literal, and from a comma to the next value
-    (an object key is held together with its colon)."""
-
-    def __init__(self) -> None:
-        self._stack: list[str] = []  # closers of the open containers
-        self._state = _V
-        self._v_kind = "top"  # what a _V follows: "top", "colon", "first" (after "[") or "comma"
-        self._ready: list[str] = []
-        self._held: list[str] = []
-        self._held_raw: list[str] = []
-        self._holding = False
-        self._hold_completion = ""
-        self._num = ""
-        self._lit = ""
-        self._esc_in_key = False
-        self._hex_left = 0
-
-    @property
-    def done(self) -> bool:
-        return self._state == _DONE
-
-    def take(self) -> str:
-        text = "".join(self._ready)
-        self._ready.clear()
-        return text
-
-    def held_raw(self) -> str:
-        return "".join(self._held_raw)
-
-    def repair(self) -> str:
-        """The untaken safe text plus the suffix that closes it into valid JSON."""
-        closing = self._hold_completion if self._holding else self._completion()
-        return self.take() + closing
-
-    def end(self) -> bool:
-        """No more input: complete a pending top-level number; whether the value is whole."""
-        if self._state == _NUM and _NUMBER.fullmatch(self._num):
-            self._value_done()
-        return self._state == _DONE
-
-    def _completion(self) -> str:
-        closers = "".join(reversed(self._stack))
-        if self._state == _DONE:
-            return ""
-        if self._state == _V:
-            return {"top": "{}", "colon": "null" + closers}.get(self._v_kind, closers)
-        if self._state == _STR:
-            return '"' + closers
-        return closers  # _OBJ, _AFTER: the only other states at a safe point
-
-    def _hold(self) -> None:
-        if not self._holding:
-            self._hold_completion = self._completion()
-            self._holding = True
-
-    def _release(self) -> None:
-        if self._holding:
-            self._ready.extend(self._held)
-            self._held.clear()
-            self._held_raw.clear()
-            self._holding = False
-
-    def _out(self, text: str, raw: str | None = None) -> None:
-        if self._holding:
-            self._held.append(text)
-            self._held_raw.append(text if raw is None else raw)
-        else:
-            self._ready.append(text)
-
-    def _value_done(self) -> None:
-        self._state = _AFTER if self._stack else _DONE
-        self._release()
-
-    def _string_char(self, c: str) -> None:
-        if c < " ":
-            self._out(_CONTROL.get(c) or f"\\u{ord(c):04x}", c)
-        else:
-            self._out(c)
-
-    def push(self, c: str) -> int:
-        st = self._state
-        if st == _STR:
-            if c == '"':
-                self._out(c)
-                self._value_done()
-            elif c == "\\":
-                self._hold()
-                self._out(c)
-                self._state, self._esc_in_key = _ESC, False
-            else:
-                self._string_char(c)
-            return _OK
-        if st == _V:
-            if c in _WS:
-                if self._v_kind != "top":
-                    self._out(c)
-            elif c == "{" or c == "[" or c == '"':
-                self._out(c)
-                if c == '"':
-                    self._state = _STR
-                else:
-                    self._stack.append("}" if c == "{" else "]")
-                    self._state, self._v_kind = (_OBJ, "") if c == "{" else (_V, "first")
-                self._release()
-            elif c in "-0123456789":
-                self._hold()
-                self._out(c)
-                self._state, self._num = _NUM, c
-            elif c in _LITERALS:
-                self._hold()
-                self._out(c)
-                self._state, self._lit = _LIT, _LITERALS[c]
-            elif c == "]" and self._v_kind == "first":
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return _ERR
-            return _OK
-        if st == _AFTER:
-            if c in _WS:
-                self._out(c)
-            elif c == ",":
-                self._hold()
-                self._out(c)
-                if self._stack[-1] == "}":
-                    self._state = _KEY
-                else:
-                    self._state, self._v_kind = _V, "comma"
-            elif c == self._stack[-1]:
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return _ERR
-            return _OK
-        if st in (_OBJ, _KEY):
-            if c in _WS:
-                self._out(c)
-            elif c == '"':
-                self._hold()
-                self._out(c)
-                self._state = _KSTR
-            elif c == "}" and st == _OBJ:
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return _ERR
-            return _OK
-        if st == _KSTR:
-            if c == '"':
-                self._out(c)
-                self._state = _COLON
-            elif c == "\\":
-                self._out(c)
-                self._state, self._esc_in_key = _ESC, True
-            else:
-                self._string_char(c)
-            return _OK
-        if st == _COLON:
-            if c in _WS:
-                self._out(c)
-            elif c == ":":
-                self._out(c)
-                self._state, self._v_kind = _V, "colon"
-                self._release()
-            else:
-                return _ERR
-            return _OK
-        if st in (_ESC, _UNI):
-            if st == _ESC and c == "u":
-                self._out(c)
-                self._state, self._hex_left = _UNI, 4
-                return _OK
-            if st == _ESC and c in '"\\/bfnrt':
-                self._hex_left = 0
-            elif st == _UNI and c in "0123456789abcdefABCDEF":
-                self._hex_left -= 1
-            else:
-                return _ERR
-            self._out(c)
-            if self._hex_left == 0:
-                self._state = _KSTR if self._esc_in_key else _STR
-                if not self._esc_in_key:
-                    self._release()
-            return _OK
-        if st == _NUM:
-            if c in "0123456789+-.eE":
-                self._num += c
-                self._out(c)
-                return _OK
-            if not _NUMBER.fullmatch(self._num):
-                return _ERR
-            self._value_done()
-            return self.push(c)
-        if st == _LIT:
-            if c != self._lit[0]:
-                return _ERR
-            self._out(c)
-            self._lit = self._lit[1:]
-            if not self._lit:
-                self._value_done()
-            return _OK
-        return _END  # _DONE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +88,7 @@ def _expect(s: str, pos: int, options: tuple[str, ...]) -> int | str:
 
 
 def _skip_ws(s: str, pos: int) -> int:
-    while pos < len(s) and s[pos] in _WS:
+    while pos < len(s) and s[pos] in WHITESPACE:
         pos += 1
     return pos
 
@@ -426,7 +184,7 @@ class QwenParser:
         self._slow_pos = 0
         self._slow_in_str = False
         self._slow_esc = False
-        self._json = _JsonStream()
+        self._json = JsonStream()
         self._in_string = False  # the arguments are a JSON string being decoded
         self._esc: str | None = None  # inside a string escape: the characters after "\"
         self._high: int | None = None  # a decoded high surrogate waiting for its low half
@@ -503,7 +261,7 @@ class QwenParser:
         """Back to answer text; whitespace directly after a call is dropped (not after a
         call body that was given back as text)."""
         self._state, self._buf, self._body = _TEXT, rest, ""
-        self._lstrip = _WS if after_call else ""
+        self._lstrip = WHITESPACE if after_call else ""
         return True
 
     def _start_call(self, name: str) -> None:
@@ -522,9 +280,9 @@ class QwenParser:
     def _in_text(self, final: bool) -> bool:
         self._strip_leading()
         buf = self._buf
-        hit, tag = _find_first(buf, self._tags)
+        hit, tag = find_first(buf, self._tags)
         if hit != -1:
-            self._text(buf[:hit].rstrip(_WS))
+            self._text(buf[:hit].rstrip(WHITESPACE))
             self._buf = buf[hit + len(tag) :]
             if tag == THINK_OPEN:
                 self._state, self._lstrip = _THINK, "\n"
@@ -535,8 +293,8 @@ class QwenParser:
             self._text(buf)
             self._buf = ""
             return False
-        cut = len(buf) - _partial_tag_len(buf, self._tags)
-        head = buf[:cut].rstrip(_WS)
+        cut = len(buf) - partial_tag_len(buf, self._tags)
+        head = buf[:cut].rstrip(WHITESPACE)
         self._text(head)
         self._buf = buf[len(head) :]
         return False
@@ -555,7 +313,7 @@ class QwenParser:
             self._buf = buf[hit + len(THINK_CLOSE) :]
             self._state, self._lstrip = _TEXT, "\n"
             return True
-        cut = len(buf) - _partial_tag_len(buf, (THINK_CLOSE,))
+        cut = len(buf) - partial_tag_len(buf, (THINK_CLOSE,))
         head = buf[:cut].rstrip("\n")
         if head:
             self._emit(ReasoningDelta(head))
@@ -576,7 +334,7 @@ class QwenParser:
             return True
         name, pos = match
         self._start_call(name)
-        self._json = _JsonStream()
+        self._json = JsonStream()
         self._in_string = self._body[pos] == '"'
         self._esc, self._high = None, None
         self._buf = self._body[pos + 1 if self._in_string else pos :]
@@ -609,7 +367,7 @@ class QwenParser:
                 if body.startswith(CALL_OPEN, i):
                     end, rest = i, body[i:]
                     break
-                if _partial_tag_len(body[i:], (CALL_OPEN, CALL_CLOSE)) == len(body) - i:
+                if partial_tag_len(body[i:], (CALL_OPEN, CALL_CLOSE)) == len(body) - i:
                     break  # maybe a tag: wait for more
             i += 1
         self._slow_pos = i
@@ -629,9 +387,9 @@ class QwenParser:
         buf, js = self._buf, self._json
         for i, c in enumerate(buf):
             r = self._decode(c) if self._in_string else js.push(c)
-            if r == _OK:
+            if r == JSON_OK:
                 continue
-            if r == _END:
+            if r == JSON_END:
                 self._args(js.take())
                 self._state, self._body = _TAIL, ""
                 self._buf = buf[i + 1 if self._in_string else i :]
@@ -642,7 +400,7 @@ class QwenParser:
         self._args(js.take())
         if not final:
             return False
-        if (not self._in_string or self._flush_high() == _OK) and js.end():
+        if (not self._in_string or self._flush_high() == JSON_OK) and js.end():
             self._args(js.take())
             self._state, self._body = _TAIL, ""
         else:
@@ -662,22 +420,22 @@ class QwenParser:
         if esc is None:
             if c == '"':
                 self._flush_high()
-                return _END if self._json.end() else _ERR
+                return JSON_END if self._json.end() else JSON_ERR
             if c == "\\":
                 self._esc = ""
-                return _OK
+                return JSON_OK
             return self._decoded(c)
         if esc == "":
             if c == "u":
                 self._esc = "u"
-                return _OK
+                return JSON_OK
             self._esc = None
-            return self._decoded(_SIMPLE_ESCAPES[c]) if c in _SIMPLE_ESCAPES else _ERR
+            return self._decoded(_SIMPLE_ESCAPES[c]) if c in _SIMPLE_ESCAPES else JSON_ERR
         if c not in "0123456789abcdefABCDEF":
-            return _ERR
+            return JSON_ERR
         if len(esc) < 4:
             self._esc = esc + c
-            return _OK
+            return JSON_OK
         self._esc = None
         code = int(esc[1:] + c, 16)
         if 0xD800 <= code < 0xDC00:
@@ -694,29 +452,29 @@ class QwenParser:
 
     def _decoded(self, ch: str) -> int:
         r = self._flush_high()
-        return self._inner(ch) if r == _OK else r
+        return self._inner(ch) if r == JSON_OK else r
 
     def _flush_high(self) -> int:
         """A high surrogate not followed by a low one becomes U+FFFD."""
         if self._high is None:
-            return _OK
+            return JSON_OK
         self._high = None
         return self._inner("\ufffd")
 
     def _inner(self, ch: str) -> int:
         """A decoded character of string arguments; only whitespace may follow the value."""
         if self._json.done:
-            return _OK if ch in _WS else _ERR
+            return JSON_OK if ch in WHITESPACE else JSON_ERR
         r = self._json.push(ch)
-        if r == _END:  # a top-level number ended at this character
-            return _OK if ch in _WS else _ERR
+        if r == JSON_END:  # a top-level number ended at this character
+            return JSON_OK if ch in WHITESPACE else JSON_ERR
         return r
 
     def _in_tail(self, final: bool) -> bool:
         """After the arguments: expect `}` and `</tool_call>`."""
         self._body += self._buf
         self._buf = ""
-        hit, tag = _find_first(self._body, (CALL_CLOSE, CALL_OPEN))
+        hit, tag = find_first(self._body, (CALL_CLOSE, CALL_OPEN))
         if hit == -1 and not final:
             return False
         tail = self._body[:hit] if hit != -1 else self._body
@@ -724,7 +482,7 @@ class QwenParser:
             "" if hit == -1 else self._body[hit + len(CALL_CLOSE) if tag == CALL_CLOSE else hit :]
         )
         self._end_call()
-        if tail.strip(_WS) not in ("", "}"):
+        if tail.strip(WHITESPACE) not in ("", "}"):
             self._text(tail)
         return self._to_text(rest)
 
