@@ -322,3 +322,25 @@ def test_hybrid_on_the_device_times_whole_steps_for_its_step_modes():
     # 4 timed steps each way (split, fill, cpu), the first of each a warm-up
     assert [len(seen[m]) for m in (SPLIT, FILL, CPU)] == [3, 3, 3]
     assert all(s > 0 for m in (SPLIT, FILL, CPU) for s in seen[m])
+
+
+def test_a_layer_step_the_listener_could_not_serve_fails_the_next_step():
+    """The doorbell's listener counts the jobs it could not start (a zero partial went to the
+    device); the runtime reports them once, before the next decode step, instead of serving
+    outputs that lack a CPU share."""
+    from freetoken.moe.runtime import build_runtime
+
+    class Listener:
+        errors = 0
+
+        def fold(self):
+            return np.zeros((2, 4))
+
+    store = tiny_store(num_layers=2, num_experts=8)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4"))
+    rt.doorbell = Listener()
+    rt.begin_step(1, decode=True)  # nothing failed
+    Listener.errors = 2
+    with pytest.raises(RuntimeError, match="could not run 2 layer step"):
+        rt.begin_step(1, decode=True)
+    rt.begin_step(1, decode=True)  # reported once; the engine goes on

@@ -129,6 +129,7 @@ class MoERuntime:
                 pool = tuple(HostRows(bank) for bank in pool)
             self._fill_banks = tuple(zip((cache.w_gate_up, cache.w_down), pool, strict=True))
         self.doorbell, self._split = doorbell, split
+        self._doorbell_errors = 0  # the listener's failures already reported
         self.streamer = streamer
         self._pending_fill_timing: list[tuple] = []
         self._pinned_buffers: dict[tuple, object] = {}  # see `_pinned` and `_fetch`
@@ -173,6 +174,7 @@ class MoERuntime:
         the plans read it."""
         if self._split is None:
             return
+        self._check_doorbell()
         self._observe_timed_step()
         self._step = None
         if not decode or tokens >= self.options.fill_all_from_tokens:
@@ -189,6 +191,19 @@ class MoERuntime:
         else:
             values = (0.0, 0.0, 0.0)
         self._split.numpy()[:] = values
+
+    def _check_doorbell(self) -> None:
+        """A layer step the listener could not serve (no thread or memory for its job) was
+        computed without its CPU share: fail the step after it rather than go on silently."""
+        if self.doorbell is None:
+            return
+        errors = self.doorbell.errors
+        if errors != self._doorbell_errors:
+            missed, self._doorbell_errors = errors - self._doorbell_errors, errors
+            raise RuntimeError(
+                f"the CPU expert listener could not run {missed} layer step(s) (no thread or "
+                "memory for the job): the last decode step lacked their CPU share"
+            )
 
     def end_step(self, timed: bool = True) -> None:
         """Called after every forward was queued; `timed` False for a step whose time says
