@@ -187,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch.add_parser(sub, add_engine_args)
 
+    ctl = sub.add_parser("ctl", help="look at a running server")
+    ctl_sub = ctl.add_subparsers(dest="ctl", required=True)
+    status = ctl_sub.add_parser("status", help="the expert cache, its hit rate and split, KV use")
+    status.add_argument(
+        "--url", default="http://127.0.0.1:1919", help="the server (default: %(default)s)"
+    )
+    status.add_argument("--api-key", help="its key (default: $FREETOKEN_API_KEY, if set)")
+    status.add_argument("--json", action="store_true", help="print /v1/stats as it came")
+    status.set_defaults(func="freetoken.cli.ctl:status")
+
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")

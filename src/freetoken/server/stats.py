@@ -21,6 +21,14 @@ def kv_pages(engine) -> dict[str, int]:
     }
 
 
+def cache_size(moe) -> dict[str, int]:
+    """The expert cache's slots and bytes beside the whole pool's (the VRAM split)."""
+    per_expert, pool = moe.store.shape.nbytes, moe.store.num_pairs
+    slots = moe.cache.num_slots if moe.cache is not None else 0
+    return {"cache_slots": slots, "cache_bytes": slots * per_expert, "pool_experts": pool,
+            "pool_bytes": pool * per_expert}  # fmt: skip
+
+
 def stats_json(core: GenerationCore) -> dict[str, Any]:
     s = core.scheduler.stats()
     engine = core.scheduler.engine
@@ -47,7 +55,9 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
         # Per request: prompt tokens, reused from the prefix cache, recomputed, anchor used.
         "prefix_reuse": engine.reuse.snapshot(),
         "anchors": None if engine.anchors is None else engine.anchors.snapshot(),
-        "moe": None if moe is None else {"strategy": moe.strategy, **moe.telemetry.snapshot()},
+        "moe": None
+        if moe is None
+        else {"strategy": moe.strategy, **cache_size(moe), **moe.telemetry.snapshot()},
         "prefill_streaming": None
         if moe is None or moe.streamer is None
         else {k: v for k, v in vars(moe.streamer.counters).items() if k != "history"},
