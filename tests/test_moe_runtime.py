@@ -405,3 +405,38 @@ def test_offload_and_hybrid_start_with_every_slot_filled():
             store, torch.device("cpu"), MoEOptions(strategy, "3", warm_cache=False)
         )
         assert (cold.cache.pair_of == -1).all()
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+@pytest.mark.parametrize("control", [True, False], ids=["device", "host"])
+def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control):
+    """`resize_cache`: what the policy values most stays (each expert's weights in its slot),
+    the tables stay consistent with the device's, new slots are filled (warm cache), the
+    counters carry over, and every output before and after is the reference's."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store(num_layers=2, num_experts=8)
+    rt = build_runtime(
+        store, torch.device("cpu"), MoEOptions(strategy, "6", device_control=control)
+    )
+    gen = torch.Generator().manual_seed(7)
+    steps = [(s % 2, torch.randint(0, 8, (2, 1), generator=gen).tolist()) for s in range(12)]
+    drive(rt, store, steps)
+    calls = rt.telemetry.total().calls
+    for size in (3, 1, 16, 5):
+        rt.resize_cache(size)
+        cache = rt.cache
+        assert cache.num_slots == size and (cache.pair_of >= 0).sum() == size  # all filled
+        for slot, pair in enumerate(cache.pair_of.tolist()):
+            assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
+            assert torch.equal(cache.w_down[slot], store.w_down[pair])
+            assert cache.slot_of[pair] == slot
+        if rt.control is not None:
+            assert torch.equal(rt.control.slot_of[:-1], cache.slot_of)
+        drive(rt, store, steps)  # (checks every output against the reference)
+    assert rt.telemetry.total().calls == calls + 4 * len(steps)
+    with pytest.raises(ValueError, match="at least one slot"):
+        rt.resize_cache(0)
+    fused = build_runtime(store, torch.device("cpu"), MoEOptions("fused"))
+    with pytest.raises(ValueError, match="cannot be resized"):
+        fused.resize_cache(4)

@@ -87,6 +87,12 @@ class DecodeGraphs:
         self.replays = 0
         self.captured_now = False  # whether the last `run` captured its shape
 
+    def reset(self) -> None:
+        """Forget every capture (what they read was replaced: the expert cache resized)."""
+        self.captures.clear()
+        self.seen.clear()
+        self.eager.clear()
+
     @staticmethod
     def key(batch: ForwardBatch) -> tuple:
         return (batch.num_tokens,)

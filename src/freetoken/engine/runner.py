@@ -135,6 +135,25 @@ class ModelRunner:
             for block in blocks:
                 block.executor = self.moe
 
+    def resize_expert_cache(self, size: str) -> int:
+        """Re-size the expert cache to `size` (slots, or bytes such as "8GiB") between steps;
+        returns its slots. Decode graphs are captured again."""
+        from freetoken.moe.runtime import parse_cache_size
+
+        if self.moe is None:
+            raise ValueError("this model has no routed experts")
+        slots = parse_cache_size(size, self.moe.store.shape.nbytes)
+        try:
+            self.moe.resize_cache(slots)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise ValueError(f"no device memory for an expert cache of {size}") from None
+        if self.graphs is not None:
+            self.graphs.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old banks' memory back to the driver
+        return self.moe.cache.num_slots
+
     def new_sequence(self) -> KVSequence:
         """An empty sequence, with a zeroed recurrent state slot when the model needs one."""
         seq = KVSequence()

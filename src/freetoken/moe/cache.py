@@ -180,6 +180,36 @@ class ExpertCache:
 
         return self._on_copy_stream(enqueue, after, wait)
 
+    def resized(self, num_slots: int, refill: Sequence[int] = ()) -> ExpertCache:
+        """A cache of `num_slots` slots holding what this one holds that its policy would keep
+        longest (all of it when it fits), copied device to device, the rest of its slots filled
+        with the first pairs of `refill` not already held. The policy and its state carry
+        over. Its banks are new: while it is made both caches are in device memory."""
+        if num_slots < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        pair_of = self.pair_of.numpy()
+        held = np.flatnonzero(pair_of >= 0)
+        if len(held) > num_slots:  # the policy's keep-scores choose what stays
+            scores = host_array(self.policy.slot_scores(0, pair_of)) if self.policy else None
+            order = np.argsort(-scores[held], kind="stable") if scores is not None else None
+            held = np.sort(held[order[:num_slots]]) if order is not None else held[:num_slots]
+        new = ExpertCache(self.store, num_slots, self.device)
+        new.policy = self.policy  # (made without one: the constructor would reset its state)
+        keep = torch.as_tensor(held, dtype=torch.long)
+        if len(keep):
+            index = keep.to(self.device)
+            new.w_gate_up[: len(keep)] = self.w_gate_up.index_select(0, index)
+            new.w_down[: len(keep)] = self.w_down.index_select(0, index)
+            new._retable(pair_of[held].tolist(), list(range(len(keep))))
+        room = num_slots - len(keep)
+        if room:
+            cached = set(pair_of[held].tolist())
+            fill = [p for p in refill if p not in cached][:room]
+            events = new.place(fill, list(range(len(keep), len(keep) + len(fill))))
+            if events is not None:
+                events[1].synchronize()
+        return new
+
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""
         pairs = list(pairs)[: self.num_slots]

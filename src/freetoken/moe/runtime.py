@@ -147,6 +147,11 @@ class MoERuntime:
     @property
     def telemetry(self) -> MoETelemetry:
         """The counters, with those the device keeps (device-decided calls) folded in."""
+        self._fold_device_counters()
+        self._fold_cpu_share()
+        return self._telemetry
+
+    def _fold_device_counters(self) -> None:
         if self.control is not None:
             counts = self.control.take_counters().tolist()
             for layer, (calls, accesses, hits, fills, cpu, cpu_routes) in enumerate(counts):
@@ -154,8 +159,6 @@ class MoERuntime:
                     layer, calls=calls, accesses=accesses, hits=hits, fills=fills, cpu=cpu,
                     cpu_routes=cpu_routes, bytes_h2d=fills * self.store.shape.nbytes,
                 )  # fmt: skip
-        self._fold_cpu_share()
-        return self._telemetry
 
     def _fold_cpu_share(self) -> None:
         """The doorbell listener's seconds into the telemetry and its bandwidth into the
@@ -219,6 +222,35 @@ class MoERuntime:
             if seconds is not None:
                 self.step_modes.observe(tokens, mode, seconds)
             self._timed = None
+
+    def resize_cache(self, num_slots: int) -> None:
+        """Give the expert cache `num_slots` slots, between steps (the engine thread, no step
+        in flight), keeping what the policy values most and, with `warm_cache`, filling new
+        slots; the host pool is untouched. Decode graphs must be captured again after it (they
+        hold the old banks). Only strategies that fill their cache on demand can."""
+        if not self.kind.fills:
+            raise ValueError(f"the {self.strategy} strategy's expert cache cannot be resized")
+        num_slots = min(num_slots, self.store.num_pairs)
+        if num_slots < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        if self.control is not None:
+            self.control.push_host_tables()
+            self._fold_device_counters()  # before the control holding them is replaced
+        refill = warm_order(self.store) if self.options.warm_cache else ()
+        cache = self.cache.resized(num_slots, refill)
+        self.cache = cache
+        if self.streamer is not None:
+            self.streamer.cache = cache
+        if self.control is not None:
+            old = self.control
+            inputs = (old.cpu_pairs, old.cpu_weights, old.cpu_x)
+            if self.doorbell is None:  # (the control's own scratch, sized by the slots)
+                inputs = None
+            self.control = DeviceControl(cache, cache.policy, old.split, inputs)
+            self._fill_banks = tuple(
+                zip((cache.w_gate_up, cache.w_down), (b for _, b in self._fill_banks), strict=True)
+            )
+        log.info("expert cache resized to %d slots of %d", num_slots, self.store.num_pairs)
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape runs on the device alone (a decode graph holds it)."""
