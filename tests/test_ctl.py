@@ -41,3 +41,45 @@ def test_status_shows_the_split_the_hit_rate_and_kv_use(engine, capsys):
 def test_status_without_a_server_says_so(capsys):
     assert main(["ctl", "status", "--url", "http://127.0.0.1:9"]) == 2
     assert "no server answers at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_the_expert_cache_resizes_under_running_requests(engine, capsys):
+    """`ft ctl cache` shrinks and grows the expert cache of a running server between steps:
+    greedy requests before, during and after give what they give at a fixed size, and none
+    fails; a size that cannot be is refused in the API's error shape."""
+    import threading
+    import time
+
+    prompts = ["The cache", "Experts move", "A third prompt here"]
+
+    def complete(base, prompt, n=40):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    with running_server(engine) as (base, core):
+        fixed = [complete(base, p) for p in prompts]  # at the demo engine's 40 slots
+        assert complete(base, prompts[0]) == fixed[0]
+        result = {}
+        during = threading.Thread(target=lambda: result.update(b=complete(base, prompts[1], 40)))
+        during.start()
+        deadline = time.monotonic() + 30
+        while core.scheduler.stats().running == 0:  # resized while it runs, not before
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        for size, slots in (("12", 12), ("80", 80), ("40", 40)):
+            assert main(["ctl", "cache", "--url", base, "--experts", size]) == 0
+            assert f"expert cache: {slots} of" in capsys.readouterr().out
+            assert engine.runner.moe.cache.num_slots == slots
+        during.join()
+        assert result["b"] == fixed[1]
+        assert main(["ctl", "cache", "--url", base, "--experts", "7"]) == 0
+        assert complete(base, prompts[2]) == fixed[2]
+        # refused sizes: the API's own error shape, the cache as it was
+        assert main(["ctl", "cache", "--url", base, "--experts", "0"]) == 2
+        assert "at least one slot" in capsys.readouterr().err
+        bad = httpx.post(base + "/v1/ctl/cache", json={"experts": "lots"}, timeout=30)
+        assert bad.status_code == 400 and "cannot read cache size" in bad.json()["error"]["message"]
+        assert engine.runner.moe.cache.num_slots == 7
+        core.scheduler.call(lambda: engine.resize_expert_cache("40")).result(timeout=60)

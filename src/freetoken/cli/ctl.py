@@ -1,4 +1,5 @@
-"""`ft ctl`: look at a running server (its /v1/stats), from another terminal."""
+"""`ft ctl`: look at a running server (its /v1/stats) and re-size its expert cache
+(/v1/ctl/cache), from another terminal."""
 
 from __future__ import annotations
 
@@ -13,21 +14,32 @@ from freetoken.errors import FreetokenError
 from freetoken.weights.memory import gib
 
 
-def fetch_stats(url: str, api_key: str | None) -> dict:
+def call(url: str, api_key: str | None, path: str, body: dict | None = None) -> dict:
+    """GET (or with `body`, POST) `path` of the server; its JSON answer."""
     key = api_key or os.environ.get("FREETOKEN_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    request = urllib.request.Request(url.rstrip("/") + "/v1/stats", headers=headers)
+    data = None
+    if body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=600) as response:
             return json.load(response)
     except urllib.error.HTTPError as e:
         if e.code == 401:
-            raise FreetokenError(
-                f"{url} wants an API key: --api-key or $FREETOKEN_API_KEY"
-            ) from None
-        raise FreetokenError(f"{url}/v1/stats answered {e.code}") from None
+            wanted = f"{url} wants an API key: --api-key or $FREETOKEN_API_KEY"
+            raise FreetokenError(wanted) from None
+        try:
+            message = json.load(e)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"status {e.code}"
+        raise FreetokenError(f"{url}{path}: {message}") from None
     except (urllib.error.URLError, OSError) as e:
         raise FreetokenError(f"no server answers at {url} ({e})") from None
+
+
+def fetch_stats(url: str, api_key: str | None) -> dict:
+    return call(url, api_key, "/v1/stats")
 
 
 def describe(stats: dict) -> list[str]:
@@ -64,4 +76,12 @@ def status(args: argparse.Namespace) -> int:
         print()
     else:
         print("\n".join(describe(stats)))
+    return 0
+
+
+def cache(args: argparse.Namespace) -> int:
+    """Re-size the expert cache of a running server; prints the new split."""
+    size = call(args.url, args.api_key, "/v1/ctl/cache", {"experts": args.experts})
+    print(f"expert cache: {size['cache_slots']} of {size['pool_experts']} experts "
+          f"({gib(size['cache_bytes'])} of {gib(size['pool_bytes'])})")  # fmt: skip
     return 0

@@ -414,6 +414,11 @@ class LLMEngine:
         ).tolist()
         return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
 
+    def resize_expert_cache(self, size: str) -> int:
+        """Give the expert cache `size` (slots, or bytes such as "8GiB"), between steps; its
+        slots. Running requests go on with the new cache (their outputs do not change)."""
+        return self.runner.resize_expert_cache(size)
+
     def _decoder(self, keep_special_tokens: bool):
         """The tokenizer's decode for a request's text: special tokens dropped (they are
         markup of the template, or the end of the reply) unless its output format is written

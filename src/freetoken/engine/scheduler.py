@@ -17,7 +17,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from freetoken.engine.generate import LLMEngine, Request, StepOutput
 from freetoken.engine.sampling import SamplingParams
@@ -86,6 +88,7 @@ class Scheduler:
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: dict[int, Ticket] = {}  # engine request id -> ticket
         self._cancel: set[int] = set()
+        self._calls: list[tuple[Callable[[], Any], Future]] = []  # see `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -131,6 +134,18 @@ class Scheduler:
         self._wake.set()
         return ticket
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the engine thread between two steps (nothing of the engine in flight:
+        the place to change what steps read, such as the expert cache); its result, or its
+        error, in the returned future. Requests running meanwhile go on after it."""
+        future: Future = Future()
+        with self._lock:
+            if self._stop:
+                raise ShutdownError("the server is shutting down")
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
     def cancel(self, ticket: Ticket) -> None:
         """Stop a request (client gone); its KV pages are freed at the next step boundary."""
         with self._lock:
@@ -157,7 +172,11 @@ class Scheduler:
             )
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop = True
+        with self._lock:
+            self._stop = True
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.cancel()
         self._wake.set()
         self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
@@ -167,12 +186,23 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop:
+            self._run_calls()
             self._admit_and_cancel()
             if not self.engine.running and not self.engine.preempted:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             self._step()
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # the caller's to report; the engine goes on
+                    future.set_exception(e)
 
     def _admit_and_cancel(self) -> None:
         engine = self.engine

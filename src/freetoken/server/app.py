@@ -29,7 +29,7 @@ from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError, shown
 from freetoken.server.schemas import SCHEMAS, Body, schema_error
-from freetoken.server.stats import Metrics, stats_json
+from freetoken.server.stats import Metrics, cache_size, stats_json
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,18 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Fast
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
         return stats_json(core)
+
+    @app.post("/v1/ctl/cache")
+    async def resize_cache(request: Request):
+        """{"experts": SIZE} (slots, or bytes such as "8GiB"): the expert cache re-sized at
+        the next step boundary; answers the new split (as /v1/stats' `moe`)."""
+        size = str((await parse(request, "ctl", config.max_request_bytes)).experts)
+        future = core.scheduler.call(lambda: core.scheduler.engine.resize_expert_cache(size))
+        try:
+            await asyncio.wrap_future(future)
+        except ValueError as e:
+            raise ApiError(400, "invalid_request_error", str(e), param="experts") from None
+        return cache_size(core.scheduler.engine.runner.moe)
 
     @app.get("/metrics")
     async def prometheus():

@@ -400,10 +400,17 @@ def schema_error(err: ValidationError, anthropic: bool, where: tuple = ()) -> Ap
     return bad_request(text, param=place)
 
 
+class CacheResizeRequest(Body):
+    """POST /v1/ctl/cache: the expert cache's new size, slots (300) or bytes ("8GiB")."""
+
+    experts: str | int
+
+
 SCHEMAS: dict[str, type[Body]] = {
     "chat": ChatRequest,
     "completions": CompletionRequest,
     "responses": ResponsesRequest,
     "messages": MessagesRequest,
     "count_tokens": CountTokensRequest,
+    "ctl": CacheResizeRequest,
 }
