@@ -198,8 +198,9 @@ class ExpertCache:
         keep = torch.as_tensor(held, dtype=torch.long)
         if len(keep):
             index = keep.to(self.device)
-            new.w_gate_up[: len(keep)] = self.w_gate_up.index_select(0, index)
-            new.w_down[: len(keep)] = self.w_down.index_select(0, index)
+            for old_bank, new_bank in ((self.w_gate_up, new.w_gate_up), (self.w_down, new.w_down)):
+                # straight into the new bank's first rows: no third copy in device memory
+                torch.index_select(old_bank, 0, index, out=new_bank[: len(keep)])
             new._retable(pair_of[held].tolist(), list(range(len(keep))))
         room = num_slots - len(keep)
         if room:
