@@ -38,7 +38,7 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPagesError(
                 f"KV cache is full: need {n} more pages, {len(self._free)} free of "
-                f"{self.num_pages}; raise --kv-pages or shorten the context"
+                f"{self.num_pages}; raise --kv-cache-tokens or shorten the context"
             )
         pages = self._free[-n:][::-1] if n else []
         del self._free[len(self._free) - n :]
