@@ -83,3 +83,45 @@ def test_the_expert_cache_resizes_under_running_requests(engine, capsys):
         assert bad.status_code == 400 and "cannot read cache size" in bad.json()["error"]["message"]
         assert engine.runner.moe.cache.num_slots == 7
         core.scheduler.call(lambda: engine.resize_expert_cache("40")).result(timeout=60)
+
+
+def test_memory_re_splits_between_the_expert_cache_and_kv(engine, capsys):
+    """`ft ctl cache --kv` grows and shrinks the KV pool between steps (cached prefixes
+    evicted where they hold pages above the new size), alone or with the expert cache in one
+    call; greedy outputs are those of a fixed split; a pool too small for what runs is
+    refused."""
+    prompts = ["Split the memory", "Another prompt for the pool"]
+
+    def complete(base, prompt, n=24):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    kv = engine.runner.kv
+    pages = kv.num_pages
+    with running_server(engine) as (base, core):
+        fixed = [complete(base, p) for p in prompts]
+        assert main(["ctl", "cache", "--url", base, "--kv", str(4 * kv.capacity_tokens)]) == 0
+        assert f"KV cache: {4 * pages * kv.page_size} tokens" in capsys.readouterr().out
+        assert [complete(base, p) for p in prompts] == fixed
+        # shrink below the pages the prefix cache holds high up, and the experts with it
+        assert main(["ctl", "cache", "--url", base, "--kv", "256", "--experts", "20"]) == 0
+        out = capsys.readouterr().out
+        assert "KV cache: 256 tokens" in out and "expert cache: 20 of" in out
+        assert engine.runner.kv.num_pages == 256 // kv.page_size
+        assert [complete(base, p) for p in prompts] == fixed
+        # one page: the prefixes the last requests left above it are evicted to make room
+        held = engine.prefix_cache.num_pages
+        assert held > 1
+        assert main(["ctl", "cache", "--url", base, "--kv", str(kv.page_size)]) == 0
+        assert engine.runner.kv.num_pages == 1 and engine.prefix_cache.num_pages <= 1
+        assert main(["ctl", "cache", "--url", base, "--kv", "256"]) == 0
+        capsys.readouterr()
+        assert [complete(base, p) for p in prompts] == fixed
+        bad = httpx.post(base + "/v1/ctl/cache", json={}, timeout=30)
+        assert bad.status_code == 400 and "give a size" in bad.json()["error"]["message"]
+        assert main(["ctl", "cache", "--url", base, "--kv", "0"]) == 2
+        assert "at least one page" in capsys.readouterr().err
+        core.scheduler.call(lambda: engine.resize("40", str(pages * kv.page_size))).result(60)
+        assert engine.runner.kv.num_pages == pages

@@ -80,8 +80,15 @@ def status(args: argparse.Namespace) -> int:
 
 
 def cache(args: argparse.Namespace) -> int:
-    """Re-size the expert cache of a running server; prints the new split."""
-    size = call(args.url, args.api_key, "/v1/ctl/cache", {"experts": args.experts})
-    print(f"expert cache: {size['cache_slots']} of {size['pool_experts']} experts "
-          f"({gib(size['cache_bytes'])} of {gib(size['pool_bytes'])})")  # fmt: skip
+    """Re-split a running server's memory between the expert cache and the KV pool; prints
+    the new split."""
+    body = {key: value for key, value in (("experts", args.experts), ("kv", args.kv)) if value}
+    if not body:
+        raise FreetokenError("give --experts SIZE and/or --kv SIZE")
+    size = call(args.url, args.api_key, "/v1/ctl/cache", body)
+    if "cache_slots" in size:
+        print(f"expert cache: {size['cache_slots']} of {size['pool_experts']} experts "
+              f"({gib(size['cache_bytes'])} of {gib(size['pool_bytes'])})")  # fmt: skip
+    print(f"KV cache: {size['kv_tokens']} tokens ({size['kv_pages']} pages, "
+          f"{gib(size['kv_bytes'])})")  # fmt: skip
     return 0

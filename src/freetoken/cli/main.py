@@ -196,8 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--api-key", help="its key (default: $FREETOKEN_API_KEY, if set)")
     status.add_argument("--json", action="store_true", help="print /v1/stats as it came")
     status.set_defaults(func="freetoken.cli.ctl:status")
-    resize = ctl_sub.add_parser("cache", help="re-size a running server's expert cache")
-    resize.add_argument("--experts", required=True, help="slots (300) or a size (8GiB)")
+    resize = ctl_sub.add_parser(
+        "cache", help="re-split a running server's memory between the expert cache and KV"
+    )
+    resize.add_argument("--experts", help="the expert cache: slots (300) or a size (8GiB)")
+    resize.add_argument("--kv", help="the KV pool: tokens (65536) or a size (4GiB)")
     resize.add_argument(
         "--url", default="http://127.0.0.1:1919", help="the server (default: %(default)s)"
     )

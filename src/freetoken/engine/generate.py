@@ -414,10 +414,35 @@ class LLMEngine:
         ).tolist()
         return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
 
+    def resize(self, experts: str | None = None, kv: str | None = None) -> None:
+        """Re-split memory between the expert cache (`experts`: slots, or bytes such as
+        "8GiB") and the KV pool (`kv`: tokens, or bytes), between steps: whichever shrinks
+        goes first, so the other can grow into what it gave back. Running requests go on,
+        their outputs unchanged. Shrinking the KV pool evicts cached prefixes when pages above
+        the new size are held by them, and is refused while running requests hold such pages."""
+        runner = self.runner
+        pages = runner.kv_pages_for(kv) if kv is not None else None
+        kv_first = pages is not None and pages < runner.kv.num_pages
+        if kv_first:
+            self._resize_kv(pages)
+        if experts is not None:
+            runner.resize_expert_cache(experts)
+        if pages is not None and not kv_first:
+            self._resize_kv(pages)
+
     def resize_expert_cache(self, size: str) -> int:
-        """Give the expert cache `size` (slots, or bytes such as "8GiB"), between steps; its
-        slots. Running requests go on with the new cache (their outputs do not change)."""
+        """`resize(experts=size)`; the cache's slots."""
         return self.runner.resize_expert_cache(size)
+
+    def _resize_kv(self, pages: int) -> None:
+        try:
+            self.runner.resize_kv(pages)
+        except ValueError:
+            if self.prefix_cache is None or pages < 1:
+                raise
+            evicted = self.prefix_cache.evict(self.prefix_cache.num_evictable)
+            self.runner.kv.allocator.free(evicted)
+            self.runner.resize_kv(pages)
 
     def _decoder(self, keep_special_tokens: bool):
         """The tokenizer's decode for a request's text: special tokens dropped (they are

@@ -148,11 +148,33 @@ class ModelRunner:
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise ValueError(f"no device memory for an expert cache of {size}") from None
+        self._after_resize()
+        return self.moe.cache.num_slots
+
+    def resize_kv(self, num_pages: int) -> None:
+        """Give the KV pool `num_pages` pages between steps (kv/paged.py `resize`)."""
+        try:
+            self.kv.resize(num_pages)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise ValueError(f"no device memory for a KV cache of {num_pages} pages") from None
+        self._after_resize()
+
+    def _after_resize(self) -> None:
+        """Decode graphs read the old buffers: captured again; their memory given back."""
         if self.graphs is not None:
             self.graphs.reset()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the old banks' memory back to the driver
-        return self.moe.cache.num_slots
+            torch.cuda.empty_cache()
+
+    def kv_pages_for(self, size: str) -> int:
+        """Pages for a KV size: tokens ("65536") or bytes ("4GiB")."""
+        from freetoken.moe.runtime import parse_cache_size
+
+        page_bytes = kv_bytes_per_token(self.config, self.model.dtype) * self.kv.page_size
+        if str(size).strip().isdigit():
+            return -(-int(size) // self.kv.page_size)
+        return parse_cache_size(size, page_bytes)
 
     def new_sequence(self) -> KVSequence:
         """An empty sequence, with a zeroed recurrent state slot when the model needs one."""

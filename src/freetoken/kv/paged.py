@@ -91,7 +91,9 @@ class PagedKVCache:
         device page table's rows."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        max_pages = min(num_pages, -(-(max_seq_tokens or num_pages * page_size) // page_size))
+        # the longest sequence's pages (unbounded without max_seq_tokens: the pool's)
+        self._max_seq_pages = -(-max_seq_tokens // page_size) if max_seq_tokens else 2**62
+        max_pages = min(num_pages, self._max_seq_pages)
         # int64: kernels and torch index with its entries directly.
         self.page_table = torch.zeros(PAGE_TABLE_ROWS, max_pages, dtype=torch.long, device=device)
         self._free_rows = list(range(PAGE_TABLE_ROWS - 1, -1, -1))
@@ -143,6 +145,41 @@ class PagedKVCache:
         if seq.row is not None:
             self._free_rows.append(seq.row)
             seq.row, seq.synced = None, 0
+
+    def resize(self, num_pages: int) -> None:
+        """Hold `num_pages` pages, between steps. Growing adds free pages; shrinking gives up
+        the highest page ids, which must all be free (the caller evicts what it caches first):
+        pages in use keep their ids and contents, so no page table changes. While the pools
+        are replaced both sets are in memory."""
+        old = self.num_pages
+        if num_pages < 1:
+            raise ValueError("the KV cache needs at least one page")
+        if num_pages < old:
+            free = set(self.allocator._free)
+            if any(page not in free for page in range(num_pages, old)):
+                used = old - len(free)
+                raise ValueError(
+                    f"cannot shrink the KV cache to {num_pages} pages while pages above that are "
+                    f"in use ({used} of {old} in use): retry when fewer requests run"
+                )
+        slots = min(num_pages, old) * self.page_size
+        for pools in (self.k, self.v):
+            for i, pool in enumerate(pools):
+                if pool.numel():
+                    new = pool.new_zeros((num_pages * self.page_size, *pool.shape[1:]))
+                    new[:slots] = pool[:slots]
+                    pools[i] = new
+        if num_pages > old:
+            # new ids hand out after the old free ones (lowest first, as the allocator does)
+            self.allocator._free[:0] = range(num_pages - 1, old - 1, -1)
+        else:
+            self.allocator._free = [p for p in self.allocator._free if p < num_pages]
+        self.allocator.num_pages = num_pages
+        width = min(num_pages, self._max_seq_pages)
+        if width > self.page_table.shape[1]:  # the rows may now hold longer sequences
+            table = self.page_table.new_zeros((self.page_table.shape[0], width))
+            table[:, : self.page_table.shape[1]] = self.page_table
+            self.page_table = table
 
     def pending_rows(self, seqs: list[KVSequence]) -> tuple[list[int], list[int]]:
         """The page-table entries the device lacks for these sequences, as (flat index into

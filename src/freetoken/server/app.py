@@ -29,7 +29,7 @@ from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError, shown
 from freetoken.server.schemas import SCHEMAS, Body, schema_error
-from freetoken.server.stats import Metrics, cache_size, stats_json
+from freetoken.server.stats import Metrics, memory_split, stats_json
 
 log = logging.getLogger(__name__)
 
@@ -201,16 +201,21 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Fast
         return stats_json(core)
 
     @app.post("/v1/ctl/cache")
-    async def resize_cache(request: Request):
-        """{"experts": SIZE} (slots, or bytes such as "8GiB"): the expert cache re-sized at
-        the next step boundary; answers the new split (as /v1/stats' `moe`)."""
-        size = str((await parse(request, "ctl", config.max_request_bytes)).experts)
-        future = core.scheduler.call(lambda: core.scheduler.engine.resize_expert_cache(size))
+    async def resize(request: Request):
+        """{"experts": SIZE, "kv": SIZE} (either or both): memory re-split between the expert
+        cache and the KV pool at the next step boundary; answers the new split."""
+        body = await parse(request, "ctl", config.max_request_bytes)
+        if body.experts is None and body.kv is None:
+            raise ApiError(400, "invalid_request_error",
+                           'give a size: {"experts": "8GiB"} and/or {"kv": "4GiB"}')  # fmt: skip
+        experts = None if body.experts is None else str(body.experts)
+        kv = None if body.kv is None else str(body.kv)
+        engine = core.scheduler.engine
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.wrap_future(core.scheduler.call(lambda: engine.resize(experts, kv)))
         except ValueError as e:
-            raise ApiError(400, "invalid_request_error", str(e), param="experts") from None
-        return cache_size(core.scheduler.engine.runner.moe)
+            raise ApiError(400, "invalid_request_error", str(e)) from None
+        return memory_split(engine)
 
     @app.get("/metrics")
     async def prometheus():

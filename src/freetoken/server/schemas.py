@@ -401,9 +401,11 @@ def schema_error(err: ValidationError, anthropic: bool, where: tuple = ()) -> Ap
 
 
 class CacheResizeRequest(Body):
-    """POST /v1/ctl/cache: the expert cache's new size, slots (300) or bytes ("8GiB")."""
+    """POST /v1/ctl/cache: the expert cache's new size, slots (300) or bytes ("8GiB"), and/or
+    the KV pool's, tokens (65536) or bytes ("4GiB")."""
 
-    experts: str | int
+    experts: str | int | None = None
+    kv: str | int | None = None
 
 
 SCHEMAS: dict[str, type[Body]] = {
