@@ -110,6 +110,8 @@ def test_memory_re_splits_between_the_expert_cache_and_kv(engine, capsys):
         out = capsys.readouterr().out
         assert "KV cache: 256 tokens" in out and "expert cache: 20 of" in out
         assert engine.runner.kv.num_pages == 256 // kv.page_size
+        [listed] = httpx.get(base + "/v1/models", timeout=30).json()["data"]
+        assert listed["max_model_len"] == 256  # the context follows the pool
         assert [complete(base, p) for p in prompts] == fixed
         # one page: the prefixes the last requests left above it are evicted to make room
         held = engine.prefix_cache.num_pages

@@ -121,7 +121,6 @@ class LLMEngine:
         self.max_prefill_chunk = max_prefill_chunk
         self.sampler = Sampler()
         self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
-        self.max_context = min(runner.max_model_len, runner.kv.capacity_tokens)
         self.running: list[Request] = []  # requests holding KV, oldest first
         # Requests whose KV was taken for older ones, oldest first; they resume before any new
         # request is admitted.
@@ -140,6 +139,11 @@ class LLMEngine:
             )
             self.prefix_cache.on_evict = self.anchors.drop_node
         self.reuse = PrefixReuseTelemetry()
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence: the model's, or what the KV pool holds (it can be re-sized)."""
+        return min(self.runner.max_model_len, self.runner.kv.capacity_tokens)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -77,7 +77,6 @@ class GenerationCore:
         self.metrics = None  # the app's Metrics (server/stats.py), observed per token
         self.draining = False  # shutting down: no new requests
         self.shutdown_deadline: float | None = None  # time.monotonic() to be gone by
-        self.max_context = scheduler.engine.max_context
         self.vocab_size = len(tokenizer.hf)  # ids a request may name (logit_bias)
         # A request that sets no output limit gets the checkpoint's own (generation_config's
         # max_new_tokens), else whatever the context leaves.
@@ -91,6 +90,11 @@ class GenerationCore:
             self.parser_name = parser_for_template(self.template_source)
 
     # -- building requests ----------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence served (it follows the KV pool when that is re-sized)."""
+        return self.scheduler.engine.max_context
 
     def check_model(self, model: str) -> str:
         if model != self.model_name:
