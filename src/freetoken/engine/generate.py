@@ -25,6 +25,7 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.devices import resolve_device
+from freetoken.engine.memory_watch import DeviceMemoryWatch
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
@@ -139,6 +140,8 @@ class LLMEngine:
             )
             self.prefix_cache.on_evict = self.anchors.drop_node
         self.reuse = PrefixReuseTelemetry()
+        # gives expert-cache slots back when another process takes device memory
+        self.memory_watch = DeviceMemoryWatch.for_runner(runner)
 
     @property
     def max_context(self) -> int:
@@ -320,6 +323,8 @@ class LLMEngine:
         already generating gets one token (one batched forward). Long prompts are thus split
         across steps so running decodes keep moving. Finished requests leave and free their
         KV pages."""
+        if self.memory_watch is not None:
+            self.memory_watch.check()
         self._resume_preempted()
         self.last_step = StepTokens()
         if not self.running:

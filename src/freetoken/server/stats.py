@@ -69,6 +69,7 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
         # Per request: prompt tokens, reused from the prefix cache, recomputed, anchor used.
         "prefix_reuse": engine.reuse.snapshot(),
         "anchors": None if engine.anchors is None else engine.anchors.snapshot(),
+        "memory_watch": None if engine.memory_watch is None else engine.memory_watch.snapshot(),
         "moe": None
         if moe is None
         else {"strategy": moe.strategy, **cache_size(moe), **moe.telemetry.snapshot()},
