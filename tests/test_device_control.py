@@ -74,7 +74,8 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         x = torch.randn(len(routes), store.shape.hidden, generator=gen)
         got, fill_pairs, fill_slots = control.plan(layer, pairs, weights, x)
         check_tables(control)
-        assert torch.equal(cpu_x[: len(routes)], x)
+        if fused:  # the one-program plan hands x to the CPU (the twin's CPU reads it in place)
+            assert torch.equal(cpu_x[: len(routes)], x)
         # The split: q misses filled, those the policy scores highest (ties: the lower pair).
         m = len(misses)
         if split is None:

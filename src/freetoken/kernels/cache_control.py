@@ -48,13 +48,12 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
     flat = pairs.reshape(-1)
     R = flat.numel()
     out_slots, fill_pairs, fill_slots = control.outputs(R)
-    split = control.split if control.split is not None else control.fill_all
     copy_x = x is not None and control.cpu_x is not None
     x = x.contiguous() if copy_x else flat
     _plan_kernel[(1,)](
         x, control.cpu_x if copy_x else flat, x.numel() if copy_x else 0,
         flat, weights.reshape(-1), control.slot_of, control.pair_of, control.scores,
-        control.victims, neg_dist, neg_wait, p, split,
+        control.victims, neg_dist, neg_wait, p, control.split_arg,
         out_slots, fill_pairs, fill_slots, control.cpu_pairs, control.cpu_weights,
         control.counters[moe_layer],
         R, control.num_slots, control.num_pairs, moe_layer * control.num_experts,

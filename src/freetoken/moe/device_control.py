@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.kernels import cache_control
+from freetoken.kernels.expert_fill import HostRows
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.policy import ExpectedNextUsePolicy
 
@@ -47,8 +48,9 @@ CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
 class DeviceControl:
     def __init__(self, cache: ExpertCache, policy, split: torch.Tensor | None = None,
                  cpu_inputs: tuple | None = None):  # fmt: skip
-        """`split`: float32 (f, lo, hi), read at every plan (on CUDA mapped pinned memory the
-        host rewrites between steps); None fills every miss (offload). `cpu_inputs`: where
+        """`split`: float32 (f, lo, hi), read at every plan, which the host rewrites between
+        steps (on CUDA pinned: the plan reads it where it lies); None fills every miss
+        (offload). `cpu_inputs`: where
         plans write the CPU's share, (pairs int64 [>= R], weights fp32 [>= R], x [>= T, H] or
         None), mapped pinned memory on CUDA (moe/doorbell.py); None: a scratch of the
         control's own for the routes (the CPU tier reads x where it is)."""
@@ -62,8 +64,11 @@ class DeviceControl:
         self.pair_of = torch.full((self.num_slots + 1,), -1, dtype=torch.long, device=device)
         self.counters = torch.zeros(store.num_layers, 6, dtype=torch.long, device=device)
         self.split = split
-        # offload's split, for the one-program plan: every miss filled
-        self.fill_all = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
+        # what the one-program plan reads: the split where it lies, or offload's (every miss)
+        if split is None:
+            self.split_arg = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
+        else:
+            self.split_arg = HostRows(split) if device.type == "cuda" else split
         if cpu_inputs is None:
             pairs = torch.empty(self.num_slots, dtype=torch.long, device=device)
             weights = torch.empty(self.num_slots, dtype=torch.float32, device=device)
@@ -125,9 +130,7 @@ class DeviceControl:
         `cpu_pairs[:R]` / `cpu_weights[:R]`, and x [T, H] to `cpu_x` where there is one."""
         if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
             return cache_control.plan_layer(self, moe_layer, pairs, weights, x)
-        if self.cpu_x is not None:
-            host = getattr(self.cpu_x, "host", self.cpu_x)  # (HostRows: the tensor it wraps)
-            host[: x.shape[0]].copy_(x, non_blocking=True)
+        # (x is only for a doorbell, whose calls `fits` keeps on the one-program plan)
         return self.plan_torch(moe_layer, pairs, weights)
 
     def plan_torch(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):

@@ -112,25 +112,22 @@ class MoERuntime:
         streamer: LayerStreamer | None = None,
         control: DeviceControl | None = None,
         doorbell: CPUDoorbell | None = None,
-        split: torch.Tensor | None = None,
     ):
-        """`control`: decode calls decided on the device; with `split` (the host's view of the
-        (f, lo, hi) the control's plans read), hybrid's split, whose CPU share runs through
-        `doorbell` on CUDA and on the executor at once on the CPU tier."""
+        """`control`: decode calls decided on the device; with a split (hybrid's), whose CPU
+        share runs through `doorbell` on CUDA and on the executor at once on the CPU tier."""
         self.store, self.device, self.strategy = store, device, strategy
         self.kind = STRATEGIES[strategy]  # what the strategy does (moe/strategies.py)
-        self.cache, self.cpu, self.options, self.act = cache, cpu, options, act
+        self.cpu, self.options, self.act = cpu, options, act
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
         self._telemetry = MoETelemetry.for_layers(store.num_layers)
-        self.control = control
-        if control is not None:
-            pool = (store.w_gate_up, store.w_down)
-            if device.type == "cuda":
-                pool = tuple(HostRows(bank) for bank in pool)
-            self._fill_banks = tuple(zip((cache.w_gate_up, cache.w_down), pool, strict=True))
-        self.doorbell, self._split = doorbell, split
+        self.control, self.doorbell = control, doorbell
+        # the host pool as the device-launched fills read it (by address on CUDA)
+        self._pool = (store.w_gate_up, store.w_down)
+        if device.type == "cuda":
+            self._pool = tuple(HostRows(bank) for bank in self._pool)
         self._doorbell_errors = 0  # the listener's failures already reported
         self.streamer = streamer
+        self._bind_cache(cache)
         self._pending_fill_timing: list[tuple] = []
         self._pinned_buffers: dict[tuple, object] = {}  # see `_pinned` and `_fetch`
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
@@ -143,6 +140,19 @@ class MoERuntime:
         if self.kind.fixed_placement:
             on_cpu = (cache.slot_of.numpy() < 0).reshape(store.num_layers, -1).any(1)
             self._static_cpu_layers = set(np.flatnonzero(on_cpu).tolist())
+
+    @property
+    def _split(self) -> torch.Tensor | None:
+        """The (f, lo, hi) the device's plans read (hybrid deciding on the device), or None."""
+        return self.control.split if self.control is not None else None
+
+    def _bind_cache(self, cache: ExpertCache | None) -> None:
+        """Make `cache` the one every path uses (the fills' destination, the streamer's)."""
+        self.cache = cache
+        if self.streamer is not None:
+            self.streamer.cache = cache
+        if cache is not None:
+            self._fill_banks = tuple(zip((cache.w_gate_up, cache.w_down), self._pool, strict=True))
 
     @property
     def telemetry(self) -> MoETelemetry:
@@ -237,19 +247,10 @@ class MoERuntime:
             self.control.push_host_tables()
             self._fold_device_counters()  # before the control holding them is replaced
         refill = warm_order(self.store) if self.options.warm_cache else ()
-        cache = self.cache.resized(num_slots, refill)
-        self.cache = cache
-        if self.streamer is not None:
-            self.streamer.cache = cache
+        self._bind_cache(self.cache.resized(num_slots, refill))
         if self.control is not None:
-            old = self.control
-            inputs = (old.cpu_pairs, old.cpu_weights, old.cpu_x)
-            if self.doorbell is None:  # (the control's own scratch, sized by the slots)
-                inputs = None
-            self.control = DeviceControl(cache, cache.policy, old.split, inputs)
-            self._fill_banks = tuple(
-                zip((cache.w_gate_up, cache.w_down), (b for _, b in self._fill_banks), strict=True)
-            )
+            inputs = self.doorbell.inputs if self.doorbell is not None else None
+            self.control = DeviceControl(self.cache, self.cache.policy, self._split, inputs)
         log.info("expert cache resized to %d slots of %d", num_slots, self.store.num_pairs)
 
     def capturable(self, tokens: int, routes: int) -> bool:
@@ -309,7 +310,7 @@ class MoERuntime:
             bell.ring(moe_layer, x.shape[0], ids.shape[1])
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         out = self._gpu(x, slots, weights)
-        if self._split is None:
+        if not self.kind.splits:
             return out  # offload: no CPU share
         if bell is not None:
             return bell.merge(moe_layer, ids.shape[1], out)
@@ -736,11 +737,11 @@ def build_runtime(
             )
         else:
             streamer = LayerStreamer(store, cache, device, act)
-    control = doorbell = split = None
+    control = doorbell = None
     if kind.on_device and options.device_control:
-        control, doorbell, split = _device_control(kind, store, cache, cpu, act, options, device)
+        control, doorbell = _device_control(kind, store, cache, cpu, act, options, device)
     return MoERuntime(store, device, kind.name, cache, cpu, options, act, tracker, streamer,
-                      control, doorbell, split)  # fmt: skip
+                      control, doorbell)  # fmt: skip
 
 
 def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
@@ -771,21 +772,21 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
 
 
 def _device_control(kind, store, cache, cpu, act, options, device):
-    """(control, doorbell, split) for a strategy that decides its decode calls on the device;
-    (None, None, None) where it cannot (hybrid on CUDA without a doorbell)."""
-    cpu_inputs = split_at = split = doorbell = None
+    """(control, doorbell) for a strategy that decides its decode calls on the device; (None,
+    None) where it cannot (hybrid on CUDA without a doorbell)."""
+    cpu_inputs = split = doorbell = None
     if kind.splits:
         # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA in
         # mapped pinned memory, which the plans read where it lies
-        split = split_at = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
+        split = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
         if device.type == "cuda":
             doorbell = _doorbell(store, act, cpu, options, device)
             if doorbell is None:
-                return None, None, None  # hybrid decides on the host
-            split_at, cpu_inputs = HostRows(split), doorbell.inputs
+                return None, None  # hybrid decides on the host
+            cpu_inputs = doorbell.inputs
     # The policy's state moves to the device, where the plans read and update it.
     cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-    return DeviceControl(cache, cache.policy, split_at, cpu_inputs), doorbell, split
+    return DeviceControl(cache, cache.policy, split, cpu_inputs), doorbell
 
 
 def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
