@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.kernels.cpu_experts import torch_cpu_experts
+from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.kernels.cpu_team import library
 from freetoken.moe.doorbell import BELL, DONE, JOBS, ROUTES, CPUDoorbell
 from test_moe_runtime import tiny_store
@@ -34,7 +34,9 @@ def answer(words: np.ndarray, value: int, timeout: float = 10.0) -> None:
 def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
     store = tiny_store(num_layers=3, num_experts=5, hidden=16, inter=8, dtype=dtype)
     k = 2
-    bell = CPUDoorbell(store, "silu", threads=1, max_routes=8, device=torch.device("cpu"))
+    native = NativeCPUExperts.create(store.w_gate_up, store.w_down, "silu", threads=1)
+    bell = CPUDoorbell(native, store.num_layers, threads=1, max_routes=8,
+                       device=torch.device("cpu"))  # fmt: skip
     words = bell.words.numpy()
     gen = torch.Generator().manual_seed(0)
     jobs = routes = 0

@@ -28,7 +28,7 @@ class NativeCPUExperts:
     returns None when this machine cannot run it (no compiler, unsupported dtype)."""
 
     def __init__(self, lib, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int):
-        self._lib = lib
+        self.lib = lib
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.dtype_code = _DTYPES[w_gate_up.dtype]
         self.act_code = activation_code(act)
@@ -60,7 +60,7 @@ class NativeCPUExperts:
 
     def prepare(self, seconds: float) -> None:
         """Wake the team ahead of a job expected within `seconds` (see the C source)."""
-        self._lib.ft_cpu_experts_prepare(seconds)
+        self.lib.ft_cpu_experts_prepare(seconds)
 
     def submit(self, x: torch.Tensor, rows, pairs, weights) -> PendingJob:
         """Start the job on the library's threads and return at once; `.result()` waits for
@@ -76,7 +76,7 @@ class NativeCPUExperts:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
         out = np.empty((x.shape[0], self.hidden), np.float32)
         experts = np.zeros(1, np.int64)
-        ticket = self._lib.ft_cpu_experts_submit(
+        ticket = self.lib.ft_cpu_experts_submit(
             self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), self.hidden,
             self.intermediate, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], len(rows),
             _ptr(rows), _ptr(pairs), _ptr(weights), _ptr(out), self.act_code, self.threads,
@@ -84,7 +84,7 @@ class NativeCPUExperts:
         )  # fmt: skip
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
-        return PendingJob(self._lib, ticket, out, int(experts[0]))
+        return PendingJob(self.lib, ticket, out, int(experts[0]))
 
 
 class PendingJob:

@@ -28,12 +28,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from freetoken.activations import activation_code
 from freetoken.kernels import stream_memops
-from freetoken.kernels.cpu_team import library
+from freetoken.kernels.cpu_experts import NativeCPUExperts
 from freetoken.kernels.expert_fill import HostRows
 from freetoken.kernels.host_partial import add_host_partial
-from freetoken.moe.store import HostExpertStore
 
 # int32 words of `words`, 256 bytes apart: never in one line of the GPU's L2 (128 bytes)
 BELL, DONE = 0, 64
@@ -46,34 +44,36 @@ IDLE_SPIN_SECONDS = 0.05
 class CPUDoorbell:
     def __init__(
         self,
-        store: HostExpertStore,
-        act: str,
+        experts: NativeCPUExperts,
+        num_layers: int,
         threads: int,
         max_routes: int,
         device: torch.device,
         prepare_seconds: float = 2e-3,
     ):
-        lib = library()
+        """`experts`: the native kernel's view of the host pool (the CPU executor's), whose
+        banks, dtype and activation the listener's jobs use; `threads`: the team threads of
+        each job."""
         on_cuda = device.type == "cuda"
-        if lib is None or (on_cuda and not stream_memops.available()):
-            raise RuntimeError("the device's doorbell needs the native CPU library")
-        self.store, self.device, self.max_routes = store, device, max_routes
-        routes, hidden = max_routes, store.shape.hidden
+        if on_cuda and not stream_memops.available():
+            raise RuntimeError("the device's doorbell needs CUDA's stream memory operations")
+        self.device, self.max_routes = device, max_routes
+        routes, hidden = max_routes, experts.hidden
+        bf16 = experts.w_gate_up.dtype == torch.bfloat16
         self.words = torch.zeros(128, dtype=torch.int32, pin_memory=on_cuda)
         self.pairs = torch.full((routes,), -1, dtype=torch.long, pin_memory=on_cuda)
         self.weights = torch.zeros(routes, dtype=torch.float32, pin_memory=on_cuda)
-        self.x = torch.zeros(routes, hidden, dtype=store.shape.dtype, pin_memory=on_cuda)
+        self.x = torch.zeros(routes, hidden, dtype=experts.w_gate_up.dtype, pin_memory=on_cuda)
         self.out = torch.zeros(routes, hidden, dtype=torch.float32, pin_memory=on_cuda)
-        self.stats = np.zeros((store.num_layers, 4))
+        self._out_rows = HostRows(self.out)  # what the merge reads
+        self.stats = np.zeros((num_layers, 4))
         self._folded = self.stats.copy()
-        self._lib = lib
-        w_gate_up, w_down = store.w_gate_up, store.w_down
-        self._handle = lib.ft_listener_start(
+        self._lib = experts.lib
+        self._handle = self._lib.ft_listener_start(
             self._word(BELL), self._word(DONE), self.pairs.data_ptr(), self.weights.data_ptr(),
-            self.x.data_ptr(), store.shape.dtype == torch.bfloat16, self.out.data_ptr(), routes,
-            0 if store.shape.dtype == torch.bfloat16 else 1,
-            w_gate_up.data_ptr(), w_down.data_ptr(), hidden, store.shape.intermediate,
-            activation_code(act), threads, self.stats.ctypes.data, store.num_layers,
+            self.x.data_ptr(), bf16, self.out.data_ptr(), routes, experts.dtype_code,
+            experts.w_gate_up.data_ptr(), experts.w_down.data_ptr(), hidden,
+            experts.intermediate, experts.act_code, threads, self.stats.ctypes.data, num_layers,
             IDLE_SPIN_SECONDS, prepare_seconds,
         )  # fmt: skip
         if not self._handle:
@@ -101,7 +101,7 @@ class CPUDoorbell:
         bell = self.bell_value(moe_layer, gpu.shape[0], top_k)
         stream_memops.wait_equal(self._word(DONE), bell)
         stream_memops.write(self._word(DONE), 0)
-        return add_host_partial(gpu.contiguous(), HostRows(self.out))
+        return add_host_partial(gpu.contiguous(), self._out_rows)
 
     def fold(self) -> np.ndarray:
         """The listener's counters per layer since the last call: [L, 4] (jobs, routes,

@@ -739,7 +739,7 @@ def build_runtime(
             streamer = LayerStreamer(store, cache, device, act)
     control = doorbell = None
     if kind.on_device and options.device_control:
-        control, doorbell = _device_control(kind, store, cache, cpu, act, options, device)
+        control, doorbell = _device_control(kind, store, cache, cpu, options, device)
     return MoERuntime(store, device, kind.name, cache, cpu, options, act, tracker, streamer,
                       control, doorbell)  # fmt: skip
 
@@ -771,7 +771,7 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
     return cache
 
 
-def _device_control(kind, store, cache, cpu, act, options, device):
+def _device_control(kind, store, cache, cpu, options, device):
     """(control, doorbell) for a strategy that decides its decode calls on the device; (None,
     None) where it cannot (hybrid on CUDA without a doorbell)."""
     cpu_inputs = split = doorbell = None
@@ -780,7 +780,7 @@ def _device_control(kind, store, cache, cpu, act, options, device):
         # mapped pinned memory, which the plans read where it lies
         split = torch.tensor([1.0, 1.0, 2.0**30], pin_memory=device.type == "cuda")
         if device.type == "cuda":
-            doorbell = _doorbell(store, act, cpu, options, device)
+            doorbell = _doorbell(store, cpu, options, device)
             if doorbell is None:
                 return None, None  # hybrid decides on the host
             cpu_inputs = doorbell.inputs
@@ -789,7 +789,7 @@ def _device_control(kind, store, cache, cpu, act, options, device):
     return DeviceControl(cache, cache.policy, split, cpu_inputs), doorbell
 
 
-def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
+def _doorbell(store, cpu, options, device) -> CPUDoorbell | None:
     """The CPU share's doorbell for hybrid deciding on the device, or None (with the reason
     logged) where the native library or the driver's stream memory operations are missing."""
     if cpu is None or cpu.native is None or not stream_memops.available():
@@ -801,4 +801,5 @@ def _doorbell(store, act, cpu, options, device) -> CPUDoorbell | None:
     # the driver's own) keep a core.
     threads = max(1, cpu.native.threads - 2)
     prepare = options.cpu_prepare_us * 1e-6
-    return CPUDoorbell(store, act, threads, cache_control.MAX_ROUTES, device, prepare)
+    return CPUDoorbell(cpu.native, store.num_layers, threads, cache_control.MAX_ROUTES, device,
+                       prepare)  # fmt: skip
