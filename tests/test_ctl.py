@@ -82,7 +82,7 @@ def test_the_expert_cache_resizes_under_running_requests(engine, capsys):
         bad = httpx.post(base + "/v1/ctl/cache", json={"experts": "lots"}, timeout=30)
         assert bad.status_code == 400 and "cannot read cache size" in bad.json()["error"]["message"]
         assert engine.runner.moe.cache.num_slots == 7
-        core.scheduler.call(lambda: engine.resize_expert_cache("40")).result(timeout=60)
+        core.scheduler.call(lambda: engine.resize(experts="40")).result(timeout=60)
 
 
 def test_memory_re_splits_between_the_expert_cache_and_kv(engine, capsys):

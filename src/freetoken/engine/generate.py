@@ -423,7 +423,7 @@ class LLMEngine:
         ).tolist()
         return [self._accept(r, t) for r, t in zip(group, tokens, strict=True)]
 
-    def resize(self, experts: str | None = None, kv: str | None = None) -> None:
+    def resize(self, experts: str | int | None = None, kv: str | None = None) -> None:
         """Re-split memory between the expert cache (`experts`: slots, or bytes such as
         "8GiB") and the KV pool (`kv`: tokens, or bytes), between steps: whichever shrinks
         goes first, so the other can grow into what it gave back. Running requests go on,
@@ -439,19 +439,12 @@ class LLMEngine:
         if pages is not None and not kv_first:
             self._resize_kv(pages)
 
-    def resize_expert_cache(self, size: str) -> int:
-        """`resize(experts=size)`; the cache's slots."""
-        return self.runner.resize_expert_cache(size)
-
     def _resize_kv(self, pages: int) -> None:
-        try:
-            self.runner.resize_kv(pages)
-        except ValueError:
-            if self.prefix_cache is None or pages < 1:
-                raise
-            evicted = self.prefix_cache.evict(self.prefix_cache.num_evictable)
-            self.runner.kv.allocator.free(evicted)
-            self.runner.resize_kv(pages)
+        allocator = self.runner.kv.allocator
+        if self.prefix_cache is not None and pages > 0 and allocator.used_from(pages):
+            # cached prefixes may hold the pages to give up: evicted (what requests hold stays)
+            allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable))
+        self.runner.resize_kv(pages)
 
     def _decoder(self, keep_special_tokens: bool):
         """The tokenizer's decode for a request's text: special tokens dropped (they are

@@ -59,14 +59,14 @@ class DeviceMemoryWatch:
                 "device memory is short (%.2f GiB free): the expert cache gives back %d of its "
                 "%d slots", free / 2**30, slots - new, slots,
             )  # fmt: skip
-            self.runner.resize_expert_cache(str(new))
+            self.runner.resize_expert_cache(new)
             self.shrinks += 1
         elif free > 2 * self.reserve and slots < self.target:
             take = (free - 2 * self.reserve) // self.expert_bytes
             new = min(self.target, slots + take)
             if new > slots:
                 log.info("device memory is free again: the expert cache grows to %d slots", new)
-                self.runner.resize_expert_cache(str(new))
+                self.runner.resize_expert_cache(new)
                 self.grows += 1
 
     def snapshot(self) -> dict:

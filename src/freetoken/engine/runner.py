@@ -135,7 +135,7 @@ class ModelRunner:
             for block in blocks:
                 block.executor = self.moe
 
-    def resize_expert_cache(self, size: str) -> int:
+    def resize_expert_cache(self, size: str | int) -> int:
         """Re-size the expert cache to `size` (slots, or bytes such as "8GiB") between steps;
         returns its slots. Decode graphs are captured again."""
         from freetoken.moe.runtime import parse_cache_size

@@ -47,6 +47,19 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
+    def used_from(self, first: int) -> int:
+        """Pages numbered `first` or higher that are handed out."""
+        return (self.num_pages - first) - sum(p >= first for p in self._free)
+
+    def resize(self, num_pages: int) -> None:
+        """Own pages 0..num_pages-1: new ones free, handed out after the old free ones; those
+        given up must be free (`used_from(num_pages) == 0`)."""
+        if num_pages > self.num_pages:
+            self._free[:0] = range(num_pages - 1, self.num_pages - 1, -1)
+        else:
+            self._free = [p for p in self._free if p < num_pages]
+        self.num_pages = num_pages
+
 
 @dataclass
 class KVSequence:
@@ -154,14 +167,12 @@ class PagedKVCache:
         old = self.num_pages
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page")
-        if num_pages < old:
-            free = set(self.allocator._free)
-            if any(page not in free for page in range(num_pages, old)):
-                used = old - len(free)
-                raise ValueError(
-                    f"cannot shrink the KV cache to {num_pages} pages while pages above that are "
-                    f"in use ({used} of {old} in use): retry when fewer requests run"
-                )
+        if num_pages < old and self.allocator.used_from(num_pages):
+            used = old - self.allocator.num_free
+            raise ValueError(
+                f"cannot shrink the KV cache to {num_pages} pages while pages above that are "
+                f"in use ({used} of {old} in use): retry when fewer requests run"
+            )
         slots = min(num_pages, old) * self.page_size
         for pools in (self.k, self.v):
             for i, pool in enumerate(pools):
@@ -169,12 +180,7 @@ class PagedKVCache:
                     new = pool.new_zeros((num_pages * self.page_size, *pool.shape[1:]))
                     new[:slots] = pool[:slots]
                     pools[i] = new
-        if num_pages > old:
-            # new ids hand out after the old free ones (lowest first, as the allocator does)
-            self.allocator._free[:0] = range(num_pages - 1, old - 1, -1)
-        else:
-            self.allocator._free = [p for p in self.allocator._free if p < num_pages]
-        self.allocator.num_pages = num_pages
+        self.allocator.resize(num_pages)
         width = min(num_pages, self._max_seq_pages)
         if width > self.page_table.shape[1]:  # the rows may now hold longer sequences
             table = self.page_table.new_zeros((self.page_table.shape[0], width))

@@ -189,10 +189,11 @@ class ExpertCache:
             raise ValueError("the expert cache needs at least one slot")
         pair_of = self.pair_of.numpy()
         held = np.flatnonzero(pair_of >= 0)
-        if len(held) > num_slots:  # the policy's keep-scores choose what stays
-            scores = host_array(self.policy.slot_scores(0, pair_of)) if self.policy else None
-            order = np.argsort(-scores[held], kind="stable") if scores is not None else None
-            held = np.sort(held[order[:num_slots]]) if order is not None else held[:num_slots]
+        if len(held) > num_slots and self.policy is not None:
+            # the policy's keep-scores choose what stays, as at layer 0, where a step starts
+            scores = host_array(self.policy.slot_scores(0, pair_of))[held]
+            held = np.sort(held[np.argsort(-scores, kind="stable")[:num_slots]])
+        held = held[:num_slots]
         new = ExpertCache(self.store, num_slots, self.device)
         new.policy = self.policy  # (made without one: the constructor would reset its state)
         keep = torch.as_tensor(held, dtype=torch.long)
