@@ -32,6 +32,7 @@ def test_growing_keeps_pages_and_contents_and_adds_free_pages():
     seq = KVSequence()
     slots, values = fill(kv, seq, 5)  # 3 pages
     pages = list(seq.pages)
+    assert kv.page_bytes == 2 * 2 * 1 * 3 * 4 * 2  # layers, K and V, heads, dim, fp32, page
     kv.resize(10)
     assert kv.num_pages == 10 and kv.allocator.num_free == 7
     assert seq.pages == pages and torch.equal(kv.k[1][slots], values)

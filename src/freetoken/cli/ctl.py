@@ -1,5 +1,5 @@
-"""`ft ctl`: look at a running server (its /v1/stats) and re-size its expert cache
-(/v1/ctl/cache), from another terminal."""
+"""`ft ctl`: look at a running server (its /v1/stats) and re-split its memory between the
+expert cache and the KV pool (/v1/ctl/cache), from another terminal."""
 
 from __future__ import annotations
 
@@ -38,10 +38,6 @@ def call(url: str, api_key: str | None, path: str, body: dict | None = None) -> 
         raise FreetokenError(f"no server answers at {url} ({e})") from None
 
 
-def fetch_stats(url: str, api_key: str | None) -> dict:
-    return call(url, api_key, "/v1/stats")
-
-
 def describe(stats: dict) -> list[str]:
     """The status as lines: model, requests, speeds, the expert cache and split, KV use."""
     req, tps, kv = stats["requests"], stats["tokens_per_second"], stats["kv_pages"]
@@ -70,7 +66,7 @@ def describe(stats: dict) -> list[str]:
 
 
 def status(args: argparse.Namespace) -> int:
-    stats = fetch_stats(args.url, args.api_key)
+    stats = call(args.url, args.api_key, "/v1/stats")
     if args.json:
         json.dump(stats, sys.stdout, indent=2)
         print()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -143,25 +143,21 @@ class ModelRunner:
         if self.moe is None:
             raise ValueError("this model has no routed experts")
         slots = parse_cache_size(size, self.moe.store.shape.nbytes)
-        try:
-            self.moe.resize_cache(slots)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            raise ValueError(f"no device memory for an expert cache of {size}") from None
-        self._after_resize()
+        self._resize(lambda: self.moe.resize_cache(slots), f"an expert cache of {size}")
         return self.moe.cache.num_slots
 
     def resize_kv(self, num_pages: int) -> None:
         """Give the KV pool `num_pages` pages between steps (kv/paged.py `resize`)."""
+        self._resize(lambda: self.kv.resize(num_pages), f"a KV cache of {num_pages} pages")
+
+    def _resize(self, resize: Callable[[], None], what: str) -> None:
+        """Run a re-size of buffers the decode graphs read: they are captured again after it,
+        and the memory given up goes back to the driver; no room for it is a ValueError."""
         try:
-            self.kv.resize(num_pages)
+            resize()
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            raise ValueError(f"no device memory for a KV cache of {num_pages} pages") from None
-        self._after_resize()
-
-    def _after_resize(self) -> None:
-        """Decode graphs read the old buffers: captured again; their memory given back."""
+            raise ValueError(f"no device memory for {what}") from None
         if self.graphs is not None:
             self.graphs.reset()
         if self.device.type == "cuda":
@@ -171,10 +167,9 @@ class ModelRunner:
         """Pages for a KV size: tokens ("65536") or bytes ("4GiB")."""
         from freetoken.moe.runtime import parse_cache_size
 
-        page_bytes = kv_bytes_per_token(self.config, self.model.dtype) * self.kv.page_size
         if str(size).strip().isdigit():
             return -(-int(size) // self.kv.page_size)
-        return parse_cache_size(size, page_bytes)
+        return parse_cache_size(size, self.kv.page_bytes)
 
     def new_sequence(self) -> KVSequence:
         """An empty sequence, with a zeroed recurrent state slot when the model needs one."""

@@ -131,6 +131,12 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: its K and V in every layer that keeps them."""
+        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v) if t.numel())
+        return per_slot * self.page_size
+
     def reserve(self, seq: KVSequence, new_tokens: int) -> None:
         """Make room for `new_tokens` more positions after `seq.length`."""
         needed = -(-(seq.length + new_tokens) // self.page_size) - len(seq.pages)

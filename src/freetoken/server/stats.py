@@ -31,13 +31,10 @@ def cache_size(moe) -> dict[str, int]:
 
 def memory_split(engine) -> dict[str, Any]:
     """The expert cache's and the KV pool's sizes (what POST /v1/ctl/cache answers)."""
-    from freetoken.engine.runner import kv_bytes_per_token
-
     runner = engine.runner
     kv = runner.kv
-    page_bytes = kv_bytes_per_token(runner.config, runner.model.dtype) * kv.page_size
     out: dict[str, Any] = {"kv_pages": kv.num_pages, "kv_tokens": kv.capacity_tokens,
-                           "kv_bytes": kv.num_pages * page_bytes}  # fmt: skip
+                           "kv_bytes": kv.num_pages * kv.page_bytes}  # fmt: skip
     if runner.moe is not None:
         out.update(cache_size(runner.moe))
     return out
