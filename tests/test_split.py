@@ -96,3 +96,26 @@ def test_step_modes_keep_their_way_unless_another_is_clearly_faster():
     chooser.observe(1, SPLIT, 0.078)
     chooser.observe(1, SPLIT, 0.078)
     assert chooser.best(1) == CPU  # now the split is within the margin of the way in use
+
+
+def test_the_device_form_of_the_split_gives_split_misses_q():
+    """split_parameters' (f, lo, hi), applied as the device's plan applies them, gives the q
+    split_misses gives, for every mode, bandwidth and cap (but at exact halves, where the
+    device rounds them up and Python's round to even)."""
+    import math
+
+    from freetoken.moe.split import CPU, FILL, SPLIT, split_parameters
+
+    def device_q(m, f, lo, hi):
+        return min(max(math.floor(m * f + 0.5), min(int(lo), m)), min(int(hi), m))
+
+    for m in range(0, 12):
+        for fill, cpu in ((50e9, 34e9), (1e9, 3e9), (3e9, 1e9), (1e9, 0.0)):
+            for cap in (None, 1, 3):
+                f, lo, hi = split_parameters(SPLIT, fill, cpu, cap)
+                if (m * f) % 1 != 0.5:
+                    assert device_q(m, f, lo, hi) == split_misses(m, fill, cpu, cap)
+                assert device_q(m, *split_parameters(FILL, fill, cpu, cap)) == split_misses(
+                    m, fill, 0.0, cap
+                )
+                assert device_q(m, *split_parameters(CPU, fill, cpu, cap)) == 0

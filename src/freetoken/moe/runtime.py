@@ -56,6 +56,7 @@ from freetoken.moe.split import (
     StepClock,
     StepModes,
     split_misses,
+    split_parameters,
 )
 from freetoken.moe.store import HostExpertStore
 from freetoken.moe.strategies import STRATEGIES
@@ -132,9 +133,9 @@ class MoERuntime:
         self._pinned_buffers: dict[tuple, object] = {}  # see `_pinned` and `_fetch`
         self._partial_dirty: set[int] = set()  # decode graphs' CPU partial buffers not zero
         self.step_modes = StepModes()
-        self._step: tuple[float, int, str] | None = None  # (start, tokens, mode) of a step
+        self._step: tuple[float | None, int, str] | None = None  # (start, tokens, mode)
         self._clock = StepClock(device)  # device-decided steps' times (begin_step, end_step)
-        self._timed = None  # the last such step: (start, stop, tokens, mode)
+        self._timed = None  # the last such step, its clock stopped: (tokens, mode)
         # `static`'s placement never changes: the layers whose steps may give the CPU routes
         self._static_cpu_layers = set()
         if self.kind.fixed_placement:
@@ -194,16 +195,11 @@ class MoERuntime:
             return
         self._fold_cpu_share()
         mode = self.step_modes.choose(tokens)
-        self._step = (self._clock.start(), tokens, mode)
-        cap = float(self.options.max_fetch or 2**30)
-        if mode == SPLIT:
-            fill, cpu = self.tracker.fill, self.tracker.cpu
-            values = (fill / (fill + cpu) if fill + cpu > 0 else 1.0, 1.0, cap)
-        elif mode == FILL:
-            values = (1.0, 0.0, cap)
-        else:
-            values = (0.0, 0.0, 0.0)
-        self._split.numpy()[:] = values
+        self._clock.start()
+        self._step = (None, tokens, mode)  # (its start is the clock's)
+        self._split.numpy()[:] = split_parameters(
+            mode, self.tracker.fill, self.tracker.cpu, self.options.max_fetch
+        )
 
     def _check_doorbell(self) -> None:
         """A layer step the listener could not serve (no thread or memory for its job) was
@@ -222,13 +218,13 @@ class MoERuntime:
         """Called after every forward was queued; `timed` False for a step whose time says
         nothing of its way (one that captured a decode graph)."""
         if self._step is not None and self._split is not None and timed:
-            start, tokens, mode = self._step
-            self._timed = (start, self._clock.stop(), tokens, mode)
+            self._clock.stop()
+            self._timed = self._step[1:]
 
     def _observe_timed_step(self) -> None:
         if self._timed is not None:
-            start, stop, tokens, mode = self._timed
-            seconds = self._clock.seconds(start, stop)
+            tokens, mode = self._timed
+            seconds = self._clock.seconds()
             if seconds is not None:
                 self.step_modes.observe(tokens, mode, seconds)
             self._timed = None

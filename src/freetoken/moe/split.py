@@ -45,6 +45,22 @@ def split_misses(
     return min(q, misses)
 
 
+def split_parameters(
+    mode: str, fill_bandwidth: float, cpu_bandwidth: float, max_fill: int | None = None
+) -> tuple[float, float, float]:
+    """`split_misses` for the device (moe/device_control.py), whose plan learns m only there:
+    (f, lo, hi) such that q = clamp(floor(m * f + 0.5), min(lo, m), min(hi, m)), for a step
+    of StepModes' `mode` (the split, every miss filled, or none)."""
+    cap = float(max_fill or 2**30)
+    if mode == CPU:
+        return 0.0, 0.0, 0.0
+    if mode == FILL or cpu_bandwidth <= 0:
+        return 1.0, 0.0, cap
+    if fill_bandwidth <= 0:
+        return 0.0, 1.0, cap
+    return fill_bandwidth / (fill_bandwidth + cpu_bandwidth), 1.0, cap
+
+
 def paper_split(misses: int, pcie_bandwidth: float, host_bandwidth: float) -> float:
     """The FreeToken paper's q* = m * B_P / B_H (full contention for host memory)."""
     return misses * pcie_bandwidth / host_bandwidth
@@ -156,30 +172,31 @@ class StepClock:
     """Times decode steps decided on the device by the device's own clock: an event where a
     step starts and one where all its work is queued, read when the next step starts (the
     sampler has waited for the step by then). Gaps between steps (the host's scheduling,
-    other work, a benchmark's other contenders) are not counted. On the CPU, wall time."""
+    other work, a benchmark's other contenders) are not counted. On the CPU, wall time. One
+    step at a time: its times are read before the next one starts."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        if self.cuda:  # one pair, reused: a step's times are read before the next is started
+        if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._stop = torch.cuda.Event(enable_timing=True)
 
-    def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        self._start.record()
-        return self._start
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
 
-    def stop(self):
-        if not self.cuda:
-            return time.perf_counter()
-        self._stop.record()
-        return self._stop
+    def stop(self) -> None:
+        if self.cuda:
+            self._stop.record()
+        else:
+            self._stop = time.perf_counter()
 
-    def seconds(self, start, stop) -> float | None:
-        """The step's seconds, or None if its work is not done yet."""
+    def seconds(self) -> float | None:
+        """The last step's seconds, or None if its work is not done yet."""
         if not self.cuda:
-            return stop - start
-        if not stop.query():
+            return self._stop - self._start
+        if not self._stop.query():
             return None
-        return start.elapsed_time(stop) / 1e3
+        return self._start.elapsed_time(self._stop) / 1e3
