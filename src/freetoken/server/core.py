@@ -83,11 +83,15 @@ class GenerationCore:
         self.default_max_tokens = tokenizer.default_max_new_tokens
         self.parser_name = None
         self.template_source = ""
+        # the parser reads special tokens (Harmony's): requests it parses decode with them kept
+        self.parser_keeps_special = False
         if tokenizer.has_chat_template:
-            from freetoken.server.parsers import parser_for_template
+            from freetoken.server.parsers import keeps_special_tokens, parser_for_template
 
             self.template_source = tokenizer.hf.chat_template
             self.parser_name = parser_for_template(self.template_source)
+            if self.parser_name is not None:
+                self.parser_keeps_special = keeps_special_tokens(self.parser_name)
 
     # -- building requests ----------------------------------------------------------------
 
@@ -261,11 +265,8 @@ class GenerationCore:
                 loop.call_soon_threadsafe(resolve)
 
         params = req.params
-        if req.parse_output and self.parser_name:
-            from freetoken.server.parsers import keeps_special_tokens
-
-            if keeps_special_tokens(self.parser_name):
-                params = dataclasses.replace(params, keep_special_tokens=True)
+        if req.parse_output and self.parser_keeps_special:
+            params = dataclasses.replace(params, keep_special_tokens=True)
         ticket = self.scheduler.submit(req.prompt_ids, params, on_output, on_admit)
         return Generation(self._events(req, queue, ticket), admitted)
 
