@@ -39,10 +39,11 @@ def prompts_of(loaded, lengths):
         MoEOptions("fused"),
         MoEOptions("offload", "6"),
         MoEOptions("hybrid", "6"),
+        MoEOptions("hybrid", "100000"),  # the whole pool: no layer rings the CPU
         MoEOptions("cpu"),
         MoEOptions("static", "6"),
     ],
-    ids=lambda o: o.strategy,
+    ids=lambda o: f"{o.strategy}-{o.cache_size}",
 )
 def test_graph_replay_equals_eager(tmp_path, options):
     path, _ = build("qwen3_moe", tmp_path / "m")
@@ -88,3 +89,4 @@ def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b: (1,)))
     assert [graphs.run(batch) for _ in range(4)] == [None] * 4  # warm-up, then eager
     assert len(tries) == 1 and graphs.eager == {(1,)}
+

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken.config import MoEOptions
+from freetoken.kernels.cache_control import SEQ_WORD, SHAPE_WORD
 from freetoken.kernels.expert_fill import fill_experts
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.device_control import DeviceControl
@@ -58,7 +59,10 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
     split_values = None if split is None else torch.tensor(split, dtype=torch.float32)
     cpu_x = torch.zeros(3, store.shape.hidden)  # where a doorbell's activations would go
     pairs_buf, weights_buf = torch.empty(slots, dtype=torch.long), torch.empty(slots)
-    control = DeviceControl(cache, policy, split_values, (pairs_buf, weights_buf, cpu_x))
+    # the doorbell's words and numbers, which the one-program plan rings (moe/doorbell.py)
+    words, numbers = torch.zeros(192, dtype=torch.int32), torch.zeros(2, dtype=torch.long)
+    bell = (words, numbers) if fused else None
+    control = DeviceControl(cache, policy, split_values, (pairs_buf, weights_buf, cpu_x), bell)
     control.fused = fused
     gen = torch.Generator().manual_seed(len(steps))
     for layer, routes in steps:
@@ -72,7 +76,8 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         scores = torch.as_tensor(policy.slot_scores(layer, before_pair)).float()
         pair_scores = torch.as_tensor(policy.pair_scores(layer, misses)).float()
         x = torch.randn(len(routes), store.shape.hidden, generator=gen)
-        got, fill_pairs, fill_slots = control.plan(layer, pairs, weights, x)
+        rung = int(numbers[0])
+        got, fill_pairs, fill_slots = control.plan(layer, pairs, weights, x, shape=100 + layer)
         check_tables(control)
         if fused:  # the one-program plan hands x to the CPU (the twin's CPU reads it in place)
             assert torch.equal(cpu_x[: len(routes)], x)
@@ -97,6 +102,13 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         cpu_pairs = control.cpu_pairs[:R]
         assert torch.equal(cpu_pairs, torch.where(gpu, -1, pairs).reshape(-1))
         assert torch.equal(control.cpu_weights[:R], weights.reshape(-1))
+        assert bool(control.cpu_flag) == bool((~gpu).any())  # what the merge reads
+        if fused:  # rung (a new number, the shape) exactly when the CPU has routes
+            if (~gpu).any():
+                assert numbers.tolist() == [rung + 1, rung + 1]
+                assert (int(words[SEQ_WORD]), int(words[SHAPE_WORD])) == (rung + 1, 100 + layer)
+            else:
+                assert int(numbers[0]) == rung
         # Exactly the filled misses are copied, each into its own slot, none a hit's.
         real = fill_slots != slots
         assert sorted(fill_pairs[real].tolist()) == filled
@@ -271,18 +283,21 @@ def test_hybrid_on_the_device_splits_as_each_step_mode_says():
 
 _INTERPRETED_MERGE = """
 import json, torch
-from freetoken.kernels.host_partial import MERGE_BLOCK, add_host_partial
+from freetoken.kernels.host_partial import MERGE_BLOCK, add_host_partial_
 gen = torch.Generator().manual_seed(0)
 ok = True
 # fp32 only: the interpreter truncates fp32 -> bf16 where CUDA rounds to nearest even
 # (the bf16 merge is checked on CUDA: tests/test_doorbell.py)
-for dtype in (torch.float32,):
-    gpu = torch.randn(3, MERGE_BLOCK + 5, generator=gen).to(dtype)
+words = torch.zeros(256, dtype=torch.int32)
+seq = torch.tensor([3, 3])
+for rang in (False, True):
+    gpu = torch.randn(3, MERGE_BLOCK + 5, generator=gen)
     partial = torch.randn(4 * (MERGE_BLOCK + 5), generator=gen)  # larger than T x H
-    # (the tensor itself: the interpreter reads CPU tensors; CUDA gets HostRows of it)
-    out = add_host_partial(gpu, partial)
-    want = gpu + partial[: gpu.numel()].view(gpu.shape).to(dtype)
-    ok &= bool(torch.equal(out, want))
+    want = gpu + partial[: gpu.numel()].view(gpu.shape) if rang else gpu.clone()
+    words[128] = 3 if rang else 0  # answered (the merge spins until it is)
+    # (the tensors themselves: the interpreter reads CPU tensors; CUDA gets HostRows)
+    out = add_host_partial_(gpu, partial, words, 128, seq, torch.tensor(rang))
+    ok &= bool(torch.equal(out, want)) and out.data_ptr() == gpu.data_ptr()
 print(json.dumps({"ok": ok}))
 """
 

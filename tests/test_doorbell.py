@@ -1,8 +1,8 @@
 """The doorbell's listener (moe/doorbell.py, kernels/cpu_experts.c) driven by hand from the
-host, as the decode graph drives it on CUDA: each bell is cleared and answered with the bell's
-value once the fp32 partial of the routes marked for the CPU is in `out`; a layer with no CPU
-route is answered with zeros; a bell it cannot serve is counted and still answered, so a graph
-waiting on it never hangs; the counters add up."""
+host, as the plan and the merge drive it on CUDA: each new number in `seq` is answered in `done`
+once the fp32 partial of the routes marked for the CPU is in `out`; a shape it cannot serve
+is counted and still answered, so a merge waiting on it never hangs; nothing is answered
+while the number stays the same; the counters add up."""
 
 from __future__ import annotations
 
@@ -14,20 +14,22 @@ import torch
 
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.kernels.cpu_team import library
-from freetoken.moe.doorbell import BELL, DONE, JOBS, ROUTES, CPUDoorbell
+from freetoken.moe.doorbell import DONE, JOBS, ROUTES, SEQ, SHAPE, CPUDoorbell
 from test_moe_runtime import tiny_store
 
 pytestmark = pytest.mark.skipif(library() is None, reason="needs the native CPU library")
 
 
-def answer(words: np.ndarray, value: int, timeout: float = 10.0) -> None:
-    words[BELL] = value
+def answer(words: np.ndarray, shape: int, timeout: float = 10.0) -> None:
+    """Ring as the plan does (the shape, then a new number) and wait as the merge does."""
+    number = int(words[SEQ]) + 1
+    words[SHAPE] = shape
+    words[SEQ] = number
     deadline = time.monotonic() + timeout
-    while words[DONE] != value:
+    while words[DONE] != number:
         assert time.monotonic() < deadline, "the listener did not answer"
         time.sleep(1e-4)
-    assert words[BELL] == 0  # cleared when taken
-    words[DONE] = 0  # as the graph does after its wait
+    assert words[SEQ] == number and words[SHAPE] == shape  # the listener writes neither
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,7 +57,7 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
             bell.pairs[: tokens * k] = flat
             bell.weights[: tokens * k] = weights
             bell.out.fill_(float("nan"))  # a stale partial would show
-            answer(words, bell.bell_value(layer, tokens, k))
+            answer(words, bell.shape_value(layer, tokens, k))
             keep = flat >= 0
             rows = torch.arange(tokens).repeat_interleave(k)[keep]
             want = torch_cpu_experts(x, rows, flat[keep], weights[keep], store.w_gate_up,
@@ -66,8 +68,13 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
             jobs += bool(keep.any())
             routes += int(keep.sum())
         # a bell naming a layer the listener does not know: counted, answered all the same
-        answer(words, bell.bell_value(7, 1, k))
+        answer(words, bell.shape_value(7, 1, k))
         assert bell.errors == 1
+        # the same number again is no new job: nothing is run, nothing answered anew
+        bell.out.fill_(float("nan"))
+        words[DONE] = -1
+        time.sleep(0.05)
+        assert words[DONE] == -1 and torch.isnan(bell.out).all()
         counts = bell.fold()
         assert counts[:, JOBS].sum() == jobs and counts[:, ROUTES].sum() == routes
         assert (bell.fold() == 0).all()  # taken
@@ -79,12 +86,21 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_merge_reads_the_partial_from_host_memory_and_rounds_as_torch(dtype):
     from freetoken.kernels.expert_fill import HostRows
-    from freetoken.kernels.host_partial import add_host_partial
+    from freetoken.kernels.host_partial import add_host_partial_
 
     gen = torch.Generator().manual_seed(0)
     gpu = torch.randn(4, 2048, generator=gen).to(dtype).cuda()
     partial = torch.randn(8 * 2048, generator=gen).pin_memory()
-    out = add_host_partial(gpu, HostRows(partial))
+    words = torch.zeros(256, dtype=torch.int32).pin_memory()
+    seq = torch.tensor([5, 5], device="cuda")
+    rang = torch.tensor(False, device="cuda")
+    before = gpu.clone()
+    add_host_partial_(gpu, HostRows(partial), HostRows(words), DONE, seq, rang)
     torch.cuda.synchronize()
+    assert torch.equal(gpu, before)  # not rung: nothing added, no wait
     want = gpu + partial[: gpu.numel()].view(gpu.shape).cuda().to(dtype)
-    assert torch.equal(out, want)
+    words[DONE] = 5  # answered before the merge runs
+    rang.fill_(True)
+    out = add_host_partial_(gpu, HostRows(partial), HostRows(words), DONE, seq, rang)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and out.data_ptr() == gpu.data_ptr()  # in place

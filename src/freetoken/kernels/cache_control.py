@@ -14,7 +14,9 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
    then q rounds of argmin over the row, each victim set to +inf as it is taken;
 5. the tables: victims' old pairs out, filled misses in; the fill list; every route's slot
    (-1 for the CPU's), the CPU's routes and their gate weights, and with a doorbell the
-   layer's activations, written into its mapped pinned buffers (moe/doorbell.py);
+   layer's activations, written into its mapped pinned buffers (moe/doorbell.py); whether
+   the CPU has any route (`cpu_flag`, which the merge reads), and if it has, the doorbell rung
+   (its shape word, then a new number with a system-scope release);
 6. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
 
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
@@ -34,13 +36,16 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 MAX_ROUTES = 64  # routes per call the one block holds (batch 8 of top-8)
+SEQ_WORD, SHAPE_WORD = 0, 64  # the doorbell's words the plan writes (moe/doorbell.py)
 SLOT_BLOCK = 1024
 X_BLOCK = 2048
 
 
-def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None):
+def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
+               shape: int = 0):  # fmt: skip
     """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
-    [R]) into the control's persistent buffers, the CPU's routes into its route buffers."""
+    [R]) into the control's persistent buffers, the CPU's routes into its route buffers; with
+    the control's `bell`, rings it with `shape` when the CPU has routes."""
     policy = control.policy
     # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
     neg_dist, neg_wait, p = (torch.as_tensor(a) for a in (
@@ -50,17 +55,19 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
     out_slots, fill_pairs, fill_slots = control.outputs(R)
     copy_x = x is not None and control.cpu_x is not None
     x = x.contiguous() if copy_x else flat
+    words, numbers = control.bell if control.bell is not None else (flat, flat)
     _plan_kernel[(1,)](
-        x, control.cpu_x if copy_x else flat, x.numel() if copy_x else 0,
+        x, control.cpu_x if copy_x else flat, x.numel() if copy_x else 0, words, numbers, shape,
         flat, weights.reshape(-1), control.slot_of, control.pair_of, control.scores,
         control.victims, neg_dist, neg_wait, p, control.split_arg,
         out_slots, fill_pairs, fill_slots, control.cpu_pairs, control.cpu_weights,
-        control.counters[moe_layer],
+        control.cpu_flag, control.counters[moe_layer],
         R, control.num_slots, control.num_pairs, moe_layer * control.num_experts,
         control.num_experts, float(policy.L), policy.rate, policy.floor,
         BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_E=max(16, triton.next_power_of_2(control.num_experts)),
-        BLOCK_S=SLOT_BLOCK, COPY_X=copy_x, BLOCK_X=X_BLOCK,
+        BLOCK_S=SLOT_BLOCK, COPY_X=copy_x, BLOCK_X=X_BLOCK, RING=control.bell is not None,
+        SEQ_WORD=SEQ_WORD, SHAPE_WORD=SHAPE_WORD,
     )  # fmt: skip
     return out_slots.view(pairs.shape), fill_pairs, fill_slots
 
@@ -69,12 +76,13 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(
-        x, x_host, NX,
+        x, x_host, NX, words, numbers, shape,
         pairs_ptr, weights_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
-        split, out_slots, fill_pairs, fill_slots, cpu_pairs, cpu_weights, counters,
+        split, out_slots, fill_pairs, fill_slots, cpu_pairs, cpu_weights, cpu_flag, counters,
         R, S, P, base, E, L, rate, floor,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-        COPY_X: tl.constexpr, BLOCK_X: tl.constexpr,
+        COPY_X: tl.constexpr, BLOCK_X: tl.constexpr, RING: tl.constexpr,
+        SEQ_WORD: tl.constexpr, SHAPE_WORD: tl.constexpr,
     ):  # fmt: skip
         if COPY_X:  # the activations, for the CPU's share (stores over PCIe, not waited on)
             start = 0
@@ -160,6 +168,18 @@ if triton is not None:
         tl.store(cpu_pairs + r, tl.where(on_cpu, pairs, -1), mask=valid)
         gate = tl.load(weights_ptr + r, mask=valid, other=0.0).to(tl.float32)
         tl.store(cpu_weights + r, gate, mask=valid)
+        rings = tl.sum(on_cpu.to(tl.int32), 0) > 0
+        tl.store(cpu_flag, rings)
+        if RING:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if rings:  # the doorbell (moe/doorbell.py): a new number, the shape, then the number
+                number = tl.load(numbers) % 2147483646 + 1
+                tl.store(numbers, number)
+                tl.store(numbers + 1, number)
+                tl.store(words + SHAPE_WORD, shape)
+                # every thread's stores to the CPU's buffers are issued before the release
+                # (cumulative at system scope) that publishes them
+                tl.debug_barrier()
+                tl.atomic_xchg(words + SEQ_WORD, number.to(tl.int32), sem="release", scope="sys")
         # the policy: p = p * (1 - rate) + rate where used; its row of -L * (1 - p) / p
         e = tl.arange(0, BLOCK_E)
         experts = pairs - base

@@ -736,19 +736,21 @@ uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
 /* ---- the device's doorbell ---------------------------------------------------------------
  *
  * A decode step captured in one CUDA graph hands each MoE layer's CPU share to this library
- * with no host call (moe/doorbell.py): the graph writes the layer's routes, gate weights and
- * activations into mapped pinned buffers, then rings `bell` (a stream memory write, fenced
- * after them) with (tokens << 20 | top_k << 12 | layer + 1). A listener thread started here watches the
- * bell: it clears it, runs the routes whose pair is >= 0 on the team (joining it, as a waiting
- * caller does), writes the fp32 partial to `out` and answers in `done` with the bell's value;
- * the graph, which went on with the GPU's share meanwhile, waits for that value (a stream
- * wait), clears `done` and adds the partial. A layer with no CPU route is answered at once,
- * long before the graph reaches its wait. The listener spins while steps come (pause loops,
- * one core), polls every 20 us once idle for `idle_spin` seconds and every millisecond after
- * a second. */
+ * with no host call (moe/doorbell.py). Three words of mapped pinned memory, each written by
+ * one side only: the device's plan kernel writes the layer's routes, gate weights and
+ * activations into mapped buffers, then `shape` (tokens << 20 | top_k << 12 | layer + 1) and,
+ * last, with a system-scope release, `seq`: a number that changes with every ring. A listener
+ * thread started here watches `seq`: when it differs from the last one served, it reads the
+ * shape, runs the routes whose pair is >= 0 on the team (joining it, as a waiting caller
+ * does), writes the fp32 partial to `out` and answers by writing the same number to `done`;
+ * the device's merge kernel, queued after the GPU's share, spins until `done` holds it and adds
+ * the partial. Nothing is ever cleared, so neither side writes a word the other writes. The
+ * listener spins while steps come (pause loops, one core), polls every 20 us once idle for
+ * `idle_spin` seconds and every millisecond after a second. */
 
 typedef struct {
-    uint32_t *bell, *done;
+    const uint32_t *seq, *shape;
+    uint32_t *done;
     const int64_t *pairs;
     const float *weights;
     const void *x;
@@ -765,9 +767,9 @@ typedef struct {
     pthread_t thread;
 } listener_t;
 
-static void serve_bell(listener_t *l, uint32_t bell) {
-    const int64_t layer = (int64_t)(bell & 0xfffu) - 1, k = (bell >> 12) & 0xffu;
-    const int64_t tokens = bell >> 20;
+static void serve(listener_t *l, uint32_t shape) {
+    const int64_t layer = (int64_t)(shape & 0xfffu) - 1, k = (shape >> 12) & 0xffu;
+    const int64_t tokens = shape >> 20;
     if (layer < 0 || layer >= l->layers || k < 1 || tokens * k > l->max_routes) {
         l->errors++;
         return;
@@ -803,9 +805,10 @@ static void serve_bell(listener_t *l, uint32_t bell) {
 static void *listener_main(void *arg) {
     listener_t *l = arg;
     double last = now();
+    uint32_t served = __atomic_load_n(l->seq, __ATOMIC_ACQUIRE);
     while (!LOAD(&l->stop)) {
-        uint32_t bell = __atomic_load_n(l->bell, __ATOMIC_ACQUIRE);
-        if (!bell) {
+        const uint32_t seq = __atomic_load_n(l->seq, __ATOMIC_ACQUIRE);
+        if (seq == served) {
             const double idle = now() - last;
             if (idle < l->idle_spin) {
                 for (int i = 0; i < 32; i++) cpu_relax();
@@ -815,10 +818,10 @@ static void *listener_main(void *arg) {
             }
             continue;
         }
-        __atomic_store_n(l->bell, 0u, __ATOMIC_SEQ_CST);
+        served = seq;
         if (now() - last > l->prepare) ft_cpu_experts_prepare(l->prepare); /* wake the team */
-        serve_bell(l, bell);
-        __atomic_store_n(l->done, bell, __ATOMIC_SEQ_CST); /* after the partial's stores */
+        serve(l, __atomic_load_n(l->shape, __ATOMIC_ACQUIRE));
+        __atomic_store_n(l->done, seq, __ATOMIC_SEQ_CST); /* after the partial's stores */
         /* The next layer's job comes within a layer step: the team waits for it awake rather
          * than asleep (a futex wake-up of every thread per layer otherwise). Off the GPU's
          * path: done is written. */
@@ -831,14 +834,15 @@ static void *listener_main(void *arg) {
 /* Starts a listener (see above); NULL if its thread or buffers cannot be had. `pairs` and
  * `weights` hold max_routes entries, x and out max_routes rows. `threads`: the team threads of
  * each job (the listener joins them). */
-void *ft_listener_start(uint32_t *bell, uint32_t *done, const int64_t *pairs,
-                        const float *weights, const void *x, int x_bf16, float *out,
+void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *done,
+                        const int64_t *pairs, const float *weights, const void *x, int x_bf16,
+                        float *out,
                         int64_t max_routes, int dtype, const void *w_gate_up, const void *w_down,
                         int64_t H, int64_t I, int act, int threads, double *stats,
                         int64_t layers, double idle_spin, double prepare) {
     listener_t *l = calloc(1, sizeof(listener_t));
     if (!l) return NULL;
-    *l = (listener_t){bell, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
+    *l = (listener_t){seq, shape, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
                       max_routes, H, I, layers, w_gate_up, w_down, stats, idle_spin, prepare};
     const size_t routes = (size_t)max_routes;
     l->rows = malloc(sizeof(int64_t) * routes);

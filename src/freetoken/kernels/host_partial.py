@@ -1,11 +1,12 @@
 """The merge of a layer's GPU output with the CPU's fp32 partial, read where the CPU wrote it:
-`out = gpu + partial.to(gpu.dtype)` (the eager path's sum, rounded the same way), with the
+`gpu += partial.to(gpu.dtype)` in place (the eager path's sum, rounded the same way), with the
 partial in mapped pinned host memory (moe/doorbell.py), so a decode graph needs no copy node
-to bring it over.
+to bring it over, and no wait node either: the kernel itself spins until the listener's
+`done` word holds the number the plan rang with, and does nothing when the plan did not ring.
 
 It reads host memory and never writes it: a store from the SMs to a word the CPU writes too
-(the doorbell's `done`) can sit in the GPU's L2, where the stream's wait on that word then
-reads it instead of the CPU's answer; on the H200 machine that once doubled hybrid's step.
+can sit in the GPU's L2, where the device's later reads of that word find it instead of the
+CPU's answer; on the H200 machine that once doubled hybrid's step.
 """
 
 from __future__ import annotations
@@ -22,23 +23,31 @@ except ImportError:  # pragma: no cover - depends on the environment
 MERGE_BLOCK = 1024
 
 
-def add_host_partial(gpu: torch.Tensor, partial) -> torch.Tensor:
-    """gpu [T, H] (contiguous), partial: HostRows of an fp32 buffer of at least T * H values."""
-    out = torch.empty_like(gpu)
+def add_host_partial_(gpu: torch.Tensor, partial, words, done: int, seq: torch.Tensor,
+                      rang: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """gpu [T, H] (contiguous) += partial (HostRows of an fp32 buffer of at least T * H values)
+    once words[done] == seq[1], where `rang` (a bool on the device) is set; returns gpu."""
     n = gpu.numel()
-    _merge_kernel[(triton.cdiv(n, MERGE_BLOCK),)](out, gpu, partial, n, BLOCK=MERGE_BLOCK)
-    return out
+    _merge_kernel[(triton.cdiv(n, MERGE_BLOCK),)](
+        gpu, partial, words, done, seq, rang, n, BLOCK=MERGE_BLOCK
+    )
+    return gpu
 
 
 if triton is not None:
 
     @triton.jit
-    def _merge_kernel(out, gpu, partial, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        # volatile: read from host memory now, never from a cache line of an earlier step
-        p = tl.load(partial + offs, mask=mask, other=0.0, volatile=True)
-        g = tl.load(gpu + offs, mask=mask, other=0.0)
-        y = g.to(tl.float32) + p.to(g.dtype).to(tl.float32)
-        tl.store(out + offs, y.to(g.dtype), mask=mask)
+    def _merge_kernel(gpu, partial, words, done, seq, rang, n, BLOCK: tl.constexpr):
+        if tl.load(rang):
+            want = tl.load(seq + 1).to(tl.int32)
+            # volatile: from host memory at every read, never from a cache line
+            seen = tl.load(words + done, volatile=True)
+            while seen != want:
+                seen = tl.load(words + done, volatile=True)
+            pid = tl.program_id(0)
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            p = tl.load(partial + offs, mask=mask, other=0.0, volatile=True)
+            g = tl.load(gpu + offs, mask=mask, other=0.0)
+            y = g.to(tl.float32) + p.to(g.dtype).to(tl.float32)
+            tl.store(gpu + offs, y.to(g.dtype), mask=mask)

@@ -17,7 +17,9 @@ For one layer step with R = T x k routes (pairs [T, k], flat `layer * E + expert
             (pair, slot) per route, the sink slot S where nothing is copied
     slots  = slot_of[pairs]           every GPU route has a slot; the CPU's routes -1
     cpu_pairs[r] = pair where slots[r] < 0, else -1; cpu_weights[r] = its gate weight
+    cpu_flag = any(slots < 0)         whether the CPU has a share (on the device)
     cpu_x = x                         the layer's activations, for the CPU (CUDA)
+    the doorbell rung if cpu_flag     with `shape` (one-program plan only: moe/doorbell.py)
 
 Every table has a sink entry at its end (`slot_of[P]`, `pair_of[S]`): a masked-off entry
 reads or writes the sink instead of branching, and index -1 (an empty slot's pair, a missing
@@ -47,13 +49,15 @@ CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
 
 class DeviceControl:
     def __init__(self, cache: ExpertCache, policy, split: torch.Tensor | None = None,
-                 cpu_inputs: tuple | None = None):  # fmt: skip
+                 cpu_inputs: tuple | None = None, bell: tuple | None = None):  # fmt: skip
         """`split`: float32 (f, lo, hi), read at every plan, which the host rewrites between
         steps (on CUDA pinned: the plan reads it where it lies); None fills every miss
         (offload). `cpu_inputs`: where
         plans write the CPU's share, (pairs int64 [>= R], weights fp32 [>= R], x [>= T, H] or
         None), mapped pinned memory on CUDA (moe/doorbell.py); None: a scratch of the
-        control's own for the routes (the CPU tier reads x where it is)."""
+        control's own for the routes (the CPU tier reads x where it is). `bell`: the
+        doorbell's (words, numbers) the one-program plan rings when the CPU has routes
+        (moe/doorbell.py `signal`), or None."""
         if not hasattr(policy, "observe_masked"):
             raise ValueError(f"policy {policy.name!r} has no fixed-shape update for the device")
         store, device = cache.store, cache.device
@@ -74,6 +78,9 @@ class DeviceControl:
             weights = torch.empty(self.num_slots, dtype=torch.float32, device=device)
             cpu_inputs = (pairs, weights, None)
         self.cpu_pairs, self.cpu_weights, self.cpu_x = cpu_inputs
+        self.bell = bell
+        # whether the last plan left routes to the CPU: what the graph's branch to it reads
+        self.cpu_flag = torch.zeros((), dtype=torch.bool, device=device)
         # scratch of the one-program plan: slot scores, victims, and per call size its outputs
         self.scores = torch.empty(self.num_slots + 1, dtype=torch.float32, device=device)
         self.victims = torch.empty(cache_control.MAX_ROUTES, dtype=torch.long, device=device)
@@ -123,13 +130,15 @@ class DeviceControl:
             )
         return self._outputs[routes]
 
-    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None):
+    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
+             shape: int = 0):  # fmt: skip
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
         of every GPU route once the fills are done (-1: the CPU's), and the copies to make
         (fill_slots == S, the sink, where there is none). The CPU's routes go to
-        `cpu_pairs[:R]` / `cpu_weights[:R]`, and x [T, H] to `cpu_x` where there is one."""
+        `cpu_pairs[:R]` / `cpu_weights[:R]`, and x [T, H] to `cpu_x` where there is one;
+        `shape`: what the doorbell's shape word says of this step, where there is a bell."""
         if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
-            return cache_control.plan_layer(self, moe_layer, pairs, weights, x)
+            return cache_control.plan_layer(self, moe_layer, pairs, weights, x, shape)
         # (x is only for a doorbell, whose calls `fits` keeps on the one-program plan)
         return self.plan_torch(moe_layer, pairs, weights)
 
@@ -169,6 +178,7 @@ class DeviceControl:
         self.policy.observe_masked(moe_layer, experts, first)
         routed = self.slot_of[pairs]
         on_cpu = routed.reshape(-1) < 0
+        self.cpu_flag.copy_(on_cpu.any())
         self.cpu_pairs[:R] = torch.where(on_cpu, flat, -1)
         self.cpu_weights[:R] = weights.reshape(-1).float()
         # the CPU's pairs: distinct routed ones neither hit nor filled

@@ -15,7 +15,7 @@ For one layer of one step (x [T, H], routed ids [T, k], gate weights [T, k]):
 `offload`'s and `hybrid`'s decode calls skip the host entirely (moe/device_control.py): the
 lookup, the split, the victims and the table updates are tensor ops on the device, the fills a
 device-launched copy from the pinned pool (kernels/expert_fill.py), and hybrid's CPU share is
-handed to the CPU team and collected by stream memory operations (moe/doorbell.py), so the
+handed to the CPU team and collected through words of mapped memory (moe/doorbell.py), so the
 layer, like `fused`'s, is captured in the step's CUDA graph. Calls the host must decide (long
 prefill chunks, streamed layers, a cache smaller than a call's routes) work on the host
 tables, synchronised with the device's around them.
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from freetoken.config import MoEOptions
-from freetoken.kernels import cache_control, stream_memops
+from freetoken.kernels import cache_control
 from freetoken.kernels.expert_fill import HostRows, fill_experts
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
@@ -245,8 +245,10 @@ class MoERuntime:
         refill = warm_order(self.store) if self.options.warm_cache else ()
         self._bind_cache(self.cache.resized(num_slots, refill))
         if self.control is not None:
-            inputs = self.doorbell.inputs if self.doorbell is not None else None
-            self.control = DeviceControl(self.cache, self.cache.policy, self._split, inputs)
+            bell = self.doorbell
+            inputs, signal = (bell.inputs, bell.signal) if bell is not None else (None, None)
+            self.control = DeviceControl(self.cache, self.cache.policy, self._split, inputs,
+                                         signal)  # fmt: skip
         log.info("expert cache resized to %d slots of %d", num_slots, self.store.num_pairs)
 
     def capturable(self, tokens: int, routes: int) -> bool:
@@ -300,16 +302,17 @@ class MoERuntime:
         """Decide, fill and compute on the device (moe/device_control.py); hybrid's CPU share
         meanwhile, through the doorbell (moe/doorbell.py)."""
         pairs = ids + moe_layer * self.store.num_experts
-        bell = self.doorbell
-        slots, fill_pairs, fill_slots = self.control.plan(moe_layer, pairs, weights, x)
-        if bell is not None:
-            bell.ring(moe_layer, x.shape[0], ids.shape[1])
+        bell, control = self.doorbell, self.control
+        shape = bell.shape_value(moe_layer, *ids.shape) if bell is not None else 0
+        slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape)
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         out = self._gpu(x, slots, weights)
         if not self.kind.splits:
             return out  # offload: no CPU share
         if bell is not None:
-            return bell.merge(moe_layer, ids.shape[1], out)
+            out = out.contiguous()
+            bell.merge_(out, control.cpu_flag)
+            return out
         return out + self._cpu_share(moe_layer, x, ids.numel()).to(x.dtype)
 
     def _cpu_share(self, moe_layer: int, x: torch.Tensor, routes: int) -> torch.Tensor:
@@ -770,7 +773,7 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
 def _device_control(kind, store, cache, cpu, options, device):
     """(control, doorbell) for a strategy that decides its decode calls on the device; (None,
     None) where it cannot (hybrid on CUDA without a doorbell)."""
-    cpu_inputs = split = doorbell = None
+    cpu_inputs = split = doorbell = signal = None
     if kind.splits:
         # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA in
         # mapped pinned memory, which the plans read where it lies
@@ -779,18 +782,17 @@ def _device_control(kind, store, cache, cpu, options, device):
             doorbell = _doorbell(store, cpu, options, device)
             if doorbell is None:
                 return None, None  # hybrid decides on the host
-            cpu_inputs = doorbell.inputs
+            cpu_inputs, signal = doorbell.inputs, doorbell.signal
     # The policy's state moves to the device, where the plans read and update it.
     cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-    return DeviceControl(cache, cache.policy, split, cpu_inputs), doorbell
+    return DeviceControl(cache, cache.policy, split, cpu_inputs, signal), doorbell
 
 
 def _doorbell(store, cpu, options, device) -> CPUDoorbell | None:
     """The CPU share's doorbell for hybrid deciding on the device, or None (with the reason
-    logged) where the native library or the driver's stream memory operations are missing."""
-    if cpu is None or cpu.native is None or not stream_memops.available():
-        log.info("device control: no native CPU kernel or stream memory operations here; "
-                 "hybrid decides on the host")  # fmt: skip
+    logged) where the native library is missing."""
+    if cpu is None or cpu.native is None:
+        log.info("device control: no native CPU kernel here; hybrid decides on the host")
         return None
     # The listener thread joins each job, and spins between them, as the team does while
     # decode steps come: the team gives up two threads, so the thread driving the GPU (and
