@@ -89,4 +89,3 @@ def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b: (1,)))
     assert [graphs.run(batch) for _ in range(4)] == [None] * 4  # warm-up, then eager
     assert len(tries) == 1 and graphs.eager == {(1,)}
-

@@ -93,4 +93,7 @@ class EngineConfig:
     state_anchors: int = 16
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     progress: bool | None = None  # loading progress bar; None: only on a terminal
+    # A weight directory's expert banks checked against their checksums before serving (else
+    # on a background thread while serving starts; a mismatch stops the engine either way).
+    verify_weights: bool = False
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy

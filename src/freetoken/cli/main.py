@@ -24,7 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g,
         "--model",
         type=Path,
-        help="local Hugging Face checkpoint directory (default: demo model)",
+        help="local Hugging Face checkpoint directory, or a weight directory made by `ft "
+        "checkpoint convert` (default: demo model)",
+    )
+    option(
+        g,
+        "--verify",
+        action="store_true",
+        help="weight directory: check every checksum before serving (default: in the "
+        "background while serving starts; a mismatch stops serving either way)",
     )
     option(g, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     option(g, "--device", help="cuda | cpu (default: cuda when available)")
@@ -207,6 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--api-key", help="its key (default: $FREETOKEN_API_KEY, if set)")
     resize.set_defaults(func="freetoken.cli.ctl:cache")
 
+    checkpoint = sub.add_parser("checkpoint", help="prepare a checkpoint for fast starts")
+    checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint", required=True)
+    convert = checkpoint_sub.add_parser(
+        "convert",
+        help="write a checkpoint as a freetoken weight directory: tensors laid out as the engine "
+        "holds them, read in parallel straight into place, with checksums",
+    )
+    convert.add_argument("src", type=Path, help="a Hugging Face safetensors checkpoint directory")
+    convert.add_argument("dst", type=Path, help="the weight directory to write (new or empty)")
+    convert.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    convert.set_defaults(func="freetoken.cli.checkpoint:convert")
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")
@@ -264,6 +283,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,
+        verify_weights=args.verify,
         moe=moe,
         # Serving's batch and chunk flags; the other commands run one request at a time.
         **{

@@ -156,7 +156,8 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
-        loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress)
+        loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress,
+                            verify=config.verify_weights)  # fmt: skip
         runner = ModelRunner(
             loaded,
             config.kv_cache_tokens,
@@ -177,7 +178,15 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
+    def check_weights(self) -> None:
+        """Refuse to compute once a background check found the weights corrupt (a weight
+        directory whose checksums differ): every later step and request fails with its error."""
+        integrity = self.runner.integrity
+        if integrity is not None and integrity.error is not None:
+            raise integrity.error
+
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        self.check_weights()
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -323,6 +332,7 @@ class LLMEngine:
         already generating gets one token (one batched forward). Long prompts are thus split
         across steps so running decodes keep moving. Finished requests leave and free their
         KV pages."""
+        self.check_weights()
         if self.memory_watch is not None:
             self.memory_watch.check()
         self._resume_preempted()

@@ -72,6 +72,7 @@ class ModelRunner:
         checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
         self.model = loaded.model
         self.config = loaded.config
+        self.integrity = loaded.integrity  # a weight directory's background checksum check
         if self.model.device.type == "cuda":
             # cuDNN's attention builds a plan for every new key length, on the host: 1-11 ms per
             # layer per decode step on the H200 machine (benchmarks/profile_decode.py). The

@@ -221,7 +221,7 @@ class Scheduler:
                 ticket = self._waiting.popleft()
                 try:
                     ticket.request = engine.add_request(ticket.prompt_ids, ticket.params)
-                except (ValueError, RuntimeError) as e:
+                except (ValueError, RuntimeError, FreetokenError) as e:
                     self._deliver(ticket, None, e)
                     continue
                 self._active[ticket.request.id] = ticket

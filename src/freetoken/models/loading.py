@@ -1,10 +1,14 @@
-"""Load a local Hugging Face checkpoint into the shared decoder."""
+"""Load a local checkpoint into the shared decoder: a Hugging Face safetensors directory, or
+freetoken's own weight directory (weights/weight_dir.py), which `convert_checkpoint` writes
+from one."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import HostExpertStore
 from freetoken.weights import memory
+from freetoken.weights import weight_dir as wd
 from freetoken.weights.safetensors_dir import CheckpointDir
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,31 @@ class LoadedModel:
     path: Path
     raw_config: dict
     experts: HostExpertStore | None  # routed experts of every MoE layer, in host memory
+    integrity: IntegrityCheck | None = None  # a weight directory's checksums, being verified
+
+
+class IntegrityCheck:
+    """A weight directory's expert banks verified against their checksums on a background
+    thread while the engine starts serving; `error` is set if they differ (the engine then
+    stops, moe/../engine/generate.py), `done` once the check ended."""
+
+    def __init__(self, weights: wd.WeightDir, items: list):
+        self.error: wd.WeightIntegrityError | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(weights, items), name="ft-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, weights: wd.WeightDir, items: list) -> None:
+        try:
+            weights.verify(items)
+            log.info("weights verified against their checksums")
+        except wd.WeightIntegrityError as e:
+            self.error = e
+            log.error("%s", e)
+        finally:
+            self.done.set()
 
 
 def resolve_dtype(name: str | torch.dtype | None, config_dtype: str) -> torch.dtype:
@@ -60,33 +90,124 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    verify: bool = False,
 ) -> LoadedModel:
+    """`verify`: a weight directory's expert banks are checked against their checksums
+    before this returns (else on a background thread, `LoadedModel.integrity`); the dense
+    tensors always are. A safetensors checkpoint has no checksums."""
+    if wd.is_weight_dir(path):
+        return _load_weight_dir(Path(path), dtype, device, progress, verify)
     ckpt = CheckpointDir(path)
-    family = family_for(ckpt.config)
-    try:
-        cfg = family.parse_config(ckpt.config)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{ckpt.path / 'config.json'} is incomplete or invalid: {e!r}") from e
+    family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    _admit(ckpt.path, ckpt.nbytes(dtype), dtype)
+    model, store = _empty_model(cfg, dtype)
+    _fill(model, store, ckpt, family, progress)
+    model = model.to(device)
+    return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
 
-    needed = ckpt.nbytes(dtype) + HOST_MEMORY_MARGIN
+
+def _parse(raw: dict, path: Path):
+    family = family_for(raw)
+    try:
+        return family, family.parse_config(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / 'config.json'} is incomplete or invalid: {e!r}") from e
+
+
+def _admit(path: Path, nbytes: int, dtype: torch.dtype) -> None:
+    """Refuse, with what to do, a model host memory cannot hold."""
+    needed = nbytes + HOST_MEMORY_MARGIN
     free = memory.available_host_bytes()
     if needed > free:
         limit = memory.cgroup_limit()
         where = f" (this container's memory limit is {memory.gib(limit)})" if limit else ""
         raise InsufficientMemoryError(
-            f"{ckpt.path.name} needs about {memory.gib(needed)} of host memory to load at "
+            f"{path.name} needs about {memory.gib(needed)} of host memory to load at "
             f"{str(dtype).removeprefix('torch.')}, but only {memory.gib(free)} is free{where}"
         )
 
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype):
     with torch.device("meta"):
         model = DecoderModel(cfg).to(dtype)
     model = model.to_empty(device="cpu")
     model.reset_rotary()
     store = HostExpertStore(cfg, dtype) if cfg.moe is not None else None
-    _fill(model, store, ckpt, family, progress)
+    return model, store
+
+
+# -- freetoken's weight directory -----------------------------------------------------------
+
+EXPERTS_FILE, DENSE_FILE = "experts.bin", "dense.bin"
+# what a weight directory copies from its source: everything but the weights and their index
+_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
+                       progress: bool | None = None) -> Path:  # fmt: skip
+    """Write `src` (a safetensors checkpoint) as a weight directory at `dst`: the model's
+    parameters and the host pool's banks exactly as loading holds them."""
+    src, dst = Path(src), Path(dst)
+    if wd.is_weight_dir(src):
+        raise CheckpointError(f"{src} is a weight directory already")
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
+    loaded = load_model(src, dtype, "cpu", progress)
+    files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
+    if loaded.experts is not None:
+        files[EXPERTS_FILE] = [("experts:w_gate_up", loaded.experts.w_gate_up),
+                               ("experts:w_down", loaded.experts.w_down)]  # fmt: skip
+    copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
+    dtype_name = str(loaded.experts.shape.dtype if loaded.experts is not None else
+                     next(loaded.model.parameters()).dtype).removeprefix("torch.")  # fmt: skip
+    total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
+        wd.write(dst, files, {"dtype": dtype_name, "source": src.name}, copy, bar.update)
+    return dst
+
+
+def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> LoadedModel:
+    weights = wd.WeightDir(path)
+    raw = CheckpointDir.read_config(path)
+    _, cfg = _parse(raw, path)
+    stored = wd.DTYPES.get(weights.meta.get("dtype", ""))
+    want = resolve_dtype(dtype, weights.meta.get("dtype", cfg.torch_dtype))
+    if stored is None or want != stored:
+        raise CheckpointError(
+            f"{path} holds {weights.meta.get('dtype')} weights; load it with --dtype auto, or "
+            f"convert the checkpoint again with --dtype {str(want).removeprefix('torch.')}"
+        )
+    _admit(path, weights.nbytes, stored)
+    model, store = _empty_model(cfg, stored)
+    dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
+    banks = []
+    if store is not None:
+        banks = _entries(weights, {"experts:w_gate_up": store.w_gate_up,
+                                   "experts:w_down": store.w_down}, path)  # fmt: skip
+    show = sys.stderr.isatty() if progress is None else progress
+    with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
+                               desc="Loading weights", disable=not show) as bar:  # fmt: skip
+        weights.read(dense + banks, progress=bar.update)
+    weights.verify(dense)  # small: at once
+    integrity = None
+    if verify:
+        weights.verify(banks, threads=min(8, os.cpu_count() or 1))
+    elif banks:
+        integrity = IntegrityCheck(weights, banks)
     model = model.to(device)
-    return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
+    return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
+
+
+def _entries(weights: wd.WeightDir, targets: dict[str, torch.Tensor], path: Path) -> list:
+    missing = sorted(set(targets) - set(weights.entries))
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise CheckpointError(
+            f"weight directory {path} is missing tensors: {', '.join(missing[:8])}{more}"
+        )
+    return [(weights.entries[name], tensor) for name, tensor in targets.items()]
 
 
 def _fill(

@@ -34,6 +34,19 @@ class ExpertShape:
         return 3 * self.hidden * self.intermediate * self.dtype.itemsize
 
 
+PAGE = 4096
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on a page boundary."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
 class HostExpertStore:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         assert cfg.moe is not None
@@ -42,8 +55,9 @@ class HostExpertStore:
         self.shape = ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype)
         h, i, pairs = cfg.hidden_size, cfg.moe.intermediate_size, self.num_pairs
         # Allocated unpinned: pinning first would cost a full zeroing pass of pinned pages.
-        self.w_gate_up = torch.empty(pairs, 2 * i, h, dtype=dtype)
-        self.w_down = torch.empty(pairs, h, i, dtype=dtype)
+        # Page-aligned: a weight directory reads them with direct I/O (weights/weight_dir.py).
+        self.w_gate_up = page_aligned_empty((pairs, 2 * i, h), dtype)
+        self.w_down = page_aligned_empty((pairs, h, i), dtype)
         self.pinned = False
 
     @property

@@ -161,6 +161,8 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Fast
 
     @app.get("/health")
     async def health():
+        if (error := core.weights_error) is not None:  # corrupt weights: serving has stopped
+            return JSONResponse({"status": "failed", "error": error}, status_code=503)
         return {"status": "draining" if core.draining else "ok"}
 
     @app.api_route("/", methods=["GET", "HEAD"])

@@ -100,6 +100,12 @@ class GenerationCore:
         """The longest sequence served (it follows the KV pool when that is re-sized)."""
         return self.scheduler.engine.max_context
 
+    @property
+    def weights_error(self) -> str | None:
+        """Why the engine refuses to compute (its weights failed their checksums), or None."""
+        integrity = self.scheduler.engine.runner.integrity
+        return str(integrity.error) if integrity is not None and integrity.error else None
+
     def check_model(self, model: str) -> str:
         if model != self.model_name:
             raise ApiError(

@@ -61,11 +61,13 @@ class CheckpointDir:
         self.path = Path(path).expanduser()
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
-        self.config = self._read_config()
+        self.config = self.read_config(self.path)
         self.tensors = self._index_tensors()
 
-    def _read_config(self) -> dict[str, Any]:
-        cfg_path = self.path / "config.json"
+    @staticmethod
+    def read_config(path: Path) -> dict[str, Any]:
+        """A checkpoint directory's config.json (a weight directory's too)."""
+        cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(
                 f"{cfg_path} is missing: a Hugging Face checkpoint directory needs config.json"

@@ -1,0 +1,147 @@
+"""Start to first token, from a safetensors checkpoint and from its weight directory (`ft
+checkpoint convert`), beside the bytes / the file system's sequential read bandwidth (a plain
+single-threaded read of the same files), with a cold page cache (every file's pages dropped
+with posix_fadvise first) and a warm one.
+
+    python benchmarks/load_time.py --layers 8 --work /tmp/lt --tokenizer .carry/tokenizer \
+        --out load.md
+
+Each start is a fresh Python process that builds the engine (`LLMEngine.from_config`: load,
+runtime, KV) and runs one request to its first token, as `ft serve` does before it answers
+(times are from the process's start: imports, weights loaded, engine built, first token)
+(the HTTP layer is left out: the GPU machine has no fastapi). Random Qwen3-30B-A3B-shaped bf16
+weights (benchmarks/checkpoint.py), `hybrid` with an 8 GiB expert cache on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from checkpoint import write_random_checkpoint
+from decode_offload import qwen3_30b_a3b, report, tiny
+
+from freetoken.models.loading import convert_checkpoint
+
+START = """
+import json, sys, time
+t0 = float(sys.argv[2])
+from freetoken.config import EngineConfig, MoEOptions
+from freetoken.engine import generate
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.sampling import SamplingParams
+t_import = time.time() - t0
+load, loaded_at = generate.load_model, []
+def timed_load(*a, **k):
+    out = load(*a, **k)
+    loaded_at.append(time.time() - t0)
+    return out
+generate.load_model = timed_load
+engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], kv_cache_tokens=4096,
+    moe=MoEOptions(sys.argv[3], sys.argv[4] if sys.argv[4] != "none" else None), progress=False))
+t_engine = time.time() - t0
+engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=1, temperature=0.0))
+while not engine.step():
+    pass
+print(json.dumps(dict(import_s=t_import, loaded_s=loaded_at[0], engine_s=t_engine,
+                      first_token_s=time.time() - t0)))
+"""
+
+
+def files_of(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file())
+
+
+def drop_cache(path: Path) -> None:
+    """Evict the directory's files from the page cache (clean pages go without root)."""
+    for f in files_of(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_read(path: Path) -> tuple[int, float]:
+    """(bytes, seconds) of reading every file once, in order, 16 MiB at a time."""
+    total, start = 0, time.perf_counter()
+    buf = bytearray(16 * 2**20)
+    for f in files_of(path):
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total, time.perf_counter() - start
+
+
+def start_once(model: Path, strategy: str, cache: str) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-c", START, str(model), repr(t0), strategy, cache],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    if done.returncode:
+        raise SystemExit(f"start from {model} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/load-time"))
+    ap.add_argument("--tokenizer", type=Path, help="Qwen3 tokenizer files to copy")
+    ap.add_argument("--strategy", default="hybrid")
+    ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    args = ap.parse_args()
+    src, dst = args.work / "safetensors", args.work / "weight-dir"
+    start = time.perf_counter()
+    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    write_random_checkpoint(raw, src, tokenizer=args.tokenizer)
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    convert_checkpoint(src, dst, progress=False)
+    converted = time.perf_counter() - start
+    rows = []
+    for label, path in (("safetensors", src), ("weight directory", dst)):
+        for cache_state in ("cold", "warm"):
+            drop_cache(path)
+            if cache_state == "warm":
+                plain_read(path)  # into the page cache
+            nbytes, seconds = plain_read(path)
+            drop_cache(path)
+            if cache_state == "warm":
+                plain_read(path)
+            t = start_once(path, args.strategy, args.cache)
+            floor = seconds  # the same bytes at the plain read's bandwidth
+            rows.append(dict(format=label, page_cache=cache_state, gb=nbytes / 1e9,
+                             plain_read_gb_s=nbytes / seconds / 1e9, floor_s=floor, **t,
+                             ratio=t["first_token_s"] / floor))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    lines = [
+        f"# load_time: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, "
+        f"{args.strategy} {args.cache}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"checkpoint written in {written:.0f} s, converted in {converted:.0f} s",
+        "",
+        "| format | page cache | GB | plain read GB/s | floor s | imports s | weights loaded s | "
+        "engine built s | first token s | first token / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['page_cache']} | {r['gb']:.1f} | {r['plain_read_gb_s']:.2f} | "
+            f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
+            f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} |"
+        )
+    report(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""freetoken's own weight directory: tensors laid out as the engine holds them in memory, read
+with parallel positioned reads straight into their final buffers.
+
+    DST/freetoken-weights.json   the index: format, version, dtype, and per tensor its file,
+                                 offset, bytes, shape and a CRC-32 of every chunk (64 MiB)
+    DST/experts.bin              the host expert pool's two banks, byte for byte
+                                 (moe/store.py: flat (layer, expert) rows)
+    DST/dense.bin                every other parameter of the model
+    DST/config.json, tokenizer files, ...   copied from the source, so the directory stands
+                                 on its own
+
+Every tensor starts on a 4 KiB boundary, so reads into page-aligned buffers can bypass the page
+cache (O_DIRECT) where the file system allows; elsewhere they are ordinary reads. Reads are
+split into 64 MiB chunks over a pool of threads (os.preadv releases the GIL), short reads
+continued. Opening a directory checks every file's size against the index (a truncated file
+is refused there); `verify` recomputes the CRCs of tensors in memory and names the first one
+that differs, with its file. The index is written last, so an interrupted conversion leaves
+no directory that claims to be complete.
+
+This module knows tensors and bytes only; models/loading.py maps them onto a model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken.errors import CheckpointError, FreetokenError
+
+log = logging.getLogger(__name__)
+
+INDEX = "freetoken-weights.json"
+FORMAT, VERSION = "freetoken-weights", 1
+ALIGN = 4096
+CHUNK = 64 * 2**20  # bytes per read and per checksum
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightIntegrityError(FreetokenError):
+    """A tensor's bytes differ from what the weight directory's index recorded."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    crcs: tuple[int, ...]  # CRC-32 of each CHUNK of the tensor's bytes
+
+
+def is_weight_dir(path: str | Path) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, writable, without a copy."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _chunks(nbytes: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    chunk = chunk or CHUNK
+    return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)] or [(0, 0)]
+
+
+def _crcs(data: memoryview, chunk: int, threads: int = 1) -> tuple[int, ...]:
+    spans = _chunks(len(data), chunk)
+    if threads <= 1 or len(spans) == 1:
+        return tuple(zlib.crc32(data[a:b]) for a, b in spans)
+    with ThreadPoolExecutor(threads) as pool:  # zlib.crc32 releases the GIL
+        return tuple(pool.map(lambda span: zlib.crc32(data[span[0] : span[1]]), spans))
+
+
+def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dict,
+          copy: list[Path] = (), progress=None) -> None:  # fmt: skip
+    """Write `files` (file name -> [(tensor name, contiguous CPU tensor)]) and copy `copy`
+    into `dst`, then the index with `meta` in it. `progress(nbytes)` is called as bytes go."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in copy:
+        shutil.copy2(path, dst / path.name)
+    entries: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+    for file, tensors in files.items():
+        with open(dst / file, "wb") as out:
+            offset = 0
+            for name, tensor in tensors:
+                if name in entries:
+                    raise ValueError(f"tensor {name} given twice")
+                pad = -offset % ALIGN
+                out.write(b"\0" * pad)
+                offset += pad
+                data = raw_bytes(tensor.contiguous())
+                for a, b in _chunks(len(data)):
+                    out.write(data[a:b])
+                    if progress is not None:
+                        progress(b - a)
+                entries[name] = dict(
+                    file=file, offset=offset, nbytes=len(data), shape=list(tensor.shape),
+                    dtype=str(tensor.dtype).removeprefix("torch."), crcs=list(_crcs(data, CHUNK)),
+                )  # fmt: skip
+                offset += len(data)
+            out.flush()
+            os.fsync(out.fileno())
+        sizes[file] = offset
+    index = dict(format=FORMAT, version=VERSION, meta=meta, checksum_chunk=CHUNK, files=sizes,
+                 tensors=entries)  # fmt: skip
+    tmp = dst / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, dst / INDEX)
+
+
+class WeightDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            index = json.loads((self.path / INDEX).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {self.path / INDEX}: {e}") from e
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise CheckpointError(
+                f"{self.path / INDEX} is not a freetoken weight index of version {VERSION} "
+                f"(format {index.get('format')!r}, version {index.get('version')!r}): convert "
+                "the checkpoint again with `ft checkpoint convert`"
+            )
+        self.meta: dict = index.get("meta", {})
+        self.checksum_chunk: int = index["checksum_chunk"]
+        for file, size in index["files"].items():
+            have = (self.path / file).stat().st_size if (self.path / file).is_file() else None
+            if have != size:
+                state = "missing" if have is None else f"{have} bytes, the index says {size}"
+                raise CheckpointError(
+                    f"{self.path / file} is {state}: the weight directory is damaged "
+                    "(truncated or not this index's); convert the checkpoint again"
+                )
+        self.entries = {
+            name: Entry(
+                name,
+                e["file"],
+                e["offset"],
+                e["nbytes"],
+                tuple(e["shape"]),
+                e["dtype"],
+                tuple(e["crcs"]),
+            )
+            for name, e in index["tensors"].items()
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def check(self, entry: Entry, tensor: torch.Tensor) -> None:
+        """That `tensor` can take `entry` as it is stored."""
+        want = (entry.shape, entry.dtype)
+        have = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        if want != have:
+            raise CheckpointError(
+                f"{self.path}: tensor {entry.name} is stored as {want[1]} {list(want[0])}, "
+                f"but the model needs {have[1]} {list(have[0])}"
+            )
+
+    def read(self, items: list[tuple[Entry, torch.Tensor]], threads: int | None = None,
+             progress=None) -> None:  # fmt: skip
+        """Read each entry into its tensor (contiguous, CPU, checked), chunks in parallel."""
+        threads = threads or min(8, os.cpu_count() or 1)
+        fds = _Files(self.path)
+        jobs = []
+        for entry, tensor in items:
+            self.check(entry, tensor)
+            data = raw_bytes(tensor)
+            for a, b in _chunks(entry.nbytes):
+                jobs.append((entry, data, a, b))
+        lock = threading.Lock()
+
+        def run(job) -> None:
+            entry, data, a, b = job
+            fds.read_into(entry.file, entry.offset + a, data[a:b], entry.name)
+            if progress is not None:
+                with lock:
+                    progress(b - a)
+
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(run, jobs))
+        finally:
+            fds.close()
+
+    def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1) -> None:
+        """Recompute each tensor's CRCs; raise WeightIntegrityError naming the first that
+        differs from the index, with its file."""
+        for entry, tensor in items:
+            if _crcs(raw_bytes(tensor), self.checksum_chunk, threads) != entry.crcs:
+                raise WeightIntegrityError(
+                    f"tensor {entry.name} in {self.path / entry.file} does not match its "
+                    "checksum: the weight directory is corrupt (convert the checkpoint again)"
+                )
+
+
+class _Files:
+    """Open descriptors per file: a direct one (O_DIRECT, where the file system has it) for
+    aligned reads into aligned memory, a buffered one for the rest."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._buffered: dict[str, int] = {}
+        self._direct: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+
+    def _fds(self, file: str) -> tuple[int, int | None]:
+        with self._lock:
+            if file not in self._buffered:
+                path = self.root / file
+                self._buffered[file] = os.open(path, os.O_RDONLY)
+                direct = None
+                if hasattr(os, "O_DIRECT"):
+                    try:
+                        direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    except OSError:  # tmpfs and some others refuse it
+                        direct = None
+                self._direct[file] = direct
+            return self._buffered[file], self._direct[file]
+
+    def read_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
+        buffered, direct = self._fds(file)
+        address = torch.frombuffer(buf, dtype=torch.uint8).data_ptr() if len(buf) else 0
+        aligned = (address | offset | len(buf)) % ALIGN == 0
+        done = 0
+        while done < len(buf):
+            fd = direct if aligned and direct is not None else buffered
+            try:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            except OSError:
+                if fd is buffered:
+                    raise
+                self._direct[file] = direct = None  # the file system refuses direct reads
+                continue
+            if n == 0:
+                raise CheckpointError(
+                    f"{self.root / file} ended at {offset + done} bytes, inside tensor {name}: "
+                    "the weight directory is damaged (truncated); convert the checkpoint again"
+                )
+            done += n
+            aligned = aligned and done % ALIGN == 0
+
+    def close(self) -> None:
+        for fd in [*self._buffered.values(), *self._direct.values()]:
+            if fd is not None:
+                os.close(fd)

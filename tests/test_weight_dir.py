@@ -1,0 +1,174 @@
+"""freetoken's weight directory (weights/weight_dir.py, `ft checkpoint convert`): a converted
+checkpoint gives the source's logits bit for bit, for every family; a flipped byte is reported
+with the tensor's name and file, at once with `verify` and from the background check
+otherwise, which then stops the engine; a truncated or missing file is refused at open; the
+reads survive short reads and files whose system refuses direct I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from freetoken.config import MoEOptions
+from freetoken.engine.runner import ModelRunner
+from freetoken.errors import CheckpointError
+from freetoken.models.loading import convert_checkpoint, load_model
+from freetoken.weights import weight_dir as wd
+from tiny_models import FAMILIES, build, build_chat_model
+
+
+def logits(loaded, prompt, steps=3):
+    """Prefill then greedy decode through the paged runner: every step's logits."""
+    moe = MoEOptions("fused") if loaded.experts is not None else None
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8, moe=moe)
+    seq = runner.new_sequence()
+    out = [runner.forward([seq], [prompt])]
+    for _ in range(steps):
+        out.append(runner.forward([seq], [[int(out[-1].argmax(-1))]]))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_converted_checkpoint_gives_the_sources_logits(tmp_path, family):
+    src, _ = build(family, tmp_path / "src")
+    dst = convert_checkpoint(src, tmp_path / "dst", progress=False)
+    assert wd.is_weight_dir(dst) and (dst / "config.json").is_file()
+    assert not list(dst.glob("*.safetensors"))  # the weights are the directory's own
+    a, b = load_model(src), load_model(dst, verify=True)
+    prompt = [3, 17, 5, 9, 11, 2]
+    assert torch.equal(logits(a, prompt), logits(b, prompt))
+    if a.experts is not None:
+        assert torch.equal(a.experts.w_gate_up, b.experts.w_gate_up)
+        assert b.experts.w_gate_up.data_ptr() % 4096 == 0  # read with direct I/O where it can
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wd")
+    src, _ = build_chat_model("qwen3_moe", root / "src")  # with a tokenizer: an engine runs it
+    return convert_checkpoint(src, root / "dst", progress=False)
+
+
+def copy_of(converted, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(converted, dst)
+    return dst
+
+
+def flip_byte(path, name):
+    """Flip one byte in the middle of tensor `name`; returns the entry."""
+    entry = wd.WeightDir(path).entries[name]
+    with open(path / entry.file, "r+b") as f:
+        f.seek(entry.offset + entry.nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    return entry
+
+
+def test_a_flipped_byte_in_the_dense_weights_is_named_at_load(converted, tmp_path):
+    dst = copy_of(converted, tmp_path)
+    entry = flip_byte(dst, "param:layers.0.attn.q_proj.weight")
+    with pytest.raises(wd.WeightIntegrityError, match=r"layers\.0\.attn\.q_proj\.weight") as e:
+        load_model(dst)
+    assert "dense.bin" in str(e.value) and entry.file == "dense.bin"
+
+
+def test_a_flipped_expert_byte_is_found_at_once_with_verify(converted, tmp_path):
+    dst = copy_of(converted, tmp_path)
+    flip_byte(dst, "experts:w_down")
+    with pytest.raises(wd.WeightIntegrityError, match=r"experts:w_down.*experts\.bin"):
+        load_model(dst, verify=True)
+
+
+def test_the_background_check_finds_a_flipped_expert_byte_and_stops_the_engine(converted, tmp_path):
+    from freetoken.engine.generate import LLMEngine
+    from freetoken.engine.sampling import SamplingParams
+    from freetoken.tokenizer import Tokenizer
+
+    dst = copy_of(converted, tmp_path)
+    flip_byte(dst, "experts:w_gate_up")
+    loaded = load_model(dst)  # returns before the banks are checked
+    assert loaded.integrity is not None
+    assert loaded.integrity.done.wait(60)
+    assert "experts:w_gate_up" in str(loaded.integrity.error)
+    clean = load_model(converted)
+    assert clean.integrity.done.wait(60) and clean.integrity.error is None
+    runner = ModelRunner(loaded, kv_cache_tokens=128, page_size=8, moe=MoEOptions("fused"))
+    engine = LLMEngine(runner, Tokenizer(converted))  # (its tokenizer files were copied)
+    with pytest.raises(wd.WeightIntegrityError, match="experts:w_gate_up"):
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(wd.WeightIntegrityError):
+        engine.step()
+
+
+def test_a_truncated_or_missing_file_is_refused_at_open(converted, tmp_path):
+    dst = copy_of(converted, tmp_path)
+    with open(dst / "experts.bin", "r+b") as f:
+        f.truncate(os.path.getsize(dst / "experts.bin") - 1)
+    with pytest.raises(CheckpointError, match=r"experts\.bin is .* bytes, the index says"):
+        load_model(dst)
+    (dst / "experts.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"experts\.bin is missing"):
+        wd.WeightDir(dst)
+
+
+def test_an_index_of_another_format_or_version_is_refused(converted, tmp_path):
+    dst = copy_of(converted, tmp_path)
+    index = json.loads((dst / wd.INDEX).read_text())
+    index["version"] = 99
+    (dst / wd.INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="convert the checkpoint again"):
+        load_model(dst)
+
+
+def test_another_dtype_than_the_directorys_is_refused_with_what_to_do(converted):
+    with pytest.raises(CheckpointError, match=r"holds float32 weights.*--dtype bfloat16"):
+        load_model(converted, dtype="bfloat16")
+
+
+def test_converting_a_weight_directory_or_into_a_non_empty_one_is_refused(converted, tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(CheckpointError, match="a weight directory already"):
+        convert_checkpoint(converted, tmp_path / "new", progress=False)
+    src = converted.parent / "src"
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert_checkpoint(src, tmp_path / "busy", progress=False)
+
+
+def direct_io_works(path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def test_reads_go_on_after_short_reads_and_refused_direct_io(converted, monkeypatch):
+    real = os.preadv
+    calls = {"direct": 0}
+
+    def short(fd, buffers, offset):
+        flags = __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+        if flags & getattr(os, "O_DIRECT", 0):
+            calls["direct"] += 1
+            raise OSError(22, "Invalid argument")  # as a file system without direct I/O does
+        (buf,) = buffers
+        return real(fd, [buf[:4099]], offset)  # at most 4099 bytes a call
+
+    monkeypatch.setattr(wd, "CHUNK", 1 << 16)
+    monkeypatch.setattr(os, "preadv", short)
+    loaded = load_model(converted, verify=True)
+    monkeypatch.undo()
+    if direct_io_works(converted / "experts.bin"):
+        assert calls["direct"] > 0  # tried, refused, and read buffered instead
+    clean = load_model(converted, verify=True)
+    assert torch.equal(loaded.experts.w_down, clean.experts.w_down)
+    for (name, a), (_, b) in zip(loaded.model.named_parameters(),
+                                 clean.model.named_parameters(), strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
