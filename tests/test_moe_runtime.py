@@ -409,12 +409,16 @@ def test_offload_and_hybrid_start_with_every_slot_filled():
 
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
 @pytest.mark.parametrize("control", [True, False], ids=["device", "host"])
-def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control):
+@pytest.mark.parametrize("room", [True, False], ids=["both-caches-fit", "old-freed-first"])
+def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control, room, monkeypatch):
     """`resize_cache`: what the policy values most stays (each expert's weights in its slot),
     the tables stay consistent with the device's, new slots are filled (warm cache), the
-    counters carry over, and every output before and after is the reference's."""
+    counters carry over, and every output before and after is the reference's; the same
+    where the device cannot hold both caches at once and what is kept comes from the pool."""
+    from freetoken.moe.cache import ExpertCache
     from freetoken.moe.runtime import build_runtime
 
+    monkeypatch.setattr(ExpertCache, "_room_for", lambda self, slots: room)
     store = tiny_store(num_layers=2, num_experts=8)
     rt = build_runtime(
         store, torch.device("cpu"), MoEOptions(strategy, "6", device_control=control)
@@ -424,8 +428,12 @@ def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control):
     drive(rt, store, steps)
     calls = rt.telemetry.total().calls
     for size in (3, 1, 16, 5):
+        held = rt.control.pair_of[:-1] if rt.control is not None else rt.cache.pair_of
+        before = set(held.tolist()) - {-1}
         rt.resize_cache(size)
         cache = rt.cache
+        if size < len(before):  # a shrink keeps a part of what was held
+            assert set(cache.pair_of.tolist()) <= before
         assert cache.num_slots == size and (cache.pair_of >= 0).sum() == size  # all filled
         for slot, pair in enumerate(cache.pair_of.tolist()):
             assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])

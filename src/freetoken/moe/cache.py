@@ -34,6 +34,9 @@ def host_array(values) -> np.ndarray:
 TIME_FILLS_EVERY = 8
 
 
+ROOM_MARGIN = 512 * 2**20  # device memory a re-size leaves free beyond the new banks
+
+
 class ExpertCache:
     def __init__(
         self,
@@ -182,9 +185,11 @@ class ExpertCache:
 
     def resized(self, num_slots: int, refill: Sequence[int] = ()) -> ExpertCache:
         """A cache of `num_slots` slots holding what this one holds that its policy would keep
-        longest (all of it when it fits), copied device to device, the rest of its slots filled
-        with the first pairs of `refill` not already held. The policy and its state carry
-        over. Its banks are new: while it is made both caches are in device memory."""
+        longest (all of it when it fits), the rest of its slots filled with the first pairs of
+        `refill` not already held. The policy and its state carry over. Where device memory
+        holds both caches at once, what is kept is copied device to device; where it does not
+        (the device is short of memory: why a cache shrinks), this cache's banks are freed
+        first and what it kept comes back from the host pool. This cache is unusable after."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         pair_of = self.pair_of.numpy()
@@ -194,6 +199,11 @@ class ExpertCache:
             scores = host_array(self.policy.slot_scores(0, pair_of))[held]
             held = np.sort(held[np.argsort(-scores, kind="stable")[:num_slots]])
         held = held[:num_slots]
+        kept = pair_of[held].tolist()
+        if not self._room_for(num_slots):
+            self.w_gate_up = self.w_down = None
+            torch.cuda.empty_cache()
+            held, refill = [], kept + [p for p in refill if p not in set(kept)]
         new = ExpertCache(self.store, num_slots, self.device)
         new.policy = self.policy  # (made without one: the constructor would reset its state)
         keep = torch.as_tensor(held, dtype=torch.long)
@@ -202,7 +212,7 @@ class ExpertCache:
             for old_bank, new_bank in ((self.w_gate_up, new.w_gate_up), (self.w_down, new.w_down)):
                 # straight into the new bank's first rows: no third copy in device memory
                 torch.index_select(old_bank, 0, index, out=new_bank[: len(keep)])
-            new._retable(pair_of[held].tolist(), list(range(len(keep))))
+            new._retable(kept, list(range(len(keep))))
         room = num_slots - len(keep)
         if room:
             cached = set(pair_of[held].tolist())
@@ -211,6 +221,15 @@ class ExpertCache:
             if events is not None:
                 events[1].synchronize()
         return new
+
+    def _room_for(self, num_slots: int) -> bool:
+        """Whether the device has memory for banks of `num_slots` beside this cache's, with
+        a margin for the step's activations."""
+        if self.device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return num_slots * self.store.shape.nbytes + ROOM_MARGIN <= free + cached
 
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""

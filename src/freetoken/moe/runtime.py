@@ -243,6 +243,7 @@ class MoERuntime:
             self.control.push_host_tables()
             self._fold_device_counters()  # before the control holding them is replaced
         refill = warm_order(self.store) if self.options.warm_cache else ()
+        self._fill_banks = ()  # (the old banks may be freed before the new ones are made)
         self._bind_cache(self.cache.resized(num_slots, refill))
         if self.control is not None:
             bell = self.doorbell
