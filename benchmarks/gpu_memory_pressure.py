@@ -1,14 +1,16 @@
 """Another process takes the GPU's free memory while requests run, then gives it back: the
-expert cache shrinks (engine/memory_watch.py), serving goes on with the same greedy outputs,
-and the cache grows back.
+expert cache shrinks (engine/memory_watch.py), serving goes on, and the cache grows back.
 
     python benchmarks/gpu_memory_pressure.py --model DIR --out pressure.md
 
-Three rounds of the same greedy requests through the engine: before, while a second process
-holds all but `--leave` of the free memory, and after it has exited. Reports the cache's
-slots seen in each round, whether every output equals the first round's, and the watch's
-counts. The engine runs in this process (LLMEngine, as `ft serve` drives it; the GPU machine
-has no HTTP stack installed).
+Rounds of the same greedy requests through the engine: two before (the second, a control:
+in bf16 a hybrid step's sum depends on which experts ran on which side, so outputs can move
+between rounds whatever the cache's size), one while a second process holds all but
+`--leave` of the free memory, two after it has exited. Reports the cache's slots seen in each
+round, the share of output tokens equal to the first round's, whether any request failed,
+and the watch's counts; exits 1 unless the cache shrank under pressure and grew back. The
+engine runs in this process (LLMEngine, as `ft serve` drives it; the GPU machine has no HTTP
+stack installed).
 """
 
 from __future__ import annotations
@@ -71,13 +73,21 @@ def main() -> int:
     prompts = [torch.randint(0, vocab, (24,), generator=gen).tolist() for _ in range(args.requests)]
     rows = []
     reference, slots = run_round(engine, prompts, args.tokens)
-    rows.append(("before", slots, True, ""))
+
+    def agree(outputs) -> float:
+        pairs = [(a, b) for out, ref in zip(outputs, reference, strict=True)
+                 for a, b in zip(out, ref, strict=True)]  # fmt: skip
+        return sum(a == b for a, b in pairs) / len(pairs)
+
+    rows.append(("before", slots, 1.0, ""))
+    outputs, slots = run_round(engine, prompts, args.tokens)
+    rows.append(("before again (control)", slots, agree(outputs), ""))
     hog = subprocess.Popen([sys.executable, "-c", HOG, str(int(args.leave * 2**30))],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     held = hog.stdout.readline().strip()
     outputs, slots = run_round(engine, prompts, args.tokens)
     free = torch.cuda.mem_get_info()[0] / 2**30
-    rows.append(("while another process " + held, slots, outputs == reference, f"{free:.2f}"))
+    rows.append(("while another process " + held, slots, agree(outputs), f"{free:.2f}"))
     hog.stdin.write("\n")
     hog.stdin.flush()
     hog.wait(60)
@@ -93,15 +103,17 @@ def main() -> int:
         f"{args.requests} greedy requests of {args.tokens} tokens a round, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        "| round | cache slots (first, min, last) | outputs equal the first round's | "
+        "| round | cache slots (first, min, last) | output tokens equal to the first round's | "
         "free GiB after |",
         "|---|---|---|---|",
     ]
     for name, seen, same, free in rows:
-        lines.append(f"| {name} | {seen[0]}, {min(seen)}, {seen[-1]} | {same} | {free} |")
-    lines += ["", f"memory watch: {watch.snapshot()}"]
+        lines.append(f"| {name} | {seen[0]}, {min(seen)}, {seen[-1]} | {same:.1%} | {free} |")
+    lines += ["", f"memory watch: {watch.snapshot()}; no request failed (a failure raises)"]
     report(lines, args.out)
-    return 0 if all(same for _, _, same, _ in rows) else 1
+    shrank = min(rows[2][1]) < watch.target
+    grew = rows[-1][1][-1] == watch.target
+    return 0 if shrank and grew else 1
 
 
 if __name__ == "__main__":

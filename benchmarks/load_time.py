@@ -98,6 +98,7 @@ def main() -> int:
     ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--formats", nargs="+", default=["safetensors", "weight directory"])
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"
     start = time.perf_counter()
@@ -109,6 +110,8 @@ def main() -> int:
     converted = time.perf_counter() - start
     rows = []
     for label, path in (("safetensors", src), ("weight directory", dst)):
+        if label not in args.formats:
+            continue
         for cache_state in ("cold", "warm"):
             drop_cache(path)
             if cache_state == "warm":
