@@ -26,11 +26,12 @@ Three implementations of that one contract:
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.kernels import cpu_team
 from freetoken.kv.batch import ForwardBatch
@@ -145,7 +146,7 @@ def paged_attention_torch(
                 queries,
                 keys,
                 values,
-                attn_mask=mask if mask is not None else causal_lower_right(count, length),
+                attn_mask=mask if mask is not None else _causal_lower_right(count, length),
                 scale=scale,
                 enable_gqa=True,
             )
@@ -336,3 +337,21 @@ if triton is not None:
                        other=0.0)  # fmt: skip
         o = tl.sum(part * w[:, None], 0) / total
         tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))
+
+
+def _causal_lower_right(queries: int, keys: int):
+    """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.8 s on
+    the H200 machine (python -X importtime): imported on a thread while the weights load
+    (`import_in_background`), not on the way to the first token."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(queries, keys)
+
+
+def import_in_background() -> None:
+    """Start importing what the first prefill needs, on a thread (the import lock makes a
+    prefill that comes first wait for it, never import twice)."""
+    threading.Thread(
+        target=importlib.import_module, args=("torch.nn.attention.bias",), daemon=True,
+        name="ft-imports",
+    ).start()  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from freetoken.errors import CheckpointError, InsufficientMemoryError
+from freetoken.kernels import paged_attention
 from freetoken.model_config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
@@ -95,6 +96,7 @@ def load_model(
     """`verify`: a weight directory's expert banks are checked against their checksums
     before this returns (else on a background thread, `LoadedModel.integrity`); the dense
     tensors always are. A safetensors checkpoint has no checksums."""
+    paged_attention.import_in_background()  # (while the weights load)
     if wd.is_weight_dir(path):
         return _load_weight_dir(Path(path), dtype, device, progress, verify)
     ckpt = CheckpointDir(path)
