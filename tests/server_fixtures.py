@@ -55,15 +55,9 @@ def running_server(
 def demo_engine(**changes) -> LLMEngine:
     """The demo model on the CPU in fp32, with the hybrid strategy and a small CPU-tier expert
     cache so the MoE telemetry sees misses; `changes`: other EngineConfig fields."""
-    config = EngineConfig(
-        model=demo_checkpoint(),
-        device="cpu",
-        dtype="float32",
-        kv_cache_tokens=2048,
-        max_batch_size=8,
-        moe=MoEOptions("hybrid", "40"),
-        **changes,
-    )
+    fields = dict(model=demo_checkpoint(), device="cpu", dtype="float32", kv_cache_tokens=2048,
+                  max_batch_size=8, moe=MoEOptions("hybrid", "40"))  # fmt: skip
+    config = EngineConfig(**{**fields, **changes})
     return LLMEngine.from_config(config)
 
 

@@ -18,6 +18,10 @@ def engine():
 
 
 def test_status_shows_the_split_the_hit_rate_and_kv_use(engine, capsys):
+    from freetoken.engine.memory_watch import DeviceMemoryWatch
+
+    # (a watch of scripted free memory: the CPU tier has none, and its counts show)
+    engine.memory_watch = DeviceMemoryWatch(engine, free_bytes=lambda: 2**40, every=10**6)
     with running_server(engine, api_key="sekret") as (base, _core):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
         auth = {"Authorization": "Bearer sekret"}
@@ -29,6 +33,7 @@ def test_status_shows_the_split_the_hit_rate_and_kv_use(engine, capsys):
         assert f"hybrid: cache of {moe.cache.num_slots} of {moe.store.num_pairs} experts" in text
         assert "hit rate" in text and "on the CPU (m - q)" in text
         assert "pages in use" in text and "16 tokens a page" in text
+        assert "expert cache 0 shrinks, 0 grows (at most 40, at least 10 slots)" in text
         assert main(["ctl", "status", "--url", base, "--api-key", "sekret", "--json"]) == 0
         stats = json.loads(capsys.readouterr().out)
         assert stats["moe"]["cache_slots"] == moe.cache.num_slots
@@ -36,6 +41,7 @@ def test_status_shows_the_split_the_hit_rate_and_kv_use(engine, capsys):
         # without the key: a clear error, not a traceback
         assert main(["ctl", "status", "--url", base]) == 2
         assert "wants an API key" in capsys.readouterr().err
+    engine.memory_watch = None
 
 
 def test_status_without_a_server_says_so(capsys):

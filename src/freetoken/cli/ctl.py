@@ -62,6 +62,14 @@ def describe(stats: dict) -> list[str]:
         f"KV cache   {kv['used']} of {pages} pages in use, {kv['cached']} held by the prefix "
         f"cache, {kv['free']} free ({kv['page_size']} tokens a page)"
     )
+    watch = stats.get("memory_watch")
+    if watch:
+        lines.append(
+            f"moves      expert cache {watch['shrinks']} shrinks, {watch['grows']} grows "
+            f"(at most {watch['target_slots']}, at least {watch['floor_slots']} slots); KV pool "
+            f"{watch['kv_grows'] + watch['lends']} grows ({watch['lends']} with slots the cache "
+            f"lent, {watch['lent_slots']} lent now), {watch['returns']} returns"
+        )
     return lines
 
 

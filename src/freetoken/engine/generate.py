@@ -141,7 +141,7 @@ class LLMEngine:
             self.prefix_cache.on_evict = self.anchors.drop_node
         self.reuse = PrefixReuseTelemetry()
         # gives expert-cache slots back when another process takes device memory
-        self.memory_watch = DeviceMemoryWatch.for_runner(runner)
+        self.memory_watch = DeviceMemoryWatch.for_engine(self)
 
     @property
     def max_context(self) -> int:
@@ -443,13 +443,14 @@ class LLMEngine:
         pages = runner.kv_pages_for(kv) if kv is not None else None
         kv_first = pages is not None and pages < runner.kv.num_pages
         if kv_first:
-            self._resize_kv(pages)
+            self.resize_kv_pages(pages)
         if experts is not None:
             runner.resize_expert_cache(experts)
         if pages is not None and not kv_first:
-            self._resize_kv(pages)
+            self.resize_kv_pages(pages)
 
-    def _resize_kv(self, pages: int) -> None:
+    def resize_kv_pages(self, pages: int) -> None:
+        """The KV pool to `pages` pages, between steps (`resize` says how)."""
         allocator = self.runner.kv.allocator
         if self.prefix_cache is not None and pages > 0 and allocator.used_from(pages):
             # cached prefixes may hold the pages to give up: evicted (what requests hold stays)

@@ -761,6 +761,7 @@ typedef struct {
     double *stats; /* per layer: jobs, routes, seconds, experts (accumulated) */
     double idle_spin, prepare;
     int stop;
+    uint32_t served; /* the last number answered: the one `seq` held at start, then each job's */
     uint64_t errors;
     int64_t *rows, *routes;
     float *gates;
@@ -805,10 +806,9 @@ static void serve(listener_t *l, uint32_t shape) {
 static void *listener_main(void *arg) {
     listener_t *l = arg;
     double last = now();
-    uint32_t served = __atomic_load_n(l->seq, __ATOMIC_ACQUIRE);
     while (!LOAD(&l->stop)) {
         const uint32_t seq = __atomic_load_n(l->seq, __ATOMIC_ACQUIRE);
-        if (seq == served) {
+        if (seq == l->served) {
             const double idle = now() - last;
             if (idle < l->idle_spin) {
                 for (int i = 0; i < 32; i++) cpu_relax();
@@ -818,7 +818,7 @@ static void *listener_main(void *arg) {
             }
             continue;
         }
-        served = seq;
+        l->served = seq;
         if (now() - last > l->prepare) ft_cpu_experts_prepare(l->prepare); /* wake the team */
         serve(l, __atomic_load_n(l->shape, __ATOMIC_ACQUIRE));
         __atomic_store_n(l->done, seq, __ATOMIC_SEQ_CST); /* after the partial's stores */
@@ -844,6 +844,8 @@ void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *do
     if (!l) return NULL;
     *l = (listener_t){seq, shape, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
                       max_routes, H, I, layers, w_gate_up, w_down, stats, idle_spin, prepare};
+    /* read here, not on the thread: a ring made before the thread first runs is a job */
+    l->served = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     const size_t routes = (size_t)max_routes;
     l->rows = malloc(sizeof(int64_t) * routes);
     l->routes = malloc(sizeof(int64_t) * routes);
