@@ -146,3 +146,28 @@ def test_decode_offload_runs_on_a_trace(tmp_path):
         "--cache", "40", "--strategy", "hybrid", "--routing", f"trace:{trace}",
         "--out", str(out), tmp_path=tmp_path)  # fmt: skip
     assert "| hybrid | 1 |" in out.read_text()
+
+
+def test_step_timeline_table(tmp_path):
+    out = tmp_path / "timeline.md"
+    run("step_timeline.py", "--layers", "2", "--steps", "2", "--profiled", "2",
+        "--contender", "fused@all", "--contender", "hybrid@50%", "--python-profile",
+        "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    table = out.read_text()
+    assert "| fused@all b1 |" in table and "| hybrid@50% b1 |" in table
+    assert "Python profile of the 2 synced steps" in table
+
+
+def test_load_time_starts_from_both_formats(tmp_path):
+    out = tmp_path / "load.md"
+    result = subprocess.run(
+        [sys.executable, "load_time.py", "--tiny", "--layers", "1", "--work", str(tmp_path / "w"),
+         "--strategy", "fused", "--cache", "none", "--out", str(out)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
+             "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = out.read_text()
+    for row in ("| safetensors | cold |", "| weight directory | warm |"):
+        assert row in table
