@@ -191,3 +191,24 @@ def test_reads_go_on_after_short_reads_and_refused_direct_io(converted, monkeypa
     for (name, a), (_, b) in zip(loaded.model.named_parameters(),
                                  clean.model.named_parameters(), strict=True):  # fmt: skip
         assert torch.equal(a, b), name
+
+
+def test_a_server_on_corrupt_weights_says_so_and_computes_nothing():
+    """What a client sees once the background check failed: /health 503 with the reason, and
+    every request an API-shaped error naming the tensor (the engine refuses to compute)."""
+    import types
+
+    import httpx
+
+    from server_fixtures import MODEL, demo_engine, running_server
+
+    engine = demo_engine()
+    error = wd.WeightIntegrityError("tensor experts:w_down in /m/experts.bin does not match")
+    engine.runner.integrity = types.SimpleNamespace(error=error)
+    with running_server(engine) as (base, _core):
+        health = httpx.get(base + "/health", timeout=30)
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed", "error": str(error)}
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 500 and "experts:w_down" in reply.json()["error"]["message"]
