@@ -54,7 +54,7 @@ class LoadedModel:
 class IntegrityCheck:
     """A weight directory's expert banks verified against their checksums on a background
     thread while the engine starts serving; `error` is set if they differ (the engine then
-    stops, moe/../engine/generate.py), `done` once the check ended."""
+    refuses to compute: `LLMEngine.check_weights`), `done` once the check ended."""
 
     def __init__(self, weights: wd.WeightDir, items: list):
         self.error: wd.WeightIntegrityError | None = None
