@@ -110,9 +110,10 @@ class StepModes:
     `min_samples` of each (the first step timed each way is a warm-up and not counted: the
     first CPU job may, for one, compile the CPU kernel). Those first samples are taken in
     turns (split, fill, cpu, split, ...), not each way's in a block: a transient of the first
-    steps (the CPU team and its caches warming) then weighs on every way alike; taken in
-    blocks on the H200 machine it once sent hybrid at a 37% cache the `cpu` way (q = 0.11,
-    72.9 tok/s) while the same strategy built again split (90.2). A median, because a step that also
+    steps (the CPU team and its caches warming) then weighs on every way alike. (On the H200
+    machine hybrid at a 37% cache once settled on the `cpu` way, q = 0.11 at 72.9 tok/s,
+    while the same strategy built again split at 90.2; blocks would explain it, which that
+    machine has not yet confirmed.) A median, because a step that also
     captures a decode graph (a batch size's second step)
     takes hundreds of milliseconds: a running average needed dozens of re-checks to forget one,
     and on the H200 machine hybrid kept filling everything at batch 1 for that reason.
