@@ -69,9 +69,66 @@ def test_requests_short_of_kv_pages_get_them_and_give_them_back(source):
     else:
         assert watch.lends >= 1 and watch.lent > 0
         assert moe.cache.num_slots == watch.target - watch.lent >= watch.floor
-    for _ in range(3):  # idle steps: the pool goes back, the cache takes its slots back
+    for _ in range(12):  # idle steps: once the last move settled, the pool goes back
         small.step()
     assert kv.num_pages == watch.kv_pages and moe.cache.num_slots == watch.target
     assert watch.lent == 0 and watch.returns == (source == "the expert cache")
     again = [o.output_ids for o in small.generate(prompts, params)]
     assert again == reference
+
+
+def test_a_move_without_memory_is_tried_later_and_never_fails_a_step(engine, monkeypatch):
+    moe = engine.runner.moe
+    per = moe.store.shape.nbytes
+    free = {"bytes": 0}
+    watch = DeviceMemoryWatch(engine, free_bytes=lambda: free["bytes"], reserve_bytes=10 * per,
+                              every=1)  # fmt: skip
+
+    def no_memory(size):
+        raise ValueError("no device memory for an expert cache of 3")
+
+    monkeypatch.setattr(engine.runner, "resize_expert_cache", no_memory)
+    engine.memory_watch = watch
+    try:
+        prompt = engine.tokenizer.encode("Short of memory")
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0))
+        assert len(out[0].output_ids) == 4  # served all the same
+        assert watch.failures >= 1 and watch.shrinks == 0
+    finally:
+        engine.memory_watch = None
+
+
+def test_an_operators_re_split_is_the_one_the_watch_keeps(engine):
+    moe, kv = engine.runner.moe, engine.runner.kv
+    watch = DeviceMemoryWatch(engine, free_bytes=lambda: 2**40, every=1)
+    engine.memory_watch = watch
+    slots, pages = moe.cache.num_slots, kv.num_pages
+    try:
+        engine.resize(experts=slots - 8, kv=str((pages + 4) * kv.page_size))
+        assert (watch.target, watch.kv_pages) == (slots - 8, pages + 4)
+        prompt = engine.tokenizer.encode("Keep my split")
+        engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0))
+        # plenty of free memory, an idle pool: neither goes back to the sizes at load
+        assert (moe.cache.num_slots, kv.num_pages) == (slots - 8, pages + 4)
+    finally:
+        engine.memory_watch = None
+        engine.resize(experts=slots, kv=str(pages * kv.page_size))
+
+
+def test_a_pool_with_a_request_above_its_size_at_load_is_not_idle(engine):
+    allocator = engine.runner.kv.allocator
+    watch = DeviceMemoryWatch(engine, free_bytes=lambda: 2**40, every=1)
+    low = allocator.alloc(10)  # the low page ids taken: the request's pages come above them
+    req = engine.add_request(engine.tokenizer.encode("hold pages " * 12), SamplingParams(
+        max_new_tokens=2, temperature=0))  # fmt: skip
+    try:
+        engine.step()
+        allocator.free(low)
+        watch.kv_pages = 8  # as if the pool had grown from 8 pages
+        assert min(req.seq.pages) >= 10
+        assert not watch._kv_idle()  # few pages held, but above 8: a shrink cannot free them
+        engine.abort(req)
+        assert watch._kv_idle()
+    finally:
+        if req in engine.running:
+            engine.abort(req)

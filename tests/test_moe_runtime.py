@@ -409,16 +409,23 @@ def test_offload_and_hybrid_start_with_every_slot_filled():
 
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
 @pytest.mark.parametrize("control", [True, False], ids=["device", "host"])
-@pytest.mark.parametrize("room", [True, False], ids=["both-caches-fit", "old-freed-first"])
+@pytest.mark.parametrize("room", ["both fit", "old freed first", "fit misjudged"])
 def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control, room, monkeypatch):
     """`resize_cache`: what the policy values most stays (each expert's weights in its slot),
     the tables stay consistent with the device's, new slots are filled (warm cache), the
     counters carry over, and every output before and after is the reference's; the same
-    where the device cannot hold both caches at once and what is kept comes from the pool."""
+    where the device cannot hold both caches at once and what is kept comes from the pool,
+    and where it seemed to but the allocation failed."""
     from freetoken.moe.cache import ExpertCache
     from freetoken.moe.runtime import build_runtime
 
-    monkeypatch.setattr(ExpertCache, "_room_for", lambda self, slots: room)
+    monkeypatch.setattr(ExpertCache, "_room_for", lambda self, slots: room != "old freed first")
+    if room == "fit misjudged":  # room seemed to be there, the allocation found none
+
+        def no_room(self, *args):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (scripted)")
+
+        monkeypatch.setattr(ExpertCache, "_resized_beside", no_room)
     store = tiny_store(num_layers=2, num_experts=8)
     rt = build_runtime(
         store, torch.device("cpu"), MoEOptions(strategy, "6", device_control=control)

@@ -448,6 +448,8 @@ class LLMEngine:
             runner.resize_expert_cache(experts)
         if pages is not None and not kv_first:
             self.resize_kv_pages(pages)
+        if self.memory_watch is not None:
+            self.memory_watch.rebase()  # the operator's split is the one to keep
 
     def resize_kv_pages(self, pages: int) -> None:
         """The KV pool to `pages` pages, between steps (`resize` says how)."""

@@ -152,15 +152,19 @@ class ModelRunner:
         self._resize(lambda: self.kv.resize(num_pages), f"a KV cache of {num_pages} pages")
 
     def _resize(self, resize: Callable[[], None], what: str) -> None:
-        """Run a re-size of buffers the decode graphs read: they are captured again after it,
-        and the memory given up goes back to the driver; no room for it is a ValueError."""
+        """Run a re-size of buffers the decode graphs read: the graphs are dropped first (their
+        memory pools go back to the driver, and the re-size can count on that memory) and
+        captured again after it; the memory given up goes back too; no room for it is a
+        ValueError."""
+        if self.graphs is not None:
+            self.graphs.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         try:
             resize()
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise ValueError(f"no device memory for {what}") from None
-        if self.graphs is not None:
-            self.graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

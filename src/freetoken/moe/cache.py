@@ -189,7 +189,8 @@ class ExpertCache:
         `refill` not already held. The policy and its state carry over. Where device memory
         holds both caches at once, what is kept is copied device to device; where it does not
         (the device is short of memory: why a cache shrinks), this cache's banks are freed
-        first and what it kept comes back from the host pool. This cache is unusable after."""
+        first and what it kept comes back from the host pool, in as many slots as the device
+        then holds if fewer. This cache is unusable after that."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         pair_of = self.pair_of.numpy()
@@ -200,10 +201,29 @@ class ExpertCache:
             held = np.sort(held[np.argsort(-scores, kind="stable")[:num_slots]])
         held = held[:num_slots]
         kept = pair_of[held].tolist()
-        if not self._room_for(num_slots):
-            self.w_gate_up = self.w_down = None
+        if self._room_for(num_slots):
+            try:
+                return self._resized_beside(num_slots, held, kept, refill)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()  # (the estimate was wrong: free this cache first)
+        self.w_gate_up = self.w_down = None
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-            held, refill = [], kept + [p for p in refill if p not in set(kept)]
+            # what the device holds once these banks are gone, if less than asked for
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = (free - ROOM_MARGIN) // self.store.shape.nbytes
+            if fit < num_slots:
+                if fit < 1:
+                    raise torch.cuda.OutOfMemoryError("no device memory for one expert slot")
+                num_slots = int(fit)
+        new = ExpertCache(self.store, num_slots, self.device)
+        new.policy = self.policy  # (made without one: the constructor would reset its state)
+        kept_set = set(kept)
+        new._fill(kept + [p for p in refill if p not in kept_set], 0)
+        return new
+
+    def _resized_beside(self, num_slots, held, kept, refill) -> ExpertCache:
+        """`resized` with both caches in device memory: what is kept copied device to device."""
         new = ExpertCache(self.store, num_slots, self.device)
         new.policy = self.policy  # (made without one: the constructor would reset its state)
         keep = torch.as_tensor(held, dtype=torch.long)
@@ -213,23 +233,25 @@ class ExpertCache:
                 # straight into the new bank's first rows: no third copy in device memory
                 torch.index_select(old_bank, 0, index, out=new_bank[: len(keep)])
             new._retable(kept, list(range(len(keep))))
-        room = num_slots - len(keep)
-        if room:
-            cached = set(pair_of[held].tolist())
-            fill = [p for p in refill if p not in cached][:room]
-            events = new.place(fill, list(range(len(keep), len(keep) + len(fill))))
+        kept_set = set(kept)
+        new._fill([p for p in refill if p not in kept_set], len(keep))
+        return new
+
+    def _fill(self, pairs: list[int], first: int) -> None:
+        """Copy `pairs` from the host pool into slots first, first + 1, ... (as many as fit)."""
+        pairs = pairs[: self.num_slots - first]
+        if pairs:
+            events = self.place(pairs, list(range(first, first + len(pairs))))
             if events is not None:
                 events[1].synchronize()
-        return new
 
     def _room_for(self, num_slots: int) -> bool:
         """Whether the device has memory for banks of `num_slots` beside this cache's, with
-        a margin for the step's activations."""
+        a margin for the step's activations (the caller has given cached blocks back)."""
         if self.device.type != "cuda":
             return True
         free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return num_slots * self.store.shape.nbytes + ROOM_MARGIN <= free + cached
+        return num_slots * self.store.shape.nbytes + ROOM_MARGIN <= free
 
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""

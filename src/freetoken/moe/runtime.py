@@ -244,7 +244,14 @@ class MoERuntime:
             self._fold_device_counters()  # before the control holding them is replaced
         refill = warm_order(self.store) if self.options.warm_cache else ()
         self._fill_banks = ()  # (the old banks may be freed before the new ones are made)
-        self._bind_cache(self.cache.resized(num_slots, refill))
+        try:
+            resized = self.cache.resized(num_slots, refill)
+        except Exception:
+            if self.cache.w_gate_up is not None:
+                self._bind_cache(self.cache)  # untouched: serving goes on with it
+            raise
+        self._bind_cache(resized)
+        num_slots = resized.num_slots  # (fewer where the device held no more)
         if self.control is not None:
             bell = self.doorbell
             inputs, signal = (bell.inputs, bell.signal) if bell is not None else (None, None)
