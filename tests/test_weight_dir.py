@@ -126,6 +126,15 @@ def test_an_index_of_another_format_or_version_is_refused(converted, tmp_path):
         load_model(dst)
 
 
+def test_an_index_whose_sizes_disagree_with_the_shapes_is_refused(converted, tmp_path):
+    dst = copy_of(converted, tmp_path)
+    index = json.loads((dst / wd.INDEX).read_text())
+    index["tensors"]["param:embed.weight"]["nbytes"] -= 4
+    (dst / wd.INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"embed\.weight is indexed as \d+ bytes"):
+        load_model(dst)
+
+
 def test_another_dtype_than_the_directorys_is_refused_with_what_to_do(converted):
     with pytest.raises(CheckpointError, match=r"holds float32 weights.*--dtype bfloat16"):
         load_model(converted, dtype="bfloat16")

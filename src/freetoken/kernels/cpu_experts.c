@@ -772,7 +772,9 @@ static void serve(listener_t *l, uint32_t shape) {
     const int64_t layer = (int64_t)(shape & 0xfffu) - 1, k = (shape >> 12) & 0xffu;
     const int64_t tokens = shape >> 20;
     if (layer < 0 || layer >= l->layers || k < 1 || tokens * k > l->max_routes) {
-        l->errors++;
+        l->errors++; /* and no partial: the merge must not add an earlier layer's */
+        const int64_t rows = tokens < 1 ? 1 : (tokens > l->max_routes ? l->max_routes : tokens);
+        memset(l->out, 0, sizeof(float) * rows * l->H);
         return;
     }
     int64_t n = 0;

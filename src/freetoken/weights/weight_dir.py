@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -170,6 +171,11 @@ class WeightDir:
         """That `tensor` can take `entry` as it is stored."""
         want = (entry.shape, entry.dtype)
         have = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        if entry.nbytes != tensor.numel() * tensor.element_size():
+            raise CheckpointError(
+                f"{self.path}: tensor {entry.name} is indexed as {entry.nbytes} bytes, but its "
+                f"shape and dtype make {tensor.numel() * tensor.element_size()}"
+            )
         if want != have:
             raise CheckpointError(
                 f"{self.path}: tensor {entry.name} is stored as {want[1]} {list(want[0])}, "
@@ -249,7 +255,11 @@ class _Files:
             except OSError:
                 if fd is buffered:
                     raise
-                self._direct[file] = direct = None  # the file system refuses direct reads
+                with self._lock:  # the file system refuses direct reads: buffered from now on
+                    if self._direct.get(file) is not None:
+                        os.close(self._direct[file])
+                        self._direct[file] = None
+                direct = None
                 continue
             if n == 0:
                 raise CheckpointError(
@@ -286,7 +296,7 @@ def resident_fraction(path: Path) -> float:
         if addr is None or addr == ctypes.c_void_p(-1).value:
             return 0.0
         try:
-            pages = np.zeros(-(-size // ALIGN), dtype=np.uint8)
+            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
             if libc.mincore(addr, size, pages.ctypes.data) != 0:
                 return 0.0
             return float((pages & 1).mean())
