@@ -9,11 +9,7 @@
 set -uo pipefail
 out=${1:?output directory}; layers=${2:-48}; ncmoe=${3:-41}
 shift 3
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
-mkdir -p "$out" /tmp/lb /tmp/conv
-tar xJf .carry/llama-bench-cuda-sm90.tar.xz -C /tmp/lb
-tar xJf .carry/gguf-convert.tar.xz -C /tmp/conv
+source benchmarks/llama_cpp_env.sh
 deep=${GGUF_DIR:-/dev/shm}/deep.gguf
 start=$(date +%s)
 python3 - <<'PY'

@@ -26,6 +26,7 @@ Three implementations of that one contract:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -348,9 +349,10 @@ def _causal_lower_right(queries: int, keys: int):
     return causal_lower_right(queries, keys)
 
 
+@functools.cache
 def import_in_background() -> None:
-    """Start importing what the first prefill needs, on a thread (the import lock makes a
-    prefill that comes first wait for it, never import twice)."""
+    """Start importing what the first prefill needs, on a thread, once (the import lock makes
+    a prefill that comes first wait for it, never import twice)."""
     threading.Thread(
         target=importlib.import_module, args=("torch.nn.attention.bias",), daemon=True,
         name="ft-imports",

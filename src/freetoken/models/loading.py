@@ -5,7 +5,6 @@ from one."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import threading
@@ -161,8 +160,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
         files[EXPERTS_FILE] = [("experts:w_gate_up", loaded.experts.w_gate_up),
                                ("experts:w_down", loaded.experts.w_down)]  # fmt: skip
     copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
-    dtype_name = str(loaded.experts.shape.dtype if loaded.experts is not None else
-                     next(loaded.model.parameters()).dtype).removeprefix("torch.")  # fmt: skip
+    dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
@@ -174,7 +172,7 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
     _, cfg = _parse(raw, path)
-    stored = wd.DTYPES.get(weights.meta.get("dtype", ""))
+    stored = DTYPES.get(weights.meta.get("dtype", ""))
     want = resolve_dtype(dtype, weights.meta.get("dtype", cfg.torch_dtype))
     if stored is None or want != stored:
         raise CheckpointError(
@@ -195,7 +193,7 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
     weights.verify(dense)  # small: at once
     integrity = None
     if verify:
-        weights.verify(banks, threads=min(8, os.cpu_count() or 1))
+        weights.verify(banks, threads=wd.io_threads())
     elif banks:
         integrity = IntegrityCheck(weights, banks)
     model = model.to(device)

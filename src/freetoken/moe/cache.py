@@ -255,7 +255,4 @@ class ExpertCache:
 
     def preload(self, pairs: Sequence[int]) -> None:
         """Fill empty slots with `pairs` in order (a static placement, or a warm start)."""
-        pairs = list(pairs)[: self.num_slots]
-        events = self.place(pairs, list(range(len(pairs))))
-        if events is not None:
-            events[1].synchronize()
+        self._fill(list(pairs), 0)

@@ -79,7 +79,7 @@ class DeviceControl:
             cpu_inputs = (pairs, weights, None)
         self.cpu_pairs, self.cpu_weights, self.cpu_x = cpu_inputs
         self.bell = bell
-        # whether the last plan left routes to the CPU: what the graph's branch to it reads
+        # whether the last plan left routes to the CPU (and rang the doorbell): the merge reads it
         self.cpu_flag = torch.zeros((), dtype=torch.bool, device=device)
         # scratch of the one-program plan: slot scores, victims, and per call size its outputs
         self.scores = torch.empty(self.num_slots + 1, dtype=torch.float32, device=device)

@@ -253,10 +253,7 @@ class MoERuntime:
         self._bind_cache(resized)
         num_slots = resized.num_slots  # (fewer where the device held no more)
         if self.control is not None:
-            bell = self.doorbell
-            inputs, signal = (bell.inputs, bell.signal) if bell is not None else (None, None)
-            self.control = DeviceControl(self.cache, self.cache.policy, self._split, inputs,
-                                         signal)  # fmt: skip
+            self.control = _control_of(self.cache, self._split, self.doorbell)
         log.info("expert cache resized to %d slots of %d", num_slots, self.store.num_pairs)
 
     def capturable(self, tokens: int, routes: int) -> bool:
@@ -781,7 +778,7 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
 def _device_control(kind, store, cache, cpu, options, device):
     """(control, doorbell) for a strategy that decides its decode calls on the device; (None,
     None) where it cannot (hybrid on CUDA without a doorbell)."""
-    cpu_inputs = split = doorbell = signal = None
+    split = doorbell = None
     if kind.splits:
         # (f, lo, hi) of the split, rewritten by the host before each decode step; on CUDA in
         # mapped pinned memory, which the plans read where it lies
@@ -790,10 +787,17 @@ def _device_control(kind, store, cache, cpu, options, device):
             doorbell = _doorbell(store, cpu, options, device)
             if doorbell is None:
                 return None, None  # hybrid decides on the host
-            cpu_inputs, signal = doorbell.inputs, doorbell.signal
     # The policy's state moves to the device, where the plans read and update it.
     cache.policy.reset(store.num_layers, store.num_experts, cache.num_slots, device)
-    return DeviceControl(cache, cache.policy, split, cpu_inputs, signal), doorbell
+    return _control_of(cache, split, doorbell), doorbell
+
+
+def _control_of(cache: ExpertCache, split, doorbell: CPUDoorbell | None) -> DeviceControl:
+    """Device control over `cache` (at load, and after each re-size), its plans writing the
+    CPU's share to the doorbell's buffers and ringing it, where there is one."""
+    if doorbell is None:
+        return DeviceControl(cache, cache.policy, split)
+    return DeviceControl(cache, cache.policy, split, doorbell.inputs, doorbell.signal)
 
 
 def _doorbell(store, cpu, options, device) -> CPUDoorbell | None:

@@ -48,7 +48,11 @@ INDEX = "freetoken-weights.json"
 FORMAT, VERSION = "freetoken-weights", 1
 ALIGN = 4096
 CHUNK = 64 * 2**20  # bytes per read and per checksum
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def io_threads() -> int:
+    """Threads of a directory's reads and of an at-once checksum pass."""
+    return min(8, os.cpu_count() or 1)
 
 
 class WeightIntegrityError(FreetokenError):
@@ -185,7 +189,7 @@ class WeightDir:
     def read(self, items: list[tuple[Entry, torch.Tensor]], threads: int | None = None,
              progress=None) -> None:  # fmt: skip
         """Read each entry into its tensor (contiguous, CPU, checked), chunks in parallel."""
-        threads = threads or min(8, os.cpu_count() or 1)
+        threads = threads or io_threads()
         fds = _Files(self.path)
         jobs = []
         for entry, tensor in items:
