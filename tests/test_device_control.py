@@ -77,10 +77,9 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         pair_scores = torch.as_tensor(policy.pair_scores(layer, misses)).float()
         x = torch.randn(len(routes), store.shape.hidden, generator=gen)
         rung = int(numbers[0])
+        before_x = cpu_x.clone()
         got, fill_pairs, fill_slots = control.plan(layer, pairs, weights, x, shape=100 + layer)
         check_tables(control)
-        if fused:  # the one-program plan hands x to the CPU (the twin's CPU reads it in place)
-            assert torch.equal(cpu_x[: len(routes)], x)
         # The split: q misses filled, those the policy scores highest (ties: the lower pair).
         m = len(misses)
         if split is None:
@@ -103,12 +102,15 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
         assert torch.equal(cpu_pairs, torch.where(gpu, -1, pairs).reshape(-1))
         assert torch.equal(control.cpu_weights[:R], weights.reshape(-1))
         assert bool(control.cpu_flag) == bool((~gpu).any())  # what the merge reads
-        if fused:  # rung (a new number, the shape) exactly when the CPU has routes
+        if fused:  # rung (a new number, the shape) exactly when the CPU has routes, and x
+            # handed over for them (the twin's CPU reads it in place)
             if (~gpu).any():
                 assert numbers.tolist() == [rung + 1, rung + 1]
                 assert (int(words[SEQ_WORD]), int(words[SHAPE_WORD])) == (rung + 1, 100 + layer)
+                assert torch.equal(cpu_x[: len(routes)], x)
             else:
                 assert int(numbers[0]) == rung
+                assert torch.equal(cpu_x, before_x)  # nothing crossed for nobody
         # Exactly the filled misses are copied, each into its own slot, none a hit's.
         real = fill_slots != slots
         assert sorted(fill_pairs[real].tolist()) == filled
@@ -340,6 +342,50 @@ def test_hybrid_on_the_device_times_whole_steps_for_its_step_modes():
     assert all(s > 0 for m in (SPLIT, FILL, CPU) for s in seen[m])
 
 
+def test_the_device_clock_reads_a_step_only_once_it_is_stamped_whole():
+    """On CUDA the first layer's plan and the last layer's merge stamp the device's clock into
+    pinned memory (StepClock.stamps, in ns); the host reads them in place: a step is timed
+    once, and not while the next one is under way (its start is past the last end)."""
+    from freetoken.moe.split import StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    clock.cuda, clock._stamped = True, np.zeros(2, dtype=np.int64)  # as on CUDA, by hand
+    clock.start(), clock.stop()  # nothing for the host to do there on CUDA
+    assert clock.seconds() is None  # nothing stamped yet
+    clock._stamped[:] = (1_000_000, 3_500_000)  # a step from 1 ms to 3.5 ms
+    assert clock.seconds() == pytest.approx(2.5e-3)
+    assert clock.seconds() is None  # the same step again: not a new sample
+    clock._stamped[0] = 4_000_000  # the next step began, has not ended
+    assert clock.seconds() is None
+    clock._stamped[1] = 5_000_000
+    assert clock.seconds() == pytest.approx(1e-3)
+
+
+def test_hybrid_gives_the_tracker_the_cpu_share_of_each_step_as_one_observation():
+    """Between decode steps the listener's totals since the last step (all layers' jobs)
+    become one observation of the CPU's bandwidth."""
+    from freetoken.moe.runtime import build_runtime
+
+    class Listener:
+        errors = 0
+        pending = (0.0, 0.0)
+
+        def totals(self):
+            taken, self.pending = self.pending, (0.0, 0.0)
+            return taken
+
+    store = tiny_store(num_layers=2, num_experts=8)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4"))
+    rt.doorbell = listener = Listener()
+    before = rt.tracker.cpu
+    rt.begin_step(1, decode=True)
+    assert rt.tracker.cpu == before  # no job: nothing observed
+    listener.pending = (2e-3, 10.0)  # 10 experts' bytes in 2 ms
+    rt.begin_step(1, decode=True)
+    measured = 10 * store.shape.nbytes / 2e-3
+    assert rt.tracker.cpu == pytest.approx(before + rt.tracker.alpha * (measured - before))
+
+
 def test_a_layer_step_the_listener_could_not_serve_fails_the_next_step():
     """The doorbell's listener counts the jobs it could not start (a zero partial went to the
     device); the runtime reports them once, before the next decode step, instead of serving
@@ -351,6 +397,9 @@ def test_a_layer_step_the_listener_could_not_serve_fails_the_next_step():
 
         def fold(self):
             return np.zeros((2, 4))
+
+        def totals(self):
+            return 0.0, 0.0
 
     store = tiny_store(num_layers=2, num_experts=8)
     rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4"))

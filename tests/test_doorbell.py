@@ -14,7 +14,7 @@ import torch
 
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.kernels.cpu_team import library
-from freetoken.moe.doorbell import DONE, JOBS, ROUTES, SEQ, SHAPE, CPUDoorbell
+from freetoken.moe.doorbell import DONE, EXPERTS, JOBS, ROUTES, SECONDS, SEQ, SHAPE, CPUDoorbell
 from test_moe_runtime import tiny_store
 
 pytestmark = pytest.mark.skipif(library() is None, reason="needs the native CPU library")
@@ -78,6 +78,11 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype):
         counts = bell.fold()
         assert counts[:, JOBS].sum() == jobs and counts[:, ROUTES].sum() == routes
         assert (bell.fold() == 0).all()  # taken
+        # the tracker's totals are kept apart: all of it still there once, then nothing
+        seconds, experts = bell.totals()
+        assert seconds == pytest.approx(counts[:, SECONDS].sum()) and seconds > 0
+        assert experts == counts[:, EXPERTS].sum() >= jobs
+        assert bell.totals() == (0.0, 0.0)
     finally:
         bell.close()
 

@@ -13,10 +13,10 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
    as `ExpectedNextUsePolicy.slot_scores`) into a scratch row, the hits' slots set to +inf,
    then q rounds of argmin over the row, each victim set to +inf as it is taken;
 5. the tables: victims' old pairs out, filled misses in; the fill list; every route's slot
-   (-1 for the CPU's), the CPU's routes and their gate weights, and with a doorbell the
-   layer's activations, written into its mapped pinned buffers (moe/doorbell.py); whether
-   the CPU has any route (`cpu_flag`, which the merge reads), and if it has, the doorbell rung
-   (its shape word, then a new number with a system-scope release);
+   (-1 for the CPU's), the CPU's routes and their gate weights, written into the doorbell's
+   mapped pinned buffers (moe/doorbell.py); whether the CPU has any route (`cpu_flag`, which
+   the merge reads), and if it has, the layer's activations written there too and the
+   doorbell rung (its shape word, then a new number with a system-scope release);
 6. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
 
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
@@ -31,6 +31,7 @@ import torch
 try:  # Triton is optional: CPU-only installs take the torch form.
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import globaltimer as device_clock  # ns, one clock per GPU
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
@@ -42,10 +43,12 @@ X_BLOCK = 2048
 
 
 def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
-               shape: int = 0):  # fmt: skip
+               shape: int = 0, stamp=None):  # fmt: skip
     """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
     [R]) into the control's persistent buffers, the CPU's routes into its route buffers; with
-    the control's `bell`, rings it with `shape` when the CPU has routes."""
+    the control's `bell`, rings it with `shape` when the CPU has routes. `stamp`: an int64
+    the device's clock is written to as the program starts (moe/split.py `StepClock`), or
+    None."""
     policy = control.policy
     # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
     neg_dist, neg_wait, p = (torch.as_tensor(a) for a in (
@@ -67,7 +70,8 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
         BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_E=max(16, triton.next_power_of_2(control.num_experts)),
         BLOCK_S=SLOT_BLOCK, COPY_X=copy_x, BLOCK_X=X_BLOCK, RING=control.bell is not None,
-        SEQ_WORD=SEQ_WORD, SHAPE_WORD=SHAPE_WORD,
+        SEQ_WORD=SEQ_WORD, SHAPE_WORD=SHAPE_WORD, stamp=flat if stamp is None else stamp,
+        STAMP=stamp is not None,
     )  # fmt: skip
     return out_slots.view(pairs.shape), fill_pairs, fill_slots
 
@@ -82,14 +86,10 @@ if triton is not None:
         R, S, P, base, E, L, rate, floor,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
         COPY_X: tl.constexpr, BLOCK_X: tl.constexpr, RING: tl.constexpr,
-        SEQ_WORD: tl.constexpr, SHAPE_WORD: tl.constexpr,
+        SEQ_WORD: tl.constexpr, SHAPE_WORD: tl.constexpr, stamp, STAMP: tl.constexpr,
     ):  # fmt: skip
-        if COPY_X:  # the activations, for the CPU's share (stores over PCIe, not waited on)
-            start = 0
-            while start < NX:
-                offs = start + tl.arange(0, BLOCK_X)
-                tl.store(x_host + offs, tl.load(x + offs, mask=offs < NX), mask=offs < NX)
-                start += BLOCK_X
+        if STAMP:
+            tl.store(stamp, device_clock())
         r = tl.arange(0, BLOCK_R)
         valid = r < R
         pairs = tl.load(pairs_ptr + r, mask=valid, other=-1)
@@ -170,6 +170,13 @@ if triton is not None:
         tl.store(cpu_weights + r, gate, mask=valid)
         rings = tl.sum(on_cpu.to(tl.int32), 0) > 0
         tl.store(cpu_flag, rings)
+        if COPY_X:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if rings:  # the activations, for the CPU's share (stores over PCIe, released below)
+                start = 0
+                while start < NX:
+                    offs = start + tl.arange(0, BLOCK_X)
+                    tl.store(x_host + offs, tl.load(x + offs, mask=offs < NX), mask=offs < NX)
+                    start += BLOCK_X
         if RING:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if rings:  # the doorbell (moe/doorbell.py): a new number, the shape, then the number
                 number = tl.load(numbers) % 2147483646 + 1

@@ -131,15 +131,18 @@ class DeviceControl:
         return self._outputs[routes]
 
     def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
-             shape: int = 0):  # fmt: skip
+             shape: int = 0, stamp=None):  # fmt: skip
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
         of every GPU route once the fills are done (-1: the CPU's), and the copies to make
         (fill_slots == S, the sink, where there is none). The CPU's routes go to
         `cpu_pairs[:R]` / `cpu_weights[:R]`, and x [T, H] to `cpu_x` where there is one;
-        `shape`: what the doorbell's shape word says of this step, where there is a bell."""
+        `shape`: what the doorbell's shape word says of this step, where there is a bell;
+        `stamp`: where the one-program plan writes the device's clock as it starts (moe/split.py
+        `StepClock`), None for no stamp."""
         if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
-            return cache_control.plan_layer(self, moe_layer, pairs, weights, x, shape)
-        # (x is only for a doorbell, whose calls `fits` keeps on the one-program plan)
+            return cache_control.plan_layer(self, moe_layer, pairs, weights, x, shape, stamp)
+        # (x and the stamp are only for a doorbell, whose calls `fits` keeps on the
+        # one-program plan)
         return self.plan_torch(moe_layer, pairs, weights)
 
     def plan_torch(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):

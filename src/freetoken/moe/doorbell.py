@@ -24,7 +24,8 @@ device then reads it instead of the CPU's answer). A layer step with nothing for
 one when the whole pool is cached) rings nothing and its merge returns at once. Layers are
 strictly in order (a layer rings only after the last one's answer came), so one set of buffers
 serves every layer and batch size. The listener counts jobs, routes, seconds and experts per
-layer; `fold` feeds them to the bandwidth tracker and the telemetry between steps.
+layer; `totals` feeds the bandwidth tracker between steps, `fold` the telemetry when it is
+read.
 
 On the CPU tier (CI) there is no graph and no listener: the runtime runs the same routes on
 the executor at once (`MoERuntime._cpu_share`).
@@ -74,7 +75,8 @@ class CPUDoorbell:
         self.out = torch.zeros(routes, hidden, dtype=torch.float32, pin_memory=on_cuda)
         self._out_rows, self._word_rows = HostRows(self.out), HostRows(self.words)  # for kernels
         self.stats = np.zeros((num_layers, 4))
-        self._folded = self.stats.copy()
+        self._folded = self.stats.copy()  # what `fold` last returned up to
+        self._totalled = np.zeros(2)  # what `totals` last returned up to
         self._lib = experts.lib
         self._handle = self._lib.ft_listener_start(
             self._word(SEQ), self._word(SHAPE), self._word(DONE), self.pairs.data_ptr(),
@@ -106,10 +108,12 @@ class CPUDoorbell:
         assert moe_layer < 4095 and top_k < 256 and tokens < 4096
         return tokens << 20 | top_k << 12 | (moe_layer + 1)
 
-    def merge_(self, gpu: torch.Tensor, rang: torch.Tensor) -> None:
+    def merge_(self, gpu: torch.Tensor, rang: torch.Tensor, stamp=None) -> None:
         """gpu [T, H] (contiguous) += the CPU's partial, once the listener has answered, if
-        the plan rang (`rang`: its flag on the device)."""
-        add_host_partial_(gpu, self._out_rows, self._word_rows, DONE, self.seq_device, rang)
+        the plan rang (`rang`: its flag on the device); then, with a `stamp`, the device's
+        clock written there (moe/split.py `StepClock`)."""
+        add_host_partial_(gpu, self._out_rows, self._word_rows, DONE, self.seq_device, rang,
+                          stamp)  # fmt: skip
 
     def fold(self) -> np.ndarray:
         """The listener's counters per layer since the last call: [L, 4] (jobs, routes,
@@ -117,6 +121,13 @@ class CPUDoorbell:
         now = self.stats.copy()
         delta, self._folded = now - self._folded, now
         return delta
+
+    def totals(self) -> tuple[float, float]:
+        """(seconds, experts) of every layer's jobs since the last call (kept apart from
+        `fold`'s: the tracker reads these each step, the telemetry those when it is read)."""
+        now = self.stats[:, (SECONDS, EXPERTS)].sum(0)
+        delta, self._totalled = now - self._totalled, now
+        return float(delta[0]), float(delta[1])
 
     @property
     def errors(self) -> int:

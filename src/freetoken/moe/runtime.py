@@ -45,7 +45,7 @@ from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache, host_array
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.device_control import DeviceControl
-from freetoken.moe.doorbell import CPUDoorbell
+from freetoken.moe.doorbell import SECONDS, CPUDoorbell
 from freetoken.moe.policy import ExpectedNextUsePolicy, default_policy, make_policy
 from freetoken.moe.prefill import LayerStreamer
 from freetoken.moe.split import (
@@ -135,6 +135,9 @@ class MoERuntime:
         self.step_modes = StepModes()
         self._step: tuple[float | None, int, str] | None = None  # (start, tokens, mode)
         self._clock = StepClock(device)  # device-decided steps' times (begin_step, end_step)
+        # the split the plans read, as the host rewrites it (a view made once: numpy's write
+        # costs a microsecond, a tensor op 5-25)
+        self._split_values = self._split.numpy() if self._split is not None else None
         self._timed = None  # the last such step, its clock stopped: (tokens, mode)
         # `static`'s placement never changes: the layers whose steps may give the CPU routes
         self._static_cpu_layers = set()
@@ -172,15 +175,19 @@ class MoERuntime:
                 )  # fmt: skip
 
     def _fold_cpu_share(self) -> None:
-        """The doorbell listener's seconds into the telemetry and its bandwidth into the
-        tracker (the CPU tier measures its jobs as it runs them)."""
+        """The doorbell listener's seconds per layer into the telemetry (when it is read)."""
         if self.doorbell is None:
             return
-        nbytes = self.store.shape.nbytes
-        for layer, (jobs, _routes, seconds, experts) in enumerate(self.doorbell.fold()):
-            if jobs:
-                self._telemetry.layers[layer].cpu_time_s += seconds
-                self.tracker.observe_cpu(int(experts * nbytes), seconds)
+        for layer, seconds in enumerate(self.doorbell.fold()[:, SECONDS].tolist()):
+            self._telemetry.layers[layer].cpu_time_s += seconds
+
+    def _observe_cpu_bandwidth(self) -> None:
+        """The CPU share's bandwidth over the last step's layers into the tracker, as one
+        observation (per layer, the loop cost ~40 us of host time a step on the H200
+        machine); the CPU tier observes each job as it runs it."""
+        seconds, experts = self.doorbell.totals()
+        if seconds > 0:
+            self.tracker.observe_cpu(int(experts * self.store.shape.nbytes), seconds)
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         """Called before every forward: for hybrid deciding on the device, the last decode
@@ -193,11 +200,12 @@ class MoERuntime:
         self._step = None
         if not decode or tokens >= self.options.fill_all_from_tokens:
             return
-        self._fold_cpu_share()
+        if self.doorbell is not None:
+            self._observe_cpu_bandwidth()
         mode = self.step_modes.choose(tokens)
         self._clock.start()
         self._step = (None, tokens, mode)  # (its start is the clock's)
-        self._split.numpy()[:] = split_parameters(
+        self._split_values[:] = split_parameters(
             mode, self.tracker.fill, self.tracker.cpu, self.options.max_fetch
         )
 
@@ -307,16 +315,21 @@ class MoERuntime:
         """Decide, fill and compute on the device (moe/device_control.py); hybrid's CPU share
         meanwhile, through the doorbell (moe/doorbell.py)."""
         pairs = ids + moe_layer * self.store.num_experts
-        bell, control = self.doorbell, self.control
-        shape = bell.shape_value(moe_layer, *ids.shape) if bell is not None else 0
-        slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape)
+        bell, control, clock = self.doorbell, self.control, self._clock
+        shape = start = end = None
+        if bell is not None:  # hybrid on CUDA: the CPU's share, and its steps clocked (begin_step)
+            shape = bell.shape_value(moe_layer, *ids.shape)
+            start = clock.start_stamp if moe_layer == 0 else None
+            end = clock.end_stamp if moe_layer == self.store.num_layers - 1 else None
+        slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape or 0,
+                                                     start)  # fmt: skip
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         out = self._gpu(x, slots, weights)
         if not self.kind.splits:
             return out  # offload: no CPU share
         if bell is not None:
             out = out.contiguous()
-            bell.merge_(out, control.cpu_flag)
+            bell.merge_(out, control.cpu_flag, end)
             return out
         return out + self._cpu_share(moe_layer, x, ids.numel()).to(x.dtype)
 
