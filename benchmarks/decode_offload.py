@@ -381,6 +381,11 @@ def main() -> int:
             batch = contender.batch
             per_round = sorted(batch * args.steps / s for s in contender.seconds)
             tps = per_round[len(per_round) // 2]
+            moe = contender.runner.moe
+            # hybrid's way of stepping at the end (StepModes), and its trials so far
+            way = ""
+            if moe.kind.splits:
+                way = f"{moe.step_modes.current(batch)} ({moe.step_modes.trials(batch)})"
             name, slots, snap = close(contender, device)
             steps = args.steps * args.rounds
             t = snap["total"]
@@ -399,7 +404,7 @@ def main() -> int:
                 cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / steps,
                 phases_ms_per_step={k: t[f"{k}_s"] * 1e3 / steps for k in HOST_PHASES},
                 step_ms=sum(contender.seconds) * 1e3 / steps,
-                step_host_ms=contender.host_seconds * 1e3 / steps,
+                step_host_ms=contender.host_seconds * 1e3 / steps, way=way,
             )  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -422,12 +427,13 @@ def main() -> int:
         "- roofline: the step's expert bytes at the measured bandwidths (hits at HBM speed); "
         "step ms is the whole decode step, host ms the host's time in it (the forward call: "
         "the batch, the graph's launch, every host decision; not the sampler's wait), MoE "
-        "host ms the host time inside the MoE layers",
+        "host ms the host time inside the MoE layers; way: hybrid's way of stepping at the "
+        "end (moe/split.py StepModes) and its trials so far",
         "",
         "| cache | strategy | batch | tok/s | spread | hit rate | q | m-q | PCIe MB/tok "
         "| roofline tok/s | ratio | step ms | host ms | MoE host ms | sync wait ms "
-        "| CPU wait ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU wait ms | way |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         strat = r["strategy"]
@@ -439,18 +445,24 @@ def main() -> int:
             f"{r['m_minus_q']:.2f} | {r['pcie_mb_per_token']:.0f} | "
             f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
             f"{r['step_host_ms']:.2f} | {r['host_ms_per_step']:.1f} | "
-            f"{r['sync_ms_per_step']:.1f} | {r['cpu_wait_ms_per_step']:.1f} |"
+            f"{r['sync_ms_per_step']:.1f} | {r['cpu_wait_ms_per_step']:.1f} | {r['way']} |"
         )
-    lines += [
-        "",
-        "Host time per step inside the MoE layers, by phase (ms; `rest`: moving slots and the "
-        "CPU partial to the device, and where a step runs eagerly, the GPU kernels' launches; "
-        "on a CPU device, the experts' computation):",
-        "",
-        "| cache | strategy | batch | " + " | ".join(HOST_PHASES) + " | CPU wait | rest |",
-        "|---|---|---|" + "---|" * (len(HOST_PHASES) + 2),
-    ]
-    for r in rows:
+    # (the host's phases: only strategies that decide on the host have any)
+    host_rows = [r for r in rows if r["host_ms_per_step"] > 0]
+    lines += (
+        []
+        if not host_rows
+        else [
+            "",
+            "Host time per step inside the MoE layers, by phase (ms; `rest`: moving slots and the "
+            "CPU partial to the device, and where a step runs eagerly, the GPU kernels' launches; "
+            "on a CPU device, the experts' computation):",
+            "",
+            "| cache | strategy | batch | " + " | ".join(HOST_PHASES) + " | CPU wait | rest |",
+            "|---|---|---|" + "---|" * (len(HOST_PHASES) + 2),
+        ]
+    )
+    for r in host_rows:
         phases = r["phases_ms_per_step"]
         rest = r["host_ms_per_step"] - sum(phases.values()) - r["cpu_wait_ms_per_step"]
         cells = " | ".join(f"{phases[k]:.1f}" for k in HOST_PHASES)

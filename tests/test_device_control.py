@@ -316,30 +316,37 @@ def test_the_merge_adds_the_host_partial_as_torch_rounds_it_in_the_interpreter()
 
 def test_hybrid_on_the_device_times_whole_steps_for_its_step_modes():
     """Each way of stepping is timed from begin_step to end_step (the device's clock on CUDA,
-    wall time here) and tried in turn until each has its samples; a step that captured a
-    graph (end_step(timed=False)) and a non-decode forward are not counted."""
+    wall time here) and tried in turns in a trial; a step that captured a graph
+    (end_step(timed=False)) and a non-decode forward are not counted."""
     from freetoken.moe.runtime import build_runtime
-    from freetoken.moe.split import CPU, FILL, SPLIT
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
     store = tiny_store(num_layers=2, num_experts=8)
     rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "4"))
+    rt.step_modes = StepModes(warmup=1, rounds=3)
     gen = torch.Generator().manual_seed(4)
+    chosen = []
 
     def step(timed=True, decode=True):
         rt.begin_step(2, decode=decode)
+        chosen.append(rt._step[2] if rt._step is not None else None)
         for layer in range(2):
             ids = torch.randint(0, 8, (2, 1), generator=gen)
             rt(layer, torch.randn(2, store.shape.hidden, generator=gen), ids, torch.rand(2, 1))
         rt.end_step(timed=timed)
 
-    step(timed=False)  # (a capture): chose a way, not timed
-    for _ in range(12):
+    step()  # the warm-up
+    step(timed=False)  # (a capture): the trial's first step, not timed
+    for _ in range(8):
         step()
     step(decode=False)  # a prefill chunk ends the last decode step's clock, uncounted
-    seen = rt.step_modes.samples[2]
-    # 4 timed steps each way (split, fill, cpu), the first of each a warm-up
-    assert [len(seen[m]) for m in (SPLIT, FILL, CPU)] == [3, 3, 3]
-    assert all(s > 0 for m in (SPLIT, FILL, CPU) for s in seen[m])
+    assert chosen[1:10] == [SPLIT, FILL, CPU] * 3 and chosen[10] is None
+    # the trial's first round is a warm-up; its last step's time is not in (read at the
+    # next decode step)
+    medians = [rt.step_modes.median(2, m) for m in (SPLIT, FILL, CPU)]
+    assert all(m is not None and m > 0 for m in medians)
+    step()  # the trial ends: a way is kept
+    assert rt.step_modes.trials(2) == 1
 
 
 def test_the_device_clock_reads_a_step_only_once_it_is_stamped_whole():

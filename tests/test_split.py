@@ -54,62 +54,79 @@ def test_tracker_follows_measurements():
     assert split_misses(8, t.fill, t.cpu) < before
 
 
-def test_step_modes_try_each_way_then_keep_the_fastest():
+def run_steps(chooser, times, steps: int, batch: int = 1) -> list[str]:
+    """Drive `chooser` as the runtime does (choose, run, observe); each way's step takes
+    times(step, way) seconds. Returns the ways chosen."""
+    picks = []
+    for _ in range(steps):
+        mode = chooser.choose(batch)
+        chooser.observe(batch, mode, times(len(picks), mode))
+        picks.append(mode)
+    return picks
+
+
+def test_step_modes_warm_up_then_try_each_way_in_turns_and_keep_the_fastest():
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = StepModes(explore_every=4, window=3, min_samples=2)
-    timings = [(SPLIT, 9.0), (FILL, 9.0), (CPU, 9.0), (SPLIT, 0.030), (FILL, 0.020),
-               (CPU, 0.025), (SPLIT, 0.032), (FILL, 0.021), (CPU, 0.026)]  # fmt: skip
-    for mode, seconds in timings:
-        assert chooser.choose(1) == mode  # each way 1 + 2 times, in turns
-        chooser.observe(1, mode, seconds)  # the first of each is a warm-up, not counted
-    assert [chooser.median(1, m) for m in (SPLIT, FILL, CPU)] == [0.032, 0.021, 0.026]
-    picks = [chooser.choose(1) for _ in range(11)]  # steps 10..20
-    # The fastest, but on steps 12, 16 and 20 the others in turn.
-    assert picks == [FILL, FILL, CPU, FILL, FILL, FILL, SPLIT, FILL, FILL, FILL, CPU]
+    chooser = StepModes(warmup=2, rounds=3, retrial_every=20)
+    true = {SPLIT: 0.030, FILL: 0.020, CPU: 0.025}
+    picks = run_steps(chooser, lambda step, mode: true[mode], 2 + 9 + 3)
+    # the split while warming up, then the trial: each way in turns, three rounds
+    assert picks[:2] == [SPLIT, SPLIT]
+    assert picks[2:11] == [SPLIT, FILL, CPU] * 3
+    assert picks[11:] == [FILL] * 3 and chooser.current(1) == FILL
+    # the first round was a warm-up: two samples a way
+    assert [chooser.median(1, m) for m in (SPLIT, FILL, CPU)] == [0.030, 0.020, 0.025]
+    assert chooser.trials(1) == 1
     # Batch sizes are learned apart.
-    assert chooser.choose(4) == SPLIT
-    # One outlier (a step that captured a graph, say) does not move the median...
-    chooser.observe(1, FILL, 5.0)
-    assert chooser.median(1, FILL) == 0.021 and chooser.best(1) == FILL
-    # ...but fills that stay slower do.
-    chooser.observe(1, FILL, 0.060)
-    chooser.observe(1, FILL, 0.061)
-    assert chooser.median(1, FILL) == 0.061
-    assert chooser.best(1) == CPU
+    assert chooser.choose(4) == SPLIT and chooser.trials(4) == 0
+
+
+def test_a_slow_warm_up_does_not_decide_the_way():
+    """The first steps of a batch size are slow whatever the way (a graph captured, kernels
+    compiled, the CPU team woken), and in the warm-up round of a trial a way pays for the
+    switch from the other: neither is counted."""
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
+
+    true = {SPLIT: 0.010, FILL: 0.016, CPU: 0.012}
+    chooser = StepModes(warmup=4, rounds=2)
+
+    def times(step, mode):
+        slow = step < 4 or step in (4, 5, 6)  # the warm-up, and the trial's first round
+        return true[mode] * (5.0 if slow and mode == SPLIT else 1.0)
+
+    run_steps(chooser, times, 4 + 6 + 1)
+    assert chooser.current(1) == SPLIT and chooser.median(1, SPLIT) == 0.010
 
 
 def test_step_modes_keep_their_way_unless_another_is_clearly_faster():
-    """Medians timed steps apart are noisy: the way in use (the split at first) keeps its
-    place against one faster by less than the margin, and gives way beyond it."""
+    """Medians of a few steps are noisy: the way in use (the split at first) keeps its place
+    against one faster by less than the margin, and gives way beyond it."""
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = StepModes(explore_every=4, window=3, min_samples=1, margin=0.1)
-    for mode, seconds in [(SPLIT, 1.0), (FILL, 1.0), (CPU, 1.0), (SPLIT, 0.100),
-                          (FILL, 0.120), (CPU, 0.095)]:  # fmt: skip
-        assert chooser.choose(1) == mode
-        chooser.observe(1, mode, seconds)
-    assert chooser.best(1) == SPLIT  # cpu 5% faster: within the margin
-    chooser.observe(1, CPU, 0.080)
-    chooser.observe(1, CPU, 0.080)
-    assert chooser.median(1, CPU) == 0.080 and chooser.best(1) == CPU  # 20% faster
-    chooser.observe(1, SPLIT, 0.078)
-    chooser.observe(1, SPLIT, 0.078)
-    assert chooser.best(1) == CPU  # now the split is within the margin of the way in use
+    chooser = StepModes(warmup=0, rounds=2, retrial_every=1, margin=0.1)
+    run_steps(chooser, lambda step, mode: {SPLIT: 0.100, FILL: 0.120, CPU: 0.095}[mode], 7)
+    assert chooser.current(1) == SPLIT  # cpu 5% faster: within the margin
+    run_steps(chooser, lambda step, mode: {SPLIT: 0.100, FILL: 0.120, CPU: 0.080}[mode], 7)
+    assert chooser.trials(1) == 2 and chooser.current(1) == CPU  # 20% faster
 
 
-def test_step_modes_measure_in_turns_so_a_slow_start_weighs_on_every_way():
-    """The first steps of a run are slow whatever the way (warming caches and threads); taken
-    in turns, their cost lands on each way alike and the way that is fastest once warm wins
-    (taken in blocks, the first way measured would carry it all)."""
+def test_step_modes_try_again_when_the_way_in_use_slows_down():
+    """A new trial comes every `retrial_every` steps, or as soon as the way in use runs
+    `drift` slower than in its trial, with fresh samples of every way."""
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    true = {SPLIT: 0.010, FILL: 0.016, CPU: 0.012}  # warm step times
-    chooser = StepModes(explore_every=1000, window=5, min_samples=3)
-    for step in range(40):
-        mode = chooser.choose(1)
-        chooser.observe(1, mode, true[mode] * (2.0 if step < 9 else 1.0))  # a slow start
-    assert chooser.best(1) == SPLIT
+    chooser = StepModes(warmup=0, rounds=2, retrial_every=1000, drift=0.25, window=3)
+    fast_split = {SPLIT: 0.010, FILL: 0.016, CPU: 0.014}
+    run_steps(chooser, lambda step, mode: fast_split[mode], 6 + 10)
+    assert chooser.current(1) == SPLIT and chooser.trials(1) == 1
+    # the CPU becomes busy elsewhere: the split slows, filling everything is now fastest
+    busy_cpu = {SPLIT: 0.030, FILL: 0.016, CPU: 0.060}
+    picks = run_steps(chooser, lambda step, mode: busy_cpu[mode], 2 + 6 + 2)
+    assert picks[:2] == [SPLIT] * 2  # the median of the way in use's window rises...
+    assert picks[2:8] == [SPLIT, FILL, CPU] * 2  # ...and a trial follows at once
+    assert chooser.current(1) == FILL and chooser.trials(1) == 2
+    assert chooser.median(1, CPU) == 0.060  # fresh samples, not the first trial's
 
 
 def test_the_device_form_of_the_split_gives_split_misses_q():

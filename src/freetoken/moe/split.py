@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,76 +104,119 @@ class StepModes:
     them. On the H200 machine at batch 1 (4-5 misses per layer) `static`, every miss on the
     CPU, once ran 5-7% faster than the split, and before the CPU path was rebuilt filling
     everything beat both; at batch 4 the split won by 15-60%
-    (benchmarks/results/2026-11-29-decode-offload-h200-fold.md; since the host path was cut,
-    the split leads at batch 1 too: 2026-11-29-decode-offload-h200-host.md). So this times
-    whole decode steps each way and keeps the fastest, trying the others again in turn every
-    `explore_every` steps in case the machine's load changed.
+    (benchmarks/results/2026-11-29-decode-offload-h200-fold.md). So whole decode steps are
+    timed each way and the fastest kept.
 
-    Each way keeps its last `window` step times and their medians are compared, after
-    `min_samples` of each (the first step timed each way is a warm-up and not counted: the
-    first CPU job may, for one, compile the CPU kernel). Those first samples are taken in
-    turns (split, fill, cpu, split, ...), not each way's in a block: a transient of the first
-    steps (the CPU team and its caches warming) then weighs on every way alike. (On the H200
-    machine hybrid at a 37% cache once settled on the `cpu` way, q = 0.11 at 72.9 tok/s,
-    while the same strategy built again split at 90.2; blocks would explain it, which that
-    machine has not yet confirmed.) A median, because a step that also
-    captures a decode graph (a batch size's second step)
-    takes hundreds of milliseconds: a running average needed dozens of re-checks to forget one,
-    and on the H200 machine hybrid kept filling everything at batch 1 for that reason.
-
-    The way in use (the split at first) gives way only to one faster by more than `margin`:
-    the ways are timed dozens of steps apart, and on the H200 machine a median of 5 steps
-    moved by up to 15% between them, enough to send one run of the same code the `cpu` way
-    at 56 tok/s while another split at 66.
+    The ways are compared in trials, each on fresh samples taken under the same conditions: a
+    trial takes the ways in turns (split, fill, cpu, split, ...) for `rounds` rounds, the
+    first a warm-up that is not counted (the step after another way's pays for the switch),
+    and keeps the way with the lowest median, the way in use giving way only to one faster by
+    more than `margin` (medians of a few steps move by up to 15% on the H200 machine). The
+    first trial starts after `warmup` steps of the split (a batch size's first steps capture
+    its graph, compile kernels and wake the CPU team: on the H200 machine a split step among
+    the first 16 measured up to twice its steady time); later ones every `retrial_every`
+    steps, or once the way in use runs `drift` slower than in its trial (the machine's load
+    changed). Comparing medians of samples taken far apart does not work: when the ways were
+    re-checked one step in 32 amid the way in use, the split's median at 8 GiB, made of the
+    first steps and two re-checks among fills, read 16.8 ms where the split steps in a row
+    took 7.9, and hybrid filled every miss at 64.5 tok/s instead of splitting at 105.8.
     """
 
     MODES = (SPLIT, FILL, CPU)
 
-    def __init__(
-        self, explore_every: int = 32, window: int = 5, min_samples: int = 3, margin: float = 0.1
-    ):
-        self.explore_every, self.window, self.min_samples = explore_every, window, min_samples
-        self.margin = margin
-        self.samples: dict[int, dict[str, deque[float]]] = {}  # batch -> mode -> seconds
-        self.timed: dict[tuple[int, str], int] = {}  # steps timed, warm-up included
-        self.steps: dict[int, int] = {}
-        self.current: dict[int, str] = {}  # batch -> the way in use
+    def __init__(self, warmup: int = 16, rounds: int = 4, retrial_every: int = 512,
+                 margin: float = 0.1, drift: float = 0.25, window: int = 5):  # fmt: skip
+        self.warmup, self.rounds, self.retrial_every = warmup, rounds, retrial_every
+        self.margin, self.drift, self.window = margin, drift, window
+        self._batches: dict[int, _Ways] = {}
 
-    def _samples(self, batch: int) -> dict[str, deque[float]]:
-        if batch not in self.samples:
-            self.samples[batch] = {mode: deque(maxlen=self.window) for mode in self.MODES}
-        return self.samples[batch]
+    def _ways(self, batch: int) -> _Ways:
+        if batch not in self._batches:
+            self._batches[batch] = _Ways(deque(maxlen=self.window))
+        return self._batches[batch]
+
+    def current(self, batch: int) -> str:
+        """The way in use for this batch size."""
+        return self._ways(batch).current
 
     def median(self, batch: int, mode: str) -> float | None:
-        seen = sorted(self._samples(batch)[mode])
+        """The way's median step time in the last trial (None before any)."""
+        seen = sorted(self._ways(batch).samples.get(mode, ()))
         return seen[len(seen) // 2] if seen else None
 
-    def best(self, batch: int) -> str:
-        """The way in use, replaced by the fastest when that is faster by more than
-        `margin`."""
-        current = self.current.get(batch, SPLIT)
-        fastest = min(self.MODES, key=lambda mode: self.median(batch, mode))
-        if self.median(batch, fastest) < (1.0 - self.margin) * self.median(batch, current):
-            current = self.current[batch] = fastest
-        return current
+    def trials(self, batch: int) -> int:
+        """Trials finished for this batch size."""
+        return self._ways(batch).trials
 
     def choose(self, batch: int) -> str:
-        """The mode of this step's layers."""
-        samples = self._samples(batch)
-        step = self.steps[batch] = self.steps.get(batch, 0) + 1
-        lacking = [mode for mode in self.MODES if len(samples[mode]) < self.min_samples]
-        if lacking:  # each way measured before any comparison, in turns (see the class)
-            return min(lacking, key=lambda mode: self.timed.get((batch, mode), 0))
-        best = self.best(batch)
-        if step % self.explore_every:
-            return best
-        others = [mode for mode in self.MODES if mode != best]
-        return others[(step // self.explore_every) % len(others)]
+        """The way of this step's layers."""
+        ways = self._ways(batch)
+        ways.steps += 1
+        ways.pending = None
+        if ways.steps <= self.warmup:
+            return ways.current  # not timed
+        if ways.in_trial and not ways.queue:
+            self._decide(ways)
+        if not ways.in_trial and self._trial_due(ways):
+            ways.in_trial = True
+            ways.queue = deque(self.MODES * self.rounds)
+            ways.samples = {mode: [] for mode in self.MODES}
+        if ways.in_trial:
+            counted = len(ways.queue) <= len(self.MODES) * (self.rounds - 1)
+            mode = ways.queue.popleft()
+            ways.pending = (mode, counted)
+            return mode
+        ways.pending = (ways.current, True)
+        return ways.current
 
     def observe(self, batch: int, mode: str, seconds: float) -> None:
-        timed = self.timed[batch, mode] = self.timed.get((batch, mode), 0) + 1
-        if timed > 1:  # the first is the warm-up
-            self._samples(batch)[mode].append(seconds)
+        """The time of the last step chosen for this batch size (before the next is chosen)."""
+        ways = self._ways(batch)
+        if ways.pending is None or ways.pending[0] != mode or not ways.pending[1]:
+            return  # a warm-up step, or not the one chosen last
+        ways.pending = None
+        if ways.in_trial:
+            ways.samples[mode].append(seconds)
+        else:
+            ways.recent.append(seconds)
+
+    def _trial_due(self, ways: _Ways) -> bool:
+        if ways.trials == 0 or ways.steps - ways.settled_at >= self.retrial_every:
+            return True
+        recent = sorted(ways.recent)
+        return len(recent) == self.window and recent[len(recent) // 2] > (
+            1.0 + self.drift
+        ) * ways.baseline
+
+    def _decide(self, ways: _Ways) -> None:
+        medians = {}
+        for mode, seen in ways.samples.items():
+            if seen:
+                medians[mode] = sorted(seen)[len(seen) // 2]
+        if medians:
+            fastest = min(medians, key=medians.get)
+            held = medians.get(ways.current)
+            if held is None or medians[fastest] < (1.0 - self.margin) * held:
+                ways.current = fastest
+            ways.baseline = medians.get(ways.current, float("inf"))
+        ways.in_trial, ways.trials, ways.settled_at = False, ways.trials + 1, ways.steps
+        ways.recent.clear()
+
+
+@dataclass
+class _Ways:
+    """StepModes' state for one batch size."""
+
+    recent: deque  # the way in use's last step times, once settled
+    current: str = SPLIT
+    steps: int = 0
+    in_trial: bool = False
+    queue: deque = field(default_factory=deque)  # the trial's ways still to take
+    samples: dict = field(default_factory=dict)  # the last trial's step times by way
+    pending: tuple | None = None  # (way, counted) of the step chosen last
+    trials: int = 0
+    settled_at: int = 0  # the step the last trial ended
+    baseline: float = float("inf")  # the way in use's median in its trial
 
 
 class StepClock:
