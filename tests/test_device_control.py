@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -337,16 +338,25 @@ def test_hybrid_on_the_device_times_whole_steps_for_its_step_modes():
 
     step()  # the warm-up
     step(timed=False)  # (a capture): the trial's first step, not timed
-    for _ in range(8):
+    for _ in range(17):
         step()
     step(decode=False)  # a prefill chunk ends the last decode step's clock, uncounted
-    assert chosen[1:10] == [SPLIT, FILL, CPU] * 3 and chosen[10] is None
-    # the trial's first round is a warm-up; its last step's time is not in (read at the
-    # next decode step)
+    assert chosen[1:19] == [SPLIT, SPLIT, FILL, FILL, CPU, CPU] * 3 and chosen[19] is None
+    # each way's first step of a pair pays for the switch, not counted; the last step's time
+    # is not in (read at the next decode step)
     medians = [rt.step_modes.median(2, m) for m in (SPLIT, FILL, CPU)]
     assert all(m is not None and m > 0 for m in medians)
     step()  # the trial ends: a way is kept
     assert rt.step_modes.trials(2) == 1
+    # a step after a pause (the CPU's cores slow to wake) is not counted
+    rt.step_modes = StepModes(warmup=0, rounds=1)
+    step(), step()  # split (the switch), split (counted)
+    assert len(rt.step_modes._ways(2).samples[SPLIT]) == 0  # read at the next step's start
+    step()  # fill (the switch)
+    assert len(rt.step_modes._ways(2).samples[SPLIT]) == 1
+    time.sleep(0.01)
+    step(), step()  # fill, after a pause: not counted; then cpu (the switch)
+    assert len(rt.step_modes._ways(2).samples[FILL]) == 0
 
 
 def test_the_device_clock_reads_a_step_only_once_it_is_stamped_whole():
@@ -360,12 +370,12 @@ def test_the_device_clock_reads_a_step_only_once_it_is_stamped_whole():
     clock.start(), clock.stop()  # nothing for the host to do there on CUDA
     assert clock.seconds() is None  # nothing stamped yet
     clock._stamped[:] = (1_000_000, 3_500_000)  # a step from 1 ms to 3.5 ms
-    assert clock.seconds() == pytest.approx(2.5e-3)
+    assert clock.seconds() == (pytest.approx(2.5e-3), float("inf"))  # (none before it)
     assert clock.seconds() is None  # the same step again: not a new sample
     clock._stamped[0] = 4_000_000  # the next step began, has not ended
     assert clock.seconds() is None
     clock._stamped[1] = 5_000_000
-    assert clock.seconds() == pytest.approx(1e-3)
+    assert clock.seconds() == (pytest.approx(1e-3), pytest.approx(0.5e-3))  # 0.5 ms after
 
 
 def test_hybrid_gives_the_tracker_the_cpu_share_of_each_step_as_one_observation():

@@ -264,14 +264,14 @@ def test_hybrid_times_its_step_modes_and_keeps_the_fastest():
     rt = build_runtime(store, torch.device("cpu"), options)
     rt.tracker.fill = rt.tracker.cpu = 1e9
     rt.tracker.alpha = 0.0
-    rt.step_modes = modes = StepModes(warmup=2, rounds=2, retrial_every=100)
+    rt.step_modes = modes = StepModes(warmup=2, rounds=1, retrial_every=100)
     # Filling measures far faster than the others (the host's clock times these steps;
     # its readings are replaced by these as they come).
     observe = modes.observe
     modes.observe = lambda batch, mode, seconds: observe(batch, mode, {FILL: 0.001}.get(mode, 1.0))
     # Two tokens on different experts: 2 misses a layer, split 1 / 1 when splitting.
     step = [(0, [[0], [1]]), (1, [[2], [3]])]
-    drive(rt, store, step * 8)  # 2 warm-up steps (the split), the trial's 6
+    drive(rt, store, step * 8)  # 2 warm-up steps (the split), the trial's 6 (each way twice)
     assert [modes.median(2, m) for m in (SPLIT, FILL, CPU)] == [1.0, 0.001, 1.0]
     rt.telemetry.reset()
     drive(rt, store, step * 4)
@@ -279,6 +279,7 @@ def test_hybrid_times_its_step_modes_and_keeps_the_fastest():
     # layer 0 misses twice each step (the two slots hold layer 1's pairs by then): all filled
     counters = rt.telemetry.layers[0]
     assert (counters.fills, counters.cpu) == (2 * 4, 0)
+
 
 def test_the_cpu_team_is_woken_early_only_for_steps_that_will_use_it():
     """With a GPU, a decode layer wakes the CPU team before its round trip when it will likely

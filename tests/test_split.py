@@ -68,14 +68,15 @@ def run_steps(chooser, times, steps: int, batch: int = 1) -> list[str]:
 def test_step_modes_warm_up_then_try_each_way_in_turns_and_keep_the_fastest():
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = StepModes(warmup=2, rounds=3, retrial_every=20)
+    chooser = StepModes(warmup=2, rounds=3, retrial_every=30)
     true = {SPLIT: 0.030, FILL: 0.020, CPU: 0.025}
-    picks = run_steps(chooser, lambda step, mode: true[mode], 2 + 9 + 3)
-    # the split while warming up, then the trial: each way in turns, three rounds
+    picks = run_steps(chooser, lambda step, mode: true[mode], 2 + 18 + 3)
+    # the split while warming up, then the trial: each way twice, in turns, three rounds
     assert picks[:2] == [SPLIT, SPLIT]
-    assert picks[2:11] == [SPLIT, FILL, CPU] * 3
-    assert picks[11:] == [FILL] * 3 and chooser.current(1) == FILL
-    # the first round was a warm-up: two samples a way
+    assert picks[2:20] == [SPLIT, SPLIT, FILL, FILL, CPU, CPU] * 3
+    assert picks[20:] == [FILL] * 3 and chooser.current(1) == FILL
+    # the second of each pair counted: three samples a way
+    assert [len(chooser._ways(1).samples[m]) for m in (SPLIT, FILL, CPU)] == [3, 3, 3]
     assert [chooser.median(1, m) for m in (SPLIT, FILL, CPU)] == [0.030, 0.020, 0.025]
     assert chooser.trials(1) == 1
     # Batch sizes are learned apart.
@@ -84,18 +85,21 @@ def test_step_modes_warm_up_then_try_each_way_in_turns_and_keep_the_fastest():
 
 def test_a_slow_warm_up_does_not_decide_the_way():
     """The first steps of a batch size are slow whatever the way (a graph captured, kernels
-    compiled, the CPU team woken), and in the warm-up round of a trial a way pays for the
-    switch from the other: neither is counted."""
+    compiled, the CPU team woken), and a way's first step in a trial pays for the switch from
+    the other (after filling everything, the CPU's cores come back slowly): neither is
+    counted."""
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
     true = {SPLIT: 0.010, FILL: 0.016, CPU: 0.012}
     chooser = StepModes(warmup=4, rounds=2)
+    picks = []
 
     def times(step, mode):
-        slow = step < 4 or step in (4, 5, 6)  # the warm-up, and the trial's first round
-        return true[mode] * (5.0 if slow and mode == SPLIT else 1.0)
+        switched = step >= 4 and picks[-1:] != [mode]  # (picks: the ways before this one)
+        picks.append(mode)
+        return true[mode] * (5.0 if step < 4 or switched else 1.0)
 
-    run_steps(chooser, times, 4 + 6 + 1)
+    run_steps(chooser, times, 4 + 12 + 1)
     assert chooser.current(1) == SPLIT and chooser.median(1, SPLIT) == 0.010
 
 
@@ -104,7 +108,7 @@ def test_step_modes_keep_their_way_unless_another_is_clearly_faster():
     against one faster by less than the margin, and gives way beyond it."""
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = StepModes(warmup=0, rounds=2, retrial_every=1, margin=0.1)
+    chooser = StepModes(warmup=0, rounds=1, retrial_every=1, margin=0.1)
     run_steps(chooser, lambda step, mode: {SPLIT: 0.100, FILL: 0.120, CPU: 0.095}[mode], 7)
     assert chooser.current(1) == SPLIT  # cpu 5% faster: within the margin
     run_steps(chooser, lambda step, mode: {SPLIT: 0.100, FILL: 0.120, CPU: 0.080}[mode], 7)
@@ -116,7 +120,7 @@ def test_step_modes_try_again_when_the_way_in_use_slows_down():
     `drift` slower than in its trial, with fresh samples of every way."""
     from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
 
-    chooser = StepModes(warmup=0, rounds=2, retrial_every=1000, drift=0.25, window=3)
+    chooser = StepModes(warmup=0, rounds=1, retrial_every=1000, drift=0.25, window=3)
     fast_split = {SPLIT: 0.010, FILL: 0.016, CPU: 0.014}
     run_steps(chooser, lambda step, mode: fast_split[mode], 6 + 10)
     assert chooser.current(1) == SPLIT and chooser.trials(1) == 1
@@ -124,7 +128,7 @@ def test_step_modes_try_again_when_the_way_in_use_slows_down():
     busy_cpu = {SPLIT: 0.030, FILL: 0.016, CPU: 0.060}
     picks = run_steps(chooser, lambda step, mode: busy_cpu[mode], 2 + 6 + 2)
     assert picks[:2] == [SPLIT] * 2  # the median of the way in use's window rises...
-    assert picks[2:8] == [SPLIT, FILL, CPU] * 2  # ...and a trial follows at once
+    assert picks[2:8] == [SPLIT, SPLIT, FILL, FILL, CPU, CPU]  # ...and a trial follows at once
     assert chooser.current(1) == FILL and chooser.trials(1) == 2
     assert chooser.median(1, CPU) == 0.060  # fresh samples, not the first trial's
 

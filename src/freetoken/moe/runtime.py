@@ -69,6 +69,12 @@ log = logging.getLogger(__name__)
 # (handoff, waiting, ~0.7 ms) exceeded the PCIe time it saved, and hybrid ran 25-35% below
 # offload (benchmarks/results/2026-11-29-decode-offload-h200.md).
 OFFLOAD_FILL_FRACTION = 0.8
+# A decode step whose MoE work starts this long after the last one's ended is not counted by
+# StepModes: back to back, the gap (the last layers, the sampler, the next step's launch and
+# first attention) is ~1 ms; after a longer pause (a prefill, no requests, another benchmark
+# contender's turn) the CPU team's cores come back slowly (on the H200 machine a split step
+# after 15 ms of CPU idleness took 37% longer).
+IDLE_GAP_SECONDS = 3e-3
 # Bandwidths assumed until a profile (`ft bench bw`) or the running averages say otherwise:
 # the pinned PCIe gen4/5 copy and torch's CPU GEMV measured on the GPU host, with both running.
 DEFAULT_FILL_BANDWIDTH = 50e9
@@ -232,9 +238,10 @@ class MoERuntime:
     def _observe_timed_step(self) -> None:
         if self._timed is not None:
             tokens, mode = self._timed
-            seconds = self._clock.seconds()
-            if seconds is not None:
-                self.step_modes.observe(tokens, mode, seconds)
+            timing = self._clock.seconds()
+            # (a step after an idle gap is not counted: the CPU team's cores are slow to wake)
+            if timing is not None and timing[1] < IDLE_GAP_SECONDS:
+                self.step_modes.observe(tokens, mode, timing[0])
             self._timed = None
 
     def resize_cache(self, num_slots: int) -> None:

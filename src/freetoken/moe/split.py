@@ -108,23 +108,25 @@ class StepModes:
     timed each way and the fastest kept.
 
     The ways are compared in trials, each on fresh samples taken under the same conditions: a
-    trial takes the ways in turns (split, fill, cpu, split, ...) for `rounds` rounds, the
-    first a warm-up that is not counted (the step after another way's pays for the switch),
-    and keeps the way with the lowest median, the way in use giving way only to one faster by
-    more than `margin` (medians of a few steps move by up to 15% on the H200 machine). The
-    first trial starts after `warmup` steps of the split (a batch size's first steps capture
-    its graph, compile kernels and wake the CPU team: on the H200 machine a split step among
-    the first 16 measured up to twice its steady time); later ones every `retrial_every`
-    steps, or once the way in use runs `drift` slower than in its trial (the machine's load
-    changed). Comparing medians of samples taken far apart does not work: when the ways were
-    re-checked one step in 32 amid the way in use, the split's median at 8 GiB, made of the
-    first steps and two re-checks among fills, read 16.8 ms where the split steps in a row
-    took 7.9, and hybrid filled every miss at 64.5 tok/s instead of splitting at 105.8.
+    trial takes each way twice in a row, counting only the second step (the first pays for
+    the switch: on the H200 machine a split step right after a fill step, the CPU idle for
+    15 ms before it, took 13.4 ms against 9.8 after a split step, its cores not yet back to
+    speed), for `rounds` rounds in turns, and keeps the way with the lowest median, the way in
+    use giving way only to one faster by more than `margin` (medians of a few steps move by
+    up to 15% there). The first trial starts after `warmup` steps of the split (a batch
+    size's first steps capture its graph, compile kernels and wake the CPU team: a split step
+    among the first 16 measured up to twice its steady time); later ones every
+    `retrial_every` steps, or once the way in use runs `drift` slower than in its trial (the
+    machine's load changed). The runtime does not time a step that follows an idle gap (the
+    CPU cold again). Comparing medians of samples taken far apart did not work: when the ways
+    were re-checked one step in 32 amid the way in use, the split's median at 8 GiB, made of
+    the first steps and two re-checks among fills, read 16.8 ms where the split steps in a
+    row took 7.9, and hybrid filled every miss at 64.5 tok/s instead of splitting at 105.8.
     """
 
     MODES = (SPLIT, FILL, CPU)
 
-    def __init__(self, warmup: int = 16, rounds: int = 4, retrial_every: int = 512,
+    def __init__(self, warmup: int = 16, rounds: int = 3, retrial_every: int = 512,
                  margin: float = 0.1, drift: float = 0.25, window: int = 5):  # fmt: skip
         self.warmup, self.rounds, self.retrial_every = warmup, rounds, retrial_every
         self.margin, self.drift, self.window = margin, drift, window
@@ -159,13 +161,13 @@ class StepModes:
             self._decide(ways)
         if not ways.in_trial and self._trial_due(ways):
             ways.in_trial = True
-            ways.queue = deque(self.MODES * self.rounds)
+            # each way twice in a row, the second counted
+            ways.queue = deque((mode, counted) for _ in range(self.rounds)
+                               for mode in self.MODES for counted in (False, True))  # fmt: skip
             ways.samples = {mode: [] for mode in self.MODES}
         if ways.in_trial:
-            counted = len(ways.queue) <= len(self.MODES) * (self.rounds - 1)
-            mode = ways.queue.popleft()
-            ways.pending = (mode, counted)
-            return mode
+            ways.pending = ways.queue.popleft()
+            return ways.pending[0]
         ways.pending = (ways.current, True)
         return ways.current
 
@@ -184,9 +186,10 @@ class StepModes:
         if ways.trials == 0 or ways.steps - ways.settled_at >= self.retrial_every:
             return True
         recent = sorted(ways.recent)
-        return len(recent) == self.window and recent[len(recent) // 2] > (
-            1.0 + self.drift
-        ) * ways.baseline
+        return (
+            len(recent) == self.window
+            and recent[len(recent) // 2] > (1.0 + self.drift) * ways.baseline
+        )
 
     def _decide(self, ways: _Ways) -> None:
         medians = {}
@@ -211,7 +214,7 @@ class _Ways:
     current: str = SPLIT
     steps: int = 0
     in_trial: bool = False
-    queue: deque = field(default_factory=deque)  # the trial's ways still to take
+    queue: deque = field(default_factory=deque)  # the trial's (way, counted) still to take
     samples: dict = field(default_factory=dict)  # the last trial's step times by way
     pending: tuple | None = None  # (way, counted) of the step chosen last
     trials: int = 0
@@ -226,8 +229,10 @@ class StepClock:
     into `stamps[1]`; both are mapped pinned memory, which the host reads in place after the
     sampler's wait, with no driver call (events cost ~25 us of host time per record or query
     on the H200 machine: with the rest of `begin_step`, 0.19 ms of a hybrid step's 0.55).
-    The layers between the stamps are all that StepModes' ways differ in. On the CPU, wall
-    time from `start` to `stop`. One step at a time: its time is read before the next one."""
+    The layers between the stamps are all that StepModes' ways differ in; the time from one
+    step's end stamp to the next one's start tells a step that came after a pause. On the CPU,
+    wall time from `start` to `stop`. One step at a time: its time is read before the next
+    one."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -236,7 +241,10 @@ class StepClock:
             self.stamps = torch.zeros(2, dtype=torch.int64, pin_memory=True)
             self._stamped = self.stamps.numpy()
             self.start_stamp, self.end_stamp = HostRows(self.stamps[:1]), HostRows(self.stamps[1:])
-        self._last_end = 0
+        else:
+            self._start = self._stop = 0.0
+        self._last_end = 0  # the device's end stamp of the last step read
+        self._last_stop = float("-inf")  # the CPU's
 
     def start(self) -> None:
         if not self.cuda:
@@ -244,16 +252,18 @@ class StepClock:
 
     def stop(self) -> None:
         if not self.cuda:
-            self._stop = time.perf_counter()
+            self._last_stop, self._stop = self._stop, time.perf_counter()
 
-    def seconds(self) -> float | None:
-        """The last step's seconds, or None if no step was stamped whole since the last call."""
+    def seconds(self) -> tuple[float, float] | None:
+        """(the last step's seconds, the idle seconds between the step before it and it), or
+        None if no step was stamped whole since the last call."""
         if not self.cuda:
-            return self._stop - self._start
+            return self._stop - self._start, self._start - self._last_stop
         # the end first: a start read after it is this step's, or a later one's (then > end)
         end = int(self._stamped[1])
         start = int(self._stamped[0])
         if end <= start or end == self._last_end:
             return None
+        gap = (start - self._last_end) / 1e9 if self._last_end else float("inf")
         self._last_end = end
-        return (end - start) / 1e9
+        return (end - start) / 1e9, gap
