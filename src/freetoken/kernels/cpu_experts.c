@@ -758,21 +758,23 @@ typedef struct {
     int x_bf16, dtype, act, threads;
     int64_t max_routes, H, I, layers;
     const void *w_gate_up, *w_down;
-    double *stats; /* per layer: jobs, routes, seconds, experts (accumulated) */
+    double *stats; /* per layer: jobs, routes, seconds, experts (accumulated); then a row of
+                    * their sums, then one whose first value counts the steps not served */
     double idle_spin, prepare;
     int stop;
     uint32_t served; /* the last number answered: the one `seq` held at start, then each job's */
-    uint64_t errors;
     int64_t *rows, *routes;
     float *gates;
     pthread_t thread;
 } listener_t;
 
+static void count_error(listener_t *l) { l->stats[4 * (l->layers + 1)] += 1.0; }
+
 static void serve(listener_t *l, uint32_t shape) {
     const int64_t layer = (int64_t)(shape & 0xfffu) - 1, k = (shape >> 12) & 0xffu;
     const int64_t tokens = shape >> 20;
     if (layer < 0 || layer >= l->layers || k < 1 || tokens * k > l->max_routes) {
-        l->errors++; /* and no partial: the merge must not add an earlier layer's */
+        count_error(l); /* and no partial: the merge must not add an earlier layer's */
         const int64_t rows = tokens < 1 ? 1 : (tokens > l->max_routes ? l->max_routes : tokens);
         memset(l->out, 0, sizeof(float) * rows * l->H);
         return;
@@ -794,15 +796,16 @@ static void serve(listener_t *l, uint32_t shape) {
                                             l->out, l->act, l->threads, &experts);
     if (!ticket) { /* no thread or no memory: a zero partial, counted, and the graph goes on */
         memset(l->out, 0, sizeof(float) * tokens * l->H);
-        l->errors++;
+        count_error(l);
         return;
     }
     double seconds = ft_cpu_experts_wait(ticket);
-    double *s = l->stats + 4 * layer;
-    s[0] += 1.0;
-    s[1] += (double)n;
-    s[2] += seconds;
-    s[3] += (double)experts;
+    double *s = l->stats + 4 * layer, *sums = l->stats + 4 * l->layers;
+    const double add[4] = {1.0, (double)n, seconds, (double)experts};
+    for (int c = 0; c < 4; c++) {
+        s[c] += add[c];
+        sums[c] += add[c];
+    }
 }
 
 static void *listener_main(void *arg) {
@@ -862,9 +865,6 @@ void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *do
     }
     return l;
 }
-
-/* Layer steps the listener could not serve (a bad bell, no thread or memory for a job). */
-uint64_t ft_listener_errors(void *handle) { return LOAD(&((listener_t *)handle)->errors); }
 
 /* Stops and frees a listener; no graph may still ring it. */
 void ft_listener_stop(void *handle) {

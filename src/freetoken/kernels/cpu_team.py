@@ -33,7 +33,6 @@ SIGNATURES = {
     # seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, w_gate_up, w_down,
     # H, I, act, threads, stats, layers, idle_spin, prepare
     "ft_listener_start": (LISTENER_ARGS, _P),
-    "ft_listener_errors": ([_P], _U64),
     "ft_listener_stop": ([_P], None),
     "ft_cpu_experts_wait": ([_U64], _D),
     "ft_cpu_experts_set_spin": ([_D], None),
