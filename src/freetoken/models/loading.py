@@ -4,6 +4,7 @@ from one."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -165,6 +166,10 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
         wd.write(dst, files, {"dtype": dtype_name, "source": src.name}, copy, bar.update)
+    if "quantization_config" in loaded.raw_config:
+        # the directory holds the weights dequantized (weights/quantized.py): say so
+        raw = {k: v for k, v in loaded.raw_config.items() if k != "quantization_config"}
+        (dst / "config.json").write_text(json.dumps(raw, indent=2))
     return dst
 
 
@@ -232,17 +237,17 @@ def _fill(
         total=ckpt.nbytes(), unit="B", unit_scale=True, desc="Loading weights", disable=not show
     )
     with torch.no_grad(), bar:
-        for info, tensor in ckpt.iter_tensors():
-            bar.update(tensor.numel() * tensor.element_size())
-            name = family.canonical_name(info.name)
+        for stored, tensor, nbytes in ckpt.iter_weights():
+            bar.update(nbytes)
+            name = family.canonical_name(stored)
             target = _target(name, params, moe_index) if name else None
             if target is None:
-                unused.append(info.name)
+                unused.append(stored)
                 continue
             key, dest = target
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise CheckpointError(
-                    f"tensor {info.name} has shape {tuple(tensor.shape)}, but the config "
+                    f"tensor {stored} has shape {tuple(tensor.shape)}, but the config "
                     f"implies {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)

@@ -17,10 +17,11 @@ import torch
 from safetensors import safe_open
 
 from freetoken.errors import CheckpointError
+from freetoken.weights.quantized import Dequantizer
 
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
 }  # fmt: skip
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -63,6 +64,8 @@ class CheckpointDir:
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self.config = self.read_config(self.path)
         self.tensors = self._index_tensors()
+        # what is stored quantized (weights/quantized.py): dequantized as it is read
+        self.quantized = Dequantizer(self.config, {n: t.shape for n, t in self.tensors.items()})
 
     @staticmethod
     def read_config(path: Path) -> dict[str, Any]:
@@ -111,14 +114,42 @@ class CheckpointDir:
         return tensors
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes the tensors take in memory, at `dtype` for floating tensors if given."""
-        total = 0
+        """Bytes the tensors take as stored; with `dtype`, in memory once loaded: floating
+        tensors at `dtype`, quantized ones dequantized to it."""
+        if dtype is None:
+            return sum(t.numel * DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values())
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        total = sum(q.numel * itemsize for q in self.quantized.tensors.values())
         for t in self.tensors.values():
-            size = DTYPE_BYTES.get(t.dtype, 4)
-            if dtype is not None and t.dtype.startswith(("F", "BF")):
-                size = torch.tensor([], dtype=dtype).element_size()
-            total += t.numel * size
+            if t.name in self.quantized.parts or t.name in self.quantized.unused:
+                continue
+            total += t.numel * (itemsize if t.dtype.startswith(("F", "BF")) else
+                                DTYPE_BYTES.get(t.dtype, 4))  # fmt: skip
         return total
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read from its file."""
+        info = self.tensors[name]
+        try:
+            with safe_open(info.file, framework="pt") as f:
+                return f.get_tensor(name)
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read {name} from {info.file}: {e}") from e
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """(name, tensor, bytes read) of every tensor the model reads, quantized ones
+        dequantized (fp32) under the name of the weight they stand for."""
+        stream = ((info.name, tensor) for info, tensor in self.iter_tensors())
+        for name, tensor in self.quantized.tensors_of(stream, self.get_tensor):
+            q = self.quantized.tensors.get(name)
+            parts = q.parts if q is not None else (name,)
+            yield (
+                name,
+                tensor,
+                sum(
+                    self.tensors[p].numel * DTYPE_BYTES.get(self.tensors[p].dtype, 4) for p in parts
+                ),
+            )
 
     def iter_tensors(self) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
         """Yield every tensor, file by file (each file is memory-mapped once)."""

@@ -1,0 +1,212 @@
+"""Quantized checkpoints read as the formats define them, dequantized at load.
+
+Three weight formats of the releases people run, each recognised by its companion tensors
+(and checked against `quantization_config` in config.json):
+
+    FP8, 128 x 128 blocks   `X.weight` float8_e4m3 [N, K] and `X.weight_scale_inv` fp32
+                            [ceil(N / 128), ceil(K / 128)]: W = w * scale_inv of its block
+                            (Qwen's and DeepSeek's FP8 releases: quant_method "fp8",
+                            `weight_block_size`)
+    MXFP4                   `X_blocks` uint8 [..., G, 16] (32 e2m1 values a block, two a byte,
+                            the low nibble first) and `X_scales` uint8 [..., G] (e8m0: 2^(s -
+                            127)): X [..., G * 32] (gpt-oss: quant_method "mxfp4")
+    NVFP4                   `X.weight` uint8 [N, K / 2] (e2m1, two a byte, low nibble first),
+                            `X.weight_scale` float8_e4m3 [N, K / 16] and `X.weight_scale_2` fp32
+                            (one per tensor): W = fp4 * weight_scale * weight_scale_2 (ModelOpt
+                            checkpoints: quant_method "modelopt", quant_algo "NVFP4";
+                            `X.input_scale`, for activations, is not used)
+
+The engine computes in bf16 / fp16 / fp32 today, so every such tensor is dequantized to the
+model's dtype as it is read: host memory holds the dequantized model (the admission check
+counts it so). Keeping the experts quantized in the pool, the cache and the kernels is the
+next step (issue 17); these readers are the formats' definitions it will be checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.errors import CheckpointError
+
+# e2m1 (1 sign, 2 exponent, 1 mantissa bit): the 16 codes' values
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
+FP8_BLOCK = (128, 128)
+MXFP4_BLOCK = 32
+NVFP4_BLOCK = 16
+SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4"
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] of two e2m1 codes each (the low nibble first) -> fp32 [..., 2n]."""
+    if packed.dtype != torch.uint8:
+        raise CheckpointError(f"packed FP4 values must be uint8, not {packed.dtype}")
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).long()
+    return table[codes].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
+    """float8 [..., N, K] and its per-block scales [..., ceil(N / bn), ceil(K / bk)] -> fp32
+    [..., N, K] (the last blocks of a row or column may be partial)."""
+    *lead, n, k = weight.shape
+    bn, bk = block
+    want = (*lead, -(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(
+            f"an FP8 weight of shape {tuple(weight.shape)} in {bn}x{bk} blocks needs scales of "
+            f"shape {want}, not {tuple(scale_inv.shape)}"
+        )
+    scale = scale_inv.float().repeat_interleave(bn, -2)[..., :n, :]
+    return weight.float() * scale.repeat_interleave(bk, -1)[..., :k]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 blocks [..., G, 16] and e8m0 scales [..., G] -> fp32 [..., G * 32]."""
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise CheckpointError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: "
+            f"blocks must be [..., G, {MXFP4_BLOCK // 2}] and scales [..., G]"
+        )
+    values = unpack_fp4(blocks)  # [..., G, 32]
+    exponent = scales.to(torch.int32) - 127
+    out = torch.ldexp(values, exponent.unsqueeze(-1).float())
+    return out.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """uint8 [..., N, K / 2], float8 block scales [..., N, K / 16] and an fp32 per-tensor scale
+    -> fp32 [..., N, K]."""
+    values = unpack_fp4(packed)
+    *lead, n, k = values.shape
+    if tuple(scale.shape) != (*lead, n, k // NVFP4_BLOCK) or k % NVFP4_BLOCK:
+        raise CheckpointError(
+            f"an NVFP4 weight of shape {tuple(values.shape)} needs block scales of shape "
+            f"{(*lead, n, k // NVFP4_BLOCK)}, not {tuple(scale.shape)}"
+        )
+    blocks = values.view(*lead, n, k // NVFP4_BLOCK, NVFP4_BLOCK) * scale.float().unsqueeze(-1)
+    return blocks.reshape(values.shape) * global_scale.float()
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A tensor the checkpoint stores quantized: its name once dequantized, the format, the
+    checkpoint tensors it is made of (data first), and the shape it dequantizes to."""
+
+    name: str
+    format: str  # "fp8", "mxfp4", "nvfp4"
+    parts: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Dequantizer:
+    """What a checkpoint stores quantized (from its tensors' names and shapes, checked against
+    its `quantization_config`), and those tensors dequantized as they are read."""
+
+    def __init__(self, config: dict, shapes: dict[str, tuple[int, ...]]):
+        self.method = _method(config)
+        block = tuple((config.get("quantization_config") or {}).get("weight_block_size")
+                      or FP8_BLOCK)  # fmt: skip
+        self.fp8_block = (int(block[0]), int(block[1]))
+        self.tensors: dict[str, QuantizedTensor] = {}
+        for name in shapes:
+            q = self._recognise(name, shapes)
+            if q is not None:
+                self.tensors[q.name] = q
+        self.parts = {part: q for q in self.tensors.values() for part in q.parts}
+        # companions that only activations use: read by nobody here
+        self.unused = set()
+        if self.method == "modelopt":
+            self.unused = {n for n in shapes if n.endswith(".input_scale")}
+        if self.method and not self.tensors:
+            raise CheckpointError(
+                f"config.json says the weights are quantized ({self.method}), but no tensor "
+                f"has the companion scales that format stores (supported: {SUPPORTED})"
+            )
+
+    def _recognise(self, name: str, shapes) -> QuantizedTensor | None:
+        if name.endswith(".weight_scale_inv"):
+            base = name.removesuffix("_scale_inv")
+            if base in shapes:
+                return QuantizedTensor(base, "fp8", (base, name), tuple(shapes[base]))
+        if name.endswith("_scales"):
+            base = name.removesuffix("_scales")
+            blocks = base + "_blocks"
+            if blocks in shapes:
+                out = (*shapes[blocks][:-2], shapes[blocks][-2] * MXFP4_BLOCK)
+                return QuantizedTensor(base, "mxfp4", (blocks, name), tuple(out))
+        if name.endswith(".weight_scale_2"):
+            base = name.removesuffix("_scale_2")
+            scale = base + "_scale"
+            if base in shapes and scale in shapes:
+                *lead, half = shapes[base]
+                out = (*lead, 2 * half)
+                return QuantizedTensor(base, "nvfp4", (base, scale, name), tuple(out))
+        return None
+
+    def tensors_of(
+        self, stream: Iterator[tuple[str, torch.Tensor]], get: Callable[[str], torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every tensor the model reads: as stored, or dequantized (fp32)
+        when the data part of a quantized one comes by (its other parts fetched by `get`)."""
+        for name, tensor in stream:
+            q = self.parts.get(name)
+            if q is None:
+                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    raise CheckpointError(
+                        f"{name} is stored in {tensor.dtype} without the block scales "
+                        f"({name}_scale_inv) freetoken reads FP8 weights with (supported: "
+                        f"{SUPPORTED})"
+                    )
+                if name not in self.unused:
+                    yield name, tensor
+                continue
+            if name != q.parts[0]:
+                continue  # a scale: read with its data
+            parts = [tensor] + [get(p) for p in q.parts[1:]]
+            yield q.name, _DEQUANTIZE[q.format](self, *parts)
+
+
+def _method(config: dict) -> str | None:
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3" or not qc.get("weight_block_size"):
+            raise CheckpointError(
+                f"only FP8 e4m3 with block scales (`weight_block_size`) is supported, not {qc!r}"
+            )
+        return method
+    if method == "mxfp4":
+        return method
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo", (qc.get("quantization") or {}).get("quant_algo", "")))
+        if algo.upper() != "NVFP4":
+            raise CheckpointError(f"only ModelOpt's NVFP4 is supported, not quant_algo {algo!r}")
+        return method
+    raise CheckpointError(
+        f"checkpoint quantized with {method or qc!r}, which freetoken cannot read "
+        f"(supported: {SUPPORTED}); use a bf16 release or one of those"
+    )
+
+
+_DEQUANTIZE = {
+    "fp8": lambda d, w, s: dequantize_fp8_blocks(w, s, d.fp8_block),
+    "mxfp4": lambda d, b, s: dequantize_mxfp4(b, s),
+    "nvfp4": lambda d, w, s, g: dequantize_nvfp4(w, s, g),
+}

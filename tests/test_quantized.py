@@ -1,0 +1,250 @@
+"""Quantized checkpoints (weights/quantized.py): each reader against its format's definition on
+hand-made blocks, and tiny checkpoints written in each format give the logits of the same model
+written with the dequantized weights, on every strategy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken.config import MoEOptions
+from freetoken.engine.runner import ModelRunner
+from freetoken.errors import CheckpointError
+from freetoken.models.loading import load_model
+from freetoken.weights import quantized as q
+from tiny_models import build
+
+
+def e2m1(code: int) -> float:
+    """The e2m1 code's value from its bits: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    sign = -1.0 if code & 8 else 1.0
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    if exponent == 0:
+        return sign * mantissa * 0.5  # subnormal: 0 or 0.5
+    return sign * 2.0 ** (exponent - 1) * (1 + mantissa / 2)
+
+
+def test_fp4_codes_unpack_low_nibble_first():
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = codes | (codes.flip(0) << 4)  # byte i: low nibble i, high nibble 15 - i
+    values = q.unpack_fp4(packed)
+    for i in range(16):
+        assert values[2 * i].item() == e2m1(i)
+        assert values[2 * i + 1].item() == e2m1(15 - i)
+    assert math.copysign(1.0, values[2 * 8].item()) == -1.0  # code 8 is -0.0
+
+
+def test_mxfp4_blocks_scale_by_a_power_of_two():
+    blocks = torch.zeros(2, 3, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x21  # values 0 and 1 of block 0: 0.5 and 1.0
+    blocks[1, 2, 15] = 0xF7  # values 30 and 31 of the last block: 6.0 and -6.0
+    scales = torch.tensor([[127, 128, 129], [125, 126, 130]], dtype=torch.uint8)
+    out = q.dequantize_mxfp4(blocks, scales)
+    assert out.shape == (2, 96)
+    assert out[0, :2].tolist() == [0.5, 1.0]  # 2^0
+    assert out[1, 64 + 30 :].tolist() == [6.0 * 8, -6.0 * 8]  # 2^(130 - 127)
+    assert out.count_nonzero() == 4
+    with pytest.raises(CheckpointError, match="do not match"):
+        q.dequantize_mxfp4(blocks, scales[:, :2])
+
+
+def test_fp8_block_scales_cover_partial_blocks():
+    weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    fp8 = weight.to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[1.0, 10.0], [100.0, 1000.0]])  # blocks of 2 x 2, the last partial
+    out = q.dequantize_fp8_blocks(fp8, scale_inv, (2, 2))
+    want = [[1.0, 2.0, 30.0], [4.0, 5.0, 60.0], [700.0, 800.0, 9000.0]]
+    assert out.tolist() == want
+    with pytest.raises(CheckpointError, match="needs scales of shape"):
+        q.dequantize_fp8_blocks(fp8, scale_inv[:1], (2, 2))
+
+
+def test_nvfp4_scales_by_block_and_tensor():
+    packed = torch.full((2, 16), 0x22, dtype=torch.uint8)  # every value 1.0, 32 a row
+    scale = torch.tensor([[0.5, 2.0], [4.0, 0.25]]).to(torch.float8_e4m3fn)  # per 16 values
+    out = q.dequantize_nvfp4(packed, scale, torch.tensor(3.0))
+    assert out[0, :16].unique().tolist() == [1.5] and out[0, 16:].unique().tolist() == [6.0]
+    assert out[1, :16].unique().tolist() == [12.0] and out[1, 16:].unique().tolist() == [0.75]
+
+
+# -- the test's own encoders (to write checkpoints in each format) --------------------------
+
+FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def encode_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 codes of x (already scaled to [-6, 6]), packed two a byte."""
+    codes = (x.abs().unsqueeze(-1) - FP4_MAGNITUDES).abs().argmin(-1)
+    codes = (codes | ((x < 0).long() << 3)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def decode_fp4(packed: torch.Tensor) -> torch.Tensor:
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    return torch.tensor([e2m1(c) for c in range(16)])[codes.long()]
+
+
+def fp8_blocks(w, block):
+    bn, bk = block
+    n, k = w.shape
+    scale_inv = torch.empty(-(-n // bn), -(-k // bk))
+    data = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    ref = torch.empty(n, k)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            s = tile.abs().max() / 448.0
+            scale_inv[i, j] = s
+            codes = (tile / s).to(torch.float8_e4m3fn)
+            data[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = codes
+            ref[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = codes.float() * s
+    return {".weight": data, ".weight_scale_inv": scale_inv}, ref
+
+
+def mxfp4(w):
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    blocks = encode_fp4(scaled)  # [n, G, 16]
+    ref = decode_fp4(blocks) * torch.exp2(exponent).unsqueeze(-1)
+    scales = (exponent + 127).to(torch.uint8)
+    return {".weight_blocks": blocks, ".weight_scales": scales}, ref.reshape(n, k)
+
+
+def nvfp4(w):
+    n, k = w.shape
+    global_scale = w.abs().max() / (6.0 * 448.0)
+    groups = w.view(n, k // 16, 16)
+    block = (groups.abs().amax(-1) / 6.0 / global_scale).to(torch.float8_e4m3fn)
+    step = block.float() * global_scale
+    packed = encode_fp4(groups / step.unsqueeze(-1)).reshape(n, k // 2)
+    ref = decode_fp4(packed).view(n, k // 16, 16) * step.unsqueeze(-1)
+    parts = {".weight": packed, ".weight_scale": block, ".weight_scale_2": global_scale.reshape(()),
+             ".input_scale": torch.tensor(1.0)}  # fmt: skip
+    return parts, ref.reshape(n, k)
+
+
+FORMATS = {
+    "fp8": (dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                 weight_block_size=[16, 24]), lambda w: fp8_blocks(w, (16, 24))),
+    "mxfp4": (dict(quant_method="mxfp4"), mxfp4),
+    "nvfp4": (dict(quant_method="modelopt", quant_algo="NVFP4"), nvfp4),
+}  # fmt: skip
+
+
+def quantized_pair(src, tmp_path, fmt):
+    """The checkpoint at `src` written twice: its projections (attention, experts, dense MLP)
+    in `fmt`, and with those weights as the test's own decoder reads them back."""
+    quant_config, encode = FORMATS[fmt]
+    tensors = load_file(src / "model.safetensors")
+    stored, plain = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            parts, ref = encode(t)
+            for suffix, part in parts.items():
+                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
+            plain[name] = ref
+        else:
+            stored[name] = plain[name] = t
+    config = json.loads((src / "config.json").read_text())
+    out = {}
+    for label, weights, extra in (("quantized", stored, {"quantization_config": quant_config}),
+                                  ("plain", plain, {})):  # fmt: skip
+        d = tmp_path / label
+        d.mkdir()
+        save_file(weights, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        out[label] = d
+    return out["quantized"], out["plain"]
+
+
+def logits(path, moe: MoEOptions | None = None) -> torch.Tensor:
+    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=128, page_size=8,
+                         moe=moe)  # fmt: skip
+    seq = runner.new_sequence()
+    ids = list(range(3, 30))
+    out = [runner.forward([seq], [ids], all_logits=True)]
+    for token in (5, 17, 40, 9):  # paged decode steps
+        out.append(runner.forward([seq], [[token]]))
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return build("qwen3_moe", tmp_path_factory.mktemp("src") / "qwen3_moe")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_quantized_checkpoint_is_the_model_of_its_dequantized_weights(fmt, source, tmp_path):
+    quantized, plain = quantized_pair(source[0], tmp_path, fmt)
+    # (the quantization changed the model: the comparison is not with the source's weights)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    before = load_file(source[0] / "model.safetensors")[q_proj]
+    assert not torch.equal(load_file(plain / "model.safetensors")[q_proj], before)
+    want = logits(plain)
+    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("cpu")):
+        got = logits(quantized, moe)
+        assert (got - want).abs().max().item() < 1e-5, (fmt, moe)
+    # the dequantized model itself is what transformers computes from those weights
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([list(range(3, 30))])).logits[0]
+    assert (want[:27] - ref).abs().max().item() < 1e-4
+
+
+def test_the_memory_check_counts_quantized_weights_dequantized(source, tmp_path):
+    from freetoken.weights.safetensors_dir import CheckpointDir
+
+    quantized, plain = quantized_pair(source[0], tmp_path, "nvfp4")
+    packed, full = CheckpointDir(quantized), CheckpointDir(plain)
+    assert packed.nbytes() < full.nbytes()  # stored: four bits a weight, and the scales
+    assert packed.nbytes(torch.bfloat16) == full.nbytes(torch.bfloat16)
+    assert packed.nbytes(torch.float32) == full.nbytes(torch.float32)
+
+
+def test_quantized_checkpoints_that_cannot_be_read_are_refused_with_what_to_do(source, tmp_path):
+    quantized, _ = quantized_pair(source[0], tmp_path, "fp8")
+    config = json.loads((quantized / "config.json").read_text())
+    for qc, match in (
+        ({"quant_method": "gptq", "bits": 4}, "'gptq', which freetoken cannot read"),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "block scales"),  # per-tensor FP8
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, "only ModelOpt's NVFP4"),
+        ({"quant_method": "mxfp4"}, "no tensor has the companion scales"),  # none there
+    ):
+        (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        if qc["quant_method"] == "mxfp4":
+            # (an FP8 checkpoint's scales are there; the check is on the MXFP4 ones)
+            weights = load_file(quantized / "model.safetensors")
+            kept = {k: v for k, v in weights.items()
+                    if "scale" not in k and v.dtype != torch.float8_e4m3fn}  # fmt: skip
+            save_file(kept, quantized / "model.safetensors")
+        with pytest.raises(CheckpointError, match=match):
+            load_model(quantized)
+
+
+def test_an_fp8_weight_without_its_scales_is_refused(source, tmp_path):
+    """A float8 tensor the readers do not recognise would otherwise be read as its raw codes."""
+    quantized, _ = quantized_pair(source[0], tmp_path, "fp8")
+    weights = load_file(quantized / "model.safetensors")
+    del weights["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    save_file(weights, quantized / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight is stored in torch\.float8_e4m3fn"):
+        load_model(quantized)
+
+
+def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_dequantized_weights(
+    source, tmp_path
+):
+    from freetoken.models.loading import convert_checkpoint
+
+    quantized, plain = quantized_pair(source[0], tmp_path, "fp8")
+    converted = convert_checkpoint(quantized, tmp_path / "converted")
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    assert torch.equal(logits(converted), logits(plain))
