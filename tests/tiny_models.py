@@ -60,6 +60,16 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             linear_value_head_dim=8, linear_conv_kernel_dim=4,
         ),
     ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            num_hidden_layers=4, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "llama": (
         "LlamaConfig",
@@ -102,6 +112,9 @@ def build(
                 p.copy_(one + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (zeros at init: give it a say)
+                b.copy_(torch.randn_like(b) * 0.1)
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

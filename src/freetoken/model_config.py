@@ -47,6 +47,15 @@ class MoEConfig:
     # Mixtral scales expert outputs by fp32 gate weights; the Qwen families and OLMoE round
     # the weights to the activation dtype first. Matters for bf16 exactness only.
     fp32_gate_weights: bool = False
+    # How the router scores experts: "softmax" over the logits (Qwen, Mixtral, OLMoE), or
+    # "sigmoid" (GLM-4.5, DeepSeek-V3): experts chosen by sigmoid + a learned correction bias,
+    # within the `topk_groups` best of `num_groups` groups (a group scored by its two best),
+    # weighted by their sigmoid, normalised if norm_topk_prob, times `routed_scaling`; the
+    # router then runs in fp32 (its weight and bias kept fp32 in any model dtype).
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -246,18 +255,24 @@ def routed_experts(
     norm_topk_prob: bool | None = None,
     shared_expert_gated: bool = False,
     fp32_gate_weights: bool = False,
+    **fields: Any,
 ) -> MoEConfig:
-    """The routed-expert settings, in the spellings of Qwen, Mixtral and OLMoE configs."""
+    """The routed-expert settings, in the spellings of Qwen, Mixtral, OLMoE and GLM configs;
+    `fields`: other MoEConfig fields the family sets."""
+    shared = raw.get("shared_expert_intermediate_size")
+    if shared is None and raw.get("n_shared_experts"):  # GLM, DeepSeek: n experts' width
+        shared = int(raw["n_shared_experts"]) * int(raw[intermediate_key])
     return MoEConfig(
-        num_experts=int(_first(raw, "num_experts", "num_local_experts")),
+        num_experts=int(_first(raw, "num_experts", "num_local_experts", "n_routed_experts")),
         top_k=int(raw["num_experts_per_tok"]),
         intermediate_size=int(raw[intermediate_key]),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False))
         if norm_topk_prob is None
         else norm_topk_prob,
-        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(shared or 0),
         shared_expert_gated=shared_expert_gated,
         fp32_gate_weights=fp32_gate_weights,
+        **fields,
     )
 
 

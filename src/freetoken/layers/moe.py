@@ -35,6 +35,27 @@ def route(
     return (weights if fp32_weights else weights.to(router_logits.dtype)), ids
 
 
+def route_sigmoid(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor, moe
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a correction bias and group-limited choice (MoEConfig.scoring):
+    fp32 logits [T, E] -> (fp32 weights [T, k], ids [T, k])."""
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias
+    if moe.num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, moe.num_groups, e // moe.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(e // moe.num_groups, 1), float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
+
+
 class ExpertExecutor(Protocol):
     def __call__(
         self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -54,8 +75,13 @@ class MoEBlock(nn.Module):
         assert moe is not None
         self.moe_layer, self.top_k, self.renormalize = moe_layer, moe.top_k, moe.norm_topk_prob
         self.fp32_gate_weights = moe.fp32_gate_weights
+        self.moe = moe
         h = cfg.hidden_size
         self.router = Linear(h, moe.num_experts, bias=False)
+        self.correction_bias = None
+        if moe.scoring == "sigmoid":
+            self.correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+            # (both kept fp32 in any model dtype: DecoderModel.cast)
         self.shared = None
         self.shared_gate = None
         if moe.shared_expert_intermediate_size:
@@ -65,7 +91,15 @@ class MoEBlock(nn.Module):
         self.executor: ExpertExecutor = _not_installed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights)
+        if self.correction_bias is not None:
+            logits = F.linear(x.float(), self.router.weight.float())
+            weights, ids = route_sigmoid(logits, self.correction_bias.float(), self.moe)
+            if not self.fp32_gate_weights:
+                weights = weights.to(x.dtype)
+        else:
+            weights, ids = route(
+                self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights
+            )
         out = self.executor(self.moe_layer, x, ids, weights)
         if self.shared is not None:
             shared = self.shared(x)

@@ -64,6 +64,17 @@ class DecoderModel(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def cast(self, dtype: torch.dtype) -> DecoderModel:
+        """The model in `dtype`, but for what stays fp32 in any dtype, as transformers keeps
+        it: a sigmoid router's weight and correction bias (MoEConfig.scoring)."""
+        self.to(dtype)
+        for layer in self.layers:
+            moe = getattr(layer, "moe", None)
+            if moe is not None and moe.correction_bias is not None:
+                moe.router.float()
+                moe.correction_bias.data = moe.correction_bias.data.float()
+        return self
+
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `to_empty`, or a dtype cast, clobbered it)."""
         self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim).to(self.device)

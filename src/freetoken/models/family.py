@@ -23,6 +23,12 @@ COMMON_RENAMES: tuple[tuple[str, str], ...] = (
     (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attn."),
     (r"^model\.layers\.(\d+)\.linear_attn\.", r"layers.\1.linear_attn."),
     (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"layers.\1.moe.router.weight"),
+    # (GLM-4.5, DeepSeek-V3: a sigmoid router's correction bias; their shared experts)
+    (
+        r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$",
+        r"layers.\1.moe.correction_bias",
+    ),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.", r"layers.\1.moe.shared."),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.", r"layers.\1.moe.shared_gate."),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", r"layers.\1.moe.shared."),
     (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.moe.experts."),

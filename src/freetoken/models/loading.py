@@ -132,7 +132,7 @@ def _admit(path: Path, nbytes: int, dtype: torch.dtype) -> None:
 
 def _empty_model(cfg: ModelConfig, dtype: torch.dtype):
     with torch.device("meta"):
-        model = DecoderModel(cfg).to(dtype)
+        model = DecoderModel(cfg).cast(dtype)
     model = model.to_empty(device="cpu")
     model.reset_rotary()
     store = HostExpertStore(cfg, dtype) if cfg.moe is not None else None
