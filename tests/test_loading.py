@@ -158,3 +158,27 @@ def test_unsupported_rope_type(qwen3_moe, tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="longrope"):
         load_model(tmp_path / "m")
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
+    """Qwen3.5-MoE releases are image-text models: the text model's config in `text_config`,
+    its weights under `model.language_model.`, a vision tower beside it (not read)."""
+    from safetensors.torch import load_file, save_file
+
+    path, hf = build("qwen3_5_moe", tmp_path / "text")
+    text = json.loads((path / "config.json").read_text())
+    weights = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+        for k, v in load_file(path / "model.safetensors").items()
+    }
+    weights["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file(weights, full / "model.safetensors")
+    outer = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+             "text_config": {k: v for k, v in text.items() if k != "architectures"},
+             "vision_config": {"depth": 2}, "tie_word_embeddings": text["tie_word_embeddings"]}  # fmt: skip
+    (full / "config.json").write_text(json.dumps(outer))
+    loaded = load_model(full, dtype="float32")
+    assert loaded.config.family == "qwen3_5_moe" and loaded.config.linear_attention is not None
+    assert max_logit_error(full, hf) < 1e-4

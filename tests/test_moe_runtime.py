@@ -12,7 +12,7 @@ from freetoken.models.loading import load_model
 from freetoken.moe.runtime import parse_cache_size
 from tiny_models import build
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe"]
 PROMPT, STEPS = 24, 10
 
 

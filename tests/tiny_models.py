@@ -60,6 +60,18 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             linear_value_head_dim=8, linear_conv_kernel_dim=4,
         ),
     ),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        ),
+    ),
     "glm4_moe": (
         "Glm4MoeConfig",
         "Glm4MoeForCausalLM",
@@ -84,8 +96,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 
 
 def zero_centered_norm(family: str, name: str) -> bool:
-    # Qwen3-Next: every RMSNorm but the gated one of its DeltaNet layers.
-    return family == "qwen3_next" and "linear_attn.norm" not in name
+    # Qwen3-Next, Qwen3.5: every RMSNorm but the gated one of their DeltaNet layers.
+    return family in ("qwen3_next", "qwen3_5_moe") and "linear_attn.norm" not in name
 
 
 def build(

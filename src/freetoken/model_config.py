@@ -67,6 +67,9 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int  # width of the depthwise causal conv over q, k and v
+    # Qwen3.5: q, k, v, z, b and a from four projections in head order (in_proj_qkv, _z, _b,
+    # _a); Qwen3-Next: two (in_proj_qkvz, in_proj_ba), laid out by key-head group
+    separate_projections: bool = False
 
     @property
     def key_dim(self) -> int:

@@ -122,8 +122,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = la.key_head_dim, la.value_head_dim
         self.key_dim, self.value_dim = la.key_dim, la.value_dim
         h = cfg.hidden_size
-        self.in_proj_qkvz = Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
-        self.in_proj_ba = Linear(h, 2 * la.num_value_heads, bias=False)
+        self.separate = la.separate_projections
+        if self.separate:
+            self.in_proj_qkv = Linear(h, 2 * la.key_dim + la.value_dim, bias=False)
+            self.in_proj_z = Linear(h, la.value_dim, bias=False)
+            self.in_proj_b = Linear(h, la.num_value_heads, bias=False)
+            self.in_proj_a = Linear(h, la.num_value_heads, bias=False)
+        else:
+            self.in_proj_qkvz = Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
+            self.in_proj_ba = Linear(h, 2 * la.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(
             la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
         )
@@ -137,8 +144,11 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], and the
         per-value-head b (step size) and a (decay) [T, Hv]."""
         t, r = x.shape[0], self.nv // self.nk
-        # The checkpoints lay both projections out by key-head group: each group's q, k, its
-        # r value heads' v and z (and b, a) are contiguous.
+        if self.separate:  # (Qwen3.5: each in head order already)
+            z = self.in_proj_z(x).view(t, self.nv, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next lays both projections out by key-head group: each group's q, k, its r
+        # value heads' v and z (and b, a) are contiguous.
         qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.nk, 2 * r).split([r, r], dim=-1)

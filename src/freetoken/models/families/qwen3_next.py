@@ -8,16 +8,18 @@ from freetoken.model_config import (
 from freetoken.models.family import Family
 
 
-def parse_config(raw: dict):
+def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bool = False):
     # Qwen3-Next: gated DeltaNet layers with full attention every 4th layer, gated attention
     # output, zero-centered norms, partial RoPE (a quarter of each head unless the config says
     # otherwise) and a sigmoid-gated shared expert.
     raw = {"partial_rotary_factor": 0.25, **raw}
     return decoder_config(
         raw,
-        "qwen3_next",
+        family,
         qk_norm="per_head",
-        moe=routed_experts(raw, shared_expert_gated=True),
+        moe=routed_experts(
+            raw, shared_expert_gated=True, norm_topk_prob=True if separate_projections else None
+        ),  # fmt: skip
         moe_layers=sparse_layer_pattern(raw),
         linear_layers=linear_attention_pattern(raw, default_interval=4),
         linear_attention=LinearAttentionConfig(
@@ -26,6 +28,7 @@ def parse_config(raw: dict):
             key_head_dim=int(raw["linear_key_head_dim"]),
             value_head_dim=int(raw["linear_value_head_dim"]),
             conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+            separate_projections=separate_projections,
         ),
         attn_output_gate=True,
         zero_centered_norm=True,
