@@ -175,9 +175,13 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     save_file(weights, full / "model.safetensors")
-    outer = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-             "text_config": {k: v for k, v in text.items() if k != "architectures"},
-             "vision_config": {"depth": 2}, "tie_word_embeddings": text["tie_word_embeddings"]}  # fmt: skip
+    outer = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": {k: v for k, v in text.items() if k != "architectures"},
+        "vision_config": {"depth": 2},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
     (full / "config.json").write_text(json.dumps(outer))
     loaded = load_model(full, dtype="float32")
     assert loaded.config.family == "qwen3_5_moe" and loaded.config.linear_attention is not None

@@ -19,7 +19,7 @@ def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bo
         qk_norm="per_head",
         moe=routed_experts(
             raw, shared_expert_gated=True, norm_topk_prob=True if separate_projections else None
-        ),  # fmt: skip
+        ),
         moe_layers=sparse_layer_pattern(raw),
         linear_layers=linear_attention_pattern(raw, default_interval=4),
         linear_attention=LinearAttentionConfig(
