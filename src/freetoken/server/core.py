@@ -285,7 +285,8 @@ class GenerationCore:
             # parser `parser_for_template` picks takes this option.
             prompt = req.prompt_ids[: len(req.prompt_ids) - req.forced.tokens]
             tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
-            parser = make_parser(self.parser_name, starts_in_reasoning=prompt_opens_reasoning(tail))
+            parser = make_parser(self.parser_name, req.tools,
+                                 starts_in_reasoning=prompt_opens_reasoning(tail))  # fmt: skip
         completion_tokens = 0
         started = last = time.perf_counter()
         try:

@@ -30,6 +30,7 @@ PARSERS: dict[str, str] = {
     "qwen3": "freetoken.server.parsers.qwen:QwenParser",
     "hermes": "freetoken.server.parsers.qwen:QwenParser",  # same <tool_call> JSON format
     "harmony": "freetoken.server.parsers.harmony:HarmonyParser",  # gpt-oss
+    "glm45": "freetoken.server.parsers.glm:GlmParser",  # GLM-4.5 / 4.6 / 4.7
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
 }
 
@@ -61,9 +62,13 @@ def _parser_class(name: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def make_parser(name: str, **options: object) -> OutputParser:
-    """A new parser of the registered `name`, made with `options` (e.g. starts_in_reasoning)."""
-    return _parser_class(name)(**options)
+def make_parser(name: str, tools: list | None = None, **options: object) -> OutputParser:
+    """A new parser of the registered `name`, made with `options` (e.g. starts_in_reasoning),
+    and the request's `tools` where the parser reads them (`takes_tools`)."""
+    cls = _parser_class(name)
+    if getattr(cls, "takes_tools", False):
+        options["tools"] = tools
+    return cls(**options)
 
 
 def keeps_special_tokens(name: str) -> bool:
@@ -85,12 +90,15 @@ def parser_for_template(chat_template: str | None) -> str | None:
 
     Templates that write tool calls as `<tool_call>` JSON (Qwen2.5/Qwen3, Hermes) or that
     mention `<think>` blocks get the Qwen parser (its tool call detection is harmless for a
-    model that never writes `<tool_call>`); Harmony's channels (gpt-oss) its own.
+    model that never writes `<tool_call>`); Harmony's channels (gpt-oss) and GLM-4.5's
+    `<arg_key>` / `<arg_value>` calls their own.
     """
     if not chat_template:
         return None
     if "<|channel|>" in chat_template:
         return "harmony"
+    if "<arg_key>" in chat_template:
+        return "glm45"
     if "<tool_call>" in chat_template or "<think>" in chat_template:
         return "qwen3"
     return None
