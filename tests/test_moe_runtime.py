@@ -12,7 +12,8 @@ from freetoken.models.loading import load_model
 from freetoken.moe.runtime import parse_cache_size
 from tiny_models import build
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe",
+                "deepseek_v3"]  # fmt: skip
 PROMPT, STEPS = 24, 10
 
 

@@ -82,6 +82,17 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
         ),
     ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
+            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "llama": (
         "LlamaConfig",

@@ -85,6 +85,24 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from a shared latent of
+    `kv_lora_rank` values per token (and a `qk_rope_head_dim` key part that carries RoPE);
+    the cache keeps only those."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj -> norm -> q_b_proj
+    rope_interleave: bool = True  # the rope dims in pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -117,6 +135,7 @@ class ModelConfig:
     attn_output_gate: bool = False
     # Qwen3-Next stores RMSNorm weights zero-centered: the scale applied is 1 + weight.
     zero_centered_norm: bool = False
+    mla: MLAConfig | None = None  # attention is multi-head latent attention (DeepSeek)
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -140,6 +159,21 @@ class ModelConfig:
         """Per layer: True where the layer keeps K/V in the paged cache."""
         linear = self.linear_layers or (False,) * self.num_layers
         return tuple(not m for m in linear)
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of K (and V) the paged cache keeps per token and layer."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values per cached head: the latent and the RoPE key part under MLA."""
+        return self.mla.cache_dim if self.mla else self.head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The head width RoPE is laid out for (before `partial_rotary_factor`)."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def has_recurrent_state(self) -> bool:

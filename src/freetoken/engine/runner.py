@@ -27,10 +27,11 @@ KV_MEMORY_FRACTION = 0.25
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V of one token in every attention layer."""
+    """K and V of one token in every attention layer (under MLA its latent, once)."""
     layers = sum(config.attention_layers)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * config.num_kv_heads * config.head_dim * itemsize
+    pools = 1 if config.mla else 2
+    return pools * layers * config.kv_cache_heads * config.kv_cache_dim * itemsize
 
 
 def auto_kv_tokens(config, max_model_len: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -93,12 +94,13 @@ class ModelRunner:
             num_layers=cfg.num_layers,
             num_pages=-(-kv_cache_tokens // page_size),
             page_size=page_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.kv_cache_heads,
+            head_dim=cfg.kv_cache_dim,
             dtype=self.model.dtype,
             device=self.model.device,
             kv_layers=cfg.attention_layers,
             max_seq_tokens=self.max_model_len,
+            values_are_keys=cfg.mla is not None,
         )
         # Pinned buffers for each forward's packed copy of its per-step values.
         self.staging = PinnedStaging() if self.model.device.type == "cuda" else None

@@ -98,10 +98,12 @@ class PagedKVCache:
         device: torch.device | str,
         kv_layers: tuple[bool, ...] | None = None,
         max_seq_tokens: int | None = None,
+        values_are_keys: bool = False,
     ):
         """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do.
         `max_seq_tokens`: the longest sequence (default: the whole pool), which sizes the
-        device page table's rows."""
+        device page table's rows. `values_are_keys`: each layer keeps one pool, read as both
+        keys and values (multi-head latent attention caches its latent only: `v` is `k`)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         # the longest sequence's pages (unbounded without max_seq_tokens: the pool's)
@@ -120,8 +122,13 @@ class PagedKVCache:
         def pool(held: bool) -> torch.Tensor:
             return torch.zeros(shape if held else (0,), dtype=dtype, device=device)
 
+        self.values_are_keys = values_are_keys
         self.k = [pool(held) for held in kv_layers]
-        self.v = [pool(held) for held in kv_layers]
+        self.v = self.k if values_are_keys else [pool(held) for held in kv_layers]
+
+    def _pools(self) -> list[torch.Tensor]:
+        """Every pool once (one per layer when values are keys)."""
+        return [t for t in (*self.k, *([] if self.values_are_keys else self.v)) if t.numel()]
 
     @property
     def num_pages(self) -> int:
@@ -134,8 +141,7 @@ class PagedKVCache:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page: its K and V in every layer that keeps them."""
-        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v) if t.numel())
-        return per_slot * self.page_size
+        return sum(t[0].numel() * t.element_size() for t in self._pools()) * self.page_size
 
     def reserve(self, seq: KVSequence, new_tokens: int) -> None:
         """Make room for `new_tokens` more positions after `seq.length`."""
@@ -180,7 +186,7 @@ class PagedKVCache:
                 f"in use ({used} of {old} in use): retry when fewer requests run"
             )
         slots = min(num_pages, old) * self.page_size
-        for pools in (self.k, self.v):
+        for pools in (self.k,) if self.values_are_keys else (self.k, self.v):
             for i, pool in enumerate(pools):
                 if pool.numel():
                     new = pool.new_zeros((num_pages * self.page_size, *pool.shape[1:]))
@@ -216,11 +222,13 @@ class PagedKVCache:
         copy-on-write for a shared page a sequence continues partway through."""
         ps = self.page_size
         src, dst = slice(src_page * ps, src_page * ps + n), slice(dst_page * ps, dst_page * ps + n)
-        for k, v in zip(self.k, self.v, strict=True):
-            if k.numel():
-                k[dst] = k[src]
-                v[dst] = v[src]
+        for pool in self._pools():
+            pool[dst] = pool[src]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """K and V of new tokens into their slots (`v` None where values are keys)."""
         self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        if not self.values_are_keys:
+            self.v[layer].index_copy_(0, slots, v)

@@ -12,6 +12,7 @@ from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.linear import Linear, linear
+from freetoken.layers.mla import LatentAttention
 from freetoken.layers.mlp import GatedMLP
 from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
@@ -26,6 +27,8 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         if cfg.linear_layers and cfg.linear_layers[layer]:
             self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layer_ids.index(layer))
+        elif cfg.mla is not None:
+            self.attn = LatentAttention(cfg, layer)
         else:
             self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
@@ -60,7 +63,7 @@ class DecoderModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_head_dim)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -77,7 +80,7 @@ class DecoderModel(nn.Module):
 
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `to_empty`, or a dtype cast, clobbered it)."""
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim).to(self.device)
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.rope_head_dim).to(self.device)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,60 @@
+"""Multi-head latent attention (layers/mla.py): the paged cache holds each token's latent and
+RoPE key part only, once per layer, and the absorbed form matches transformers' expanded one
+with and without a low-rank query, through prefill, paged decode and prefix copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.runner import ModelRunner, kv_bytes_per_token
+from freetoken.models.loading import load_model
+from test_exactness import reference_logits
+from tiny_models import FAMILIES, build
+
+RANK, ROPE = (
+    FAMILIES["deepseek_v3"][2]["kv_lora_rank"],
+    FAMILIES["deepseek_v3"][2]["qk_rope_head_dim"],
+)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_the_cache_holds_the_latent_and_decode_matches_transformers(q_lora_rank, tmp_path):
+    path, hf = build("deepseek_v3", tmp_path / "m", q_lora_rank=q_lora_rank)
+    loaded = load_model(path, dtype="float32")
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+    cfg, kv = loaded.config, runner.kv
+    # one pool a layer, [latent, k_pe] a token: no expanded keys or values, no separate V
+    assert kv.v is kv.k and all(pool.shape[1:] == (1, RANK + ROPE) for pool in kv.k)
+    per_token = cfg.num_layers * (RANK + ROPE) * 4
+    assert kv.page_bytes == per_token * kv.page_size
+    assert kv_bytes_per_token(cfg, torch.float32) == per_token
+    expanded = 2 * cfg.num_layers * cfg.num_heads * (16 + ROPE) * 4  # what GQA would keep
+    assert per_token * 4 < expanded
+
+    seq = runner.new_sequence()
+    ids = list(range(3, 43))
+    ours = runner.forward([seq], [ids], all_logits=True)
+    assert (ours - reference_logits(hf, ids)).abs().max().item() < 1e-4
+    worst = 0.0
+    for _ in range(12):
+        ids.append(int(ours[-1].argmax()))
+        ours = runner.forward([seq], [[ids[-1]]])
+        worst = max(worst, (ours - reference_logits(hf, ids)[-1:]).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_the_shared_pool_survives_resizes_and_prefix_copies(tmp_path):
+    path, _ = build("deepseek_v3", tmp_path / "m")
+    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=64, page_size=8)
+    kv = runner.kv
+    seq = runner.new_sequence()
+    runner.forward([seq], [list(range(3, 15))])
+    before = [pool.clone() for pool in kv.k]
+    runner.resize_kv(16)
+    assert kv.v is kv.k and kv.num_pages == 16
+    for pool, old in zip(kv.k, before, strict=True):
+        assert torch.equal(pool[: old.shape[0]], old)
+    kv.copy_prefix(seq.pages[1], 12, 4)  # copy-on-write of a shared page's first slots
+    for pool in kv.k:
+        assert torch.equal(pool[12 * 8 : 12 * 8 + 4], pool[seq.pages[1] * 8 : seq.pages[1] * 8 + 4])
