@@ -65,7 +65,53 @@ def gpt_oss_20b(layers: int) -> dict:
     return raw
 
 
-SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b}
+def deepseek_v3(layers: int) -> dict:
+    """DeepSeek-V3's shapes (latent attention; 256 experts of 84 MiB, top-8 in groups), its
+    first layer dense (the release has three), cut to `layers`."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+        "num_hidden_layers": layers, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+def glm_4_5_air(layers: int) -> dict:
+    """GLM-4.5-Air's shapes: 128 experts of 33 MiB, top-8, a shared expert, partial RoPE."""
+    return {
+        "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
+        "num_hidden_layers": layers, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+def qwen3_5_35b_a3b(layers: int) -> dict:
+    """Qwen3.5-35B-A3B's text model: gated DeltaNet layers, full attention every fourth, 256
+    experts of 6 MiB, top-8, a shared expert."""
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320, "hidden_size": 2048,
+        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "num_experts": 256, "num_experts_per_tok": 8,
+        "layer_types": [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                        for i in range(layers)],
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e7, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
+          "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b}  # fmt: skip
 
 
 def tiny(layers: int) -> dict:
@@ -100,7 +146,7 @@ def sync(device: torch.device) -> None:
 def random_model(raw: dict, device: torch.device) -> LoadedModel:
     cfg = family_for(raw).parse_config(raw)
     with torch.device("meta"):
-        model = DecoderModel(cfg).to(torch.bfloat16)
+        model = DecoderModel(cfg).cast(torch.bfloat16)
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():

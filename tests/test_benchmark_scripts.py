@@ -171,3 +171,28 @@ def test_load_time_starts_from_both_formats(tmp_path):
     table = out.read_text()
     for row in ("| safetensors | cold |", "| weight directory | warm |"):
         assert row in table
+
+
+def test_every_benchmark_shape_builds_its_family(monkeypatch):
+    """The shapes the GPU runs use (decode_offload.py SHAPES) parse as their family and build
+    (on the meta device: nothing allocated), with experts of the size their releases have."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from decode_offload import SHAPES
+
+    from freetoken.models.decoder import DecoderModel
+    from freetoken.models.families import family_for
+    from freetoken.moe.store import ExpertShape
+
+    mib = {"qwen3-30b-a3b": 9.0, "gpt-oss-20b": 47.5, "deepseek-v3": 84.0, "glm-4.5-air": 33.0,
+           "qwen3.5-35b-a3b": 6.0}  # fmt: skip
+    for name, shape in SHAPES.items():
+        raw = shape(8)
+        cfg = family_for(raw).parse_config(raw)
+        with torch.device("meta"):
+            model = DecoderModel(cfg).cast(torch.bfloat16)
+        assert cfg.num_layers == 8 and sum(cfg.moe_layers) >= 7, name
+        expert = ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, torch.bfloat16)
+        assert abs(expert.nbytes / 2**20 - mib[name]) < 0.5, (name, expert.nbytes / 2**20)
+        assert next(model.parameters()).dtype == torch.bfloat16

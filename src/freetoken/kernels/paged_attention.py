@@ -66,7 +66,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's new tokens: q [T, heads, d] -> [T, heads, d]."""
-    if batch.is_decode and q.is_cuda and triton is not None:
+    if batch.is_decode and q.is_cuda and triton_decode_takes(q, k_pool):
         return paged_decode_triton(q, k_pool, v_pool, batch, scale, window, sinks)
     if batch.is_decode and cpu_decode_takes(q, k_pool):
         return paged_decode_cpu(q, k_pool, v_pool, batch, scale, window, sinks)
@@ -78,6 +78,14 @@ def paged_attention(
 # ---------------------------------------------------------------------------------------------
 
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether the Triton decode kernel takes these heads: a power-of-two head width of 16 to
+    256 (multi-head latent attention's 576-wide latent heads, 128 to one, take the torch
+    path for now)."""
+    d = q.shape[-1]
+    return triton is not None and 16 <= d <= 256 and not d & (d - 1)
 
 
 def cpu_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
