@@ -248,3 +248,13 @@ def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_dequantize
     converted = convert_checkpoint(quantized, tmp_path / "converted")
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
     assert torch.equal(logits(converted), logits(plain))
+
+
+def test_loading_says_what_was_dequantized_and_what_it_takes(source, tmp_path, caplog):
+    quantized, _ = quantized_pair(source[0], tmp_path, "fp8")
+    with caplog.at_level("INFO", logger="freetoken.models.loading"):
+        load_model(quantized, dtype="bfloat16")
+    [line] = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    names = load_file(source[0] / "model.safetensors")
+    count = len([n for n in names if n.endswith("_proj.weight")])
+    assert line.startswith(f"{count} tensors stored fp8 are dequantized to bfloat16")

@@ -103,6 +103,13 @@ def load_model(
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     _admit(ckpt.path, ckpt.nbytes(dtype), dtype)
+    if ckpt.quantized.tensors:
+        log.info(
+            "%d tensors stored %s are dequantized to %s as they load: the model takes %s of "
+            "host memory (%s on disk)", len(ckpt.quantized.tensors), ckpt.quantized.method,
+            str(dtype).removeprefix("torch."), memory.gib(ckpt.nbytes(dtype)),
+            memory.gib(ckpt.nbytes()),
+        )  # fmt: skip
     model, store = _empty_model(cfg, dtype)
     _fill(model, store, ckpt, family, progress)
     model = model.to(device)
