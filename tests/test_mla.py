@@ -58,3 +58,16 @@ def test_the_shared_pool_survives_resizes_and_prefix_copies(tmp_path):
     kv.copy_prefix(seq.pages[1], 12, 4)  # copy-on-write of a shared page's first slots
     for pool in kv.k:
         assert torch.equal(pool[12 * 8 : 12 * 8 + 4], pool[seq.pages[1] * 8 : seq.pages[1] * 8 + 4])
+
+
+def test_decode_graphs_are_kept_for_heads_the_device_kernel_takes():
+    """The Triton decode kernel takes power-of-two heads of 16 to 256; MLA's latent heads (576
+    for DeepSeek-V3) take the torch path, which reads lengths on the host, so ModelRunner
+    captures no decode graphs for them (a graph would replay the capture's lengths)."""
+    from freetoken.kernels import paged_attention
+
+    if paged_attention.triton is None:
+        pytest.skip("needs triton")
+    assert paged_attention.triton_decode_width(128) and paged_attention.triton_decode_width(16)
+    for width in (576, 80, 8, 512 + 64, 1024):
+        assert not paged_attention.triton_decode_width(width), width

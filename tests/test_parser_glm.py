@@ -97,6 +97,7 @@ def test_a_call_with_no_arguments_and_one_cut_off_by_the_end_of_output():
 
 @pytest.mark.parametrize("body", [
     "\n<arg_key>city</arg_key><arg_value>x</arg_value>",  # no name
+    "Sure, I can do that",  # prose, not a name
     "get_weather\n<arg_key>city</arg_key>",  # a key without its value
     "get_weather\n<arg_key>city</arg_key><arg_value>x</arg_value> and then some",  # stray text
 ])  # fmt: skip
@@ -125,3 +126,26 @@ def test_the_template_picks_it_and_a_forced_call_opens_as_glm_writes_it():
     events, _ = parse(["<tool_call>get_weather\n", "<arg_key>city</arg_key><arg_value>Lima",
                        "</arg_value></tool_call>"])  # fmt: skip
     assert calls(events) == [("get_weather", {"city": "Lima"})]
+
+
+def test_values_are_strict_json_and_schemas_that_allow_strings_keep_them():
+    tools = [tool("f", a="string"), tool("g")]
+    tools[1]["function"]["parameters"]["properties"] = {
+        "maybe": {"type": ["string", "null"]},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "choice": {"enum": ["1", "2"]},
+        "n": {"type": "number"},
+    }
+    text = (
+        "<tool_call>g\n<arg_key>maybe</arg_key><arg_value>123</arg_value>"
+        "<arg_key>either</arg_key><arg_value>true</arg_value>"
+        "<arg_key>choice</arg_key><arg_value>1</arg_value>"
+        "<arg_key>n</arg_key><arg_value>NaN</arg_value></tool_call>"
+        "<tool_call>h\n<arg_key>x</arg_key><arg_value>Infinity</arg_value>"
+        "<arg_key>y</arg_key><arg_value>1e999</arg_value></tool_call>"
+    )
+    events, _ = parse([text], tools=tools)
+    assert calls(events) == [
+        ("g", {"maybe": "123", "either": "true", "choice": "1", "n": "NaN"}),
+        ("h", {"x": "Infinity", "y": "1e999"}),
+    ]

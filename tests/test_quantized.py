@@ -258,3 +258,45 @@ def test_loading_says_what_was_dequantized_and_what_it_takes(source, tmp_path, c
     names = load_file(source[0] / "model.safetensors")
     count = len([n for n in names if n.endswith("_proj.weight")])
     assert line.startswith(f"{count} tensors stored fp8 are dequantized to bfloat16")
+
+
+def test_e8m0_scales_stored_as_their_own_dtype_are_read_by_their_bits():
+    blocks = torch.full((2, 1, 16), 0x22, dtype=torch.uint8)  # two rows of a block of 1.0s
+    codes = torch.tensor([[127], [130]], dtype=torch.uint8)
+    e8m0 = codes.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0
+    assert q.dequantize_mxfp4(blocks, e8m0).tolist() == q.dequantize_mxfp4(blocks, codes).tolist()
+    assert q.dequantize_mxfp4(blocks, codes)[1].unique().tolist() == [8.0]
+
+
+def test_stacked_banks_dequantize_expert_by_expert_as_one():
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 4, 2, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(120, 134, (3, 4, 2), dtype=torch.uint8, generator=gen)
+    whole = torch.stack([q.dequantize_mxfp4(blocks[e], scales[e]) for e in range(3)])
+    assert torch.equal(q.dequantize_mxfp4(blocks, scales), whole)
+    packed = torch.randint(0, 256, (3, 4, 16), dtype=torch.uint8, generator=gen)
+    block_scales = torch.rand(3, 4, 2, generator=gen).to(torch.float8_e4m3fn)
+    g = torch.tensor(0.5)
+    each = torch.stack([q.dequantize_nvfp4(packed[e], block_scales[e], g) for e in range(3)])
+    assert torch.equal(q.dequantize_nvfp4(packed, block_scales, g), each)
+
+
+def test_a_quantized_tensor_the_model_does_not_have_is_passed_over(
+    source, tmp_path, caplog, monkeypatch
+):
+    """A layer the model has no place for (a next-token-prediction layer, say) is reported
+    unused, not dequantized."""
+    quantized, plain = quantized_pair(source[0], tmp_path, "fp8")
+    weights = load_file(quantized / "model.safetensors")
+    extra = "model.layers.9.mlp.gate_proj.weight"
+    weights[extra] = weights["model.layers.1.mlp.gate_proj.weight"].clone()
+    weights[extra + "_scale_inv"] = weights["model.layers.1.mlp.gate_proj.weight_scale_inv"].clone()
+    save_file(weights, quantized / "model.safetensors")
+    made = []
+    dequantize = q.dequantize_fp8_blocks
+    monkeypatch.setattr(q, "dequantize_fp8_blocks", lambda *a: made.append(1) or dequantize(*a))
+    with caplog.at_level("WARNING", logger="freetoken.models.loading"):
+        assert torch.equal(logits(quantized), logits(plain))
+    assert any("ignored" in r.getMessage() for r in caplog.records)
+    used = [n for n in load_file(plain / "model.safetensors") if n.endswith("_proj.weight")]
+    assert len(made) == len(used)  # the extra one was not dequantized

@@ -10,6 +10,7 @@ import torch
 from freetoken.config import MoEOptions
 from freetoken.engine.cuda_graphs import DecodeGraphs
 from freetoken.errors import FreetokenError
+from freetoken.kernels import paged_attention
 from freetoken.kv.batch import ForwardBatch, PinnedStaging, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
@@ -120,8 +121,14 @@ class ModelRunner:
         self._install_moe()
         self.graphs = None
         # Not for linear-attention layers yet: their decode path groups sequences on the host
-        # and reads the state pool, which DecodeGraphs does not hand to a replay.
-        if cuda_graphs and self.device.type == "cuda" and self.states is None:
+        # and reads the state pool, which DecodeGraphs does not hand to a replay; nor for heads
+        # the device's decode kernel does not take (their torch path reads lengths on the host).
+        if (
+            cuda_graphs
+            and self.device.type == "cuda"
+            and self.states is None
+            and paged_attention.triton_decode_width(cfg.kv_cache_dim)
+        ):
             self.graphs = DecodeGraphs(self.model, self.kv)
 
     @property

@@ -80,12 +80,15 @@ def paged_attention(
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
 
-def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether the Triton decode kernel takes these heads: a power-of-two head width of 16 to
-    256 (multi-head latent attention's 576-wide latent heads, 128 to one, take the torch
-    path for now)."""
-    d = q.shape[-1]
+def triton_decode_width(d: int) -> bool:
+    """Whether the Triton decode kernel takes heads `d` wide: a power of two from 16 to 256
+    (multi-head latent attention's 576-wide latent heads, 128 to one, take the torch path for
+    now, which reads the batch's lengths on the host: no decode graph may hold it)."""
     return triton is not None and 16 <= d <= 256 and not d & (d - 1)
+
+
+def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    return triton_decode_width(q.shape[-1])
 
 
 def cpu_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

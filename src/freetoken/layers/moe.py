@@ -92,7 +92,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.correction_bias is not None:
-            logits = F.linear(x.float(), self.router.weight.float())
+            logits = self.router(x.float()).float()  # (its weight is fp32: DecoderModel.cast)
             weights, ids = route_sigmoid(logits, self.correction_bias.float(), self.moe)
             if not self.fp32_gate_weights:
                 weights = weights.to(x.dtype)

@@ -244,7 +244,12 @@ def _fill(
         total=ckpt.nbytes(), unit="B", unit_scale=True, desc="Loading weights", disable=not show
     )
     with torch.no_grad(), bar:
-        for stored, tensor, nbytes in ckpt.iter_weights():
+
+        def wanted(stored: str) -> bool:  # (what the model has: no dequantizing the rest)
+            name = family.canonical_name(stored)
+            return name is not None and _target(name, params, moe_index) is not None
+
+        for stored, tensor, nbytes in ckpt.iter_weights(wanted):
             bar.update(nbytes)
             name = family.canonical_name(stored)
             target = _target(name, params, moe_index) if name else None

@@ -236,9 +236,11 @@ class MoERuntime:
             self._timed = self._step[1:]
 
     def _observe_timed_step(self) -> None:
+        # (read after an untimed step too, a capture say: the clock then knows where it ended,
+        # and the next step's gap is measured from there)
+        timing = self._clock.seconds()
         if self._timed is not None:
             tokens, mode = self._timed
-            timing = self._clock.seconds()
             # (a step after an idle gap is not counted: the CPU team's cores are slow to wake)
             if timing is not None and timing[1] < IDLE_GAP_SECONDS:
                 self.step_modes.observe(tokens, mode, timing[0])

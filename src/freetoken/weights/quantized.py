@@ -45,8 +45,16 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise CheckpointError(f"packed FP4 values must be uint8, not {packed.dtype}")
     table = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).long()
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).to(torch.int32)
     return table[codes].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _by_rows(fn, *parts: torch.Tensor) -> torch.Tensor:
+    """fn over slices of the parts' first dimension (an expert of a stacked bank, say), so
+    the temporaries of unpacking stay a slice's size; one call where there is no such dim."""
+    if parts[0].dim() < 3:
+        return fn(*parts)
+    return torch.stack([fn(*(p[i] for p in parts)) for i in range(parts[0].shape[0])])
 
 
 def dequantize_fp8_blocks(
@@ -73,6 +81,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: "
             f"blocks must be [..., G, {MXFP4_BLOCK // 2}] and scales [..., G]"
         )
+    if scales.dtype == getattr(torch, "float8_e8m0fnu", None):  # (stored as F8_E8M0)
+        scales = scales.view(torch.uint8)  # its bits are the exponent byte
+    if scales.dim() >= 3:
+        return _by_rows(dequantize_mxfp4, blocks, scales)
     values = unpack_fp4(blocks)  # [..., G, 32]
     exponent = scales.to(torch.int32) - 127
     out = torch.ldexp(values, exponent.unsqueeze(-1).float())
@@ -84,6 +96,8 @@ def dequantize_nvfp4(
 ) -> torch.Tensor:
     """uint8 [..., N, K / 2], float8 block scales [..., N, K / 16] and an fp32 per-tensor scale
     -> fp32 [..., N, K]."""
+    if packed.dim() >= 3:
+        return _by_rows(lambda w, s: dequantize_nvfp4(w, s, global_scale), packed, scale)
     values = unpack_fp4(packed)
     *lead, n, k = values.shape
     if tuple(scale.shape) != (*lead, n, k // NVFP4_BLOCK) or k % NVFP4_BLOCK:
@@ -159,10 +173,15 @@ class Dequantizer:
         return None
 
     def tensors_of(
-        self, stream: Iterator[tuple[str, torch.Tensor]], get: Callable[[str], torch.Tensor]
+        self,
+        stream: Iterator[tuple[str, torch.Tensor]],
+        get: Callable[[str], torch.Tensor],
+        wanted: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every tensor the model reads: as stored, or dequantized (fp32)
-        when the data part of a quantized one comes by (its other parts fetched by `get`)."""
+        when the data part of a quantized one comes by (its other parts fetched by `get`); a
+        quantized tensor `wanted` refuses (a layer the model does not have) is passed on
+        as stored, not dequantized."""
         for name, tensor in stream:
             q = self.parts.get(name)
             if q is None:
@@ -177,6 +196,9 @@ class Dequantizer:
                 continue
             if name != q.parts[0]:
                 continue  # a scale: read with its data
+            if wanted is not None and not wanted(q.name):
+                yield q.name, tensor
+                continue
             parts = [tensor] + [get(p) for p in q.parts[1:]]
             yield q.name, _DEQUANTIZE[q.format](self, *parts)
 

@@ -6,9 +6,10 @@ whether it fits in memory) is known before a single weight is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,29 +128,35 @@ class CheckpointDir:
                                 DTYPE_BYTES.get(t.dtype, 4))  # fmt: skip
         return total
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from its file."""
-        info = self.tensors[name]
-        try:
-            with safe_open(info.file, framework="pt") as f:
-                return f.get_tensor(name)
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"cannot read {name} from {info.file}: {e}") from e
+    def iter_weights(
+        self, wanted: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """(name, tensor, bytes read) of every tensor, quantized ones dequantized (fp32) under
+        the name of the weight they stand for where `wanted` takes that name (see
+        Dequantizer.tensors_of). A quantized tensor's scales are read through one open handle
+        per file (opening a file parses its whole header again)."""
+        with contextlib.ExitStack() as files:
+            handles: dict[Path, Any] = {}
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor, int]]:
-        """(name, tensor, bytes read) of every tensor the model reads, quantized ones
-        dequantized (fp32) under the name of the weight they stand for."""
-        stream = ((info.name, tensor) for info, tensor in self.iter_tensors())
-        for name, tensor in self.quantized.tensors_of(stream, self.get_tensor):
-            q = self.quantized.tensors.get(name)
-            parts = q.parts if q is not None else (name,)
-            yield (
-                name,
-                tensor,
-                sum(
+            def get(name: str) -> torch.Tensor:
+                info = self.tensors[name]
+                try:
+                    if info.file not in handles:
+                        handles[info.file] = files.enter_context(
+                            safe_open(info.file, framework="pt")
+                        )
+                    return handles[info.file].get_tensor(name)
+                except (OSError, RuntimeError) as e:
+                    raise CheckpointError(f"cannot read {name} from {info.file}: {e}") from e
+
+            stream = ((info.name, tensor) for info, tensor in self.iter_tensors())
+            for name, tensor in self.quantized.tensors_of(stream, get, wanted):
+                q = self.quantized.tensors.get(name)
+                parts = q.parts if q is not None else (name,)
+                stored = sum(
                     self.tensors[p].numel * DTYPE_BYTES.get(self.tensors[p].dtype, 4) for p in parts
-                ),
-            )
+                )
+                yield name, tensor, stored
 
     def iter_tensors(self) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
         """Yield every tensor, file by file (each file is memory-mapped once)."""

@@ -1,22 +1,28 @@
+from freetoken.errors import UnsupportedModelError
 from freetoken.model_config import MLAConfig, decoder_config, routed_experts
 from freetoken.models.family import Family
 
 
 def parse_config(raw: dict):
-    # DeepSeek-V3 (and V2, Kimi-K2 where they share this layout): multi-head latent attention,
-    # sigmoid routing with a correction bias within the best `topk_group` of `n_group` groups,
-    # scaled by `routed_scaling_factor`, fp32 gate weights, ungated shared experts and the
-    # first `first_k_dense_replace` layers dense (GLM-4.5's MoE options: models/families/
-    # glm4_moe.py).
-    dense = int(raw.get("first_k_dense_replace", 0))
+    # DeepSeek-V3 (V3.1, R1, and Kimi-K2, which reuse its architecture): multi-head latent
+    # attention, sigmoid routing with a correction bias within the best `topk_group` of
+    # `n_group` groups, scaled by `routed_scaling_factor`, fp32 gate weights, ungated shared
+    # experts and the first `first_k_dense_replace` layers dense (GLM-4.5's MoE options:
+    # models/families/glm4_moe.py). Missing keys take transformers' DeepseekV3Config defaults.
+    scoring = raw.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedModelError(
+            f"DeepSeek routing with scoring_func {scoring!r} is not supported (V3's sigmoid is)"
+        )
+    dense = int(raw.get("first_k_dense_replace", 3))
     moe = routed_experts(
         raw,
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         fp32_gate_weights=True,
         scoring="sigmoid",
-        num_groups=int(raw.get("n_group", 1)),
-        topk_groups=int(raw.get("topk_group", 1)),
-        routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
+        num_groups=int(raw.get("n_group", 8)),
+        topk_groups=int(raw.get("topk_group", 4)),
+        routed_scaling=float(raw.get("routed_scaling_factor", 2.5)),
     )
     q_lora = raw.get("q_lora_rank")
     mla = MLAConfig(

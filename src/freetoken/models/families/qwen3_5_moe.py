@@ -11,7 +11,9 @@ def parse_config(raw: dict):
     if "text_config" in raw:
         outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
         raw = {**outer, **raw["text_config"]}
-    return qwen3_next.parse_config(raw, "qwen3_5_moe", separate_projections=True)
+    return qwen3_next.parse_config(
+        raw, "qwen3_5_moe", separate_projections=True, norm_topk_prob=True
+    )
 
 
 FAMILY = Family(

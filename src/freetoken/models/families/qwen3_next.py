@@ -8,7 +8,8 @@ from freetoken.model_config import (
 from freetoken.models.family import Family
 
 
-def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bool = False):
+def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bool = False,
+                 norm_topk_prob: bool | None = None):  # fmt: skip
     # Qwen3-Next: gated DeltaNet layers with full attention every 4th layer, gated attention
     # output, zero-centered norms, partial RoPE (a quarter of each head unless the config says
     # otherwise) and a sigmoid-gated shared expert.
@@ -17,9 +18,7 @@ def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bo
         raw,
         family,
         qk_norm="per_head",
-        moe=routed_experts(
-            raw, shared_expert_gated=True, norm_topk_prob=True if separate_projections else None
-        ),
+        moe=routed_experts(raw, shared_expert_gated=True, norm_topk_prob=norm_topk_prob),
         moe_layers=sparse_layer_pattern(raw),
         linear_layers=linear_attention_pattern(raw, default_interval=4),
         linear_attention=LinearAttentionConfig(

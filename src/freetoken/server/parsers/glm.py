@@ -14,11 +14,12 @@ What the model writes::
 Reasoning and answer text follow the Qwen parser's rules (the same `<think>` tags, the same
 whitespace handling: parsers/qwen.py). A call is held until `</tool_call>` (or the next
 `<tool_call>`, or the end of output) and then parsed whole: the name is the text before the
-first `<arg_key>` (GLM-4.7 writes no newline there), then key / value pairs. A value is the
-text between its tags, as a string, when the request's tool schema says the parameter is a
-string; otherwise its JSON value where it reads as JSON (GLM's template writes non-string
-arguments as JSON), else the string. A body that does not parse (no name, a key without its
-value, text outside the pairs) is given back as answer text, tags included.
+first `<arg_key>` (GLM-4.7 writes no newline there; a name has no spaces), then key / value
+pairs. A value is the text between its tags, as a string, when the request's tool schema lets
+the parameter be a string; otherwise its JSON value where it reads as strict JSON (GLM's
+template writes non-string arguments as JSON), else the string. A body that does not parse (no
+name, a key without its value, text outside the pairs) is given back as answer text, tags
+included.
 """
 
 from __future__ import annotations
@@ -43,25 +44,49 @@ _PAIR = re.compile(
 )  # fmt: skip
 
 
+_NAME = re.compile(r"[\w.:/-]+")  # a function name: no spaces, no markup
+
+
+def _allows_string(schema: Any) -> bool:
+    """Whether a JSON schema lets a value be a string (a type list, anyOf / oneOf, an enum of
+    strings)."""
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return True
+    if any(_allows_string(s) for key in ("anyOf", "oneOf") for s in schema.get(key) or ()):
+        return True
+    return kind is None and any(isinstance(v, str) for v in schema.get("enum") or ())
+
+
 def string_parameters(tools: list[dict[str, Any]] | None) -> dict[str, set[str]]:
-    """tool name -> the names of its parameters whose schema type is a string."""
+    """tool name -> the names of its parameters whose schema lets them be strings."""
     out: dict[str, set[str]] = {}
     for tool in tools or ():
         fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-        props = (
-            ((fn.get("parameters") or {}).get("properties") or {}) if isinstance(fn, dict) else {}
-        )
-        out[str(fn.get("name"))] = {
-            k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"
-        }
+        fn = fn if isinstance(fn, dict) else {}
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[str(fn.get("name"))] = {k for k, v in props.items() if _allows_string(v)}
     return out
+
+
+def _value(text: str) -> Any:
+    """A value GLM wrote without a schema saying it is a string: its JSON value where it reads
+    as strict JSON (no NaN or infinities, which strict clients refuse), else the text."""
+    try:
+        value = json.loads(text)
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return text
+    return value
 
 
 def parse_glm_call(body: str, strings: dict[str, set[str]]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a whole call body, or None if it is not one."""
     start = body.find(KEY_OPEN)
     name = (body if start == -1 else body[:start]).strip(WHITESPACE)
-    if not name or any(c in name for c in "<>\n"):
+    if not _NAME.fullmatch(name):
         return None
     args: dict[str, Any] = {}
     rest = "" if start == -1 else body[start:]
@@ -71,13 +96,7 @@ def parse_glm_call(body: str, strings: dict[str, set[str]]) -> tuple[str, str] |
         if m is None:
             return None  # text outside the pairs, or a key without its value
         key, value = m[1].strip(WHITESPACE), m[2]
-        if key in strings.get(name, ()):
-            args[key] = value
-        else:
-            try:
-                args[key] = json.loads(value)
-            except ValueError:
-                args[key] = value
+        args[key] = value if key in strings.get(name, ()) else _value(value)
         pos = m.end()
     return name, json.dumps(args, ensure_ascii=False)
 
