@@ -130,11 +130,4 @@ class GlmParser(QwenParser):
             rest = body[end + len(closer) :]  # (a next <tool_call> stays, to open its call)
         else:  # the end of output: a closing tag cut short there is not part of the body
             text, rest, closer = body[: len(body) - partial_tag_len(body, (CALL_CLOSE,))], "", ""
-        call = parse_glm_call(text, self._strings)
-        if call is not None:
-            self._start_call(call[0])
-            self._args(call[1])
-            self._end_call()
-        else:
-            self._text(CALL_OPEN + text + closer)
-        return self._to_text(rest, after_call=call is not None)
+        return self._whole_call(parse_glm_call(text, self._strings), text, closer, rest)

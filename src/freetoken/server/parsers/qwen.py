@@ -374,13 +374,17 @@ class QwenParser:
         if end == -1 and not final:
             return False
         text = body[:end] if end != -1 else body
-        call = _parse_whole_call(text)
+        return self._whole_call(_parse_whole_call(text), text, closer, rest)
+
+    def _whole_call(self, call: tuple[str, str] | None, body: str, closer: str, rest: str) -> bool:
+        """A call body parsed whole: `call` (name, arguments JSON) as one call's events, or,
+        where it is None, the body given back as text with its tags; then `rest` as text."""
         if call is not None:
             self._start_call(call[0])
             self._args(call[1])
             self._end_call()
         else:
-            self._text(CALL_OPEN + text + closer)
+            self._text(CALL_OPEN + body + closer)
         return self._to_text(rest, after_call=call is not None)
 
     def _in_args(self, final: bool) -> bool:
