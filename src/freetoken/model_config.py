@@ -313,6 +313,29 @@ def routed_experts(
     )
 
 
+def sigmoid_routed_experts(
+    raw: dict[str, Any], *, groups: int = 1, topk_groups: int = 1, scaling: float = 1.0
+) -> MoEConfig:
+    """GLM's and DeepSeek's routed experts: sigmoid scoring with a correction bias within the
+    best `topk_group` of `n_group` groups, times `routed_scaling_factor`, fp32 gate weights;
+    the keyword arguments are the family's defaults for keys its config may omit."""
+    return routed_experts(
+        raw,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        fp32_gate_weights=True,
+        scoring="sigmoid",
+        num_groups=int(raw.get("n_group", groups)),
+        topk_groups=int(raw.get("topk_group", topk_groups)),
+        routed_scaling=float(raw.get("routed_scaling_factor", scaling)),
+    )
+
+
+def leading_dense_pattern(raw: dict[str, Any], default: int) -> tuple[bool, ...]:
+    """MoE layers after the first `first_k_dense_replace` dense ones (GLM, DeepSeek)."""
+    dense = int(raw.get("first_k_dense_replace", default))
+    return tuple(i >= dense for i in range(int(raw["num_hidden_layers"])))
+
+
 def sparse_layer_pattern(raw: dict[str, Any]) -> tuple[bool, ...]:
     """Qwen-style placement of MoE layers: every `decoder_sparse_step`-th layer, minus
     `mlp_only_layers`."""
