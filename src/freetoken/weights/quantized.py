@@ -24,6 +24,7 @@ next step (issue 17); these readers are the formats' definitions it will be chec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -121,10 +122,7 @@ class QuantizedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class Dequantizer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,10 +37,11 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -118,7 +120,7 @@ class CheckpointDir:
         """Bytes the tensors take as stored; with `dtype`, in memory once loaded: floating
         tensors at `dtype`, quantized ones dequantized to it."""
         if dtype is None:
-            return sum(t.numel * DTYPE_BYTES.get(t.dtype, 4) for t in self.tensors.values())
+            return sum(t.stored_bytes for t in self.tensors.values())
         itemsize = torch.tensor([], dtype=dtype).element_size()
         total = sum(q.numel * itemsize for q in self.quantized.tensors.values())
         for t in self.tensors.values():
@@ -153,10 +155,7 @@ class CheckpointDir:
             for name, tensor in self.quantized.tensors_of(stream, get, wanted):
                 q = self.quantized.tensors.get(name)
                 parts = q.parts if q is not None else (name,)
-                stored = sum(
-                    self.tensors[p].numel * DTYPE_BYTES.get(self.tensors[p].dtype, 4) for p in parts
-                )
-                yield name, tensor, stored
+                yield name, tensor, sum(self.tensors[p].stored_bytes for p in parts)
 
     def iter_tensors(self) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
         """Yield every tensor, file by file (each file is memory-mapped once)."""
