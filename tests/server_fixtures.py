@@ -72,3 +72,41 @@ def scripted(engine, script: list[int]):
 
 
 MODEL = "test-model"
+
+
+def demo_with_template(dst, template: str, special: tuple[str, ...] = ()):
+    """The demo model at `dst` (its weights linked, not copied) with another chat template
+    and, where given, extra special tokens (in its vocabulary's unused rows); returns
+    (dst, the tokenizer). generation_config.json is copied: the caller may rewrite it."""
+    from transformers import AutoTokenizer
+
+    src = demo_checkpoint()
+    for name in ("config.json", "README.md", "generation_config.json"):
+        (dst / name).write_text((src / name).read_text())
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    tok = AutoTokenizer.from_pretrained(src)
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": list(special)})
+    tok.chat_template = template
+    tok.save_pretrained(dst)
+    return dst, tok
+
+
+def cpu_engine(model) -> LLMEngine:
+    """An fp32 engine on the CPU with every expert resident, for scripted API tests."""
+    config = EngineConfig(model=model, device="cpu", dtype="float32", kv_cache_tokens=2048,
+                          moe=MoEOptions("fused"))  # fmt: skip
+    return LLMEngine.from_config(config)
+
+
+def record_prompts(engine, monkeypatch) -> list[str]:
+    """Every prompt the engine is given from now on, decoded with its special tokens."""
+    prompts: list[str] = []
+    add_request = engine.add_request
+
+    def recording(prompt_ids, params):
+        prompts.append(engine.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        return add_request(prompt_ids, params)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    return prompts

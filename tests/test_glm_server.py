@@ -10,10 +10,14 @@ import json
 import openai
 import pytest
 
-from freetoken.config import EngineConfig, MoEOptions
-from freetoken.demo import demo_checkpoint
-from freetoken.engine.generate import LLMEngine
-from server_fixtures import MODEL, running_server, scripted
+from server_fixtures import (
+    MODEL,
+    cpu_engine,
+    demo_with_template,
+    record_prompts,
+    running_server,
+    scripted,
+)
 
 # GLM-4.5's template in miniature: its roles, its call and tool-result layout
 TEMPLATE = (
@@ -52,23 +56,12 @@ WEATHER = {
 def glm_checkpoint(tmp_path_factory):
     """The demo model with GLM's chat template (which gets a call's arguments as an object,
     as the server hands them over)."""
-    from transformers import AutoTokenizer
-
-    src, dst = demo_checkpoint(), tmp_path_factory.mktemp("glm")
-    for name in ("config.json", "README.md", "generation_config.json"):
-        (dst / name).write_text((src / name).read_text())
-    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    tok = AutoTokenizer.from_pretrained(src)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(dst)
-    return dst
+    return demo_with_template(tmp_path_factory.mktemp("glm"), TEMPLATE)[0]
 
 
 @pytest.fixture(scope="module")
 def engine(glm_checkpoint):
-    config = EngineConfig(model=glm_checkpoint, device="cpu", dtype="float32",
-                          kv_cache_tokens=2048, moe=MoEOptions("fused"))  # fmt: skip
-    return LLMEngine.from_config(config)
+    return cpu_engine(glm_checkpoint)
 
 
 @pytest.fixture()
@@ -82,14 +75,7 @@ def test_reasoning_and_a_typed_tool_call_round_trip(engine, server, monkeypatch)
     assert core.parser_name == "glm45"
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     tok = engine.tokenizer
-    prompts = []
-    add_request = engine.add_request
-
-    def recording(prompt_ids, params):
-        prompts.append(tok.decode(prompt_ids, skip_special_tokens=False))
-        return add_request(prompt_ids, params)
-
-    monkeypatch.setattr(engine, "add_request", recording)
+    prompts = record_prompts(engine, monkeypatch)
     call = (
         "<think>The user wants the weather.</think>\n<tool_call>get_weather\n"
         "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"

@@ -11,10 +11,14 @@ import json
 import openai
 import pytest
 
-from freetoken.config import EngineConfig, MoEOptions
-from freetoken.demo import demo_checkpoint
-from freetoken.engine.generate import LLMEngine
-from server_fixtures import MODEL, running_server, scripted
+from server_fixtures import (
+    MODEL,
+    cpu_engine,
+    demo_with_template,
+    record_prompts,
+    running_server,
+    scripted,
+)
 
 SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
            "<|call|>"]  # fmt: skip
@@ -53,18 +57,9 @@ WEATHER = {
 def harmony_checkpoint(tmp_path_factory):
     """The demo model with Harmony's special tokens (in its vocabulary's unused rows), its
     template, and `<|return|>` / `<|call|>` among the end tokens, as gpt-oss has them."""
-    from transformers import AutoTokenizer
-
-    src, dst = demo_checkpoint(), tmp_path_factory.mktemp("harmony")
-    for name in ("config.json", "README.md"):
-        (dst / name).write_text((src / name).read_text())
-    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    tok = AutoTokenizer.from_pretrained(src)
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(dst)
-    assert len(tok) <= json.loads((src / "config.json").read_text())["vocab_size"]
-    gen = json.loads((src / "generation_config.json").read_text())
+    dst, tok = demo_with_template(tmp_path_factory.mktemp("harmony"), TEMPLATE, tuple(SPECIAL))
+    assert len(tok) <= json.loads((dst / "config.json").read_text())["vocab_size"]
+    gen = json.loads((dst / "generation_config.json").read_text())
     ends = gen.get("eos_token_id", [])
     ends = ends if isinstance(ends, list) else [ends]
     gen["eos_token_id"] = ends + tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
@@ -74,9 +69,7 @@ def harmony_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(harmony_checkpoint):
-    config = EngineConfig(model=harmony_checkpoint, device="cpu", dtype="float32",
-                          kv_cache_tokens=2048, moe=MoEOptions("fused"))  # fmt: skip
-    return LLMEngine.from_config(config)
+    return cpu_engine(harmony_checkpoint)
 
 
 @pytest.fixture()
@@ -90,14 +83,7 @@ def test_reasoning_and_a_tool_call_round_trip(engine, server, monkeypatch):
     assert core.parser_name == "harmony"
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     tok = engine.tokenizer
-    prompts = []
-    add_request = engine.add_request
-
-    def recording(prompt_ids, params):
-        prompts.append(tok.decode(prompt_ids, skip_special_tokens=False))
-        return add_request(prompt_ids, params)
-
-    monkeypatch.setattr(engine, "add_request", recording)
+    prompts = record_prompts(engine, monkeypatch)
     call = (
         "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
         "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
