@@ -325,13 +325,12 @@ class MoERuntime:
         meanwhile, through the doorbell (moe/doorbell.py)."""
         pairs = ids + moe_layer * self.store.num_experts
         bell, control, clock = self.doorbell, self.control, self._clock
-        shape = start = end = None
+        shape, start, end = 0, None, None
         if bell is not None:  # hybrid on CUDA: the CPU's share, and its steps clocked (begin_step)
             shape = bell.shape_value(moe_layer, *ids.shape)
             start = clock.start_stamp if moe_layer == 0 else None
             end = clock.end_stamp if moe_layer == self.store.num_layers - 1 else None
-        slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape or 0,
-                                                     start)  # fmt: skip
+        slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape, start)
         fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
         out = self._gpu(x, slots, weights)
         if not self.kind.splits:
