@@ -1,4 +1,4 @@
-"""A random Qwen3-MoE checkpoint on disk, in Hugging Face layout, for side-by-side runs.
+"""A random Qwen3-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for side-by-side runs.
 
 llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
 files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors
@@ -22,6 +22,8 @@ BLOCK = 1 << 24  # values in the shared block of normals
 
 
 def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    if raw["architectures"] == ["GptOssForCausalLM"]:
+        return gpt_oss_tensors_of_layer(raw, layer)
     h, d = raw["hidden_size"], raw["head_dim"]
     q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
     e, i = raw["num_experts"], raw["moe_intermediate_size"]
@@ -42,6 +44,29 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
         shapes[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
         shapes[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
     return shapes
+
+
+def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """transformers' gpt-oss layout: biased attention with sinks, fused expert banks
+    [E, in, out] with their biases."""
+    h, d = raw["hidden_size"], raw["head_dim"]
+    heads = raw["num_attention_heads"]
+    q, kv = heads * d, raw["num_key_value_heads"] * d
+    e, i = raw["num_local_experts"], raw["intermediate_size"]
+    p = f"model.layers.{layer}."
+    return {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
+        p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+        p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
+        p + "self_attn.sinks": (heads,),
+        p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+        p + "mlp.experts.gate_up_proj": (e, h, 2 * i),
+        p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+        p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h),
+    }  # fmt: skip
 
 
 def write_random_checkpoint(
@@ -81,7 +106,8 @@ def write_random_checkpoint(
         weight_map.update(dict.fromkeys(shapes, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = {**raw, "model_type": "qwen3_moe", "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    model_type = "gpt_oss" if raw["architectures"] == ["GptOssForCausalLM"] else "qwen3_moe"
+    config = {**raw, "model_type": model_type, "torch_dtype": "bfloat16", "dtype": "bfloat16",
               "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:
@@ -95,13 +121,16 @@ def write_random_checkpoint(
 
 
 def main() -> None:
-    from decode_offload import qwen3_30b_a3b
+    from decode_offload import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--shape", choices=["qwen3-30b-a3b", "gpt-oss-20b"], default="qwen3-30b-a3b"
+    )
     args = parser.parse_args()
-    print(write_random_checkpoint(qwen3_30b_a3b(args.layers), args.out))
+    print(write_random_checkpoint(SHAPES[args.shape](args.layers), args.out))
 
 
 if __name__ == "__main__":

@@ -53,16 +53,22 @@ def qwen3_30b_a3b(layers: int) -> dict:
 
 
 def gpt_oss_20b(layers: int) -> dict:
-    """gpt-oss-20b's expert shapes and routing (24 layers of 32 experts, top-4, hidden and
-    expert width 2880), on the Qwen3-MoE layers: the bytes an expert moves and the routing a
-    trace of it gives, not its attention (sinks, sliding window) or its biased experts."""
-    raw = qwen3_30b_a3b(layers)
-    raw.update(
-        vocab_size=201088, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=64, intermediate_size=2880, moe_intermediate_size=2880, num_experts=32,
-        num_experts_per_tok=4, rope_theta=150000.0, max_position_embeddings=131072,
-    )  # fmt: skip
-    return raw
+    """gpt-oss-20b (24 layers of 32 experts, top-4, hidden and expert width 2880): attention
+    sinks, sliding-window (128) and full layers in turn, biased experts, YaRN; in bf16 (the
+    release's MXFP4 experts are dequantized at load today)."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+        "layer_types": [("sliding_attention" if i % 2 == 0 else "full_attention")
+                        for i in range(layers)],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096},
+        "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
 
 
 def deepseek_v3(layers: int) -> dict:

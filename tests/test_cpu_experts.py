@@ -44,6 +44,45 @@ def test_fp32_matches_torch(act):
     assert (got - want).abs().max().item() < 1e-5
 
 
+def gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up):
+    """gpt-oss's experts as transformers writes them, route by route (fp32 accumulation)."""
+    from freetoken.activations import swiglu_oai
+
+    out = torch.zeros(x.shape[0], w_down.shape[1])
+    i = w_down.shape[2]
+    for r, p, w in zip(rows.tolist(), pairs.tolist(), weights.tolist(), strict=True):
+        h = x[r].float() @ w_gate_up[p].float().t() + b_gate_up[p].float()
+        out[r] += w * (swiglu_oai(h[:i], h[i:]) @ w_down[p].float().t())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biased_experts_with_the_clamped_swiglu(dtype):
+    """gpt-oss: the gate/up bias of each route's expert (by flat id) before the clamped
+    SwiGLU; large weights put gate and up past the clamp (|h| up to ~20)."""
+    w_gate_up, w_down = banks(torch.float32)
+    w_gate_up = (w_gate_up * 8).to(dtype)
+    w_down = w_down.to(dtype)
+    b_gate_up = (torch.randn(12, 144, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    x, rows, pairs, weights = job(dtype=dtype)
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, "swiglu_oai", 2, b_gate_up=b_gate_up)
+    got = kernel(x, rows, pairs, weights)
+    want = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up)
+    torch_path = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, "swiglu_oai",
+                                   b_gate_up)  # fmt: skip
+    tol = 1e-4 if dtype == torch.float32 else 0.03
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= tol * scale
+    assert (torch_path - want).abs().max().item() <= tol * scale
+    # the bias and the clamp both matter here: without either the result is far off
+    unbiased = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, 0 * b_gate_up)
+    shifted = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up.roll(1, 0))
+    for wrong in (unbiased, shifted):
+        assert (wrong - want).abs().max().item() > 10 * tol * scale
+    h = torch.einsum("th,pnh->tpn", x.float(), w_gate_up.float())
+    assert h.abs().max() > 14  # (past the clamp at 7)
+
+
 def test_bf16_rounds_like_torch():
     """bf16 banks: every intermediate is rounded where torch rounds it, so results differ only
     where a dot product's summation order flips a last bf16 bit."""
@@ -139,6 +178,7 @@ def test_a_team_woken_early_sleeps_again_when_no_job_comes():
 def test_executor_uses_the_native_kernel_and_reports_bytes():
     class Store:  # what the executor reads of a HostExpertStore
         w_gate_up, w_down = banks(torch.float32)
+        b_gate_up = None
 
         class shape:
             nbytes = 3 * 200 * 72 * 4

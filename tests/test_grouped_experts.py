@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.activations import activation
+from freetoken.activations import glu
 from freetoken.kernels.grouped_experts import (
     grouped_expert_forward,
     grouped_gemm_experts,
@@ -65,9 +65,24 @@ def make_case(
     )
 
 
-def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu"):
+def biased(case, seed=0, scale=6.0):
+    """`case` with gpt-oss's gate/up biases and weights large enough that gate and up reach
+    past swiglu_oai's clamp at 7 (|h| up to ~20)."""
+    x, slots, weights, w_gate_up, w_down = case
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(w_gate_up.shape[:2], generator=g).to(w_gate_up.device) * scale / 2
+    return x, slots, weights, w_gate_up * scale, w_down, bias.to(w_gate_up.dtype)
+
+
+def swiglu_oai(gate, up, limit=7.0):
+    """gpt-oss's unit written out here (not activations.py's), so the oracle is independent."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+
+
+def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None, limit=7.0):
     """The definition, one route at a time."""
-    act_fn = activation(act)
+    unit = (lambda g, u: swiglu_oai(g, u, limit)) if act == "swiglu_oai" else glu(act)
     i = w_down.shape[2]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -76,7 +91,9 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu"):
             if s < 0:
                 continue
             h = w_gate_up[s] @ x[t]
-            y = w_down[s] @ (act_fn(h[:i]) * h[i:])
+            if b_gate_up is not None:
+                h = h + b_gate_up[s]
+            y = w_down[s] @ unit(h[:i], h[i:])
             out[t] += (y * weights[t, j]).to(x.dtype)
     return out
 
@@ -95,6 +112,41 @@ def test_reference_matches_naive_loop(seed):
     torch.testing.assert_close(
         reference_grouped_experts(*case), naive_loop(*case), rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+def test_reference_with_biases_matches_naive_loop(act):
+    x, slots, weights, w_gate_up, w_down, bias = biased(make_case(4, 3, 48, 24, 6, seed=8))
+    want = naive_loop(x, slots, weights, w_gate_up, w_down, act, bias)
+    got = reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # each route's own slot's bias, and the clamp, both count
+    assert (reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias.roll(1, 0))
+            - want).abs().max() > 1e-2  # fmt: skip
+    h = torch.einsum("th,snh->tsn", x, w_gate_up) + bias
+    assert h.abs().max() > 14
+    if act == "swiglu_oai":
+        unclamped = naive_loop(x, slots, weights, w_gate_up, w_down, act, bias, float("inf"))
+        assert (unclamped - want).abs().max() > 1
+
+
+def test_grouped_gemm_with_biases_matches_reference():
+    case = biased(make_case(40, 4, 48, 24, 6, seed=9))
+    x, slots, weights, w_gate_up, w_down, bias = case
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    try:
+        got = grouped_gemm_experts(x, slots, weights, w_gate_up, w_down, "swiglu_oai", bias)
+    except RuntimeError as e:  # (CPU builds of torch without the grouped GEMM)
+        pytest.skip(f"torch._grouped_mm unavailable here: {e}")
+    want = reference_grouped_experts(x, slots, weights, w_gate_up, w_down, "swiglu_oai", bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_bias_bank_of_the_wrong_shape_is_refused():
+    x, slots, weights, w_gate_up, w_down, bias = biased(make_case(2, 2, 16, 8, 3))
+    with pytest.raises(ValueError, match="b_gate_up must be"):
+        reference_grouped_experts(x, slots, weights, w_gate_up, w_down, "swiglu_oai", bias[:, 1:])
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
@@ -216,10 +268,35 @@ def _interpreter_cases() -> dict[str, float]:
     res["bf16"] = err(
         make_case(3, 2, 64, 32, 5, seed=6, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
     )
+
+    # gpt-oss: per-slot gate/up biases and the clamped SwiGLU, with weights scaled so gate and up
+    # reach past the clamp at 7; errors relative to the output's largest value (~40-70).
+    def rel(case, act, with_bias=True):
+        x, slots, weights, w_gate_up, w_down, bias = case
+        bias = bias if with_bias else None
+        ours = tri(x, slots, weights, w_gate_up, w_down, act, bias)
+        ref = reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias)
+        return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+    bf16 = dict(dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+    for act in ("swiglu_oai", "silu"):
+        res[f"bias_{act}"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=7)), act)
+    res["swiglu_oai"] = err(make_case(3, 2, 64, 32, 5, seed=8), act="swiglu_oai")
+    res["swiglu_oai_clamped"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=9)), "swiglu_oai", False)
+    res["bf16_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=10, **bf16)),
+                                 "swiglu_oai", False)  # fmt: skip
+    res["bf16_bias_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=11, **bf16)),
+                                      "swiglu_oai")  # fmt: skip
     return res
 
 
-INTERPRETER_TOLERANCE = {"bf16": 5e-2}
+# bf16 swiglu_oai: the interpreter's truncating casts, and the kernel rounds the unit once where
+# torch rounds op by op (~2% of the largest output measured; a wrong or missing bias or clamp
+# is off by 40% or more).
+INTERPRETER_TOLERANCE = {
+    "bf16": 5e-2, "bias_swiglu_oai": 1e-5, "bias_silu": 1e-5, "swiglu_oai_clamped": 1e-5,
+    "bf16_swiglu_oai": 5e-2, "bf16_bias_swiglu_oai": 5e-2,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +320,8 @@ def interpreter_results() -> dict[str, float]:
 
 INTERPRETER_CASES = [
     "basic", "int32_slots", "odd_shapes", "long_rows", "gelu", "gelu_pytorch_tanh", "relu",
-    "strided_banks", "all_skipped", "empty", "bf16",
+    "strided_banks", "all_skipped", "empty", "bf16", "bias_swiglu_oai", "bias_silu", "swiglu_oai",
+    "swiglu_oai_clamped", "bf16_swiglu_oai", "bf16_bias_swiglu_oai",
 ]  # fmt: skip
 
 
@@ -279,6 +357,21 @@ def test_cuda_qwen3_30b_shapes_bf16(tokens, weight_dtype):
     assert torch.equal(triton_grouped_expert_forward(*case), ours)  # deterministic
     x, slots, *rest = case
     assert torch.equal(grouped_expert_forward(x, slots.int(), *rest), ours)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 4, 160])  # (160 x 8 routes: the grouped GEMM path)
+def test_cuda_biased_swiglu_oai(tokens):
+    x, slots, weights, w_gate_up, w_down, bias = biased(
+        make_case(tokens, 8, 256, 128, 24, seed=11, device="cuda")
+    )
+    args = (x, slots, weights, w_gate_up, w_down, "swiglu_oai", bias)
+    ref = reference_grouped_experts(*args)
+    assert _rel_err(grouped_expert_forward(*args), ref) < 1e-5
+    bf16 = [a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    bf16[2] = weights
+    assert _rel_err(grouped_expert_forward(*bf16), reference_grouped_experts(*bf16)) < 2e-2
 
 
 @needs_cuda

@@ -31,14 +31,14 @@ def _cases(device: str) -> dict[str, float]:
     dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
     for dtype in dtypes:
         for shape in ((5, 72), (3, 4, 16), (1, 2048)):
-            for zero_centered in (False, True):
-                norm = RMSNorm(shape[-1], 1e-6, zero_centered).to(device, dtype)
+            for zero_centered, scale_fp32 in ((False, False), (True, True), (False, True)):
+                norm = RMSNorm(shape[-1], 1e-6, zero_centered, scale_fp32).to(device, dtype)
                 with torch.no_grad():
                     norm.weight.normal_(0.5, 0.3)
                 x = torch.randn(shape, device=device).to(dtype)
-                ours = norm_rope.rms_norm(x, norm.weight, norm.eps, zero_centered)
+                ours = norm_rope.rms_norm(x, norm.weight, norm.eps, zero_centered, scale_fp32)
                 ref = norm.reference(x)
-                key = f"norm/{dtype}/{shape}/{zero_centered}"
+                key = f"norm/{dtype}/{shape}/{zero_centered}/{scale_fp32}"
                 res[key] = (ours.float() - ref.float()).abs().max().item()
         for head_dim, partial in ((16, 1.0), (32, 0.5), (128, 1.0)):
             rope = RotaryEmbedding(RopeConfig(theta=1e4, partial_rotary_factor=partial), head_dim)
@@ -84,7 +84,7 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 15
+    assert len(results) == 18
     # fp32: the norm's sum of squares in another order (a few ulp), the rotation bit for bit,
     # the routing's choice exactly and its weights to a few ulp.
     assert max(v for k, v in results.items() if k.startswith("norm")) < 1e-5

@@ -151,16 +151,24 @@ def quantized_pair(src, tmp_path, fmt):
             plain[name] = ref
         else:
             stored[name] = plain[name] = t
+    return write_variants(src, tmp_path, {
+        "quantized": (stored, {"quantization_config": quant_config}),
+        "plain": (plain, {}),
+    })  # fmt: skip
+
+
+def write_variants(src, tmp_path, variants: dict) -> tuple:
+    """Checkpoints of `src`'s config, one per variant (label -> (weights, config additions)),
+    in the variants' order."""
     config = json.loads((src / "config.json").read_text())
-    out = {}
-    for label, weights, extra in (("quantized", stored, {"quantization_config": quant_config}),
-                                  ("plain", plain, {})):  # fmt: skip
+    out = []
+    for label, (weights, extra) in variants.items():
         d = tmp_path / label
         d.mkdir()
         save_file(weights, d / "model.safetensors")
         (d / "config.json").write_text(json.dumps({**config, **extra}))
-        out[label] = d
-    return out["quantized"], out["plain"]
+        out.append(d)
+    return tuple(out)
 
 
 def logits(path, moe: MoEOptions | None = None) -> torch.Tensor:

@@ -93,6 +93,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
         ),
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        # a window of 8 that the tests' 40-token prompts cross, sliding and full layers in turn
+        dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+             sliding_window=8),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "llama": (
         "LlamaConfig",

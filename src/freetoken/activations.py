@@ -3,10 +3,16 @@
 One table for every implementation: torch's functions for the layers and the reference paths,
 and the code each name has in the kernels (the Triton experts branch on it at compile time; the
 C experts get the codes as -D defines when compiled, kernels/native.py).
+
+A gated unit computes `glu(name)(gate, up)`: `act(gate) * up` for the plain activations, and
+for `swiglu_oai` (gpt-oss's experts) `(clamp(up, -L, L) + 1) * g * sigmoid(ALPHA * g)` with
+`g = min(gate, L)`, ALPHA = 1.702 and L = 7 (the constants gpt-oss was trained with; its family
+refuses a config with others, so the kernels may hold them as constants).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 # name -> (the kernels' code, torch's function)
@@ -17,11 +23,31 @@ _TABLE = {
     "gelu_pytorch_tanh": (2, lambda x: F.gelu(x, approximate="tanh")),
     "relu": (3, F.relu),
 }
+SWIGLU_OAI = "swiglu_oai"
+SWIGLU_OAI_CODE = 4
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
 # The kernels' names for the codes (the C source's ACT_* macros).
-KERNEL_CODES = {"ACT_SILU": 0, "ACT_GELU": 1, "ACT_GELU_TANH": 2, "ACT_RELU": 3}
+KERNEL_CODES = {
+    "ACT_SILU": 0,
+    "ACT_GELU": 1,
+    "ACT_GELU_TANH": 2,
+    "ACT_RELU": 3,
+    "ACT_SWIGLU_OAI": SWIGLU_OAI_CODE,
+}
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, op by op as transformers computes it (each op rounded to the
+    inputs' dtype)."""
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
 def _entry(name: str):
+    if name == SWIGLU_OAI:
+        raise ValueError(f"{SWIGLU_OAI!r} is a gated unit of two inputs: use glu({name!r})")
     try:
         return _TABLE[name]
     except KeyError:
@@ -33,10 +59,19 @@ def activation(name: str):
     return _entry(name)[1]
 
 
+def glu(name: str):
+    """Torch's gated unit for an activation name: (gate, up) -> the product the down
+    projection reads."""
+    if name == SWIGLU_OAI:
+        return swiglu_oai
+    act = activation(name)
+    return lambda gate, up: act(gate) * up
+
+
 def activation_code(name: str) -> int:
-    """The kernels' code for an activation name."""
-    return _entry(name)[0]
+    """The kernels' code for an activation name (of a gated unit: see the module's note)."""
+    return SWIGLU_OAI_CODE if name == SWIGLU_OAI else _entry(name)[0]
 
 
 def supported(name: str) -> bool:
-    return name in _TABLE
+    return name in _TABLE or name == SWIGLU_OAI

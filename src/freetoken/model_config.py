@@ -56,6 +56,11 @@ class MoEConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    # gpt-oss: every expert's projections have biases (the gate/up bias lives with the expert
+    # in the host pool, moe/store.py; the down bias with the block, layers/moe.py), and the
+    # router has a bias too.
+    expert_bias: bool = False
+    router_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,12 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     # Qwen3-Next: q_proj also yields a per-channel gate; attention output *= sigmoid(gate).
     attn_output_gate: bool = False
+    # gpt-oss: a learned logit per head that joins each softmax and takes no value ("sink").
+    attn_sinks: bool = False
     # Qwen3-Next stores RMSNorm weights zero-centered: the scale applied is 1 + weight.
     zero_centered_norm: bool = False
+    # gpt-oss scales its RMSNorms in fp32 before the cast back (Llama: after); matters in bf16
+    norm_scale_fp32: bool = False
     mla: MLAConfig | None = None  # attention is multi-head latent attention (DeepSeek)
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()

@@ -38,7 +38,8 @@
 enum { DT_BF16 = 0, DT_F32 = 1 };
 /* Activation codes: freetoken/activations.py holds the one table, passed as -D defines by
  * kernels/native.py when it compiles this file. */
-#if !defined(ACT_SILU) || !defined(ACT_GELU) || !defined(ACT_GELU_TANH) || !defined(ACT_RELU)
+#if !defined(ACT_SILU) || !defined(ACT_GELU) || !defined(ACT_GELU_TANH) || !defined(ACT_RELU) \
+    || !defined(ACT_SWIGLU_OAI)
 #error "compile through freetoken.kernels.native, which defines the ACT_* codes"
 #endif
 
@@ -131,6 +132,13 @@ static inline float row_dot(int dtype, const void *bank, int64_t pair, int64_t r
     return dot_f32((const float *)bank + offset, x, n);
 }
 
+/* gpt-oss's clamped SwiGLU (activations.py), in fp32; its constants are the release's. */
+static inline float swiglu_oai(float gate, float up) {
+    const float g = gate < 7.0f ? gate : 7.0f;
+    const float u = up < -7.0f ? -7.0f : (up > 7.0f ? 7.0f : up);
+    return (u + 1.0f) * (g / (1.0f + expf(-1.702f * g)));
+}
+
 static inline float activate(float g, int act) {
     switch (act) {
     case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
@@ -172,7 +180,15 @@ typedef struct {
     int64_t B, heads, kv_heads, D, page, width, window, splits;
     float scale;
     float *part_m, *part_l, *part_acc;
+    /* Experts with biases (gpt-oss): the gate/up projections' bias bank [P, 2I] in `dtype`,
+     * by the same flat ids as w_gate_up; NULL without. */
+    const void *b_gate_up;
 } job_t;
+
+static inline float bias_at(const job_t *j, int64_t index) {
+    return j->dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)j->b_gate_up)[index])
+                               : ((const float *)j->b_gate_up)[index];
+}
 
 /* Linear item: ROW_BLOCK rows of w, each streamed once for all T rows of x. */
 static void linear_item(const job_t *j, int64_t item) {
@@ -299,7 +315,13 @@ static void gate_item(const job_t *j, int64_t item) {
                 gate = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, n, H, xr);
                 up = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, I + n, H, xr);
             }
-            float a = rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+            if (j->b_gate_up) { /* torch: (x @ W) + b, each op rounded */
+                gate = rnd(gate + bias_at(j, pair * 2 * I + n), bf16);
+                up = rnd(up + bias_at(j, pair * 2 * I + I + n), bf16);
+            }
+            /* swiglu_oai rounded once (torch rounds it op by op: a rounding apart in bf16) */
+            float a = j->act == ACT_SWIGLU_OAI ? rnd(swiglu_oai(gate, up), bf16)
+                                               : rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
             if (bf16)
                 j->a16[r * I + n] = bf16_bits(a);
             else
@@ -618,15 +640,17 @@ static uint64_t publish(const job_t *j, uint64_t gen, int64_t items) {
  * are copied before this returns; `out` must stay alive until the job is waited for.
  * *experts receives the number of distinct experts the job reads. Returns 0 if no thread can
  * be started or the job's buffers cannot be allocated. */
-uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down, int64_t H,
-                               int64_t I, const void *x, int x_bf16, int64_t n_rows,
-                               int64_t n_routes, const int64_t *route_row,
-                               const int64_t *route_pair, const float *route_w, float *out,
-                               int act, int threads, int64_t *experts) {
+uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down,
+                               const void *b_gate_up, int64_t H, int64_t I, const void *x,
+                               int x_bf16, int64_t n_rows, int64_t n_routes,
+                               const int64_t *route_row, const int64_t *route_pair,
+                               const float *route_w, float *out, int act, int threads,
+                               int64_t *experts) {
     uint64_t gen = begin_job(threads);
     if (!gen) return 0;
     job_t j = {dtype, act, threads, w_gate_up, w_down, H, I};
     j.kind = JOB_EXPERTS;
+    j.b_gate_up = b_gate_up;
     if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
                    out)) {
         pthread_mutex_unlock(&team_mutex);
@@ -757,7 +781,7 @@ typedef struct {
     float *out;
     int x_bf16, dtype, act, threads;
     int64_t max_routes, H, I, layers;
-    const void *w_gate_up, *w_down;
+    const void *w_gate_up, *w_down, *b_gate_up;
     double *stats; /* per layer: jobs, routes, seconds, experts (accumulated); then a row of
                     * their sums, then one whose first value counts the steps not served */
     double idle_spin, prepare;
@@ -791,9 +815,10 @@ static void serve(listener_t *l, uint32_t shape) {
         return;
     }
     int64_t experts = 0;
-    uint64_t ticket = ft_cpu_experts_submit(l->dtype, l->w_gate_up, l->w_down, l->H, l->I, l->x,
-                                            l->x_bf16, tokens, n, l->rows, l->routes, l->gates,
-                                            l->out, l->act, l->threads, &experts);
+    uint64_t ticket = ft_cpu_experts_submit(l->dtype, l->w_gate_up, l->w_down, l->b_gate_up,
+                                            l->H, l->I, l->x, l->x_bf16, tokens, n, l->rows,
+                                            l->routes, l->gates, l->out, l->act, l->threads,
+                                            &experts);
     if (!ticket) { /* no thread or no memory: a zero partial, counted, and the graph goes on */
         memset(l->out, 0, sizeof(float) * tokens * l->H);
         count_error(l);
@@ -843,12 +868,13 @@ void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *do
                         const int64_t *pairs, const float *weights, const void *x, int x_bf16,
                         float *out,
                         int64_t max_routes, int dtype, const void *w_gate_up, const void *w_down,
-                        int64_t H, int64_t I, int act, int threads, double *stats,
-                        int64_t layers, double idle_spin, double prepare) {
+                        const void *b_gate_up, int64_t H, int64_t I, int act, int threads,
+                        double *stats, int64_t layers, double idle_spin, double prepare) {
     listener_t *l = calloc(1, sizeof(listener_t));
     if (!l) return NULL;
     *l = (listener_t){seq, shape, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
-                      max_routes, H, I, layers, w_gate_up, w_down, stats, idle_spin, prepare};
+                      max_routes, H, I, layers, w_gate_up, w_down, b_gate_up, stats, idle_spin,
+                      prepare};
     /* read here, not on the thread: a ring made before the thread first runs is a job */
     l->served = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     const size_t routes = (size_t)max_routes;

@@ -27,9 +27,10 @@ class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
     returns None when this machine cannot run it (no compiler, unsupported dtype)."""
 
-    def __init__(self, lib, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int):
+    def __init__(self, lib, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int,
+                 b_gate_up: torch.Tensor | None = None):  # fmt: skip
         self.lib = lib
-        self.w_gate_up, self.w_down = w_gate_up, w_down
+        self.w_gate_up, self.w_down, self.b_gate_up = w_gate_up, w_down, b_gate_up
         self.dtype_code = _DTYPES[w_gate_up.dtype]
         self.act_code = activation_code(act)
         self.threads = threads
@@ -38,25 +39,32 @@ class NativeCPUExperts:
 
     @classmethod
     def create(
-        cls, w_gate_up, w_down, act: str, threads: int, spin_seconds: float = 0.0
+        cls, w_gate_up, w_down, act: str, threads: int, spin_seconds: float = 0.0, b_gate_up=None
     ) -> NativeCPUExperts | None:
         """`spin_seconds`: how long the job handoff spins before sleeping (see the C source);
-        for machines where these cores have nothing else to run."""
+        for machines where these cores have nothing else to run. `b_gate_up`: the gate/up
+        biases [P, 2I] of experts that have them (moe/store.py)."""
         if w_gate_up.dtype not in _DTYPES or not supported(act):
             return None
-        if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+        banks = (w_gate_up, w_down) + ((b_gate_up,) if b_gate_up is not None else ())
+        if not all(bank.is_contiguous() for bank in banks):
             return None
         lib = library()
         if lib is None:
             return None
         lib.ft_cpu_experts_set_spin(spin_seconds)
-        return cls(lib, w_gate_up, w_down, act, threads)
+        return cls(lib, w_gate_up, w_down, act, threads, b_gate_up)
 
     def __call__(
         self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
         return self.submit(x, rows, pairs, weights).result()
+
+    @property
+    def bias_address(self) -> int | None:
+        """The bias bank's address for the C side (None: NULL, no biases)."""
+        return None if self.b_gate_up is None else self.b_gate_up.data_ptr()
 
     def prepare(self, seconds: float) -> None:
         """Wake the team ahead of a job expected within `seconds` (see the C source)."""
@@ -77,10 +85,10 @@ class NativeCPUExperts:
         out = np.empty((x.shape[0], self.hidden), np.float32)
         experts = np.zeros(1, np.int64)
         ticket = self.lib.ft_cpu_experts_submit(
-            self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), self.hidden,
-            self.intermediate, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], len(rows),
-            _ptr(rows), _ptr(pairs), _ptr(weights), _ptr(out), self.act_code, self.threads,
-            _ptr(experts),
+            self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), self.bias_address,
+            self.hidden, self.intermediate, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0],
+            len(rows), _ptr(rows), _ptr(pairs), _ptr(weights), _ptr(out), self.act_code,
+            self.threads, _ptr(experts),
         )  # fmt: skip
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
@@ -108,9 +116,17 @@ class PendingJob:
             self._lib.ft_cpu_experts_wait(self._ticket)
 
 
-def torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act) -> torch.Tensor:
+def torch_cpu_experts(
+    x, rows, pairs, weights, w_gate_up, w_down, act, b_gate_up=None
+) -> torch.Tensor:
     """The same result with torch ops (the fallback, and the oracle in tests)."""
     per_route = reference_grouped_experts(
-        x.to(w_gate_up.dtype)[rows], pairs[:, None], weights[:, None], w_gate_up, w_down, act
+        x.to(w_gate_up.dtype)[rows],
+        pairs[:, None],
+        weights[:, None],
+        w_gate_up,
+        w_down,
+        act,
+        b_gate_up,
     )
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, per_route.float())

@@ -13,13 +13,13 @@ from freetoken.kernels import native
 _P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                ctypes.c_double, ctypes.c_uint64)  # fmt: skip
 # (too long for one line of SIGNATURES)
-LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, _P, _P, _I64, _I64, _INT, _INT,
-                 _P, _I64, _D, _D]  # fmt: skip
+LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, _P, _P, _P, _I64, _I64, _INT,
+                 _INT, _P, _I64, _D, _D]  # fmt: skip
 SIGNATURES = {
-    # dtype, w_gate_up, w_down, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair,
-    # route_w, out, act, threads, experts (out)
+    # dtype, w_gate_up, w_down, b_gate_up (or NULL), H, I, x, x_bf16, n_rows, n_routes,
+    # route_row, route_pair, route_w, out, act, threads, experts (out)
     "ft_cpu_experts_submit": (
-        [_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
+        [_INT, _P, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
         _U64,
     ),
     # dtype, w, bias, N, H, x, x_bf16, T, out, threads
@@ -31,7 +31,7 @@ SIGNATURES = {
         _U64,
     ),
     # seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, w_gate_up, w_down,
-    # H, I, act, threads, stats, layers, idle_spin, prepare
+    # b_gate_up (or NULL), H, I, act, threads, stats, layers, idle_spin, prepare
     "ft_listener_start": (LISTENER_ARGS, _P),
     "ft_listener_stop": ([_P], None),
     "ft_cpu_experts_wait": ([_U64], _D),

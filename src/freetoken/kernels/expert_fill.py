@@ -46,20 +46,25 @@ class HostRows:
 
 def fill_experts(banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int) -> None:
     """banks: ((dst [S, ...] the cache bank, src [P, ...] the host bank, or HostRows of it on
-    CUDA), ...), two of them (gate/up and down); pairs / slots [R] int64 with slots == sink
-    where nothing is copied."""
-    (dst0, src0), (dst1, src1) = banks
-    if dst0.device.type != "cuda":
+    CUDA), ...), two or three of them (gate/up, down, and the gate/up biases where experts
+    have them); pairs / slots [R] int64 with slots == sink where nothing is copied."""
+    if banks[0][0].device.type != "cuda":
         keep = slots != sink
         for dst, src in banks:
             dst[slots[keep]] = src[pairs[keep]]
         return
+    if len(banks) not in (2, 3):
+        raise ValueError(f"fill_experts takes two or three banks, got {len(banks)}")
+    (dst0, src0), (dst1, src1) = banks[:2]
+    dst2, src2 = banks[2] if len(banks) == 3 else (dst1, src1)  # (row2 0: never read)
     row0, row1 = dst0[0].numel(), dst1[0].numel()
+    row2 = dst2[0].numel() if len(banks) == 3 else 0
     blocks0 = triton.cdiv(row0, FILL_BLOCK)
-    grid = (blocks0 + triton.cdiv(row1, FILL_BLOCK),)
+    blocks01 = blocks0 + triton.cdiv(row1, FILL_BLOCK)
+    grid = (blocks01 + triton.cdiv(row2, FILL_BLOCK),)
     _fill_kernel[grid](
-        dst0, src0, row0, dst1, src1, row1, blocks0, pairs, slots, slots.numel(), sink,
-        BLOCK=FILL_BLOCK, num_warps=FILL_WARPS,
+        dst0, src0, row0, dst1, src1, row1, dst2, src2, row2, blocks0, blocks01,
+        pairs, slots, slots.numel(), sink, BLOCK=FILL_BLOCK, num_warps=FILL_WARPS,
     )  # fmt: skip
 
 
@@ -80,11 +85,13 @@ if triton is not None:
 
     @triton.jit
     def _fill_kernel(
-        dst0, src0, row0, dst1, src1, row1, blocks0, pairs, slots, R, sink,
-        BLOCK: tl.constexpr,
+        dst0, src0, row0, dst1, src1, row1, dst2, src2, row2, blocks0, blocks01,
+        pairs, slots, R, sink, BLOCK: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         if pid < blocks0:
             _copy_block(dst0, src0, row0, pid, pairs, slots, R, sink, BLOCK)
-        else:
+        elif pid < blocks01:
             _copy_block(dst1, src1, row1, pid - blocks0, pairs, slots, R, sink, BLOCK)
+        else:
+            _copy_block(dst2, src2, row2, pid - blocks01, pairs, slots, R, sink, BLOCK)

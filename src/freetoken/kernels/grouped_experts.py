@@ -22,6 +22,10 @@ three Triton kernels from Python costs more host time (85-150 us per call measur
 machine) than the GPU work at batch 1 (~26 us), so decode should capture its step in a CUDA
 graph; the kernels are capturable (no host sync, no data-dependent shapes).
 
+Experts with biases (gpt-oss) pass `b_gate_up [S, 2I]`, a bank of gate/up biases indexed by the
+same slot ids, added to the projections before the gated unit; `act` names the unit
+(activations.py: `act(gate) * up`, or gpt-oss's clamped `swiglu_oai`).
+
 `reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
 test oracle). The kernels reproduce its dtype rounding steps: the gate/up projections, the
 activation, the product and the down projection are each rounded to x.dtype where torch would
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.activations import activation, activation_code
+from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
 
 try:  # Triton is optional: CPU-only installs (and CI) run the torch reference.
     import triton
@@ -106,6 +110,16 @@ def _check_args(
     return t, slots.shape[1], h, i
 
 
+def _check_bias(b_gate_up: Tensor | None, w_gate_up: Tensor) -> None:
+    if b_gate_up is not None and (
+        b_gate_up.shape != w_gate_up.shape[:2] or b_gate_up.dtype != w_gate_up.dtype
+    ):
+        raise ValueError(
+            f"b_gate_up must be {tuple(w_gate_up.shape[:2])} of {w_gate_up.dtype}, got "
+            f"{tuple(b_gate_up.shape)} of {b_gate_up.dtype}"
+        )
+
+
 def reference_grouped_experts(
     x: Tensor,
     slots: Tensor,
@@ -113,16 +127,19 @@ def reference_grouped_experts(
     w_gate_up: Tensor,
     w_down: Tensor,
     act: str = "silu",
+    b_gate_up: Tensor | None = None,
 ) -> Tensor:
     """Pure-torch definition of `grouped_expert_forward` (any device).
 
-    For each route (t, j) with slots[t, j] >= 0: h = W_gu[s] @ x[t]; a = act(h[:I]) * h[I:];
+    For each route (t, j) with slots[t, j] >= 0: h = W_gu[s] @ x[t] (+ b_gate_up[s], a second
+    op as transformers adds it); a = glu(act)(h[:I], h[I:]);
     y = W_d[s] @ a; out[t] += (y * weights[t, j]).to(x.dtype), all in x.dtype as torch computes
     it, with a token's routes added in order j = 0..k-1. Routes sharing a slot run as one GEMM
     pair (one Python iteration per used slot), so this is also a usable CPU executor.
     """
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
-    act_fn = activation(act)
+    _check_bias(b_gate_up, w_gate_up)
+    unit = glu(act)
     # Per-route contributions, reduced over k in a fixed order below (deterministic, and the
     # order the Triton path uses too).
     contrib = x.new_zeros(t * k, h)
@@ -138,8 +155,10 @@ def reference_grouped_experts(
             # F.linear reads the [out, in] rows as stored; `x @ w.t()` can make oneDNN repack
             # the expert first (10x slower for a bf16 GEMV on a 2-core CPU).
             hidden = F.linear(x[rows // k], w_gate_up[s])
+            if b_gate_up is not None:
+                hidden = hidden + b_gate_up[s]
             gate, up = hidden.split(i, dim=-1)
-            y = F.linear(act_fn(gate) * up, w_down[s])
+            y = F.linear(unit(gate, up), w_down[s])
             contrib[rows] = (y * flat_weights[rows, None]).to(x.dtype)
             start += n
     return _sum_routes(contrib.view(t, k, h))
@@ -161,12 +180,14 @@ def grouped_gemm_experts(
     w_gate_up: Tensor,
     w_down: Tensor,
     act: str = "silu",
+    b_gate_up: Tensor | None = None,
 ) -> Tensor:
     """`reference_grouped_experts` for long chunks: routes sorted by slot and each projection
     run as ONE grouped GEMM over all slots (`torch._grouped_mm`), so a layer costs a dozen
     launches however many experts it uses, where the reference launches a handful per expert.
     Same rounding steps as the reference (each GEMM's output is an x.dtype tensor)."""
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
+    _check_bias(b_gate_up, w_gate_up)
     num_slots = w_gate_up.shape[0]
     flat = slots.reshape(-1).long()
     # Skipped routes (-1) sort after every slot's group, past the last offset: the GEMMs leave
@@ -176,8 +197,10 @@ def grouped_gemm_experts(
     counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]
     windows = _slot_windows(counts, len(order))
     hidden = _grouped_mm(x[order // k], w_gate_up, counts, windows)
+    if b_gate_up is not None:  # (skipped routes read slot 0's: their rows are zeroed below)
+        hidden = hidden + b_gate_up[key[order].clamp(max=num_slots - 1)]
     gate, up = hidden.split(i, dim=-1)
-    y = _grouped_mm(activation(act)(gate) * up, w_down, counts, windows)
+    y = _grouped_mm(glu(act)(gate, up), w_down, counts, windows)
     c = (y * weights.reshape(-1)[order, None]).to(x.dtype)
     c = torch.where((key[order] < num_slots)[:, None], c, 0)
     return _sum_routes(torch.empty_like(c).index_copy_(0, order, c).view(t, k, h))
@@ -219,6 +242,8 @@ def _grouped_mm(rows: Tensor, bank: Tensor, counts: Tensor, windows) -> Tensor:
 # banks may be views of a larger pool (any layout of the two outer dimensions).
 
 if triton is not None:
+    _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # (a jit function reads only constexpr globals)
+    _OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
 
     @triton.jit
     def _activation(g, ACT: tl.constexpr):
@@ -234,23 +259,39 @@ if triton is not None:
             return tl.maximum(g, 0.0)
 
     @triton.jit
+    def _glu(gate, up, dt, ACT: tl.constexpr):
+        """The gated unit (fp32 in and out). The plain activations round act(gate) to dt
+        before the product, as torch does; swiglu_oai (code 4) is computed in fp32 and
+        rounded once, where torch rounds op by op (bf16 results may differ by a rounding)."""
+        if ACT == 4:
+            g = tl.minimum(gate, _OAI_LIMIT)
+            u = tl.minimum(tl.maximum(up, -_OAI_LIMIT), _OAI_LIMIT)
+            return (u + 1.0) * (g / (1.0 + tl.exp(-_OAI_ALPHA * g)))
+        else:
+            return _activation(gate, ACT).to(dt).to(tl.float32) * up
+
+    @triton.jit
     def _gate_up_act_kernel(
         x_ptr,
         slots_ptr,
         w_ptr,
+        b_ptr,
         a_ptr,
         stride_xt,
         stride_ws,
         stride_wn,
+        stride_bs,
         stride_ar,
         HIDDEN: tl.constexpr,
         INTER: tl.constexpr,
         K: tl.constexpr,
         ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """a[r, n] = act(W_gu[s, n] @ x[t]) * (W_gu[s, INTER + n] @ x[t]) for one block of n."""
+        """a[r, n] = glu(W_gu[s, n] @ x[t] (+ b[s, n]), W_gu[s, INTER + n] @ x[t] (+ b[s,
+        INTER + n])) for one block of n."""
         r = tl.program_id(0)
         nb = tl.program_id(1)
         dt = a_ptr.dtype.element_ty
@@ -282,8 +323,13 @@ if triton is not None:
         # the product (no-ops for fp32).
         gate = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
         up = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
-        gate = _activation(gate, ACT).to(dt).to(tl.float32)
-        tl.store(a_ptr + r.to(tl.int64) * stride_ar + rows, (gate * up).to(dt), mask=row_ok)
+        if HAS_BIAS:  # (a skipped route adds 0: it must still compute 0)
+            b_row = b_ptr + slot * stride_bs + rows
+            gate = gate + tl.load(b_row, mask=row_ok & valid, other=0.0).to(tl.float32)
+            up = up + tl.load(b_row + INTER, mask=row_ok & valid, other=0.0).to(tl.float32)
+            gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
+        a = _glu(gate, up, dt, ACT)
+        tl.store(a_ptr + r.to(tl.int64) * stride_ar + rows, a.to(dt), mask=row_ok)
 
     @triton.jit
     def _down_kernel(
@@ -364,6 +410,7 @@ def triton_grouped_expert_forward(
     w_gate_up: Tensor,
     w_down: Tensor,
     act: str = "silu",
+    b_gate_up: Tensor | None = None,
 ) -> Tensor:
     """The Triton path of `grouped_expert_forward`, on whatever device Triton runs on (CUDA, or
     CPU tensors under TRITON_INTERPRET=1 for tests). Slot ids must be < S; this is not checked
@@ -371,11 +418,14 @@ def triton_grouped_expert_forward(
     if triton is None:
         raise RuntimeError("triton is not installed")
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
+    _check_bias(b_gate_up, w_gate_up)
     act_code = activation_code(act)  # (a clear error for an unknown name)
     if w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         # Copying a slot bank per call would cost more than the computation; the pool owner
         # must keep the inner dimension contiguous (any layout of the outer two is fine).
         raise ValueError("expert weight banks must be contiguous in their last dimension")
+    if b_gate_up is not None and b_gate_up.stride(1) != 1:
+        raise ValueError("the bias bank must be contiguous in its last dimension")
     routes = t * k
     if routes == 0:
         return torch.zeros_like(x)
@@ -390,15 +440,18 @@ def triton_grouped_expert_forward(
         x,
         slots,
         w_gate_up,
+        w_gate_up if b_gate_up is None else b_gate_up,  # (not read without a bias)
         a,
         x.stride(0),
         w_gate_up.stride(0),
         w_gate_up.stride(1),
+        0 if b_gate_up is None else b_gate_up.stride(0),
         a.stride(0),
         HIDDEN=h,
         INTER=i,
         K=k,
         ACT=act_code,
+        HAS_BIAS=b_gate_up is not None,
         BLOCK_N=GATE_UP_BLOCK_N,
         BLOCK_K=GATE_UP_BLOCK_K,
         num_warps=GATE_UP_WARPS,
@@ -435,18 +488,22 @@ def grouped_expert_forward(
     w_gate_up: Tensor,
     w_down: Tensor,
     act: str = "silu",
+    b_gate_up: Tensor | None = None,
 ) -> Tensor:
-    """Gate-weighted sum over each token's routes of down(act(gate(x)) * up(x)), with the
+    """Gate-weighted sum over each token's routes of down(glu(gate(x), up(x))), with the
     expert weights of route (t, j) at slot slots[t, j] of the banks; -1 skips a route.
 
     x [T, H] (bf16/fp16/fp32); slots [T, k] int32/int64; weights [T, k] (fp32 or x.dtype);
-    w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]. Returns [T, H] in
+    w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]; b_gate_up [S, 2I] or
+    None (the gate/up projections' biases). Returns [T, H] in
     x.dtype, deterministic. On CUDA: Triton kernels for decode-sized calls, grouped GEMMs for
     long chunks (`GROUPED_GEMM_FROM_ROUTES`); the torch reference elsewhere.
     """
     if x.is_cuda:
         if slots.numel() >= GROUPED_GEMM_FROM_ROUTES and hasattr(torch, "_grouped_mm"):
-            return grouped_gemm_experts(x, slots, weights, w_gate_up, w_down, act)
+            return grouped_gemm_experts(x, slots, weights, w_gate_up, w_down, act, b_gate_up)
         if triton is not None:
-            return triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down, act)
-    return reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act)
+            return triton_grouped_expert_forward(
+                x, slots, weights, w_gate_up, w_down, act, b_gate_up
+            )
+    return reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, b_gate_up)

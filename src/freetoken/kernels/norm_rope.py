@@ -25,7 +25,9 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, scale_fp32: bool
+):
     """RMSNorm over the last dimension of x (any leading shape), as layers/norm.py computes it."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
@@ -34,8 +36,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     out = torch.empty_like(rows)
     n = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), ZERO_CENTERED=zero_centered
-    )
+        rows, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), ZERO_CENTERED=zero_centered,
+        SCALE_FP32=scale_fp32,
+    )  # fmt: skip
     return out.view(shape)
 
 
@@ -94,15 +97,20 @@ if triton is not None:
         tl.store(IDS + row * K + slots, idx, mask=slots < K)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, OUT, n, eps, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    def _rms_norm_kernel(
+        X, W, OUT, n, eps, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+        SCALE_FP32: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(X + row * n + cols, mask=ok, other=0.0).to(tl.float32)
         h = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:  # noqa: SIM108 (a constexpr branch: compiled out)
+        if ZERO_CENTERED:  # (constexpr branches: compiled out)
             y = h * (1.0 + w)
+        elif SCALE_FP32:
+            y = w * h
         else:
             # weight * h.to(dtype): the normalised row is rounded first, then scaled.
             y = w * h.to(OUT.dtype.element_ty).to(tl.float32)

@@ -1,5 +1,6 @@
 """Grouped-query attention over the paged KV cache (RoPE, optional qk-norm, clipping,
-biases, sliding window and output gate: every variant our families use, in one module)."""
+biases, sliding window, output gate and sinks: every variant our families use, in one
+module)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         sliding = cfg.sliding_layers[layer] if cfg.sliding_layers else False
         self.window = cfg.sliding_window if sliding else None
         self.scale = cfg.head_dim**-0.5
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
 
     def forward(
         self,
@@ -71,7 +73,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         kv.write(self.layer, batch.write_slots, k, v)
-        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], batch, self.scale, self.window)
+        out = paged_attention(
+            q, kv.k[self.layer], kv.v[self.layer], batch, self.scale, self.window, self.sinks
+        )
         out = out.reshape(t, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -4,7 +4,9 @@ The block owns its router and shared expert. Its routed experts live outside the
 host expert pool (`moe/store.py`) and wherever the MoE runtime places them: the block hands
 each token's routes to `self.executor`, which the runtime installs (`moe/runtime.py`).
 Expert banks are stacked: `w_gate_up[e]` is [2 * I, H] (gate rows, then up rows) and
-`w_down[e]` is [H, I].
+`w_down[e]` is [H, I]. Where experts have biases (gpt-oss), the gate/up bias travels with the
+expert (moe/store.py) while the block keeps the down bias: sum_j w_j (W_d a_j + b_j) is the
+executor's sum plus sum_j w_j b_j, so it is added here once, wherever the experts ran.
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ class MoEBlock(nn.Module):
         self.fp32_gate_weights = moe.fp32_gate_weights
         self.moe = moe
         h = cfg.hidden_size
-        self.router = Linear(h, moe.num_experts, bias=False)
+        self.router = Linear(h, moe.num_experts, bias=moe.router_bias)
+        self.down_proj_bias = None
+        if moe.expert_bias:
+            self.down_proj_bias = nn.Parameter(torch.zeros(moe.num_experts, h), requires_grad=False)
         self.correction_bias = None
         if moe.scoring == "sigmoid":
             self.correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
@@ -101,6 +106,10 @@ class MoEBlock(nn.Module):
                 self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights
             )
         out = self.executor(self.moe_layer, x, ids, weights)
+        if self.down_proj_bias is not None:
+            # sum_j w_j b[ids_j] as one [T, E] x [E, H] product (no [T, k, H] gather)
+            dense = weights.new_zeros(x.shape[0], self.moe.num_experts).scatter_(1, ids, weights)
+            out = out + dense.to(x.dtype) @ self.down_proj_bias
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -10,17 +10,20 @@ class RMSNorm(nn.Module):
 
     `zero_centered` (Qwen3-Next): the stored weight is the scale minus one, and the scale is
     applied in fp32 before the cast back (the reference's order, which matters in bf16).
+    `scale_fp32` (gpt-oss): the scale applied in fp32 too; otherwise Llama's order, the
+    normalised row rounded to the dtype first, then scaled.
     """
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, scale_fp32=False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
         self.zero_centered = zero_centered
+        self.scale_fp32 = scale_fp32 or zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
-            return norm_rope.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            return norm_rope.rms_norm(x, self.weight, self.eps, self.zero_centered, self.scale_fp32)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +32,8 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
             return (h * (1.0 + self.weight.float())).to(dtype)
+        if self.scale_fp32:
+            return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
 
 

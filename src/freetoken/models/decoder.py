@@ -23,15 +23,15 @@ from freetoken.model_config import ModelConfig
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        zc = cfg.zero_centered_norm
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        zc, fp32 = cfg.zero_centered_norm, cfg.norm_scale_fp32
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc, fp32)
         if cfg.linear_layers and cfg.linear_layers[layer]:
             self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layer_ids.index(layer))
         elif cfg.mla is not None:
             self.attn = LatentAttention(cfg, layer)
         else:
             self.attn = Attention(cfg, layer)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc, fp32)
         if cfg.moe_layers[layer]:
             self.moe = MoEBlock(cfg, cfg.moe_layer_ids.index(layer))
         else:
@@ -62,7 +62,9 @@ class DecoderModel(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32
+        )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_head_dim)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

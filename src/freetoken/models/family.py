@@ -31,6 +31,12 @@ COMMON_RENAMES: tuple[tuple[str, str], ...] = (
     (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.", r"layers.\1.moe.shared."),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.", r"layers.\1.moe.shared_gate."),
     (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.", r"layers.\1.moe.shared."),
+    # (gpt-oss: a router bias; expert biases, whole banks)
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.bias$", r"layers.\1.moe.router.bias"),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_bias$",
+        r"layers.\1.moe.\2_bias",
+    ),
     (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.moe.experts."),
     (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
 )
@@ -45,6 +51,9 @@ class Family:
     architectures: tuple[str, ...]
     parse_config: Callable[[dict[str, Any]], ModelConfig]
     renames: tuple[tuple[str, str], ...] = ()
+    # (canonical name, tensor, whether it was dequantized) -> the tensor in our layout, for
+    # families whose checkpoints lay a tensor out otherwise (gpt-oss: transposed, interleaved)
+    to_layout: Callable[[str, Any, bool], Any] | None = None
 
     def canonical_name(self, hf_name: str) -> str | None:
         """Our parameter name for a checkpoint tensor name, or None if it is not ours."""

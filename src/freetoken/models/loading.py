@@ -37,6 +37,8 @@ DTYPES = {
 _EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # All experts of a layer at once (the fused layout transformers 5 uses in memory).
 _FUSED = re.compile(r"^layers\.(\d+)\.moe\.experts\.(gate_up_proj|down_proj)$")
+_BIAS_BANK = re.compile(r"^layers\.(\d+)\.moe\.gate_up_proj_bias$")
+_BANK_NAMES = (".w_gate_up", ".w_down", ".b_gate_up")  # (the host pool's banks, per layer)
 # Headroom beyond the weights for activations, the KV cache and the Python process itself.
 HOST_MEMORY_MARGIN = 512 * 2**20
 
@@ -165,8 +167,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     loaded = load_model(src, dtype, "cpu", progress)
     files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
     if loaded.experts is not None:
-        files[EXPERTS_FILE] = [("experts:w_gate_up", loaded.experts.w_gate_up),
-                               ("experts:w_down", loaded.experts.w_down)]  # fmt: skip
+        files[EXPERTS_FILE] = [(f"experts:{name}", bank)
+                               for name, bank in loaded.experts.named_banks.items()]  # fmt: skip
     copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
@@ -196,8 +198,8 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
     dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
     banks = []
     if store is not None:
-        banks = _entries(weights, {"experts:w_gate_up": store.w_gate_up,
-                                   "experts:w_down": store.w_down}, path)  # fmt: skip
+        banks = _entries(weights, {f"experts:{name}": bank
+                                   for name, bank in store.named_banks.items()}, path)  # fmt: skip
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
                                desc="Loading weights", disable=not show) as bar:  # fmt: skip
@@ -234,8 +236,8 @@ def _fill(
         # The expert banks are filled in place in the host pool, one layer's rows at a time.
         for i in range(store.num_layers):
             rows = store.layer_rows(i)
-            params[f"moe.{i}.w_gate_up"] = store.w_gate_up[rows]
-            params[f"moe.{i}.w_down"] = store.w_down[rows]
+            for name, bank in store.named_banks.items():
+                params[f"moe.{i}.{name}"] = bank[rows]
     moe_index = {layer: i for i, layer in enumerate(model.config.moe_layer_ids)}
     filled: set[str] = set()
     unused: list[str] = []
@@ -257,6 +259,8 @@ def _fill(
                 unused.append(stored)
                 continue
             key, dest = target
+            if family.to_layout is not None:
+                tensor = family.to_layout(name, tensor, stored in ckpt.quantized.tensors)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise CheckpointError(
                     f"tensor {stored} has shape {tuple(tensor.shape)}, but the config "
@@ -266,7 +270,7 @@ def _fill(
             filled.add(key)
 
     missing = sorted(
-        {n for n in params if not n.endswith((".w_gate_up", ".w_down"))} - filled
+        {n for n in params if not n.endswith(_BANK_NAMES)} - filled
     ) + _missing_experts(model.config, store, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (
@@ -296,6 +300,9 @@ def _target(
             return name, bank[expert]
         half = bank.shape[1] // 2
         return name, bank[expert, :half] if proj == "gate_proj" else bank[expert, half:]
+    if m := _BIAS_BANK.match(name):  # (a whole layer's gate/up biases: gpt-oss)
+        key = f"moe.{moe_index[int(m[1])]}.b_gate_up" if int(m[1]) in moe_index else None
+        return (f"layers.{m[1]}.moe.b_gate_up", params[key]) if key in params else None
     if m := _FUSED.match(name):
         if int(m[1]) not in moe_index:
             return None
@@ -322,4 +329,6 @@ def _missing_experts(
                     for p in projs
                     if (key := f"layers.{layer}.moe.experts.{e}.{p}.weight") not in filled
                 ]
+        if store.b_gate_up is not None and f"layers.{layer}.moe.b_gate_up" not in filled:
+            missing.append(f"layers.{layer}.moe.gate_up_proj_bias")
     return missing

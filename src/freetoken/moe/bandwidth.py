@@ -104,6 +104,7 @@ class _ExpertPool:
         self.num_pairs = n
         self.w_gate_up = torch.randn(n, 2 * i, h).to(shape.dtype) * 0.02
         self.w_down = torch.randn(n, h, i).to(shape.dtype) * 0.02
+        self.b_gate_up = None  # (a bias is 0.1% of an expert's bytes: not in the measure)
         if pin:
             self.w_gate_up = self.w_gate_up.pin_memory()
             self.w_down = self.w_down.pin_memory()

@@ -44,20 +44,19 @@ class ExpertCache:
         num_slots: int,
         device: torch.device,
         policy=None,
-        banks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        banks: tuple[torch.Tensor, ...] | None = None,
     ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.store = store
         self.device = device
         self.num_slots = num_slots
-        if banks is None:
-            h, i, dtype = store.shape.hidden, store.shape.intermediate, store.shape.dtype
-            banks = (
-                torch.empty(num_slots, 2 * i, h, dtype=dtype, device=device),
-                torch.empty(num_slots, h, i, dtype=dtype, device=device),
+        if banks is None:  # a row of each of the store's banks per slot
+            banks = tuple(
+                torch.empty(num_slots, *host.shape[1:], dtype=host.dtype, device=device)
+                for host in store.banks
             )
-        self.w_gate_up, self.w_down = banks
+        self.banks: tuple[torch.Tensor, ...] | None = banks
         self.slot_of = torch.full((store.num_pairs,), -1, dtype=torch.long)
         self.pair_of = torch.full((num_slots,), -1, dtype=torch.long)
         self.policy = policy
@@ -72,23 +71,34 @@ class ExpertCache:
             self._copier = HostToDeviceCopier.create()
             self._queued, self._filled = torch.cuda.Event(), torch.cuda.Event()
             self._fills = 0
-            for host, dev in ((store.w_gate_up, self.w_gate_up), (store.w_down, self.w_down)):
+            for host, dev in zip(store.banks, self.banks, strict=True):
                 if not (host.is_contiguous() and dev.is_contiguous()):
                     self._copier = None
                 row = dev[0].numel() * dev.element_size()
                 self._rows.append((host.data_ptr(), dev.data_ptr(), row))
 
+    @property
+    def w_gate_up(self) -> torch.Tensor | None:
+        return self.banks[0] if self.banks else None
+
+    @property
+    def w_down(self) -> torch.Tensor | None:
+        return self.banks[1] if self.banks else None
+
+    @property
+    def b_gate_up(self) -> torch.Tensor | None:
+        """The gate/up biases of the slots' experts (moe/store.py), None without biases."""
+        return self.banks[2] if self.banks and len(self.banks) > 2 else None
+
     @classmethod
     def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:
         """Every expert in its own slot (slot == flat id): the `fused` placement. On the CPU the
         host banks are used as they are, with no copy."""
-        banks = None
-        if device.type == "cpu":
-            banks = (store.w_gate_up, store.w_down)
+        banks = store.banks if device.type == "cpu" else None
         cache = cls(store, store.num_pairs, device, banks=banks)
         if banks is None:
-            cache.w_gate_up.copy_(store.w_gate_up)
-            cache.w_down.copy_(store.w_down)
+            for dev, host in zip(cache.banks, store.banks, strict=True):
+                dev.copy_(host)
         ids = torch.arange(store.num_pairs)
         cache.slot_of.copy_(ids)
         cache.pair_of.copy_(ids)
@@ -116,7 +126,7 @@ class ExpertCache:
         self._retable(pairs, slots)
         if self._copier is not None:
             return self._copy_rows(pairs, slots, after_compute)
-        sources = [(self.store.w_gate_up[p], self.store.w_down[p]) for p in pairs]
+        sources = [tuple(bank[p] for bank in self.store.banks) for p in pairs]
         return self._copy(slots, sources, wait=after_compute)
 
     def _copy_rows(self, pairs: Sequence[int], slots: Sequence[int], after_compute: bool):
@@ -152,7 +162,7 @@ class ExpertCache:
         return start, done
 
     def place_from(self, pairs, slots, sources, after=None):
-        """Like `place`, copying from device tensors (`sources`: (gate_up, down) rows). On
+        """Like `place`, copying from device tensors (`sources`: a row of each bank). On
         CUDA the copies follow `after` (an event) instead of all queued compute."""
         self._retable(pairs, slots)
         return self._copy(slots, sources, after)
@@ -169,17 +179,17 @@ class ExpertCache:
     def _copy(self, slots, sources, after=None, wait: bool = True):
         if self.copy_stream is None:
             start = time.perf_counter()
-            for s, (gate_up, down) in zip(slots, sources, strict=True):
-                self.w_gate_up[s].copy_(gate_up)
-                self.w_down[s].copy_(down)
+            for s, rows in zip(slots, sources, strict=True):
+                for bank, row in zip(self.banks, rows, strict=True):
+                    bank[s].copy_(row)
             self.last_fill_seconds = time.perf_counter() - start
             return None
 
         def enqueue():
             with torch.cuda.stream(self.copy_stream):
-                for s, (gate_up, down) in zip(slots, sources, strict=True):
-                    self.w_gate_up[s].copy_(gate_up, non_blocking=True)
-                    self.w_down[s].copy_(down, non_blocking=True)
+                for s, rows in zip(slots, sources, strict=True):
+                    for bank, row in zip(self.banks, rows, strict=True):
+                        bank[s].copy_(row, non_blocking=True)
 
         return self._on_copy_stream(enqueue, after, wait)
 
@@ -206,7 +216,7 @@ class ExpertCache:
                 return self._resized_beside(num_slots, held, kept, refill)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()  # (the estimate was wrong: free this cache first)
-        self.w_gate_up = self.w_down = None
+        self.banks = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             # what the device holds once these banks are gone, if less than asked for
@@ -229,7 +239,7 @@ class ExpertCache:
         keep = torch.as_tensor(held, dtype=torch.long)
         if len(keep):
             index = keep.to(self.device)
-            for old_bank, new_bank in ((self.w_gate_up, new.w_gate_up), (self.w_down, new.w_down)):
+            for old_bank, new_bank in zip(self.banks, new.banks, strict=True):
                 # straight into the new bank's first rows: no third copy in device memory
                 torch.index_select(old_bank, 0, index, out=new_bank[: len(keep)])
             new._retable(kept, list(range(len(keep))))

@@ -81,7 +81,12 @@ class CPUExpertExecutor:
             # beside a GPU.
             team = threads or team_threads()
             self.native = NativeCPUExperts.create(
-                store.w_gate_up, store.w_down, act, team, spin_seconds=spin_us * 1e-6
+                store.w_gate_up,
+                store.w_down,
+                act,
+                team,
+                spin_seconds=spin_us * 1e-6,
+                b_gate_up=store.b_gate_up,
             )
         self.prepare_seconds = prepare_us * 1e-6
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
@@ -105,7 +110,7 @@ class CPUExpertExecutor:
         store = self.store
         rows, pairs, weights = map(torch.as_tensor, (job.rows, job.pairs, job.weights))
         out = torch_cpu_experts(
-            job.x, rows, pairs, weights, store.w_gate_up, store.w_down, self.act
+            job.x, rows, pairs, weights, store.w_gate_up, store.w_down, self.act, store.b_gate_up
         )
         experts = len(torch.unique(pairs))
         return CPUResult(out, time.perf_counter() - start, experts * store.shape.nbytes)

@@ -86,7 +86,7 @@ class CPUDoorbell:
             self._word(SEQ), self._word(SHAPE), self._word(DONE), self.pairs.data_ptr(),
             self.weights.data_ptr(),
             self.x.data_ptr(), bf16, self.out.data_ptr(), routes, experts.dtype_code,
-            experts.w_gate_up.data_ptr(), experts.w_down.data_ptr(), hidden,
+            experts.w_gate_up.data_ptr(), experts.w_down.data_ptr(), experts.bias_address, hidden,
             experts.intermediate, experts.act_code, threads, self.stats.ctypes.data, num_layers,
             IDLE_SPIN_SECONDS, prepare_seconds,
         )  # fmt: skip

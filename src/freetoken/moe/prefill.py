@@ -66,16 +66,11 @@ class LayerStreamer:
         act: str = "silu",
     ):
         self.store, self.cache, self.device, self.act = store, cache, device, act
-        e, h, i, dtype = (
-            store.num_experts,
-            store.shape.hidden,
-            store.shape.intermediate,
-            store.shape.dtype,
-        )
+        # two buffers, each a layer's row of every bank of the store
         self.buffers = [
-            (
-                torch.empty(e, 2 * i, h, dtype=dtype, device=device),
-                torch.empty(e, h, i, dtype=dtype, device=device),
+            tuple(
+                torch.empty(store.num_experts, *bank.shape[1:], dtype=bank.dtype, device=device)
+                for bank in store.banks
             )
             for _ in range(2)
         ]
@@ -93,7 +88,7 @@ class LayerStreamer:
     def _load(self, moe_layer: int) -> None:
         """Issue the copies of every expert of `moe_layer` into its buffer."""
         b = moe_layer % 2
-        gate_up, down = self.buffers[b]
+        buffer = self.buffers[b]
         store, cache, e = self.store, self.cache, self.store.num_experts
         base = moe_layer * e
         cached = {}
@@ -106,11 +101,11 @@ class LayerStreamer:
         def copy():
             for first, n in _runs(uncached):
                 rows = slice(base + first, base + first + n)
-                gate_up[first : first + n].copy_(store.w_gate_up[rows], non_blocking=True)
-                down[first : first + n].copy_(store.w_down[rows], non_blocking=True)
+                for dst, src in zip(buffer, store.banks, strict=True):
+                    dst[first : first + n].copy_(src[rows], non_blocking=True)
             for x, s in cached.items():
-                gate_up[x].copy_(cache.w_gate_up[s], non_blocking=True)
-                down[x].copy_(cache.w_down[s], non_blocking=True)
+                for dst, src in zip(buffer, cache.banks, strict=True):
+                    dst[x].copy_(src[s], non_blocking=True)
 
         if self.copy_stream is None:
             copy()
@@ -144,8 +139,8 @@ class LayerStreamer:
             stream.wait_event(self.ready[b])
             after.record(stream)
             self._chunk["waits"].append((before, after))
-        gate_up, down = self.buffers[b]
-        out = grouped_expert_forward(x, ids, weights, gate_up, down, self.act)
+        out = grouped_expert_forward(x, ids, weights, *self.buffers[b][:2], self.act,
+                                     *self.buffers[b][2:])  # fmt: skip
         if stream is not None:
             self.free[b] = torch.cuda.Event()
             self.free[b].record(stream)
@@ -169,8 +164,8 @@ class LayerStreamer:
             return
         hit_slots = cache.slot_of[[p for p in pairs if p not in missing]]
         victims = cache.victim_candidates(moe_layer, hit_slots, len(missing))
-        gate_up, down = self.buffers[moe_layer % 2]
-        sources = [(gate_up[p - moe_layer * e], down[p - moe_layer * e]) for p in missing]
+        buffer = self.buffers[moe_layer % 2]
+        sources = [tuple(bank[p - moe_layer * e] for bank in buffer) for p in missing]
         # Ordered after the buffer's copies (same stream) and after the compute queued before
         # this chunk began, which is all that could still read the victims.
         cache.place_from(missing, victims.tolist(), sources, after=self._chunk.get("began"))

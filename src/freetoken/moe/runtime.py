@@ -129,7 +129,7 @@ class MoERuntime:
         self._telemetry = MoETelemetry.for_layers(store.num_layers)
         self.control, self.doorbell = control, doorbell
         # the host pool as the device-launched fills read it (by address on CUDA)
-        self._pool = (store.w_gate_up, store.w_down)
+        self._pool = store.banks
         if device.type == "cuda":
             self._pool = tuple(HostRows(bank) for bank in self._pool)
         self._doorbell_errors = 0  # the listener's failures already reported
@@ -162,7 +162,7 @@ class MoERuntime:
         if self.streamer is not None:
             self.streamer.cache = cache
         if cache is not None:
-            self._fill_banks = tuple(zip((cache.w_gate_up, cache.w_down), self._pool, strict=True))
+            self._fill_banks = tuple(zip(cache.banks, self._pool, strict=True))
 
     @property
     def telemetry(self) -> MoETelemetry:
@@ -360,8 +360,8 @@ class MoERuntime:
         return self.streamer is not None and threshold is not None and tokens >= threshold
 
     def _gpu(self, x, slots, weights) -> torch.Tensor:
-        cache = self.cache
-        return grouped_expert_forward(x, slots, weights, cache.w_gate_up, cache.w_down, self.act)
+        banks = self.cache.banks  # (the gate/up bias bank third, where experts have biases)
+        return grouped_expert_forward(x, slots, weights, *banks[:2], self.act, *banks[2:])
 
     def _split_layer(self, moe_layer, x, ids, weights) -> torch.Tensor:
         """The layer eagerly: the GPU kernel is queued before waiting for the CPU share."""

@@ -4,6 +4,12 @@ Two banks, one row per expert: `w_gate_up [P, 2I, H]` (gate rows then up rows) a
 `w_down [P, H, I]`, where P = MoE layers x experts and a row's flat id is
 `moe_layer * E + expert`. One expert is one row of each bank, so filling a cache slot is two
 contiguous copies and the CPU executor reads an expert with no gather.
+
+Models whose experts have biases (gpt-oss, MoEConfig.expert_bias) add `b_gate_up [P, 2I]`, the
+gate/up projection's bias in the same row order: it sits inside the activation, so whoever runs
+an expert needs it (the CPU kernels read it by flat id; the GPU runtime keeps the whole bank on
+the device, a few MB, and gathers each route's row). The down projection's bias is linear in
+the gate weights, so the MoE block adds it once after the routed sum (layers/moe.py).
 """
 
 from __future__ import annotations
@@ -58,7 +64,19 @@ class HostExpertStore:
         # Page-aligned: a weight directory reads them with direct I/O (weights/weight_dir.py).
         self.w_gate_up = page_aligned_empty((pairs, 2 * i, h), dtype)
         self.w_down = page_aligned_empty((pairs, h, i), dtype)
+        self.b_gate_up = page_aligned_empty((pairs, 2 * i), dtype) if cfg.moe.expert_bias else None
         self.pinned = False
+
+    @property
+    def named_banks(self) -> dict[str, torch.Tensor]:
+        """Every host bank by name, in the order a cache slot holds them (the bias bank last,
+        where the experts have biases)."""
+        banks = {"w_gate_up": self.w_gate_up, "w_down": self.w_down, "b_gate_up": self.b_gate_up}
+        return {name: bank for name, bank in banks.items() if bank is not None}
+
+    @property
+    def banks(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.named_banks.values())
 
     @property
     def num_pairs(self) -> int:
@@ -80,7 +98,7 @@ class HostExpertStore:
             return False
         cudart = torch.cuda.cudart()
         registered = []
-        for bank in (self.w_gate_up, self.w_down):
+        for bank in self.banks:
             ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
             # Portable and mapped: the device may also read the pool in place, by its host
             # address (unified addressing), as the device-launched fills do.
@@ -110,6 +128,6 @@ class HostExpertStore:
     def unpin(self) -> None:
         if self.pinned:
             cudart = torch.cuda.cudart()
-            for bank in (self.w_gate_up, self.w_down):
+            for bank in self.banks:
                 cudart.cudaHostUnregister(bank.data_ptr())
             self.pinned = False
