@@ -324,9 +324,10 @@ def test_the_cpu_team_is_woken_early_only_for_steps_that_will_use_it():
     ],
     ids=lambda o: f"{o.strategy}-{o.cache_size}-{'device' if o.device_control else 'host'}",
 )
-def test_strategies_on_cuda_match_fused(tmp_path, options):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # (gpt-oss: the bias bank too)
+def test_strategies_on_cuda_match_fused(tmp_path, options, family):
     """The real device tier: copy stream, events, pinned host pool, Triton kernel."""
-    path, _ = build("qwen3_moe", tmp_path / "m")
+    path, _ = build(family, tmp_path / "m")
     loaded = load_model(path, dtype="float32", device="cuda")
     prompts = prompts_for(loaded)
     ref_tokens, ref_logits, _ = greedy_run(loaded, MoEOptions(strategy="fused"), prompts)
