@@ -56,7 +56,10 @@ def _cases(device: str) -> dict[str, float]:
             ref_w, ref_ids = route_reference(logits, k, renormalize)
             key = f"route/{dtype}/{experts}/{k}"
             res[key] = (weights.float() - ref_w.float()).abs().max().item()
-            res[key + "/ids"] = float((ids != ref_ids).sum().item())
+            # bf16 logits tie often (128 normals in 8 bits): either of two tied experts is
+            # a right choice, so the chosen logits are compared, not the ids
+            chosen, ref_chosen = logits.gather(1, ids), logits.gather(1, ref_ids)
+            res[key + "/ids"] = float((chosen != ref_chosen).sum().item())
     return res
 
 

@@ -8,9 +8,9 @@ the CPU, for a cache miss) and contributes nothing here.
 `grouped_expert_forward` runs the whole layer as three Triton launches on CUDA, independent of
 how many experts are used (no Python loop over experts, no host sync):
 
-1. gate/up + activation, grid (routes, I / GATE_UP_BLOCK_N): each program reads the gate block
-   n and the up block n of its route's slot, so `a = act(gate) * up` is fused and only `a`
-   ([R, I], tiny) goes back to memory;
+1. gate/up + gated unit, grid (routes, I / GATE_UP_BLOCK_N): each program reads the gate block
+   n and the up block n of its route's slot (and their biases), so `a = glu(gate, up)` is fused
+   and only `a` ([R, I], tiny) goes back to memory;
 2. down, grid (routes, H / DOWN_BLOCK_N): `c[r] = weight[r] * (W_d[slot] @ a[r])`;
 3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order.
 
@@ -29,7 +29,8 @@ same slot ids, added to the projections before the gated unit; `act` names the u
 `reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
 test oracle). The kernels reproduce its dtype rounding steps: the gate/up projections, the
 activation, the product and the down projection are each rounded to x.dtype where torch would
-round them, so bf16 results differ from the reference essentially only by accumulation order.
+round them, so bf16 results differ from the reference essentially only by accumulation order;
+`swiglu_oai` alone is rounded once where torch rounds op by op (a bf16 rounding or so more).
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ if triton is not None:
         slot = tl.load(slots_ptr + r).to(tl.int64)
         valid = slot >= 0
         # A skipped route keeps its pointers in bounds (slot 0) but masks every weight load,
-        # so it reads nothing and computes act(0) * 0 = 0 for every supported activation.
+        # so it reads nothing and computes glu(0, 0) = 0 for every supported unit.
         slot = tl.maximum(slot, 0)
         token = r // K
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
