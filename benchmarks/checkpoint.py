@@ -48,13 +48,24 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
 
 def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
     """transformers' gpt-oss layout: biased attention with sinks, fused expert banks
-    [E, in, out] with their biases."""
+    [E, in, out] with their biases; with `quantization_config` MXFP4, the release's expert
+    layout instead: `*_blocks` [E, out, in / 32, 16] and `*_scales` [E, out, in / 32] (uint8)."""
     h, d = raw["hidden_size"], raw["head_dim"]
     heads = raw["num_attention_heads"]
     q, kv = heads * d, raw["num_key_value_heads"] * d
     e, i = raw["num_local_experts"], raw["intermediate_size"]
     p = f"model.layers.{layer}."
-    return {
+    if raw.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        experts = {
+            p + "mlp.experts.gate_up_proj_blocks": (e, 2 * i, h // 32, 16),
+            p + "mlp.experts.gate_up_proj_scales": (e, 2 * i, h // 32),
+            p + "mlp.experts.down_proj_blocks": (e, h, i // 32, 16),
+            p + "mlp.experts.down_proj_scales": (e, h, i // 32),
+        }
+    else:
+        experts = {p + "mlp.experts.gate_up_proj": (e, h, 2 * i),
+                   p + "mlp.experts.down_proj": (e, i, h)}  # fmt: skip
+    return experts | {
         p + "input_layernorm.weight": (h,),
         p + "post_attention_layernorm.weight": (h,),
         p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
@@ -63,9 +74,8 @@ def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]
         p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
         p + "self_attn.sinks": (heads,),
         p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
-        p + "mlp.experts.gate_up_proj": (e, h, 2 * i),
         p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
-        p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h),
+        p + "mlp.experts.down_proj_bias": (e, h),
     }  # fmt: skip
 
 
@@ -82,6 +92,10 @@ def write_random_checkpoint(
     def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.bfloat16)
+        if name.endswith("_blocks"):  # MXFP4 codes, two a byte: any byte is valid
+            return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        if name.endswith("_scales"):  # e8m0 scales near 2^-7: values of ~0.02 as the rest
+            return torch.randint(118, 122, shape, generator=gen, dtype=torch.uint8)
         n = 1
         for s in shape:
             n *= s
@@ -126,11 +140,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument(
-        "--shape", choices=["qwen3-30b-a3b", "gpt-oss-20b"], default="qwen3-30b-a3b"
-    )
+    shapes = ["qwen3-30b-a3b", "gpt-oss-20b"]
+    parser.add_argument("--shape", choices=shapes, default=shapes[0])
+    parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts in MXFP4")
     args = parser.parse_args()
-    print(write_random_checkpoint(SHAPES[args.shape](args.layers), args.out))
+    raw = SHAPES[args.shape](args.layers)
+    if args.mxfp4:
+        raw["quantization_config"] = {"quant_method": "mxfp4"}
+    print(write_random_checkpoint(raw, args.out))
 
 
 if __name__ == "__main__":

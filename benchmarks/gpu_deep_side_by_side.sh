@@ -5,7 +5,7 @@
 # converted by llama.cpp's converter, its blocks repeated to LAYERS in a GGUF in RAM
 # (benchmarks/gguf_deepen.py), llama-bench runs on it with -ncmoe NCMOE, the GGUF is deleted,
 # then decode_offload.py runs ours on a random model of the same shape built in memory.
-# Usage: [SHAPE=gpt-oss-20b] bash benchmarks/gpu_deep_side_by_side.sh OUT_DIR LAYERS NCMOE
+# Usage: [SHAPE=gpt-oss-20b [MXFP4=1]] bash benchmarks/gpu_deep_side_by_side.sh OUT_DIR LAYERS NCMOE
 #        [decode_offload.py args]    (SHAPE: qwen3-30b-a3b, the default, or gpt-oss-20b;
 #        NCMOE may be a list, 22,18, as llama-bench takes it)
 set -uo pipefail
@@ -21,6 +21,8 @@ from pathlib import Path
 from checkpoint import write_random_checkpoint
 from decode_offload import SHAPES
 raw = SHAPES[os.environ["SHAPE"]](2)
+if os.environ.get("MXFP4"):  # (gpt-oss: llama.cpp on the release's expert format)
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
 write_random_checkpoint(raw, Path("/tmp/ckpt2"), tokenizer=Path(".carry/tokenizer"))
 PY
 (cd /tmp/conv && PYTHONPATH=gguf-py python3 convert_hf_to_gguf.py /tmp/ckpt2 --outtype bf16 \
