@@ -7,7 +7,9 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from freetoken.activations import glu
 from freetoken.kernels import native
 from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
@@ -44,43 +46,74 @@ def test_fp32_matches_torch(act):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up):
-    """gpt-oss's experts as transformers writes them, route by route (fp32 accumulation)."""
-    from freetoken.activations import swiglu_oai
-
+def plain_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up=None, act="swiglu_oai"):
+    """Route by route in the banks' dtype, as transformers writes it: h = x W^T + b, the gated
+    unit, y = a Wd^T, the weighted y summed per token in fp32."""
+    unit = glu(act)
     out = torch.zeros(x.shape[0], w_down.shape[1])
     i = w_down.shape[2]
+    x = x.to(w_gate_up.dtype)
     for r, p, w in zip(rows.tolist(), pairs.tolist(), weights.tolist(), strict=True):
-        h = x[r].float() @ w_gate_up[p].float().t() + b_gate_up[p].float()
-        out[r] += w * (swiglu_oai(h[:i], h[i:]) @ w_down[p].float().t())
+        h = F.linear(x[r], w_gate_up[p])
+        if b_gate_up is not None:
+            h = h + b_gate_up[p]
+        out[r] += (F.linear(unit(h[:i], h[i:]), w_down[p]) * w).float()
     return out
+
+
+def biased_banks(dtype):
+    """gpt-oss-like banks: large enough weights that gate and up pass the clamp at 7, and a
+    distinct random bias row per pair (so a bias read at the wrong pair shows)."""
+    w_gate_up, w_down = banks(torch.float32)
+    b_gate_up = torch.randn(12, 144, generator=torch.Generator().manual_seed(5)) * 4
+    return (w_gate_up * 8).to(dtype), w_down.to(dtype), b_gate_up.to(dtype)
+
+
+# fp32: summation order only; bf16: as test_bf16_rounds_like_torch (a last bf16 bit or two)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_biased_experts_with_the_clamped_swiglu(dtype):
     """gpt-oss: the gate/up bias of each route's expert (by flat id) before the clamped
-    SwiGLU; large weights put gate and up past the clamp (|h| up to ~20)."""
-    w_gate_up, w_down = banks(torch.float32)
-    w_gate_up = (w_gate_up * 8).to(dtype)
-    w_down = w_down.to(dtype)
-    b_gate_up = (torch.randn(12, 144, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    SwiGLU, against plain torch in the banks' dtype."""
+    w_gate_up, w_down, b_gate_up = biased_banks(dtype)
     x, rows, pairs, weights = job(dtype=dtype)
+    h = torch.einsum("th,pnh->tpn", x.float(), w_gate_up.float()) + b_gate_up.float()
+    assert h.max() > 14 and h.min() < -14  # both sides of the clamp are exercised
     kernel = NativeCPUExperts.create(w_gate_up, w_down, "swiglu_oai", 2, b_gate_up=b_gate_up)
     got = kernel(x, rows, pairs, weights)
-    want = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up)
-    torch_path = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, "swiglu_oai",
-                                   b_gate_up)  # fmt: skip
-    tol = 1e-4 if dtype == torch.float32 else 0.03
+    want = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up)
     scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= tol * scale
-    assert (torch_path - want).abs().max().item() <= tol * scale
-    # the bias and the clamp both matter here: without either the result is far off
-    unbiased = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, 0 * b_gate_up)
-    shifted = gpt_oss_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up.roll(1, 0))
-    for wrong in (unbiased, shifted):
-        assert (wrong - want).abs().max().item() > 10 * tol * scale
-    h = torch.einsum("th,pnh->tpn", x.float(), w_gate_up.float())
-    assert h.abs().max() > 14  # (past the clamp at 7)
+    tol = TOLERANCE[dtype] * scale
+    assert (got - want).abs().max().item() <= tol
+    # the bias matters, read at the route's own pair: ignored or shifted by one, far off
+    for wrong in (None, b_gate_up.roll(1, 0)):
+        off = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, wrong)
+        assert (off - want).abs().max().item() > 0.1 * scale  # (tol: under 1% of it)
+    # and so does the unit: silu's product of the same projections is far off too
+    silu = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up, act="silu")
+    assert (silu - want).abs().max().item() > 0.1 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_fallback_takes_the_bias_bank_too(dtype):
+    w_gate_up, w_down, b_gate_up = biased_banks(dtype)
+    x, rows, pairs, weights = job(dtype=dtype)
+    got = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, "swiglu_oai", b_gate_up)
+    want = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up)
+    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_bias_is_no_bias(dtype):
+    """The bias path adds and rounds only: zeros give the unbiased kernel's result exactly."""
+    w_gate_up, w_down = banks(dtype)
+    x, rows, pairs, weights = job(dtype=dtype)
+    plain = NativeCPUExperts.create(w_gate_up, w_down, "silu", 2)(x, rows, pairs, weights)
+    zero = torch.zeros(w_gate_up.shape[:2], dtype=dtype)
+    biased = NativeCPUExperts.create(w_gate_up, w_down, "silu", 2, b_gate_up=zero)
+    assert torch.equal(biased(x, rows, pairs, weights), plain)
 
 
 def test_bf16_rounds_like_torch():
@@ -190,6 +223,24 @@ def test_executor_uses_the_native_kernel_and_reports_bytes():
     want = torch_cpu_experts(x, rows, pairs, weights, Store.w_gate_up, Store.w_down, "silu")
     assert (result.out - want).abs().max().item() < 1e-5
     assert result.weight_bytes == 6 * Store.shape.nbytes  # six distinct experts
+    executor.shutdown()
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_executor_passes_the_bias_bank_to_either_path(use_native):
+    w_gate_up, w_down, b_gate_up = biased_banks(torch.float32)
+
+    class Store:
+        class shape:
+            nbytes = 1
+
+    Store.w_gate_up, Store.w_down, Store.b_gate_up = w_gate_up, w_down, b_gate_up
+    executor = CPUExpertExecutor(Store, "swiglu_oai", native=use_native)
+    assert (executor.native is not None) == use_native
+    x, rows, pairs, weights = job()
+    result = executor.submit(CPUJob(x, rows, pairs, weights)).result()
+    want = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, b_gate_up)
+    assert (result.out - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     executor.shutdown()
 
 

@@ -120,14 +120,9 @@ def torch_cpu_experts(
     x, rows, pairs, weights, w_gate_up, w_down, act, b_gate_up=None
 ) -> torch.Tensor:
     """The same result with torch ops (the fallback, and the oracle in tests). `b_gate_up`:
-    the bank [P, 2I] by flat id; the reference takes each route's bias row ([R, 1, 2I])."""
+    the bias bank [P, 2I], indexed by the same flat ids as the weight banks."""
     per_route = reference_grouped_experts(
-        x.to(w_gate_up.dtype)[rows],
-        pairs[:, None],
-        weights[:, None],
-        w_gate_up,
-        w_down,
-        act,
-        gate_up_bias=None if b_gate_up is None else b_gate_up[pairs][:, None, :],
-    )
+        x.to(w_gate_up.dtype)[rows], pairs[:, None], weights[:, None], w_gate_up, w_down, act,
+        b_gate_up,
+    )  # fmt: skip
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, per_route.float())
