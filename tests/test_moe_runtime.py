@@ -114,7 +114,9 @@ def test_bad_strategy_is_rejected():
 # -- a hand-worked example, driving one runtime directly ------------------------------------
 
 
-def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float32):
+def tiny_store(
+    num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float32, expert_bias=False
+):
     from freetoken.model_config import decoder_config, routed_experts
     from freetoken.moe.store import HostExpertStore
 
@@ -123,10 +125,11 @@ def tiny_store(num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float
         "num_hidden_layers": num_layers, "vocab_size": 10, "num_experts": num_experts,
         "num_experts_per_tok": 1, "moe_intermediate_size": inter,
     }  # fmt: skip
-    store = HostExpertStore(decoder_config(raw, "tiny", moe=routed_experts(raw)), dtype)
+    moe = routed_experts(raw, expert_bias=expert_bias)
+    store = HostExpertStore(decoder_config(raw, "tiny", moe=moe), dtype)
     gen = torch.Generator().manual_seed(0)
-    store.w_gate_up.copy_(torch.randn(store.w_gate_up.shape, generator=gen))
-    store.w_down.copy_(torch.randn(store.w_down.shape, generator=gen))
+    for bank in store.banks:
+        bank.copy_(torch.randn(bank.shape, generator=gen))
     return store
 
 
@@ -134,7 +137,8 @@ def reference(store, moe_layer, x, ids, weights):
     from freetoken.kernels.grouped_experts import reference_grouped_experts
 
     rows = store.layer_rows(moe_layer)
-    return reference_grouped_experts(x, ids, weights, store.w_gate_up[rows], store.w_down[rows])
+    return reference_grouped_experts(x, ids, weights, *(bank[rows] for bank in store.banks[:2]),
+                                     "silu", *(bank[rows] for bank in store.banks[2:]))  # fmt: skip
 
 
 def drive(runtime, store, steps):
@@ -409,7 +413,10 @@ def test_offload_and_hybrid_start_with_every_slot_filled():
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
 @pytest.mark.parametrize("control", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("room", ["both fit", "old freed first", "fit misjudged"])
-def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control, room, monkeypatch):
+@pytest.mark.parametrize("biased", [False, True], ids=["", "biased"])
+def test_the_expert_cache_shrinks_and_grows_between_steps(
+    strategy, control, room, biased, monkeypatch
+):
     """`resize_cache`: what the policy values most stays (each expert's weights in its slot),
     the tables stay consistent with the device's, new slots are filled (warm cache), the
     counters carry over, and every output before and after is the reference's; the same
@@ -425,7 +432,7 @@ def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control, roo
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (scripted)")
 
         monkeypatch.setattr(ExpertCache, "_resized_beside", no_room)
-    store = tiny_store(num_layers=2, num_experts=8)
+    store = tiny_store(num_layers=2, num_experts=8, expert_bias=biased)
     rt = build_runtime(
         store, torch.device("cpu"), MoEOptions(strategy, "6", device_control=control)
     )
@@ -441,9 +448,10 @@ def test_the_expert_cache_shrinks_and_grows_between_steps(strategy, control, roo
         if size < len(before):  # a shrink keeps a part of what was held
             assert set(cache.pair_of.tolist()) <= before
         assert cache.num_slots == size and (cache.pair_of >= 0).sum() == size  # all filled
+        assert len(cache.banks) == len(store.banks)  # (the bias bank too, where there is one)
         for slot, pair in enumerate(cache.pair_of.tolist()):
-            assert torch.equal(cache.w_gate_up[slot], store.w_gate_up[pair])
-            assert torch.equal(cache.w_down[slot], store.w_down[pair])
+            for dev, host in zip(cache.banks, store.banks, strict=True):
+                assert torch.equal(dev[slot], host[pair])
             assert cache.slot_of[pair] == slot
         if rt.control is not None:
             assert torch.equal(rt.control.slot_of[:-1], cache.slot_of)

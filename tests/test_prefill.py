@@ -15,9 +15,9 @@ from tiny_models import build
 PROMPT = 40
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    path, _ = build("qwen3_moe", tmp_path_factory.mktemp("m") / "m")
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])  # (gpt-oss: a bias bank)
+def loaded(request, tmp_path_factory):
+    path, _ = build(request.param, tmp_path_factory.mktemp("m") / "m")
     return load_model(path, dtype="float32")
 
 
