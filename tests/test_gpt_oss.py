@@ -86,3 +86,5 @@ def test_the_host_pool_holds_the_gate_up_biases_in_bank_order(source):
     rows = store.b_gate_up[store.layer_rows(1)]
     assert torch.equal(rows, torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1))
     assert set(store.named_banks) == {"w_gate_up", "w_down", "b_gate_up"}
+    # what a slot holds and a fill moves, the bias row included (cache sizing divides by it)
+    assert store.nbytes == sum(bank.numel() * bank.element_size() for bank in store.banks)

@@ -22,7 +22,7 @@ def expert_shape(args: argparse.Namespace) -> ExpertShape:
         if cfg.moe is None:
             raise SystemExit(f"error: {args.model} is not a MoE model")
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
-        return ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype)
+        return ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias)
     return ExpertShape(args.hidden, args.intermediate, resolve_dtype(args.dtype, "bfloat16"))
 
 

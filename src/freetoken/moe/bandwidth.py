@@ -11,6 +11,7 @@ expert format, and read back by the runtime as the starting point of its running
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
@@ -98,6 +99,7 @@ class _ExpertPool:
     """A host pool of random experts several times the CPU cache, cycled through."""
 
     def __init__(self, shape: ExpertShape, pool_bytes: int, pin: bool):
+        shape = dataclasses.replace(shape, bias=False)  # (no bias bank: see below)
         n = max(16, pool_bytes // shape.nbytes)
         h, i = shape.hidden, shape.intermediate
         self.shape = shape

@@ -33,11 +33,14 @@ class ExpertShape:
     hidden: int
     intermediate: int
     dtype: torch.dtype
+    bias: bool = False  # a gate/up bias row too (gpt-oss)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one expert (gate, up and down projections)."""
-        return 3 * self.hidden * self.intermediate * self.dtype.itemsize
+        """Bytes of one expert (gate, up and down projections, and its bias row if any): what
+        a cache slot holds and a fill moves."""
+        biases = 2 * self.intermediate if self.bias else 0
+        return (3 * self.hidden * self.intermediate + biases) * self.dtype.itemsize
 
 
 PAGE = 4096
@@ -58,7 +61,9 @@ class HostExpertStore:
         assert cfg.moe is not None
         self.num_layers = cfg.num_moe_layers
         self.num_experts = cfg.moe.num_experts
-        self.shape = ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype)
+        self.shape = ExpertShape(
+            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias
+        )
         h, i, pairs = cfg.hidden_size, cfg.moe.intermediate_size, self.num_pairs
         # Allocated unpinned: pinning first would cost a full zeroing pass of pinned pages.
         # Page-aligned: a weight directory reads them with direct I/O (weights/weight_dir.py).
