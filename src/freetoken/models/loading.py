@@ -20,7 +20,7 @@ from freetoken.kernels import paged_attention
 from freetoken.model_config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
-from freetoken.moe.store import HostExpertStore
+from freetoken.moe.store import BANK_NAMES, HostExpertStore
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
 from freetoken.weights.safetensors_dir import CheckpointDir
@@ -38,7 +38,6 @@ _EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(gate_proj|up_proj|d
 # All experts of a layer at once (the fused layout transformers 5 uses in memory).
 _FUSED = re.compile(r"^layers\.(\d+)\.moe\.experts\.(gate_up_proj|down_proj)$")
 _BIAS_BANK = re.compile(r"^layers\.(\d+)\.moe\.gate_up_proj_bias$")
-_BANK_NAMES = (".w_gate_up", ".w_down", ".b_gate_up")  # (the host pool's banks, per layer)
 # Headroom beyond the weights for activations, the KV cache and the Python process itself.
 HOST_MEMORY_MARGIN = 512 * 2**20
 
@@ -270,7 +269,7 @@ def _fill(
             filled.add(key)
 
     missing = sorted(
-        {n for n in params if not n.endswith(_BANK_NAMES)} - filled
+        {n for n in params if n.rpartition(".")[2] not in BANK_NAMES} - filled
     ) + _missing_experts(model.config, store, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (

@@ -139,8 +139,8 @@ class LayerStreamer:
             stream.wait_event(self.ready[b])
             after.record(stream)
             self._chunk["waits"].append((before, after))
-        out = grouped_expert_forward(x, ids, weights, *self.buffers[b][:2], self.act,
-                                     *self.buffers[b][2:])  # fmt: skip
+        gate_up, down, *bias = self.buffers[b]  # (the bias bank where experts have biases)
+        out = grouped_expert_forward(x, ids, weights, gate_up, down, self.act, *bias)
         if stream is not None:
             self.free[b] = torch.cuda.Event()
             self.free[b].record(stream)

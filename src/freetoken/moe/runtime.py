@@ -360,8 +360,10 @@ class MoERuntime:
         return self.streamer is not None and threshold is not None and tokens >= threshold
 
     def _gpu(self, x, slots, weights) -> torch.Tensor:
-        banks = self.cache.banks  # (the gate/up bias bank third, where experts have biases)
-        return grouped_expert_forward(x, slots, weights, *banks[:2], self.act, *banks[2:])
+        c = self.cache
+        return grouped_expert_forward(
+            x, slots, weights, c.w_gate_up, c.w_down, self.act, c.b_gate_up
+        )
 
     def _split_layer(self, moe_layer, x, ids, weights) -> torch.Tensor:
         """The layer eagerly: the GPU kernel is queued before waiting for the CPU share."""

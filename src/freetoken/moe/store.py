@@ -44,6 +44,9 @@ class ExpertShape:
 
 
 PAGE = 4096
+# The host pool's banks, in the order a cache slot holds them (the bias bank only where the
+# experts have biases).
+BANK_NAMES = ("w_gate_up", "w_down", "b_gate_up")
 
 
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +79,7 @@ class HostExpertStore:
     def named_banks(self) -> dict[str, torch.Tensor]:
         """Every host bank by name, in the order a cache slot holds them (the bias bank last,
         where the experts have biases)."""
-        banks = {"w_gate_up": self.w_gate_up, "w_down": self.w_down, "b_gate_up": self.b_gate_up}
+        banks = {name: getattr(self, name) for name in BANK_NAMES}
         return {name: bank for name, bank in banks.items() if bank is not None}
 
     @property
