@@ -40,6 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
+from freetoken.weights.expert_format import QuantizedBank
+
+Bank = Tensor | QuantizedBank  # a projection of S experts: dense [S, N, K], or kept quantized
 
 try:  # Triton is optional: CPU-only installs (and CI) run the torch reference.
     import triton
@@ -76,6 +79,8 @@ REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide
 # (`grouped_gemm_experts`), which read each used expert once.
 GROUPED_GEMM_FROM_ROUTES = 512
 GROUPED_MM_MAX_GROUPS = 512  # below torch._grouped_mm's limit on groups (slots) per call (1024)
+# Quantized banks in grouped GEMMs: the used experts dequantized this many bytes at a time.
+DEQUANTIZED_WINDOW_BYTES = 256 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +89,7 @@ GROUPED_MM_MAX_GROUPS = 512  # below torch._grouped_mm's limit on groups (slots)
 
 
 def _check_args(
-    x: Tensor, slots: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor
+    x: Tensor, slots: Tensor, weights: Tensor, w_gate_up: Bank, w_down: Bank
 ) -> tuple[int, int, int, int]:
     """Validate shapes and dtypes (no device sync); return (T, k, H, I)."""
     if x.dim() != 2 or slots.dim() != 2 or weights.shape != slots.shape:
@@ -97,26 +102,35 @@ def _check_args(
         raise ValueError(f"slots has {slots.shape[0]} rows for {t} tokens")
     if slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be int32 or int64, got {slots.dtype}")
-    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+    if len(w_gate_up.shape) != 3 or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
         raise ValueError(f"w_gate_up must be [S, 2I, {h}], got {tuple(w_gate_up.shape)}")
     i = w_gate_up.shape[1] // 2
-    if w_down.shape != (w_gate_up.shape[0], h, i):
+    if tuple(w_down.shape) != (w_gate_up.shape[0], h, i):
         raise ValueError(
             f"w_down must be [{w_gate_up.shape[0]}, {h}, {i}], got {tuple(w_down.shape)}"
         )
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+    if type(w_gate_up) is not type(w_down):
+        raise ValueError("w_gate_up and w_down must both be dense or both quantized")
+    if isinstance(w_gate_up, Tensor) and (w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype):
         raise ValueError(
             f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must have x's dtype {x.dtype}"
         )
     return t, slots.shape[1], h, i
 
 
-def _check_bias(b_gate_up: Tensor | None, w_gate_up: Tensor) -> None:
+def _expert(bank: Bank, slot: int, dtype: torch.dtype) -> Tensor:
+    """Slot `slot`'s weights [N, K] in `dtype` (a quantized bank's dequantized as defined)."""
+    if isinstance(bank, QuantizedBank):
+        return bank.dequantize(slot, dtype)
+    return bank[slot]
+
+
+def _check_bias(b_gate_up: Tensor | None, w_gate_up: Bank, dtype: torch.dtype) -> None:
     if b_gate_up is not None and (
-        b_gate_up.shape != w_gate_up.shape[:2] or b_gate_up.dtype != w_gate_up.dtype
+        tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2]) or b_gate_up.dtype != dtype
     ):
         raise ValueError(
-            f"b_gate_up must be {tuple(w_gate_up.shape[:2])} of {w_gate_up.dtype}, got "
+            f"b_gate_up must be {tuple(w_gate_up.shape[:2])} of {dtype}, got "
             f"{tuple(b_gate_up.shape)} of {b_gate_up.dtype}"
         )
 
@@ -125,8 +139,8 @@ def reference_grouped_experts(
     x: Tensor,
     slots: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    w_gate_up: Bank,
+    w_down: Bank,
     act: str = "silu",
     b_gate_up: Tensor | None = None,
 ) -> Tensor:
@@ -139,7 +153,7 @@ def reference_grouped_experts(
     pair (one Python iteration per used slot), so this is also a usable CPU executor.
     """
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
-    _check_bias(b_gate_up, w_gate_up)
+    _check_bias(b_gate_up, w_gate_up, x.dtype)
     unit = glu(act)
     # Per-route contributions, reduced over k in a fixed order below (deterministic, and the
     # order the Triton path uses too).
@@ -155,11 +169,11 @@ def reference_grouped_experts(
             rows = order[start : start + n]
             # F.linear reads the [out, in] rows as stored; `x @ w.t()` can make oneDNN repack
             # the expert first (10x slower for a bf16 GEMV on a 2-core CPU).
-            hidden = F.linear(x[rows // k], w_gate_up[s])
+            hidden = F.linear(x[rows // k], _expert(w_gate_up, s, x.dtype))
             if b_gate_up is not None:
                 hidden = hidden + b_gate_up[s]
             gate, up = hidden.split(i, dim=-1)
-            y = F.linear(unit(gate, up), w_down[s])
+            y = F.linear(unit(gate, up), _expert(w_down, s, x.dtype))
             contrib[rows] = (y * flat_weights[rows, None]).to(x.dtype)
             start += n
     return _sum_routes(contrib.view(t, k, h))
@@ -178,8 +192,8 @@ def grouped_gemm_experts(
     x: Tensor,
     slots: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    w_gate_up: Bank,
+    w_down: Bank,
     act: str = "silu",
     b_gate_up: Tensor | None = None,
 ) -> Tensor:
@@ -188,7 +202,7 @@ def grouped_gemm_experts(
     launches however many experts it uses, where the reference launches a handful per expert.
     Same rounding steps as the reference (each GEMM's output is an x.dtype tensor)."""
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
-    _check_bias(b_gate_up, w_gate_up)
+    _check_bias(b_gate_up, w_gate_up, x.dtype)
     num_slots = w_gate_up.shape[0]
     flat = slots.reshape(-1).long()
     # Skipped routes (-1) sort after every slot's group, past the last offset: the GEMMs leave
@@ -221,8 +235,10 @@ def _slot_windows(counts: Tensor, num_rows: int) -> list[tuple[slice, int, int]]
     ]
 
 
-def _grouped_mm(rows: Tensor, bank: Tensor, counts: Tensor, windows) -> Tensor:
+def _grouped_mm(rows: Tensor, bank: Bank, counts: Tensor, windows) -> Tensor:
     """rows [R, in] sorted by slot (`counts` per slot) times each one's bank[slot].T."""
+    if isinstance(bank, QuantizedBank):
+        return _grouped_mm_quantized(rows, bank, counts)
     if len(windows) == 1:
         return torch._grouped_mm(rows, bank.transpose(1, 2), offs=counts.cumsum(0).int())
     out = rows.new_empty(rows.shape[0], bank.shape[1])
@@ -230,6 +246,31 @@ def _grouped_mm(rows: Tensor, bank: Tensor, counts: Tensor, windows) -> Tensor:
         ends = counts[slots].cumsum(0).int()
         out[lo:hi] = torch._grouped_mm(rows[lo:hi], bank[slots].transpose(1, 2), offs=ends)
     return out
+
+
+def _grouped_mm_quantized(rows: Tensor, bank: QuantizedBank, counts: Tensor) -> Tensor:
+    """`_grouped_mm` on a quantized bank: the slots the rows use, dequantized into the rows'
+    dtype a window at a time (at most DEQUANTIZED_WINDOW_BYTES of dense weights), each window
+    one grouped GEMM. Rows of no slot (past the used ones) are left unwritten."""
+    _, n, kdim = bank.shape
+    used = torch.nonzero(counts).squeeze(1)  # (one host read: a prefill chunk's call)
+    used_counts = counts[used]
+    starts = [0, *used_counts.cumsum(0).tolist()]
+    per = max(1, DEQUANTIZED_WINDOW_BYTES // (n * kdim * rows.element_size()))
+    out = rows.new_empty(rows.shape[0], n)
+    for first in range(0, len(used), per):
+        last = min(first + per, len(used))
+        lo, hi = starts[first], starts[last]
+        dense = dequantize_slots(bank, used[first:last], rows.dtype)
+        ends = used_counts[first:last].cumsum(0).int()
+        out[lo:hi] = torch._grouped_mm(rows[lo:hi], dense.transpose(1, 2), offs=ends)
+    return out
+
+
+def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """The dense weights [len(slots), N, K] in `dtype` of a quantized bank's `slots`: a Triton
+    kernel on CUDA, the format's definition in torch elsewhere (the same values)."""
+    return bank.dequantize(slots, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,8 +449,8 @@ def triton_grouped_expert_forward(
     x: Tensor,
     slots: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    w_gate_up: Bank,
+    w_down: Bank,
     act: str = "silu",
     b_gate_up: Tensor | None = None,
 ) -> Tensor:
@@ -419,7 +460,7 @@ def triton_grouped_expert_forward(
     if triton is None:
         raise RuntimeError("triton is not installed")
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
-    _check_bias(b_gate_up, w_gate_up)
+    _check_bias(b_gate_up, w_gate_up, x.dtype)
     act_code = activation_code(act)  # (a clear error for an unknown name)
     if w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         # Copying a slot bank per call would cost more than the computation; the pool owner
@@ -486,8 +527,8 @@ def grouped_expert_forward(
     x: Tensor,
     slots: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    w_gate_up: Bank,
+    w_down: Bank,
     act: str = "silu",
     b_gate_up: Tensor | None = None,
 ) -> Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from freetoken.kernels.host_copies import HostToDeviceCopier
-from freetoken.moe.store import HostExpertStore
+from freetoken.moe.store import BANK_NAMES, ExpertWeights, HostExpertStore, expert_weights
 
 
 def host_array(values) -> np.ndarray:
@@ -78,17 +78,20 @@ class ExpertCache:
                 self._rows.append((host.data_ptr(), dev.data_ptr(), row))
 
     @property
-    def w_gate_up(self) -> torch.Tensor | None:
-        return self.banks[0] if self.banks else None
+    def named_banks(self) -> dict[str, torch.Tensor]:
+        """The slots' banks by the store's names (empty once the banks were freed)."""
+        return dict(zip(self.store.named_banks, self.banks or (), strict=False))
+
+    def __getattr__(self, name: str):
+        # each bank by its name (cache.w_gate_up, cache.s_down, ...), None where there is none
+        if name in BANK_NAMES:
+            return self.named_banks.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
-    def w_down(self) -> torch.Tensor | None:
-        return self.banks[1] if self.banks else None
-
-    @property
-    def b_gate_up(self) -> torch.Tensor | None:
-        """The gate/up biases of the slots' experts (moe/store.py), None without biases."""
-        return self.banks[2] if self.banks and len(self.banks) > 2 else None
+    def weights(self) -> ExpertWeights:
+        """The slots' projections, for the GPU kernels (by slot id)."""
+        return expert_weights(self.named_banks, self.store.format)
 
     @classmethod
     def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:

@@ -2,8 +2,14 @@
 
 Two banks, one row per expert: `w_gate_up [P, 2I, H]` (gate rows then up rows) and
 `w_down [P, H, I]`, where P = MoE layers x experts and a row's flat id is
-`moe_layer * E + expert`. One expert is one row of each bank, so filling a cache slot is two
-contiguous copies and the CPU executor reads an expert with no gather.
+`moe_layer * E + expert`. One expert is one row of each bank, so filling a cache slot is a
+contiguous copy per bank and the CPU executor reads an expert with no gather.
+
+Experts kept quantized (weights/expert_format.py) hold each projection as its format's parts,
+each a bank of its own in the same row order: `w_gate_up` / `w_down` then hold the packed codes,
+`s_gate_up` / `s_down` the block scales and, for NVFP4, `g_gate_up` / `g_down` the per-row
+scales. Whoever moves experts moves every bank; whoever computes with them takes the projections
+as `ExpertWeights` (a dense tensor or a `QuantizedBank` each).
 
 Models whose experts have biases (gpt-oss, MoEConfig.expert_bias) add `b_gate_up [P, 2I]`, the
 gate/up projection's bias in the same row order: it sits inside the activation, so whoever runs
@@ -16,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from freetoken.model_config import ModelConfig
+from freetoken.weights.expert_format import DENSE, ExpertFormat, ExpertWeights, expert_weights
 from freetoken.weights.memory import pinning_advice
 
 log = logging.getLogger(__name__)
@@ -32,21 +41,40 @@ PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
 class ExpertShape:
     hidden: int
     intermediate: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (what quantized experts compute in)
     bias: bool = False  # a gate/up bias row too (gpt-oss)
+    format: ExpertFormat = DENSE
+
+    @property
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each projection's [rows, cols]: gate and up stacked, then down."""
+        h, i = self.hidden, self.intermediate
+        return {"gate_up": (2 * i, h), "down": (h, i)}
+
+    def bank_rows(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every bank's row (one expert's share of it): shape and dtype, in BANK_NAMES order."""
+        rows = {}
+        for proj, (n, k) in self.projections.items():
+            for part, spec in self.format.parts(n, k, self.dtype).items():
+                rows[f"{part}_{proj}"] = spec
+        if self.bias:
+            rows["b_gate_up"] = ((2 * self.intermediate,), self.dtype)
+        return {name: rows[name] for name in BANK_NAMES if name in rows}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one expert (gate, up and down projections, and its bias row if any): what
-        a cache slot holds and a fill moves."""
-        biases = 2 * self.intermediate if self.bias else 0
-        return (3 * self.hidden * self.intermediate + biases) * self.dtype.itemsize
+        """Bytes of one expert (gate, up and down projections, their scales when quantized, and
+        its bias row if any): what a cache slot holds and a fill moves."""
+        total = 0
+        for shape, dtype in self.bank_rows().values():
+            total += math.prod(shape) * dtype.itemsize
+        return total
 
 
 PAGE = 4096
-# The host pool's banks, in the order a cache slot holds them (the bias bank only where the
-# experts have biases).
-BANK_NAMES = ("w_gate_up", "w_down", "b_gate_up")
+# The host pool's banks, in the order a cache slot holds them (each only where the format or the
+# experts have it: scales for quantized experts, per-row scales for NVFP4, biases for gpt-oss).
+BANK_NAMES = ("w_gate_up", "w_down", "b_gate_up", "s_gate_up", "s_down", "g_gate_up", "g_down")
 
 
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -60,31 +88,41 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 class HostExpertStore:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
+        """`dtype`: the model's; `fmt`: how the experts are stored (dense: in `dtype`)."""
         assert cfg.moe is not None
         self.num_layers = cfg.num_moe_layers
         self.num_experts = cfg.moe.num_experts
         self.shape = ExpertShape(
-            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias
+            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias, fmt
         )
-        h, i, pairs = cfg.hidden_size, cfg.moe.intermediate_size, self.num_pairs
         # Allocated unpinned: pinning first would cost a full zeroing pass of pinned pages.
         # Page-aligned: a weight directory reads them with direct I/O (weights/weight_dir.py).
-        self.w_gate_up = page_aligned_empty((pairs, 2 * i, h), dtype)
-        self.w_down = page_aligned_empty((pairs, h, i), dtype)
-        self.b_gate_up = page_aligned_empty((pairs, 2 * i), dtype) if cfg.moe.expert_bias else None
+        self.named_banks: dict[str, Tensor] = {
+            name: page_aligned_empty((self.num_pairs, *row), row_dtype)
+            for name, (row, row_dtype) in self.shape.bank_rows().items()
+        }
         self.pinned = False
 
-    @property
-    def named_banks(self) -> dict[str, torch.Tensor]:
-        """Every host bank by name, in the order a cache slot holds them (the bias bank last,
-        where the experts have biases)."""
-        banks = {name: getattr(self, name) for name in BANK_NAMES}
-        return {name: bank for name, bank in banks.items() if bank is not None}
+    def __getattr__(self, name: str):
+        # each bank by its name (store.w_gate_up, store.s_down, ...), None where it has none
+        if name in BANK_NAMES:
+            return self.__dict__["named_banks"].get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
-    def banks(self) -> tuple[torch.Tensor, ...]:
+    def format(self) -> ExpertFormat:
+        return self.shape.format
+
+    @property
+    def banks(self) -> tuple[Tensor, ...]:
+        """Every host bank, in the order a cache slot holds them (`named_banks`' order)."""
         return tuple(self.named_banks.values())
+
+    @property
+    def weights(self) -> ExpertWeights:
+        """The pool's projections, for the CPU kernels (by flat id)."""
+        return expert_weights(self.named_banks, self.format)
 
     @property
     def num_pairs(self) -> int:

@@ -1,0 +1,210 @@
+"""How routed experts are stored: as the model's dtype, or kept quantized.
+
+An expert's projection of N output rows and K inputs is one row of a bank (`moe/store.py`), and
+the formats differ in what that row is made of:
+
+    format   data [N, K / pack]          scale                        row_scale
+    dense    model dtype, pack 1         -                            -
+    fp8      e4m3 bytes (uint8), pack 1  fp32 [ceil(N / bn), ceil(K / bk)]   -
+    mxfp4    e2m1 pairs (uint8), pack 2  e8m0 bytes [N, K / 32]       -
+    nvfp4    e2m1 pairs (uint8), pack 2  e4m3 bytes [N, K / 16]       fp32 [N]
+
+(e2m1 pairs: two 4-bit codes a byte, the low nibble first, element 2j in the low nibble of byte
+j. NVFP4's per-tensor `weight_scale_2` is kept per row, since one bank row holds the gate's and
+the up projection's rows, each with its own.) Every part is a plain integer or fp32 tensor, so
+the host pool, the cache slots, the fills, re-sizes and the weight directory move them as bytes.
+
+The value of element (n, k) is the format's definition (weights/quantized.py) computed in fp32,
+in this order:
+
+    fp8      fp8(data[n, k]) * scale[n // bn, k // bk]
+    mxfp4    e2m1(code) * 2^(scale[n, k // 32] - 127)
+    nvfp4    (e2m1(code) * fp8(scale[n, k // 16])) * row_scale[n]
+
+then rounded to the model's dtype: exactly the weight a checkpoint dequantized at load holds.
+Every expert kernel (the Triton decode kernels, the C kernel, the torch reference) computes with
+these values, so a quantized expert gives the same result as its dequantized copy on the same
+kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 4.25-4.5 bits a
+weight, FP8 8.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from freetoken.weights.quantized import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+)
+
+# the kernels' codes (the C source's FMT_* macros, passed as -D defines by kernels/native.py)
+KERNEL_CODES = {"FMT_DENSE": 0, "FMT_FP8": 1, "FMT_MXFP4": 2, "FMT_NVFP4": 3}
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """A way of storing an expert projection's weights (see the module's docstring)."""
+
+    name: str  # "dense", "fp8", "mxfp4", "nvfp4"
+    pack: int = 1  # values per stored element along K
+    col_block: int = 0  # K values per scale (0: no scales)
+    row_block: int = 1  # N rows per scale
+    scale_dtype: torch.dtype | None = None
+    row_scale: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "dense"
+
+    @property
+    def code(self) -> int:
+        return KERNEL_CODES[f"FMT_{self.name.upper()}"]
+
+    def parts(self, rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple]:
+        """A projection's parts, {"w": shape, dtype, "s": ..., "g": ...} (those it has): the
+        shapes of one expert's, [rows, cols] in logical values, as the banks' rows hold them."""
+        if not self.quantized:
+            return {"w": ((rows, cols), dtype)}
+        self.check(rows, cols)
+        parts = {"w": ((rows, cols // self.pack), torch.uint8)}
+        scale_rows = -(-rows // self.row_block)
+        parts["s"] = ((scale_rows, -(-cols // self.col_block)), self.scale_dtype)
+        if self.row_scale:
+            parts["g"] = ((rows,), torch.float32)
+        return parts
+
+    def check(self, rows: int, cols: int) -> None:
+        """Refuse a projection shape the format's blocks cannot lay out."""
+        if self.pack > 1 and cols % self.col_block:
+            raise ValueError(
+                f"{self.name} needs the input width ({cols}) to be a multiple of "
+                f"{self.col_block}"
+            )
+
+    def stacks(self, rows: int) -> bool:
+        """Whether projections of `rows` rows can be stacked in one bank row (the gate's and
+        the up projection's): their scale blocks must not straddle the seam."""
+        return rows % self.row_block == 0
+
+    def nbytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:
+        """Bytes of one projection in this format."""
+        total = 0
+        for shape, part_dtype in self.parts(rows, cols, dtype).values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * part_dtype.itemsize
+        return total
+
+    def dequantize(self, w: Tensor, s: Tensor | None = None, g: Tensor | None = None) -> Tensor:
+        """fp32 values of parts [..., rows, cols / pack] (and their scales): the definition."""
+        if self.name == "dense":
+            return w.float()
+        if self.name == "fp8":
+            return dequantize_fp8_blocks(
+                w.view(torch.float8_e4m3fn), s, (self.row_block, self.col_block)
+            )
+        if self.name == "mxfp4":
+            lead = w.shape[:-1]
+            blocks = w.reshape(*lead, -1, MXFP4_BLOCK // 2)
+            return dequantize_mxfp4(blocks, s)
+        # nvfp4: the per-row scale applied after the block scale, as the definition orders them
+        per_tensor = torch.ones((), dtype=torch.float32)
+        values = dequantize_nvfp4(w, s.view(torch.float8_e4m3fn), per_tensor)
+        return values * g.unsqueeze(-1)
+
+
+DENSE = ExpertFormat("dense")
+MXFP4 = ExpertFormat("mxfp4", pack=2, col_block=MXFP4_BLOCK, scale_dtype=torch.uint8)
+NVFP4 = ExpertFormat(
+    "nvfp4", pack=2, col_block=NVFP4_BLOCK, scale_dtype=torch.uint8, row_scale=True
+)
+
+
+def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
+    """FP8 e4m3 with [rows, cols] block scales (fp32, the checkpoints' `weight_scale_inv`)."""
+    return ExpertFormat(
+        "fp8", col_block=int(block[1]), row_block=int(block[0]), scale_dtype=torch.float32
+    )
+
+
+FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
+
+
+def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
+    if name == "fp8":
+        return fp8_format(fp8_block)
+    try:
+        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4}[name]
+    except KeyError:
+        raise ValueError(f"unknown expert format {name!r}; one of {', '.join(FORMATS)}") from None
+
+
+@dataclass(frozen=True)
+class QuantizedBank:
+    """One projection of many experts, kept quantized: parts indexed by slot (or flat id) in
+    their first dimension. Passed to the expert kernels where a dense bank [S, N, K] would go;
+    `shape` is the dense bank's."""
+
+    format: ExpertFormat
+    w: Tensor  # [S, N, K / pack]
+    s: Tensor  # [S, ...] the scales
+    g: Tensor | None = None  # [S, N] per-row scales (nvfp4)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        s, n, packed = self.w.shape
+        return s, n, packed * self.format.pack
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.w, self.s) if self.g is None else (self.w, self.s, self.g)
+
+    def dequantize(self, index, dtype: torch.dtype) -> Tensor:
+        """The dense weights of experts `index` (an int, a slice or an index tensor) in `dtype`:
+        what a checkpoint dequantized at load would hold for them."""
+        g = None if self.g is None else self.g[index]
+        return self.format.dequantize(self.w[index], self.s[index], g).to(dtype)
+
+    def select(self, index) -> QuantizedBank:
+        """The bank of experts `index` only (a slice or an index tensor)."""
+        return QuantizedBank(self.format, *(t[index] for t in self.tensors))
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """What the expert kernels take: each projection a dense bank or a `QuantizedBank`, and the
+    gate/up biases (None without)."""
+
+    gate_up: Tensor | QuantizedBank
+    down: Tensor | QuantizedBank
+    bias: Tensor | None = None
+
+
+def expert_weights(banks: dict[str, Tensor], fmt: ExpertFormat) -> ExpertWeights:
+    """The projections of named banks (a store's, a cache's, a streamed layer's)."""
+
+    def projection(proj: str) -> Tensor | QuantizedBank:
+        if not fmt.quantized:
+            return banks[f"w_{proj}"]
+        return QuantizedBank(fmt, banks[f"w_{proj}"], banks[f"s_{proj}"], banks.get(f"g_{proj}"))
+
+    return ExpertWeights(projection("gate_up"), projection("down"), banks.get("b_gate_up"))
+
+
+def dense_of(bank: Tensor | QuantizedBank, dtype: torch.dtype) -> Tensor:
+    """A bank as dense weights in `dtype` (a dense bank as it is)."""
+    if isinstance(bank, QuantizedBank):
+        return bank.dequantize(slice(None), dtype)
+    return bank
