@@ -35,6 +35,7 @@ from freetoken.models.families import family_for
 from freetoken.models.loading import LoadedModel
 from freetoken.moe.bandwidth import measure
 from freetoken.moe.store import HostExpertStore
+from freetoken.weights.expert_format import DENSE, FORMATS, ExpertFormat, expert_format
 
 # Host phases of a layer step that the runtime times (telemetry `<name>_s`).
 HOST_PHASES = ("round_trip", "plan", "cpu_start", "fill", "policy")
@@ -54,8 +55,8 @@ def qwen3_30b_a3b(layers: int) -> dict:
 
 def gpt_oss_20b(layers: int) -> dict:
     """gpt-oss-20b (24 layers of 32 experts, top-4, hidden and expert width 2880): attention
-    sinks, sliding-window (128) and full layers in turn, biased experts, YaRN; in bf16 (the
-    release's MXFP4 experts are dequantized at load today)."""
+    sinks, sliding-window (128) and full layers in turn, biased experts, YaRN (the release
+    stores its experts MXFP4: `--expert-format mxfp4`)."""
     return {
         "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
         "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -149,7 +150,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_model(raw: dict, device: torch.device) -> LoadedModel:
+def random_model(raw: dict, device: torch.device, fmt: ExpertFormat = DENSE) -> LoadedModel:
     cfg = family_for(raw).parse_config(raw)
     with torch.device("meta"):
         model = DecoderModel(cfg).cast(torch.bfloat16)
@@ -161,14 +162,10 @@ def random_model(raw: dict, device: torch.device) -> LoadedModel:
             else:
                 p.normal_(0, 0.02)
     model.reset_rotary()
-    store = HostExpertStore(cfg, torch.bfloat16)
-    # Random experts, a block of them repeated: drawing 20 GB of normals takes minutes, and the
-    # decode speed depends on the bytes moved, not on their values (routing comes from the
-    # random router).
-    for bank in (store.w_gate_up, store.w_down):
-        block = bank[:64].normal_(0, 0.02)
-        for rows in bank[64:].split(64):
-            rows.copy_(block[: rows.shape[0]])
+    store = HostExpertStore(cfg, torch.bfloat16, fmt)
+    # Random experts, a block of them repeated (the decode speed depends on the bytes moved,
+    # not on their values; routing comes from the random router).
+    store.fill_random_()
     return LoadedModel(model.eval(), cfg, Path("random"), raw, store)
 
 
@@ -387,6 +384,13 @@ def main() -> int:
         help="uniform: random top-k per token (see UniformRouter); model: the random router; "
         "trace:FILE: the choices of a real routing trace, token by token (see TraceRouter)",
     )
+    ap.add_argument(
+        "--expert-format",
+        default="dense",
+        choices=FORMATS,
+        help="how the experts are stored: dense (bf16), or kept quantized (fp8 in 128x128 "
+        "blocks, mxfp4, nvfp4)",
+    )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
@@ -394,7 +398,7 @@ def main() -> int:
     teams = args.cpu_threads or [None]
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
-    loaded = random_model(raw, device)
+    loaded = random_model(raw, device, expert_format(args.expert_format))
     if args.routing == "uniform":
         use_uniform_routing(loaded)
     elif args.routing.startswith("trace:"):
@@ -465,7 +469,7 @@ def main() -> int:
                             text=True).stdout.strip()  # fmt: skip
     lines = [
         f"# decode_offload: {'tiny' if args.tiny else args.shape} shape, {args.layers} layers, "
-        "random bf16 weights",
+        f"random bf16 weights, experts {args.expert_format}",
         "",
         f"- GPU: {bw_profile.gpu}; CPU: {bw_profile.cpu}; torch {torch.__version__}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",

@@ -144,8 +144,9 @@ def test_decode_offload_runs_on_a_trace(tmp_path):
     out = tmp_path / "decode.md"
     run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
         "--cache", "40", "--strategy", "hybrid", "--routing", f"trace:{trace}",
-        "--out", str(out), tmp_path=tmp_path)  # fmt: skip
-    assert "| hybrid | 1 |" in out.read_text()
+        "--expert-format", "mxfp4", "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    table = out.read_text()
+    assert "| hybrid | 1 |" in table and "experts mxfp4" in table
 
 
 def test_step_timeline_table(tmp_path):

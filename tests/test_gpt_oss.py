@@ -45,8 +45,11 @@ def release_layout(src, tmp_path):
 
 def test_the_mxfp4_release_layout_is_the_model_of_its_dequantized_weights(source, tmp_path):
     release, plain = release_layout(source[0], tmp_path)
+    store = load_model(release, dtype="float32").experts
+    assert store.format.name == "mxfp4"  # kept as released: codes, scales, and the biases
+    assert set(store.named_banks) == {"w_gate_up", "w_down", "b_gate_up", "s_gate_up", "s_down"}
     want = logits(plain)
-    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("cpu")):
+    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("cpu"), MoEOptions("offload", "4")):
         assert (logits(release, moe) - want).abs().max().item() < 1e-5, moe
     from transformers import AutoModelForCausalLM
 
@@ -88,3 +91,14 @@ def test_the_host_pool_holds_the_gate_up_biases_in_bank_order(source):
     assert set(store.named_banks) == {"w_gate_up", "w_down", "b_gate_up"}
     # what a slot holds and a fill moves, the bias row included (cache sizing divides by it)
     assert store.nbytes == sum(bank.numel() * bank.element_size() for bank in store.banks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mxfp4_release_on_cuda_matches_its_dequantized_weights(source, tmp_path):
+    from test_quantized import cuda_logits
+
+    release, plain = release_layout(source[0], tmp_path)
+    want = cuda_logits(plain, MoEOptions("fused"))
+    for moe in (MoEOptions("fused"), MoEOptions("offload", "6"), MoEOptions("hybrid", "5"),
+                MoEOptions("static", "9")):  # fmt: skip
+        assert (cuda_logits(release, moe) - want).abs().max().item() < 1e-4, moe

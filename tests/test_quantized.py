@@ -195,7 +195,13 @@ def test_a_quantized_checkpoint_is_the_model_of_its_dequantized_weights(fmt, sou
     before = load_file(source[0] / "model.safetensors")[q_proj]
     assert not torch.equal(load_file(plain / "model.safetensors")[q_proj], before)
     want = logits(plain)
-    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("cpu")):
+    # the routed experts stay quantized: the host pool holds the codes and scales as stored
+    store = load_model(quantized, dtype="float32").experts
+    assert store.format.name == fmt and store.w_gate_up.dtype == torch.uint8
+    assert store.nbytes < load_model(plain, dtype="float32").experts.nbytes / 3
+    # every strategy and cache size (one slot, a few, all) computes with them as defined
+    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("hybrid", "1"), MoEOptions("cpu"),
+                MoEOptions("offload", "3"), MoEOptions("static", "5")):  # fmt: skip
         got = logits(quantized, moe)
         assert (got - want).abs().max().item() < 1e-5, (fmt, moe)
     # the dequantized model itself is what transformers computes from those weights
@@ -247,25 +253,87 @@ def test_an_fp8_weight_without_its_scales_is_refused(source, tmp_path):
         load_model(quantized)
 
 
-def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_dequantized_weights(
-    source, tmp_path
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_quantized_experts(
+    fmt, source, tmp_path
 ):
     from freetoken.models.loading import convert_checkpoint
 
-    quantized, plain = quantized_pair(source[0], tmp_path, "fp8")
+    quantized, plain = quantized_pair(source[0], tmp_path, fmt)
     converted = convert_checkpoint(quantized, tmp_path / "converted")
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    a, b = load_model(quantized), load_model(converted)
+    assert b.experts.format == a.experts.format and b.experts.format.name == fmt
+    for name, bank in a.experts.named_banks.items():
+        assert torch.equal(bank, b.experts.named_banks[name]), name
+    # the quantized experts compute with their defined values: the dequantized model exactly
     assert torch.equal(logits(converted), logits(plain))
 
 
-def test_loading_says_what_was_dequantized_and_what_it_takes(source, tmp_path, caplog):
+def test_loading_says_what_was_kept_quantized_and_what_it_takes(source, tmp_path, caplog):
     quantized, _ = quantized_pair(source[0], tmp_path, "fp8")
     with caplog.at_level("INFO", logger="freetoken.models.loading"):
         load_model(quantized, dtype="bfloat16")
     [line] = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     names = load_file(source[0] / "model.safetensors")
     count = len([n for n in names if n.endswith("_proj.weight")])
-    assert line.startswith(f"{count} tensors stored fp8 are dequantized to bfloat16")
+    experts = len([n for n in names if ".experts." in n])
+    assert f"{count} tensors stored fp8, {experts} of them routed experts kept so" in line
+    assert "dequantized to bfloat16" in line
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_experts_holds_them_in_the_model_dtype_with_the_same_logits(
+    fmt, source, tmp_path
+):
+    quantized, plain = quantized_pair(source[0], tmp_path, fmt)
+    loaded = load_model(quantized, dtype="float32", dequantize_experts=True)
+    assert not loaded.experts.format.quantized and loaded.experts.w_gate_up.dtype == torch.float32
+    dense = load_model(plain, dtype="float32").experts
+    for name, bank in dense.named_banks.items():
+        assert torch.equal(loaded.experts.named_banks[name], bank), name
+
+
+def test_the_memory_check_counts_experts_kept_quantized_at_their_stored_size(source, tmp_path):
+    from freetoken.models.families import family_for
+    from freetoken.models.loading import expert_storage
+    from freetoken.weights.safetensors_dir import CheckpointDir
+
+    quantized, plain = quantized_pair(source[0], tmp_path, "mxfp4")
+    ckpt = CheckpointDir(quantized)
+    family = family_for(ckpt.config)
+    fmt, kept = expert_storage(ckpt, family, family.parse_config(ckpt.config))
+    assert fmt.name == "mxfp4" and kept and all(".experts." in n for n in kept)
+    expert_bytes = sum(ckpt.tensors[p].stored_bytes for n in kept
+                       for p in ckpt.quantized.tensors[n].parts)  # fmt: skip
+    dequantized = sum(ckpt.quantized.tensors[n].numel for n in kept) * 2
+    assert ckpt.nbytes(torch.bfloat16, kept) == ckpt.nbytes(torch.bfloat16) - dequantized + (
+        expert_bytes
+    )
+    # what the host pool then holds: those bytes (and nothing dequantized)
+    assert load_model(quantized, dtype="bfloat16").experts.nbytes == expert_bytes
+
+
+def test_experts_whose_blocks_straddle_gate_and_up_are_dequantized_with_a_warning(
+    source, tmp_path, caplog
+):
+    quantized, plain = quantized_pair(source[0], tmp_path, "fp8")
+    config = json.loads((quantized / "config.json").read_text())
+    # 24-row blocks: the tiny model's 32 gate rows end inside a block shared with the up rows
+    tensors = load_file(quantized / "model.safetensors")
+    dense = load_file(plain / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_proj.weight_scale_inv")]:
+        weight = dense[name.removesuffix("_scale_inv")]
+        parts, _ = fp8_blocks(weight, (24, 24))
+        tensors[name] = parts[".weight_scale_inv"]
+        tensors[name.removesuffix("_scale_inv")] = parts[".weight"]
+    save_file(tensors, quantized / "model.safetensors")
+    config["quantization_config"]["weight_block_size"] = [24, 24]
+    (quantized / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="freetoken.models.loading"):
+        loaded = load_model(quantized, dtype="float32")
+    assert not loaded.experts.format.quantized
+    assert any("straddle the gate and up" in r.getMessage() for r in caplog.records)
 
 
 def test_e8m0_scales_stored_as_their_own_dtype_are_read_by_their_bits():
@@ -306,5 +374,36 @@ def test_a_quantized_tensor_the_model_does_not_have_is_passed_over(
     with caplog.at_level("WARNING", logger="freetoken.models.loading"):
         assert torch.equal(logits(quantized), logits(plain))
     assert any("ignored" in r.getMessage() for r in caplog.records)
-    used = [n for n in load_file(plain / "model.safetensors") if n.endswith("_proj.weight")]
-    assert len(made) == len(used)  # the extra one was not dequantized
+    used = [n for n in load_file(plain / "model.safetensors")
+            if n.endswith("_proj.weight") and ".experts." not in n]  # fmt: skip
+    assert len(made) == len(used)  # the extra one was not dequantized (nor the experts, kept)
+
+
+def cuda_logits(path, moe: MoEOptions | None, dtype: str = "float32") -> torch.Tensor:
+    loaded = load_model(path, dtype=dtype, device="cuda")
+    runner = ModelRunner(loaded, kv_cache_tokens=128, page_size=8, moe=moe)
+    seq = runner.new_sequence()
+    out = [runner.forward([seq], [list(range(3, 30))], all_logits=True)]
+    for token in (5, 17, 40, 9, 11, 23):  # paged decode steps (graphs from the second)
+        out.append(runner.forward([seq], [[token]]))
+    return torch.cat(out).float().cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_quantized_experts_on_cuda_match_the_dequantized_model(fmt, source, tmp_path):
+    """The device tier with experts kept quantized: Triton kernels dequantizing in the kernel,
+    fills and the CPU share moving the quantized bytes, decode graphs; every strategy gives
+    the dequantized model's logits."""
+    quantized, plain = quantized_pair(source[0], tmp_path, fmt)
+    want = cuda_logits(plain, MoEOptions("fused"))
+    for moe in (MoEOptions("fused"), MoEOptions("offload", "3"), MoEOptions("offload", "6"),
+                MoEOptions("hybrid", "5"), MoEOptions("hybrid", "5", device_control=False),
+                MoEOptions("static", "9"), MoEOptions("cpu")):  # fmt: skip
+        got = cuda_logits(quantized, moe)
+        assert (got - want).abs().max().item() < 1e-4, (fmt, moe)
+    # bf16: the kernels compute with the dequantized weights' bf16 values
+    want = cuda_logits(plain, MoEOptions("fused"), "bfloat16")
+    for moe in (MoEOptions("fused"), MoEOptions("hybrid", "5")):
+        got = cuda_logits(quantized, moe, "bfloat16")
+        assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), (fmt, moe)

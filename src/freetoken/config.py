@@ -96,4 +96,7 @@ class EngineConfig:
     # A weight directory's expert banks checked against their checksums before serving (else
     # on a background thread while serving starts; a mismatch stops the engine either way).
     verify_weights: bool = False
+    # Quantized checkpoints: routed experts dequantized at load to `dtype` instead of kept
+    # quantized (in the host pool, the fills, the cache and the kernels).
+    dequantize_experts: bool = False
     moe: MoEOptions = field(default_factory=MoEOptions)  # strategy, cache size, policy

@@ -7,9 +7,10 @@ import json
 from dataclasses import asdict
 
 from freetoken.devices import resolve_device
-from freetoken.models.loading import resolve_dtype
+from freetoken.models.loading import expert_storage, resolve_dtype
 from freetoken.moe.bandwidth import measure, save_profile
 from freetoken.moe.store import ExpertShape
+from freetoken.weights.expert_format import expert_format
 
 
 def expert_shape(args: argparse.Namespace) -> ExpertShape:
@@ -18,12 +19,19 @@ def expert_shape(args: argparse.Namespace) -> ExpertShape:
         from freetoken.weights.safetensors_dir import CheckpointDir
 
         ckpt = CheckpointDir(args.model)
-        cfg = family_for(ckpt.config).parse_config(ckpt.config)
+        family = family_for(ckpt.config)
+        cfg = family.parse_config(ckpt.config)
         if cfg.moe is None:
             raise SystemExit(f"error: {args.model} is not a MoE model")
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
-        return ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias)
-    return ExpertShape(args.hidden, args.intermediate, resolve_dtype(args.dtype, "bfloat16"))
+        fmt, _ = expert_storage(ckpt, family, cfg)  # (as the engine will hold them)
+        return ExpertShape(
+            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias, fmt
+        )
+    dtype = resolve_dtype(args.dtype, "bfloat16")
+    return ExpertShape(
+        args.hidden, args.intermediate, dtype, format=expert_format(args.expert_format)
+    )
 
 
 def gbps(value: float | None) -> str:

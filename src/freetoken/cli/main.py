@@ -35,6 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         "background while serving starts; a mismatch stops serving either way)",
     )
     option(g, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    option(
+        g,
+        "--dequantize-experts",
+        action="store_true",
+        help="quantized checkpoints (FP8, MXFP4, NVFP4): dequantize the routed experts at load "
+        "to --dtype (default: keep them quantized in memory, in fills and in the kernels)",
+    )
     option(g, "--device", help="cuda | cpu (default: cuda when available)")
     option(
         g,
@@ -232,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--model", type=Path, help="take the expert shape from this checkpoint")
     bw.add_argument("--hidden", type=int, default=2048, help="expert hidden size (no --model)")
     bw.add_argument("--intermediate", type=int, default=768, help="expert width (no --model)")
-    bw.add_argument("--dtype", default="auto", help="expert dtype (default: bfloat16)")
+    bw.add_argument("--dtype", default="auto", help="model dtype (default: bfloat16)")
+    bw.add_argument(
+        "--expert-format",
+        default="dense",
+        choices=("dense", "fp8", "mxfp4", "nvfp4"),
+        help="how experts are stored (no --model; default dense: in --dtype)",
+    )
     bw.add_argument("--device", help="cuda | cpu (default: cuda when available)")
     bw.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     bw.add_argument("--pool-gib", type=float, default=2.0, help="host pool cycled through")
@@ -284,6 +297,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,
         verify_weights=args.verify,
+        dequantize_experts=args.dequantize_experts,
         moe=moe,
         # Serving's batch and chunk flags; the other commands run one request at a time.
         **{

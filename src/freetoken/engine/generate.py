@@ -157,7 +157,8 @@ class LLMEngine:
             )
         device = resolve_device(config.device)
         loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress,
-                            verify=config.verify_weights)  # fmt: skip
+                            verify=config.verify_weights,
+                            dequantize_experts=config.dequantize_experts)  # fmt: skip
         runner = ModelRunner(
             loaded,
             config.kv_cache_tokens,

@@ -23,6 +23,8 @@ from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, HostExpertStore
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
+from freetoken.weights.expert_format import DENSE, ExpertFormat, bank_parts, expert_format
+from freetoken.weights.quantized import FP8_BLOCK, QuantizedParts
 from freetoken.weights.safetensors_dir import CheckpointDir
 
 log = logging.getLogger(__name__)
@@ -93,28 +95,78 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     verify: bool = False,
+    dequantize_experts: bool = False,
 ) -> LoadedModel:
     """`verify`: a weight directory's expert banks are checked against their checksums
     before this returns (else on a background thread, `LoadedModel.integrity`); the dense
-    tensors always are. A safetensors checkpoint has no checksums."""
+    tensors always are. A safetensors checkpoint has no checksums. Routed experts a checkpoint
+    stores quantized stay so (`expert_storage`) unless `dequantize_experts`."""
     paged_attention.import_in_background()  # (while the weights load)
     if wd.is_weight_dir(path):
         return _load_weight_dir(Path(path), dtype, device, progress, verify)
     ckpt = CheckpointDir(path)
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
-    _admit(ckpt.path, ckpt.nbytes(dtype), dtype)
+    fmt, kept = expert_storage(ckpt, family, cfg, dequantize_experts)
+    _admit(ckpt.path, ckpt.nbytes(dtype, kept), dtype)
     if ckpt.quantized.tensors:
         log.info(
-            "%d tensors stored %s are dequantized to %s as they load: the model takes %s of "
-            "host memory (%s on disk)", len(ckpt.quantized.tensors), ckpt.quantized.method,
-            str(dtype).removeprefix("torch."), memory.gib(ckpt.nbytes(dtype)),
+            "%s: %d tensors stored %s, %d of them routed experts kept so; the others are "
+            "dequantized to %s as they load: the model takes %s of host memory (%s on disk)",
+            ckpt.path.name, len(ckpt.quantized.tensors), ckpt.quantized.method, len(kept),
+            str(dtype).removeprefix("torch."), memory.gib(ckpt.nbytes(dtype, kept)),
             memory.gib(ckpt.nbytes()),
         )  # fmt: skip
-    model, store = _empty_model(cfg, dtype)
-    _fill(model, store, ckpt, family, progress)
+    model, store = _empty_model(cfg, dtype, fmt)
+    _fill(model, store, ckpt, family, progress, kept)
     model = model.to(device)
     return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
+
+
+def _is_expert(name: str | None) -> bool:
+    """Whether a canonical tensor name is a routed expert's weight (one expert's projection,
+    or a layer's stacked projection)."""
+    return name is not None and bool(_EXPERT.match(name) or _FUSED.match(name))
+
+
+def expert_storage(
+    ckpt: CheckpointDir, family, cfg: ModelConfig, dequantize: bool = False
+) -> tuple[ExpertFormat, frozenset[str]]:
+    """How the host pool holds a checkpoint's routed experts: in the format they are stored
+    in, with the names of the quantized tensors kept so, where every expert is stored in one
+    format whose blocks the banks can lay out; dense (dequantized at load, said why) else."""
+    quantized = ckpt.quantized
+    if cfg.moe is None or not quantized.tensors:
+        return DENSE, frozenset()
+    experts = {n: q for n, q in quantized.tensors.items() if _is_expert(family.canonical_name(n))}
+    if not experts:
+        return DENSE, frozenset()
+    plain = [n for n in ckpt.tensors
+             if n not in quantized.parts and _is_expert(family.canonical_name(n))]  # fmt: skip
+    formats = sorted({q.format for q in experts.values()})
+    fmt, why = DENSE, None
+    if dequantize:
+        why = "asked to (--dequantize-experts)"
+    elif len(formats) > 1:
+        why = f"they are stored in several formats ({', '.join(formats)})"
+    elif plain:
+        why = f"some are not quantized ({plain[0]})"
+    else:
+        fmt = expert_format(formats[0], quantized.fp8_block)
+        h, i = cfg.hidden_size, cfg.moe.intermediate_size
+        try:
+            fmt.check(2 * i, h)
+            fmt.check(h, i)
+        except ValueError as e:
+            fmt, why = DENSE, str(e)
+        if fmt.quantized and not fmt.stacks(i):
+            blocks = fmt.row_block
+            fmt = DENSE
+            why = f"{blocks}-row scale blocks straddle the gate and up projections (I = {i})"
+    if why is not None:
+        log.warning("routed experts stored %s are dequantized at load: %s", formats[0], why)
+        return DENSE, frozenset()
+    return fmt, frozenset(experts)
 
 
 def _parse(raw: dict, path: Path):
@@ -138,12 +190,12 @@ def _admit(path: Path, nbytes: int, dtype: torch.dtype) -> None:
         )
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype):
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
     with torch.device("meta"):
         model = DecoderModel(cfg).cast(dtype)
     model = model.to_empty(device="cpu")
     model.reset_rotary()
-    store = HostExpertStore(cfg, dtype) if cfg.moe is not None else None
+    store = HostExpertStore(cfg, dtype, fmt) if cfg.moe is not None else None
     return model, store
 
 
@@ -170,12 +222,18 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
                                for name, bank in loaded.experts.named_banks.items()]  # fmt: skip
     copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    meta = {"dtype": dtype_name, "source": src.name}
+    if loaded.experts is not None and loaded.experts.format.quantized:
+        fmt = loaded.experts.format
+        meta["expert_format"] = fmt.name
+        meta["expert_blocks"] = [fmt.row_block, fmt.col_block]
     total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
-        wd.write(dst, files, {"dtype": dtype_name, "source": src.name}, copy, bar.update)
+        wd.write(dst, files, meta, copy, bar.update)
     if "quantization_config" in loaded.raw_config:
-        # the directory holds the weights dequantized (weights/quantized.py): say so
+        # the directory holds the other weights dequantized (weights/quantized.py) and the
+        # experts as `expert_format` in its index says: config.json no longer describes them
         raw = {k: v for k, v in loaded.raw_config.items() if k != "quantization_config"}
         (dst / "config.json").write_text(json.dumps(raw, indent=2))
     return dst
@@ -193,7 +251,9 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
             f"convert the checkpoint again with --dtype {str(want).removeprefix('torch.')}"
         )
     _admit(path, weights.nbytes, stored)
-    model, store = _empty_model(cfg, stored)
+    blocks = weights.meta.get("expert_blocks") or FP8_BLOCK
+    fmt = expert_format(weights.meta.get("expert_format", "dense"), tuple(blocks))
+    model, store = _empty_model(cfg, stored, fmt)
     dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
     banks = []
     if store is not None:
@@ -229,6 +289,7 @@ def _fill(
     ckpt: CheckpointDir,
     family,
     progress: bool | None,
+    kept: frozenset[str] = frozenset(),
 ) -> None:
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     if store is not None:
@@ -250,22 +311,27 @@ def _fill(
             name = family.canonical_name(stored)
             return name is not None and _target(name, params, moe_index) is not None
 
-        for stored, tensor, nbytes in ckpt.iter_weights(wanted):
+        for stored, tensor, nbytes in ckpt.iter_weights(wanted, kept.__contains__):
             bar.update(nbytes)
             name = family.canonical_name(stored)
             target = _target(name, params, moe_index) if name else None
             if target is None:
                 unused.append(stored)
                 continue
-            key, dest = target
-            if family.to_layout is not None:
-                tensor = family.to_layout(name, tensor, stored in ckpt.quantized.tensors)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise CheckpointError(
-                    f"tensor {stored} has shape {tuple(tensor.shape)}, but the config "
-                    f"implies {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            key = target[0]
+            # a tensor kept quantized fills a bank per part (codes, scales), each as stored
+            parts = bank_parts(tensor) if isinstance(tensor, QuantizedParts) else {"w": tensor}
+            for part, value in parts.items():
+                dest = _target(name, params, moe_index, part)[1]
+                if family.to_layout is not None:
+                    value = family.to_layout(name, value, stored in ckpt.quantized.tensors)
+                if tuple(dest.shape) != tuple(value.shape):
+                    what = stored if part == "w" else f"{stored} ({part} part)"
+                    raise CheckpointError(
+                        f"tensor {what} has shape {tuple(value.shape)}, but the config "
+                        f"implies {tuple(dest.shape)}"
+                    )
+                dest.copy_(value)
             filled.add(key)
 
     missing = sorted(
@@ -283,15 +349,17 @@ def _fill(
 
 
 def _target(
-    name: str, params: dict[str, torch.Tensor], moe_index: dict[int, int]
+    name: str, params: dict[str, torch.Tensor], moe_index: dict[int, int], part: str = "w"
 ) -> tuple[str, torch.Tensor] | None:
-    """Where a canonical tensor goes: (coverage key, destination view), None if nowhere."""
+    """Where a canonical tensor goes: (coverage key, destination view), None if nowhere. An
+    expert's quantized parts go to their own banks (`part`: "w" codes, "s" scales, "g" per-row
+    scales), in the same rows."""
     if m := _EXPERT.match(name):
         layer, expert, proj = int(m[1]), int(m[2]), m[3]
         if layer not in moe_index:
             return None
         bank = params[
-            f"moe.{moe_index[layer]}." + ("w_down" if proj == "down_proj" else "w_gate_up")
+            f"moe.{moe_index[layer]}.{part}_" + ("down" if proj == "down_proj" else "gate_up")
         ]
         if expert >= bank.shape[0]:
             return None
@@ -305,8 +373,9 @@ def _target(
     if m := _FUSED.match(name):
         if int(m[1]) not in moe_index:
             return None
-        bank = "w_gate_up" if m[2] == "gate_up_proj" else "w_down"
-        return f"layers.{m[1]}.moe.{bank}", params[f"moe.{moe_index[int(m[1])]}.{bank}"]
+        bank = "gate_up" if m[2] == "gate_up_proj" else "down"
+        key = f"layers.{m[1]}.moe.w_{bank}"
+        return key, params[f"moe.{moe_index[int(m[1])]}.{part}_{bank}"]
     return (name, params[name]) if name in params else None
 
 

@@ -25,6 +25,7 @@ import torch
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.moe.store import ExpertShape
 from freetoken.paths import cache_dir
+from freetoken.weights.expert_format import ExpertWeights, expert_weights, fill_random_
 
 
 @dataclass
@@ -64,9 +65,16 @@ def gpu_uuid(device: torch.device) -> str | None:
     return f"{props.name} {getattr(props, 'uuid', '')}".strip()
 
 
-def expert_format(shape: ExpertShape) -> str:
+def format_key(shape: ExpertShape) -> str:
+    """The expert format a profile is for: the model dtype and shape, and how experts are
+    stored when quantized (their bytes differ, and the CPU kernel's decoding with them)."""
     dtype = str(shape.dtype).removeprefix("torch.")
-    return f"{dtype} H{shape.hidden} I{shape.intermediate}"
+    fmt = shape.format
+    stored = ""
+    if fmt.quantized:
+        blocks = f"-{fmt.row_block}x{fmt.col_block}" if fmt.name == "fp8" else ""
+        stored = f" {fmt.name}{blocks}"
+    return f"{dtype}{stored} H{shape.hidden} I{shape.intermediate}"
 
 
 def profile_key(gpu: str | None, cpu: str, fmt: str) -> str:
@@ -78,7 +86,7 @@ def profile_path(key: str) -> Path:
 
 
 def load_profile(device: torch.device, shape: ExpertShape) -> BandwidthProfile | None:
-    key = profile_key(gpu_uuid(device), cpu_model(), expert_format(shape))
+    key = profile_key(gpu_uuid(device), cpu_model(), format_key(shape))
     path = profile_path(key)
     if not path.is_file():
         return None
@@ -96,28 +104,29 @@ def save_profile(profile: BandwidthProfile) -> Path:
 
 
 class _ExpertPool:
-    """A host pool of random experts several times the CPU cache, cycled through."""
+    """A host pool of random experts several times the CPU cache, cycled through; it quacks
+    like a HostExpertStore (its banks, format and shape)."""
 
     def __init__(self, shape: ExpertShape, pool_bytes: int, pin: bool):
-        shape = dataclasses.replace(shape, bias=False)  # (no bias bank: see below)
+        shape = dataclasses.replace(shape, bias=False)  # (a bias is 0.1% of an expert's bytes)
         n = max(16, pool_bytes // shape.nbytes)
-        h, i = shape.hidden, shape.intermediate
-        self.shape = shape
-        self.num_pairs = n
-        self.w_gate_up = torch.randn(n, 2 * i, h).to(shape.dtype) * 0.02
-        self.w_down = torch.randn(n, h, i).to(shape.dtype) * 0.02
-        self.b_gate_up = None  # (a bias is 0.1% of an expert's bytes: not in the measure)
-        if pin:
-            self.w_gate_up = self.w_gate_up.pin_memory()
-            self.w_down = self.w_down.pin_memory()
+        self.shape, self.format, self.num_pairs = shape, shape.format, n
+        self.named_banks = {}
+        for name, (row, dtype) in shape.bank_rows().items():
+            bank = fill_random_(
+                shape.format, name.partition("_")[0], torch.empty(n, *row, dtype=dtype)
+            )
+            self.named_banks[name] = bank.pin_memory() if pin else bank
+
+    @property
+    def weights(self) -> ExpertWeights:
+        return expert_weights(self.named_banks, self.format)
 
 
 def _measure_copies(pool, device, batch: int, seconds: float, stop: threading.Event | None = None):
     """Copy `batch` experts at a time into device slots for about `seconds`; bytes/s."""
-    slots_gu = torch.empty(
-        (batch, *pool.w_gate_up.shape[1:]), dtype=pool.shape.dtype, device=device
-    )
-    slots_d = torch.empty((batch, *pool.w_down.shape[1:]), dtype=pool.shape.dtype, device=device)
+    banks = list(pool.named_banks.values())
+    slots = [torch.empty((batch, *b.shape[1:]), dtype=b.dtype, device=device) for b in banks]
     stream = torch.cuda.Stream(device)
     copied, nxt = 0, 0
     torch.cuda.synchronize(device)
@@ -125,8 +134,8 @@ def _measure_copies(pool, device, batch: int, seconds: float, stop: threading.Ev
     while time.perf_counter() - start < seconds and not (stop and stop.is_set()):
         with torch.cuda.stream(stream):
             for j in range(batch):
-                slots_gu[j].copy_(pool.w_gate_up[nxt], non_blocking=True)
-                slots_d[j].copy_(pool.w_down[nxt], non_blocking=True)
+                for dst, src in zip(slots, banks, strict=True):
+                    dst[j].copy_(src[nxt], non_blocking=True)
                 nxt = (nxt + 1) % pool.num_pairs
         stream.synchronize()
         copied += batch * pool.shape.nbytes
@@ -135,7 +144,7 @@ def _measure_copies(pool, device, batch: int, seconds: float, stop: threading.Ev
 
 def _measure_cpu(executor: CPUExpertExecutor, pool, batch: int, seconds: float) -> float:
     """Run one-token jobs of `batch` experts through the real CPU executor; bytes/s."""
-    x = torch.randn(1, pool.shape.hidden).to(pool.shape.dtype)
+    x = torch.randn(1, pool.shape.hidden).to(pool.shape.dtype)  # (the model's dtype)
     read, nxt = 0, 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -181,7 +190,7 @@ def measure(
             pcie_both = result["pcie"]
     finally:
         executor.shutdown()
-    gpu, cpu, fmt = gpu_uuid(device), cpu_model(), expert_format(shape)
+    gpu, cpu, fmt = gpu_uuid(device), cpu_model(), format_key(shape)
     return BandwidthProfile(
         key=profile_key(gpu, cpu, fmt),
         gpu=gpu,

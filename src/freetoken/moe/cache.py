@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from freetoken.kernels.host_copies import HostToDeviceCopier
-from freetoken.moe.store import BANK_NAMES, ExpertWeights, HostExpertStore, expert_weights
+from freetoken.moe.store import BANK_NAMES, HostExpertStore
+from freetoken.weights.expert_format import ExpertWeights, expert_weights
 
 
 def host_array(values) -> np.ndarray:

@@ -80,13 +80,15 @@ class CPUExpertExecutor:
             # process may use, not from torch's thread count, which the runtime lowers to 1
             # beside a GPU.
             team = threads or team_threads()
+            w = store.weights
             self.native = NativeCPUExperts.create(
-                store.w_gate_up,
-                store.w_down,
+                w.gate_up,
+                w.down,
                 act,
                 team,
                 spin_seconds=spin_us * 1e-6,
-                b_gate_up=store.b_gate_up,
+                b_gate_up=w.bias,
+                dtype=store.shape.dtype,
             )
         self.prepare_seconds = prepare_us * 1e-6
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
@@ -107,10 +109,10 @@ class CPUExpertExecutor:
     def run_job(self, job: CPUJob) -> CPUResult:
         """The torch fallback, run on this executor's thread."""
         start = time.perf_counter()
-        store = self.store
+        store, w = self.store, self.store.weights
         rows, pairs, weights = map(torch.as_tensor, (job.rows, job.pairs, job.weights))
         out = torch_cpu_experts(
-            job.x, rows, pairs, weights, store.w_gate_up, store.w_down, self.act, store.b_gate_up
+            job.x, rows, pairs, weights, w.gate_up, w.down, self.act, w.bias, store.shape.dtype
         )
         experts = len(torch.unique(pairs))
         return CPUResult(out, time.perf_counter() - start, experts * store.shape.nbytes)

@@ -29,6 +29,7 @@ import torch
 from freetoken.kernels.grouped_experts import grouped_expert_forward
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.store import HostExpertStore
+from freetoken.weights.expert_format import expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,9 @@ class LayerStreamer:
             stream.wait_event(self.ready[b])
             after.record(stream)
             self._chunk["waits"].append((before, after))
-        gate_up, down, *bias = self.buffers[b]  # (the bias bank where experts have biases)
-        out = grouped_expert_forward(x, ids, weights, gate_up, down, self.act, *bias)
+        w = expert_weights(dict(zip(self.store.named_banks, self.buffers[b], strict=True)),
+                           self.store.format)  # fmt: skip
+        out = grouped_expert_forward(x, ids, weights, w.gate_up, w.down, self.act, w.bias)
         if stream is not None:
             self.free[b] = torch.cuda.Event()
             self.free[b].record(stream)

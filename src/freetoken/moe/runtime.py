@@ -360,10 +360,8 @@ class MoERuntime:
         return self.streamer is not None and threshold is not None and tokens >= threshold
 
     def _gpu(self, x, slots, weights) -> torch.Tensor:
-        c = self.cache
-        return grouped_expert_forward(
-            x, slots, weights, c.w_gate_up, c.w_down, self.act, c.b_gate_up
-        )
+        w = self.cache.weights
+        return grouped_expert_forward(x, slots, weights, w.gate_up, w.down, self.act, w.bias)
 
     def _split_layer(self, moe_layer, x, ids, weights) -> torch.Tensor:
         """The layer eagerly: the GPU kernel is queued before waiting for the CPU share."""

@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from freetoken.model_config import ModelConfig
-from freetoken.weights.expert_format import DENSE, ExpertFormat, ExpertWeights, expert_weights
+from freetoken.weights.expert_format import (
+    DENSE,
+    ExpertFormat,
+    ExpertWeights,
+    expert_weights,
+    fill_random_,
+)
 from freetoken.weights.memory import pinning_advice
 
 log = logging.getLogger(__name__)
@@ -123,6 +129,16 @@ class HostExpertStore:
     def weights(self) -> ExpertWeights:
         """The pool's projections, for the CPU kernels (by flat id)."""
         return expert_weights(self.named_banks, self.format)
+
+    def fill_random_(self, seed: int = 0, distinct: int = 64) -> None:
+        """Random experts of the pool's format (benchmarks): `distinct` of them repeated, since
+        drawing tens of GB of random values takes minutes and speed depends on bytes moved."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, bank in self.named_banks.items():
+            part = name.partition("_")[0]
+            block = fill_random_(self.format, part, bank[:distinct], gen)
+            for rows in bank[distinct:].split(distinct):
+                rows.copy_(block[: rows.shape[0]])
 
     @property
     def num_pairs(self) -> int:

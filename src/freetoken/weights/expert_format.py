@@ -39,6 +39,7 @@ from freetoken.weights.quantized import (
     FP8_BLOCK,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
+    QuantizedParts,
     dequantize_fp8_blocks,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -84,8 +85,7 @@ class ExpertFormat:
         """Refuse a projection shape the format's blocks cannot lay out."""
         if self.pack > 1 and cols % self.col_block:
             raise ValueError(
-                f"{self.name} needs the input width ({cols}) to be a multiple of "
-                f"{self.col_block}"
+                f"{self.name} needs the input width ({cols}) to be a multiple of {self.col_block}"
             )
 
     def stacks(self, rows: int) -> bool:
@@ -145,6 +145,21 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
         return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4}[name]
     except KeyError:
         raise ValueError(f"unknown expert format {name!r}; one of {', '.join(FORMATS)}") from None
+
+
+def bank_parts(stored: QuantizedParts) -> dict[str, Tensor]:
+    """A checkpoint's quantized tensor (one expert's projection [N, K], or a layer's [E, N, K])
+    as its banks' parts hold it: {"w": codes, "s": scales, "g": per-row scales}."""
+    if stored.format == "fp8":
+        return {"w": stored.data.view(torch.uint8), "s": stored.scale.float()}
+    scale = stored.scale
+    if scale.dtype != torch.uint8:  # (e8m0 or e4m3 scales stored as such: their bits)
+        scale = scale.view(torch.uint8)
+    if stored.format == "mxfp4":  # blocks [..., N, G, 16] -> codes [..., N, G * 16]
+        return {"w": stored.data.flatten(-2), "s": scale}
+    rows = stored.data.shape[:-1]
+    row_scale = stored.tensor_scale.float().reshape(()).expand(rows).contiguous()
+    return {"w": stored.data, "s": scale, "g": row_scale}
 
 
 @dataclass(frozen=True)
@@ -208,3 +223,23 @@ def dense_of(bank: Tensor | QuantizedBank, dtype: torch.dtype) -> Tensor:
     if isinstance(bank, QuantizedBank):
         return bank.dequantize(slice(None), dtype)
     return bank
+
+
+def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> Tensor:
+    """Fill a bank's part ("w", "s", "g" or a bias "b") with random values of the format at a
+    weight's usual scale (~0.02, no NaN or infinity): for benchmarks and tests, whose speed
+    depends on the bytes, not on the values."""
+    if part == "b" or (part == "w" and not fmt.quantized):
+        return bank.normal_(0, 0.02, generator=generator)
+    if part == "g":
+        return bank.fill_(2.0**-7)
+    if part == "w":
+        if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)
+            bank.random_(0, 255, generator=generator)
+            return bank.masked_fill_(bank == 0x7F, 0x7E)
+        return bank.random_(0, 256, generator=generator)  # every e2m1 pair is a value
+    if fmt.name == "fp8":  # fp32 block scales: e4m3 values (up to 448) to ~0.1
+        return bank.uniform_(2.0**-13, 2.0**-12, generator=generator)
+    if fmt.name == "mxfp4":  # e8m0 2^-8 .. 2^-5
+        return bank.random_(119, 123, generator=generator)
+    return bank.random_(0x38, 0x40, generator=generator)  # nvfp4: e4m3 1.0 .. 1.875

@@ -16,10 +16,11 @@ Three weight formats of the releases people run, each recognised by its companio
                             checkpoints: quant_method "modelopt", quant_algo "NVFP4";
                             `X.input_scale`, for activations, is not used)
 
-The engine computes in bf16 / fp16 / fp32 today, so every such tensor is dequantized to the
-model's dtype as it is read: host memory holds the dequantized model (the admission check
-counts it so). Keeping the experts quantized in the pool, the cache and the kernels is the
-next step (issue 17); these readers are the formats' definitions it will be checked against.
+Routed experts stored so are kept quantized (`keep`): their parts go into the host pool's banks
+as they are (weights/expert_format.py lays them out; the kernels dequantize as they compute).
+Every other such tensor (attention, shared experts, dense MLPs: a few percent of a MoE's bytes)
+is dequantized to the model's dtype as it is read. These readers are the formats' definitions
+the kernels are checked against.
 """
 
 from __future__ import annotations
@@ -111,6 +112,17 @@ def dequantize_nvfp4(
 
 
 @dataclass(frozen=True)
+class QuantizedParts:
+    """A quantized tensor as stored, for a bank that keeps it so: the data and its scales in
+    the checkpoint's shapes and dtypes (`Dequantizer.parts_of` names them)."""
+
+    format: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: torch.Tensor | None = None  # NVFP4's per-tensor scale
+
+
+@dataclass(frozen=True)
 class QuantizedTensor:
     """A tensor the checkpoint stores quantized: its name once dequantized, the format, the
     checkpoint tensors it is made of (data first), and the shape it dequantizes to."""
@@ -175,11 +187,12 @@ class Dequantizer:
         stream: Iterator[tuple[str, torch.Tensor]],
         get: Callable[[str], torch.Tensor],
         wanted: Callable[[str], bool] | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        keep: Callable[[str], bool] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedParts]]:
         """(name, tensor) of every tensor the model reads: as stored, or dequantized (fp32)
-        when the data part of a quantized one comes by (its other parts fetched by `get`); a
-        quantized tensor `wanted` refuses (a layer the model does not have) is passed on
-        as stored, not dequantized."""
+        when the data part of a quantized one comes by (its other parts fetched by `get`), or
+        as its `QuantizedParts` where `keep` takes its name; a quantized tensor `wanted`
+        refuses (a layer the model does not have) is passed on as stored, not dequantized."""
         for name, tensor in stream:
             q = self.parts.get(name)
             if q is None:
@@ -198,7 +211,10 @@ class Dequantizer:
                 yield q.name, tensor
                 continue
             parts = [tensor] + [get(p) for p in q.parts[1:]]
-            yield q.name, _DEQUANTIZE[q.format](self, *parts)
+            if keep is not None and keep(q.name):
+                yield q.name, QuantizedParts(q.format, *parts)
+            else:
+                yield q.name, _DEQUANTIZE[q.format](self, *parts)
 
 
 def _method(config: dict) -> str | None:

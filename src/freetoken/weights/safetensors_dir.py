@@ -10,7 +10,7 @@ import contextlib
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from freetoken.errors import CheckpointError
-from freetoken.weights.quantized import Dequantizer
+from freetoken.weights.quantized import Dequantizer, QuantizedParts
 
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -116,13 +116,19 @@ class CheckpointDir:
                 tensors[name] = TensorInfo(name, file, meta["dtype"], tuple(meta["shape"]))
         return tensors
 
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+    def nbytes(self, dtype: torch.dtype | None = None, kept: Collection[str] = ()) -> int:
         """Bytes the tensors take as stored; with `dtype`, in memory once loaded: floating
-        tensors at `dtype`, quantized ones dequantized to it."""
+        tensors at `dtype`, quantized ones dequantized to it but those named in `kept` (kept
+        quantized: their parts' stored bytes)."""
         if dtype is None:
             return sum(t.stored_bytes for t in self.tensors.values())
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        total = sum(q.numel * itemsize for q in self.quantized.tensors.values())
+        total = 0
+        for q in self.quantized.tensors.values():
+            if q.name in kept:
+                total += sum(self.tensors[p].stored_bytes for p in q.parts)
+            else:
+                total += q.numel * itemsize
         for t in self.tensors.values():
             if t.name in self.quantized.parts or t.name in self.quantized.unused:
                 continue
@@ -131,12 +137,15 @@ class CheckpointDir:
         return total
 
     def iter_weights(
-        self, wanted: Callable[[str], bool] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor, int]]:
+        self,
+        wanted: Callable[[str], bool] | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedParts, int]]:
         """(name, tensor, bytes read) of every tensor, quantized ones dequantized (fp32) under
-        the name of the weight they stand for where `wanted` takes that name (see
-        Dequantizer.tensors_of). A quantized tensor's scales are read through one open handle
-        per file (opening a file parses its whole header again)."""
+        the name of the weight they stand for where `wanted` takes that name, or as their
+        parts where `keep` does (see Dequantizer.tensors_of). A quantized tensor's scales are
+        read through one open handle per file (opening a file parses its whole header
+        again)."""
         with contextlib.ExitStack() as files:
             handles: dict[Path, Any] = {}
 
@@ -152,7 +161,7 @@ class CheckpointDir:
                     raise CheckpointError(f"cannot read {name} from {info.file}: {e}") from e
 
             stream = ((info.name, tensor) for info, tensor in self.iter_tensors())
-            for name, tensor in self.quantized.tensors_of(stream, get, wanted):
+            for name, tensor in self.quantized.tensors_of(stream, get, wanted, keep):
                 q = self.quantized.tensors.get(name)
                 parts = q.parts if q is not None else (name,)
                 yield name, tensor, sum(self.tensors[p].stored_bytes for p in parts)
