@@ -84,7 +84,8 @@ def test_bytes_per_expert_follow_the_format():
     dense = DENSE.nbytes(rows, cols, torch.bfloat16)
     assert dense == rows * cols * 2
     assert MXFP4.nbytes(rows, cols, torch.bfloat16) == rows * cols // 2 + rows * cols // 32
-    assert NVFP4.nbytes(rows, cols, torch.bfloat16) == rows * cols // 2 + rows * cols // 16 + rows * 4
+    nvfp4 = rows * cols // 2 + rows * cols // 16 + rows * 4  # codes, block and row scales
+    assert NVFP4.nbytes(rows, cols, torch.bfloat16) == nvfp4
     fp8 = fp8_format((128, 128))
     assert fp8.nbytes(1536, 2048, torch.bfloat16) == 1536 * 2048 + 12 * 16 * 4
     assert dense / MXFP4.nbytes(rows, cols, torch.bfloat16) > 3.7  # 4.25 bits a weight

@@ -299,7 +299,7 @@ def test_the_memory_check_counts_experts_kept_quantized_at_their_stored_size(sou
     from freetoken.models.loading import expert_storage
     from freetoken.weights.safetensors_dir import CheckpointDir
 
-    quantized, plain = quantized_pair(source[0], tmp_path, "mxfp4")
+    quantized, _ = quantized_pair(source[0], tmp_path, "mxfp4")
     ckpt = CheckpointDir(quantized)
     family = family_for(ckpt.config)
     fmt, kept = expert_storage(ckpt, family, family.parse_config(ckpt.config))
