@@ -1,38 +1,61 @@
-"""Times the grouped expert kernels on CUDA at Qwen3-30B-A3B shapes (H=2048, I=768, bf16, 8
-routes per token) against the torch reference, and reports the bandwidth of the expert weights
-they read next to an HBM ceiling measured in the same run with a large device-to-device copy.
+"""Times the grouped expert decode kernels on CUDA per MoE layer, for each expert format (bf16,
+fp8 with 128 x 128 block scales, mxfp4, nvfp4) beside bf16 at the same shape, and reports the
+bytes of expert weights they read, GB/s against an HBM ceiling measured in the same run with a
+large device-to-device copy, and each format's time as a multiple of bf16's (the target for
+quantized experts: at most 1.5x bf16's time per layer).
 
-    python benchmarks/grouped_experts_bench.py            # batch 1 and 4
-    python benchmarks/grouped_experts_bench.py --profile  # also the GPU time of each kernel
-    python benchmarks/grouped_experts_bench.py --sweep    # also try other launch parameters
+    PYTHONPATH=src:benchmarks python benchmarks/grouped_experts_bench.py       # every format,
+                                                  # gpt-oss-20b and Qwen3-30B-A3B, batch 1 and 4
+    ... --format mxfp4 --model gpt-oss-20b        # one format (bf16 is always timed beside it)
+    ... --profile                                 # also the GPU time of each kernel
+    ... --sweep [--format fp8]                    # also try other launch parameters per format
+    ... --reference                               # also the eager call and the torch reference
+    ... --tiny --device cpu                       # the script's logic on small shapes, on the
+                                                  # CPU under Triton's interpreter (no timings)
+
+Shapes: gpt-oss-20b (H = I = 2880, top-4) and Qwen3-30B-A3B (H 2048, I 768, top-8). Weights are
+random bytes of each format (realistic scales, no NaN), so the times are those of real experts.
+Before timing, each quantized format's kernels are checked against the dense kernels on the
+dequantized banks (same launch parameters) and against the torch reference.
 
 Each timed call uses the next of several slot sets drawn from a pool much larger than L2, so
 the weights of consecutive calls are (mostly) different experts and come from HBM, as in
-decode where every layer reads new experts. GB/s counts the distinct experts a call reads.
-Kernel time is measured on calls replayed from a CUDA graph (GPU time, as an engine capturing
-its decode step sees it); the eager time adds the host cost of launching from Python.
+decode where every layer reads new experts. Bytes count the distinct experts a call reads (the
+format's codes and scales). Kernel time is measured on calls replayed from a CUDA graph (GPU
+time, as an engine capturing its decode step sees it).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
+import sys
+import time
 from collections.abc import Callable
 
 import torch
 
 from freetoken.kernels import grouped_experts as ge
+from freetoken.weights.expert_format import QuantizedBank, expert_format
 
-HIDDEN, INTER, TOP_K = 2048, 768, 8
+MODELS = {"gpt-oss-20b": (2880, 2880, 4), "qwen3-30b-a3b": (2048, 768, 8)}  # H, I, top-k
+TINY_MODELS = {"gpt-oss-20b": (96, 64, 2), "qwen3-30b-a3b": (64, 32, 4)}  # (--tiny)
+FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
 DTYPE = torch.bfloat16
-POOL_SLOTS = 96  # 96 x 9.4 MB = 906 MB of weights, ~18x the H200's 50 MB L2
+POOL_BYTES = 1 << 30  # pool of bf16 experts per shape, ~20x the H200's 50 MB L2
 SLOT_SETS = 16  # calls rotate through these routings
-EXPERT_BYTES = 3 * HIDDEN * INTER * torch.finfo(DTYPE).bits // 8
+TARGET = 1.5  # quantized time / bf16 time per layer, at most
+DEVICE = "cuda"  # (--device cpu: the interpreter, for the script's logic only)
 
 
 def median_time_s(fn: Callable[[int], object], iters: int, warmup: int) -> float:
     """Median over `iters` calls of fn(i), each timed alone with CUDA events."""
+    if DEVICE == "cpu":  # (wall time of one call: the interpreter's, meaningless)
+        start = time.perf_counter()
+        fn(0)
+        return time.perf_counter() - start
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -51,6 +74,8 @@ def median_time_s(fn: Callable[[int], object], iters: int, warmup: int) -> float
 def graph_time_s(calls: Callable[[], object], calls_per_graph: int) -> float:
     """Per-call GPU time of `calls` (which issues `calls_per_graph` calls) replayed as one CUDA
     graph: no host launch overhead, as in an engine that captures its decode step."""
+    if DEVICE == "cpu":
+        return median_time_s(lambda _: calls(), 1, 0) / calls_per_graph
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
@@ -64,143 +89,290 @@ def graph_time_s(calls: Callable[[], object], calls_per_graph: int) -> float:
 
 def hbm_ceiling_gbps(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy of a large buffer: reads + writes per second."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    if DEVICE == "cpu":
+        nbytes = 64 << 20
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     t = median_time_s(lambda _: dst.copy_(src), iters=20, warmup=3)
     return nbytes / t / 1e9
 
 
-def make_routings(tokens: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
-    """SLOT_SETS routings: each token picks TOP_K distinct slots (tokens may share slots, as in
-    real routing), with renormalized random gate weights rounded to bf16 as Qwen3 does."""
+# ---------------------------------------------------------------------------------------------
+# Banks
+# ---------------------------------------------------------------------------------------------
+
+
+class Shape:
+    def __init__(self, model: str, tiny: bool = False):
+        self.model = model
+        self.hidden, self.inter, self.top_k = (TINY_MODELS if tiny else MODELS)[model]
+        dense_expert = 3 * self.hidden * self.inter * DTYPE.itemsize
+        self.slots = 8 if tiny else max(32, POOL_BYTES // dense_expert)
+
+    def expert_bytes(self, fmt_name: str) -> int:
+        fmt = expert_format(fmt_name)
+        h, i = self.hidden, self.inter
+        return fmt.nbytes(2 * i, h, DTYPE) + fmt.nbytes(h, i, DTYPE)
+
+
+def random_bank(fmt_name: str, slots: int, n: int, k: int, gen: torch.Generator):
+    """A bank of random experts of a format, values ~ N(0, 1/k) in size, on the GPU."""
+    if fmt_name == "dense":
+        return (torch.randn(slots, n, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
+    fmt = expert_format(fmt_name)
+    parts = fmt.parts(n, k, DTYPE)
+    w = torch.randint(0, 256, (slots, *parts["w"][0]), dtype=torch.uint8, device=DEVICE,
+                      generator=gen)  # fmt: skip
+    s_shape = (slots, *parts["s"][0])
+    size = 1 / k**0.5
+    if fmt_name == "fp8":
+        w[(w & 0x7F) == 0x7F] = 0x3A  # (the NaN codes)
+        s = (torch.rand(s_shape, device=DEVICE, generator=gen) + 0.5) * size / 60
+        return QuantizedBank(fmt, w, s)
+    if fmt_name == "mxfp4":
+        e = round(torch.tensor(size / 2.6).log2().item()) + 127
+        s = torch.randint(e - 2, e + 2, s_shape, dtype=torch.uint8, device=DEVICE, generator=gen)
+        return QuantizedBank(fmt, w, s)
+    s = (torch.rand(s_shape, device=DEVICE, generator=gen) * 3 + 0.25).to(torch.float8_e4m3fn)
+    g = (torch.rand(slots, n, device=DEVICE, generator=gen) + 0.5) * size / 4
+    return QuantizedBank(fmt, w, s.view(torch.uint8), g)
+
+
+def make_banks(shape: Shape, fmt_name: str, seed: int = 0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    h, i = shape.hidden, shape.inter
+    return (random_bank(fmt_name, shape.slots, 2 * i, h, gen),
+            random_bank(fmt_name, shape.slots, h, i, gen))  # fmt: skip
+
+
+def make_routings(shape: Shape, tokens: int, gen: torch.Generator) -> list[tuple]:
+    """SLOT_SETS routings: each token picks top-k distinct slots (tokens may share slots, as in
+    real routing), with renormalized random gate weights rounded to bf16."""
     sets = []
     for _ in range(SLOT_SETS):
         slots = torch.stack(
-            [torch.randperm(POOL_SLOTS, generator=gen)[:TOP_K] for _ in range(tokens)]
+            [torch.randperm(shape.slots, generator=gen)[: shape.top_k] for _ in range(tokens)]
         )
-        w = torch.rand(tokens, TOP_K, generator=gen)
-        sets.append((slots.cuda(), (w / w.sum(1, keepdim=True)).to("cuda", DTYPE)))
+        w = torch.rand(tokens, shape.top_k, generator=gen)
+        sets.append((slots.to(DEVICE), (w / w.sum(1, keepdim=True)).to(DEVICE, DTYPE)))
     return sets
 
 
-def bench(tokens: int, x: torch.Tensor, w_gate_up, w_down, gen, *, with_reference: bool) -> dict:
-    routings = make_routings(tokens, gen)
+# ---------------------------------------------------------------------------------------------
+# Checks and timings
+# ---------------------------------------------------------------------------------------------
+
+
+def check(shape: Shape, fmt_name: str, banks, x: torch.Tensor, gen) -> str:
+    """The quantized kernels against the dense kernels on the dequantized banks (the same launch
+    parameters) and against the torch reference, on one routing of batch 4."""
+    if fmt_name == "dense":
+        return "-"
+    slots, w = make_routings(shape, 4, gen)[0]
+    used = slots.unique()
+    remap = torch.full((shape.slots,), -1, dtype=torch.long, device=DEVICE)
+    remap[used] = torch.arange(len(used), device=DEVICE)
+    small = tuple(b.select(used) for b in banks)  # (only the used slots dequantized)
+    dense = tuple(ge.dequantize_slots(b, torch.arange(len(used), device=DEVICE), DTYPE)
+                  for b in small)  # fmt: skip
+    local = remap[slots]
+    ours = ge.triton_grouped_expert_forward(x, local, w, *small)
+    saved = {n: getattr(ge, n) for n in ge.LAUNCH_NAMES}
+    try:
+        for n, v in ge.launch_params(fmt_name).items():
+            setattr(ge, n, v)
+        theirs = ge.triton_grouped_expert_forward(x, local, w, *dense)
+    finally:
+        for n, v in saved.items():
+            setattr(ge, n, v)
+    ref = ge.reference_grouped_experts(x, local, w, *dense)
+    scale = ref.float().abs().max().item()
+    vs_dense = (ours.float() - theirs.float()).abs().max().item() / scale
+    vs_ref = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+    # (under the interpreter, bf16 casts truncate: a few % from the reference)
+    ok = vs_dense <= 2**-6 and vs_ref < (1e-2 if DEVICE == "cuda" else 5e-2)
+    return f"{'ok' if ok else 'WRONG'} (vs dense kernels {vs_dense:.1e}, vs reference {vs_ref:.1e})"
+
+
+def bench(shape: Shape, fmt_name: str, banks, tokens: int, x, gen, *, reference=False) -> dict:
+    routings = make_routings(shape, tokens, gen)
     distinct = statistics.mean(int(s.unique().numel()) for s, _ in routings)
-    nbytes = distinct * EXPERT_BYTES
+    nbytes = distinct * shape.expert_bytes(fmt_name)
     xs = x[:tokens]
 
     def kernel(i: int):
         slots, w = routings[i % SLOT_SETS]
-        return ge.triton_grouped_expert_forward(xs, slots, w, w_gate_up, w_down)
-
-    def reference(i: int):
-        slots, w = routings[i % SLOT_SETS]
-        return ge.reference_grouped_experts(xs, slots, w, w_gate_up, w_down)
+        return ge.triton_grouped_expert_forward(xs, slots, w, *banks)
 
     def all_routings():
         for i in range(SLOT_SETS):
             kernel(i)
 
-    out = {"tokens": tokens, "distinct_experts": distinct, "mb": nbytes / 1e6}
+    out = {"model": shape.model, "format": fmt_name, "tokens": tokens,
+           "distinct_experts": distinct, "mb": nbytes / 1e6}  # fmt: skip
     out["graph_us"] = graph_time_s(all_routings, SLOT_SETS) * 1e6
     out["graph_gbps"] = nbytes / out["graph_us"] / 1e3
-    if with_reference:
-        out["eager_us"] = median_time_s(kernel, iters=400, warmup=20) * 1e6
-        out["ref_us"] = median_time_s(reference, iters=50, warmup=5) * 1e6
-        out["ref_gbps"] = nbytes / out["ref_us"] / 1e3
+    if reference:
+        out["eager_us"] = median_time_s(kernel, iters=200, warmup=20) * 1e6
+
+        def torch_reference(i: int):
+            slots, w = routings[i % SLOT_SETS]
+            return ge.reference_grouped_experts(xs, slots, w, *banks)
+
+        out["ref_us"] = median_time_s(torch_reference, iters=20, warmup=3) * 1e6
     return out
 
 
-def profile(tokens: int, x, w_gate_up, w_down, gen) -> None:
+def profile(shape: Shape, banks, tokens: int, x, gen) -> None:
     """GPU time of each kernel, averaged over the routings."""
-    routings = make_routings(tokens, gen)
+    routings = make_routings(shape, tokens, gen)
     for slots, w in routings:  # warm-up
-        ge.triton_grouped_expert_forward(x[:tokens], slots, w, w_gate_up, w_down)
+        ge.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
     torch.cuda.synchronize()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True
     ) as prof:
         for slots, w in routings * 4:
-            ge.triton_grouped_expert_forward(x[:tokens], slots, w, w_gate_up, w_down)
+            ge.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
         torch.cuda.synchronize()
-    print(f"batch {tokens} kernels (GPU us per call):")
     for ev in prof.key_averages():
         if ev.device_time_total > 0 and ev.count:
-            print(f"  {ev.key[:40]:40s} {ev.device_time_total / ev.count:7.1f}")
+            print(f"    {ev.key[:40]:40s} {ev.device_time_total / ev.count:7.1f} us")
 
 
-SWEEP = {
-    "gate_up": {
-        "GATE_UP_BLOCK_N": [4, 8, 16],
-        "GATE_UP_BLOCK_K": [64, 128, 256],
-        "GATE_UP_WARPS": [4, 8],
-        "GATE_UP_STAGES": [2, 3],
-    },
-    "down": {
-        "DOWN_BLOCK_N": [16, 32, 64],
-        "DOWN_BLOCK_K": [64, 128, 256],
-        "DOWN_WARPS": [4, 8],
-        "DOWN_STAGES": [2, 3],
-    },
-}
+# ---------------------------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------------------------
 
 
-def sweep(x, w_gate_up, w_down, gen, batches: list[int]) -> None:
-    """Vary one kernel's launch parameters at a time (the other keeps the module defaults)."""
-    for kernel, grid in SWEEP.items():
-        defaults = {name: getattr(ge, name) for name in grid}
-        print(f"\nsweep {kernel} (defaults {defaults})")
+def sweep_grid(fmt_name: str) -> dict[str, dict[str, list[int]]]:
+    # (fp8: BLOCK_K at most its 128-column scale blocks, else a scale gather per weight)
+    k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128]}.get(fmt_name, [64, 128, 256])
+    return {
+        "gate_up": {"GATE_UP_BLOCK_N": [8, 16, 32, 64], "GATE_UP_BLOCK_K": k_choices,
+                    "GATE_UP_WARPS": [4, 8], "GATE_UP_STAGES": [3]},
+        "down": {"DOWN_BLOCK_N": [16, 32, 64], "DOWN_BLOCK_K": k_choices,
+                 "DOWN_WARPS": [4, 8], "DOWN_STAGES": [3]},
+    }  # fmt: skip
+
+
+def _set(fmt_name: str, name: str, value: int) -> None:
+    if fmt_name == "dense":
+        setattr(ge, name, value)
+    else:
+        ge.QUANTIZED_LAUNCH[fmt_name][name] = value
+
+
+def sweep(shape: Shape, fmt_name: str, banks, x, gen, batches=(1, 4)) -> list[str]:
+    """Vary one kernel's launch parameters at a time (the other keeps its defaults); returns
+    the best setting's line per kernel."""
+    best_lines = []
+    for kernel, grid in sweep_grid(fmt_name).items():
+        defaults = {name: ge.launch_params(fmt_name)[name] for name in grid}
+        print(f"\n  sweep {shape.model} {fmt_name} {kernel} (defaults {defaults})")
         results = []
         for values in itertools.product(*grid.values()):
             params = dict(zip(grid, values, strict=True))
-            for name, value in params.items():
-                setattr(ge, name, value)
             try:
-                row = [bench(b, x, w_gate_up, w_down, gen, with_reference=False) for b in batches]
-            except Exception as e:  # e.g. out of shared memory for a large tile
-                print(f"  {params}: failed ({type(e).__name__})")
+                for name, value in params.items():
+                    _set(fmt_name, name, value)
+                row = [bench(shape, fmt_name, banks, b, x, gen) for b in batches]
+            except Exception as e:  # e.g. out of shared memory, or a BLOCK_K fp4 refuses
+                print(f"    {params}: failed ({type(e).__name__})")
                 continue
             finally:
                 for name, value in defaults.items():
-                    setattr(ge, name, value)
-            results.append((row[0]["graph_us"], params, row))
-        for _, params, row in sorted(results, key=lambda r: r[0])[:8]:
+                    _set(fmt_name, name, value)
+            results.append((sum(r["graph_us"] for r in row), params, row))
+        results.sort(key=lambda r: r[0])
+        for _, params, row in results[:8]:
             cells = "  ".join(f"b{r['tokens']} {r['graph_us']:6.1f} us" for r in row)
-            print(f"  {cells}  {params}")
+            print(f"    {cells}  {params}")
+        if results:
+            best_lines.append(f"{shape.model} {fmt_name} {kernel}: {results[0][1]}")
+    return best_lines
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", default="all", choices=["all", *FORMATS],
+                        help="expert format (bf16 is always timed beside it)")  # fmt: skip
+    parser.add_argument("--model", default="all", choices=["all", *MODELS])
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters")
     parser.add_argument("--profile", action="store_true", help="also time each kernel")
+    parser.add_argument("--reference", action="store_true",
+                        help="also the eager call and the torch reference")  # fmt: skip
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="small shapes (with --device cpu)")
     args = parser.parse_args()
-    if not torch.cuda.is_available() or not ge.triton_available():
+    global DEVICE, SLOT_SETS
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":  # (read when triton is imported)
+            os.execve(sys.executable, [sys.executable, *sys.argv],
+                      {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+        SLOT_SETS = 2
+    if not ge.triton_available() or (DEVICE == "cuda" and not torch.cuda.is_available()):
         raise SystemExit("needs CUDA and triton")
+    formats = FORMATS if args.format == "all" else ("dense", args.format)
+    formats = tuple(dict.fromkeys(formats))
+    models = list(MODELS) if args.model == "all" else [args.model]
 
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    w_gate_up = torch.randn(POOL_SLOTS, 2 * INTER, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5
-    w_down = torch.randn(POOL_SLOTS, HIDDEN, INTER, device="cuda", dtype=DTYPE) / INTER**0.5
-    x = torch.randn(4, HIDDEN, device="cuda", dtype=DTYPE)
-
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
+    print(f"{name}  torch {torch.__version__}")
     ceiling = hbm_ceiling_gbps()
     print(f"HBM ceiling (d2d copy, read + write): {ceiling:.0f} GB/s")
-    print(f"expert: {EXPERT_BYTES / 1e6:.2f} MB; pool {POOL_SLOTS} slots; {SLOT_SETS} routings")
-    for tokens in (1, 4):
-        r = bench(tokens, x, w_gate_up, w_down, gen, with_reference=True)
-        print(
-            f"batch {tokens}: {r['distinct_experts']:.1f} experts, {r['mb']:.1f} MB | "
-            f"kernel (CUDA graph) {r['graph_us']:6.1f} us {r['graph_gbps']:5.0f} GB/s "
-            f"({100 * r['graph_gbps'] / ceiling:3.0f}% of ceiling) | "
-            f"eager call {r['eager_us']:6.1f} us | "
-            f"torch reference {r['ref_us']:7.1f} us {r['ref_gbps']:5.0f} GB/s"
-        )
-    if args.profile:
-        for tokens in (1, 4):
-            profile(tokens, x, w_gate_up, w_down, gen)
-    if args.sweep:
-        sweep(x, w_gate_up, w_down, gen, batches=[1, 4])
+    gen = torch.Generator().manual_seed(0)
+    rows, best = [], []
+    for model in models:
+        shape = Shape(model, args.tiny)
+        x = torch.randn(4, shape.hidden, device=DEVICE).to(DTYPE)
+        print(f"\n{model}: H {shape.hidden}, I {shape.inter}, top-{shape.top_k}, "
+              f"pool {shape.slots} slots, {SLOT_SETS} routings")  # fmt: skip
+        for fmt_name in formats:
+            banks = make_banks(shape, fmt_name)
+            print(f"  {fmt_name:6s} expert {shape.expert_bytes(fmt_name) / 1e6:6.2f} MB; "
+                  f"launch {ge.launch_params(fmt_name)}")  # fmt: skip
+            print(f"         check: {check(shape, fmt_name, banks, x, gen)}")
+            for tokens in (1, 4):
+                r = bench(shape, fmt_name, banks, tokens, x, gen, reference=args.reference)
+                rows.append(r)
+                extra = ""
+                if args.reference:
+                    extra = f" | eager {r['eager_us']:7.1f} us | torch {r['ref_us']:8.1f} us"
+                print(f"         batch {tokens}: {r['distinct_experts']:.1f} experts, "
+                      f"{r['mb']:6.1f} MB, {r['graph_us']:6.1f} us, {r['graph_gbps']:5.0f} GB/s"
+                      f"{extra}")  # fmt: skip
+            if args.profile:
+                for tokens in (1, 4):
+                    print(f"    {fmt_name} batch {tokens} kernels (GPU us per call):")
+                    profile(shape, banks, tokens, x, gen)
+            if args.sweep and (args.format in ("all", fmt_name)):  # (bf16 only if asked)
+                best += sweep(shape, fmt_name, banks, x, gen)
+            del banks
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+    bf16 = {(r["model"], r["tokens"]): r["graph_us"] for r in rows if r["format"] == "dense"}
+    print("\nPer-layer decode kernel time (CUDA graph replay; x bf16: the format's time over "
+          f"bf16's at the same shape; target <= {TARGET}x)")  # fmt: skip
+    print("| model | format | batch | experts | MB read | us/layer | GB/s | % of HBM | x bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = r["graph_us"] / bf16[(r["model"], r["tokens"])]
+        mark = "" if r["format"] == "dense" or ratio <= TARGET else " (over)"
+        name = "bf16" if r["format"] == "dense" else r["format"]
+        print(f"| {r['model']} | {name} | {r['tokens']} | {r['distinct_experts']:.1f} | "
+              f"{r['mb']:.1f} | {r['graph_us']:.1f} | {r['graph_gbps']:.0f} | "
+              f"{100 * r['graph_gbps'] / ceiling:.0f} | {ratio:.2f}{mark} |")  # fmt: skip
+    if best:
+        print("\nBest launch parameters per kernel (sum of batch 1 and 4; for the module's "
+              "constants, or QUANTIZED_LAUNCH[format]):")  # fmt: skip
+        for line in best:
+            print(f"  {line}")
 
 
 if __name__ == "__main__":

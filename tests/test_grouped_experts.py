@@ -4,7 +4,10 @@
 - The Triton kernels against the reference under Triton's CPU interpreter: TRITON_INTERPRET must
   be set before triton is imported, so those cases run in one subprocess; they skip when triton
   is not installed (it is not a project dependency).
-- The Triton kernels on CUDA at Qwen3-30B-A3B shapes (skip without a GPU).
+- Quantized banks (fp8 block scales, mxfp4, nvfp4): the reference against the same experts
+  dequantized; under the interpreter the Triton kernels against the dense Triton kernels on the
+  dequantized banks (bit for bit) and `dequantize_slots`' kernel against the formats' definition.
+- The Triton kernels on CUDA at Qwen3-30B-A3B and gpt-oss-20b shapes (skip without a GPU).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 
 from freetoken.activations import glu
 from freetoken.kernels.grouped_experts import (
+    dequantize_slots,
     grouped_expert_forward,
     grouped_gemm_experts,
     reference_grouped_experts,
 )
+from freetoken.weights.expert_format import MXFP4, NVFP4, QuantizedBank, fp8_format
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(
@@ -96,6 +101,45 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
             y = w_down[s] @ unit(h[:i], h[i:])
             out[t] += (y * weights[t, j]).to(x.dtype)
     return out
+
+
+QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
+             "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4}  # fmt: skip
+
+
+def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
+    """A random bank of `fmt` whose values are ~ scale * N(0, 1 / k) in size (every e2m1 code,
+    e4m3 codes but the NaNs, scales spread over a few binades)."""
+    parts = fmt.parts(n, k, torch.float32)
+    w_shape, s_shape = (slots, *parts["w"][0]), (slots, *parts["s"][0])
+    w = torch.randint(0, 256, w_shape, dtype=torch.uint8, generator=gen)
+    size = scale / k**0.5
+    if fmt.name == "fp8":
+        w[(w & 0x7F) == 0x7F] = 0x3A  # (the two NaN codes)
+        s = (torch.rand(s_shape, generator=gen) + 0.5) * size / 60  # |e4m3| ~ 60 on average
+        return QuantizedBank(fmt, w, s)
+    if fmt.name == "mxfp4":  # |e2m1| ~ 2.6 on average
+        e = round(torch.tensor(size / 2.6).log2().item()) + 127
+        return QuantizedBank(fmt, w, torch.randint(e - 2, e + 2, s_shape, dtype=torch.uint8,
+                                                   generator=gen))  # fmt: skip
+    s = (torch.rand(s_shape, generator=gen) * 3 + 0.25).to(torch.float8_e4m3fn).view(torch.uint8)
+    g = (torch.rand(slots, n, generator=gen) + 0.5) * size / 4
+    return QuantizedBank(fmt, w, s, g)
+
+
+def quantized_case(name: str, t: int, k: int, h: int, i: int, s: int, *, seed: int = 0,
+                   dtype=torch.float32, scale: float = 1.0, device: str = "cpu"):  # fmt: skip
+    """make_case's routing with random quantized banks of format `name` (and the dense banks
+    they dequantize to, in `dtype`)."""
+    x, slots, weights, _, _ = make_case(t, k, h, i, s, seed=seed, dtype=dtype, device=device)
+    if t * k > 1:  # (at least one route skipped, its gate weight nan)
+        slots[0, -1], weights[0, -1] = -1, float("nan")
+    gen = torch.Generator().manual_seed(1000 + seed)
+    fmt = QUANTIZED[name]
+    banks = [quantized_bank(fmt, s, 2 * i, h, gen, scale), quantized_bank(fmt, s, h, i, gen)]
+    banks = [QuantizedBank(b.format, *(p.to(device) for p in b.tensors)) for b in banks]
+    dense = [b.dequantize(slice(None), dtype) for b in banks]
+    return (x, slots, weights, *banks), (x, slots, weights, *dense)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +266,39 @@ def test_argument_checks():
         reference_grouped_experts(x, slots, weights[:, :1], w_gate_up, w_down)
 
 
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_on_quantized_banks_is_the_dequantized_experts(name, dtype):
+    """A quantized expert gives its dequantized copy's result: the same function, bit for bit
+    (and so do dispatch on the CPU and dequantize_slots, the definition there)."""
+    quantized, dense = quantized_case(name, 4, 3, 96, 48 if name == "nvfp4" else 64, 5,
+                                      seed=3, dtype=dtype)  # fmt: skip
+    want = reference_grouped_experts(*dense)
+    assert want.abs().max() > 0.1
+    assert torch.equal(reference_grouped_experts(*quantized), want)
+    assert torch.equal(grouped_expert_forward(*quantized), want)
+    index = torch.tensor([4, 1, 1])
+    assert torch.equal(dequantize_slots(quantized[3], index, dtype), dense[3][index])
+
+
+@needs_triton
+def test_quantized_banks_with_scales_of_the_wrong_shape_are_refused():
+    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward
+
+    (x, slots, weights, gu, dn), _ = quantized_case("nvfp4", 2, 2, 64, 32, 3)
+    with pytest.raises(ValueError, match="scales of a nvfp4 bank"):
+        bad = QuantizedBank(dn.format, dn.w, dn.s[:, :, 1:], dn.g)
+        triton_grouped_expert_forward(x, slots, weights, gu, bad)
+    with pytest.raises(ValueError, match="per-row scales"):
+        triton_grouped_expert_forward(x, slots, weights, QuantizedBank(gu.format, gu.w, gu.s), dn)
+
+
+def test_quantized_and_dense_banks_do_not_mix():
+    quantized, dense = quantized_case("mxfp4", 2, 2, 64, 32, 3)
+    with pytest.raises(ValueError, match="both be dense or both quantized"):
+        reference_grouped_experts(*quantized[:4], dense[4])
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels under the CPU interpreter
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +364,112 @@ def _interpreter_cases() -> dict[str, float]:
                                  "swiglu_oai", False)  # fmt: skip
     res["bf16_bias_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=11, **bf16)),
                                       "swiglu_oai")  # fmt: skip
+    res.update(_quantized_interpreter_cases())
+    return res
+
+
+# Tiles for the interpreter (its time grows with the number of programs and K steps more than
+# with tile sizes): several K steps and partial tiles on every dimension at the shapes below.
+SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4,
+                "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
+                "DOWN_STAGES": 1}  # fmt: skip
+QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48)}
+QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
+                    ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16")]  # fmt: skip
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _quantized_interpreter_cases() -> dict[str, float]:
+    """Quantized banks under the interpreter: the kernels' output against the dense kernels' on
+    the dequantized banks with the same launch parameters (-1.0: equal bit for bit, else the
+    largest difference), the error relative to the reference's largest value, and
+    dequantize_slots' kernel against the definition (-1.0: equal, NaNs where it has them)."""
+    import freetoken.kernels.grouped_experts as ge
+
+    def with_launch(params, fn):
+        """fn() with `params` for the dense kernels and for every quantized format."""
+        saved = {n: getattr(ge, n) for n in ge.LAUNCH_NAMES}, dict(ge.QUANTIZED_LAUNCH)
+        try:
+            for n in ge.LAUNCH_NAMES:
+                setattr(ge, n, params[n])
+            for f in ge.QUANTIZED_LAUNCH:
+                ge.QUANTIZED_LAUNCH[f] = params
+            return fn()
+        finally:
+            for n, v in saved[0].items():
+                setattr(ge, n, v)
+            ge.QUANTIZED_LAUNCH.update(saved[1])
+
+    def compare(cases, key, act="silu", bias=None, params=SMALL_LAUNCH):
+        quantized, dense = cases
+        q = with_launch(params, lambda: ge.triton_grouped_expert_forward(*quantized, act, bias))
+        d = with_launch(params, lambda: ge.triton_grouped_expert_forward(*dense, act, bias))
+        ref = reference_grouped_experts(*dense, act, bias)
+        assert q.dtype == ref.dtype and q.shape == ref.shape and ref.abs().max() > 0.1
+        res[key] = -1.0 if torch.equal(q, d) else (q.float() - d.float()).abs().max().item()
+        res[key + "_ref"] = ((q.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+    res: dict[str, float] = {}
+    for name, dt in QUANTIZED_DTYPES:
+        h, i = QUANTIZED_SHAPES[name]
+        compare(quantized_case(name, 2, 2, h, i, 5, seed=20, dtype=DTYPES[dt]), f"q_{name}_{dt}")
+    # int32 slots; the launch defaults (larger tiles than the dims: one partial K step for fp4,
+    # fp8's one-scale-per-row path with 128 x 128 blocks)
+    quantized, dense = quantized_case("fp8", 2, 3, 72, 40, 4, seed=21)
+    slots32 = quantized[1].int()
+    compare(((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
+            "q_int32_slots")  # fmt: skip
+    for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48)}.items():
+        fmt = QUANTIZED[name].name
+        compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
+                params=ge.launch_params(fmt))  # fmt: skip
+    # gpt-oss's unit with biases, gate and up past its clamp
+    for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
+        h, i = QUANTIZED_SHAPES[name]
+        quantized, dense = quantized_case(name, 3, 2, h, i, 6, seed=23, dtype=DTYPES[dt], scale=6)
+        g = torch.Generator().manual_seed(23)
+        bias = (torch.randn(6, 2 * i, generator=g) * 3).to(DTYPES[dt])
+        compare((quantized, dense), f"q_{name}_{dt}_bias_swiglu_oai", "swiglu_oai", bias)
+    # every route skipped: exact zeros (nan gate weights)
+    quantized, _ = quantized_case("mxfp4", 2, 2, 96, 64, 5, seed=24)
+    x, slots, weights, gu, dn = quantized
+    skipped = torch.full_like(slots, -1)
+    out = ge.triton_grouped_expert_forward(x, skipped, weights.fill_(float("nan")), gu, dn)
+    res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
+    # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
+    gen = torch.Generator().manual_seed(25)
+    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4"):
+        fmt = QUANTIZED[name]
+        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80}[fmt.name]  # (K tails: nvfp4 2.5 chunks)
+        bank = quantized_bank(fmt, 4, 40, k, gen)
+        bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
+        if fmt.name == "fp8":
+            bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
+        else:  # e8m0 0 (subnormal) .. 254; nvfp4: every e4m3 scale, its NaNs too
+            bank.s.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
+        index = torch.tensor([3, 0, 3, 2])
+        ok = True
+        for dtype in DTYPES.values():
+            want = bank.dequantize(index, dtype)
+            for block_k in (32, ge.DEQUANTIZE_BLOCK_K):
+                saved = ge.DEQUANTIZE_BLOCK_K
+                ge.DEQUANTIZE_BLOCK_K = block_k
+                try:
+                    got = ge.triton_dequantize_slots(bank, index, dtype)
+                finally:
+                    ge.DEQUANTIZE_BLOCK_K = saved
+                checked = torch.ones_like(want, dtype=torch.bool)
+                if dtype == torch.bfloat16:
+                    # the interpreter's fp32 -> bf16 conversion (the store) mangles subnormal
+                    # results; the kernel's values are right (fp32, fp16 here; CUDA checks bf16)
+                    checked = (want.abs() >= 2.0**-126) | (want == 0) | want.isnan()
+                try:
+                    torch.testing.assert_close(
+                        got[checked], want[checked], rtol=0, atol=0, equal_nan=True
+                    )
+                except AssertionError:
+                    ok = False
+        res[f"dq_{name}"] = -1.0 if ok else 1.0
     return res
 
 
@@ -297,6 +480,23 @@ INTERPRETER_TOLERANCE = {
     "bf16": 5e-2, "bias_swiglu_oai": 1e-5, "bias_silu": 1e-5, "swiglu_oai_clamped": 1e-5,
     "bf16_swiglu_oai": 5e-2, "bf16_bias_swiglu_oai": 5e-2,
 }  # fmt: skip
+# Quantized cases: equal to the dense kernels bit for bit (-1.0), and within the dense kernels'
+# own tolerance of the reference (relative to the largest output; bf16: the interpreter's
+# truncating casts, a few % as for the dense bf16 cases above).
+QUANTIZED_INTERPRETER_CASES = [
+    *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
+    "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
+    "q_mxfp4_bf16_bias_swiglu_oai", "q_fp8_fp32_bias_swiglu_oai",
+]  # fmt: skip
+for _case in QUANTIZED_INTERPRETER_CASES:
+    INTERPRETER_TOLERANCE[_case] = -1.0
+    INTERPRETER_TOLERANCE[_case + "_ref"] = 5e-2 if "bf16" in _case else 1e-5
+QUANTIZED_INTERPRETER_CASES += [
+    *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
+    "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4",
+]  # fmt: skip
+for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4"):
+    INTERPRETER_TOLERANCE[_case] = -1.0
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +522,7 @@ INTERPRETER_CASES = [
     "basic", "int32_slots", "odd_shapes", "long_rows", "gelu", "gelu_pytorch_tanh", "relu",
     "strided_banks", "all_skipped", "empty", "bf16", "bias_swiglu_oai", "bias_silu", "swiglu_oai",
     "swiglu_oai_clamped", "bf16_swiglu_oai", "bf16_bias_swiglu_oai",
+    *QUANTIZED_INTERPRETER_CASES,
 ]  # fmt: skip
 
 
@@ -410,3 +611,95 @@ def test_cuda_edge_cases():
         0,
         64,
     )
+
+
+# Quantized banks on CUDA, at the shapes of the models that ship them: gpt-oss-20b (H = I = 2880,
+# top-4; 2880 is no multiple of 128, so fp8's last scale blocks and the tiles' K steps are
+# partial) and Qwen3-30B-A3B (H 2048, I 768, top-8).
+MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8)}
+CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4"]
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("name", CUDA_FORMATS)
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+def test_cuda_quantized_decode_kernels(model, name, monkeypatch):
+    """The quantized kernels against the dense kernels on the dequantized banks, with the same
+    launch parameters: equal, or within a bf16 rounding where the fp4 tiles' in-tile sums are
+    ordered differently; and against the reference like the dense kernels."""
+    import freetoken.kernels.grouped_experts as ge
+
+    h, i, s, k = MODEL_SHAPES[model]
+    for tokens in (1, 4):
+        quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=tokens,
+                                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        ours = grouped_expert_forward(*quantized)
+        assert ours.dtype == torch.bfloat16
+        assert torch.equal(ge.triton_grouped_expert_forward(*quantized), ours)  # deterministic
+        for param, value in ge.launch_params(QUANTIZED[name].name).items():
+            monkeypatch.setattr(ge, param, value)
+        dense_kernels = ge.triton_grouped_expert_forward(*dense)
+        diff = (ours.float() - dense_kernels.float()).abs().max().item()
+        scale = dense_kernels.float().abs().max().item()
+        # (the same fp32 products and sums per tile element; only the in-tile reduction may be
+        # ordered differently: an fp32 rounding, now and then a bf16 one, before the output's)
+        assert diff <= 2**-6 * scale, (diff, scale, torch.equal(ours, dense_kernels))
+        assert _rel_err(ours, dense_kernels) < 5e-3
+        assert _rel_err(ours, reference_grouped_experts(*dense)) < 1e-2
+        monkeypatch.undo()
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("name", CUDA_FORMATS)
+def test_cuda_quantized_biased_swiglu_oai(name):
+    h, i, s, k = MODEL_SHAPES["gpt-oss"]
+    quantized, dense = quantized_case(name, 4, k, h, i, s, seed=5, dtype=torch.bfloat16,
+                                      scale=6, device="cuda")  # fmt: skip
+    bias = (torch.randn(s, 2 * i, device="cuda") * 3).bfloat16()
+    ours = grouped_expert_forward(*quantized, "swiglu_oai", bias)
+    want = reference_grouped_experts(*dense, "swiglu_oai", bias)
+    assert _rel_err(ours, want) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_FORMATS)
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+def test_cuda_quantized_long_chunks_use_grouped_gemm(model, name):
+    """Prefill-sized calls: the used slots dequantized (one Triton launch per window) and run as
+    grouped GEMMs: the dense path's result on the dequantized banks."""
+    h, i, s, k = MODEL_SHAPES[model]
+    tokens = 160  # (640 or 1280 routes: the grouped GEMM path)
+    quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=7, dtype=torch.bfloat16,
+                                      device="cuda")  # fmt: skip
+    ours = grouped_expert_forward(*quantized)
+    assert _rel_err(ours, grouped_gemm_experts(*dense)) < 5e-3
+    assert _rel_err(ours, reference_grouped_experts(*dense)) < 1e-2
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("name", ["fp8", "fp8_128", "mxfp4", "nvfp4"])
+def test_cuda_dequantize_slots_is_the_definition(name):
+    """Every code and extreme scales (subnormal results, overflow, NaN codes), each dtype: the
+    kernel's values are torch's definition's, bit for bit."""
+    from freetoken.kernels.grouped_experts import triton_dequantize_slots
+
+    fmt = QUANTIZED[name]
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((40, 96), (2 * 2880, 2880), (2048, 768)):
+        bank = quantized_bank(fmt, 5, n, k, gen)
+        bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+        if fmt.name == "fp8":
+            bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
+        else:
+            bank.s.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
+        on_device = QuantizedBank(fmt, *(p.cuda() for p in bank.tensors))
+        index = torch.tensor([4, 0, 4, 2])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            torch.testing.assert_close(  # (the definition as the loader computes it: on the CPU)
+                triton_dequantize_slots(on_device, index.cuda(), dtype).cpu(),
+                bank.dequantize(index, dtype),
+                rtol=0, atol=0, equal_nan=True,
+            )  # fmt: skip

@@ -26,6 +26,13 @@ Experts with biases (gpt-oss) pass `b_gate_up [S, 2I]`, a bank of gate/up biases
 same slot ids, added to the projections before the gated unit; `act` names the unit
 (activations.py: `act(gate) * up`, or gpt-oss's clamped `swiglu_oai`).
 
+Experts kept quantized (weights/expert_format.py: fp8 with block scales, mxfp4, nvfp4) come as
+`QuantizedBank`s for both projections. The decode kernels read their bytes and dequantize tile
+by tile in registers (a quarter to a half of the bf16 bytes streamed), each weight computed as
+the format defines it and rounded to x.dtype, so the result is the dense kernels' on the
+dequantized banks. Long chunks dequantize the used slots a window at a time
+(`dequantize_slots`, one Triton launch on CUDA) and run the grouped GEMMs on them.
+
 `reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
 test oracle). The kernels reproduce its dtype rounding steps: the gate/up projections, the
 activation, the product and the down projection are each rounded to x.dtype where torch would
@@ -73,6 +80,36 @@ DOWN_BLOCK_K = 128
 DOWN_WARPS = 8
 DOWN_STAGES = 3
 REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
+LAUNCH_NAMES = (
+    "GATE_UP_BLOCK_N", "GATE_UP_BLOCK_K", "GATE_UP_WARPS", "GATE_UP_STAGES",
+    "DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_WARPS", "DOWN_STAGES",
+)  # fmt: skip
+# Quantized banks: the same kernels, launched with their own parameters (a weight is 1 byte in
+# fp8 and half a byte in fp4, and decoding costs ALU work per weight: about 8 instructions a
+# weight in the fp4 loops, 9 in fp8's, against 7 for bf16, from the sm_90 SASS). Not yet
+# measured on the GPU: starting points for the H200 sweep (`benchmarks/grouped_experts_bench.py
+# --sweep`), chosen from the compiled code. They keep a thread's weight loads at 8 bytes a
+# projection and step, as bf16's gate/up, and below the sizes at which Triton keeps a load in
+# its own coalesced layout (a load of at least as many elements as the program has threads):
+# BLOCK_K < 32 x warps (x) and, for fp4, BLOCK_N x BLOCK_K / 32 < 32 x warps (the scales), or x
+# and the scales cross shared memory every step, behind a barrier. FP8 BLOCK_K stays at most the
+# checkpoints' 128-column scale blocks (one scale per row and tile); fp4 BLOCK_K must be a
+# multiple of 32.
+QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
+    "fp8": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+            "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+            "DOWN_STAGES": 3},
+    "mxfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+              "DOWN_STAGES": 3},
+    "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+              "DOWN_STAGES": 3},
+}  # fmt: skip
+# `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
+DEQUANTIZE_BLOCK_N = 32
+DEQUANTIZE_BLOCK_K = 128  # (a multiple of 32: whole fp4 chunks; fp8: at most its 128 blocks)
+DEQUANTIZE_WARPS = 8
 # The kernels above read an expert's weights once per route: right for decode, where routes
 # rarely share an expert, wasteful for a prefill chunk, where hundreds of tokens do. From this
 # many routes per call, the routes are sorted by expert and run as grouped GEMMs
@@ -270,6 +307,8 @@ def _grouped_mm_quantized(rows: Tensor, bank: QuantizedBank, counts: Tensor) -> 
 def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> Tensor:
     """The dense weights [len(slots), N, K] in `dtype` of a quantized bank's `slots`: a Triton
     kernel on CUDA, the format's definition in torch elsewhere (the same values)."""
+    if bank.device.type == "cuda" and triton is not None:
+        return triton_dequantize_slots(bank, slots, dtype)
     return bank.dequantize(slots, dtype)
 
 
@@ -282,10 +321,28 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 # every loop trip count and which masks are all-true, and Triton 3.6's CPU interpreter cannot
 # take a runtime scalar as a loop bound with numpy >= 2.4. Strides stay runtime values so the
 # banks may be views of a larger pool (any layout of the two outer dimensions).
+#
+# Quantized banks (FORMAT 1 fp8, 2 mxfp4, 3 nvfp4: `ExpertFormat.code`) are dequantized inside
+# the same kernels, tile by tile (`_weight_tile`): each weight is computed as its format defines
+# it in fp32 (weights/expert_format.py), rounded to x.dtype (W_ROUND; skipped where that is
+# exact: fp32, and mxfp4's e2m1 x 2^e values in bf16), and then goes through the SAME
+# [BLOCK_N, BLOCK_K] tiles and accumulation as a dense weight: the result is the dense kernels'
+# on the dequantized banks with the same launch parameters (bit for bit under the interpreter;
+# on the GPU the final in-tile sum of a differently laid-out tile may be ordered differently,
+# an fp32 rounding before the bf16 one). FP8 tiles take one scale per row where a scale block
+# spans the tile's columns (COL_BLOCK % BLOCK_K == 0: the checkpoints' 128 x 128 blocks with
+# BLOCK_K <= 128) and one per element otherwise. FP4 tiles are read as [BLOCK_N, BLOCK_K / 32, 4]
+# int32 words: chunks of 32 values, 16 bytes each, each word's 8 nibbles its 8 consecutive
+# values (low nibble first, little-endian); each nibble is decoded with three integer operations
+# and a multiply (`_e2m1`), scaled (an mxfp4 chunk has one e8m0 scale, an nvfp4 chunk two e4m3
+# scales, one a half), and the eight planes are joined into [BLOCK_N, BLOCK_K / 32, 4, 8] in
+# value order (register moves), which x is read to match: the same tile as [BLOCK_N, BLOCK_K],
+# reshaped once for the final sum.
 
 if triton is not None:
     _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # (a jit function reads only constexpr globals)
     _OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
+    _TWO_POW_126 = tl.constexpr(2.0**126)
 
     @triton.jit
     def _activation(g, ACT: tl.constexpr):
@@ -312,16 +369,164 @@ if triton is not None:
         else:
             return _activation(gate, ACT).to(dt).to(tl.float32) * up
 
+    # -- the formats' values -------------------------------------------------------------------
+
+    @triton.jit
+    def _round_weight(v, dt, W_ROUND: tl.constexpr):
+        """A weight's fp32 value rounded to dt (round to nearest even), kept in fp32.
+        W_ROUND: 0 exact already, 1 by conversion, 2 on the bits (bf16 under the CPU
+        interpreter, whose fp32 -> bf16 conversion truncates)."""
+        if W_ROUND == 1:
+            v = v.to(dt).to(tl.float32)
+        elif W_ROUND == 2:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+        return v
+
+    @triton.jit
+    def _e2m1(w):
+        """fp32 values [A, B, C, 8] of the e2m1 codes in the 8 nibbles of int32 words w
+        [A, B, C] (value n in nibble n, the lowest first): sign, 2 exponent bits, 1 mantissa
+        bit; 0, 0.5, 1, 1.5, 2, 3, 4, 6. Each code's bits are placed in an fp32's sign, lowest
+        exponent and top mantissa bits, which read as e2m1 x 2^-126 (0.5 as a subnormal, which
+        fp32 multiplication keeps: no `.ftz`), and one exact product by 2^126 gives the value:
+        three integer operations and a multiply a value."""
+        # Code n shifted left so that its sign is bit 31, then arithmetically (w is int32)
+        # right so that its 3 magnitude bits are bits 22-24, bit 31 staying the sign. The
+        # eight are joined in value order (in registers: each join adds a faster index, so the
+        # first joins pick nibble bit 2, the next bit 1, the last bit 0).
+        n0, n1, n2, n3 = (w << 28) >> 6, (w << 24) >> 6, (w << 20) >> 6, (w << 16) >> 6
+        n4, n5, n6, n7 = (w << 12) >> 6, (w << 8) >> 6, (w << 4) >> 6, w >> 6
+        bits = tl.join(
+            tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+            tl.join(tl.join(n1, n5), tl.join(n3, n7)),
+        )
+        bits = tl.reshape(bits, [w.shape[0], w.shape[1], w.shape[2], 8]) & -0x7E400000
+        return bits.to(tl.float32, bitcast=True) * _TWO_POW_126  # (-0x7E400000: 0x81C00000)
+
+    @triton.jit
+    def _e4m3(byte, INTERPRETED: tl.constexpr):
+        """fp32 values of float8_e4m3fn bytes (uint8)."""
+        v = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if INTERPRETED:  # (the interpreter reads the NaNs, 0x7f and 0xff, as +-480)
+            v = tl.where((byte & 0x7F) == 0x7F, float("nan"), v)
+        return v
+
+    @triton.jit
+    def _e8m0(byte):
+        """fp32 values of e8m0 bytes (uint8): 2^(byte - 127), built on the bits (0: the
+        subnormal 2^-127; 255 read as infinity, so a product with it is inf or nan, as torch's
+        ldexp gives)."""
+        bits = byte.to(tl.int32) << 23
+        return tl.where(byte == 0, 0x00400000, bits).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _weight_tile(
+        w_rows, s_rows, g_rows, k0, row_mask, dt,
+        KDIM: tl.constexpr, FORMAT: tl.constexpr, COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """The fp32 weights [BLOCK_N, BLOCK_K] of columns k0.. of BLOCK_N rows (0 out of
+        bounds and where row_mask is False), as the format defines them, rounded to dt.
+        w_rows [BLOCK_N]: each row's data; s_rows [BLOCK_N]: each row's scales (fp8: its scale
+        row); g_rows [BLOCK_N]: nvfp4's per-row scales (values)."""
+        cols = tl.arange(0, BLOCK_K)
+        if FORMAT == 0:  # dense: the weights as stored
+            mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
+            w = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0.0)
+            return w.to(tl.float32)
+        elif FORMAT == 1:  # fp8: fp8(w) * scale of the [ROW_BLOCK, COL_BLOCK] block
+            mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
+            w = _e4m3(tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0),
+                      INTERPRETED)  # fmt: skip
+            if COL_BLOCK % BLOCK_K == 0:  # the tile's columns share a scale column
+                scale = tl.load(s_rows + k0 // COL_BLOCK, mask=row_mask, other=0.0)
+                w = w * scale[:, None]
+            else:
+                s_ptrs = s_rows[:, None] + ((k0 + cols) // COL_BLOCK)[None, :]
+                w = w * tl.load(s_ptrs, mask=mask, other=0.0)
+            return _round_weight(w, dt, W_ROUND)
+        else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
+            return tl.reshape(
+                _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
+                          INTERPRETED, BLOCK_N, BLOCK_K),
+                [BLOCK_N, BLOCK_K],
+            )  # fmt: skip
+
+    @triton.jit
+    def _fp4_tile(
+        w_rows, s_rows, g_rows, k0, row_mask, dt,
+        KDIM: tl.constexpr, FORMAT: tl.constexpr, W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """`_weight_tile`'s fp4 weights as [BLOCK_N, G, 4, 8]: G chunks of 32 values (value
+        32 g + 8 w + n of the tile at [:, g, w, n]), read as [BLOCK_N, G, 4] int32 words (one
+        16-byte vector a row and chunk), each word's 8 nibbles its 8 values (little-endian:
+        byte j's low nibble is value 2 j)."""
+        G: tl.constexpr = BLOCK_K // 32
+        chunks = tl.arange(0, G)
+        words = tl.arange(0, 4)
+        word = k0 // 8 + chunks[:, None] * 4 + words[None, :]  # [G, 4]
+        mask = row_mask[:, None, None] & (word < KDIM // 8)[None, :, :]
+        w_words = w_rows.to(tl.pointer_type(tl.int32))  # (rows of whole words: checked)
+        w = tl.load(w_words[:, None, None] + word[None, :, :], mask=mask, other=0)
+        chunk_mask = row_mask[:, None] & ((k0 + chunks * 32) < KDIM)[None, :]
+        if FORMAT == 2:  # mxfp4: e2m1 * 2^(s - 127), one scale a chunk
+            s = tl.load(s_rows[:, None] + (k0 // 32 + chunks)[None, :], mask=chunk_mask, other=0)
+            scale = _e8m0(s)[:, :, None, None]
+        else:  # nvfp4: (e2m1 * e4m3) * g, one scale per 16 values: two a chunk
+            half_mask = row_mask[:, None] & ((k0 + chunks * 32 + 16) < KDIM)[None, :]
+            first = s_rows[:, None] + (k0 // 16 + 2 * chunks)[None, :]
+            s0 = _e4m3(tl.load(first, mask=chunk_mask, other=0), INTERPRETED)
+            s1 = _e4m3(tl.load(first + 1, mask=half_mask, other=0), INTERPRETED)
+            scale = tl.where((words < 2)[None, None, :], s0[:, :, None], s1[:, :, None])
+            scale = scale[:, :, :, None]
+        v = _e2m1(w) * scale
+        if FORMAT == 3:
+            v = v * g_rows[:, None, None, None]
+        return _round_weight(v, dt, W_ROUND)
+
+    @triton.jit
+    def _fp4_x(x_row, k0, valid, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [G, 4, 8] (fp32) for `_fp4_tile`'s tile of columns k0.."""
+        G: tl.constexpr = BLOCK_K // 32
+        offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8
+                + tl.arange(0, 8)[None, None, :])  # fmt: skip
+        return tl.load(x_row + k0 + offs, mask=((k0 + offs) < KDIM) & valid, other=0.0).to(
+            tl.float32
+        )
+
+    @triton.jit
+    def _row_scales(
+        s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs,
+        FORMAT: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """(s_rows, g_rows) of `_weight_tile` for bank rows `rows` of a slot."""
+        s_rows = s_ptr + slot * stride_ss + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
+        g_rows = rows.to(tl.float32)  # (unused but by nvfp4)
+        if FORMAT == 3:
+            g_rows = tl.load(g_ptr + slot * stride_gs + rows, mask=row_mask, other=0.0)
+        return s_rows, g_rows
+
+    # -- the expert kernels --------------------------------------------------------------------
+
     @triton.jit
     def _gate_up_act_kernel(
         x_ptr,
         slots_ptr,
         w_ptr,
+        s_ptr,
+        g_ptr,
         b_ptr,
         a_ptr,
         stride_xt,
         stride_ws,
         stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
         stride_bs,
         stride_ar,
         HIDDEN: tl.constexpr,
@@ -329,6 +534,11 @@ if triton is not None:
         K: tl.constexpr,
         ACT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        FORMAT: tl.constexpr,
+        ROW_BLOCK: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -345,30 +555,48 @@ if triton is not None:
         token = r // K
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < INTER
+        row_mask = row_ok & valid
         cols = tl.arange(0, BLOCK_K)
         x_row = x_ptr + token.to(tl.int64) * stride_xt
-        gate_ptrs = (
-            w_ptr + slot * stride_ws + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
-        )
-        up_ptrs = gate_ptrs + INTER * stride_wn
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            k_ok = (k0 + cols) < HIDDEN
-            xv = tl.load(x_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
-            w_mask = row_ok[:, None] & k_ok[None, :] & valid
-            wg = tl.load(gate_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-            wu = tl.load(up_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-            acc_g += wg * xv[None, :]
-            acc_u += wu * xv[None, :]
+        gate_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
+        up_rows = gate_rows + INTER * stride_wn
+        s_gate, g_gate = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
+                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
+                                 stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        if FORMAT < 2:  # dense and fp8: [BLOCK_N, BLOCK_K] tiles
+            acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                k_ok = (k0 + cols) < HIDDEN
+                xv = tl.load(x_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
+                wg = _weight_tile(gate_rows, s_gate, g_gate, k0, row_mask, dt, HIDDEN, FORMAT,
+                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wu = _weight_tile(up_rows, s_up, g_up, k0, row_mask, dt, HIDDEN, FORMAT,
+                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_g += wg * xv[None, :]
+                acc_u += wu * xv[None, :]
+        else:  # fp4: the same tiles as [BLOCK_N, BLOCK_K / 32, 4, 8], x to match
+            acc_g4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
+            acc_u4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                xv = _fp4_x(x_row, k0, valid, HIDDEN, BLOCK_K)
+                wg = _fp4_tile(gate_rows, s_gate, g_gate, k0, row_mask, dt, HIDDEN, FORMAT,
+                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wu = _fp4_tile(up_rows, s_up, g_up, k0, row_mask, dt, HIDDEN, FORMAT,
+                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_g4 += wg * xv[None, :, :, :]
+                acc_u4 += wu * xv[None, :, :, :]
+            acc_g = tl.reshape(acc_g4, [BLOCK_N, BLOCK_K])
+            acc_u = tl.reshape(acc_u4, [BLOCK_N, BLOCK_K])
         # Round where torch would: h = W @ x is an x.dtype tensor, act(gate) is one, and so is
         # the product (no-ops for fp32).
         gate = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
         up = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
         if HAS_BIAS:  # (a skipped route adds 0: it must still compute 0)
             b_row = b_ptr + slot * stride_bs + rows
-            gate = gate + tl.load(b_row, mask=row_ok & valid, other=0.0).to(tl.float32)
-            up = up + tl.load(b_row + INTER, mask=row_ok & valid, other=0.0).to(tl.float32)
+            gate = gate + tl.load(b_row, mask=row_mask, other=0.0).to(tl.float32)
+            up = up + tl.load(b_row + INTER, mask=row_mask, other=0.0).to(tl.float32)
             gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
         a = _glu(gate, up, dt, ACT)
         tl.store(a_ptr + r.to(tl.int64) * stride_ar + rows, a.to(dt), mask=row_ok)
@@ -379,13 +607,23 @@ if triton is not None:
         slots_ptr,
         route_w_ptr,
         w_ptr,
+        s_ptr,
+        g_ptr,
         c_ptr,
         stride_ar,
         stride_ws,
         stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
         stride_cr,
         HIDDEN: tl.constexpr,
         INTER: tl.constexpr,
+        FORMAT: tl.constexpr,
+        ROW_BLOCK: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -398,16 +636,28 @@ if triton is not None:
         slot = tl.maximum(slot, 0)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < HIDDEN
+        row_mask = row_ok & valid
         cols = tl.arange(0, BLOCK_K)
         a_row = a_ptr + r.to(tl.int64) * stride_ar
-        w_ptrs = w_ptr + slot * stride_ws + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            k_ok = (k0 + cols) < INTER
-            av = tl.load(a_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
-            w_mask = row_ok[:, None] & k_ok[None, :] & valid
-            wd = tl.load(w_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-            acc += wd * av[None, :]
+        w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
+        s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
+                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        if FORMAT < 2:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                k_ok = (k0 + cols) < INTER
+                av = tl.load(a_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
+                wd = _weight_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
+                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc += wd * av[None, :]
+        else:
+            acc4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                av = _fp4_x(a_row, k0, valid, INTER, BLOCK_K)
+                wd = _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
+                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc4 += wd * av[None, :, :, :]
+            acc = tl.reshape(acc4, [BLOCK_N, BLOCK_K])
         y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
         # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
         # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
@@ -440,9 +690,104 @@ if triton is not None:
             acc = (acc + cv.to(tl.float32)).to(dt).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(dt), mask=ok)
 
+    @triton.jit
+    def _dequantize_kernel(
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        slots_ptr,
+        out_ptr,
+        stride_ws,
+        stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
+        stride_os,
+        stride_on,
+        N: tl.constexpr,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        ROW_BLOCK: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[i, n, :] = the dense weights of bank row slots[i], rows n of one block."""
+        i = tl.program_id(0)
+        nb = tl.program_id(1)
+        dt = out_ptr.dtype.element_ty
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
+        s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_ok, stride_ss, stride_sn,
+                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        out_rows = out_ptr + i.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_on
+        for k0 in range(0, KDIM, BLOCK_K):
+            w = _weight_tile(w_rows, s_rows, g_rows, k0, row_ok, dt, KDIM, FORMAT, COL_BLOCK,
+                             W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+            mask = row_ok[:, None] & ((k0 + cols) < KDIM)[None, :]
+            tl.store(out_rows + k0 + cols[None, :], w.to(dt), mask=mask)
+
 
 def triton_available() -> bool:
     return triton is not None
+
+
+def launch_params(format_name: str = "dense") -> dict[str, int]:
+    """The decode kernels' launch parameters for a format (dense: the module's constants;
+    quantized: QUANTIZED_LAUNCH's entry), read at call time so the benchmark can sweep them."""
+    if format_name == "dense":
+        return {name: globals()[name] for name in LAUNCH_NAMES}
+    return QUANTIZED_LAUNCH[format_name]
+
+
+def _weight_rounding(bank: Bank, dtype: torch.dtype, interpreted: bool) -> int:
+    """The kernels' W_ROUND for a bank's weights in `dtype` (see `_round_weight`)."""
+    if isinstance(bank, Tensor) or dtype == torch.float32:
+        return 0
+    if bank.format.name == "mxfp4" and dtype == torch.bfloat16:
+        return 0  # e2m1 (2 significant bits) x 2^e: every value is a bf16 (same exponent range)
+    return 2 if interpreted and dtype == torch.bfloat16 else 1
+
+
+def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list, dict]:
+    """A bank as the kernels take it: [w, s, g, stride_ws, stride_wn, stride_ss, stride_sn,
+    stride_gs] and the format's constexprs."""
+    if isinstance(bank, Tensor):
+        if bank.stride(2) != 1:
+            # Copying a slot bank per call would cost more than the computation; the pool owner
+            # must keep the inner dimension contiguous (any layout of the outer two is fine).
+            raise ValueError("expert weight banks must be contiguous in their last dimension")
+        args = [bank, bank, bank, bank.stride(0), bank.stride(1), 0, 0, 0]
+        return args, dict(FORMAT=0, ROW_BLOCK=1, COL_BLOCK=1, W_ROUND=0)
+    fmt, w, s, g = bank.format, bank.w, bank.s, bank.g
+    if w.stride(2) != 1 or s.stride(-1) != 1 or (g is not None and g.stride(1) != 1):
+        raise ValueError("quantized banks' parts must be contiguous in their last dimension")
+    _, n, k = bank.shape
+    parts = fmt.parts(n, k, dtype)  # (refuses an input width the fp4 blocks cannot lay out)
+    if fmt.pack == 2 and (w.data_ptr() % 4 or w.stride(0) % 4 or w.stride(1) % 4):
+        raise ValueError("fp4 codes are read as 4-byte words: rows must start 4-byte aligned")
+    g_ok = g is None if "g" not in parts else g is not None and tuple(g.shape[1:]) == (n,)
+    if tuple(s.shape[1:]) != parts["s"][0] or s.dtype != parts["s"][1] or not g_ok:
+        raise ValueError(f"the scales of a {fmt.name} bank of shape {bank.shape} must be "
+                         f"{parts['s']} (and per-row scales [S, {n}] for nvfp4)")  # fmt: skip
+    args = [w, s, w if g is None else g, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+            0 if g is None else g.stride(0)]  # fmt: skip
+    consts = dict(FORMAT=fmt.code, ROW_BLOCK=fmt.row_block, COL_BLOCK=fmt.col_block,
+                  W_ROUND=_weight_rounding(bank, dtype, interpreted))  # fmt: skip
+    return args, consts
+
+
+def _check_blocks(format_code: int, params: dict[str, int]) -> None:
+    if format_code >= 2:
+        for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
+            if params[name] % 32:
+                raise ValueError(f"fp4 tiles take whole chunks of 32 values: {name} "
+                                 f"{params[name]}")  # fmt: skip
 
 
 def triton_grouped_expert_forward(
@@ -456,37 +801,44 @@ def triton_grouped_expert_forward(
 ) -> Tensor:
     """The Triton path of `grouped_expert_forward`, on whatever device Triton runs on (CUDA, or
     CPU tensors under TRITON_INTERPRET=1 for tests). Slot ids must be < S; this is not checked
-    because checking would sync the host with the device."""
+    because checking would sync the host with the device. Quantized banks are dequantized in
+    the kernels (the result is the dense kernels' on the dequantized banks)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
     _check_bias(b_gate_up, w_gate_up, x.dtype)
     act_code = activation_code(act)  # (a clear error for an unknown name)
-    if w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
-        # Copying a slot bank per call would cost more than the computation; the pool owner
-        # must keep the inner dimension contiguous (any layout of the outer two is fine).
-        raise ValueError("expert weight banks must be contiguous in their last dimension")
+    interpreted = x.device.type != "cuda"
+    gu_args, gu_consts = _bank_args(w_gate_up, x.dtype, interpreted)
+    d_args, d_consts = _bank_args(w_down, x.dtype, interpreted)
     if b_gate_up is not None and b_gate_up.stride(1) != 1:
         raise ValueError("the bias bank must be contiguous in its last dimension")
     routes = t * k
     if routes == 0:
         return torch.zeros_like(x)
+    p = launch_params("dense" if isinstance(w_gate_up, Tensor) else w_gate_up.format.name)
+    _check_blocks(gu_consts["FORMAT"], p)
     x = x.contiguous()
     slots = slots.contiguous()
     weights = weights.contiguous()
     a = torch.empty(routes, i, dtype=x.dtype, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
 
-    # The launch constants are read at call time so the benchmark can sweep them.
-    _gate_up_act_kernel[(routes, triton.cdiv(i, GATE_UP_BLOCK_N))](
+    w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = gu_args
+    _gate_up_act_kernel[(routes, triton.cdiv(i, p["GATE_UP_BLOCK_N"]))](
         x,
         slots,
-        w_gate_up,
-        w_gate_up if b_gate_up is None else b_gate_up,  # (not read without a bias)
+        w,
+        s,
+        g,
+        w if b_gate_up is None else b_gate_up,  # (not read without a bias)
         a,
         x.stride(0),
-        w_gate_up.stride(0),
-        w_gate_up.stride(1),
+        stride_ws,
+        stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
         0 if b_gate_up is None else b_gate_up.stride(0),
         a.stride(0),
         HIDDEN=h,
@@ -494,31 +846,78 @@ def triton_grouped_expert_forward(
         K=k,
         ACT=act_code,
         HAS_BIAS=b_gate_up is not None,
-        BLOCK_N=GATE_UP_BLOCK_N,
-        BLOCK_K=GATE_UP_BLOCK_K,
-        num_warps=GATE_UP_WARPS,
-        num_stages=GATE_UP_STAGES,
+        INTERPRETED=interpreted,
+        BLOCK_N=p["GATE_UP_BLOCK_N"],
+        BLOCK_K=p["GATE_UP_BLOCK_K"],
+        num_warps=p["GATE_UP_WARPS"],
+        num_stages=p["GATE_UP_STAGES"],
+        **gu_consts,
     )
     c = torch.empty(routes, h, dtype=x.dtype, device=x.device)
-    _down_kernel[(routes, triton.cdiv(h, DOWN_BLOCK_N))](
+    w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = d_args
+    _down_kernel[(routes, triton.cdiv(h, p["DOWN_BLOCK_N"]))](
         a,
         slots,
         weights,
-        w_down,
+        w,
+        s,
+        g,
         c,
         a.stride(0),
-        w_down.stride(0),
-        w_down.stride(1),
+        stride_ws,
+        stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
         c.stride(0),
         HIDDEN=h,
         INTER=i,
-        BLOCK_N=DOWN_BLOCK_N,
-        BLOCK_K=DOWN_BLOCK_K,
-        num_warps=DOWN_WARPS,
-        num_stages=DOWN_STAGES,
+        INTERPRETED=interpreted,
+        BLOCK_N=p["DOWN_BLOCK_N"],
+        BLOCK_K=p["DOWN_BLOCK_K"],
+        num_warps=p["DOWN_WARPS"],
+        num_stages=p["DOWN_STAGES"],
+        **d_consts,
     )
     _sum_routes_kernel[(t, triton.cdiv(h, REDUCE_BLOCK))](
         c, out, c.stride(0), out.stride(0), HIDDEN=h, K=k, BLOCK=REDUCE_BLOCK, num_warps=4
+    )
+    return out
+
+
+def triton_dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """`dequantize_slots` as one Triton launch (grid: slots x row blocks), on whatever device
+    Triton runs on (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _, n, kdim = bank.shape
+    slots = slots.reshape(-1)
+    out = torch.empty(slots.numel(), n, kdim, dtype=dtype, device=bank.device)
+    if out.numel() == 0:
+        return out
+    interpreted = bank.device.type != "cuda"
+    args, consts = _bank_args(bank, dtype, interpreted)
+    w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = args
+    _dequantize_kernel[(slots.numel(), triton.cdiv(n, DEQUANTIZE_BLOCK_N))](
+        w,
+        s,
+        g,
+        slots.contiguous(),
+        out,
+        stride_ws,
+        stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
+        out.stride(0),
+        out.stride(1),
+        N=n,
+        KDIM=kdim,
+        INTERPRETED=interpreted,
+        BLOCK_N=DEQUANTIZE_BLOCK_N,
+        BLOCK_K=DEQUANTIZE_BLOCK_K,
+        num_warps=DEQUANTIZE_WARPS,
+        **consts,
     )
     return out
 
@@ -536,10 +935,11 @@ def grouped_expert_forward(
     expert weights of route (t, j) at slot slots[t, j] of the banks; -1 skips a route.
 
     x [T, H] (bf16/fp16/fp32); slots [T, k] int32/int64; weights [T, k] (fp32 or x.dtype);
-    w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I]; b_gate_up [S, 2I] or
-    None (the gate/up projections' biases). Returns [T, H] in
-    x.dtype, deterministic. On CUDA: Triton kernels for decode-sized calls, grouped GEMMs for
-    long chunks (`GROUPED_GEMM_FROM_ROUTES`); the torch reference elsewhere.
+    w_gate_up [S, 2I, H] (gate rows, then up rows); w_down [S, H, I] (each dense in x.dtype, or
+    both a QuantizedBank); b_gate_up [S, 2I] or None (the gate/up projections' biases). Returns
+    [T, H] in x.dtype, deterministic. On CUDA: Triton kernels for decode-sized calls (quantized
+    banks dequantized in them), grouped GEMMs for long chunks (`GROUPED_GEMM_FROM_ROUTES`); the
+    torch reference elsewhere.
     """
     if x.is_cuda:
         if slots.numel() >= GROUPED_GEMM_FROM_ROUTES and hasattr(torch, "_grouped_mm"):
