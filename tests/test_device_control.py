@@ -200,15 +200,13 @@ def test_offload_without_device_control_decides_on_the_host():
 
 _INTERPRETED = """
 import json, torch
-from freetoken.kernels.expert_fill import _fill_kernel
+from freetoken.kernels.expert_fill import launch_fill
 src, src1, src2 = torch.randn(10, 3, 50), torch.randn(10, 70), torch.randn(10, 9)
 dst, dst1, dst2 = torch.zeros(4, 3, 50), torch.zeros(4, 70), torch.zeros(4, 9)
 pairs = torch.tensor([7, 10, 2, 10])
 slots = torch.tensor([1, 4, 3, 4])  # 4: the sink
-# bank 0: rows of 150 in blocks of 64 (3 programs), bank 1: rows of 70 (2 programs), bank 2
-# (a bias bank): rows of 9 (1 program)
-_fill_kernel[(6,)](dst, src, 150, dst1, src1, 70, dst2, src2, 9, 3, 5, pairs, slots, 4, 4,
-                   BLOCK=64)
+# the kernel the device launches, on CPU tensors: gate/up, down and bias banks of odd rows
+launch_fill(((dst, src), (dst1, src1), (dst2, src2)), pairs, slots, 4)
 ok = all(torch.equal(d[1], s[7]) and torch.equal(d[3], s[2]) and (d[0] == 0).all()
          and (d[2] == 0).all() for d, s in ((dst, src), (dst1, src1), (dst2, src2)))
 print(json.dumps({"ok": bool(ok)}))

@@ -39,7 +39,7 @@ import torch
 
 from freetoken.config import MoEOptions
 from freetoken.kernels import cache_control
-from freetoken.kernels.expert_fill import HostRows, fill_experts
+from freetoken.kernels.expert_fill import HostRows, fill_experts, fill_table
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
 from freetoken.moe.bandwidth import BandwidthProfile, load_profile
 from freetoken.moe.cache import ExpertCache, host_array
@@ -163,6 +163,8 @@ class MoERuntime:
             self.streamer.cache = cache
         if cache is not None:
             self._fill_banks = tuple(zip(cache.banks, self._pool, strict=True))
+            if cache.device.type == "cuda":
+                fill_table(self._fill_banks)  # (built now: a graph capture could not build it)
 
     @property
     def telemetry(self) -> MoETelemetry:
