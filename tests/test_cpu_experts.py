@@ -4,6 +4,10 @@ cache, and the fallback to torch when it cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +15,20 @@ import torch.nn.functional as F
 
 from freetoken.activations import glu
 from freetoken.kernels import native
-from freetoken.kernels.cpu_experts import NativeCPUExperts, torch_cpu_experts
+from freetoken.kernels.cpu_experts import (
+    NativeCPUExperts,
+    decode_expert,
+    expert_library,
+    torch_cpu_experts,
+)
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
+from freetoken.weights.expert_format import (
+    MXFP4,
+    NVFP4,
+    ExpertWeights,
+    QuantizedBank,
+    fp8_format,
+)
 
 pytestmark = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
 
@@ -212,9 +228,11 @@ def test_executor_uses_the_native_kernel_and_reports_bytes():
     class Store:  # what the executor reads of a HostExpertStore
         w_gate_up, w_down = banks(torch.float32)
         b_gate_up = None
+        weights = ExpertWeights(w_gate_up, w_down)
 
         class shape:
             nbytes = 3 * 200 * 72 * 4
+            dtype = torch.float32
 
     executor = CPUExpertExecutor(Store, "silu", native=True)
     assert executor.native is not None
@@ -233,8 +251,10 @@ def test_executor_passes_the_bias_bank_to_either_path(use_native):
     class Store:
         class shape:
             nbytes = 1
+            dtype = torch.float32
 
     Store.w_gate_up, Store.w_down, Store.b_gate_up = w_gate_up, w_down, b_gate_up
+    Store.weights = ExpertWeights(w_gate_up, w_down, b_gate_up)
     executor = CPUExpertExecutor(Store, "swiglu_oai", native=use_native)
     assert (executor.native is not None) == use_native
     x, rows, pairs, weights = job()
@@ -275,6 +295,186 @@ def test_unwritable_cache_falls_back(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert native.load("cpu_experts") is None
     assert "cannot build or load cpu_experts" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized experts: decoded in the kernel into exactly the dequantized banks' values
+# ---------------------------------------------------------------------------------------------
+
+FORMATS = {
+    "fp8-16x24": fp8_format((16, 24)),  # partial blocks; steps across blocks (the buffer's way)
+    "fp8-128x128": fp8_format((128, 128)),  # decoded in registers (single routes)
+    "mxfp4": MXFP4,
+    "nvfp4": NVFP4,
+}
+# (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
+# in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
+# items of 48 and 64 gate rows and of 64 down columns (quantized items grow with the job), the
+# last ones partial
+SHAPES = [(416, 160), (256, 176), (1056, 96)]
+
+
+def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
+    """Random parts: any codes (but fp8's NaNs), scales of a usual range (products ~0.1)."""
+    parts = {}
+    for name, (shape, _) in fmt.parts(rows, cols, torch.float32).items():
+        shape = (pairs, *shape)
+        if name == "w":
+            part = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            if fmt.name == "fp8":
+                part[(part & 0x7F) == 0x7F] = 0x3C
+        elif name == "g":
+            part = torch.rand(shape, generator=gen) * 0.5 + 0.5
+        elif fmt.name == "fp8":
+            part = torch.rand(shape, generator=gen) * 2e-3 + 1e-4
+        elif fmt.name == "mxfp4":  # e8m0: 2^-8 .. 2^-3
+            part = torch.randint(119, 125, shape, generator=gen, dtype=torch.uint8)
+        else:  # nvfp4: e4m3 0.0625 .. 0.23
+            part = torch.randint(0x18, 0x26, shape, generator=gen, dtype=torch.uint8)
+        parts[name] = part
+    return QuantizedBank(fmt, parts["w"], parts["s"], parts.get("g"))
+
+
+def quantized_experts(fmt, hidden: int, inter: int, seed: int = 0, pairs: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        quantized_bank(fmt, pairs, 2 * inter, hidden, gen),
+        quantized_bank(fmt, pairs, hidden, inter, gen),
+    )
+
+
+def fits(fmt, hidden: int, inter: int) -> bool:
+    return fmt.pack == 1 or (hidden % fmt.col_block == 0 and inter % fmt.col_block == 0)
+
+
+def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0) -> None:
+    """The native job on quantized banks equals (bit for bit) the native job on their
+    dequantized copies, and is close to the torch reference on the quantized banks."""
+    w_gate_up, w_down = quantized_experts(fmt, hidden, inter, seed)
+    bias = None
+    if act == "swiglu_oai":
+        bias = torch.randn(12, 2 * inter, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    # groups of two routes (decoded once into the buffer) and of one (in registers)
+    x, rows, pairs, weights = job(hidden=hidden, dtype=dtype, seed=seed + 1)
+    quantized = NativeCPUExperts.create(w_gate_up, w_down, act, 1, b_gate_up=bias, dtype=dtype)
+    assert quantized is not None and quantized.dtype == dtype
+    assert (quantized.hidden, quantized.intermediate) == (hidden, inter)
+    dense = NativeCPUExperts.create(
+        w_gate_up.dequantize(slice(None), dtype), w_down.dequantize(slice(None), dtype), act, 1,
+        b_gate_up=bias,
+    )  # fmt: skip
+    got = quantized(x, rows, pairs, weights)
+    assert torch.equal(got, dense(x, rows, pairs, weights))
+    want = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act, bias, dtype=dtype)
+    scale = want.abs().max().item()
+    assert scale > 0 and (got - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_quantized_experts_equal_their_dequantized_banks(name, dtype, shape, act):
+    fmt = FORMATS[name]
+    if not fits(fmt, *shape):
+        pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
+    check_quantized_job(fmt, dtype, *shape, act)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaNs aside (where both hold one)."""
+    a, b = a.float(), b.float()
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    a, b = a[~nan], b[~nan]
+    return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+def extreme_banks() -> list[QuantizedBank]:
+    """Every code and every scale byte, and fp32 scales from subnormal to infinite: the values
+    come out subnormal, overflow, or NaN, and the decoders still hold the definition."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    w = torch.randint(0, 256, (2, 256, 32), generator=gen, dtype=torch.uint8)
+    every = torch.arange(256, dtype=torch.uint8)
+    out.append(QuantizedBank(MXFP4, w, every.repeat_interleave(2).view(1, 256, 2).repeat(2, 1, 1)))
+    g = torch.tensor([1.0, 2.0**-120, 2.0**100, 3e-3]).repeat(128).view(2, 256)
+    g[1, :4] = torch.tensor([float("inf"), float("nan"), 1e-45, -2.0])
+    nv_scales = every.view(1, 256, 1).repeat(2, 1, 3)  # (every byte, e4m3's NaNs included)
+    out.append(QuantizedBank(NVFP4, w[..., :24].contiguous(), nv_scales, g))
+    for block in ((16, 24), (128, 128), (1, 32)):
+        codes = every.repeat(2 * 64 * 200 // 256 + 1)[: 2 * 64 * 200]
+        codes = codes[torch.randperm(codes.numel(), generator=gen)].view(2, 64, 200)
+        shape = (2, -(-64 // block[0]), -(-200 // block[1]))
+        scales = torch.rand(shape, generator=gen) * 1e-2
+        extremes = [1e-40, 2.0**-117, 3e38, 2.0**121, float("inf"), float("nan"), 0.0, -0.5]
+        scales.view(-1)[: len(extremes)] = torch.tensor(extremes)[: scales.numel()]
+        out.append(QuantizedBank(fp8_format(block), codes.contiguous(), scales))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoders_hold_the_definition_at_the_extremes(dtype):
+    for bank in extreme_banks():
+        for pair in range(bank.w.shape[0]):
+            got, want = decode_expert(bank, pair, dtype), bank.dequantize(pair, dtype)
+            assert same_values(got, want), (bank.format, pair)
+
+
+def check_every_format() -> None:
+    """The checks above over every format, model dtype and shape (run by the builds that
+    -march=native does not pick here, in a subprocess)."""
+    for fmt in FORMATS.values():
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in SHAPES:
+                if fits(fmt, *shape):
+                    check_quantized_job(fmt, dtype, *shape, "swiglu_oai")
+            test_the_decoders_hold_the_definition_at_the_extremes(dtype)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx"])
+def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
+    """The AVX2 decoders (-mno-avx512f) and the scalar ones (-mno-avx), built by
+    FREETOKEN_NATIVE_FLAGS, hold the same equalities."""
+    flag_set = cpu_flags()
+    bits = expert_library().ft_cpu_experts_decoder_bits()
+    want = 0 if flags == "-mno-avx" else 256
+    if want == 256 and not {"avx2", "f16c"} <= flag_set:
+        want = 0
+    if bits == want:
+        pytest.skip("the default build is that one already (tested above)")
+    env = dict(os.environ, **{native.FLAGS_ENV: flags})
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
+        "from freetoken.kernels.cpu_experts import expert_library; "
+        "print(expert_library().ft_cpu_experts_decoder_bits()); t.check_every_format()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split()[0] == str(want)
+
+
+def test_quantized_banks_need_the_model_dtype_and_one_format():
+    w_gate_up, w_down = quantized_experts(MXFP4, 64, 32)
+    with pytest.raises(ValueError, match="dtype"):
+        NativeCPUExperts.create(w_gate_up, w_down, "silu", 1)
+    fp8_up, fp8_down = quantized_experts(fp8_format((16, 16)), 64, 32)
+    assert NativeCPUExperts.create(w_gate_up, fp8_down, "silu", 1, dtype=torch.float32) is None
+    assert NativeCPUExperts.create(w_gate_up, w_down, "silu", 1, dtype=torch.float16) is None
+    native = NativeCPUExperts.create(fp8_up, fp8_down, "silu", 1, dtype=torch.bfloat16)
+    assert native is not None and native.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------

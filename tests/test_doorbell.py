@@ -97,6 +97,44 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype, act):
         bell.close()
 
 
+@pytest.mark.parametrize("name", ["fp8-128x128", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_listener_serves_quantized_experts(name, dtype):
+    """Quantized banks through the listener: its partials are the native job's on their
+    dequantized copies, bit for bit, and the x buffer holds the model's dtype."""
+    from test_cpu_experts import FORMATS, quantized_experts
+
+    w_gate_up, w_down = quantized_experts(FORMATS[name], 64, 32, pairs=15)
+    native = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=1, dtype=dtype)
+    dequantized = (bank.dequantize(slice(None), dtype) for bank in (w_gate_up, w_down))
+    dense = NativeCPUExperts.create(*dequantized, "silu", threads=1)
+    bell = CPUDoorbell(native, 3, threads=1, max_routes=8, device=torch.device("cpu"))
+    assert bell.x.dtype == dtype
+    words = bell.words.numpy()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for step in range(6):
+            layer, tokens, k = step % 3, 1 + step % 4, 2
+            pairs = torch.stack([torch.randperm(5, generator=gen)[:k] for _ in range(tokens)])
+            flat = (pairs + layer * 5).reshape(-1)
+            flat[torch.rand(flat.shape, generator=gen) < 0.3] = -1  # some routes the GPU's
+            flat[0] = layer * 5  # (at least one for the CPU)
+            weights = torch.rand(tokens * k, generator=gen)
+            x = torch.randn(tokens, 64, generator=gen).to(dtype)
+            bell.x[:tokens] = x
+            bell.pairs[: tokens * k] = flat
+            bell.weights[: tokens * k] = weights
+            bell.out.fill_(float("nan"))
+            answer(words, bell.shape_value(layer, tokens, k))
+            keep = flat >= 0
+            rows = torch.arange(tokens).repeat_interleave(k)[keep]
+            want = dense(x, rows, flat[keep], weights[keep])
+            assert torch.equal(bell.out[:tokens], want), step
+        assert bell.errors == 0
+    finally:
+        bell.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_merge_reads_the_partial_from_host_memory_and_rounds_as_torch(dtype):

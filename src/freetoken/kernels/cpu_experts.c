@@ -19,18 +19,22 @@
  * independent 16-wide accumulators so enough loads are in flight. torch's bf16 GEMV reached
  * 40 GB/s on the GPU host's CPU where a loop like this one reached 64.
  *
+ * Experts kept quantized (fp8, mxfp4, nvfp4: see "quantized experts" below) are decoded as they
+ * are read, into the values their dequantized copy holds, and go through the same arithmetic.
+ *
  * Results follow the torch reference (kernels/grouped_experts.py) rounding step for step: for
  * bf16 banks the projections, the activation, its product with up, the down projection and the
  * gate-weighted contribution are each rounded to bf16 where torch rounds them; only the
  * accumulation order inside a dot product differs. Contributions are summed per token in fp32,
  * by expert id and then in the caller's route order.
  */
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -41,6 +45,10 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 #if !defined(ACT_SILU) || !defined(ACT_GELU) || !defined(ACT_GELU_TANH) || !defined(ACT_RELU) \
     || !defined(ACT_SWIGLU_OAI)
 #error "compile through freetoken.kernels.native, which defines the ACT_* codes"
+#endif
+/* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
+#if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4)
+#error "compile through freetoken.kernels.native, which defines the FMT_* codes"
 #endif
 
 #define ROW_BLOCK 16 /* weight rows per work item: a few hundred items per call to balance */
@@ -70,20 +78,6 @@ static inline uint16_t bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return (uint16_t)(u >> 16);
-}
-
-static float dot_bf16(const uint16_t *restrict w, const float *restrict x, int64_t n) {
-    float acc[4][16] = {{0}};
-    int64_t k = 0;
-    for (; k + 64 <= n; k += 64)
-        for (int u = 0; u < 4; u++)
-            for (int j = 0; j < 16; j++)
-                acc[u][j] += bf16_to_f32(w[k + 16 * u + j]) * x[k + 16 * u + j];
-    float s = 0.0f;
-    for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
-    for (int u = 0; u < 4; u++)
-        for (int j = 0; j < 16; j++) s += acc[u][j];
-    return s;
 }
 
 static float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
@@ -124,12 +118,664 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
     return s;
 }
 
-/* Row `row` of an expert's [rows, n] matrix at flat id `pair` of a bank, dotted with x. */
-static inline float row_dot(int dtype, const void *bank, int64_t pair, int64_t rows, int64_t row,
-                            int64_t n, const float *x) {
-    int64_t offset = (pair * rows + row) * n;
-    if (dtype == DT_BF16) return dot_bf16((const uint16_t *)bank + offset, x, n);
-    return dot_f32((const float *)bank + offset, x, n);
+/* ---- quantized experts ----------------------------------------------------------------------
+ *
+ * A projection kept quantized (weights/expert_format.py holds the definition): codes and their
+ * scales, each value computed in fp32 in the definition's order, then rounded to the model's
+ * dtype (bf16 to nearest even, as torch rounds): exactly the weight a checkpoint dequantized at
+ * load holds.
+ *
+ *   fp8    w [P, N, K] e4m3 bytes, s fp32 [P, ceil(N / bn), ceil(K / bk)]: fp8(w) * s
+ *   mxfp4  w [P, N, K / 2] e2m1 pairs (low nibble first), s [P, N, K / 32] e8m0:
+ *          e2m1 * 2^(s - 127)
+ *   nvfp4  w as mxfp4, s [P, N, K / 16] e4m3 bytes, g fp32 [P, N]: (e2m1 * fp8(s)) * g
+ *
+ * The kernel computes with those values through the dense path's dot products (dot_bf16_bf16,
+ * dot_f32), so a quantized job equals the dense job on the dequantized banks bit for bit, while
+ * reading only the quantized bytes. A row read by one route (decode's usual case) is decoded
+ * in registers, 32 or 64 values at a time, straight into that dot product's accumulators, in
+ * its order (`qdot_*`); a row read by several routes is decoded once into the thread's buffer
+ * and dotted from there with each (as are rows a decoder cannot take in registers: fp8 blocks
+ * of other widths, the last columns past a whole step). The decoders look values up in a
+ * table per block: an e2m1 block's 16 possible values (times its scale) are one vector, indexed
+ * by the codes with one permute; e4m3 goes through f16 (its bits placed as an f16's are the
+ * value times 2^-8). AVX-512 or AVX2, as -march=native finds; the scalar decoders are their
+ * reference. */
+
+typedef struct {
+    const void *w;  /* dense weights in the model's dtype, or the codes */
+    const void *s;  /* the scales (above) */
+    const float *g; /* nvfp4's per-row scales */
+    int64_t bn, bk; /* fp8's block: rows and columns per scale */
+} proj_t;
+
+/* One row of a quantized projection: where its codes and scales start. */
+typedef struct {
+    int fmt;
+    const uint8_t *w;   /* its codes */
+    const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4) */
+    const float *s32;   /* its row of block scales (fp8) */
+    float g;            /* its scale (nvfp4) */
+    int64_t bk;         /* fp8's block columns */
+} qrow_t;
+
+static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64_t N, int64_t K,
+                                   int64_t row) {
+    const int64_t r = pair * N + row;
+    qrow_t q = {.fmt = fmt};
+    if (fmt == FMT_FP8) {
+        const int64_t scale_rows = (N + p->bn - 1) / p->bn, scale_cols = (K + p->bk - 1) / p->bk;
+        q.w = (const uint8_t *)p->w + r * K;
+        q.s32 = (const float *)p->s + (pair * scale_rows + row / p->bn) * scale_cols;
+        q.bk = p->bk;
+    } else {
+        q.w = (const uint8_t *)p->w + r * (K / 2);
+        q.s8 = (const uint8_t *)p->s + r * (K / (fmt == FMT_MXFP4 ? 32 : 16));
+        if (fmt == FMT_NVFP4) q.g = p->g[r];
+    }
+    return q;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FT_AVX512 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#define FT_AVX2 1
+#endif
+
+static float E4M3[256];                             /* e4m3fn byte -> value (0x7f, 0xff: NaN) */
+static float E2M1[16] __attribute__((aligned(64))); /* e2m1 code -> value */
+/* mxfp4: the 16 codes' values times 2^(s - 127), for each e8m0 byte s; in bf16 twice over (the
+ * AVX-512 decoder looks them up by 5 bits of an index whose fifth bit is another code's). A
+ * checkpoint's scales span a few dozen values: the tables' hot part stays in L1. */
+static float MX_F32[256][16] __attribute__((aligned(64)));
+static uint16_t MX_BF16[256][32] __attribute__((aligned(64)));
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+/* fp32 -> bf16 bits, to nearest even (torch's conversion; subnormals kept, NaN quiet). */
+static inline uint16_t bf16_round_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+        if ((b & 0x7f) == 0x7f) v = NAN;
+        E4M3[b] = b & 0x80 ? -v : v;
+    }
+    static const float fp4[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int c = 0; c < 16; c++) E2M1[c] = c & 8 ? -fp4[c & 7] : fp4[c];
+    for (int s = 0; s < 256; s++) {
+        const float scale = ldexpf(1.0f, s - 127); /* 2^-127 subnormal; s = 255: inf (torch's) */
+        for (int c = 0; c < 16; c++) {
+            MX_F32[s][c] = E2M1[c] * scale;
+            MX_BF16[s][c] = MX_BF16[s][c + 16] = bf16_round_bits(MX_F32[s][c]);
+        }
+    }
+}
+
+/* Value k of a decoded row, in the model's dtype. */
+static inline void put(void *out, int64_t k, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)out)[k] = bf16_round_bits(v);
+    else
+        ((float *)out)[k] = v;
+}
+
+static inline void *at(void *out, int64_t k, int bf16) {
+    return (char *)out + k * (bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
+/* The scalar decoders: the definition, value by value. */
+static void fp8_span_scalar(const uint8_t *c, int64_t n, float s, int bf16, void *out) {
+    for (int64_t k = 0; k < n; k++) put(out, k, E4M3[c[k]] * s, bf16);
+}
+
+__attribute__((unused)) static void mxfp4_blocks_scalar(const uint8_t *w, const uint8_t *s,
+                                                        int64_t blocks, int bf16, void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *t = MX_F32[s[b]];
+        for (int64_t j = 0; j < 16; j++) {
+            const uint8_t pair = w[16 * b + j];
+            put(out, 32 * b + 2 * j, t[pair & 15], bf16);
+            put(out, 32 * b + 2 * j + 1, t[pair >> 4], bf16);
+        }
+    }
+}
+
+__attribute__((unused)) static void nvfp4_blocks_scalar(const uint8_t *w, const uint8_t *s,
+                                                        int64_t blocks, float g, int bf16,
+                                                        void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const float scale = E4M3[s[b]];
+        for (int64_t j = 0; j < 8; j++) {
+            const uint8_t pair = w[8 * b + j];
+            put(out, 16 * b + 2 * j, (E2M1[pair & 15] * scale) * g, bf16);
+            put(out, 16 * b + 2 * j + 1, (E2M1[pair >> 4] * scale) * g, bf16);
+        }
+    }
+}
+
+/* The decoders ask for the codes PREFETCH_BYTES ahead of those they read (and the scales as
+ * far ahead): the next rows of the projection, which an item reads next. Without, they waited
+ * on the lines of each row (a few hundred bytes to a few KiB of codes, and their scales apart:
+ * too short a stream for the hardware's prefetchers): 60-80% of this speed on the 2-core CPU,
+ * with the rows in L3 as from DRAM. */
+#define PREFETCH_BYTES 2048
+#define PREFETCH(p) __builtin_prefetch((const char *)(p), 0, 3)
+
+/* fp8 x s by the f16 route: e4m3 bits placed as an f16's (sign << 15 | (byte & 0x7f) << 7,
+ * subnormals included) are the value times 2^-8, exactly. Their product with s * 2^8 is the
+ * exact product fp8 * s rounded once, as the definition's, whenever s * 2^8 is finite (then it
+ * is exact); otherwise the decoders multiply by 2^8 first. A step with a NaN code goes the
+ * scalar way. */
+static inline int fp8_fold(float s, float *mul) {
+    const float s256 = s * 256.0f;
+    if (isfinite(s256) || !isfinite(s)) {
+        *mul = s256;
+        return 1;
+    }
+    *mul = s;
+    return 0;
+}
+
+/* Whether values of a block may be fp32 subnormals, where AVX512-BF16's conversion (which
+ * flushes them) would differ from torch's: never with the scales checkpoints use, so the
+ * conversion's check is made only where they are this small. fp8: the least nonzero e4m3 is
+ * 2^-9; nvfp4 (per row): 0.5 x 2^-9 x g. */
+static inline int fp8_tiny(float s) { return !(fabsf(s) >= 0x1p-116f); }
+static inline int nvfp4_tiny(float g) { return !(fabsf(g) >= 0x1p-110f); }
+
+#if FT_AVX512
+/* lo[j], hi[j] -> values 2j, 2j + 1 */
+static const int32_t INTERLEAVE[32] = {
+    0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31,
+};
+
+/* 16 floats -> bf16 bits (to nearest even, subnormals kept, NaN quiet) in 16-bit lanes. */
+static inline __m256i bf16_rne16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, quiet));
+}
+
+static inline __mmask16 subnormal16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    return _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000))
+           & _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
+}
+
+/* 32 floats (a, then b) -> 32 bf16 bits. AVX512-BF16's instruction rounds as torch does but
+ * flushes subnormals: where `tiny` says there may be some, lanes of those go the integer way. */
+static inline __m512i bf16_rne32(__m512 a, __m512 b, int tiny) {
+#if defined(__AVX512BF16__)
+    if (!tiny || !(subnormal16(a) | subnormal16(b))) return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+#else
+    (void)tiny;
+#endif
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(a)), bf16_rne16(b), 1);
+}
+
+/* fp8: a block's scale as the decoders use it. */
+typedef struct {
+    __m512 mul;
+    float s;
+    int folded, tiny;
+} fp8_scale_t;
+
+static inline fp8_scale_t fp8_scale(float s) {
+    fp8_scale_t f = {.s = s, .tiny = fp8_tiny(s)};
+    float mul;
+    f.folded = fp8_fold(s, &mul);
+    f.mul = _mm512_set1_ps(mul);
+    return f;
+}
+
+/* 32 e4m3 codes (those outside `mask` zero) -> their values times the scale, fp32, in lo (the
+ * first 16) and hi; 0 (and nothing) if one is a NaN. */
+static inline int fp8_32(__m256i b, __mmask32 mask, const fp8_scale_t *f, __m512 *lo,
+                         __m512 *hi) {
+    const __m256i m7 = _mm256_set1_epi8(0x7f);
+    if (_mm256_mask_cmpeq_epi8_mask(mask, _mm256_and_si256(b, m7), m7)) return 0;
+    /* sign-extended, << 7: the magnitude's 7 bits at 7..13, the sign at 15 (and 14: off) */
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                                       _mm512_set1_epi16((short)0xBF80));
+    __m512 l = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    __m512 u = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    if (!f->folded) {
+        l = _mm512_mul_ps(l, _mm512_set1_ps(256.0f));
+        u = _mm512_mul_ps(u, _mm512_set1_ps(256.0f));
+    }
+    *lo = _mm512_mul_ps(l, f->mul);
+    *hi = _mm512_mul_ps(u, f->mul);
+    return 1;
+}
+
+static void fp8_span(const uint8_t *c, int64_t n, float s, int bf16, void *out) {
+    const fp8_scale_t f = fp8_scale(s);
+    for (int64_t k = 0; k < n; k += 32) {
+        const int64_t m = n - k < 32 ? n - k : 32;
+        PREFETCH(c + k + PREFETCH_BYTES);
+        const __mmask32 mask = m == 32 ? 0xffffffffu : (1u << m) - 1;
+        const __m256i b = m == 32 ? _mm256_loadu_si256((const __m256i *)(c + k))
+                                  : _mm256_maskz_loadu_epi8(mask, c + k);
+        __m512 lo, hi;
+        if (!fp8_32(b, mask, &f, &lo, &hi)) {
+            fp8_span_scalar(c + k, m, s, bf16, at(out, k, bf16));
+        } else if (bf16) {
+            _mm512_mask_storeu_epi16((uint16_t *)out + k, mask, bf16_rne32(lo, hi, f.tiny));
+        } else {
+            _mm512_mask_storeu_ps((float *)out + k, (__mmask16)mask, lo);
+            _mm512_mask_storeu_ps((float *)out + k + 16, (__mmask16)(mask >> 16), hi);
+        }
+    }
+}
+
+/* 32 fp8 codes -> bf16 values (the scalar way when one is a NaN). */
+static inline __m512i fp8_bf16(const uint8_t *c, const fp8_scale_t *f) {
+    __m512 lo, hi;
+    if (!fp8_32(_mm256_loadu_si256((const __m256i *)c), 0xffffffffu, f, &lo, &hi)) {
+        uint16_t v[32];
+        fp8_span_scalar(c, 32, f->s, 1, v);
+        return _mm512_loadu_si512(v);
+    }
+    return bf16_rne32(lo, hi, f->tiny);
+}
+
+/* 32 fp8 codes -> fp32 values (lo: the first 16). */
+static inline void fp8_f32(const uint8_t *c, const fp8_scale_t *f, __m512 *lo, __m512 *hi) {
+    if (fp8_32(_mm256_loadu_si256((const __m256i *)c), 0xffffffffu, f, lo, hi)) return;
+    float v[32];
+    fp8_span_scalar(c, 32, f->s, 0, v);
+    *lo = _mm512_loadu_ps(v);
+    *hi = _mm512_loadu_ps(v + 16);
+}
+
+/* An mxfp4 block (16 bytes) -> 32 bf16 values: one 32-bit lane per byte, whose low word indexes
+ * the low nibble's value (by 5 bits: the table holds the 16 twice) and high word the high
+ * nibble's. */
+static inline __m512i mx_bf16(const uint8_t *w, uint8_t s) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    const __m512i index = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+    return _mm512_permutexvar_epi16(index, _mm512_load_si512(MX_BF16[s]));
+}
+
+/* An mxfp4 block -> 32 fp32 values (lo: the first 16). */
+static inline void mx_f32(const uint8_t *w, uint8_t s, __m512 *lo, __m512 *hi) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    const __m512 table = _mm512_load_ps(MX_F32[s]);
+    const __m512 l = _mm512_permutexvar_ps(d, table); /* (by 4 bits of the index) */
+    const __m512 h = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+    *lo = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE), h);
+    *hi = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE + 16), h);
+}
+
+/* nvfp4: two blocks at a time (16 bytes: 32 values), their two tables in one lookup (the fifth
+ * index bit picks the block). */
+static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m512 *tb) {
+    const __m512 values = _mm512_load_ps(E2M1), vg = _mm512_set1_ps(g);
+    *ta = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[s[0]])), vg);
+    *tb = two ? _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[s[1]])), vg) : *ta;
+}
+
+static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two, float g, int tiny) {
+    __m512 ta, tb;
+    nv_tables(s, two, g, &ta, &tb);
+    const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
+                              : _mm_loadl_epi64((const __m128i *)w);
+    const __m512i d = _mm512_cvtepu8_epi32(bytes);
+    /* (d | d << 12) & 0x000f000f, with the second block's lanes' fifth bits set */
+    const __m512i index = _mm512_ternarylogic_epi32(
+        _mm512_or_si512(d, _mm512_slli_epi32(d, 12)), _mm512_set1_epi32(0x000f000f),
+        _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
+    return _mm512_permutexvar_epi16(index, bf16_rne32(ta, tb, tiny));
+}
+
+static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, __m512 *lo,
+                          __m512 *hi) {
+    __m512 ta, tb;
+    nv_tables(s, two, g, &ta, &tb);
+    const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
+                              : _mm_loadl_epi64((const __m128i *)w);
+    const __m512i d = _mm512_cvtepu8_epi32(bytes);
+    const __m512i second = _mm512_maskz_set1_epi32(0xff00, 16);
+    const __m512i lo_index = _mm512_ternarylogic_epi32(d, _mm512_set1_epi32(15), second, 0xEA);
+    const __m512i hi_index = _mm512_or_si512(_mm512_srli_epi32(d, 4), second);
+    const __m512 l = _mm512_permutex2var_ps(ta, lo_index, tb);
+    const __m512 h = _mm512_permutex2var_ps(ta, hi_index, tb);
+    *lo = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE), h);
+    *hi = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE + 16), h);
+}
+
+static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
+                         void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 16 * b + PREFETCH_BYTES);
+        PREFETCH(s + b + PREFETCH_BYTES / 16);
+        if (bf16) {
+            _mm512_storeu_si512((uint16_t *)out + 32 * b, mx_bf16(w + 16 * b, s[b]));
+        } else {
+            __m512 lo, hi;
+            mx_f32(w + 16 * b, s[b], &lo, &hi);
+            _mm512_storeu_ps((float *)out + 32 * b, lo);
+            _mm512_storeu_ps((float *)out + 32 * b + 16, hi);
+        }
+    }
+}
+
+static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, float g, int bf16,
+                         void *out) {
+    const int tiny = nvfp4_tiny(g);
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const int two = b + 1 < blocks;
+        PREFETCH(w + 8 * b + PREFETCH_BYTES);
+        PREFETCH(s + b + PREFETCH_BYTES / 8);
+        if (bf16) {
+            _mm512_mask_storeu_epi16((uint16_t *)out + 16 * b, two ? 0xffffffffu : 0xffffu,
+                                     nv_bf16(w + 8 * b, s + b, two, g, tiny));
+        } else {
+            __m512 lo, hi;
+            nv_f32(w + 8 * b, s + b, two, g, &lo, &hi);
+            _mm512_storeu_ps((float *)out + 16 * b, lo);
+            if (two) _mm512_storeu_ps((float *)out + 16 * b + 16, hi);
+        }
+    }
+}
+
+#elif FT_AVX2
+/* 8 floats -> bf16 bits (to nearest even, subnormals kept, NaN quiet). */
+static inline __m128i bf16_rne8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    /* [r0..3 r0..3 | r4..7 r4..7] -> r0..7 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+static inline void emit8(void *out, int64_t k, __m256 v, int bf16) {
+    if (bf16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + k), bf16_rne8(v));
+    else
+        _mm256_storeu_ps((float *)out + k, v);
+}
+
+static void fp8_span(const uint8_t *c, int64_t n, float s, int bf16, void *out) {
+    float mul;
+    const int folded = fp8_fold(s, &mul);
+    const __m256 vs = _mm256_set1_ps(mul), v256 = _mm256_set1_ps(256.0f);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        PREFETCH(c + k + PREFETCH_BYTES);
+        const __m128i b = _mm_loadu_si128((const __m128i *)(c + k));
+        const __m128i m7 = _mm_set1_epi8(0x7f);
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b, m7), m7))) {
+            fp8_span_scalar(c + k, 16, s, bf16, at(out, k, bf16));
+            continue;
+        }
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                           _mm256_set1_epi16((short)0xBF80));
+        __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        if (!folded) {
+            lo = _mm256_mul_ps(lo, v256);
+            hi = _mm256_mul_ps(hi, v256);
+        }
+        emit8(out, k, _mm256_mul_ps(lo, vs), bf16);
+        emit8(out, k + 8, _mm256_mul_ps(hi, vs), bf16);
+    }
+    fp8_span_scalar(c + k, n - k, s, bf16, at(out, k, bf16));
+}
+
+/* 8 bytes of codes against a table of the 8 magnitudes: 16 values in order, each code's sign
+ * bit xored in (exact: the products are sign-symmetric). */
+static inline void fp4_16(const uint8_t *w, __m256 mag, int64_t k, int bf16, void *out) {
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    __m256 lo = _mm256_permutevar8x32_ps(mag, d); /* (by 3 bits of the index) */
+    __m256 hi = _mm256_permutevar8x32_ps(mag, _mm256_srli_epi32(d, 4));
+    lo = _mm256_xor_ps(lo, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
+    hi = _mm256_xor_ps(hi, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+    const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
+    emit8(out, k, _mm256_permute2f128_ps(a, b, 0x20), bf16);
+    emit8(out, k + 8, _mm256_permute2f128_ps(a, b, 0x31), bf16);
+}
+
+static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
+                         void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 16 * b + PREFETCH_BYTES);
+        PREFETCH(s + b + PREFETCH_BYTES / 16);
+        const __m256 mag = _mm256_load_ps(MX_F32[s[b]]);
+        fp4_16(w + 16 * b, mag, 32 * b, bf16, out);
+        fp4_16(w + 16 * b + 8, mag, 32 * b + 16, bf16, out);
+    }
+}
+
+static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, float g, int bf16,
+                         void *out) {
+    const __m256 values = _mm256_load_ps(E2M1), vg = _mm256_set1_ps(g);
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 8 * b + PREFETCH_BYTES);
+        PREFETCH(s + b + PREFETCH_BYTES / 8);
+        const __m256 mag = _mm256_mul_ps(_mm256_mul_ps(values, _mm256_set1_ps(E4M3[s[b]])), vg);
+        fp4_16(w + 8 * b, mag, 16 * b, bf16, out);
+    }
+}
+
+#else
+#define fp8_span fp8_span_scalar
+#define mxfp4_blocks mxfp4_blocks_scalar
+#define nvfp4_blocks nvfp4_blocks_scalar
+#endif
+
+/* Values [k0, k1) of a quantized row into out (value k0 first), in the model's dtype. mxfp4 and
+ * nvfp4 take whole blocks (k0 and k1 multiples of 32, 16). */
+static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void *out) {
+    if (q->fmt == FMT_FP8) {
+        for (int64_t b = k0 / q->bk; b * q->bk < k1; b++) {
+            const int64_t lo = b * q->bk > k0 ? b * q->bk : k0;
+            const int64_t hi = (b + 1) * q->bk < k1 ? (b + 1) * q->bk : k1;
+            fp8_span(q->w + lo, hi - lo, q->s32[b], bf16, at(out, lo - k0, bf16));
+        }
+    } else if (q->fmt == FMT_MXFP4) {
+        mxfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 32, (k1 - k0) / 32, bf16, out);
+    } else { /* FMT_NVFP4 */
+        nvfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 16, (k1 - k0) / 16, q->g, bf16, out);
+    }
+}
+
+/* Decoded in registers into the dot products: AVX-512 (and its BF16 instructions for bf16
+ * models, whose dot product uses them). fp8 rows whose blocks a step would straddle do not. */
+#if FT_AVX512 && defined(__AVX512BF16__)
+#define QDOT_BF16 1
+#endif
+#if FT_AVX512
+#define QDOT_F32 1
+#endif
+
+static inline int qdot_takes(const qrow_t *q, int bf16) {
+#if QDOT_BF16
+    if (bf16) return q->fmt != FMT_FP8 || q->bk % 128 == 0;
+#endif
+#if QDOT_F32
+    if (!bf16) return q->fmt != FMT_FP8 || q->bk % 64 == 0;
+#endif
+    (void)q;
+    (void)bf16;
+    return 0;
+}
+
+#if QDOT_BF16
+/* dot_bf16_bf16 of the decoded row with x: 128 values a step into its four accumulators, the
+ * values past the last whole step through `tail` (K values' room) and its scalar loop. */
+static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *tail) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+#define QDOT_STEP(w0, w1, w2, w3)                                                               \
+    do {                                                                                        \
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)(w0), (__m512bh)_mm512_loadu_si512(x + k));        \
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)(w1), (__m512bh)_mm512_loadu_si512(x + k + 32));   \
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)(w2), (__m512bh)_mm512_loadu_si512(x + k + 64));   \
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)(w3), (__m512bh)_mm512_loadu_si512(x + k + 96));   \
+    } while (0)
+    int64_t k = 0;
+    if (q->fmt == FMT_MXFP4) {
+        for (; k + 128 <= K; k += 128) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(s + PREFETCH_BYTES / 16);
+            uint32_t s4; /* (the four scales in one load: 3-5% faster than four) */
+            memcpy(&s4, s, 4);
+            QDOT_STEP(mx_bf16(w, (uint8_t)s4), mx_bf16(w + 16, (uint8_t)(s4 >> 8)),
+                      mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
+        }
+    } else if (q->fmt == FMT_NVFP4) {
+        const int tiny = nvfp4_tiny(q->g);
+        for (; k + 128 <= K; k += 128) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(s + PREFETCH_BYTES / 8);
+            QDOT_STEP(nv_bf16(w, s, 1, q->g, tiny), nv_bf16(w + 16, s + 2, 1, q->g, tiny),
+                      nv_bf16(w + 32, s + 4, 1, q->g, tiny), nv_bf16(w + 48, s + 6, 1, q->g, tiny));
+        }
+    } else { /* FMT_FP8, blocks of a multiple of 128 columns */
+        for (int64_t b = 0; k + 128 <= K; b++) {
+            const fp8_scale_t f = fp8_scale(q->s32[b]);
+            for (const int64_t end = (b + 1) * q->bk; k + 128 <= K && k < end; k += 128) {
+                const uint8_t *w = q->w + k;
+                PREFETCH(w + PREFETCH_BYTES);
+                PREFETCH(w + PREFETCH_BYTES + 64);
+                QDOT_STEP(fp8_bf16(w, &f), fp8_bf16(w + 32, &f), fp8_bf16(w + 64, &f),
+                          fp8_bf16(w + 96, &f));
+            }
+        }
+    }
+#undef QDOT_STEP
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    if (k < K) {
+        decode_range(q, k, K, 1, tail);
+        for (int64_t i = 0; k + i < K; i++) s += bf16_to_f32(tail[i]) * bf16_to_f32(x[k + i]);
+    }
+    return s;
+}
+#endif
+
+#if QDOT_F32
+/* dot_f32 of the decoded row with x: 64 values a step into its 4 x 16 accumulators (a product,
+ * then a sum, as its loop), the values past the last whole step through `tail`, then its
+ * order: the tail's sum first, the accumulators' lanes after it one by one. */
+static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+#define QDOT_STEP(w0, w1, w2, w3)                                                               \
+    do {                                                                                        \
+        a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(w0, _mm512_loadu_ps(x + k)));                  \
+        a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(w1, _mm512_loadu_ps(x + k + 16)));             \
+        a[2] = _mm512_add_ps(a[2], _mm512_mul_ps(w2, _mm512_loadu_ps(x + k + 32)));             \
+        a[3] = _mm512_add_ps(a[3], _mm512_mul_ps(w3, _mm512_loadu_ps(x + k + 48)));             \
+    } while (0)
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    if (q->fmt == FMT_MXFP4) {
+        for (; k + 64 <= K; k += 64) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
+            PREFETCH(w + PREFETCH_BYTES); /* (every other step's: the same line) */
+            PREFETCH(s + PREFETCH_BYTES / 16);
+            mx_f32(w, s[0], &w0, &w1);
+            mx_f32(w + 16, s[1], &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
+        }
+    } else if (q->fmt == FMT_NVFP4) {
+        for (; k + 64 <= K; k += 64) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(s + PREFETCH_BYTES / 8);
+            nv_f32(w, s, 1, q->g, &w0, &w1);
+            nv_f32(w + 16, s + 2, 1, q->g, &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
+        }
+    } else { /* FMT_FP8, blocks of a multiple of 64 columns */
+        for (int64_t b = 0; k + 64 <= K; b++) {
+            const fp8_scale_t f = fp8_scale(q->s32[b]);
+            for (const int64_t end = (b + 1) * q->bk; k + 64 <= K && k < end; k += 64) {
+                PREFETCH(q->w + k + PREFETCH_BYTES);
+                fp8_f32(q->w + k, &f, &w0, &w1);
+                fp8_f32(q->w + k + 32, &f, &w2, &w3);
+                QDOT_STEP(w0, w1, w2, w3);
+            }
+        }
+    }
+#undef QDOT_STEP
+    float s = 0.0f;
+    if (k < K) {
+        decode_range(q, k, K, 0, tail);
+        for (int64_t i = 0; k + i < K; i++) s += tail[i] * x[k + i];
+    }
+    float lanes[4][16];
+    for (int u = 0; u < 4; u++) _mm512_storeu_ps(lanes[u], a[u]);
+    for (int u = 0; u < 4; u++)
+        for (int j = 0; j < 16; j++) s += lanes[u][j];
+    return s;
+}
+#endif
+
+/* The vector width the decoders were built for (512, 256; 0: the scalar ones): for tests of the
+ * builds -march=native does not pick here. */
+int ft_cpu_experts_decoder_bits(void) {
+#if FT_AVX512
+    return 512;
+#elif FT_AVX2
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+/* Rows [0, N) of expert `pair`'s quantized projection (as ft_cpu_experts_submit takes one) decoded
+ * into out [N, K] in `dtype`, as the jobs decode them: for tests against the definition. */
+void ft_cpu_experts_decode(int dtype, int fmt, const void *w, const void *s, const float *g,
+                           int64_t bn, int64_t bk, int64_t pair, int64_t N, int64_t K, void *out) {
+    pthread_once(&tables_once, init_tables);
+    const proj_t p = {w, s, g, bn, bk};
+    const int bf16 = dtype == DT_BF16;
+    for (int64_t row = 0; row < N; row++) {
+        const qrow_t q = quantized_row(fmt, &p, pair, N, K, row);
+        decode_range(&q, 0, K, bf16, at(out, row * K, bf16));
+    }
+}
+
+/* This thread's scratch for an expert item (kept for its next items): decoded rows, and the
+ * item's outputs, gathered there and stored once at its end (written in place one by one, the
+ * outputs of neighbouring items, which share cache lines, would bounce those lines between the
+ * threads at every value). */
+static _Thread_local void *item_scratch;
+static _Thread_local size_t item_capacity;
+
+static char *thread_scratch(size_t bytes) {
+    if (bytes > item_capacity) {
+        const size_t capacity = (bytes + 4095) & ~(size_t)4095;
+        void *p = aligned_alloc(64, capacity);
+        if (!p) { /* tens of KiB: the process is out of memory */
+            fputs("freetoken cpu_experts: no memory for a work item's scratch\n", stderr);
+            abort();
+        }
+        free(item_scratch);
+        item_scratch = p;
+        item_capacity = capacity;
+    }
+    return item_scratch;
 }
 
 /* gpt-oss's clamped SwiGLU (activations.py), in fp32; its constants are the release's. */
@@ -158,13 +804,16 @@ enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2 };
 
 typedef struct {
     int dtype, act, workers;
-    const void *w_gate_up, *w_down;
+    int fmt;                 /* FMT_*: how the experts' projections are stored */
+    proj_t gate_up, down;    /* [P, 2I, H] and [P, H, I] */
     int64_t H, I, n_groups;
     const float *x, *route_w;
     const int64_t *group_start, *group_pair, *route_row;
     float *a_buf, *out;
     uint16_t *a16;
     int64_t gate_items, down_items; /* gate items come first, then down items */
+    int64_t n_rows;                 /* rows of x and out */
+    int64_t gate_rows, down_rows;   /* weight rows per gate item, output columns per down item */
     /* A dense layer (JOB_LINEAR): out [T, N] = x [T, H] . w [N, H]^T + bias, each output
      * rounded as torch rounds it; its items are ROW_BLOCK rows of w, for every row of x. */
     int kind;
@@ -188,6 +837,56 @@ typedef struct {
 static inline float bias_at(const job_t *j, int64_t index) {
     return j->dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)j->b_gate_up)[index])
                                : ((const float *)j->b_gate_up)[index];
+}
+
+#if !QDOT_BF16 /* (never called where qdot_takes says no) */
+static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *tail) {
+    (void)q, (void)K, (void)x, (void)tail;
+    return 0.0f;
+}
+#endif
+#if !QDOT_F32
+static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
+    (void)q, (void)K, (void)x, (void)tail;
+    return 0.0f;
+}
+#endif
+
+/* A weight row for the dot products: in registers as qdot_* decodes it (`direct`), or at p (in a
+ * dense bank, or decoded into the caller's buffer). */
+typedef struct {
+    const void *p;
+    qrow_t q;
+    int direct;
+} wrow_t;
+
+/* Row `row` of expert `pair`'s projection p [N, K], for `routes` dot products, into *w: decoded
+ * into buf (K values' room) unless one route reads it and qdot_* can take it. (Filled in place:
+ * returned by value, the struct went through the stack by vector moves that waited on its
+ * scalar stores, which halved the speed of the down projection's short rows.) */
+static inline void weight_row(const job_t *j, const proj_t *p, int64_t pair, int64_t N, int64_t K,
+                              int64_t row, int64_t routes, void *buf, wrow_t *w) {
+    const int bf16 = j->dtype == DT_BF16;
+    if (j->fmt == FMT_DENSE) {
+        const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+        w->p = (const char *)p->w + (pair * N + row) * K * size;
+        w->direct = 0;
+        return;
+    }
+    w->q = quantized_row(j->fmt, p, pair, N, K, row);
+    w->direct = routes == 1 && qdot_takes(&w->q, bf16);
+    if (!w->direct) {
+        decode_range(&w->q, 0, K, bf16, buf);
+        w->p = buf;
+    }
+}
+
+/* The row's dot product with x (a bf16 model's: bf16 x; else fp32): the dense path's, or its
+ * equal on the quantized row (buf: room for its tail). */
+static inline float row_dot(const job_t *j, const wrow_t *w, int64_t K, const void *x, void *buf) {
+    if (j->dtype == DT_BF16)
+        return w->direct ? qdot_bf16(&w->q, K, x, buf) : dot_bf16_bf16(w->p, x, K);
+    return w->direct ? qdot_f32(&w->q, K, x, buf) : dot_f32(w->p, x, K);
 }
 
 /* Linear item: ROW_BLOCK rows of w, each streamed once for all T rows of x. */
@@ -294,34 +993,42 @@ static void attention_merge(const job_t *j, int64_t item) {
     for (int64_t d = 0; d < D; d++) out[d] /= total;
 }
 
-/* Gate item: ROW_BLOCK rows of one group's gate and up projections, for every route of the
+/* Gate item: gate_rows rows of one group's gate and up projections, for every route of the
  * group: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. */
 static void gate_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
-    const int64_t blocks = (j->I + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t g = item / blocks, n0 = (item % blocks) * ROW_BLOCK;
-    const int64_t n1 = n0 + ROW_BLOCK < j->I ? n0 + ROW_BLOCK : j->I;
+    const int64_t block = j->gate_rows, blocks = (j->I + block - 1) / block;
+    const int64_t g = item / blocks, n0 = (item % blocks) * block;
+    const int64_t n1 = n0 + block < j->I ? n0 + block : j->I;
     const int64_t H = j->H, I = j->I, pair = j->group_pair[g];
-    const uint16_t *gu16 = (const uint16_t *)j->w_gate_up + pair * 2 * I * H;
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
-            float gate, up;
-            if (bf16) {
-                const uint16_t *xr = j->x16 + j->route_row[r] * H;
-                gate = round_bf16(dot_bf16_bf16(gu16 + n * H, xr, H));
-                up = round_bf16(dot_bf16_bf16(gu16 + (I + n) * H, xr, H));
-            } else {
-                const float *xr = j->x + j->route_row[r] * H;
-                gate = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, n, H, xr);
-                up = row_dot(j->dtype, j->w_gate_up, pair, 2 * I, I + n, H, xr);
-            }
+    const int64_t first = j->group_start[g], last = j->group_start[g + 1];
+    /* [the gate's and the up projection's decoded rows (quantized experts)] [outputs] */
+    const size_t rows = j->fmt == FMT_DENSE ? 0 : 2 * (size_t)H * sizeof(float);
+    char *scratch = thread_scratch(rows + sizeof(float) * block * (last - first));
+    char *buf = scratch, *buf_up = scratch + rows / 2;
+    float *a_item = (float *)(scratch + rows); /* [route][row of the block] */
+    for (int64_t n = n0; n < n1; n++) {
+        wrow_t gw, uw;
+        weight_row(j, &j->gate_up, pair, 2 * I, H, n, last - first, buf, &gw);
+        weight_row(j, &j->gate_up, pair, 2 * I, H, I + n, last - first, buf_up, &uw);
+        for (int64_t r = first; r < last; r++) {
+            const void *xr = bf16 ? (const void *)(j->x16 + j->route_row[r] * H)
+                                  : (const void *)(j->x + j->route_row[r] * H);
+            float gate = rnd(row_dot(j, &gw, H, xr, buf), bf16);
+            float up = rnd(row_dot(j, &uw, H, xr, buf_up), bf16);
             if (j->b_gate_up) { /* torch: (x @ W) + b, each op rounded */
                 gate = rnd(gate + bias_at(j, pair * 2 * I + n), bf16);
                 up = rnd(up + bias_at(j, pair * 2 * I + I + n), bf16);
             }
             /* swiglu_oai rounded once (torch rounds it op by op: a rounding apart in bf16) */
-            float a = j->act == ACT_SWIGLU_OAI ? rnd(swiglu_oai(gate, up), bf16)
-                                               : rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+            a_item[(r - first) * block + n - n0] =
+                j->act == ACT_SWIGLU_OAI ? rnd(swiglu_oai(gate, up), bf16)
+                                         : rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+        }
+    }
+    for (int64_t r = first; r < last; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            const float a = a_item[(r - first) * block + n - n0];
             if (bf16)
                 j->a16[r * I + n] = bf16_bits(a);
             else
@@ -329,23 +1036,34 @@ static void gate_item(const job_t *j, int64_t item) {
         }
 }
 
-/* Down item: ROW_BLOCK output columns, over every group and route in route order, so each
+/* Down item: down_rows output columns, over every group and route in route order, so each
  * output element is summed by one thread in a fixed order (deterministic):
- * out[row_r, n] += round(route_w[r] * round(down_n . a[r])). */
+ * out[row_r, n] += round(route_w[r] * round(down_n . a[r])), summed from 0 in the thread's
+ * scratch and stored once (out is zeroed at submission and these columns are the item's). */
 static void down_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
-    const int64_t H = j->H, I = j->I, n0 = item * ROW_BLOCK;
-    const int64_t n1 = n0 + ROW_BLOCK < H ? n0 + ROW_BLOCK : H;
-    for (int64_t g = 0; g < j->n_groups; g++)
-        for (int64_t n = n0; n < n1; n++)
-            for (int64_t r = j->group_start[g]; r < j->group_start[g + 1]; r++) {
-                float y = bf16 ? round_bf16(dot_bf16_bf16(
-                                     (const uint16_t *)j->w_down + (j->group_pair[g] * H + n) * I,
-                                     j->a16 + r * I, I))
-                               : row_dot(j->dtype, j->w_down, j->group_pair[g], H, n, I,
-                                         j->a_buf + r * I);
-                j->out[j->route_row[r] * H + n] += rnd(y * j->route_w[r], bf16);
+    const int64_t H = j->H, I = j->I, block = j->down_rows, n0 = item * block;
+    const int64_t n1 = n0 + block < H ? n0 + block : H;
+    const size_t rows = j->fmt == FMT_DENSE ? 0 : (size_t)I * sizeof(float);
+    char *scratch = thread_scratch(rows + sizeof(float) * block * j->n_rows);
+    void *buf = scratch;
+    float *out = (float *)(scratch + rows); /* [row of x][column of the block] */
+    memset(out, 0, sizeof(float) * block * j->n_rows);
+    for (int64_t g = 0; g < j->n_groups; g++) {
+        const int64_t first = j->group_start[g], last = j->group_start[g + 1];
+        for (int64_t n = n0; n < n1; n++) {
+            wrow_t w;
+            weight_row(j, &j->down, j->group_pair[g], H, I, n, last - first, buf, &w);
+            for (int64_t r = first; r < last; r++) {
+                const void *ar = bf16 ? (const void *)(j->a16 + r * I)
+                                      : (const void *)(j->a_buf + r * I);
+                const float y = rnd(row_dot(j, &w, I, ar, buf), bf16);
+                out[j->route_row[r] * block + n - n0] += rnd(y * j->route_w[r], bf16);
             }
+        }
+    }
+    for (int64_t row = 0; row < j->n_rows; row++)
+        memcpy(j->out + row * H + n0, out + row * block, sizeof(float) * (n1 - n0));
 }
 
 /* ---- the team ---------------------------------------------------------------------------
@@ -512,12 +1230,17 @@ typedef struct {
 enum { B_X, B_A, B_GROUP_START, B_GROUP_PAIR, B_ROW, B_W, B_ORDER, B_META, N_BUFS };
 static buf_t scratch[2][N_BUFS];
 
+/* At least `bytes` (their contents not kept), on a cache line: the vector loads of x and of the
+ * activations would otherwise straddle two lines each (a fifth to a third slower, in a loop of
+ * them alone on the 2-core CPU). */
 static void *grow(buf_t *b, size_t bytes) {
     if (bytes > b->cap) {
-        void *q = realloc(b->p, bytes ? bytes : 1);
+        const size_t cap = (bytes + 63) & ~(size_t)63;
+        void *q = aligned_alloc(64, cap ? cap : 64);
         if (!q) return NULL;
+        free(b->p);
         b->p = q;
-        b->cap = bytes;
+        b->cap = cap;
     }
     return b->p;
 }
@@ -530,6 +1253,17 @@ static int by_pair_then_index(const void *a, const void *b) {
     const route_key_t *x = a, *y = b;
     if (x->pair != y->pair) return x->pair < y->pair ? -1 : 1;
     return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* Rows of a work item of a phase of `rows` weight rows in all: ROW_BLOCK for dense experts, 4x
+ * as many for quantized ones (whose rows are 2-4x shorter in bytes: an item's first rows wait
+ * for the hardware's prefetchers to catch on, and ROW_BLOCK rows of a quantized format ran at
+ * 75-85% of the speed of 4x as many on the 2-core CPU), but no fewer than 8 items a thread. */
+static int64_t item_rows(const job_t *j, int64_t rows) {
+    if (j->fmt == FMT_DENSE) return ROW_BLOCK;
+    int64_t times = rows / (ROW_BLOCK * 8 * (j->workers + 1));
+    times = times < 4 ? times : 4;
+    return ROW_BLOCK * (times > 1 ? times : 1);
 }
 
 /* Fills slot `slot`'s buffers for a job and describes it in *j; 0 when out of memory. */
@@ -573,6 +1307,7 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     }
     start[groups] = n_routes;
     j->n_groups = groups;
+    j->n_rows = n_rows;
     j->x = xs;
     j->x16 = xs;
     j->route_w = w;
@@ -582,8 +1317,10 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     j->a_buf = a;
     j->a16 = (uint16_t *)a;
     j->out = out;
-    j->gate_items = groups * ((I + ROW_BLOCK - 1) / ROW_BLOCK);
-    j->down_items = groups ? (H + ROW_BLOCK - 1) / ROW_BLOCK : 0;
+    j->gate_rows = item_rows(j, groups * I);
+    j->down_rows = item_rows(j, H);
+    j->gate_items = groups * ((I + j->gate_rows - 1) / j->gate_rows);
+    j->down_items = groups ? (H + j->down_rows - 1) / j->down_rows : 0;
     return 1;
 }
 
@@ -636,19 +1373,27 @@ static uint64_t publish(const job_t *j, uint64_t gen, int64_t items) {
 /* Starts a job on `threads` team threads (the caller of ft_cpu_experts_wait joins them) and
  * returns its ticket for ft_cpu_experts_wait, after waiting for the job before it. The job is
  * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
- * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The routes and x
- * are copied before this returns; `out` must stay alive until the job is waited for.
- * *experts receives the number of distinct experts the job reads. Returns 0 if no thread can
- * be started or the job's buffers cannot be allocated. */
-uint64_t ft_cpu_experts_submit(int dtype, const void *w_gate_up, const void *w_down,
-                               const void *b_gate_up, int64_t H, int64_t I, const void *x,
-                               int x_bf16, int64_t n_rows, int64_t n_routes,
-                               const int64_t *route_row, const int64_t *route_pair,
-                               const float *route_w, float *out, int act, int threads,
-                               int64_t *experts) {
+ * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The experts: each
+ * projection's weights w, scales s and per-row scales g and fp8's block (bn rows, bk columns)
+ * as `fmt` stores them (FMT_DENSE: w only, in `dtype`), computed in `dtype`, the model's; the
+ * gate/up biases b_gate_up [P, 2I] in `dtype`, or NULL. The routes and x are copied before
+ * this returns; `out` must stay alive until the job is waited for. *experts receives the
+ * number of distinct experts the job reads. Returns 0 if no thread can be started or the
+ * job's buffers cannot be allocated. */
+uint64_t ft_cpu_experts_submit(int dtype, int fmt, const void *w_gate_up, const void *s_gate_up,
+                               const float *g_gate_up, int64_t bn_gate_up, int64_t bk_gate_up,
+                               const void *w_down, const void *s_down, const float *g_down,
+                               int64_t bn_down, int64_t bk_down, const void *b_gate_up, int64_t H,
+                               int64_t I, const void *x, int x_bf16, int64_t n_rows,
+                               int64_t n_routes, const int64_t *route_row,
+                               const int64_t *route_pair, const float *route_w, float *out,
+                               int act, int threads, int64_t *experts) {
+    pthread_once(&tables_once, init_tables);
     uint64_t gen = begin_job(threads);
     if (!gen) return 0;
-    job_t j = {dtype, act, threads, w_gate_up, w_down, H, I};
+    job_t j = {.dtype = dtype, .act = act, .workers = threads, .fmt = fmt, .H = H, .I = I};
+    j.gate_up = (proj_t){w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
+    j.down = (proj_t){w_down, s_down, g_down, bn_down, bk_down};
     j.kind = JOB_EXPERTS;
     j.b_gate_up = b_gate_up;
     if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
@@ -779,9 +1524,10 @@ typedef struct {
     const float *weights;
     const void *x;
     float *out;
-    int x_bf16, dtype, act, threads;
+    int x_bf16, dtype, act, threads, fmt;
     int64_t max_routes, H, I, layers;
-    const void *w_gate_up, *w_down, *b_gate_up;
+    proj_t gate_up, down; /* the experts, as ft_cpu_experts_submit takes them */
+    const void *b_gate_up;
     double *stats; /* per layer: jobs, routes, seconds, experts (accumulated); then a row of
                     * their sums, then one whose first value counts the steps not served */
     double idle_spin, prepare;
@@ -815,10 +1561,11 @@ static void serve(listener_t *l, uint32_t shape) {
         return;
     }
     int64_t experts = 0;
-    uint64_t ticket = ft_cpu_experts_submit(l->dtype, l->w_gate_up, l->w_down, l->b_gate_up,
-                                            l->H, l->I, l->x, l->x_bf16, tokens, n, l->rows,
-                                            l->routes, l->gates, l->out, l->act, l->threads,
-                                            &experts);
+    const proj_t *gu = &l->gate_up, *d = &l->down;
+    uint64_t ticket = ft_cpu_experts_submit(
+        l->dtype, l->fmt, gu->w, gu->s, gu->g, gu->bn, gu->bk, d->w, d->s, d->g, d->bn, d->bk,
+        l->b_gate_up, l->H, l->I, l->x, l->x_bf16, tokens, n, l->rows, l->routes, l->gates, l->out,
+        l->act, l->threads, &experts);
     if (!ticket) { /* no thread or no memory: a zero partial, counted, and the graph goes on */
         memset(l->out, 0, sizeof(float) * tokens * l->H);
         count_error(l);
@@ -862,19 +1609,27 @@ static void *listener_main(void *arg) {
 }
 
 /* Starts a listener (see above); NULL if its thread or buffers cannot be had. `pairs` and
- * `weights` hold max_routes entries, x and out max_routes rows. `threads`: the team threads of
- * each job (the listener joins them). */
+ * `weights` hold max_routes entries, x and out max_routes rows. The experts and `dtype` as
+ * ft_cpu_experts_submit takes them; `threads`: the team threads of each job (the listener
+ * joins them). */
 void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *done,
                         const int64_t *pairs, const float *weights, const void *x, int x_bf16,
-                        float *out,
-                        int64_t max_routes, int dtype, const void *w_gate_up, const void *w_down,
-                        const void *b_gate_up, int64_t H, int64_t I, int act, int threads,
-                        double *stats, int64_t layers, double idle_spin, double prepare) {
+                        float *out, int64_t max_routes, int dtype, int fmt,
+                        const void *w_gate_up, const void *s_gate_up, const float *g_gate_up,
+                        int64_t bn_gate_up, int64_t bk_gate_up, const void *w_down,
+                        const void *s_down, const float *g_down, int64_t bn_down,
+                        int64_t bk_down, const void *b_gate_up, int64_t H, int64_t I, int act,
+                        int threads, double *stats, int64_t layers, double idle_spin,
+                        double prepare) {
     listener_t *l = calloc(1, sizeof(listener_t));
     if (!l) return NULL;
-    *l = (listener_t){seq, shape, done, pairs, weights, x, out, x_bf16, dtype, act, threads,
-                      max_routes, H, I, layers, w_gate_up, w_down, b_gate_up, stats, idle_spin,
-                      prepare};
+    *l = (listener_t){.seq = seq, .shape = shape, .done = done, .pairs = pairs,
+                      .weights = weights, .x = x, .out = out, .x_bf16 = x_bf16, .dtype = dtype,
+                      .act = act, .threads = threads, .fmt = fmt, .max_routes = max_routes,
+                      .H = H, .I = I, .layers = layers, .b_gate_up = b_gate_up, .stats = stats,
+                      .idle_spin = idle_spin, .prepare = prepare};
+    l->gate_up = (proj_t){w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
+    l->down = (proj_t){w_down, s_down, g_down, bn_down, bk_down};
     /* read here, not on the thread: a ring made before the thread first runs is a job */
     l->served = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     const size_t routes = (size_t)max_routes;

@@ -5,9 +5,15 @@ A job is a list of routes (row of x, flat expert id, gate weight). The library g
 expert (so each expert's weights stream from DRAM once however many tokens use it) and converts
 x to fp32 itself: on the H200 machine the dozen numpy and torch calls that did this in Python
 cost ~0.1 ms per decode layer step.
+
+Experts kept quantized (weights/expert_format.py: each projection a `QuantizedBank`) are
+decoded by the kernel as it computes, row by row, into the model's dtype: a job on them gives
+the job on their dequantized banks bit for bit, and reads only the quantized bytes.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
@@ -15,45 +21,147 @@ import torch
 from freetoken.activations import activation_code, supported
 from freetoken.kernels.cpu_team import library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
+from freetoken.weights.expert_format import QuantizedBank
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_P, _I64, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+# The experts' arguments of both entry points: fmt, then per projection (gate_up, down) its
+# weights, scales, per-row scales and fp8 block (rows, cols), then the bias bank.
+_EXPERT_ARGS = [_INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
+# seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
+# threads, stats, layers, idle_spin, prepare
+_LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, *_EXPERT_ARGS, _I64, _I64, _INT,
+                  _INT, _P, _I64, _D, _D]  # fmt: skip
+# The entry points that take experts, declared here beside the arguments they are given (over
+# kernels/cpu_team.py's SIGNATURES, whose entries for the first two predate the expert formats).
+SIGNATURES = {
+    # dtype, experts, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w, out,
+    # act, threads, experts (out)
+    "ft_cpu_experts_submit": (
+        [_INT, *_EXPERT_ARGS, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
+        ctypes.c_uint64,
+    ),
+    "ft_listener_start": (_LISTENER_ARGS, _P),
+    # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out
+    "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
+    "ft_cpu_experts_decoder_bits": ([], _INT),
+}
 
 
-def _ptr(a: np.ndarray | torch.Tensor) -> int:
+def expert_library():
+    """The native library with the expert entry points declared, or None."""
+    lib = library()
+    if lib is not None:
+        for name, (args, result) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
+    if a is None:
+        return None
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+def _projection(bank, rows: int, cols: int, dtype: torch.dtype) -> tuple | None:
+    """A projection's (weights, scales, per-row scales, block rows, block cols) for the kernel,
+    or None where it cannot take the bank (a layout or dtype it does not read)."""
+    if isinstance(bank, torch.Tensor):
+        if bank.dtype != dtype or tuple(bank.shape[1:]) != (rows, cols):
+            return None
+        return bank, None, None, 0, 0
+    fmt = bank.format
+    if tuple(bank.shape[1:]) != (rows, cols) or (fmt.pack > 1 and cols % fmt.col_block):
+        return None
+    pairs = bank.w.shape[0]
+    parts = fmt.parts(rows, cols, dtype).items()
+    want = {name: ((pairs, *shape), part_dtype) for name, (shape, part_dtype) in parts}
+    got = {"w": bank.w, "s": bank.s, "g": bank.g}
+    for name, part in got.items():
+        if (part is None) != (name not in want):
+            return None
+        if part is not None and (
+            (tuple(part.shape), part.dtype) != want[name] or not part.is_contiguous()
+        ):
+            return None
+    return bank.w, bank.s, bank.g, fmt.row_block, fmt.col_block
 
 
 class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
-    returns None when this machine cannot run it (no compiler, unsupported dtype)."""
+    returns None when this machine cannot run it (no compiler, unsupported dtype or banks)."""
 
-    def __init__(self, lib, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, threads: int,
-                 b_gate_up: torch.Tensor | None = None):  # fmt: skip
+    def __init__(self, lib, w_gate_up, w_down, act: str, threads: int, b_gate_up=None,
+                 dtype: torch.dtype | None = None):  # fmt: skip
         self.lib = lib
         self.w_gate_up, self.w_down, self.b_gate_up = w_gate_up, w_down, b_gate_up
-        self.dtype_code = _DTYPES[w_gate_up.dtype]
+        self.dtype = dtype or w_gate_up.dtype  # the model's: what the experts compute in
+        self.dtype_code = _DTYPES[self.dtype]
         self.act_code = activation_code(act)
         self.threads = threads
         self.hidden = w_gate_up.shape[2]
         self.intermediate = w_down.shape[2]
+        h, i = self.hidden, self.intermediate
+        gate_up = _projection(w_gate_up, 2 * i, h, self.dtype)
+        down = _projection(w_down, h, i, self.dtype)
+        if gate_up is None or down is None:
+            raise ValueError("banks the native kernel cannot read (see NativeCPUExperts.create)")
+        fmt = w_gate_up.format if isinstance(w_gate_up, QuantizedBank) else None
+        self.format_code = 0 if fmt is None else fmt.code
+        # What both entry points take for the experts (see the C source).
+        args = [self.format_code]
+        for w, s, g, block_rows, block_cols in (gate_up, down):
+            args += [_ptr(w), _ptr(s), _ptr(g), block_rows, block_cols]
+        self.expert_args = (*args, _ptr(b_gate_up))
 
     @classmethod
     def create(
-        cls, w_gate_up, w_down, act: str, threads: int, spin_seconds: float = 0.0, b_gate_up=None
+        cls,
+        w_gate_up,
+        w_down,
+        act: str,
+        threads: int,
+        spin_seconds: float = 0.0,
+        b_gate_up=None,
+        dtype: torch.dtype | None = None,
     ) -> NativeCPUExperts | None:
-        """`spin_seconds`: how long the job handoff spins before sleeping (see the C source);
-        for machines where these cores have nothing else to run. `b_gate_up`: the gate/up
-        biases [P, 2I] of experts that have them (moe/store.py)."""
-        if w_gate_up.dtype not in _DTYPES or not supported(act):
+        """`w_gate_up` [P, 2I, H] and `w_down` [P, H, I]: dense banks, or both `QuantizedBank`s
+        of one format; `dtype`: the model's, which the experts compute in (required with
+        quantized banks; dense banks must hold it). `spin_seconds`: how long the job handoff
+        spins before sleeping (see the C source); for machines where these cores have nothing
+        else to run. `b_gate_up`: the gate/up biases [P, 2I] (in `dtype`) of experts that have
+        them (moe/store.py)."""
+        quantized = isinstance(w_gate_up, QuantizedBank)
+        if quantized and dtype is None:
+            raise ValueError("quantized experts need the model's dtype (dtype=)")
+        dtype = dtype or w_gate_up.dtype
+        if dtype not in _DTYPES or not supported(act):
             return None
-        banks = (w_gate_up, w_down) + ((b_gate_up,) if b_gate_up is not None else ())
-        if not all(bank.is_contiguous() for bank in banks):
+        if quantized != isinstance(w_down, QuantizedBank) or (
+            quantized and w_gate_up.format.name != w_down.format.name
+        ):
+            return None  # (one format for both projections)
+        if b_gate_up is not None and (
+            b_gate_up.dtype != dtype or tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2])
+        ):
             return None
-        lib = library()
+        tensors = [b_gate_up] if b_gate_up is not None else []
+        for bank in (w_gate_up, w_down):
+            tensors += bank.tensors if quantized else [bank]
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+            return None
+        h, i = w_gate_up.shape[2], w_down.shape[2]
+        if (
+            _projection(w_gate_up, 2 * i, h, dtype) is None
+            or _projection(w_down, h, i, dtype) is None
+        ):
+            return None
+        lib = expert_library()
         if lib is None:
             return None
         lib.ft_cpu_experts_set_spin(spin_seconds)
-        return cls(lib, w_gate_up, w_down, act, threads, b_gate_up)
+        return cls(lib, w_gate_up, w_down, act, threads, b_gate_up, dtype)
 
     def __call__(
         self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor
@@ -85,14 +193,30 @@ class NativeCPUExperts:
         out = np.empty((x.shape[0], self.hidden), np.float32)
         experts = np.zeros(1, np.int64)
         ticket = self.lib.ft_cpu_experts_submit(
-            self.dtype_code, _ptr(self.w_gate_up), _ptr(self.w_down), self.bias_address,
-            self.hidden, self.intermediate, x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0],
-            len(rows), _ptr(rows), _ptr(pairs), _ptr(weights), _ptr(out), self.act_code,
-            self.threads, _ptr(experts),
+            self.dtype_code, *self.expert_args, self.hidden, self.intermediate, x.data_ptr(),
+            x.dtype == torch.bfloat16, x.shape[0], len(rows), _ptr(rows), _ptr(pairs),
+            _ptr(weights), _ptr(out), self.act_code, self.threads, _ptr(experts),
         )  # fmt: skip
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
         return PendingJob(self.lib, ticket, out, int(experts[0]))
+
+
+def decode_expert(bank: QuantizedBank, pair: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `pair` of a quantized bank as the native kernel decodes it, [N, K] in `dtype` (for
+    tests against `bank.dequantize`, the definition)."""
+    _, rows, cols = bank.shape
+    parts = _projection(bank, rows, cols, dtype)
+    lib = expert_library()
+    if parts is None or lib is None or dtype not in _DTYPES:
+        raise ValueError("the native kernel cannot decode this bank here")
+    w, s, g, block_rows, block_cols = parts
+    out = torch.empty(rows, cols, dtype=dtype)
+    lib.ft_cpu_experts_decode(
+        _DTYPES[dtype], bank.format.code, _ptr(w), _ptr(s), _ptr(g), block_rows, block_cols, pair,
+        rows, cols, out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 class PendingJob:
@@ -117,12 +241,17 @@ class PendingJob:
 
 
 def torch_cpu_experts(
-    x, rows, pairs, weights, w_gate_up, w_down, act, b_gate_up=None
+    x, rows, pairs, weights, w_gate_up, w_down, act, b_gate_up=None, dtype=None
 ) -> torch.Tensor:
-    """The same result with torch ops (the fallback, and the oracle in tests). `b_gate_up`:
-    the bias bank [P, 2I], indexed by the same flat ids as the weight banks."""
+    """The same result with torch ops (the fallback, and the oracle in tests). The banks are
+    dense or `QuantizedBank`s (dequantized expert by expert, as defined); `dtype`: the model's,
+    which x is cast to (by default the dense banks'). `b_gate_up`: the bias bank [P, 2I],
+    indexed by the same flat ids as the weight banks."""
+    if dtype is None:
+        if isinstance(w_gate_up, QuantizedBank):
+            raise ValueError("quantized experts need the model's dtype (dtype=)")
+        dtype = w_gate_up.dtype
     per_route = reference_grouped_experts(
-        x.to(w_gate_up.dtype)[rows], pairs[:, None], weights[:, None], w_gate_up, w_down, act,
-        b_gate_up,
-    )  # fmt: skip
+        x.to(dtype)[rows], pairs[:, None], weights[:, None], w_gate_up, w_down, act, b_gate_up
+    )
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, per_route.float())

@@ -4,7 +4,9 @@ The sources ship with the package (`kernels/*.c`) and are compiled at first use 
 `-O3 -march=native`, so they use the vector units of the machine they run on (a wheel
 built elsewhere could not), into the cache directory keyed by the source, the flags and the
 CPU. Loading goes through ctypes, whose calls release the GIL. Without a C compiler the caller
-falls back to torch; `FREETOKEN_NATIVE=0` forces that fallback.
+falls back to torch; `FREETOKEN_NATIVE=0` forces that fallback. `FREETOKEN_NATIVE_FLAGS` adds
+compiler flags after those (part of the cache key): `-mno-avx512f` builds the AVX2 code paths on
+an AVX-512 machine, `-mno-avx` the scalar ones (the tests run both so).
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
-from freetoken.activations import KERNEL_CODES
+from freetoken.activations import KERNEL_CODES as ACTIVATION_CODES
 from freetoken.paths import cache_dir
+from freetoken.weights.expert_format import KERNEL_CODES as FORMAT_CODES
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 # Constants a source takes from Python's one definition of them, as -D macros.
-DEFINES: dict[str, dict[str, int]] = {"cpu_experts": KERNEL_CODES}
+DEFINES: dict[str, dict[str, int]] = {"cpu_experts": {**ACTIVATION_CODES, **FORMAT_CODES}}
 DISABLE_ENV = "FREETOKEN_NATIVE"
+FLAGS_ENV = "FREETOKEN_NATIVE_FLAGS"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -62,6 +67,11 @@ def load(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
+def extra_flags() -> list[str]:
+    """Flags added after FLAGS, from FREETOKEN_NATIVE_FLAGS."""
+    return shlex.split(os.environ.get(FLAGS_ENV, ""))
+
+
 def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
@@ -70,8 +80,9 @@ def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: %s runs on torch instead (slower)", name)
         return None
+    flags = [*FLAGS, *extra_flags()]
     key = hashlib.sha256(
-        "\n".join([source.read_text(), cc, *FLAGS, *defines, _cpu_signature()]).encode()
+        "\n".join([source.read_text(), cc, *flags, *defines, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "native" / f"{name}-{key}.so"
     if not target.exists():
@@ -80,7 +91,7 @@ def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         result = subprocess.run(
-            [cc, *FLAGS, *defines, str(source), "-o", tmp, "-lm", "-ldl"],
+            [cc, *flags, *defines, str(source), "-o", tmp, "-lm", "-ldl"],
             capture_output=True,
             text=True,
         )

@@ -60,18 +60,18 @@ class CPUDoorbell:
         prepare_seconds: float = 2e-3,
     ):
         """`experts`: the native kernel's view of the host pool (the CPU executor's), whose
-        banks, dtype and activation the listener's jobs use; `threads`: the team threads of
-        each job."""
+        banks (dense or quantized), dtype and activation the listener's jobs use; `threads`: the
+        team threads of each job."""
         on_cuda = device.type == "cuda"
         self.device, self.max_routes = device, max_routes
         routes, hidden = max_routes, experts.hidden
-        bf16 = experts.w_gate_up.dtype == torch.bfloat16
+        bf16 = experts.dtype == torch.bfloat16  # the model's (quantized experts: decoded so)
         self.words = torch.zeros(DONE + 64, dtype=torch.int32, pin_memory=on_cuda)
         # [the last number rung, the one the current layer's merge waits for]
         self.seq_device = torch.zeros(2, dtype=torch.long, device=device)
         self.pairs = torch.full((routes,), -1, dtype=torch.long, pin_memory=on_cuda)
         self.weights = torch.zeros(routes, dtype=torch.float32, pin_memory=on_cuda)
-        self.x = torch.zeros(routes, hidden, dtype=experts.w_gate_up.dtype, pin_memory=on_cuda)
+        self.x = torch.zeros(routes, hidden, dtype=experts.dtype, pin_memory=on_cuda)
         self.out = torch.zeros(routes, hidden, dtype=torch.float32, pin_memory=on_cuda)
         self._out_rows, self._word_rows = HostRows(self.out), HostRows(self.words)  # for kernels
         # per layer [L, 4]; then their sums (what the tracker reads each step: two numbers,
@@ -86,9 +86,8 @@ class CPUDoorbell:
             self._word(SEQ), self._word(SHAPE), self._word(DONE), self.pairs.data_ptr(),
             self.weights.data_ptr(),
             self.x.data_ptr(), bf16, self.out.data_ptr(), routes, experts.dtype_code,
-            experts.w_gate_up.data_ptr(), experts.w_down.data_ptr(), experts.bias_address, hidden,
-            experts.intermediate, experts.act_code, threads, self.stats.ctypes.data, num_layers,
-            IDLE_SPIN_SECONDS, prepare_seconds,
+            *experts.expert_args, hidden, experts.intermediate, experts.act_code, threads,
+            self.stats.ctypes.data, num_layers, IDLE_SPIN_SECONDS, prepare_seconds,
         )  # fmt: skip
         if not self._handle:
             raise RuntimeError("could not start the CPU doorbell's listener thread")
