@@ -18,9 +18,9 @@ from freetoken.kernels import native
 from freetoken.kernels.cpu_experts import (
     NativeCPUExperts,
     decode_expert,
-    expert_library,
     torch_cpu_experts,
 )
+from freetoken.kernels.cpu_team import library
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.weights.expert_format import (
     MXFP4,
@@ -446,7 +446,7 @@ def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
     """The AVX2 decoders (-mno-avx512f) and the scalar ones (-mno-avx), built by
     FREETOKEN_NATIVE_FLAGS, hold the same equalities."""
     flag_set = cpu_flags()
-    bits = expert_library().ft_cpu_experts_decoder_bits()
+    bits = library().ft_cpu_experts_decoder_bits()
     want = 0 if flags == "-mno-avx" else 256
     if want == 256 and not {"avx2", "f16c"} <= flag_set:
         want = 0
@@ -455,8 +455,8 @@ def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
     env = dict(os.environ, **{native.FLAGS_ENV: flags})
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
-        "from freetoken.kernels.cpu_experts import expert_library; "
-        "print(expert_library().ft_cpu_experts_decoder_bits()); t.check_every_format()"
+        "from freetoken.kernels.cpu_team import library; "
+        "print(library().ft_cpu_experts_decoder_bits()); t.check_every_format()"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, str(Path(__file__).parent)],

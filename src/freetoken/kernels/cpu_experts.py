@@ -13,8 +13,6 @@ the job on their dequantized banks bit for bit, and reads only the quantized byt
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 
@@ -24,38 +22,6 @@ from freetoken.kernels.grouped_experts import reference_grouped_experts
 from freetoken.weights.expert_format import QuantizedBank
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
-_P, _I64, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-# The experts' arguments of both entry points: fmt, then per projection (gate_up, down) its
-# weights, scales, per-row scales and fp8 block (rows, cols), then the bias bank.
-_EXPERT_ARGS = [_INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
-# seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
-# threads, stats, layers, idle_spin, prepare
-_LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, *_EXPERT_ARGS, _I64, _I64, _INT,
-                  _INT, _P, _I64, _D, _D]  # fmt: skip
-# The entry points that take experts, declared here beside the arguments they are given (over
-# kernels/cpu_team.py's SIGNATURES, whose entries for the first two predate the expert formats).
-SIGNATURES = {
-    # dtype, experts, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w, out,
-    # act, threads, experts (out)
-    "ft_cpu_experts_submit": (
-        [_INT, *_EXPERT_ARGS, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
-        ctypes.c_uint64,
-    ),
-    "ft_listener_start": (_LISTENER_ARGS, _P),
-    # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out
-    "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
-    "ft_cpu_experts_decoder_bits": ([], _INT),
-}
-
-
-def expert_library():
-    """The native library with the expert entry points declared, or None."""
-    lib = library()
-    if lib is not None:
-        for name, (args, result) in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-    return lib
 
 
 def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
@@ -157,7 +123,7 @@ class NativeCPUExperts:
             or _projection(w_down, h, i, dtype) is None
         ):
             return None
-        lib = expert_library()
+        lib = library()
         if lib is None:
             return None
         lib.ft_cpu_experts_set_spin(spin_seconds)
@@ -207,7 +173,7 @@ def decode_expert(bank: QuantizedBank, pair: int, dtype: torch.dtype) -> torch.T
     tests against `bank.dequantize`, the definition)."""
     _, rows, cols = bank.shape
     parts = _projection(bank, rows, cols, dtype)
-    lib = expert_library()
+    lib = library()
     if parts is None or lib is None or dtype not in _DTYPES:
         raise ValueError("the native kernel cannot decode this bank here")
     w, s, g, block_rows, block_cols = parts

@@ -12,16 +12,24 @@ from freetoken.kernels import native
 
 _P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                ctypes.c_double, ctypes.c_uint64)  # fmt: skip
-# (too long for one line of SIGNATURES)
-LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, _P, _P, _P, _I64, _I64, _INT,
+# The experts' arguments of the entry points that take them: fmt (weights/expert_format.py's
+# kernel code), then per projection (gate_up, down) its weights, scales, per-row scales and fp8
+# block (rows, cols), then the gate/up bias bank (or NULL).
+EXPERT_ARGS = [_INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
+# seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
+# threads, stats, layers, idle_spin, prepare
+LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, *EXPERT_ARGS, _I64, _I64, _INT,
                  _INT, _P, _I64, _D, _D]  # fmt: skip
 SIGNATURES = {
-    # dtype, w_gate_up, w_down, b_gate_up (or NULL), H, I, x, x_bf16, n_rows, n_routes,
-    # route_row, route_pair, route_w, out, act, threads, experts (out)
+    # dtype, experts, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w, out,
+    # act, threads, experts (out)
     "ft_cpu_experts_submit": (
-        [_INT, _P, _P, _P, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
+        [_INT, *EXPERT_ARGS, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
         _U64,
     ),
+    # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert row decoded
+    "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
+    "ft_cpu_experts_decoder_bits": ([], _INT),  # the decoders' vector width (tests)
     # dtype, w, bias, N, H, x, x_bf16, T, out, threads
     "ft_cpu_linear_submit": ([_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _INT], _U64),
     # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
@@ -30,8 +38,6 @@ SIGNATURES = {
         [_INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _INT],
         _U64,
     ),
-    # seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, w_gate_up, w_down,
-    # b_gate_up (or NULL), H, I, act, threads, stats, layers, idle_spin, prepare
     "ft_listener_start": (LISTENER_ARGS, _P),
     "ft_listener_stop": ([_P], None),
     "ft_cpu_experts_wait": ([_U64], _D),
