@@ -171,9 +171,9 @@ def write_variants(src, tmp_path, variants: dict) -> tuple:
     return tuple(out)
 
 
-def logits(path, moe: MoEOptions | None = None) -> torch.Tensor:
-    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=128, page_size=8,
-                         moe=moe)  # fmt: skip
+def logits(path, moe: MoEOptions | None = None, **load) -> torch.Tensor:
+    runner = ModelRunner(load_model(path, dtype="float32", **load), kv_cache_tokens=128,
+                         page_size=8, moe=moe)  # fmt: skip
     seq = runner.new_sequence()
     ids = list(range(3, 30))
     out = [runner.forward([seq], [ids], all_logits=True)]
@@ -266,8 +266,11 @@ def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_quantized_
     assert b.experts.format == a.experts.format and b.experts.format.name == fmt
     for name, bank in a.experts.named_banks.items():
         assert torch.equal(bank, b.experts.named_banks[name]), name
-    # the quantized experts compute with their defined values: the dequantized model exactly
-    assert torch.equal(logits(converted), logits(plain))
+    # the quantized experts compute with their defined values: the model dequantized at load
+    # exactly (and the test's own decoding of the weights within rounding: it multiplies
+    # NVFP4's two scales first)
+    assert torch.equal(logits(converted), logits(quantized, dequantize_experts=True))
+    assert (logits(converted) - logits(plain)).abs().max().item() < 1e-5
 
 
 def test_loading_says_what_was_kept_quantized_and_what_it_takes(source, tmp_path, caplog):
@@ -289,9 +292,15 @@ def test_dequantize_experts_holds_them_in_the_model_dtype_with_the_same_logits(
     quantized, plain = quantized_pair(source[0], tmp_path, fmt)
     loaded = load_model(quantized, dtype="float32", dequantize_experts=True)
     assert not loaded.experts.format.quantized and loaded.experts.w_gate_up.dtype == torch.float32
+    # the weights the kernels compute with when the experts are kept quantized
+    kept = load_model(quantized, dtype="float32").experts.weights
+    every = slice(None)
+    assert torch.equal(loaded.experts.w_gate_up, kept.gate_up.dequantize(every, torch.float32))
+    assert torch.equal(loaded.experts.w_down, kept.down.dequantize(every, torch.float32))
+    # (and the test's own decoding of them, within rounding: NVFP4's scales multiply first)
     dense = load_model(plain, dtype="float32").experts
-    for name, bank in dense.named_banks.items():
-        assert torch.equal(loaded.experts.named_banks[name], bank), name
+    assert torch.allclose(loaded.experts.w_gate_up, dense.w_gate_up, rtol=1e-6, atol=0)
+    assert (logits(quantized, dequantize_experts=True) - logits(plain)).abs().max() < 1e-5
 
 
 def test_the_memory_check_counts_experts_kept_quantized_at_their_stored_size(source, tmp_path):

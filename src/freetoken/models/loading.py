@@ -164,7 +164,8 @@ def expert_storage(
             fmt = DENSE
             why = f"{blocks}-row scale blocks straddle the gate and up projections (I = {i})"
     if why is not None:
-        log.warning("routed experts stored %s are dequantized at load: %s", formats[0], why)
+        say = log.info if dequantize else log.warning
+        say("routed experts stored %s are dequantized at load: %s", formats[0], why)
         return DENSE, frozenset()
     return fmt, frozenset(experts)
 
