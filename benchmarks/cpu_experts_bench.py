@@ -78,7 +78,7 @@ def measure_kernel(kernel, shape: ExpertShape, n: int, batch: int, seconds: floa
 def formats_table(args) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     pool_bytes = int(args.pool_gib * 2**30)
-    h, i = QWEN3_30B_EXPERT.hidden, QWEN3_30B_EXPERT.intermediate
+    h, i = args.hidden, args.intermediate
     # dense bf16 first: every row is set beside it. Quantized banks are the same bytes whatever
     # the model's dtype: one pool per format.
     runs = [("dense", "bfloat16")] + [
@@ -186,6 +186,11 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                     choices=["bfloat16", "float32"], help="the model's dtype")  # fmt: skip
     ap.add_argument("--batch", type=int, default=8, help="experts per job")
+    ap.add_argument("--hidden", type=int, default=QWEN3_30B_EXPERT.hidden,
+                    help="formats table: the experts' hidden size (default Qwen3-30B-A3B's; "
+                    "gpt-oss-20b: 2880)")  # fmt: skip
+    ap.add_argument("--intermediate", type=int, default=QWEN3_30B_EXPERT.intermediate,
+                    help="formats table: the experts' width (gpt-oss-20b: 2880)")  # fmt: skip
     ap.add_argument("--pool-gib", type=float, default=2.0, help="per format")
     ap.add_argument("--rounds", type=int, default=5, help="of each format, taken in turns")
     ap.add_argument("--out", type=Path)
@@ -197,7 +202,8 @@ def main() -> int:
         sections += [*split_table(args), ""]
     text = "\n".join(
         [
-            "# CPU expert kernel: bandwidth by format and thread count (Qwen3-30B-A3B experts)",
+            f"# CPU expert kernel: bandwidth by format and thread count (H {args.hidden}, "
+            f"I {args.intermediate} experts)",
             "",
             f"- CPU: {cpu_model()}; {os.cpu_count()} logical CPUs; torch {torch.__version__}",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

@@ -46,7 +46,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n] of two e2m1 codes each (the low nibble first) -> fp32 [..., 2n]."""
     if packed.dtype != torch.uint8:
         raise CheckpointError(f"packed FP4 values must be uint8, not {packed.dtype}")
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).to(torch.int32)
     return table[codes].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
