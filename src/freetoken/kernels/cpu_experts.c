@@ -112,6 +112,17 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
         a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 96),
                               (__m512bh)_mm512_loadu_si512(x + k + 96));
     }
+    /* The rest 32 values a step into a0, the last (< 32) by masked loads: a scalar tail of
+     * dependent adds took as long as the vector loop on a 2880-wide row. */
+    for (; k + 32 <= n; k += 32)
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k),
+                              (__m512bh)_mm512_loadu_si512(x + k));
+    if (k < n) {
+        const __mmask32 m = (__mmask32)((1ull << (n - k)) - 1);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, w + k),
+                              (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+        k = n;
+    }
     s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 #endif
     for (; k < n; k++) s += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
@@ -264,7 +275,9 @@ __attribute__((unused)) static void nvfp4_blocks_scalar(const uint8_t *w, const 
  * on the lines of each row (a few hundred bytes to a few KiB of codes, and their scales apart:
  * too short a stream for the hardware's prefetchers): 60-80% of this speed on the 2-core CPU,
  * with the rows in L3 as from DRAM. */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
+#endif
 #define PREFETCH(p) __builtin_prefetch((const char *)(p), 0, 3)
 
 /* fp8 x s by the f16 route: e4m3 bits placed as an f16's (sign << 15 | (byte & 0x7f) << 7,
@@ -663,12 +676,32 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
         }
     }
 #undef QDOT_STEP
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    /* The rest as dot_bf16_bf16 takes it: 32 values a step into a0, the last (< 32) decoded
+     * into `tail` and read by masked loads. (32-value steps never straddle an fp8 block: its
+     * columns are a multiple of 128 here.) */
+    if (q->fmt == FMT_MXFP4) {
+        for (; k + 32 <= K; k += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+    } else if (q->fmt == FMT_NVFP4) {
+        const int tiny = nvfp4_tiny(q->g);
+        for (; k + 32 <= K; k += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)nv_bf16(q->w + k / 2, q->s8 + k / 16, 1, q->g, tiny),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+    } else {
+        for (; k + 32 <= K; k += 32) {
+            const fp8_scale_t f = fp8_scale(q->s32[k / q->bk]);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)fp8_bf16(q->w + k, &f),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+        }
+    }
     if (k < K) {
         decode_range(q, k, K, 1, tail);
-        for (int64_t i = 0; k + i < K; i++) s += bf16_to_f32(tail[i]) * bf16_to_f32(x[k + i]);
+        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, tail),
+                              (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
     }
-    return s;
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #endif
 
@@ -1259,10 +1292,13 @@ static int by_pair_then_index(const void *a, const void *b) {
  * as many for quantized ones (whose rows are 2-4x shorter in bytes: an item's first rows wait
  * for the hardware's prefetchers to catch on, and ROW_BLOCK rows of a quantized format ran at
  * 75-85% of the speed of 4x as many on the 2-core CPU), but no fewer than 8 items a thread. */
+#ifndef QUANTIZED_ITEM_TIMES
+#define QUANTIZED_ITEM_TIMES 4
+#endif
 static int64_t item_rows(const job_t *j, int64_t rows) {
     if (j->fmt == FMT_DENSE) return ROW_BLOCK;
     int64_t times = rows / (ROW_BLOCK * 8 * (j->workers + 1));
-    times = times < 4 ? times : 4;
+    times = times < QUANTIZED_ITEM_TIMES ? times : QUANTIZED_ITEM_TIMES;
     return ROW_BLOCK * (times > 1 ? times : 1);
 }
 
