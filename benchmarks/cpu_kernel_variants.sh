@@ -9,8 +9,8 @@ shift
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
-variants=("" "-DPREFETCH_BYTES=4096" "-DPREFETCH_BYTES=8192" "-DQUANTIZED_ITEM_TIMES=1"
-          "-DQUANTIZED_ITEM_TIMES=1 -DPREFETCH_BYTES=4096")
+variants=(${VARIANTS:-"" "-DPREFETCH_BYTES=4096" "-DPREFETCH_BYTES=8192" "-DQUANTIZED_ITEM_TIMES=1"
+          "-DQUANTIZED_ITEM_TIMES=1 -DPREFETCH_BYTES=4096"})
 for flags in "${variants[@]}"; do
   echo "== flags: ${flags:-(defaults)}"
   FREETOKEN_NATIVE_FLAGS="$flags" timeout 120 python3 benchmarks/cpu_experts_bench.py \

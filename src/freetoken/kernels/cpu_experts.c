@@ -278,7 +278,14 @@ __attribute__((unused)) static void nvfp4_blocks_scalar(const uint8_t *w, const 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
-#define PREFETCH(p) __builtin_prefetch((const char *)(p), 0, 3)
+#ifndef PREFETCH_LOCALITY /* 3: into L1 (prefetcht0); 1: into L2 (prefetcht2) */
+#define PREFETCH_LOCALITY 3
+#endif
+#if PREFETCH_BYTES > 0
+#define PREFETCH(p) __builtin_prefetch((const char *)(p), 0, PREFETCH_LOCALITY)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
 
 /* fp8 x s by the f16 route: e4m3 bits placed as an f16's (sign << 15 | (byte & 0x7f) << 7,
  * subnormals included) are the value times 2^-8, exactly. Their product with s * 2^8 is the
