@@ -302,12 +302,11 @@ static inline int fp8_fold(float s, float *mul) {
     return 0;
 }
 
-/* Whether values of a block may be fp32 subnormals, where AVX512-BF16's conversion (which
+/* Whether values of an fp8 block may be fp32 subnormals, where AVX512-BF16's conversion (which
  * flushes them) would differ from torch's: never with the scales checkpoints use, so the
- * conversion's check is made only where they are this small. fp8: the least nonzero e4m3 is
- * 2^-9; nvfp4 (per row): 0.5 x 2^-9 x g. */
+ * conversion's check is made only where they are this small (the least nonzero e4m3 is 2^-9).
+ * nvfp4's tables are built with the check always on. */
 static inline int fp8_tiny(float s) { return !(fabsf(s) >= 0x1p-116f); }
-static inline int nvfp4_tiny(float g) { return !(fabsf(g) >= 0x1p-110f); }
 
 #if FT_AVX512
 /* lo[j], hi[j] -> values 2j, 2j + 1 */
@@ -446,9 +445,44 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
     *tb = two ? _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[s[1]])), vg) : *ta;
 }
 
-static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two, float g, int tiny) {
-    __m512 ta, tb;
-    nv_tables(s, two, g, &ta, &tb);
+/* nvfp4 in bf16: the 16 codes' values for each of the 256 e4m3 scales, for one per-row scale g
+ * (a checkpoint's g is its tensor's: every row of a projection shares it), built once and kept
+ * in a few per-thread entries, so a block's decoding is a lookup as mxfp4's is, where computing
+ * its table (two products and a rounding per 16 values) halved the kernel's speed. */
+typedef struct {
+    uint16_t t[256][16] __attribute__((aligned(64)));
+    uint32_t key;
+    int used;
+} nv_table_t;
+#define NV_TABLES 4
+static _Thread_local nv_table_t nv_cache[NV_TABLES];
+static _Thread_local unsigned nv_next;
+
+static const uint16_t (*nv_table(float g))[16] {
+    uint32_t key;
+    memcpy(&key, &g, 4);
+    for (int i = 0; i < NV_TABLES; i++)
+        if (nv_cache[i].used && nv_cache[i].key == key) return nv_cache[i].t;
+    nv_table_t *e = &nv_cache[nv_next++ % NV_TABLES];
+    const __m512 values = _mm512_load_ps(E2M1), vg = _mm512_set1_ps(g);
+    for (int sc = 0; sc < 256; sc += 2) { /* (e2m1 * e4m3) * g, as the definition orders it */
+        const __m512 a = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc])), vg);
+        const __m512 b = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc + 1])), vg);
+        _mm512_store_si512(e->t[sc], bf16_rne32(a, b, 1)); /* (subnormals checked) */
+    }
+    e->key = key;
+    e->used = 1;
+    return e->t;
+}
+
+/* Two blocks at a time (16 bytes: 32 values), their tables side by side in one register (the
+ * fifth index bit picks the block); `two` 0: one block, in the first 16 lanes. */
+static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two,
+                              const uint16_t (*t)[16]) {
+    const __m256i ta = _mm256_load_si256((const __m256i *)t[s[0]]);
+    const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(ta),
+                                             two ? _mm256_load_si256((const __m256i *)t[s[1]]) : ta,
+                                             1);
     const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
                               : _mm_loadl_epi64((const __m128i *)w);
     const __m512i d = _mm512_cvtepu8_epi32(bytes);
@@ -456,7 +490,7 @@ static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two, float
     const __m512i index = _mm512_ternarylogic_epi32(
         _mm512_or_si512(d, _mm512_slli_epi32(d, 12)), _mm512_set1_epi32(0x000f000f),
         _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
-    return _mm512_permutexvar_epi16(index, bf16_rne32(ta, tb, tiny));
+    return _mm512_permutexvar_epi16(index, table);
 }
 
 static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, __m512 *lo,
@@ -493,14 +527,14 @@ static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int
 
 static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, float g, int bf16,
                          void *out) {
-    const int tiny = nvfp4_tiny(g);
+    const uint16_t(*table)[16] = bf16 ? nv_table(g) : NULL;
     for (int64_t b = 0; b < blocks; b += 2) {
         const int two = b + 1 < blocks;
         PREFETCH(w + 8 * b + PREFETCH_BYTES);
         PREFETCH(s + b + PREFETCH_BYTES / 8);
         if (bf16) {
             _mm512_mask_storeu_epi16((uint16_t *)out + 16 * b, two ? 0xffffffffu : 0xffffu,
-                                     nv_bf16(w + 8 * b, s + b, two, g, tiny));
+                                     nv_bf16(w + 8 * b, s + b, two, table));
         } else {
             __m512 lo, hi;
             nv_f32(w + 8 * b, s + b, two, g, &lo, &hi);
@@ -662,13 +696,13 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
                       mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
         }
     } else if (q->fmt == FMT_NVFP4) {
-        const int tiny = nvfp4_tiny(q->g);
+        const uint16_t(*t)[16] = nv_table(q->g);
         for (; k + 128 <= K; k += 128) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
             PREFETCH(w + PREFETCH_BYTES);
             PREFETCH(s + PREFETCH_BYTES / 8);
-            QDOT_STEP(nv_bf16(w, s, 1, q->g, tiny), nv_bf16(w + 16, s + 2, 1, q->g, tiny),
-                      nv_bf16(w + 32, s + 4, 1, q->g, tiny), nv_bf16(w + 48, s + 6, 1, q->g, tiny));
+            QDOT_STEP(nv_bf16(w, s, 1, t), nv_bf16(w + 16, s + 2, 1, t),
+                      nv_bf16(w + 32, s + 4, 1, t), nv_bf16(w + 48, s + 6, 1, t));
         }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
         for (int64_t b = 0; k + 128 <= K; b++) {
@@ -691,9 +725,9 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else if (q->fmt == FMT_NVFP4) {
-        const int tiny = nvfp4_tiny(q->g);
+        const uint16_t(*t)[16] = nv_table(q->g);
         for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)nv_bf16(q->w + k / 2, q->s8 + k / 16, 1, q->g, tiny),
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)nv_bf16(q->w + k / 2, q->s8 + k / 16, 1, t),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
         for (; k + 32 <= K; k += 32) {
