@@ -273,6 +273,24 @@ def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_quantized_
     assert (logits(converted) - logits(plain)).abs().max().item() < 1e-5
 
 
+def test_a_weight_directory_of_quantized_experts_serves_them_dequantized_on_request(
+    source, tmp_path
+):
+    from freetoken.models.loading import convert_checkpoint
+
+    quantized, _ = quantized_pair(source[0], tmp_path, "mxfp4")
+    converted = convert_checkpoint(quantized, tmp_path / "converted")
+    want = load_model(quantized, dtype="float32", dequantize_experts=True).experts
+    got = load_model(converted, dequantize_experts=True).experts
+    assert not got.format.quantized
+    for name, bank in want.named_banks.items():
+        assert torch.equal(got.named_banks[name], bank), name
+    # or converted so: a dense weight directory
+    dense = convert_checkpoint(quantized, tmp_path / "dense", dequantize_experts=True)
+    assert not load_model(dense).experts.format.quantized
+    assert torch.equal(logits(dense), logits(converted))
+
+
 def test_loading_says_what_was_kept_quantized_and_what_it_takes(source, tmp_path, caplog):
     quantized, _ = quantized_pair(source[0], tmp_path, "fp8")
     with caplog.at_level("INFO", logger="freetoken.models.loading"):

@@ -23,15 +23,19 @@ def expert_shape(args: argparse.Namespace) -> ExpertShape:
         cfg = family.parse_config(ckpt.config)
         if cfg.moe is None:
             raise SystemExit(f"error: {args.model} is not a MoE model")
+        if args.expert_format is not None:
+            raise SystemExit(
+                "error: --expert-format is for the default shape; with --model the experts are "
+                "profiled as the engine holds them (--dequantize-experts: dense)"
+            )
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
-        fmt, _ = expert_storage(ckpt, family, cfg)  # (as the engine will hold them)
+        fmt, _ = expert_storage(ckpt, family, cfg, args.dequantize_experts)  # (as served)
         return ExpertShape(
             cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias, fmt
         )
     dtype = resolve_dtype(args.dtype, "bfloat16")
-    return ExpertShape(
-        args.hidden, args.intermediate, dtype, format=expert_format(args.expert_format)
-    )
+    fmt = expert_format(args.expert_format or "dense")
+    return ExpertShape(args.hidden, args.intermediate, dtype, format=fmt)
 
 
 def gbps(value: float | None) -> str:

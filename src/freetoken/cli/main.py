@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from freetoken.cli import launch
-from freetoken.config import STRATEGIES, EngineConfig, MoEOptions, ServerConfig
+from freetoken.config import EXPERT_FORMATS, STRATEGIES, EngineConfig, MoEOptions, ServerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", type=Path, help="a Hugging Face safetensors checkpoint directory")
     convert.add_argument("dst", type=Path, help="the weight directory to write (new or empty)")
     convert.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    convert.add_argument(
+        "--dequantize-experts",
+        action="store_true",
+        help="write a quantized checkpoint's routed experts dequantized to --dtype (default: "
+        "kept quantized, as the engine holds them)",
+    )
     convert.set_defaults(func="freetoken.cli.checkpoint:convert")
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -242,9 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--dtype", default="auto", help="model dtype (default: bfloat16)")
     bw.add_argument(
         "--expert-format",
-        default="dense",
-        choices=("dense", "fp8", "mxfp4", "nvfp4"),
-        help="how experts are stored (no --model; default dense: in --dtype)",
+        choices=EXPERT_FORMATS,
+        help="how experts are stored (without --model; default dense: in --dtype)",
+    )
+    bw.add_argument(
+        "--dequantize-experts",
+        action="store_true",
+        help="--model: profile its experts dequantized, as `--dequantize-experts` serves them",
     )
     bw.add_argument("--device", help="cuda | cpu (default: cuda when available)")
     bw.add_argument("--seconds", type=float, default=2.0, help="time per measurement")

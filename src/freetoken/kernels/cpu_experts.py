@@ -37,21 +37,11 @@ def _projection(bank, rows: int, cols: int, dtype: torch.dtype) -> tuple | None:
         if bank.dtype != dtype or tuple(bank.shape[1:]) != (rows, cols):
             return None
         return bank, None, None, 0, 0
-    fmt = bank.format
-    if tuple(bank.shape[1:]) != (rows, cols) or (fmt.pack > 1 and cols % fmt.col_block):
+    if tuple(bank.shape[1:]) != (rows, cols) or bank.mismatch(dtype) is not None:
         return None
-    pairs = bank.w.shape[0]
-    parts = fmt.parts(rows, cols, dtype).items()
-    want = {name: ((pairs, *shape), part_dtype) for name, (shape, part_dtype) in parts}
-    got = {"w": bank.w, "s": bank.s, "g": bank.g}
-    for name, part in got.items():
-        if (part is None) != (name not in want):
-            return None
-        if part is not None and (
-            (tuple(part.shape), part.dtype) != want[name] or not part.is_contiguous()
-        ):
-            return None
-    return bank.w, bank.s, bank.g, fmt.row_block, fmt.col_block
+    if not all(part.is_contiguous() for part in bank.tensors):
+        return None
+    return bank.w, bank.s, bank.g, bank.format.row_block, bank.format.col_block
 
 
 class NativeCPUExperts:
@@ -134,11 +124,6 @@ class NativeCPUExperts:
     ) -> torch.Tensor:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
         return self.submit(x, rows, pairs, weights).result()
-
-    @property
-    def bias_address(self) -> int | None:
-        """The bias bank's address for the C side (None: NULL, no biases)."""
-        return None if self.b_gate_up is None else self.b_gate_up.data_ptr()
 
     def prepare(self, seconds: float) -> None:
         """Wake the team ahead of a job expected within `seconds` (see the C source)."""

@@ -86,15 +86,16 @@ LAUNCH_NAMES = (
 )  # fmt: skip
 # Quantized banks: the same kernels, launched with their own parameters (a weight is 1 byte in
 # fp8 and half a byte in fp4, and decoding costs ALU work per weight: about 8 instructions a
-# weight in the fp4 loops, 9 in fp8's, against 7 for bf16, from the sm_90 SASS). Not yet
-# measured on the GPU: starting points for the H200 sweep (`benchmarks/grouped_experts_bench.py
-# --sweep`), chosen from the compiled code. They keep a thread's weight loads at 8 bytes a
-# projection and step, as bf16's gate/up, and below the sizes at which Triton keeps a load in
-# its own coalesced layout (a load of at least as many elements as the program has threads):
-# BLOCK_K < 32 x warps (x) and, for fp4, BLOCK_N x BLOCK_K / 32 < 32 x warps (the scales), or x
-# and the scales cross shared memory every step, behind a barrier. FP8 BLOCK_K stays at most the
-# checkpoints' 128-column scale blocks (one scale per row and tile); fp4 BLOCK_K must be a
-# multiple of 32.
+# weight in the fp4 loops, 9 in fp8's, against 7 for bf16, from the sm_90 SASS). Chosen from
+# the compiled code and not yet swept (`benchmarks/grouped_experts_bench.py --sweep`): on the
+# H200 they ran at 0.84-1.37x bf16's time per layer, bound by the decoding
+# (benchmarks/results/2026-12-02-quantized-experts-h200.md). They keep a thread's weight loads
+# at 8 bytes a projection and step, as bf16's gate/up, and below the sizes at which Triton keeps
+# a load in its own coalesced layout (a load of at least as many elements as the program has
+# threads): BLOCK_K < 32 x warps (x) and, for fp4, BLOCK_N x BLOCK_K / 32 < 32 x warps (the
+# scales), or x and the scales cross shared memory every step, behind a barrier. FP8 BLOCK_K
+# stays at most the checkpoints' 128-column scale blocks (one scale per row and tile); fp4
+# BLOCK_K must be a multiple of 32.
 QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "fp8": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
             "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
@@ -294,6 +295,7 @@ def _grouped_mm_quantized(rows: Tensor, bank: QuantizedBank, counts: Tensor) -> 
     used_counts = counts[used]
     starts = [0, *used_counts.cumsum(0).tolist()]
     per = max(1, DEQUANTIZED_WINDOW_BYTES // (n * kdim * rows.element_size()))
+    per = min(per, GROUPED_MM_MAX_GROUPS)
     out = rows.new_empty(rows.shape[0], n)
     for first in range(0, len(used), per):
         last = min(first + per, len(used))
@@ -767,14 +769,11 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
     fmt, w, s, g = bank.format, bank.w, bank.s, bank.g
     if w.stride(2) != 1 or s.stride(-1) != 1 or (g is not None and g.stride(1) != 1):
         raise ValueError("quantized banks' parts must be contiguous in their last dimension")
-    _, n, k = bank.shape
-    parts = fmt.parts(n, k, dtype)  # (refuses an input width the fp4 blocks cannot lay out)
+    why = bank.mismatch(dtype)  # (refuses an input width the fp4 blocks cannot lay out)
+    if why is not None:
+        raise ValueError(why)
     if fmt.pack == 2 and (w.data_ptr() % 4 or w.stride(0) % 4 or w.stride(1) % 4):
         raise ValueError("fp4 codes are read as 4-byte words: rows must start 4-byte aligned")
-    g_ok = g is None if "g" not in parts else g is not None and tuple(g.shape[1:]) == (n,)
-    if tuple(s.shape[1:]) != parts["s"][0] or s.dtype != parts["s"][1] or not g_ok:
-        raise ValueError(f"the scales of a {fmt.name} bank of shape {bank.shape} must be "
-                         f"{parts['s']} (and per-row scales [S, {n}] for nvfp4)")  # fmt: skip
     args = [w, s, w if g is None else g, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
             0 if g is None else g.stride(0)]  # fmt: skip
     consts = dict(FORMAT=fmt.code, ROW_BLOCK=fmt.row_block, COL_BLOCK=fmt.col_block,

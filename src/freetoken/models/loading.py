@@ -20,7 +20,7 @@ from freetoken.kernels import paged_attention
 from freetoken.model_config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
-from freetoken.moe.store import BANK_NAMES, HostExpertStore
+from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
 from freetoken.weights.expert_format import DENSE, ExpertFormat, bank_parts, expert_format
@@ -103,7 +103,7 @@ def load_model(
     stores quantized stay so (`expert_storage`) unless `dequantize_experts`."""
     paged_attention.import_in_background()  # (while the weights load)
     if wd.is_weight_dir(path):
-        return _load_weight_dir(Path(path), dtype, device, progress, verify)
+        return _load_weight_dir(Path(path), dtype, device, progress, verify, dequantize_experts)
     ckpt = CheckpointDir(path)
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
@@ -208,15 +208,17 @@ _SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
-                       progress: bool | None = None) -> Path:  # fmt: skip
+                       progress: bool | None = None,
+                       dequantize_experts: bool = False) -> Path:  # fmt: skip
     """Write `src` (a safetensors checkpoint) as a weight directory at `dst`: the model's
-    parameters and the host pool's banks exactly as loading holds them."""
+    parameters and the host pool's banks exactly as loading holds them (quantized experts kept
+    so unless `dequantize_experts`)."""
     src, dst = Path(src), Path(dst)
     if wd.is_weight_dir(src):
         raise CheckpointError(f"{src} is a weight directory already")
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
-    loaded = load_model(src, dtype, "cpu", progress)
+    loaded = load_model(src, dtype, "cpu", progress, dequantize_experts=dequantize_experts)
     files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
     if loaded.experts is not None:
         files[EXPERTS_FILE] = [(f"experts:{name}", bank)
@@ -240,7 +242,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     return dst
 
 
-def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> LoadedModel:
+def _load_weight_dir(
+    path: Path, dtype, device, progress, verify: bool, dequantize_experts: bool = False
+) -> LoadedModel:
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
     _, cfg = _parse(raw, path)
@@ -251,9 +255,10 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
             f"{path} holds {weights.meta.get('dtype')} weights; load it with --dtype auto, or "
             f"convert the checkpoint again with --dtype {str(want).removeprefix('torch.')}"
         )
-    _admit(path, weights.nbytes, stored)
     blocks = weights.meta.get("expert_blocks") or FP8_BLOCK
     fmt = expert_format(weights.meta.get("expert_format", "dense"), tuple(blocks))
+    dequantize = dequantize_experts and fmt.quantized and cfg.moe is not None
+    _admit(path, weights.nbytes + (_pool_bytes(cfg, stored, DENSE) if dequantize else 0), stored)
     model, store = _empty_model(cfg, stored, fmt)
     dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
     banks = []
@@ -266,12 +271,35 @@ def _load_weight_dir(path: Path, dtype, device, progress, verify: bool) -> Loade
         weights.read(dense + banks, progress=bar.update)
     weights.verify(dense)  # small: at once
     integrity = None
-    if verify:
+    if verify or dequantize:  # (what is dequantized is checked first)
         weights.verify(banks, threads=wd.io_threads())
     elif banks:
         integrity = IntegrityCheck(weights, banks)
+    if dequantize:
+        log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
+        store = _dequantized(store, cfg)
     model = model.to(device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
+
+
+def _pool_bytes(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat) -> int:
+    """Host memory of the expert pool of `cfg` in `fmt`."""
+    moe = cfg.moe
+    shape = ExpertShape(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt)
+    return cfg.num_moe_layers * moe.num_experts * shape.nbytes
+
+
+def _dequantized(store: HostExpertStore, cfg: ModelConfig) -> HostExpertStore:
+    """A dense pool of `store`'s experts, dequantized to the model's dtype layer by layer."""
+    dense = HostExpertStore(cfg, store.shape.dtype)
+    w, dtype = store.weights, store.shape.dtype
+    for layer in range(store.num_layers):
+        rows = store.layer_rows(layer)
+        dense.w_gate_up[rows] = w.gate_up.dequantize(rows, dtype)
+        dense.w_down[rows] = w.down.dequantize(rows, dtype)
+    if store.b_gate_up is not None:
+        dense.b_gate_up.copy_(store.b_gate_up)
+    return dense
 
 
 def _entries(weights: wd.WeightDir, targets: dict[str, torch.Tensor], path: Path) -> list:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from freetoken.kernels.host_copies import HostToDeviceCopier
-from freetoken.moe.store import BANK_NAMES, HostExpertStore
+from freetoken.moe.store import BanksByName, HostExpertStore
 from freetoken.weights.expert_format import ExpertWeights, expert_weights
 
 
@@ -38,7 +38,7 @@ TIME_FILLS_EVERY = 8
 ROOM_MARGIN = 512 * 2**20  # device memory a re-size leaves free beyond the new banks
 
 
-class ExpertCache:
+class ExpertCache(BanksByName):
     def __init__(
         self,
         store: HostExpertStore,
@@ -82,12 +82,6 @@ class ExpertCache:
     def named_banks(self) -> dict[str, torch.Tensor]:
         """The slots' banks by the store's names (empty once the banks were freed)."""
         return dict(zip(self.store.named_banks, self.banks or (), strict=False))
-
-    def __getattr__(self, name: str):
-        # each bank by its name (cache.w_gate_up, cache.s_down, ...), None where there is none
-        if name in BANK_NAMES:
-            return self.named_banks.get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def weights(self) -> ExpertWeights:

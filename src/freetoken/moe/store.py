@@ -21,6 +21,7 @@ the gate weights, so the MoE block adds it once after the routed sum (layers/moe
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class ExpertShape:
             rows["b_gate_up"] = ((2 * self.intermediate,), self.dtype)
         return {name: rows[name] for name in BANK_NAMES if name in rows}
 
-    @property
+    @functools.cached_property  # (read on every host-decided layer step)
     def nbytes(self) -> int:
         """Bytes of one expert (gate, up and down projections, their scales when quantized, and
         its bias row if any): what a cache slot holds and a fill moves."""
@@ -93,7 +94,20 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-class HostExpertStore:
+class BanksByName:
+    """`x.w_gate_up`, `x.s_down`, ...: each bank of `x.named_banks` by its name, None where `x`
+    has none (the host pool's, a cache's)."""
+
+    def __getattr__(self, name: str):
+        if name in BANK_NAMES:
+            try:  # (not through __getattr__ again: a half-built object has no banks yet)
+                return object.__getattribute__(self, "named_banks").get(name)
+            except AttributeError:
+                return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class HostExpertStore(BanksByName):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
         """`dtype`: the model's; `fmt`: how the experts are stored (dense: in `dtype`)."""
         assert cfg.moe is not None
@@ -109,12 +123,6 @@ class HostExpertStore:
             for name, (row, row_dtype) in self.shape.bank_rows().items()
         }
         self.pinned = False
-
-    def __getattr__(self, name: str):
-        # each bank by its name (store.w_gate_up, store.s_down, ...), None where it has none
-        if name in BANK_NAMES:
-            return self.__dict__["named_banks"].get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def format(self) -> ExpertFormat:

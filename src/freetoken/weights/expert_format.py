@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from freetoken.config import EXPERT_FORMATS
 from freetoken.weights.quantized import (
     FP8_BLOCK,
     MXFP4_BLOCK,
@@ -135,7 +136,7 @@ def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
     )
 
 
-FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
+FORMATS = EXPERT_FORMATS
 
 
 def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
@@ -186,6 +187,26 @@ class QuantizedBank:
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.w, self.s) if self.g is None else (self.w, self.s, self.g)
 
+    def mismatch(self, dtype: torch.dtype) -> str | None:
+        """What keeps the parts from being this format's for a model of `dtype` (a shape or
+        dtype the format does not lay out so, a part too many or missing), or None."""
+        count, rows, cols = self.shape
+        try:
+            want = self.format.parts(rows, cols, dtype)
+        except ValueError as e:
+            return str(e)
+        for name, part in {"w": self.w, "s": self.s, "g": self.g}.items():
+            if name not in want:
+                if part is not None:
+                    return f"a {self.format.name} bank has no {name} part"
+                continue
+            shape, part_dtype = (count, *want[name][0]), want[name][1]
+            if part is None or tuple(part.shape) != shape or part.dtype != part_dtype:
+                got = "none" if part is None else f"{tuple(part.shape)} of {part.dtype}"
+                return (f"the {name} part of a {self.format.name} bank of shape {self.shape} "
+                        f"must be {shape} of {part_dtype}, not {got}")  # fmt: skip
+        return None
+
     def dequantize(self, index, dtype: torch.dtype) -> Tensor:
         """The dense weights of experts `index` (an int, a slice or an index tensor) in `dtype`:
         what a checkpoint dequantized at load would hold for them."""
@@ -218,21 +239,20 @@ def expert_weights(banks: dict[str, Tensor], fmt: ExpertFormat) -> ExpertWeights
     return ExpertWeights(projection("gate_up"), projection("down"), banks.get("b_gate_up"))
 
 
-def dense_of(bank: Tensor | QuantizedBank, dtype: torch.dtype) -> Tensor:
-    """A bank as dense weights in `dtype` (a dense bank as it is)."""
-    if isinstance(bank, QuantizedBank):
-        return bank.dequantize(slice(None), dtype)
-    return bank
-
-
 def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> Tensor:
     """Fill a bank's part ("w", "s", "g" or a bias "b") with random values of the format at a
     weight's usual scale (~0.02, no NaN or infinity): for benchmarks and tests, whose speed
     depends on the bytes, not on the values."""
     if part == "b" or (part == "w" and not fmt.quantized):
         return bank.normal_(0, 0.02, generator=generator)
-    if part == "g":
-        return bank.fill_(2.0**-7)
+    if part == "g":  # one value per expert and half of its rows (gate's, up's), as NVFP4
+        # checkpoints hold one per tensor
+        halves = torch.empty(bank.shape[0], 2, 1).uniform_(2.0**-8, 2.0**-6, generator=generator)
+        rows = bank.view(bank.shape[0], 2, -1) if bank.shape[1] % 2 == 0 else None
+        if rows is None:
+            return bank.copy_(halves[:, :1, 0].expand_as(bank))
+        rows.copy_(halves.expand_as(rows))
+        return bank
     if part == "w":
         if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)
             bank.random_(0, 255, generator=generator)
