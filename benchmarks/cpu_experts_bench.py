@@ -26,39 +26,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import native
 from freetoken.kernels.cpu_experts import NativeCPUExperts
 from freetoken.moe.bandwidth import cpu_model, measure
-from freetoken.moe.store import ExpertShape
-from freetoken.weights.expert_format import expert_format, expert_weights, fill_random_
+from freetoken.moe.store import ExpertShape, HostExpertStore
+from freetoken.weights.expert_format import expert_format, expert_weights
 
 QWEN3_30B_EXPERT = ExpertShape(hidden=2048, intermediate=768, dtype=torch.bfloat16)
-CHUNK = 1 << 24  # random bytes generated once and repeated through a pool (fast to build)
 
 
 def gbs(v):
     return "n/a" if v is None else f"{v / 1e9:.1f}"
 
 
-def _fill(bank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """bank filled with `values` (a 1-D tensor of its dtype) repeated."""
-    flat = bank.view(-1)
-    for start in range(0, flat.numel(), values.numel()):
-        part = flat[start : start + values.numel()]
-        part.copy_(values[: part.numel()])
-    return bank
-
-
-def random_pool(shape: ExpertShape, pool_bytes: int, gen: torch.Generator) -> tuple[int, dict]:
-    """(experts, named banks) of random experts in the shape's format (`fill_random_`'s values:
-    `ft bench bw`'s), CHUNK elements of them repeated through each bank."""
-    n = max(16, pool_bytes // shape.nbytes)
-    banks = {}
-    for name, (row, dtype) in shape.bank_rows().items():
-        bank = torch.empty(n, *row, dtype=dtype)
-        chunk = torch.empty(min(CHUNK, bank.numel()), dtype=dtype)
-        banks[name] = _fill(bank, fill_random_(shape.format, name.partition("_")[0], chunk, gen))
-    return n, banks
+def random_pool(shape: ExpertShape, pool_bytes: int) -> tuple[int, dict]:
+    """(experts, named banks) of random experts in the shape's format (the host pool's
+    `fill_random_`, as `ft bench bw` draws them)."""
+    pool = HostExpertStore(shape, 1, max(16, pool_bytes // shape.nbytes))
+    pool.fill_random_()
+    return pool.num_experts, pool.named_banks
 
 
 def measure_kernel(kernel, shape: ExpertShape, n: int, batch: int, seconds: float, start: int):
@@ -76,7 +63,6 @@ def measure_kernel(kernel, shape: ExpertShape, n: int, batch: int, seconds: floa
 
 
 def formats_table(args) -> list[str]:
-    gen = torch.Generator().manual_seed(0)
     pool_bytes = int(args.pool_gib * 2**30)
     h, i = args.hidden, args.intermediate
     # dense bf16 first: every row is set beside it. Quantized banks are the same bytes whatever
@@ -91,7 +77,7 @@ def formats_table(args) -> list[str]:
         shape = ExpertShape(h, i, dtype, format=fmt)
         key = (name, dtype_name if name == "dense" else None)
         if key not in pools:
-            pools[key] = random_pool(shape, pool_bytes, gen)
+            pools[key] = random_pool(shape, pool_bytes)
         n, banks = pools[key]
         w = expert_weights(banks, fmt)
         for threads in args.threads:
@@ -180,8 +166,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--tables", nargs="+", choices=["formats", "split"],
                     default=["formats", "split"])  # fmt: skip
-    ap.add_argument("--formats", nargs="+", default=["dense", "fp8", "mxfp4", "nvfp4"],
-                    choices=["dense", "fp8", "mxfp4", "nvfp4"])  # fmt: skip
+    ap.add_argument("--formats", nargs="+", default=list(EXPERT_FORMATS),
+                    choices=EXPERT_FORMATS)  # fmt: skip
     ap.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                     choices=["bfloat16", "float32"], help="the model's dtype")  # fmt: skip

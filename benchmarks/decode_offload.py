@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from freetoken.config import MoEOptions
+from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.models.loading import LoadedModel
 from freetoken.moe.bandwidth import measure
 from freetoken.moe.store import HostExpertStore
-from freetoken.weights.expert_format import DENSE, FORMATS, ExpertFormat, expert_format
+from freetoken.weights.expert_format import DENSE, ExpertFormat, expert_format
 
 # Host phases of a layer step that the runtime times (telemetry `<name>_s`).
 HOST_PHASES = ("round_trip", "plan", "cpu_start", "fill", "policy")
@@ -162,7 +162,7 @@ def random_model(raw: dict, device: torch.device, fmt: ExpertFormat = DENSE) -> 
             else:
                 p.normal_(0, 0.02)
     model.reset_rotary()
-    store = HostExpertStore(cfg, torch.bfloat16, fmt)
+    store = HostExpertStore.for_model(cfg, torch.bfloat16, fmt)
     # Random experts, a block of them repeated (the decode speed depends on the bytes moved,
     # not on their values; routing comes from the random router).
     store.fill_random_()
@@ -387,7 +387,7 @@ def main() -> int:
     ap.add_argument(
         "--expert-format",
         default="dense",
-        choices=FORMATS,
+        choices=EXPERT_FORMATS,
         help="how the experts are stored: dense (bf16), or kept quantized (fp8 in 128x128 "
         "blocks, mxfp4, nvfp4)",
     )

@@ -26,29 +26,25 @@ from pathlib import Path
 
 import torch
 
+from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels.expert_fill import HostRows, fill_experts, fill_table, launch_fill
-from freetoken.model_config import decoder_config, routed_experts
 from freetoken.moe.cache import ExpertCache
-from freetoken.moe.store import HostExpertStore
+from freetoken.moe.store import ExpertShape, HostExpertStore
 from freetoken.weights.expert_format import expert_format
 
-FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
-MODELS = {  # hidden, intermediate, top-k, biased experts
-    "qwen3-30b-a3b": (2048, 768, 8, False),
-    "gpt-oss-20b": (2880, 2880, 4, True),
+MODELS = {  # hidden, intermediate, biased experts
+    "qwen3-30b-a3b": (2048, 768, False),
+    "gpt-oss-20b": (2880, 2880, True),
 }
-TINY = {"qwen3-30b-a3b": (64, 32, 2, False), "gpt-oss-20b": (96, 64, 2, True)}
+TINY = {"qwen3-30b-a3b": (64, 32, False), "gpt-oss-20b": (96, 64, True)}
 ENTRIES = 16  # R: the entries of a fill as a decode graph launches it
 DISTINCT = 16  # experts of random bytes, repeated over the pool (drawing GBs takes minutes)
 
 
 def store_of(model: str, fmt_name: str, experts: int, tiny: bool) -> HostExpertStore:
-    hidden, inter, top_k, bias = (TINY if tiny else MODELS)[model]
-    raw = {"architectures": ["Bench"], "hidden_size": hidden, "num_attention_heads": 32,
-           "num_hidden_layers": 1, "vocab_size": 10, "num_experts": experts,
-           "num_experts_per_tok": top_k, "moe_intermediate_size": inter}  # fmt: skip
-    cfg = decoder_config(raw, "bench", moe=routed_experts(raw, expert_bias=bias))
-    store = HostExpertStore(cfg, torch.bfloat16, expert_format(fmt_name))
+    hidden, inter, bias = (TINY if tiny else MODELS)[model]
+    shape = ExpertShape(hidden, inter, torch.bfloat16, bias, expert_format(fmt_name))
+    store = HostExpertStore(shape, 1, experts)
     gen = torch.Generator().manual_seed(0)
     for bank in store.banks:  # random bytes: the copy moves bytes, whatever they mean
         rows = bank.view(torch.uint8).view(bank.shape[0], -1)
@@ -141,7 +137,7 @@ def fill_figures(cache, store, banks, count: int, args, gen) -> list[float | Non
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--format", default="all", choices=["all", *FORMATS])
+    ap.add_argument("--format", default="all", choices=["all", *EXPERT_FORMATS])
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=["all", *MODELS])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--slots", type=int, default=64)
@@ -155,7 +151,7 @@ def main() -> int:
     if args.tiny:
         args.experts, args.slots = min(args.experts, 24), min(args.slots, 8)
     device = torch.device(args.device)
-    formats = FORMATS if args.format == "all" else (args.format,)
+    formats = EXPERT_FORMATS if args.format == "all" else (args.format,)
     models = list(MODELS) if args.model == "all" else [args.model]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     lines = [

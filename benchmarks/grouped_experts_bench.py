@@ -37,12 +37,12 @@ from collections.abc import Callable
 
 import torch
 
+from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import grouped_experts as ge
 from freetoken.weights.expert_format import QuantizedBank, expert_format
 
 MODELS = {"gpt-oss-20b": (2880, 2880, 4), "qwen3-30b-a3b": (2048, 768, 8)}  # H, I, top-k
 TINY_MODELS = {"gpt-oss-20b": (96, 64, 2), "qwen3-30b-a3b": (64, 32, 4)}  # (--tiny)
-FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
 DTYPE = torch.bfloat16
 POOL_BYTES = 1 << 30  # pool of bf16 experts per shape, ~20x the H200's 50 MB L2
 SLOT_SETS = 16  # calls rotate through these routings
@@ -298,7 +298,7 @@ def sweep(shape: Shape, fmt_name: str, banks, x, gen, batches=(1, 4)) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--format", default="all", choices=["all", *FORMATS],
+    parser.add_argument("--format", default="all", choices=["all", *EXPERT_FORMATS],
                         help="expert format (bf16 is always timed beside it)")  # fmt: skip
     parser.add_argument("--model", default="all", choices=["all", *MODELS])
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters")
@@ -317,7 +317,7 @@ def main() -> None:
         SLOT_SETS = 2
     if not ge.triton_available() or (DEVICE == "cuda" and not torch.cuda.is_available()):
         raise SystemExit("needs CUDA and triton")
-    formats = FORMATS if args.format == "all" else ("dense", args.format)
+    formats = EXPERT_FORMATS if args.format == "all" else ("dense", args.format)
     formats = tuple(dict.fromkeys(formats))
     models = list(MODELS) if args.model == "all" else [args.model]
 

@@ -12,16 +12,12 @@ left as it was.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from freetoken.kernels.expert_fill import HostRows, block_bytes, fill_experts
+from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(
@@ -179,20 +175,7 @@ INTERPRETER_CASES = ["quantized_pool", "host_rows", "all_to_the_sink", "long_row
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, bool]:
-    tests_dir = Path(__file__).resolve().parent
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); "
-        "import test_expert_fill as m; print(json.dumps(m._interpreter_cases()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tests_dir)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("test_expert_fill", "_interpreter_cases", timeout=300)
 
 
 @needs_triton

@@ -40,9 +40,7 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
         parts = q.QuantizedParts("mxfp4", blocks, scales.view(torch.float8_e8m0fnu))
         return parts, q.dequantize_mxfp4(blocks, scales)
     packed = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=GEN)
-    block = (torch.rand(*lead, rows, cols // 16, generator=GEN) * 4 + 0.1).to(
-        torch.float8_e4m3fn
-    )
+    block = (torch.rand(*lead, rows, cols // 16, generator=GEN) * 4 + 0.1).to(torch.float8_e4m3fn)
     g = torch.tensor(0.37)
     parts = q.QuantizedParts("nvfp4", packed, block, g)
     return parts, q.dequantize_nvfp4(packed, block, g)

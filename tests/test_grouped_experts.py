@@ -13,11 +13,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +25,7 @@ from freetoken.kernels.grouped_experts import (
     reference_grouped_experts,
 )
 from freetoken.weights.expert_format import MXFP4, NVFP4, QuantizedBank, fp8_format
+from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(
@@ -501,21 +497,7 @@ for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4"):
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, float]:
-    tests_dir = Path(__file__).resolve().parent
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); "
-        "import test_grouped_experts as m; print(json.dumps(m._interpreter_cases()))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tests_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("test_grouped_experts", "_interpreter_cases", timeout=300)
 
 
 INTERPRETER_CASES = [

@@ -117,16 +117,9 @@ def test_bad_strategy_is_rejected():
 def tiny_store(
     num_layers=2, num_experts=4, hidden=8, inter=4, dtype=torch.float32, expert_bias=False
 ):
-    from freetoken.model_config import decoder_config, routed_experts
-    from freetoken.moe.store import HostExpertStore
+    from freetoken.moe.store import ExpertShape, HostExpertStore
 
-    raw = {
-        "architectures": ["Tiny"], "hidden_size": hidden, "num_attention_heads": 1,
-        "num_hidden_layers": num_layers, "vocab_size": 10, "num_experts": num_experts,
-        "num_experts_per_tok": 1, "moe_intermediate_size": inter,
-    }  # fmt: skip
-    moe = routed_experts(raw, expert_bias=expert_bias)
-    store = HostExpertStore(decoder_config(raw, "tiny", moe=moe), dtype)
+    store = HostExpertStore(ExpertShape(hidden, inter, dtype, expert_bias), num_layers, num_experts)
     gen = torch.Generator().manual_seed(0)
     for bank in store.banks:
         bank.copy_(torch.randn(bank.shape, generator=gen))

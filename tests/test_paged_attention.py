@@ -12,13 +12,8 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +21,7 @@ import torch
 from freetoken.kernels.paged_attention import paged_attention_torch
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import KVSequence, PagedKVCache
+from interpreted import run_interpreted
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
@@ -203,20 +199,7 @@ def _decode_cases(device: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, float]:
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); "
-        "import test_paged_attention as m; print(json.dumps(m._decode_cases('cpu')))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("test_paged_attention", "_decode_cases", "cpu")
 
 
 @needs_triton

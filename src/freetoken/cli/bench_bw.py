@@ -30,9 +30,7 @@ def expert_shape(args: argparse.Namespace) -> ExpertShape:
             )
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
         fmt, _ = expert_storage(ckpt, family, cfg, args.dequantize_experts)  # (as served)
-        return ExpertShape(
-            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias, fmt
-        )
+        return ExpertShape.of(cfg, dtype, fmt)
     dtype = resolve_dtype(args.dtype, "bfloat16")
     fmt = expert_format(args.expert_format or "dense")
     return ExpertShape(args.hidden, args.intermediate, dtype, format=fmt)

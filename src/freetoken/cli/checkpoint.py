@@ -14,8 +14,9 @@ def convert(args: argparse.Namespace) -> int:
     from freetoken.weights.weight_dir import WeightDir
 
     start = time.perf_counter()
-    dst = convert_checkpoint(args.src, args.dst, args.dtype,
-                             dequantize_experts=args.dequantize_experts)
+    dst = convert_checkpoint(
+        args.src, args.dst, args.dtype, dequantize_experts=args.dequantize_experts
+    )
     weights = WeightDir(dst)
     seconds = time.perf_counter() - start
     print(f"wrote {dst}: {gib(weights.nbytes)} of {weights.meta['dtype']} weights in "

@@ -32,42 +32,39 @@ def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
 
 def _projection(bank, rows: int, cols: int, dtype: torch.dtype) -> tuple | None:
     """A projection's (weights, scales, per-row scales, block rows, block cols) for the kernel,
-    or None where it cannot take the bank (a layout or dtype it does not read)."""
+    or None where it cannot take the bank (a layout, dtype or device it does not read)."""
     if isinstance(bank, torch.Tensor):
         if bank.dtype != dtype or tuple(bank.shape[1:]) != (rows, cols):
             return None
-        return bank, None, None, 0, 0
-    if tuple(bank.shape[1:]) != (rows, cols) or bank.mismatch(dtype) is not None:
+        parts, blocks = (bank, None, None), (0, 0)
+    else:
+        if tuple(bank.shape[1:]) != (rows, cols) or bank.mismatch(dtype) is not None:
+            return None
+        parts, blocks = (bank.w, bank.s, bank.g), (bank.format.row_block, bank.format.col_block)
+    if not all(p is None or (p.is_contiguous() and p.device.type == "cpu") for p in parts):
         return None
-    if not all(part.is_contiguous() for part in bank.tensors):
-        return None
-    return bank.w, bank.s, bank.g, bank.format.row_block, bank.format.col_block
+    return (*parts, *blocks)
 
 
 class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
     returns None when this machine cannot run it (no compiler, unsupported dtype or banks)."""
 
-    def __init__(self, lib, w_gate_up, w_down, act: str, threads: int, b_gate_up=None,
-                 dtype: torch.dtype | None = None):  # fmt: skip
+    def __init__(self, lib, w_gate_up, w_down, act: str, threads: int, b_gate_up,
+                 dtype: torch.dtype, projections: tuple[tuple, tuple]):  # fmt: skip
         self.lib = lib
         self.w_gate_up, self.w_down, self.b_gate_up = w_gate_up, w_down, b_gate_up
-        self.dtype = dtype or w_gate_up.dtype  # the model's: what the experts compute in
-        self.dtype_code = _DTYPES[self.dtype]
+        self.dtype = dtype  # the model's: what the experts compute in
+        self.dtype_code = _DTYPES[dtype]
         self.act_code = activation_code(act)
         self.threads = threads
         self.hidden = w_gate_up.shape[2]
         self.intermediate = w_down.shape[2]
-        h, i = self.hidden, self.intermediate
-        gate_up = _projection(w_gate_up, 2 * i, h, self.dtype)
-        down = _projection(w_down, h, i, self.dtype)
-        if gate_up is None or down is None:
-            raise ValueError("banks the native kernel cannot read (see NativeCPUExperts.create)")
         fmt = w_gate_up.format if isinstance(w_gate_up, QuantizedBank) else None
         self.format_code = 0 if fmt is None else fmt.code
         # What both entry points take for the experts (see the C source).
         args = [self.format_code]
-        for w, s, g, block_rows, block_cols in (gate_up, down):
+        for w, s, g, block_rows, block_cols in projections:
             args += [_ptr(w), _ptr(s), _ptr(g), block_rows, block_cols]
         self.expert_args = (*args, _ptr(b_gate_up))
 
@@ -99,25 +96,21 @@ class NativeCPUExperts:
         ):
             return None  # (one format for both projections)
         if b_gate_up is not None and (
-            b_gate_up.dtype != dtype or tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2])
+            b_gate_up.dtype != dtype
+            or tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2])
+            or not b_gate_up.is_contiguous()
+            or b_gate_up.device.type != "cpu"
         ):
-            return None
-        tensors = [b_gate_up] if b_gate_up is not None else []
-        for bank in (w_gate_up, w_down):
-            tensors += bank.tensors if quantized else [bank]
-        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             return None
         h, i = w_gate_up.shape[2], w_down.shape[2]
-        if (
-            _projection(w_gate_up, 2 * i, h, dtype) is None
-            or _projection(w_down, h, i, dtype) is None
-        ):
+        projections = (_projection(w_gate_up, 2 * i, h, dtype), _projection(w_down, h, i, dtype))
+        if None in projections:
             return None
         lib = library()
         if lib is None:
             return None
         lib.ft_cpu_experts_set_spin(spin_seconds)
-        return cls(lib, w_gate_up, w_down, act, threads, b_gate_up, dtype)
+        return cls(lib, w_gate_up, w_down, act, threads, b_gate_up, dtype, projections)
 
     def __call__(
         self, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor

@@ -26,7 +26,6 @@ Triton's interpreter (the tests).
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -48,7 +47,6 @@ FILL_WARPS = 8
 WORD_WIDTHS = (16, 8, 4, 2, 1)  # bytes; 16 and 8 are int32 words known to be 4 or 2 in a row
 TABLE_COLUMNS = ("first", "src", "dst", "src_stride", "dst_stride", "row_bytes", "width")
 _TABLES: OrderedDict[tuple, FillTable] = OrderedDict()
-_BY_IDENTITY: OrderedDict[int, tuple] = OrderedDict()  # id(banks) -> (weakrefs, addresses, table)
 _TABLES_KEPT = 64  # bank sets remembered (each a few hundred bytes of device memory)
 
 
@@ -66,7 +64,9 @@ class HostRows:
         return self.host.numel()
 
 
-def fill_experts(banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int) -> None:
+def fill_experts(
+    banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int, table: FillTable | None = None
+) -> None:
     """banks: ((dst [S, ...] the cache bank, src [P, ...] the host bank, or HostRows of it on
     CUDA), ...), any number of them, each a row per expert (of any dtype; a row of dst and of
     src hold the same bytes); pairs / slots [R] int64 with slots == sink where nothing is
@@ -77,15 +77,17 @@ def fill_experts(banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int) -> 
             src = src.host if isinstance(src, HostRows) else src
             dst[slots[keep]] = src[pairs[keep]]
         return
-    launch_fill(banks, pairs, slots, sink)
+    launch_fill(banks, pairs, slots, sink, table)
 
 
-def launch_fill(banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int) -> None:
+def launch_fill(
+    banks, pairs: torch.Tensor, slots: torch.Tensor, sink: int, table: FillTable | None = None
+) -> None:
     """The copy kernel itself (CUDA, or CPU tensors under TRITON_INTERPRET=1): one launch of a
-    grid fixed by the banks' row sizes."""
+    grid fixed by the banks' row sizes (`table`: `fill_table(banks)`, if the caller holds it)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    table = fill_table(banks)
+    table = table or fill_table(banks)
     if table.grid == 0:
         return
     _fill_kernel[(table.grid,)](
@@ -152,26 +154,9 @@ def _width(*values: int) -> int:
 
 def fill_table(banks) -> FillTable:
     """The table of a bank set, built on first use and kept (keyed by the banks' addresses and
-    layouts, so a re-allocated bank set gets its own). A caller passing the same bank tensors
-    again (a runtime's bank tuple) finds it by identity, checking only their addresses (~1 us;
-    reading every layout takes ~20)."""
-    parts = [t for pair in banks for t in pair]
-    seen = _BY_IDENTITY.get(id(banks))
-    if seen is not None:
-        refs, addresses, table = seen
-        if len(refs) == len(parts) and all(
-            r() is t and t.data_ptr() == a for r, t, a in zip(refs, parts, addresses, strict=True)
-        ):
-            return table
-    table = _table_of(banks)
-    _BY_IDENTITY[id(banks)] = ([weakref.ref(t) for t in parts], [t.data_ptr() for t in parts],
-                               table)  # fmt: skip
-    while len(_BY_IDENTITY) > _TABLES_KEPT:
-        _BY_IDENTITY.popitem(last=False)
-    return table
-
-
-def _table_of(banks) -> FillTable:
+    layouts, so a re-allocated bank set gets its own). Reading the layouts takes ~20 us of host
+    time: a caller filling the same banks every layer step builds the table once and passes it
+    to `fill_experts`."""
     geometry = tuple((_geometry(dst), _geometry(src)) for dst, src in banks)
     device = banks[0][0].device
     key = (device, geometry)

@@ -196,7 +196,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE
         model = DecoderModel(cfg).cast(dtype)
     model = model.to_empty(device="cpu")
     model.reset_rotary()
-    store = HostExpertStore(cfg, dtype, fmt) if cfg.moe is not None else None
+    store = HostExpertStore.for_model(cfg, dtype, fmt) if cfg.moe is not None else None
     return model, store
 
 
@@ -284,14 +284,12 @@ def _load_weight_dir(
 
 def _pool_bytes(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat) -> int:
     """Host memory of the expert pool of `cfg` in `fmt`."""
-    moe = cfg.moe
-    shape = ExpertShape(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt)
-    return cfg.num_moe_layers * moe.num_experts * shape.nbytes
+    return cfg.num_moe_layers * cfg.moe.num_experts * ExpertShape.of(cfg, dtype, fmt).nbytes
 
 
 def _dequantized(store: HostExpertStore, cfg: ModelConfig) -> HostExpertStore:
     """A dense pool of `store`'s experts, dequantized to the model's dtype layer by layer."""
-    dense = HostExpertStore(cfg, store.shape.dtype)
+    dense = HostExpertStore.for_model(cfg, store.shape.dtype)
     w, dtype = store.weights, store.shape.dtype
     for layer in range(store.num_layers):
         rows = store.layer_rows(layer)
@@ -351,7 +349,7 @@ def _fill(
             # a tensor kept quantized fills a bank per part (codes, scales), each as stored
             parts = bank_parts(tensor) if isinstance(tensor, QuantizedParts) else {"w": tensor}
             for part, value in parts.items():
-                dest = _target(name, params, moe_index, part)[1]
+                dest = target[1] if part == "w" else _target(name, params, moe_index, part)[1]
                 if family.to_layout is not None:
                     value = family.to_layout(name, value, stored in ckpt.quantized.tensors)
                 if tuple(dest.shape) != tuple(value.shape):

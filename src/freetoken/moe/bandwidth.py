@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
-from freetoken.moe.store import ExpertShape
+from freetoken.moe.store import ExpertShape, HostExpertStore
 from freetoken.paths import cache_dir
-from freetoken.weights.expert_format import ExpertWeights, expert_weights, fill_random_
 
 
 @dataclass
@@ -103,24 +102,15 @@ def save_profile(profile: BandwidthProfile) -> Path:
     return path
 
 
-class _ExpertPool:
-    """A host pool of random experts several times the CPU cache, cycled through; it quacks
-    like a HostExpertStore (its banks, format and shape)."""
-
-    def __init__(self, shape: ExpertShape, pool_bytes: int, pin: bool):
-        shape = dataclasses.replace(shape, bias=False)  # (a bias is 0.1% of an expert's bytes)
-        n = max(16, pool_bytes // shape.nbytes)
-        self.shape, self.format, self.num_pairs = shape, shape.format, n
-        self.named_banks = {}
-        for name, (row, dtype) in shape.bank_rows().items():
-            bank = fill_random_(
-                shape.format, name.partition("_")[0], torch.empty(n, *row, dtype=dtype)
-            )
-            self.named_banks[name] = bank.pin_memory() if pin else bank
-
-    @property
-    def weights(self) -> ExpertWeights:
-        return expert_weights(self.named_banks, self.format)
+def _expert_pool(shape: ExpertShape, pool_bytes: int, pin: bool) -> HostExpertStore:
+    """A host pool of random experts several times the CPU cache, cycled through (no bias bank:
+    a bias is 0.1% of an expert's bytes)."""
+    shape = dataclasses.replace(shape, bias=False)
+    pool = HostExpertStore(shape, 1, max(16, pool_bytes // shape.nbytes))
+    pool.fill_random_()
+    if pin:
+        pool.pin()
+    return pool
 
 
 def _measure_copies(pool, device, batch: int, seconds: float, stop: threading.Event | None = None):
@@ -165,8 +155,8 @@ def measure(
     spin_us: float = 0.0,
 ) -> BandwidthProfile:
     has_gpu = device.type == "cuda"
-    pool = _ExpertPool(shape, pool_bytes, pin=has_gpu)
-    # The pool quacks like a store; the team is the one the runtime would use.
+    pool = _expert_pool(shape, pool_bytes, pin=has_gpu)
+    # (the team is the one the runtime would use)
     executor = CPUExpertExecutor(pool, threads=threads, spin_us=spin_us)
     try:
         _measure_cpu(executor, pool, batch, 0.3)  # warm-up: threads, allocator

@@ -163,8 +163,8 @@ class MoERuntime:
             self.streamer.cache = cache
         if cache is not None:
             self._fill_banks = tuple(zip(cache.banks, self._pool, strict=True))
-            if cache.device.type == "cuda":
-                fill_table(self._fill_banks)  # (built now: a graph capture could not build it)
+            # the fill kernel's table, built here once (a graph capture could not build it)
+            self._fill_table = fill_table(self._fill_banks) if cache.device.type == "cuda" else None
 
     @property
     def telemetry(self) -> MoETelemetry:
@@ -333,7 +333,8 @@ class MoERuntime:
             start = clock.start_stamp if moe_layer == 0 else None
             end = clock.end_stamp if moe_layer == self.store.num_layers - 1 else None
         slots, fill_pairs, fill_slots = control.plan(moe_layer, pairs, weights, x, shape, start)
-        fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots)
+        fill_experts(self._fill_banks, fill_pairs, fill_slots, self.cache.num_slots,
+                     self._fill_table)  # fmt: skip
         out = self._gpu(x, slots, weights)
         if not self.kind.splits:
             return out  # offload: no CPU share

@@ -52,6 +52,12 @@ class ExpertShape:
     bias: bool = False  # a gate/up bias row too (gpt-oss)
     format: ExpertFormat = DENSE
 
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> ExpertShape:
+        """The routed experts of a model `cfg` computing in `dtype`, stored in `fmt`."""
+        moe = cfg.moe
+        return cls(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt)
+
     @property
     def projections(self) -> dict[str, tuple[int, int]]:
         """Each projection's [rows, cols]: gate and up stacked, then down."""
@@ -108,14 +114,9 @@ class BanksByName:
 
 
 class HostExpertStore(BanksByName):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
-        """`dtype`: the model's; `fmt`: how the experts are stored (dense: in `dtype`)."""
-        assert cfg.moe is not None
-        self.num_layers = cfg.num_moe_layers
-        self.num_experts = cfg.moe.num_experts
-        self.shape = ExpertShape(
-            cfg.hidden_size, cfg.moe.intermediate_size, dtype, cfg.moe.expert_bias, fmt
-        )
+    def __init__(self, shape: ExpertShape, num_layers: int, num_experts: int):
+        """A pool of `num_layers` x `num_experts` experts of `shape` (`for_model`: a model's)."""
+        self.num_layers, self.num_experts, self.shape = num_layers, num_experts, shape
         # Allocated unpinned: pinning first would cost a full zeroing pass of pinned pages.
         # Page-aligned: a weight directory reads them with direct I/O (weights/weight_dir.py).
         self.named_banks: dict[str, Tensor] = {
@@ -123,6 +124,15 @@ class HostExpertStore(BanksByName):
             for name, (row, row_dtype) in self.shape.bank_rows().items()
         }
         self.pinned = False
+
+    @classmethod
+    def for_model(
+        cls, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE
+    ) -> HostExpertStore:
+        """The pool of a model's routed experts: `dtype` the model's, `fmt` how they are stored
+        (dense: in `dtype`)."""
+        assert cfg.moe is not None
+        return cls(ExpertShape.of(cfg, dtype, fmt), cfg.num_moe_layers, cfg.moe.num_experts)
 
     @property
     def format(self) -> ExpertFormat:

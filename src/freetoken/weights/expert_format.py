@@ -136,16 +136,15 @@ def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
     )
 
 
-FORMATS = EXPERT_FORMATS
-
-
 def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
     if name == "fp8":
         return fp8_format(fp8_block)
     try:
         return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4}[name]
     except KeyError:
-        raise ValueError(f"unknown expert format {name!r}; one of {', '.join(FORMATS)}") from None
+        raise ValueError(
+            f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
+        ) from None
 
 
 def bank_parts(stored: QuantizedParts) -> dict[str, Tensor]:
