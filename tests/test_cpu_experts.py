@@ -310,8 +310,9 @@ FORMATS = {
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
 # items of 48 and 64 gate rows and of 64 down columns (quantized items grow with the job), the
-# last ones partial
-SHAPES = [(416, 160), (256, 176), (1056, 96)]
+# last ones partial; 64 values past the last whole 128-value step (the fp8 tables' 64-value
+# tail)
+SHAPES = [(416, 160), (256, 176), (1056, 96), (448, 96)]
 
 
 def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
@@ -404,9 +405,10 @@ def extreme_banks() -> list[QuantizedBank]:
     nv_scales = every.view(1, 256, 1).repeat(2, 1, 3)  # (every byte, e4m3's NaNs included)
     out.append(QuantizedBank(NVFP4, w[..., :24].contiguous(), nv_scales, g))
     for block in ((16, 24), (128, 128), (1, 32)):
-        codes = every.repeat(2 * 64 * 200 // 256 + 1)[: 2 * 64 * 200]
-        codes = codes[torch.randperm(codes.numel(), generator=gen)].view(2, 64, 200)
-        shape = (2, -(-64 // block[0]), -(-200 // block[1]))
+        # (columns enough for every extreme scale in each block shape: 9 x 128 and a part)
+        codes = every.repeat(2 * 64 * 1100 // 256 + 1)[: 2 * 64 * 1100]
+        codes = codes[torch.randperm(codes.numel(), generator=gen)].view(2, 64, 1100)
+        shape = (2, -(-64 // block[0]), -(-1100 // block[1]))
         scales = torch.rand(shape, generator=gen) * 1e-2
         extremes = [1e-40, 2.0**-117, 3e38, 2.0**121, float("inf"), float("nan"), 0.0, -0.5]
         scales.view(-1)[: len(extremes)] = torch.tensor(extremes)[: scales.numel()]
@@ -441,17 +443,23 @@ def cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx"])
+@pytest.mark.parametrize("flags", ["-mno-avx512vbmi", "-mno-avx512f", "-mno-avx"])
 def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
-    """The AVX2 decoders (-mno-avx512f) and the scalar ones (-mno-avx), built by
-    FREETOKEN_NATIVE_FLAGS, hold the same equalities."""
+    """AVX-512 without VBMI (fp8 by the f16 route, not tables: -mno-avx512vbmi), the AVX2
+    decoders (-mno-avx512f) and the scalar ones (-mno-avx), built by FREETOKEN_NATIVE_FLAGS, hold
+    the same equalities."""
     flag_set = cpu_flags()
     bits = library().ft_cpu_experts_decoder_bits()
-    want = 0 if flags == "-mno-avx" else 256
-    if want == 256 and not {"avx2", "f16c"} <= flag_set:
-        want = 0
-    if bits == want:
-        pytest.skip("the default build is that one already (tested above)")
+    if flags == "-mno-avx512vbmi":
+        if bits != 512 or "avx512vbmi" not in flag_set:
+            pytest.skip("the default build has no VBMI tables to leave out")
+        want = 512
+    else:
+        want = 0 if flags == "-mno-avx" else 256
+        if want == 256 and not {"avx2", "f16c"} <= flag_set:
+            want = 0
+        if bits == want:
+            pytest.skip("the default build is that one already (tested above)")
     env = dict(os.environ, **{native.FLAGS_ENV: flags})
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "

@@ -509,6 +509,82 @@ static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, 
     *hi = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE + 16), h);
 }
 
+#if defined(__AVX512VBMI__)
+/* fp8 in bf16 by tables: a block's values bf16(e4m3 * s) for the 128 magnitudes (rounded as the
+ * definition rounds), kept as two byte planes (the low and the high bytes), so that 64 codes
+ * decode in one byte permute of the codes, two table permutes (VBMI's take 7 index bits: the 128
+ * magnitudes) and the sign xored in (exact: the products are sign-symmetric), where the f16
+ * route takes about 14 instructions for 32 values. A row's tables are its scale row's, which the
+ * rows of a 128-row block share: a few rows' are kept per thread, found by comparing the scales
+ * themselves (so banks refilled in place cannot be read with stale tables). */
+#define FP8_TABLES 1
+typedef struct {
+    __m512i lo[2], hi[2]; /* magnitudes 0-63, 64-127 */
+} fp8_table_t;
+#define FP8_TABLE_BLOCKS 64 /* column blocks of a row: K up to 64 * bk */
+#define FP8_TABLE_ROWS 4    /* scale rows kept (a gate item alternates two: gate's and up's) */
+typedef struct {
+    fp8_table_t t[FP8_TABLE_BLOCKS];
+    float scales[FP8_TABLE_BLOCKS];
+    int64_t blocks;
+} fp8_row_tables_t;
+static _Thread_local fp8_row_tables_t fp8_rows[FP8_TABLE_ROWS];
+static _Thread_local unsigned fp8_next;
+
+/* Byte i of the codes as the table permutes take them: after them, unpacking the low and the
+ * high planes' bytes (within 128-bit lanes) gives values 0-31 and 32-63 in order. */
+static const uint8_t FP8_ORDER[64] __attribute__((aligned(64))) = {
+    0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,
+    8,  9,  10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
+    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63,
+};
+
+static void fp8_table(float s, fp8_table_t *t) {
+    const __m512 vs = _mm512_set1_ps(s);
+    for (int half = 0; half < 2; half++) {
+        __m512i words[2];
+        for (int i = 0; i < 2; i++) {
+            const float *e = E4M3 + 64 * half + 32 * i;
+            words[i] = bf16_rne32(_mm512_mul_ps(_mm512_loadu_ps(e), vs),
+                                  _mm512_mul_ps(_mm512_loadu_ps(e + 16), vs), 1);
+        }
+        t->lo[half] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(words[0])),
+                                         _mm512_cvtepi16_epi8(words[1]), 1);
+        t->hi[half] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(words[0], 8))),
+            _mm512_cvtepi16_epi8(_mm512_srli_epi16(words[1], 8)), 1);
+    }
+}
+
+/* The tables of a row whose block scales are scales[0, blocks); NULL past FP8_TABLE_BLOCKS. */
+static const fp8_table_t *fp8_row_tables(const float *scales, int64_t blocks) {
+    if (blocks > FP8_TABLE_BLOCKS) return NULL;
+    const size_t bytes = (size_t)blocks * sizeof(float);
+    for (int i = 0; i < FP8_TABLE_ROWS; i++)
+        if (fp8_rows[i].blocks == blocks && !memcmp(fp8_rows[i].scales, scales, bytes))
+            return fp8_rows[i].t;
+    fp8_row_tables_t *e = &fp8_rows[fp8_next++ % FP8_TABLE_ROWS];
+    for (int64_t b = 0; b < blocks; b++) /* (an unused entry's tables are built: blocks is 0) */
+        if (b >= e->blocks || memcmp(&e->scales[b], &scales[b], sizeof(float))) {
+            fp8_table(scales[b], &e->t[b]);
+            e->scales[b] = scales[b];
+        }
+    e->blocks = blocks;
+    return e->t;
+}
+
+/* 64 fp8 codes -> 64 bf16 values (w0: the first 32). */
+static inline void fp8_bf16_64(const uint8_t *c, const fp8_table_t *t, __m512i *w0, __m512i *w1) {
+    const __m512i p = _mm512_permutexvar_epi8(_mm512_load_si512(FP8_ORDER), _mm512_loadu_si512(c));
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo[0], p, t->lo[1]);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi[0], p, t->hi[1]),
+                                                 p, _mm512_set1_epi8((char)0x80), 0x78);
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
 static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
                          void *out) {
     for (int64_t b = 0; b < blocks; b++) {
@@ -638,9 +714,21 @@ static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, flo
  * nvfp4 take whole blocks (k0 and k1 multiples of 32, 16). */
 static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void *out) {
     if (q->fmt == FMT_FP8) {
+#if FP8_TABLES
+        const fp8_table_t *t = bf16 ? fp8_row_tables(q->s32, (k1 + q->bk - 1) / q->bk) : NULL;
+#endif
         for (int64_t b = k0 / q->bk; b * q->bk < k1; b++) {
-            const int64_t lo = b * q->bk > k0 ? b * q->bk : k0;
+            int64_t lo = b * q->bk > k0 ? b * q->bk : k0;
             const int64_t hi = (b + 1) * q->bk < k1 ? (b + 1) * q->bk : k1;
+#if FP8_TABLES
+            for (; t && lo + 64 <= hi; lo += 64) {
+                __m512i w0, w1;
+                PREFETCH(q->w + lo + PREFETCH_BYTES);
+                fp8_bf16_64(q->w + lo, t + b, &w0, &w1);
+                _mm512_storeu_si512((uint16_t *)out + (lo - k0), w0);
+                _mm512_storeu_si512((uint16_t *)out + (lo - k0) + 32, w1);
+            }
+#endif
             fp8_span(q->w + lo, hi - lo, q->s32[b], bf16, at(out, lo - k0, bf16));
         }
     } else if (q->fmt == FMT_MXFP4) {
@@ -705,7 +793,19 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
                       nv_bf16(w + 32, s + 4, 1, t), nv_bf16(w + 48, s + 6, 1, t));
         }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
-        for (int64_t b = 0; k + 128 <= K; b++) {
+#if FP8_TABLES
+        const fp8_table_t *t = fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk);
+        for (; t && k + 128 <= K; k += 128) {
+            const uint8_t *w = q->w + k;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            __m512i w0, w1, w2, w3;
+            fp8_bf16_64(w, t + k / q->bk, &w0, &w1);
+            fp8_bf16_64(w + 64, t + k / q->bk, &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
+        }
+#endif
+        for (int64_t b = k / q->bk; k + 128 <= K; b++) {
             const fp8_scale_t f = fp8_scale(q->s32[b]);
             for (const int64_t end = (b + 1) * q->bk; k + 128 <= K && k < end; k += 128) {
                 const uint8_t *w = q->w + k;
@@ -730,6 +830,15 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)nv_bf16(q->w + k / 2, q->s8 + k / 16, 1, t),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
+#if FP8_TABLES
+        const fp8_table_t *t = fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk);
+        for (; t && k + 64 <= K; k += 64) {
+            __m512i w0, w1;
+            fp8_bf16_64(q->w + k, t + k / q->bk, &w0, &w1);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x + k));
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(x + k + 32));
+        }
+#endif
         for (; k + 32 <= K; k += 32) {
             const fp8_scale_t f = fp8_scale(q->s32[k / q->bk]);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)fp8_bf16(q->w + k, &f),

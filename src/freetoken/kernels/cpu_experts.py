@@ -118,6 +118,11 @@ class NativeCPUExperts:
         """fp32 [n, H]: row i holds the gate-weighted sum of the routes reading row i of x."""
         return self.submit(x, rows, pairs, weights).result()
 
+    def set_spin(self, seconds: float) -> None:
+        """How long idle team threads and waiters spin before sleeping (as `create`'s
+        `spin_seconds`; the library's setting, shared by every kernel of the process)."""
+        self.lib.ft_cpu_experts_set_spin(seconds)
+
     def prepare(self, seconds: float) -> None:
         """Wake the team ahead of a job expected within `seconds` (see the C source)."""
         self.lib.ft_cpu_experts_prepare(seconds)
