@@ -795,13 +795,19 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
         const fp8_table_t *t = fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk);
-        for (; t && k + 128 <= K; k += 128) {
+        /* (bk is a multiple of 128: the step's block moves on at the block's end, no
+         * division a step) */
+        for (int64_t end = q->bk; t && k + 128 <= K; k += 128) {
+            if (k == end) {
+                t++;
+                end += q->bk;
+            }
             const uint8_t *w = q->w + k;
             PREFETCH(w + PREFETCH_BYTES);
             PREFETCH(w + PREFETCH_BYTES + 64);
             __m512i w0, w1, w2, w3;
-            fp8_bf16_64(w, t + k / q->bk, &w0, &w1);
-            fp8_bf16_64(w + 64, t + k / q->bk, &w2, &w3);
+            fp8_bf16_64(w, t, &w0, &w1);
+            fp8_bf16_64(w + 64, t, &w2, &w3);
             QDOT_STEP(w0, w1, w2, w3);
         }
 #endif
