@@ -29,8 +29,13 @@ from decode_offload import qwen3_30b_a3b, report, tiny
 from freetoken.models.loading import convert_checkpoint
 
 START = """
-import json, sys, time
+import json, os, sys, time
 t0 = float(sys.argv[2])
+profile = os.environ.get("LOAD_TIME_PROFILE")
+if profile:
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    prof.enable()
 from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine import generate
 from freetoken.engine.generate import LLMEngine
@@ -48,8 +53,13 @@ t_engine = time.time() - t0
 engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=1, temperature=0.0))
 while not engine.step():
     pass
+first = time.time() - t0
+if profile:
+    prof.disable()
+    with open(profile, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(80)
 print(json.dumps(dict(import_s=t_import, loaded_s=loaded_at[0], engine_s=t_engine,
-                      first_token_s=time.time() - t0)))
+                      first_token_s=first)))
 """
 
 
@@ -79,8 +89,10 @@ def plain_read(path: Path) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def start_once(model: Path, strategy: str, cache: str) -> dict:
+def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if profile is not None:  # the main thread's calls by cumulative time (cProfile)
+        env["LOAD_TIME_PROFILE"] = str(profile)
     t0 = time.time()
     done = subprocess.run([sys.executable, "-c", START, str(model), repr(t0), strategy, cache],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
@@ -99,6 +111,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--formats", nargs="+", default=["safetensors", "weight directory"])
+    ap.add_argument("--prime", action="store_true",
+                    help="one untimed start first, so kernels compiled on first use are in "
+                    "their on-disk caches for every timed start (a user's second start)")
+    ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"
     start = time.perf_counter()
@@ -109,6 +125,15 @@ def main() -> int:
     convert_checkpoint(src, dst, progress=False)
     converted = time.perf_counter() - start
     rows = []
+    if args.prime:
+        # and Python's bytecode: a read-only environment (the GPU machine's) compiles every
+        # module from source at each start otherwise (2,578 of them, 6-8 s there)
+        os.environ.setdefault("PYTHONPYCACHEPREFIX", str(args.work / "pycache"))
+        start = time.perf_counter()
+        start_once(dst, args.strategy, args.cache)
+        print(f"primed (one untimed start) in {time.perf_counter() - start:.1f} s", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     for label, path in (("safetensors", src), ("weight directory", dst)):
         if label not in args.formats:
             continue
@@ -120,7 +145,10 @@ def main() -> int:
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)
-            t = start_once(path, args.strategy, args.cache)
+            profile = None
+            if args.profile:
+                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}.txt"
+            t = start_once(path, args.strategy, args.cache, profile)
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, gb=nbytes / 1e9,
                              plain_read_gb_s=nbytes / seconds / 1e9, floor_s=floor, **t,
@@ -130,7 +158,8 @@ def main() -> int:
         f"# load_time: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, "
         f"{args.strategy} {args.cache}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"checkpoint written in {written:.0f} s, converted in {converted:.0f} s",
+        f"checkpoint written in {written:.0f} s, converted in {converted:.0f} s"
+        + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
         "| format | page cache | GB | plain read GB/s | floor s | imports s | weights loaded s | "
         "engine built s | first token s | first token / floor |",

@@ -18,6 +18,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,14 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
+        # The tokenizer loads on a thread while the weights do: transformers' import alone
+        # took 4-9 s of a start on the H200 machine (the reads release the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
+            tokenizer = pool.submit(Tokenizer, Path(config.model))
+            return cls._build(config, device, tokenizer)
+
+    @classmethod
+    def _build(cls, config: EngineConfig, device: torch.device, tokenizer: Future) -> LLMEngine:
         loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress,
                             verify=config.verify_weights,
                             dequantize_experts=config.dequantize_experts)  # fmt: skip
@@ -171,7 +180,7 @@ class LLMEngine:
         )
         return cls(
             runner,
-            Tokenizer(loaded.path),
+            tokenizer.result(),
             config.max_batch_size,
             config.max_prefill_chunk,
             config.prefix_cache,

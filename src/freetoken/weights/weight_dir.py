@@ -85,12 +85,8 @@ def _chunks(nbytes: int, chunk: int | None = None) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)] or [(0, 0)]
 
 
-def _crcs(data: memoryview, chunk: int, threads: int = 1) -> tuple[int, ...]:
-    spans = _chunks(len(data), chunk)
-    if threads <= 1 or len(spans) == 1:
-        return tuple(zlib.crc32(data[a:b]) for a, b in spans)
-    with ThreadPoolExecutor(threads) as pool:  # zlib.crc32 releases the GIL
-        return tuple(pool.map(lambda span: zlib.crc32(data[span[0] : span[1]]), spans))
+def _crcs(data: memoryview, chunk: int) -> tuple[int, ...]:
+    return tuple(zlib.crc32(data[a:b]) for a, b in _chunks(len(data), chunk))
 
 
 def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dict,
@@ -215,8 +211,18 @@ class WeightDir:
     def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1) -> None:
         """Recompute each tensor's CRCs; raise WeightIntegrityError naming the first that
         differs from the index, with its file."""
-        for entry, tensor in items:
-            if _crcs(raw_bytes(tensor), self.checksum_chunk, threads) != entry.crcs:
+        jobs = [(i, raw_bytes(tensor)[a:b]) for i, (_, tensor) in enumerate(items)
+                for a, b in _chunks(items[i][0].nbytes, self.checksum_chunk)]  # fmt: skip
+        if threads > 1 and len(jobs) > 1:  # every tensor's chunks at once (many are small)
+            with ThreadPoolExecutor(threads) as pool:  # zlib.crc32 releases the GIL
+                crcs = list(pool.map(lambda job: zlib.crc32(job[1]), jobs))
+        else:
+            crcs = [zlib.crc32(data) for _, data in jobs]
+        got: list[list[int]] = [[] for _ in items]
+        for (i, _), crc in zip(jobs, crcs, strict=True):
+            got[i].append(crc)
+        for (entry, _), crcs_of in zip(items, got, strict=True):
+            if tuple(crcs_of) != entry.crcs:
                 raise WeightIntegrityError(
                     f"tensor {entry.name} in {self.path / entry.file} does not match its "
                     "checksum: the weight directory is corrupt (convert the checkpoint again)"
