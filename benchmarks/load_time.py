@@ -111,9 +111,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--formats", nargs="+", default=["safetensors", "weight directory"])
-    ap.add_argument("--prime", action="store_true",
-                    help="one untimed start first, so kernels compiled on first use are in "
-                    "their on-disk caches for every timed start (a user's second start)")
+    ap.add_argument(
+        "--prime",
+        action="store_true",
+        help="one untimed start first, so kernels compiled on first use are in "
+        "their on-disk caches for every timed start (a user's second start)",
+    )
     ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"

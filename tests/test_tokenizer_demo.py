@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import subprocess
+import sys
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
@@ -417,3 +419,36 @@ def test_cache_dir_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_demo_config_constant_is_json_clean() -> None:
     assert json.loads(json.dumps(DEMO_CONFIG)) == DEMO_CONFIG
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_the_tokenizer_class_is_autotokenizers_without_its_import(tokenizer_dir: Path) -> None:
+    """The class named by tokenizer_config.json is the one AutoTokenizer loads, and a start
+    that builds the tokenizer does not import transformers' model registry (AutoTokenizer's
+    module, which pulls in the auto model classes and, where installed, sklearn)."""
+    from freetoken.tokenizer import tokenizer_class
+
+    assert tokenizer_class(tokenizer_dir) is type(AutoTokenizer.from_pretrained(tokenizer_dir))
+    code = (
+        "import sys; from freetoken.tokenizer import Tokenizer; t = Tokenizer(sys.argv[1]); "
+        "print(t.encode('hello world')); "
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tokenizer_dir)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.splitlines()  # fmt: skip
+    assert out[0] == str(AutoTokenizer.from_pretrained(tokenizer_dir).encode(
+        "hello world", add_special_tokens=False))  # fmt: skip
+    assert out[1] == "[]"
+
+
+@pytest.mark.parametrize("config", [{}, {"tokenizer_class": "NoSuchTokenizer"}, "not json"])
+def test_an_unnamed_or_unknown_tokenizer_class_goes_through_autotokenizer(
+    config, tmp_path: Path
+) -> None:
+    from freetoken.tokenizer import tokenizer_class
+
+    text = config if isinstance(config, str) else json.dumps(config)
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    assert tokenizer_class(tmp_path) is AutoTokenizer

@@ -13,6 +13,32 @@ from freetoken.errors import CheckpointError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def tokenizer_class(path: Path):
+    """The class AutoTokenizer would load the checkpoint's tokenizer with, imported alone where
+    tokenizer_config.json names it: AutoTokenizer's own module imports transformers' model
+    registry, and through it (where they are installed) sklearn, scipy and sympy, 4-9 s of a
+    start on the H200 machine. The fast class where the name has one, as AutoTokenizer picks
+    (transformers 4; in 5 the names are one class); AutoTokenizer where the name is missing or
+    unknown."""
+    import transformers
+
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if isinstance(name, str) and name.isidentifier():
+        for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
+            try:
+                cls = getattr(transformers, candidate, None)
+            except Exception:  # (a lazy import that fails: AutoTokenizer decides)
+                cls = None
+            if isinstance(cls, type):
+                return cls
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -21,12 +47,11 @@ class Tokenizer:
             raise CheckpointError(
                 f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}"
             )
-        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.hf = tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
         self.generation_config = _read_generation_config(path)

@@ -31,6 +31,7 @@ from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
+from freetoken.kernels import paged_attention
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence, OutOfPagesError
 from freetoken.kv.radix import RadixCache
@@ -161,7 +162,11 @@ class LLMEngine:
         # took 4-9 s of a start on the H200 machine (the reads release the GIL).
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer, Path(config.model))
-            return cls._build(config, device, tokenizer)
+            engine = cls._build(config, device, tokenizer)
+        # (not while the weights load: its 3-10 s of Python would hold the GIL the loader's
+        # threads need; a fresh prompt's first chunk does without it)
+        paged_attention.import_in_background()
+        return engine
 
     @classmethod
     def _build(cls, config: EngineConfig, device: torch.device, tokenizer: Future) -> LLMEngine:

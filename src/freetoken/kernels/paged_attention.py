@@ -154,11 +154,13 @@ def paged_attention_torch(
         if sinks is not None or count == 1:
             o = _explicit_attention(queries, keys, values, mask, scale, sinks)
         else:
+            causal = _causal_lower_right(count, length) if mask is None else None
             o = F.scaled_dot_product_attention(
                 queries,
                 keys,
                 values,
-                attn_mask=mask if mask is not None else _causal_lower_right(count, length),
+                attn_mask=mask if mask is not None else causal,
+                is_causal=mask is None and causal is None,
                 scale=scale,
                 enable_gqa=True,
             )
@@ -352,9 +354,12 @@ if triton is not None:
 
 
 def _causal_lower_right(queries: int, keys: int):
-    """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.8 s on
-    the H200 machine (python -X importtime): imported on a thread while the weights load
-    (`import_in_background`), not on the way to the first token."""
+    """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.5-9.6 s
+    on the H200 machine: imported on a thread once the engine is built
+    (`import_in_background`). A fresh prompt's first chunk (as many queries as keys) needs none
+    of it: is_causal, which is what the mask does for a square (torch.nn.attention.bias)."""
+    if queries == keys:
+        return None
     from torch.nn.attention.bias import causal_lower_right
 
     return causal_lower_right(queries, keys)
@@ -362,8 +367,9 @@ def _causal_lower_right(queries: int, keys: int):
 
 @functools.cache
 def import_in_background() -> None:
-    """Start importing what the first prefill needs, on a thread, once (the import lock makes
-    a prefill that comes first wait for it, never import twice)."""
+    """Start importing what a prefill after a cached prefix or a first chunk needs, on a
+    thread, once (the import lock makes a prefill that comes first wait for it, never import
+    twice)."""
     threading.Thread(
         target=importlib.import_module, args=("torch.nn.attention.bias",), daemon=True,
         name="ft-imports",

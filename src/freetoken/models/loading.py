@@ -16,7 +16,6 @@ import torch
 from tqdm import tqdm
 
 from freetoken.errors import CheckpointError, InsufficientMemoryError
-from freetoken.kernels import paged_attention
 from freetoken.model_config import ModelConfig
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
@@ -101,7 +100,6 @@ def load_model(
     before this returns (else on a background thread, `LoadedModel.integrity`); the dense
     tensors always are. A safetensors checkpoint has no checksums. Routed experts a checkpoint
     stores quantized stay so (`expert_storage`) unless `dequantize_experts`."""
-    paged_attention.import_in_background()  # (while the weights load)
     _start_device_in_background(torch.device(device))
     if wd.is_weight_dir(path):
         return _load_weight_dir(Path(path), dtype, device, progress, verify, dequantize_experts)
