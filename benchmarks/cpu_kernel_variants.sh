@@ -6,9 +6,7 @@
 set -uo pipefail
 out=${1:?output directory}
 shift
-mkdir -p "$out"
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 variants=(${VARIANTS:-"" "-DPREFETCH_BYTES=4096" "-DPREFETCH_BYTES=8192" "-DQUANTIZED_ITEM_TIMES=1"
           "-DQUANTIZED_ITEM_TIMES=1 -DPREFETCH_BYTES=4096"})
 for flags in "${variants[@]}"; do

@@ -4,8 +4,7 @@
 # model. Usage: bash benchmarks/gpu_agent_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output directory}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 cd benchmarks
 python3 agent_replay.py --family qwen3_moe --layers 16 --cache 8GiB \
   --out "$out/agent-replay-qwen3-moe.md" 2>&1 | tail -30

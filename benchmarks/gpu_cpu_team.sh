@@ -4,8 +4,7 @@
 # steps (torch ops and Python). Usage: bash benchmarks/gpu_cpu_team.sh OUT_DIR
 set -uo pipefail
 out=${1:?output directory}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 (cd tests && python3 -m pytest -q -p no:cacheprovider --tb=short test_cpu_experts.py) 2>&1 | tail -2
 for spin in 0 2000; do
   echo "spin ${spin} us"

@@ -6,8 +6,7 @@
 set -uo pipefail
 out=${1:?output directory}
 shift
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
   (cd tests && timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short \
     -k "not interpreter" test_paged_attention.py test_norm_rope.py test_cuda_graphs.py test_device_numerics.py \

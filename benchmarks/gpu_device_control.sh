@@ -7,9 +7,7 @@
 set -uo pipefail
 out=${1:?output directory}
 shift
-mkdir -p "$out"
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   (cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short \

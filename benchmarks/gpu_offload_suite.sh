@@ -5,8 +5,7 @@
 set -uo pipefail
 out=${1:?output directory}
 shift
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 (cd tests && python3 -m pytest -q -p no:cacheprovider --tb=short -k "not interpreter" \
   test_cuda_graphs.py test_moe_runtime.py test_prefill.py test_grouped_experts.py \
   test_cpu_experts.py test_host_copies.py) > "$out/cuda-tests.txt" 2>&1

@@ -5,8 +5,7 @@
 set -uo pipefail
 out=${1:?output directory}
 layers=${3:-16}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 { nproc; cc --version | head -1; lscpu | grep -E "Model name|Thread|Core|Socket"; } > "$out/machine.txt" 2>&1
 (cd tests && python3 -m pytest -q -p no:cacheprovider --tb=short -k "cuda or native or fp32 or bf16" \
   test_cpu_experts.py test_prefill.py test_moe_runtime.py) > "$out/tests.txt" 2>&1

@@ -6,9 +6,7 @@
 # Usage: bash benchmarks/gpu_quantized_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output directory}
-mkdir -p "$out"
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FREETOKEN_CACHE_DIR=/tmp/freetoken-cache
+source benchmarks/engine_env.sh
 start=$(date +%s)
 (cd tests && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short \
   -k "cuda or graph" test_grouped_experts.py test_expert_fill.py test_quantized.py \

@@ -18,7 +18,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,34 +162,30 @@ class LLMEngine:
         # took 4-9 s of a start on the H200 machine (the reads release the GIL).
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer, Path(config.model))
-            engine = cls._build(config, device, tokenizer)
+            loaded = load_model(Path(config.model), config.dtype, device,
+                                progress=config.progress, verify=config.verify_weights,
+                                dequantize_experts=config.dequantize_experts)  # fmt: skip
+            runner = ModelRunner(
+                loaded,
+                config.kv_cache_tokens,
+                config.page_size,
+                config.moe,
+                config.cuda_graphs,
+                max_sequences=config.max_batch_size,
+                max_model_len=config.max_model_len,
+                state_anchors=config.state_anchors if config.prefix_cache else 0,
+            )
+            engine = cls(
+                runner,
+                tokenizer.result(),
+                config.max_batch_size,
+                config.max_prefill_chunk,
+                config.prefix_cache,
+            )
         # (not while the weights load: its 3-10 s of Python would hold the GIL the loader's
         # threads need; a fresh prompt's first chunk does without it)
         paged_attention.import_in_background()
         return engine
-
-    @classmethod
-    def _build(cls, config: EngineConfig, device: torch.device, tokenizer: Future) -> LLMEngine:
-        loaded = load_model(Path(config.model), config.dtype, device, progress=config.progress,
-                            verify=config.verify_weights,
-                            dequantize_experts=config.dequantize_experts)  # fmt: skip
-        runner = ModelRunner(
-            loaded,
-            config.kv_cache_tokens,
-            config.page_size,
-            config.moe,
-            config.cuda_graphs,
-            max_sequences=config.max_batch_size,
-            max_model_len=config.max_model_len,
-            state_anchors=config.state_anchors if config.prefix_cache else 0,
-        )
-        return cls(
-            runner,
-            tokenizer.result(),
-            config.max_batch_size,
-            config.max_prefill_chunk,
-            config.prefix_cache,
-        )
 
     # -- requests -------------------------------------------------------------------------
 

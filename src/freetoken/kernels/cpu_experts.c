@@ -765,6 +765,10 @@ static inline int qdot_takes(const qrow_t *q, int bf16) {
 static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *tail) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+#if FP8_TABLES /* (the row's, for its steps and its tail) */
+    const fp8_table_t *tables =
+        q->fmt == FMT_FP8 ? fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk) : NULL;
+#endif
 #define QDOT_STEP(w0, w1, w2, w3)                                                               \
     do {                                                                                        \
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)(w0), (__m512bh)_mm512_loadu_si512(x + k));        \
@@ -794,7 +798,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
         }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
-        const fp8_table_t *t = fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk);
+        const fp8_table_t *t = tables;
         /* (bk is a multiple of 128: the step's block moves on at the block's end, no
          * division a step) */
         for (int64_t end = q->bk; t && k + 128 <= K; k += 128) {
@@ -837,10 +841,9 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
 #if FP8_TABLES
-        const fp8_table_t *t = fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk);
-        for (; t && k + 64 <= K; k += 64) {
+        for (; tables && k + 64 <= K; k += 64) {
             __m512i w0, w1;
-            fp8_bf16_64(q->w + k, t + k / q->bk, &w0, &w1);
+            fp8_bf16_64(q->w + k, tables + k / q->bk, &w0, &w1);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x + k));
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(x + k + 32));
         }

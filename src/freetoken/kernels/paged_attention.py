@@ -154,13 +154,14 @@ def paged_attention_torch(
         if sinks is not None or count == 1:
             o = _explicit_attention(queries, keys, values, mask, scale, sinks)
         else:
-            causal = _causal_lower_right(count, length) if mask is None else None
+            if mask is None:
+                mask = _causal_lower_right(count, length)  # (None: a square, is_causal)
             o = F.scaled_dot_product_attention(
                 queries,
                 keys,
                 values,
-                attn_mask=mask if mask is not None else causal,
-                is_causal=mask is None and causal is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
             )

@@ -211,18 +211,14 @@ class WeightDir:
     def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1) -> None:
         """Recompute each tensor's CRCs; raise WeightIntegrityError naming the first that
         differs from the index, with its file."""
-        jobs = [(i, raw_bytes(tensor)[a:b]) for i, (_, tensor) in enumerate(items)
-                for a, b in _chunks(items[i][0].nbytes, self.checksum_chunk)]  # fmt: skip
-        if threads > 1 and len(jobs) > 1:  # every tensor's chunks at once (many are small)
-            with ThreadPoolExecutor(threads) as pool:  # zlib.crc32 releases the GIL
-                crcs = list(pool.map(lambda job: zlib.crc32(job[1]), jobs))
-        else:
-            crcs = [zlib.crc32(data) for _, data in jobs]
-        got: list[list[int]] = [[] for _ in items]
-        for (i, _), crc in zip(jobs, crcs, strict=True):
-            got[i].append(crc)
-        for (entry, _), crcs_of in zip(items, got, strict=True):
-            if tuple(crcs_of) != entry.crcs:
+        spans = [_chunks(entry.nbytes, self.checksum_chunk) for entry, _ in items]
+        chunks = [raw_bytes(tensor)[a:b]
+                  for (_, tensor), of in zip(items, spans, strict=True) for a, b in of]  # fmt: skip
+        # every tensor's chunks at once (many tensors are small); zlib.crc32 releases the GIL
+        with ThreadPoolExecutor(threads) as pool:
+            crcs = iter(list(pool.map(zlib.crc32, chunks)))
+        for (entry, _), of in zip(items, spans, strict=True):
+            if tuple(next(crcs) for _ in of) != entry.crcs:
                 raise WeightIntegrityError(
                     f"tensor {entry.name} in {self.path / entry.file} does not match its "
                     "checksum: the weight directory is corrupt (convert the checkpoint again)"
