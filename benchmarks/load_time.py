@@ -132,6 +132,7 @@ def main() -> int:
         # and Python's bytecode: a read-only environment (the GPU machine's) compiles every
         # module from source at each start otherwise (2,578 of them, 6-8 s there)
         os.environ.setdefault("PYTHONPYCACHEPREFIX", str(args.work / "pycache"))
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # (set there, and here: none written)
         start = time.perf_counter()
         start_once(dst, args.strategy, args.cache)
         print(f"primed (one untimed start) in {time.perf_counter() - start:.1f} s", flush=True)

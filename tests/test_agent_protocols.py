@@ -49,7 +49,7 @@ def reply(engine, monkeypatch):
     """Script the model's reply: `reply("text")` makes it answer that and end its turn;
     `reply(None)` makes it talk forever (one token, over and over)."""
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
 
     def set_reply(text: str | None):
         script = tok.encode("go") if text is None else [*tok.encode(text), eos]

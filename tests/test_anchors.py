@@ -28,7 +28,7 @@ def chat_model(tmp_path_factory):
 
 def test_boundaries_come_from_the_tokenizer_and_its_template(chat_model):
     tok = Tokenizer(chat_model)
-    ids = tok.hf.convert_tokens_to_ids
+    ids = tok.token_id
     assert boundary_tokens(tok) == {
         ids("</think>"): AFTER,
         ids("<tool_call>"): BEFORE,
@@ -37,7 +37,7 @@ def test_boundaries_come_from_the_tokenizer_and_its_template(chat_model):
         ids("<|im_end|>"): AFTER,  # end of a turn; <|endoftext|> is EOS but not in the template
     }
     # A template that writes no tool markers gets no tool boundaries.
-    tok.hf.chat_template = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"
+    tok.template = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"
     assert boundary_tokens(tok) == {ids("<|im_end|>"): AFTER}
 
 

@@ -343,7 +343,7 @@ def server():
     engine = demo_engine()
     tok = engine.tokenizer
     engine._sample = scripted(
-        engine, [*tok.encode("Hi"), tok.hf.convert_tokens_to_ids("<|im_end|>")]
+        engine, [*tok.encode("Hi"), tok.token_id("<|im_end|>")]
     )
     with (
         running_server(engine, MODEL) as (base, core),

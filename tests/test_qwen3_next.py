@@ -220,7 +220,7 @@ def test_engine_resumes_only_where_a_state_was_saved(chat_model, anchors):
     )]  # fmt: skip
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     together = engine.generate(prompts, greedy)  # three prompts through two batch slots
-    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    im_end = tok.token_id("<|im_end|>")
     for p, done in zip(prompts, together, strict=True):
         req = engine.add_request(p, greedy)
         turn_end = p.index(im_end) + 1

@@ -54,7 +54,7 @@ def test_count_tokens(client, engine):
 
 def test_tool_use_round_trip(engine, client, monkeypatch):
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call), eos]))
     tools = [
@@ -149,7 +149,7 @@ def test_repeated_prefix_reports_cache_reads(client):
 
 def test_tool_choice_any_and_named_force_a_call(engine, client, monkeypatch):
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
     tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     rest = '{"city": "Paris"}}\n</tool_call>'

@@ -226,7 +226,7 @@ WEATHER_TOOL = {
 
 def test_tool_call_round_trip(engine, client, monkeypatch):
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
     call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call_text), eos]))
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -285,7 +285,7 @@ def test_responses_api(client):
 
 def test_responses_function_call_round_trip(engine, client, monkeypatch):
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
     call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(call_text), eos]))
     tool = {
@@ -339,7 +339,7 @@ def test_tool_choice_forces_a_call(engine, client, monkeypatch):
     """`required` and a named tool: the call's opening goes at the end of the prompt, so the
     model can only continue it; the client sees an ordinary tool call."""
     tok = engine.tokenizer
-    eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.token_id("<|im_end|>")
     prompts = []
 
     def script(text):

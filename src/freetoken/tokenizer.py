@@ -1,31 +1,45 @@
-"""The checkpoint's tokenizer and chat template, loaded with transformers (offline)."""
+"""The checkpoint's tokenizer and chat template.
+
+A checkpoint whose tokenizer.json transformers would take as it is (the classes in
+`AS_STORED`, every added token of tokenizer_config.json already in it, a BPE model) is read
+with `tokenizers` alone, and its chat template rendered by chat_template.py: importing
+transformers costs a start seconds (4-9 s on the H200 machine). Any other goes through
+transformers' own class (offline), imported alone, not through AutoTokenizer, whose module
+imports transformers' model registry and with it, where installed, sklearn and scipy. Both give
+the ids and the text transformers gives (tests check it).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from freetoken import chat_template
 from freetoken.errors import CheckpointError
 
+log = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# Classes whose transformers implementation uses tokenizer.json unchanged (others rebuild
+# parts of it from tokenizer_config.json: Llama's prefix space and legacy flags, ...).
+AS_STORED = frozenset({"PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast"})
+# The special tokens a template sees, as transformers names them.
+SPECIAL_TOKENS = tuple(
+    f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+)
 
 
 def tokenizer_class(path: Path):
     """The class AutoTokenizer would load the checkpoint's tokenizer with, imported alone where
-    tokenizer_config.json names it: AutoTokenizer's own module imports transformers' model
-    registry, and through it (where they are installed) sklearn, scipy and sympy, 4-9 s of a
-    start on the H200 machine. The fast class where the name has one, as AutoTokenizer picks
-    (transformers 4; in 5 the names are one class); AutoTokenizer where the name is missing or
-    unknown."""
+    tokenizer_config.json names it. The fast class where the name has one, as AutoTokenizer
+    picks (transformers 4; in 5 the names are one class); AutoTokenizer where the name is
+    missing or unknown."""
     import transformers
 
-    try:
-        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        name = None
+    name = _read_json(path / "tokenizer_config.json").get("tokenizer_class")
     if isinstance(name, str) and name.isidentifier():
         for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
             try:
@@ -40,6 +54,8 @@ def tokenizer_class(path: Path):
 
 
 class Tokenizer:
+    """Text <-> ids, token names, and the chat template of a checkpoint directory."""
+
     def __init__(self, path: str | Path):
         path = Path(path)
         self.path = path  # the checkpoint directory (a template sandbox loads it again)
@@ -47,20 +63,67 @@ class Tokenizer:
             raise CheckpointError(
                 f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}"
             )
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        try:
-            self.hf = tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
-        self.generation_config = _read_generation_config(path)
+        config = _read_json(path / "tokenizer_config.json")
+        self.backend = _stored_tokenizer(path, config)
+        if self.backend is not None:
+            self._special = {k: v for k in SPECIAL_TOKENS if (v := _content(config.get(k)))}
+            self.template = chat_template.find_template(path, config)
+        else:  # transformers' class
+            self.backend = _transformers_tokenizer(path)
+            hf = self.backend
+            self._special = {k: str(v) for k, v in hf.special_tokens_map.items()
+                             if k in SPECIAL_TOKENS and v is not None}  # fmt: skip
+            self.template = hf.chat_template
+        self.generation_config = _read_json(path / "generation_config.json", warn=True)
         # Chat models end a turn with a token (e.g. <|im_end|>) that generation_config.json
         # lists beside the tokenizer's pretraining EOS.
-        ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
+        eos = self.token_id(self._special.get("eos_token", ""))
+        ids = [eos] if eos is not None else []
         value = self.generation_config.get("eos_token_id")
         ids += [value] if isinstance(value, int) else list(value or [])
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+
+    @property
+    def uses_transformers(self) -> bool:
+        return not _is_tokenizers(self.backend)
+
+    # -- vocabulary ---------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids a request may name: the vocabulary with its added tokens."""
+        if _is_tokenizers(self.backend):
+            return self.backend.get_vocab_size(with_added_tokens=True)
+        return len(self.backend)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token (by its name in the vocabulary, e.g. "<|im_end|>"), or None."""
+        if not token:
+            return None
+        if _is_tokenizers(self.backend):
+            return self.backend.token_to_id(token)
+        tid = self.backend.convert_tokens_to_ids(token)
+        unknown = tid is None or (tid == self.backend.unk_token_id and token != self._special.get(
+            "unk_token"))  # fmt: skip
+        return None if unknown else tid
+
+    def token(self, tid: int) -> str | None:
+        """The name of token `tid`, or None."""
+        if _is_tokenizers(self.backend):
+            return self.backend.id_to_token(tid)
+        return self.backend.convert_ids_to_tokens(tid)
+
+    def encode(self, text: str) -> list[int]:
+        if _is_tokenizers(self.backend):
+            return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # (no "clean-up" of spaces before punctuation: transformers 5 skips it for BPE models
+        # too, and it corrupts code)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- generation settings --------------------------------------------------------------
 
     def sampling_defaults(self) -> dict[str, float]:
         """The checkpoint's recommended sampling settings (temperature, top_p, top_k, min_p)."""
@@ -78,15 +141,17 @@ class Tokenizer:
         valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
         return value if valid else None
 
+    # -- chat -----------------------------------------------------------------------------
+
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.template)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    @property
+    def chat_template(self) -> str:
+        """Every chat template's source in one string ("" without one): what the parsers and
+        the edit markers are looked for in."""
+        return chat_template.template_text(self.template)
 
     def render_chat(
         self,
@@ -95,24 +160,74 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        if not self.has_chat_template:
+        """The chat's text under the checkpoint's template (or `chat_template`: a named one of
+        the checkpoint's, or a template's source)."""
+        chosen = template_kwargs.pop("chat_template", None)
+        if not self.has_chat_template and chosen is None:
             raise CheckpointError("this checkpoint's tokenizer has no chat template")
-        return self.hf.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **template_kwargs,
-        )
+        source = chat_template.select(self.template or "", chosen, tools)
+        return chat_template.render(source, messages, tools, add_generation_prompt,
+                                    self._special, **template_kwargs)  # fmt: skip
 
 
-def _read_generation_config(path: Path) -> dict[str, Any]:
-    file = path / "generation_config.json"
+def _is_tokenizers(backend) -> bool:
+    return type(backend).__module__.startswith("tokenizers")
+
+
+def _stored_tokenizer(path: Path, config: Mapping[str, Any]):
+    """tokenizer.json as a `tokenizers.Tokenizer`, where transformers would take it unchanged;
+    else None (and why, in the log)."""
+    file = path / "tokenizer.json"
+    name = config.get("tokenizer_class")
+    if not file.is_file() or name not in AS_STORED:
+        return None
+    try:
+        text = file.read_text(encoding="utf-8")
+        raw = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from e
+    if (raw.get("model") or {}).get("type") != "BPE":
+        return None
+    stored = {(t.get("id"), t.get("content")) for t in raw.get("added_tokens") or []}
+    for tid, token in (config.get("added_tokens_decoder") or {}).items():
+        if (int(tid), _content(token)) not in stored:
+            log.info("%s: added token %s is not in tokenizer.json: through transformers", path,
+                     tid)  # fmt: skip
+            return None
+    from tokenizers import Tokenizer as Stored
+
+    try:
+        return Stored.from_str(text)
+    except Exception as e:  # (tokenizers raises its own Exception type)
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+
+
+def _transformers_tokenizer(path: Path):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        return tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+
+
+def _content(token: Any) -> str | None:
+    """A special token's text: tokenizer_config.json writes it as a string or as an object
+    with its `content`."""
+    if isinstance(token, Mapping):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(file: Path, warn: bool = False) -> dict[str, Any]:
+    """A JSON object file's content; {} where the file is missing or not an object."""
     if not file.is_file():
         return {}
     try:
-        value = json.loads(file.read_text())
+        value = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        logging.getLogger(__name__).warning("ignoring unreadable %s", file)
+        if warn:
+            log.warning("ignoring unreadable %s", file)
         return {}
     return value if isinstance(value, dict) else {}

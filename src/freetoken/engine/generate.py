@@ -158,8 +158,8 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
-        # The tokenizer loads on a thread while the weights do: transformers' import alone
-        # took 4-9 s of a start on the H200 machine (the reads release the GIL).
+        # The tokenizer loads on a thread while the weights do (the reads release the GIL);
+        # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer, Path(config.model))
             loaded = load_model(Path(config.model), config.dtype, device,
@@ -182,9 +182,6 @@ class LLMEngine:
                 config.max_prefill_chunk,
                 config.prefix_cache,
             )
-        # (not while the weights load: its 3-10 s of Python would hold the GIL the loader's
-        # threads need; a fresh prompt's first chunk does without it)
-        paged_attention.import_in_background()
         return engine
 
     # -- requests -------------------------------------------------------------------------
@@ -363,6 +360,11 @@ class LLMEngine:
         self.last_step = StepTokens(sum(map(len, chunks)), len(decoding))
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
+        if not self.running:
+            # Idle: what a prefill after a cached prefix needs is imported now, on a thread
+            # (3-10 s of Python holding the GIL: not while the weights load nor while the
+            # first request runs; a fresh prompt's first chunk does without it).
+            paged_attention.import_in_background()
         return outputs
 
     def _schedule(self) -> tuple[list[Request], list[list[int]], list[Request]]:

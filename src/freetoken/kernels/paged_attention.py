@@ -356,7 +356,7 @@ if triton is not None:
 
 def _causal_lower_right(queries: int, keys: int):
     """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.5-9.6 s
-    on the H200 machine: imported on a thread once the engine is built
+    on the H200 machine: imported on a thread once the engine is first idle
     (`import_in_background`). A fresh prompt's first chunk (as many queries as keys) needs none
     of it: is_causal, which is what the mask does for a square (torch.nn.attention.bias)."""
     if queries == keys:

@@ -52,16 +52,14 @@ def boundary_tokens(tokenizer: Any) -> dict[int, int]:
     """Token id -> BEFORE or AFTER, for the edit markers that are single tokens of this
     tokenizer and that its chat template writes, and for the end of a turn: the tokenizer's
     end-of-sequence tokens its template writes (Qwen's `<|im_end|>`)."""
-    hf = tokenizer.hf
-    template = getattr(hf, "chat_template", None) or ""
-    template = template if isinstance(template, str) else " ".join(map(str, template))
+    template = tokenizer.chat_template
     found: dict[int, int] = {}
     for marker, side in EDIT_MARKERS:
-        tid = hf.convert_tokens_to_ids(marker)
-        if marker in template and tid is not None and tid != hf.unk_token_id:
+        tid = tokenizer.token_id(marker)
+        if marker in template and tid is not None:
             found[tid] = side
     for tid in tokenizer.eos_token_ids:
-        if (token := hf.convert_ids_to_tokens(tid)) and token in template:
+        if (token := tokenizer.token(tid)) and token in template:
             found[tid] = AFTER
     return found
 

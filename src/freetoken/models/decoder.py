@@ -60,7 +60,11 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # (weights are loaded, not drawn: nn.Embedding's random init would be wasted work, and
+        # on the meta device its normal_ imports torch._dynamo, seconds of a start)
+        self.embed = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32

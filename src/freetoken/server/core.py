@@ -77,7 +77,7 @@ class GenerationCore:
         self.metrics = None  # the app's Metrics (server/stats.py), observed per token
         self.draining = False  # shutting down: no new requests
         self.shutdown_deadline: float | None = None  # time.monotonic() to be gone by
-        self.vocab_size = len(tokenizer.hf)  # ids a request may name (logit_bias)
+        self.vocab_size = tokenizer.vocab_size  # ids a request may name (logit_bias)
         # A request that sets no output limit gets the checkpoint's own (generation_config's
         # max_new_tokens), else whatever the context leaves.
         self.default_max_tokens = tokenizer.default_max_new_tokens
@@ -88,7 +88,7 @@ class GenerationCore:
         if tokenizer.has_chat_template:
             from freetoken.server.parsers import keeps_special_tokens, parser_for_template
 
-            self.template_source = tokenizer.hf.chat_template
+            self.template_source = tokenizer.chat_template
             self.parser_name = parser_for_template(self.template_source)
             if self.parser_name is not None:
                 self.parser_keeps_special = keeps_special_tokens(self.parser_name)

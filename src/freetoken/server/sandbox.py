@@ -3,7 +3,7 @@
 A chat template is a program: one with a loop of millions of steps froze every endpoint of
 the server, /health included, while it rendered. Client templates are refused unless the
 operator allows them (`--allow-request-chat-template`); then each renders in a worker process
-(transformers' sandboxed Jinja environment, as for the checkpoint's own template) that is
+(Jinja's immutable sandbox, as for the checkpoint's own template: chat_template.py) that is
 killed when it takes longer than `timeout` seconds, and the next one starts afresh.
 """
 
@@ -50,7 +50,7 @@ class TemplateSandbox:
         self._process = context.Process(target=_serve, args=(self.path, theirs), daemon=True)
         self._process.start()
         self._connection = ours
-        # The worker imports transformers and loads the tokenizer before its first render.
+        # The worker loads the tokenizer before its first render.
         if not ours.poll(STARTUP_TIMEOUT) or ours.recv() != "ready":
             self.close()
             raise TemplateTimeout("the template worker did not start")

@@ -1,0 +1,257 @@
+"""The tokenizer read without transformers (tokenizers + chat_template.py) against transformers
+on the same files: ids, text, token names, and the rendered chats; the cases that go through
+transformers instead; and what a template may and may not do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+from transformers import AutoTokenizer
+
+from freetoken import chat_template, paths
+from freetoken.errors import CheckpointError
+from freetoken.qwen_vocab import write_qwen_tokenizer
+from freetoken.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}  # fmt: skip
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be brief. Ünïcödé, <b>tags</b> & \"quotes\"."},
+     {"role": "user", "content": "Q1"},
+     {"role": "assistant", "content": "A1", "reasoning_content": "thinking about Q1"},
+     {"role": "user", "content": "Q2 <|im_end|> mid-text"}],
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": '{"temp_c": 21}'},
+     {"role": "assistant", "content": "21 °C.", "reasoning_content": "The tool says 21."}],
+    [{"role": "user", "content": [{"type": "text", "text": "blocks "}, {"type": "text",
+                                                                         "text": "of text"}]}],
+]  # fmt: skip
+TEXTS = [
+    "Hello, world! It's 3:45pm; we'll see.",
+    "def f(x):\n\treturn {'k': [1, 2]}  # comment\r\n\n\n",
+    "你好，世界！ 日本語 한국어 😀👍🏽 👨‍👩‍👧‍👦",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|><think>x</think>",
+    "   spaces   and\ttabs  x . , ? n't 're",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        return write_qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(scope="module")
+def ours(qwen_dir) -> Tokenizer:
+    return Tokenizer(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def theirs(qwen_dir):
+    return AutoTokenizer.from_pretrained(qwen_dir)
+
+
+def test_qwen_is_read_without_transformers(qwen_dir: Path) -> None:
+    code = (
+        "import sys; from freetoken.tokenizer import Tokenizer; t = Tokenizer(sys.argv[1]); "
+        "t.render_chat([{'role': 'user', 'content': 'hi'}]); t.decode(t.encode('hi')); "
+        "print(t.uses_transformers, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(qwen_dir)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_and_text_are_transformers(ours, theirs, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    for skip in (True, False):
+        assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+def test_vocabulary_and_special_tokens_are_transformers(ours, theirs) -> None:
+    assert ours.vocab_size == len(theirs)
+    for token in ("<|im_end|>", "<think>", "</tool_call>", "hello", "Ġworld"):
+        assert ours.token_id(token) == theirs.convert_tokens_to_ids(token)
+        assert ours.token(ours.token_id(token)) == token
+    assert ours.token_id("<no such token>") is None
+    assert ours.eos_token_ids[0] == theirs.eos_token_id
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("options", [
+    {}, {"add_generation_prompt": False}, {"enable_thinking": False}, {"tools": [WEATHER]},
+])  # fmt: skip
+def test_chats_render_as_transformers_renders_them(ours, theirs, conversation, options) -> None:
+    messages = CONVERSATIONS[conversation]
+    options = {"add_generation_prompt": True, **options}
+    expected = theirs.apply_chat_template(messages, tokenize=False, **options)
+    assert ours.render_chat(messages, **options) == expected
+
+
+@pytest.fixture(scope="module")
+def harmony_dir(qwen_dir, tmp_path_factory) -> Path:
+    """A tokenizer saved by transformers with tokens added and its template in
+    chat_template.jinja (as transformers 5 writes it), reading `reasoning_effort`, the
+    special tokens and `thinking` (gpt-oss's name for the reasoning)."""
+    dst = tmp_path_factory.mktemp("harmony")
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>"]})
+    tok.chat_template = (
+        "{{ bos_token if bos_token else '' }}Reasoning: {{ reasoning_effort | default('medium') }}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}"
+        "{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}{% endif %}"
+        "<|message|>{{ m.content | tojson }}{{ eos_token }}{% endfor %}"
+    )
+    tok.save_pretrained(dst)
+    return dst
+
+
+def test_a_saved_template_and_added_tokens(harmony_dir: Path) -> None:
+    ours, theirs = Tokenizer(harmony_dir), AutoTokenizer.from_pretrained(harmony_dir)
+    assert not ours.uses_transformers
+    messages = CONVERSATIONS[1]
+    for kwargs in ({}, {"reasoning_effort": "high"}):
+        text = ours.render_chat(messages, **kwargs)
+        assert text == theirs.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert "<|channel|>analysis<|message|>thinking about Q1" in text  # (reasoning_content)
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert ours.token_id("<|channel|>") == theirs.convert_tokens_to_ids("<|channel|>")
+
+
+def test_named_templates_pick_tool_use_with_tools(qwen_dir: Path, tmp_path: Path) -> None:
+    for f in qwen_dir.iterdir():
+        shutil.copy(f, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "plain:{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "tools:{{ tools | length }}"},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "x"}]
+    for tools in (None, [WEATHER]):
+        assert ours.render_chat(messages, tools) == theirs.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    assert ours.render_chat(messages, chat_template="tool_use", tools=[WEATHER]) == "tools:1"
+    assert "plain:" in ours.chat_template and "tools:" in ours.chat_template
+
+
+@pytest.mark.parametrize("change", ["class", "added token"])
+def test_what_transformers_would_change_goes_through_transformers(
+    qwen_dir: Path, tmp_path: Path, change: str
+) -> None:
+    for f in qwen_dir.iterdir():
+        shutil.copy(f, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if change == "class":  # (Llama's class rebuilds parts of tokenizer.json)
+        config["tokenizer_class"] = "GPT2Tokenizer"
+    else:  # one tokenizer.json does not hold
+        config["added_tokens_decoder"]["151669"] = {"content": "<|extra|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.uses_transformers
+    text = "Hi <|extra|> there"
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert ours.vocab_size == len(theirs)
+    messages = CONVERSATIONS[2]
+    assert ours.render_chat(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_a_checkpoint_without_a_template(qwen_dir: Path, tmp_path: Path) -> None:
+    for f in qwen_dir.iterdir():
+        shutil.copy(f, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)
+    assert not tok.has_chat_template and tok.chat_template == ""
+    with pytest.raises(CheckpointError, match="no chat template"):
+        tok.render_chat([{"role": "user", "content": "x"}])
+
+
+# --------------------------------------------------------------------------- the template's world
+
+
+def render(source: str, **kwargs) -> str:
+    return chat_template.render(source, [{"role": "user", "content": "é <b>"}], **kwargs)
+
+
+def test_tojson_keeps_text_as_it_is_and_takes_options() -> None:
+    assert render("{{ messages[0] | tojson }}") == '{"role": "user", "content": "é <b>"}'
+    assert render("{{ {'b': 1, 'a': 2} | tojson(indent=1, sort_keys=True) }}") == (
+        '{\n "a": 2,\n "b": 1\n}'
+    )
+
+
+def test_blocks_are_trimmed_and_loop_controls_work() -> None:
+    source = "{% for i in range(5) %}\n  {% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"
+    assert render(source) == "012"
+
+
+def test_the_generation_block_renders_its_body() -> None:
+    assert render("a{% generation %}b{{ 1 + 1 }}{% endgeneration %}c") == "ab2c"
+
+
+def test_raise_exception_is_the_templates_error() -> None:
+    with pytest.raises(jinja2.TemplateError, match="no system"):
+        render("{{ raise_exception('no system') }}")
+
+
+def test_strftime_now_and_special_tokens() -> None:
+    assert render("{{ strftime_now('%Y') | length }}") == "4"
+    assert (
+        render(
+            "{{ bos_token }}|{{ eos_token }}",
+            special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+        )
+        == "<s>|</s>"
+    )
+    assert (
+        render("{{ eos_token }}", special_tokens={"eos_token": "</s>"}, eos_token="<end>")
+        == "<end>"
+    )  # (the caller's over the checkpoint's)
+
+
+def test_the_sandbox_holds() -> None:
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render("{{ ''.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render("{% set ns = namespace(_x=1) %}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render("{% set ns = namespace() %}{% set ns._x = 1 %}")
+    with pytest.raises(jinja2.exceptions.SecurityError):  # (immutable: no list.append)
+        render("{% set xs = [] %}{{ xs.append(1) }}")
+    assert render("{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}") == "2"
+    assert render("{{ dict(a=1) | tojson }}|{{ dict.fromkeys(['k']) | tojson }}") == (
+        '{"a": 1}|{"k": null}'
+    )
+
+
+def test_messages_are_normalised_and_never_changed() -> None:
+    messages = [{"role": "assistant", "content": None, "reasoning": "why"}]
+    text = chat_template.render(
+        "{% for m in messages %}{{ 'content' in m }} {{ m.thinking }} {{ m.reasoning_content }}"
+        "{% endfor %}", messages)  # fmt: skip
+    assert text == "False why why"
+    assert messages == [{"role": "assistant", "content": None, "reasoning": "why"}]
