@@ -186,3 +186,37 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
     loaded = load_model(full, dtype="float32")
     assert loaded.config.family == "qwen3_5_moe" and loaded.config.linear_attention is not None
     assert max_logit_error(full, hf) < 1e-4
+
+
+START = """
+import sys
+from freetoken.config import EngineConfig, MoEOptions
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.sampling import SamplingParams
+engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32",
+                                            kv_cache_tokens=256, moe=MoEOptions("fused")))
+engine.add_request(engine.tokenizer.encode("Hi there"), SamplingParams(max_new_tokens=3))
+assert engine.step()  # the first token (the request still runs: the engine is not idle)
+print(sorted(m for m in ("torch._dynamo", "transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("weight_dir", [False, True], ids=["safetensors", "weight directory"])
+def test_a_start_to_the_first_token_imports_neither_dynamo_nor_transformers(
+    tmp_path, weight_dir
+):
+    """Each is seconds of a start (torch._dynamo came in through the meta device's reference
+    ops: nn.Embedding's random init, the RoPE table; transformers through the tokenizer)."""
+    import subprocess
+    import sys
+
+    from tiny_models import build_chat_model
+
+    path = build_chat_model("qwen3_moe", tmp_path / "src")[0]
+    if weight_dir:
+        loader.convert_checkpoint(path, tmp_path / "dst", progress=False)
+        path = tmp_path / "dst"
+    out = subprocess.run([sys.executable, "-c", START, str(path)], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]"

@@ -74,7 +74,10 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
-        inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
+        # (a few values, computed on the CPU whatever the default device: on the meta device,
+        # where models are built, torch's reference ops import torch._dynamo, seconds)
+        with torch.device("cpu"):
+            inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(
