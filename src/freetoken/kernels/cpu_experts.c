@@ -421,9 +421,28 @@ static inline void fp8_f32(const uint8_t *c, const fp8_scale_t *f, __m512 *lo, _
 /* An mxfp4 block (16 bytes) -> 32 bf16 values: one 32-bit lane per byte, whose low word indexes
  * the low nibble's value (by 5 bits: the table holds the 16 twice) and high word the high
  * nibble's. */
+#if defined(__AVX512VBMI__) && !defined(NO_NIBBLE_SPREAD)
+/* With VBMI, a byte permute puts each byte in both words of its lane and one variable shift
+ * (0 for the low word, 4 for the high) brings the high nibble down: three instructions where
+ * the zero-extension, shift and or take four (the decoding is what bounds these formats). */
+#define NIBBLE_SPREAD 1
+static inline __m512i nibble_index(__m128i bytes) {
+    const __m512i spread = _mm512_permutexvar_epi8(
+        _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11,
+                        11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5,
+                        5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+        _mm512_castsi128_si512(bytes));
+    return _mm512_srlv_epi16(spread, _mm512_set1_epi32(0x00040000));
+}
+#else
+static inline __m512i nibble_index(__m128i bytes) {
+    const __m512i d = _mm512_cvtepu8_epi32(bytes);
+    return _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+}
+#endif
+
 static inline __m512i mx_bf16(const uint8_t *w, uint8_t s) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    const __m512i index = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+    const __m512i index = nibble_index(_mm_loadu_si128((const __m128i *)w));
     return _mm512_permutexvar_epi16(index, _mm512_load_si512(MX_BF16[s]));
 }
 
@@ -485,11 +504,10 @@ static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two,
                                              1);
     const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
                               : _mm_loadl_epi64((const __m128i *)w);
-    const __m512i d = _mm512_cvtepu8_epi32(bytes);
-    /* (d | d << 12) & 0x000f000f, with the second block's lanes' fifth bits set */
-    const __m512i index = _mm512_ternarylogic_epi32(
-        _mm512_or_si512(d, _mm512_slli_epi32(d, 12)), _mm512_set1_epi32(0x000f000f),
-        _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
+    /* each word's nibble & 0xf, with the second block's lanes' fifth bits set */
+    const __m512i index =
+        _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
+                                  _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
     return _mm512_permutexvar_epi16(index, table);
 }
 
