@@ -152,16 +152,13 @@ def sync(device: torch.device) -> None:
 
 def random_model(raw: dict, device: torch.device, fmt: ExpertFormat = DENSE) -> LoadedModel:
     cfg = family_for(raw).parse_config(raw)
-    with torch.device("meta"):
-        model = DecoderModel(cfg).cast(torch.bfloat16)
-    model = model.to_empty(device=device)
+    model = DecoderModel.empty(cfg, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # unit scale: 1, or 0 where the norm applies 1 + w
                 p.fill_(0.0 if cfg.zero_centered_norm else 1.0)
             else:
                 p.normal_(0, 0.02)
-    model.reset_rotary()
     store = HostExpertStore.for_model(cfg, torch.bfloat16, fmt)
     # Random experts, a block of them repeated (the decode speed depends on the bytes moved,
     # not on their values; routing comes from the random router).

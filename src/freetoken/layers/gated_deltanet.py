@@ -30,6 +30,12 @@ from freetoken.model_config import ModelConfig
 CHUNK_SIZE = 64
 
 
+class _Conv1d(nn.Conv1d):
+    def reset_parameters(self) -> None:  # (as Linear's: nothing to draw on the meta device)
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 def causal_conv1d(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, act: Callable
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
             self.in_proj_ba = Linear(h, 2 * la.num_value_heads, bias=False)
-        self.conv1d = nn.Conv1d(
+        self.conv1d = _Conv1d(
             la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))

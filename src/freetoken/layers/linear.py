@@ -20,5 +20,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear (the same parameters, so checkpoints load the same), computed by `linear`."""
 
+    def reset_parameters(self) -> None:
+        # Models are built on the meta device and their weights loaded: nothing to draw there
+        # (torch's init on meta tensors runs Python reference ops: 2 s of a 16-layer model's
+        # start on the H200 machine).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -201,10 +201,7 @@ def _admit(path: Path, nbytes: int, dtype: torch.dtype) -> None:
 
 
 def _empty_model(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
-    with torch.device("meta"):
-        model = DecoderModel(cfg).cast(dtype)
-    model = model.to_empty(device="cpu")
-    model.reset_rotary()
+    model = DecoderModel.empty(cfg, dtype, "cpu")
     store = HostExpertStore.for_model(cfg, dtype, fmt) if cfg.moe is not None else None
     return model, store
 
