@@ -31,7 +31,6 @@ from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
-from freetoken.kernels import paged_attention
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence, OutOfPagesError
 from freetoken.kv.radix import RadixCache
@@ -360,11 +359,6 @@ class LLMEngine:
         self.last_step = StepTokens(sum(map(len, chunks)), len(decoding))
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
-        if not self.running:
-            # Idle: what a prefill after a cached prefix needs is imported now, on a thread
-            # (3-10 s of Python holding the GIL: not while the weights load nor while the
-            # first request runs; a fresh prompt's first chunk does without it).
-            paged_attention.import_in_background()
         return outputs
 
     def _schedule(self) -> tuple[list[Request], list[list[int]], list[Request]]:

@@ -356,7 +356,7 @@ if triton is not None:
 
 def _causal_lower_right(queries: int, keys: int):
     """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.5-9.6 s
-    on the H200 machine: imported on a thread once the engine is first idle
+    on the H200 machine: imported on a thread once a server's engine is first idle
     (`import_in_background`). A fresh prompt's first chunk (as many queries as keys) needs none
     of it: is_causal, which is what the mask does for a square (torch.nn.attention.bias)."""
     if queries == keys:
@@ -371,7 +371,8 @@ def import_in_background() -> None:
     """Start importing what a prefill after a cached prefix or a first chunk needs, on a
     thread, once (the import lock makes a prefill that comes first wait for it, never import
     twice)."""
+    # (not a daemon: a process that exits while torch imports on another thread can abort in
+    # torch's C++ teardown; exit waits for the import instead)
     threading.Thread(
-        target=importlib.import_module, args=("torch.nn.attention.bias",), daemon=True,
-        name="ft-imports",
-    ).start()  # fmt: skip
+        target=importlib.import_module, args=("torch.nn.attention.bias",), name="ft-imports"
+    ).start()

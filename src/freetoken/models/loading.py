@@ -4,6 +4,7 @@ from one."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
@@ -61,20 +62,31 @@ class IntegrityCheck:
     def __init__(self, weights: wd.WeightDir, items: list):
         self.error: wd.WeightIntegrityError | None = None
         self.done = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(weights, items), name="ft-verify", daemon=True
         )
+        # A process that exits mid-check stops it first: a daemon thread that frees tensors
+        # while Python finalizes aborts the process (torch retakes the GIL in C++ frames).
+        atexit.register(self.stop)
         self._thread.start()
 
     def _run(self, weights: wd.WeightDir, items: list) -> None:
         try:
-            weights.verify(items)
-            log.info("weights verified against their checksums")
+            if weights.verify(items, stop=self._stop):
+                log.info("weights verified against their checksums")
         except wd.WeightIntegrityError as e:
             self.error = e
             log.error("%s", e)
         finally:
             self.done.set()
+            atexit.unregister(self.stop)
+
+    def stop(self) -> None:
+        """End the check early (its chunk in hand finishes) and wait for it."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def resolve_dtype(name: str | torch.dtype | None, config_dtype: str) -> torch.dtype:
