@@ -6,9 +6,8 @@ with posix_fadvise first) and a warm one.
     python benchmarks/load_time.py --layers 8 --work /tmp/lt --tokenizer .carry/tokenizer \
         --out load.md
 
-Each start is a fresh Python process that starts the weight directory's read-ahead and
-builds the engine (`LLMEngine.from_config`: load, runtime, KV) and runs one request to its
-first token, as `ft serve` does before it answers
+Each start is a fresh Python process that builds the engine (`LLMEngine.from_config`: load,
+runtime, KV) and runs one request to its first token, as `ft serve` does before it answers
 (times are from the process's start: imports, weights loaded, engine built, first token)
 (the HTTP layer is left out: the GPU machine has no fastapi). Random Qwen3-30B-A3B-shaped bf16
 weights (benchmarks/checkpoint.py), `hybrid` with an 8 GiB expert cache on CUDA.
@@ -37,9 +36,6 @@ if profile:
     import cProfile, pstats
     prof = cProfile.Profile()
     prof.enable()
-from freetoken.weights import readahead
-if os.environ.get("LOAD_TIME_READAHEAD", "on") == "on":
-    readahead.start(sys.argv[1])  # (as `ft serve` does, before its imports)
 from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine import generate
 from freetoken.engine.generate import LLMEngine
@@ -93,9 +89,8 @@ def plain_read(path: Path) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
-               ahead: str = "on") -> dict:  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOAD_TIME_READAHEAD": ahead}
+def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
         env["LOAD_TIME_PROFILE"] = str(profile)
     t0 = time.time()
@@ -123,9 +118,6 @@ def main() -> int:
         "their on-disk caches for every timed start (a user's second start)",
     )
     ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
-    ap.add_argument("--readahead", nargs="+", choices=["on", "off"], default=["on"],
-                    help="cold starts with the read-ahead during imports (as ft serve), without, "
-                    "or both")  # fmt: skip
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"
     start = time.perf_counter()
@@ -149,7 +141,7 @@ def main() -> int:
     for label, path in (("safetensors", src), ("weight directory", dst)):
         if label not in args.formats:
             continue
-        for cache_state, ahead in [("cold", a) for a in args.readahead] + [("warm", "on")]:
+        for cache_state in ("cold", "warm"):
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -159,12 +151,12 @@ def main() -> int:
                 plain_read(path)
             profile = None
             if args.profile:
-                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}-{ahead}.txt"
-            t = start_once(path, args.strategy, args.cache, profile, ahead)
+                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}.txt"
+            t = start_once(path, args.strategy, args.cache, profile)
             floor = seconds  # the same bytes at the plain read's bandwidth
-            rows.append(dict(format=label, page_cache=cache_state, readahead=ahead,
-                             gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
-                             floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
+            rows.append(dict(format=label, page_cache=cache_state, gb=nbytes / 1e9,
+                             plain_read_gb_s=nbytes / seconds / 1e9, floor_s=floor, **t,
+                             ratio=t["first_token_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     lines = [
         f"# load_time: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, "
@@ -173,14 +165,13 @@ def main() -> int:
         f"checkpoint written in {written:.0f} s, converted in {converted:.0f} s"
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
-        "| format | page cache | read-ahead | GB | plain read GB/s | floor s | imports s | "
-        "weights loaded s | engine built s | first token s | first token / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| format | page cache | GB | plain read GB/s | floor s | imports s | weights loaded s | "
+        "engine built s | first token s | first token / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['format']} | {r['page_cache']} | {r['readahead']} | {r['gb']:.1f} | "
-            f"{r['plain_read_gb_s']:.2f} | "
+            f"| {r['format']} | {r['page_cache']} | {r['gb']:.1f} | {r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
             f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} |"
         )

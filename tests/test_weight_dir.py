@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -252,65 +251,3 @@ def test_a_server_on_corrupt_weights_says_so_and_computes_nothing():
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
         reply = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 500 and "experts:w_down" in reply.json()["error"]["message"]
-
-
-def test_a_read_ahead_hands_its_chunks_to_the_loader(converted, monkeypatch):
-    """Chunks read ahead (into the page cache, while a start imports torch) are read through
-    the page cache by the loader, the rest as before; the weights are the same, the read-ahead
-    stops when the loader claims it, and its pages are dropped after."""
-    from freetoken.weights import readahead
-
-    evicted = evict(converted)
-    monkeypatch.setattr(readahead, "CHUNK", 1 << 16)
-    monkeypatch.setattr(readahead, "READ", 1 << 14)
-    readahead.start(converted)
-    if not evicted:  # a page cache that keeps the files: nothing to read ahead
-        assert readahead.claim(converted) is None
-        pytest.skip("this file system keeps its pages (tmpfs)")
-    ahead = readahead._active
-    assert ahead is not None
-    deadline = time.monotonic() + 30
-    while ahead.nbytes < (converted / "experts.bin").stat().st_size // 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    claimed = []
-    real_claim = readahead.claim
-    monkeypatch.setattr(readahead, "claim", lambda p: claimed.append(real_claim(p)) or claimed[0])
-    loaded = load_model(converted, verify=True)
-    assert claimed == [ahead] and readahead._active is None
-    assert all(not t.is_alive() for t in ahead._threads)
-    assert ahead.nbytes == 0  # released: its pages dropped
-    if direct_io_works(converted / "experts.bin"):  # (the rest was read past the page cache)
-        assert wd.resident_fraction(converted / "experts.bin") < 0.5
-    assert real_claim(converted) is None
-    clean = load_model(converted, verify=True)
-    assert torch.equal(loaded.experts.w_down, clean.experts.w_down)
-    for (name, a), (_, b) in zip(loaded.model.named_parameters(),
-                                 clean.model.named_parameters(), strict=True):  # fmt: skip
-        assert torch.equal(a, b), name
-
-
-def test_what_a_read_ahead_covered(tmp_path, monkeypatch):
-    from freetoken.weights import readahead
-
-    monkeypatch.setattr(readahead, "CHUNK", 100)
-    (tmp_path / "a.bin").write_bytes(b"x" * 350)
-    ahead = readahead.Readahead(tmp_path, ["a.bin"], threads=0)  # (no threads: by hand)
-    ahead._done |= {("a.bin", 0), ("a.bin", 100), ("a.bin", 300)}
-    assert ahead.covered("a.bin", 0, 200) and ahead.covered("a.bin", 150, 50)
-    assert ahead.covered("a.bin", 300, 50)
-    assert not ahead.covered("a.bin", 150, 100)  # into chunk 200, not read
-    assert not ahead.covered("b.bin", 0, 10)
-    assert ahead._todo == [("a.bin", 0), ("a.bin", 100), ("a.bin", 200), ("a.bin", 300)]
-
-
-def test_no_read_ahead_for_what_is_not_a_cold_weight_directory(converted, tmp_path):
-    from freetoken.weights import readahead
-
-    for path in (None, tmp_path, tmp_path / "missing"):
-        readahead.start(path)
-        assert readahead._active is None
-    (converted / "experts.bin").read_bytes()
-    (converted / "dense.bin").read_bytes()  # (in the page cache already)
-    readahead.start(converted)
-    assert readahead._active is None

@@ -330,10 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     from freetoken.errors import FreetokenError
-    from freetoken.weights import readahead
 
-    # A weight directory's reads start now, while the command's imports (torch: seconds) run.
-    readahead.start(getattr(args, "model", None))
     module, func = args.func.split(":")
     try:
         return getattr(importlib.import_module(module), func)(args) or 0

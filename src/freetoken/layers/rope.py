@@ -74,9 +74,15 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
-        # (a few values, computed on the CPU whatever the default device: on the meta device,
-        # where models are built, torch's reference ops import torch._dynamo, seconds)
-        with torch.device("cpu"):
+        if torch.empty(()).is_meta:
+            # Built on the meta device (as models are): the table is computed when the model
+            # is given memory (DecoderModel.materialize). Here it would be the process's first
+            # CPU op, 0.6-0.9 s of torch's lazy initialisation on the H200 machine, which the
+            # loader runs while the weights' reads are under way; and on meta tensors torch's
+            # reference ops import torch._dynamo.
+            dim = int(head_dim * rope.partial_rotary_factor) // 2
+            inv_freq, self.scaling = torch.empty(dim), 1.0
+        else:
             inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

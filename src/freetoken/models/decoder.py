@@ -88,14 +88,22 @@ class DecoderModel(nn.Module):
     def empty(
         cls, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     ) -> DecoderModel:
-        """The model in `dtype` on `device`, its parameters uninitialised (to be loaded): built
-        on the meta device, then given memory by torch.empty (nn.Module.to_empty's empty_like
-        runs a Python reference op per meta tensor: 0.85 s of a start on the H200 machine)."""
+        """The model in `dtype` on `device`, its parameters uninitialised (to be loaded)."""
+        return cls.on_meta(cfg, dtype).materialize(device)
+
+    @classmethod
+    def on_meta(cls, cfg: ModelConfig, dtype: torch.dtype) -> DecoderModel:
+        """The model's structure in `dtype` on the meta device: no memory, no computation."""
         with torch.device("meta"):
-            model = cls(cfg).cast(dtype)
-        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-        model.reset_rotary()
-        return model
+            return cls(cfg).cast(dtype)
+
+    def materialize(self, device: str | torch.device) -> DecoderModel:
+        """A meta model given uninitialised memory on `device` by torch.empty (nn.Module's
+        to_empty calls empty_like, which runs a Python reference op per meta tensor: 0.85 s of
+        a start on the H200 machine), and its RoPE table."""
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        self.reset_rotary()
+        return self
 
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `empty`, or a dtype cast, clobbered it)."""

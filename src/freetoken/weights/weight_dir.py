@@ -25,8 +25,10 @@ This module knows tensors and bytes only; models/loading.py maps them onto a mod
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -35,11 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from freetoken.errors import CheckpointError, FreetokenError
-from freetoken.weights import readahead
-from freetoken.weights.readahead import resident_fraction
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class WeightDir:
              progress=None) -> None:  # fmt: skip
         """Read each entry into its tensor (contiguous, CPU, checked), chunks in parallel."""
         threads = threads or io_threads()
-        fds = _Files(self.path, readahead.claim(self.path))
+        fds = _Files(self.path)
         jobs = []
         for entry, tensor in items:
             self.check(entry, tensor)
@@ -206,8 +207,6 @@ class WeightDir:
                 list(pool.map(run, jobs))
         finally:
             fds.close()
-            if fds.ahead is not None:
-                fds.ahead.release()
 
     def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1,
                stop: threading.Event | None = None) -> bool:  # fmt: skip
@@ -239,12 +238,10 @@ class WeightDir:
 
 class _Files:
     """Open descriptors per file: a direct one (O_DIRECT, where the file system has it) for
-    aligned reads into aligned memory, a buffered one for the rest and for what a read-ahead
-    (`ahead`) put in the page cache."""
+    aligned reads into aligned memory, a buffered one for the rest."""
 
-    def __init__(self, root: Path, ahead: readahead.Readahead | None = None):
+    def __init__(self, root: Path):
         self.root = root
-        self.ahead = ahead
         self._buffered: dict[str, int] = {}
         self._direct: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -267,8 +264,6 @@ class _Files:
         buffered, direct = self._fds(file)
         address = torch.frombuffer(buf, dtype=torch.uint8).data_ptr() if len(buf) else 0
         aligned = (address | offset | len(buf)) % ALIGN == 0
-        if self.ahead is not None and self.ahead.covered(file, offset, len(buf)):
-            aligned = False  # (in the page cache: through it)
         done = 0
         while done < len(buf):
             fd = direct if aligned and direct is not None else buffered
@@ -295,3 +290,34 @@ class _Files:
         for fd in [*self._buffered.values(), *self._direct.values()]:
             if fd is not None:
                 os.close(fd)
+
+
+def resident_fraction(path: Path) -> float:
+    """The share of a file's pages in the page cache (mincore on a mapping of it); 0 where
+    that cannot be asked."""
+    size = path.stat().st_size
+    if size == 0:
+        return 1.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return 0.0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return 0.0
+        try:
+            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+            if libc.mincore(addr, size, pages.ctypes.data) != 0:
+                return 0.0
+            return float((pages & 1).mean())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
