@@ -469,7 +469,7 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
  * in a few per-thread entries, so a block's decoding is a lookup as mxfp4's is, where computing
  * its table (two products and a rounding per 16 values) halved the kernel's speed. */
 typedef struct {
-    uint16_t t[256][16] __attribute__((aligned(64)));
+    uint16_t t[256 + 1][16] __attribute__((aligned(64))); /* (+1: 64-byte loads of t[255]) */
     uint32_t key;
     int used;
 } nv_table_t;
@@ -498,17 +498,27 @@ static const uint16_t (*nv_table(float g))[16] {
  * fifth index bit picks the block); `two` 0: one block, in the first 16 lanes. */
 static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two,
                               const uint16_t (*t)[16]) {
+    const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
+                              : _mm_loadl_epi64((const __m128i *)w);
+#ifndef NV_INSERT
+    /* the two tables as two sources of one permute (the sixth index bit picks the second):
+     * plain loads, where joining them into one register took a shuffle */
+    const __m512i index =
+        _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
+                                  _mm512_maskz_set1_epi32(0xff00, 0x00200020), 0xEA);
+    return _mm512_permutex2var_epi16(_mm512_loadu_si512(t[s[0]]), index,
+                                     _mm512_loadu_si512(t[two ? s[1] : s[0]]));
+#else
     const __m256i ta = _mm256_load_si256((const __m256i *)t[s[0]]);
     const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(ta),
                                              two ? _mm256_load_si256((const __m256i *)t[s[1]]) : ta,
                                              1);
-    const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
-                              : _mm_loadl_epi64((const __m128i *)w);
     /* each word's nibble & 0xf, with the second block's lanes' fifth bits set */
     const __m512i index =
         _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
                                   _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
     return _mm512_permutexvar_epi16(index, table);
+#endif
 }
 
 static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, __m512 *lo,
