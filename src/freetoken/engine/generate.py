@@ -34,6 +34,7 @@ from freetoken.errors import FreetokenError
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
 from freetoken.kv.paged import KVSequence, OutOfPagesError
 from freetoken.kv.radix import RadixCache
+from freetoken.models import gguf
 from freetoken.models.loading import load_model
 from freetoken.telemetry import PrefixReuseTelemetry
 from freetoken.tokenizer import Tokenizer
@@ -157,11 +158,14 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
+        model = Path(config.model)
+        if gguf.is_gguf(model):  # converted once into a checkpoint directory in the cache
+            model = gguf.checkpoint_of(model)
         # The tokenizer loads on a thread while the weights do (the reads release the GIL);
         # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
-            tokenizer = pool.submit(Tokenizer, Path(config.model))
-            loaded = load_model(Path(config.model), config.dtype, device,
+            tokenizer = pool.submit(Tokenizer, model)
+            loaded = load_model(model, config.dtype, device,
                                 progress=config.progress, verify=config.verify_weights,
                                 dequantize_experts=config.dequantize_experts)  # fmt: skip
             runner = ModelRunner(

@@ -104,8 +104,8 @@ class CheckpointDir:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(
-                f"no *.safetensors weights in {self.path} (other weight formats such as "
-                ".bin or .gguf are not supported; convert to safetensors)"
+                f"no *.safetensors weights in {self.path} (.bin weights are not supported; "
+                "convert them to safetensors; a GGUF file is given itself: --model FILE.gguf)"
             )
         return files
 

@@ -1,0 +1,92 @@
+"""Tiny GGUF files for tests: a transformers checkpoint (tiny_models.build_chat_model) written as
+llama.cpp lays a Qwen3 model out (its tensor names, hyper-parameters and GPT-2 style tokenizer
+metadata), each tensor in F32 or quantized to Q8_0 by the `gguf` package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after blk.N.)
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path:
+    """`checkpoint`: a Qwen3ForCausalLM directory with the Qwen tokenizer; `quantize`: F32, or
+    Q8_0 for the 2-D weights whose rows are whole blocks (the norms stay F32, as llama.cpp
+    keeps them)."""
+    import gguf
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    w.add_name("tiny-qwen3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(float(cfg["rope_theta"] if "rope_theta" in cfg else
+                               cfg["rope_parameters"]["rope_theta"]))  # fmt: skip
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    # tokenizer: every id up to the model's vocabulary (unused rows as padding tokens)
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    by_id = {i: t for t, i in vocab.items()}
+    size = cfg["vocab_size"]
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
+    special = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    types = [gguf.TokenType.CONTROL if i in special else
+             gguf.TokenType.USER_DEFINED if i not in by_id else gguf.TokenType.NORMAL
+             for i in range(size)]  # fmt: skip
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_eos_token_id(vocab[tok_config["eos_token"]])
+    w.add_bos_token_id(cfg.get("bos_token_id") or vocab["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok_config["chat_template"])
+
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    for name, value in weights.items():
+        value = value.astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{NAMES[rest]}"
+        if quantize == "Q8_0" and value.ndim == 2 and value.shape[1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            data = gguf.quants.quantize(value, q8)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=q8)
+        else:
+            w.add_tensor(gname, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
