@@ -73,6 +73,7 @@ def test_its_tokenizer_and_template_are_the_source_checkpoints(source, tmp_path,
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
     converted = gguf.checkpoint_of(write_qwen3_gguf(path, tmp_path / "t.gguf"))
     ours, theirs = Tokenizer(converted), Tokenizer(path)
+    assert not ours.uses_transformers  # (transformers saved it as a tokenizer.json to take)
     for text in ("Hello, world! <|im_end|> 你好 def f(x):\n\treturn x", "  spaces  "):
         assert ours.encode(text) == theirs.encode(text)
     chat = [{"role": "user", "content": "Hi"}]

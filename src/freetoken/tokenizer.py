@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # Classes whose transformers implementation uses tokenizer.json unchanged (others rebuild
 # parts of it from tokenizer_config.json: Llama's prefix space and legacy flags, ...).
-AS_STORED = frozenset({"PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast"})
+# TokenizersBackend: transformers 5's own name for a tokenizer.json taken as it is (what it
+# writes for a tokenizer it built, from a GGUF file for one).
+AS_STORED = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer",
+                       "Qwen2TokenizerFast"})  # fmt: skip
 # The special tokens a template sees, as transformers names them.
 SPECIAL_TOKENS = tuple(
     f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
