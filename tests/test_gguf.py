@@ -108,3 +108,15 @@ def test_a_file_that_is_not_gguf_is_refused_clearly(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"bad\.gguf"):
         gguf.checkpoint_of(bad)
     assert not any((tmp_path / "cache" / "gguf").glob("*"))  # nothing half-written left
+
+
+def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path, monkeypatch):
+    from freetoken.weights import memory
+
+    path, _, _ = source
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    file = write_qwen3_gguf(path, tmp_path / "big.gguf")
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
+    with pytest.raises(CheckpointError, match=r"dequantizes to .* free in host memory"):
+        gguf.checkpoint_of(file)
+    assert not any((tmp_path / "cache" / "gguf").glob("*"))

@@ -77,6 +77,9 @@ def _convert(path: Path, dst: Path) -> None:
         if key_length is not None and "head_dim" not in fields:  # (Qwen3's: not in its map)
             fields["head_dim"] = int(key_length.contents())
         config = AutoConfig.for_model(model_type, **fields)
+        quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
+        dtype = torch.bfloat16 if quantized else torch.float32
+        _check_room(path, dst, sum(int(t.n_elements) for t in reader.tensors) * dtype.itemsize)
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
@@ -84,8 +87,6 @@ def _convert(path: Path, dst: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (KeyError, ValueError, OSError, NotImplementedError) as e:
         raise CheckpointError(f"cannot read {path} as a GGUF checkpoint: {e}") from e
-    quantized = any(t.tensor_type.name not in ("F32",) for t in reader.tensors)
-    dtype = torch.bfloat16 if quantized else torch.float32
     config.dtype = dtype
     config.architectures = [type(skeleton).__name__]  # (what the family is looked up by)
     config.save_pretrained(dst)
@@ -95,3 +96,20 @@ def _convert(path: Path, dst: Path) -> None:
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()},
               str(dst / "model.safetensors"))  # fmt: skip
+
+
+def _check_room(path: Path, dst: Path, nbytes: int) -> None:
+    """Refuse, before dequantizing anything, a conversion that host memory (which holds every
+    dequantized tensor at once) or the cache's disk cannot take."""
+    from freetoken.weights import memory
+
+    free_disk = shutil.disk_usage(dst).free
+    free_host = memory.available_host_bytes()
+    for what, free, where in ((nbytes, free_host, "host memory"), (nbytes, free_disk, str(dst))):
+        if what > free:
+            raise CheckpointError(
+                f"{path.name} dequantizes to {memory.gib(nbytes)}, more than the "
+                f"{memory.gib(free)} free in {where}: freetoken keeps GGUF experts in their "
+                "quantized types only in a later version; convert a smaller file, or the "
+                "checkpoint this GGUF came from (ft checkpoint convert)"
+            )
