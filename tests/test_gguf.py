@@ -120,3 +120,14 @@ def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path,
     with pytest.raises(CheckpointError, match=r"dequantizes to .* free in host memory"):
         gguf.checkpoint_of(file)
     assert not any((tmp_path / "cache" / "gguf").glob("*"))
+
+
+def test_a_gguf_file_converts_to_a_weight_directory(source, tmp_path, monkeypatch):
+    from freetoken.models.loading import convert_checkpoint
+
+    path, _, _ = source
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    file = write_qwen3_gguf(path, tmp_path / "w.gguf")
+    dst = convert_checkpoint(file, tmp_path / "weights", progress=False)
+    assert torch.equal(logits(dst), logits(gguf.checkpoint_of(file)))
+    assert Tokenizer(dst).render_chat([{"role": "user", "content": "x"}])

@@ -24,8 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g,
         "--model",
         type=Path,
-        help="local Hugging Face checkpoint directory, or a weight directory made by `ft "
-        "checkpoint convert` (default: demo model)",
+        help="local Hugging Face checkpoint directory, a weight directory made by `ft "
+        "checkpoint convert`, or a GGUF file (default: demo model)",
     )
     option(
         g,
@@ -229,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a checkpoint as a freetoken weight directory: tensors laid out as the engine "
         "holds them, read in parallel straight into place, with checksums",
     )
-    convert.add_argument("src", type=Path, help="a Hugging Face safetensors checkpoint directory")
+    convert.add_argument(
+        "src", type=Path, help="a Hugging Face safetensors checkpoint directory, or a GGUF file"
+    )
     convert.add_argument("dst", type=Path, help="the weight directory to write (new or empty)")
     convert.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     convert.add_argument(

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from freetoken.errors import CheckpointError, InsufficientMemoryError
 from freetoken.model_config import ModelConfig
+from freetoken.models import gguf
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
@@ -229,10 +230,12 @@ _SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.
 def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
                        progress: bool | None = None,
                        dequantize_experts: bool = False) -> Path:  # fmt: skip
-    """Write `src` (a safetensors checkpoint) as a weight directory at `dst`: the model's
-    parameters and the host pool's banks exactly as loading holds them (quantized experts kept
-    so unless `dequantize_experts`)."""
+    """Write `src` (a safetensors checkpoint, or a GGUF file: converted first, models/gguf.py)
+    as a weight directory at `dst`: the model's parameters and the host pool's banks exactly as
+    loading holds them (quantized experts kept so unless `dequantize_experts`)."""
     src, dst = Path(src), Path(dst)
+    if gguf.is_gguf(src):
+        src = gguf.checkpoint_of(src)
     if wd.is_weight_dir(src):
         raise CheckpointError(f"{src} is a weight directory already")
     if dst.exists() and any(dst.iterdir()):
