@@ -67,20 +67,14 @@ class Tokenizer:
                 f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}"
             )
         config = _read_json(path / "tokenizer_config.json")
-        self.backend = _stored_tokenizer(path, config)
-        if self.backend is not None:
-            self._special = {k: v for k in SPECIAL_TOKENS if (v := _content(config.get(k)))}
-            self.template = chat_template.find_template(path, config)
-        else:  # transformers' class
-            self.backend = _transformers_tokenizer(path)
-            hf = self.backend
-            self._special = {k: str(v) for k, v in hf.special_tokens_map.items()
-                             if k in SPECIAL_TOKENS and v is not None}  # fmt: skip
-            self.template = hf.chat_template
+        stored = _stored_tokenizer(path, config)
+        self.vocab = StoredVocab(stored, config) if stored else TransformersVocab(path)
+        self.template = (chat_template.find_template(path, config) if stored
+                         else self.vocab.hf.chat_template)  # fmt: skip
         self.generation_config = _read_json(path / "generation_config.json", warn=True)
         # Chat models end a turn with a token (e.g. <|im_end|>) that generation_config.json
         # lists beside the tokenizer's pretraining EOS.
-        eos = self.token_id(self._special.get("eos_token", ""))
+        eos = self.token_id(self.vocab.special.get("eos_token", ""))
         ids = [eos] if eos is not None else []
         value = self.generation_config.get("eos_token_id")
         ids += [value] if isinstance(value, int) else list(value or [])
@@ -88,43 +82,30 @@ class Tokenizer:
 
     @property
     def uses_transformers(self) -> bool:
-        return not _is_tokenizers(self.backend)
+        return isinstance(self.vocab, TransformersVocab)
 
     # -- vocabulary ---------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
         """Ids a request may name: the vocabulary with its added tokens."""
-        if _is_tokenizers(self.backend):
-            return self.backend.get_vocab_size(with_added_tokens=True)
-        return len(self.backend)
+        return self.vocab.size
 
     def token_id(self, token: str) -> int | None:
         """The id of a token (by its name in the vocabulary, e.g. "<|im_end|>"), or None."""
-        if not token:
-            return None
-        if _is_tokenizers(self.backend):
-            return self.backend.token_to_id(token)
-        tid = self.backend.convert_tokens_to_ids(token)
-        unknown = tid is None or (tid == self.backend.unk_token_id and token != self._special.get(
-            "unk_token"))  # fmt: skip
-        return None if unknown else tid
+        return self.vocab.token_id(token) if token else None
 
     def token(self, tid: int) -> str | None:
         """The name of token `tid`, or None."""
-        if _is_tokenizers(self.backend):
-            return self.backend.id_to_token(tid)
-        return self.backend.convert_ids_to_tokens(tid)
+        return self.vocab.token(tid)
 
     def encode(self, text: str) -> list[int]:
-        if _is_tokenizers(self.backend):
-            return self.backend.encode(text, add_special_tokens=False).ids
-        return self.backend.encode(text, add_special_tokens=False)
+        return self.vocab.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # (no "clean-up" of spaces before punctuation: transformers 5 skips it for BPE models
         # too, and it corrupts code)
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.vocab.decode(list(ids), skip_special_tokens)
 
     # -- generation settings --------------------------------------------------------------
 
@@ -170,11 +151,60 @@ class Tokenizer:
             raise CheckpointError("this checkpoint's tokenizer has no chat template")
         source = chat_template.select(self.template or "", chosen, tools)
         return chat_template.render(source, messages, tools, add_generation_prompt,
-                                    self._special, **template_kwargs)  # fmt: skip
+                                    self.vocab.special, **template_kwargs)  # fmt: skip
 
 
-def _is_tokenizers(backend) -> bool:
-    return type(backend).__module__.startswith("tokenizers")
+class StoredVocab:
+    """tokenizer.json through `tokenizers` alone; the special tokens as tokenizer_config.json
+    names them."""
+
+    def __init__(self, tok, config: Mapping[str, Any]):
+        self.tok = tok
+        self.special = {k: v for k in SPECIAL_TOKENS if (v := _content(config.get(k)))}
+        self.size = tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def token(self, tid: int) -> str | None:
+        return self.tok.id_to_token(tid)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class TransformersVocab:
+    """transformers' class for the checkpoint (offline), imported alone."""
+
+    def __init__(self, path: Path):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        try:
+            self.hf = tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+        self.special = {k: str(v) for k, v in self.hf.special_tokens_map.items()
+                        if k in SPECIAL_TOKENS and v is not None}  # fmt: skip
+        self.size = len(self.hf)
+
+    def token_id(self, token: str) -> int | None:
+        tid = self.hf.convert_tokens_to_ids(token)
+        unknown = tid is None or (tid == self.hf.unk_token_id
+                                  and token != self.special.get("unk_token"))  # fmt: skip
+        return None if unknown else tid
+
+    def token(self, tid: int) -> str | None:
+        return self.hf.convert_ids_to_tokens(tid)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _stored_tokenizer(path: Path, config: Mapping[str, Any]):
@@ -202,16 +232,6 @@ def _stored_tokenizer(path: Path, config: Mapping[str, Any]):
     try:
         return Stored.from_str(text)
     except Exception as e:  # (tokenizers raises its own Exception type)
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
-
-
-def _transformers_tokenizer(path: Path):
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    try:
-        return tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
 
 

@@ -20,7 +20,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -158,9 +157,7 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
-        model = Path(config.model)
-        if gguf.is_gguf(model):  # converted once into a checkpoint directory in the cache
-            model = gguf.checkpoint_of(model)
+        model = gguf.resolve(config.model)  # (a GGUF file: converted once, in the cache)
         # The tokenizer loads on a thread while the weights do (the reads release the GIL);
         # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:

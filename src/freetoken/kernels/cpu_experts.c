@@ -425,7 +425,6 @@ static inline void fp8_f32(const uint8_t *c, const fp8_scale_t *f, __m512 *lo, _
 /* With VBMI, a byte permute puts each byte in both words of its lane and one variable shift
  * (0 for the low word, 4 for the high) brings the high nibble down: three instructions where
  * the zero-extension, shift and or take four (the decoding is what bounds these formats). */
-#define NIBBLE_SPREAD 1
 static inline __m512i nibble_index(__m128i bytes) {
     const __m512i spread = _mm512_permutexvar_epi8(
         _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11,

@@ -23,6 +23,7 @@ import torch
 
 from freetoken import paths
 from freetoken.errors import CheckpointError
+from freetoken.weights import memory
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,11 @@ DONE = "freetoken-gguf.json"  # written last: a directory without it is incomple
 
 def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
+
+
+def resolve(path: str | Path) -> Path:
+    """`path` itself, or for a GGUF file the checkpoint directory it converts to."""
+    return checkpoint_of(path) if is_gguf(path) else Path(path)
 
 
 def checkpoint_of(path: str | Path) -> Path:
@@ -101,12 +107,9 @@ def _convert(path: Path, dst: Path) -> None:
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
     """Refuse, before dequantizing anything, a conversion that host memory (which holds every
     dequantized tensor at once) or the cache's disk cannot take."""
-    from freetoken.weights import memory
-
-    free_disk = shutil.disk_usage(dst).free
-    free_host = memory.available_host_bytes()
-    for what, free, where in ((nbytes, free_host, "host memory"), (nbytes, free_disk, str(dst))):
-        if what > free:
+    for free, where in ((memory.available_host_bytes(), "host memory"),
+                        (shutil.disk_usage(dst).free, str(dst))):  # fmt: skip
+        if nbytes > free:
             raise CheckpointError(
                 f"{path.name} dequantizes to {memory.gib(nbytes)}, more than the "
                 f"{memory.gib(free)} free in {where}: freetoken keeps GGUF experts in their "
