@@ -466,17 +466,25 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
 /* nvfp4 in bf16: the 16 codes' values for each of the 256 e4m3 scales, for one per-row scale g
  * (a checkpoint's g is its tensor's: every row of a projection shares it), built once and kept
  * in a few per-thread entries, so a block's decoding is a lookup as mxfp4's is, where computing
- * its table (two products and a rounding per 16 values) halved the kernel's speed. */
+ * its table (two products and a rounding per 16 values) halved the kernel's speed. Each scale's
+ * row is the 16 values twice (64 bytes, one cache line: a block's table is one aligned load, where
+ * 32-byte rows made every other 64-byte load straddle two lines; -DNV_ROW32 builds those). */
+#ifdef NV_ROW32
+#define NV_ROW 16
+#else
+#define NV_ROW 32
+#endif
 typedef struct {
-    uint16_t t[256 + 1][16] __attribute__((aligned(64))); /* (+1: 64-byte loads of t[255]) */
+    uint16_t t[256 + 1][NV_ROW] __attribute__((aligned(64))); /* (+1: 64-byte loads of t[255]) */
     uint32_t key;
     int used;
 } nv_table_t;
 #define NV_TABLES 4
 static _Thread_local nv_table_t nv_cache[NV_TABLES];
 static _Thread_local unsigned nv_next;
+typedef const uint16_t (*nv_rows_t)[NV_ROW];
 
-static const uint16_t (*nv_table(float g))[16] {
+static nv_rows_t nv_table(float g) {
     uint32_t key;
     memcpy(&key, &g, 4);
     for (int i = 0; i < NV_TABLES; i++)
@@ -486,31 +494,36 @@ static const uint16_t (*nv_table(float g))[16] {
     for (int sc = 0; sc < 256; sc += 2) { /* (e2m1 * e4m3) * g, as the definition orders it */
         const __m512 a = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc])), vg);
         const __m512 b = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc + 1])), vg);
-        _mm512_store_si512(e->t[sc], bf16_rne32(a, b, 1)); /* (subnormals checked) */
+        const __m512i ab = bf16_rne32(a, b, 1); /* (subnormals checked) sc's 16, sc + 1's 16 */
+#ifdef NV_ROW32
+        _mm512_store_si512(e->t[sc], ab);
+#else
+        _mm512_store_si512(e->t[sc], _mm512_shuffle_i64x2(ab, ab, 0x44));     /* lo, lo */
+        _mm512_store_si512(e->t[sc + 1], _mm512_shuffle_i64x2(ab, ab, 0xEE)); /* hi, hi */
+#endif
     }
     e->key = key;
     e->used = 1;
     return e->t;
 }
 
-/* Two blocks at a time (16 bytes: 32 values), their tables side by side in one register (the
- * fifth index bit picks the block); `two` 0: one block, in the first 16 lanes. */
-static inline __m512i nv_bf16(const uint8_t *w, const uint8_t *s, int two,
-                              const uint16_t (*t)[16]) {
+/* Two blocks at a time (16 bytes: 32 values) of scales sa and sb, their tables as the two
+ * sources of one permute (the sixth index bit picks the second; with rows of 32 the fifth bit
+ * is free, as both halves of a row are the same); `two` 0: one block, in the first 16 lanes. */
+static inline __m512i nv_bf16(const uint8_t *w, unsigned sa, unsigned sb, int two,
+                              nv_rows_t t) {
     const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
                               : _mm_loadl_epi64((const __m128i *)w);
 #ifndef NV_INSERT
-    /* the two tables as two sources of one permute (the sixth index bit picks the second):
-     * plain loads, where joining them into one register took a shuffle */
     const __m512i index =
         _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
                                   _mm512_maskz_set1_epi32(0xff00, 0x00200020), 0xEA);
-    return _mm512_permutex2var_epi16(_mm512_loadu_si512(t[s[0]]), index,
-                                     _mm512_loadu_si512(t[two ? s[1] : s[0]]));
+    return _mm512_permutex2var_epi16(_mm512_loadu_si512(t[sa]), index,
+                                     _mm512_loadu_si512(t[two ? sb : sa]));
 #else
-    const __m256i ta = _mm256_load_si256((const __m256i *)t[s[0]]);
+    const __m256i ta = _mm256_loadu_si256((const __m256i *)t[sa]);
     const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(ta),
-                                             two ? _mm256_load_si256((const __m256i *)t[s[1]]) : ta,
+                                             two ? _mm256_loadu_si256((const __m256i *)t[sb]) : ta,
                                              1);
     /* each word's nibble & 0xf, with the second block's lanes' fifth bits set */
     const __m512i index =
@@ -630,14 +643,14 @@ static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int
 
 static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, float g, int bf16,
                          void *out) {
-    const uint16_t(*table)[16] = bf16 ? nv_table(g) : NULL;
+    const nv_rows_t table = bf16 ? nv_table(g) : NULL;
     for (int64_t b = 0; b < blocks; b += 2) {
         const int two = b + 1 < blocks;
         PREFETCH(w + 8 * b + PREFETCH_BYTES);
         PREFETCH(s + b + PREFETCH_BYTES / 8);
         if (bf16) {
             _mm512_mask_storeu_epi16((uint16_t *)out + 16 * b, two ? 0xffffffffu : 0xffffu,
-                                     nv_bf16(w + 8 * b, s + b, two, table));
+                                     nv_bf16(w + 8 * b, s[b], two ? s[b + 1] : 0, two, table));
         } else {
             __m512 lo, hi;
             nv_f32(w + 8 * b, s + b, two, g, &lo, &hi);
@@ -815,13 +828,18 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
                       mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
         }
     } else if (q->fmt == FMT_NVFP4) {
-        const uint16_t(*t)[16] = nv_table(q->g);
+        const nv_rows_t t = nv_table(q->g);
         for (; k + 128 <= K; k += 128) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
             PREFETCH(w + PREFETCH_BYTES);
             PREFETCH(s + PREFETCH_BYTES / 8);
-            QDOT_STEP(nv_bf16(w, s, 1, t), nv_bf16(w + 16, s + 2, 1, t),
-                      nv_bf16(w + 32, s + 4, 1, t), nv_bf16(w + 48, s + 6, 1, t));
+            uint64_t s8; /* (the eight scales in one load, as mxfp4's four) */
+            memcpy(&s8, s, 8);
+#define NV_S(i) ((unsigned)(s8 >> (8 * (i))) & 0xff)
+            QDOT_STEP(nv_bf16(w, NV_S(0), NV_S(1), 1, t), nv_bf16(w + 16, NV_S(2), NV_S(3), 1, t),
+                      nv_bf16(w + 32, NV_S(4), NV_S(5), 1, t),
+                      nv_bf16(w + 48, NV_S(6), NV_S(7), 1, t));
+#undef NV_S
         }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
@@ -862,9 +880,11 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else if (q->fmt == FMT_NVFP4) {
-        const uint16_t(*t)[16] = nv_table(q->g);
+        const nv_rows_t t = nv_table(q->g);
         for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)nv_bf16(q->w + k / 2, q->s8 + k / 16, 1, t),
+            a0 = _mm512_dpbf16_ps(a0,
+                                  (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
+                                                    q->s8[k / 16 + 1], 1, t),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
 #if FP8_TABLES
