@@ -25,6 +25,7 @@ from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.weights.expert_format import (
     MXFP4,
     NVFP4,
+    Q8_0,
     ExpertWeights,
     QuantizedBank,
     fp8_format,
@@ -306,6 +307,7 @@ FORMATS = {
     "fp8-128x128": fp8_format((128, 128)),  # decoded in registers (single routes)
     "mxfp4": MXFP4,
     "nvfp4": NVFP4,
+    "q8_0": Q8_0,
 }
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
@@ -330,6 +332,8 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
             part = torch.rand(shape, generator=gen) * 2e-3 + 1e-4
         elif fmt.name == "mxfp4":  # e8m0: 2^-8 .. 2^-3
             part = torch.randint(119, 125, shape, generator=gen, dtype=torch.uint8)
+        elif fmt.name == "q8_0":  # fp16: codes up to 127 to ~0.1
+            part = (torch.rand(shape, generator=gen) * 6e-4 + 2e-4).half()
         else:  # nvfp4: e4m3 0.0625 .. 0.23
             part = torch.randint(0x18, 0x26, shape, generator=gen, dtype=torch.uint8)
         parts[name] = part
@@ -345,7 +349,7 @@ def quantized_experts(fmt, hidden: int, inter: int, seed: int = 0, pairs: int = 
 
 
 def fits(fmt, hidden: int, inter: int) -> bool:
-    return fmt.pack == 1 or (hidden % fmt.col_block == 0 and inter % fmt.col_block == 0)
+    return fmt.name == "fp8" or (hidden % fmt.col_block == 0 and inter % fmt.col_block == 0)
 
 
 def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0) -> None:
@@ -368,7 +372,10 @@ def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int
     assert torch.equal(got, dense(x, rows, pairs, weights))
     want = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act, bias, dtype=dtype)
     scale = want.abs().max().item()
-    assert scale > 0 and (got - want).abs().max().item() <= TOLERANCE[dtype] * scale
+    # (swiglu_oai: the kernel rounds it once where torch rounds op by op, a bf16 rounding apart
+    # before the down projection, which q8_0's full-mantissa weights carry further than fp4's)
+    slack = 1.5 if act == "swiglu_oai" and dtype == torch.bfloat16 else 1.0
+    assert scale > 0 and (got - want).abs().max().item() <= slack * TOLERANCE[dtype] * scale
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -413,6 +420,15 @@ def extreme_banks() -> list[QuantizedBank]:
         extremes = [1e-40, 2.0**-117, 3e38, 2.0**121, float("inf"), float("nan"), 0.0, -0.5]
         scales.view(-1)[: len(extremes)] = torch.tensor(extremes)[: scales.numel()]
         out.append(QuantizedBank(fp8_format(block), codes.contiguous(), scales))
+    # q8_0: every code, fp16 scales from the least subnormal to infinite and NaN
+    codes = every.repeat(2 * 64 * 256 // 256).view(2, 64, 256)
+    codes = codes.view(-1)[torch.randperm(codes.numel(), generator=gen)].view(2, 64, 256)
+    bits = torch.randint(0, 0x7C00, (2, 64, 8), generator=gen, dtype=torch.int32)
+    extremes = [0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0x7E00, 0x8000, 0xFC00, 0x8001, 0x3C00]
+    bits.view(-1)[: len(extremes)] = torch.tensor(extremes, dtype=torch.int32)
+    bits[1] |= 0x8000  # (negative scales)
+    scales = bits.to(torch.int16).view(torch.float16)
+    out.append(QuantizedBank(Q8_0, codes.contiguous(), scales.contiguous()))
     return out
 
 

@@ -12,6 +12,7 @@ from freetoken.weights.expert_format import (
     DENSE,
     MXFP4,
     NVFP4,
+    Q8_0,
     QuantizedBank,
     bank_parts,
     expert_format,
@@ -39,6 +40,10 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
                                generator=GEN)  # fmt: skip
         parts = q.QuantizedParts("mxfp4", blocks, scales.view(torch.float8_e8m0fnu))
         return parts, q.dequantize_mxfp4(blocks, scales)
+    if name == "q8_0":
+        codes = torch.randint(-128, 128, (*lead, rows, cols), dtype=torch.int8, generator=GEN)
+        scales = (torch.rand(*lead, rows, cols // 32, generator=GEN) * 1e-3).half()
+        return q.QuantizedParts("q8_0", codes, scales), q.dequantize_q8_0(codes, scales)
     packed = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=GEN)
     block = (torch.rand(*lead, rows, cols // 16, generator=GEN) * 4 + 0.1).to(torch.float8_e4m3fn)
     g = torch.tensor(0.37)
@@ -46,7 +51,7 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
     return parts, q.dequantize_nvfp4(packed, block, g)
 
 
-FORMATS = {"fp8": fp8_format((16, 24)), "mxfp4": MXFP4, "nvfp4": NVFP4}
+FORMATS = {"fp8": fp8_format((16, 24)), "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -86,6 +91,7 @@ def test_bytes_per_expert_follow_the_format():
     assert NVFP4.nbytes(rows, cols, torch.bfloat16) == nvfp4
     fp8 = fp8_format((128, 128))
     assert fp8.nbytes(1536, 2048, torch.bfloat16) == 1536 * 2048 + 12 * 16 * 4
+    assert Q8_0.nbytes(rows, cols, torch.bfloat16) == rows * cols + rows * cols // 32 * 2
     assert dense / MXFP4.nbytes(rows, cols, torch.bfloat16) > 3.7  # 4.25 bits a weight
 
 
@@ -94,6 +100,8 @@ def test_shapes_the_blocks_cannot_lay_out_are_refused():
         MXFP4.parts(64, 48, torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 16"):
         NVFP4.check(64, 40)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8_0.check(64, 48)
     fp8 = fp8_format((128, 128))
     fp8.check(64, 200)  # (partial blocks are fine for FP8)
     assert fp8.stacks(768) and not fp8.stacks(1408 + 64)

@@ -117,7 +117,7 @@ def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path,
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
     file = write_qwen3_gguf(path, tmp_path / "big.gguf")
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
-    with pytest.raises(CheckpointError, match=r"dequantizes to .* free in host memory"):
+    with pytest.raises(CheckpointError, match=r"converts to .* free in host memory"):
         gguf.checkpoint_of(file)
     assert not any((tmp_path / "cache" / "gguf").glob("*"))
 
@@ -131,3 +131,81 @@ def test_a_gguf_file_converts_to_a_weight_directory(source, tmp_path, monkeypatc
     dst = convert_checkpoint(file, tmp_path / "weights", progress=False)
     assert torch.equal(logits(dst), logits(gguf.checkpoint_of(file)))
     assert Tokenizer(dst).render_chat([{"role": "user", "content": "x"}])
+
+
+# -- Qwen3-MoE with Q8_0 experts: kept as stored -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    """A tiny Qwen3-MoE GGUF (every layer MoE, as llama.cpp's qwen3moe) in Q8_0 and its
+    converted checkpoint."""
+    cache = tmp_path_factory.mktemp("moe-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
+                                   mlp_only_layers=[])  # fmt: skip
+        file = write_qwen3_gguf(path, tmp_path_factory.mktemp("moe-gguf") / "moe.gguf", "Q8_0")
+        return file, gguf.checkpoint_of(file)
+
+
+def moe_logits(path, moe=None, **load) -> torch.Tensor:
+    """Prefill logits and four paged decode steps'."""
+    runner = ModelRunner(load_model(path, dtype="float32", **load), kv_cache_tokens=128,
+                         page_size=8, moe=moe)  # fmt: skip
+    seq = runner.new_sequence()
+    out = [runner.forward([seq], [IDS], all_logits=True)]
+    for token in (5, 17, 40, 9):
+        out.append(runner.forward([seq], [[token]]))
+    return torch.cat(out)
+
+
+def test_q8_0_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_file):
+    from safetensors.torch import load_file
+
+    from freetoken.config import MoEOptions
+    from freetoken.weights.quantized import dequantize_q8_0
+
+    file, converted = moe_file
+    stored = load_file(str(converted / "model.safetensors"))
+    codes = stored["model.layers.0.mlp.experts.gate_up_proj_q8_0"]
+    assert codes.dtype == torch.int8 and codes.shape == (8, 64, 64)  # [E, 2I, H]: 8 bits a value
+    assert stored["model.layers.0.mlp.experts.gate_up_proj_q8_0_scales"].dtype == torch.float16
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    # the host pool holds the codes and scales as the file stores them
+    experts = load_model(converted, dtype="float32").experts
+    assert experts.format.name == "q8_0" and experts.w_gate_up.dtype == torch.uint8
+    dense = load_model(converted, dtype="float32", dequantize_experts=True)
+    assert experts.nbytes < dense.experts.nbytes / 3.5  # (8.5 bits a weight against fp32's 32)
+    want = moe_logits(converted, dequantize_experts=True)
+    # every strategy and cache size (one slot, a few, all) computes with them as defined
+    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("hybrid", "1"), MoEOptions("cpu"),
+                MoEOptions("offload", "3"), MoEOptions("static", "5")):  # fmt: skip
+        got = moe_logits(converted, moe)
+        assert (got - want).abs().max().item() < 1e-5, moe
+    # the dequantized model is transformers' on those weights (the experts exact in fp32)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    state = {k: v.float() for k, v in stored.items() if not k.endswith(("_q8_0", "_scales"))}
+    for layer in range(hf.config.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            state[name] = dequantize_q8_0(stored[name + "_q8_0"], stored[name + "_q8_0_scales"])
+    result = hf.load_state_dict(state, strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
+    hf.tie_weights()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    assert (want[: len(IDS)] - ref).abs().max().item() < 1e-4
+
+
+def test_q8_0_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):
+    from freetoken.models.loading import convert_checkpoint
+    from freetoken.weights.weight_dir import WeightDir
+
+    _, converted = moe_file
+    dst = convert_checkpoint(converted, tmp_path / "weights", "float32", progress=False)
+    assert WeightDir(dst).meta["expert_format"] == "q8_0"
+    assert load_model(dst, dtype="float32").experts.format.name == "q8_0"
+    assert torch.equal(moe_logits(dst), moe_logits(converted))

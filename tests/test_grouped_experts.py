@@ -24,7 +24,7 @@ from freetoken.kernels.grouped_experts import (
     grouped_gemm_experts,
     reference_grouped_experts,
 )
-from freetoken.weights.expert_format import MXFP4, NVFP4, QuantizedBank, fp8_format
+from freetoken.weights.expert_format import MXFP4, NVFP4, Q8_0, QuantizedBank, fp8_format
 from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -100,7 +100,8 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
 
 
 QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
-             "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4}  # fmt: skip
+             "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4,
+             "q8_0": Q8_0}  # fmt: skip
 
 
 def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
@@ -113,6 +114,9 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
     if fmt.name == "fp8":
         w[(w & 0x7F) == 0x7F] = 0x3A  # (the two NaN codes)
         s = (torch.rand(s_shape, generator=gen) + 0.5) * size / 60  # |e4m3| ~ 60 on average
+        return QuantizedBank(fmt, w, s)
+    if fmt.name == "q8_0":  # |int8| ~ 64 on average
+        s = ((torch.rand(s_shape, generator=gen) + 0.5) * size / 64).half()
         return QuantizedBank(fmt, w, s)
     if fmt.name == "mxfp4":  # |e2m1| ~ 2.6 on average
         e = round(torch.tensor(size / 2.6).log2().item()) + 127
@@ -262,7 +266,7 @@ def test_argument_checks():
         reference_grouped_experts(x, slots, weights[:, :1], w_gate_up, w_down)
 
 
-@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_on_quantized_banks_is_the_dequantized_experts(name, dtype):
     """A quantized expert gives its dequantized copy's result: the same function, bit for bit
@@ -369,9 +373,11 @@ def _interpreter_cases() -> dict[str, float]:
 SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4,
                 "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
                 "DOWN_STAGES": 1}  # fmt: skip
-QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48)}
+QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
+                    "q8_0": (96, 64)}  # fmt: skip
 QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
-                    ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16")]  # fmt: skip
+                    ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16"), ("q8_0", "fp32"),
+                    ("q8_0", "bf16")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -415,7 +421,8 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     slots32 = quantized[1].int()
     compare(((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
             "q_int32_slots")  # fmt: skip
-    for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48)}.items():
+    for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48),
+                         "q8_0": (160, 64)}.items():  # fmt: skip
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
@@ -434,13 +441,17 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
     # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
     gen = torch.Generator().manual_seed(25)
-    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4"):
+    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0"):
         fmt = QUANTIZED[name]
-        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80}[fmt.name]  # (K tails: nvfp4 2.5 chunks)
+        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160}[fmt.name]  # (K tails: nvfp4 2.5
+        # chunks, q8_0 1.25 of the default tiles)
         bank = quantized_bank(fmt, 4, 40, k, gen)
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
         if fmt.name == "fp8":
             bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
+        elif fmt.name == "q8_0":  # fp16: subnormal, largest, infinite, NaN
+            extremes = torch.tensor([1, 0x7BFF, 0x7C00, 0x7E00, -0x7FFF], dtype=torch.int16)
+            bank.s.view(torch.int16).view(-1)[:5] = extremes
         else:  # e8m0 0 (subnormal) .. 254; nvfp4: every e4m3 scale, its NaNs too
             bank.s.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
         index = torch.tensor([3, 0, 3, 2])
@@ -482,16 +493,16 @@ INTERPRETER_TOLERANCE = {
 QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
-    "q_mxfp4_bf16_bias_swiglu_oai", "q_fp8_fp32_bias_swiglu_oai",
+    "q_q8_0_defaults", "q_mxfp4_bf16_bias_swiglu_oai", "q_fp8_fp32_bias_swiglu_oai",
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
     INTERPRETER_TOLERANCE[_case + "_ref"] = 5e-2 if "bf16" in _case else 1e-5
 QUANTIZED_INTERPRETER_CASES += [
     *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
-    "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4",
+    "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
 ]  # fmt: skip
-for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4"):
+for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0"):
     INTERPRETER_TOLERANCE[_case] = -1.0
 
 
@@ -599,7 +610,7 @@ def test_cuda_edge_cases():
 # top-4; 2880 is no multiple of 128, so fp8's last scale blocks and the tiles' K steps are
 # partial) and Qwen3-30B-A3B (H 2048, I 768, top-8).
 MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8)}
-CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4"]
+CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4", "q8_0"]
 
 
 @needs_cuda
@@ -662,7 +673,7 @@ def test_cuda_quantized_long_chunks_use_grouped_gemm(model, name):
 
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("name", ["fp8", "fp8_128", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0"])
 def test_cuda_dequantize_slots_is_the_definition(name):
     """Every code and extreme scales (subnormal results, overflow, NaN codes), each dtype: the
     kernel's values are torch's definition's, bit for bit."""
@@ -675,6 +686,9 @@ def test_cuda_dequantize_slots_is_the_definition(name):
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
         if fmt.name == "fp8":
             bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
+        elif fmt.name == "q8_0":
+            extremes = torch.tensor([1, 0x7BFF, 0x7C00, 0x7E00, -0x7FFF], dtype=torch.int16)
+            bank.s.view(torch.int16).view(-1)[:5] = extremes
         else:
             bank.s.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
         on_device = QuantizedBank(fmt, *(p.cuda() for p in bank.tensors))

@@ -63,6 +63,17 @@ def test_fp8_block_scales_cover_partial_blocks():
         q.dequantize_fp8_blocks(fp8, scale_inv[:1], (2, 2))
 
 
+def test_q8_0_scales_each_32_int8_codes_by_an_fp16():
+    codes = torch.tensor([[-128, -1, 0, 1, 127] + [2] * 27 + [3] * 32], dtype=torch.int8)
+    scales = torch.tensor([[0.5, -2.0**-24]], dtype=torch.float16)  # (a subnormal fp16)
+    out = q.dequantize_q8_0(codes, scales)
+    assert out[0, :5].tolist() == [-64.0, -0.5, 0.0, 0.5, 63.5]
+    assert out[0, 32:].unique().tolist() == [-3 * 2.0**-24]
+    assert torch.equal(q.dequantize_q8_0(codes.view(torch.uint8), scales), out)  # (bank bytes)
+    with pytest.raises(CheckpointError, match="need scales of shape"):
+        q.dequantize_q8_0(codes, scales[:, :1])
+
+
 def test_nvfp4_scales_by_block_and_tensor():
     packed = torch.full((2, 16), 0x22, dtype=torch.uint8)  # every value 1.0, 32 a row
     scale = torch.tensor([[0.5, 2.0], [4.0, 0.25]]).to(torch.float8_e4m3fn)  # per 16 values
@@ -129,11 +140,24 @@ def nvfp4(w):
     return parts, ref.reshape(n, k)
 
 
+def q8_0(w):
+    """GGUF's Q8_0 as llama.cpp's quantizer makes it (d = amax / 127 in fp16, codes rounded),
+    in the tensor names freetoken's GGUF conversion writes."""
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    d = (groups.abs().amax(-1) / 127.0).half()
+    codes = torch.round(groups / d.float().clamp_min(1e-30).unsqueeze(-1)).clamp(-127, 127)
+    codes = codes.to(torch.int8)
+    ref = codes.float() * d.float().unsqueeze(-1)
+    return {".weight_q8_0": codes.reshape(n, k), ".weight_q8_0_scales": d}, ref.reshape(n, k)
+
+
 FORMATS = {
     "fp8": (dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                  weight_block_size=[16, 24]), lambda w: fp8_blocks(w, (16, 24))),
     "mxfp4": (dict(quant_method="mxfp4"), mxfp4),
     "nvfp4": (dict(quant_method="modelopt", quant_algo="NVFP4"), nvfp4),
+    "q8_0": (dict(quant_method="gguf"), q8_0),
 }  # fmt: skip
 
 

@@ -1,10 +1,12 @@
 """Tiny GGUF files for tests: a transformers checkpoint (tiny_models.build_chat_model) written as
-llama.cpp lays a Qwen3 model out (its tensor names, hyper-parameters and GPT-2 style tokenizer
-metadata), each tensor in F32 or quantized to Q8_0 by the `gguf` package."""
+llama.cpp lays a Qwen3 or Qwen3-MoE model out (its tensor names, hyper-parameters and GPT-2
+style tokenizer metadata; a layer's experts stacked in one tensor per projection), each tensor
+in F32 or quantized to Q8_0 by the `gguf` package."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +24,30 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # (the router: F32, as llama.cpp keeps it)
 }
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path:
-    """`checkpoint`: a Qwen3ForCausalLM directory with the Qwen tokenizer; `quantize`: F32, or
-    Q8_0 for the 2-D weights whose rows are whole blocks (the norms stay F32, as llama.cpp
-    keeps them)."""
+    """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
+    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or Q8_0 for the
+    weights whose rows are whole blocks (the norms and the router stay F32, as llama.cpp keeps
+    them)."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
     tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    w = gguf.GGUFWriter(str(out), "qwen3")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the
+    # latter)
+    moe = experts is not None
+    w = gguf.GGUFWriter(str(out), "qwen3moe" if moe else "qwen3")
     w.add_name("tiny-qwen3")
+    if moe:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -68,9 +80,17 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path
     w.add_chat_template(tok_config["chat_template"])
 
     weights = load_file(str(checkpoint / "model.safetensors"))
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, proj) -> expert -> w
+    for name in list(weights):
+        if m := EXPERT.fullmatch(name):
+            stacks.setdefault((m[1], m[3]), {})[int(m[2])] = weights.pop(name)
+    for (layer, proj), each in stacks.items():
+        weights[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([each[e] for e in sorted(each)])
     for name, value in weights.items():
         value = value.astype(np.float32)
-        if name == "model.embed_tokens.weight":
+        if name.startswith("blk."):
+            gname = name
+        elif name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
@@ -79,7 +99,8 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{NAMES[rest]}"
-        if quantize == "Q8_0" and value.ndim == 2 and value.shape[1] % 32 == 0:
+        if (quantize == "Q8_0" and value.ndim >= 2 and value.shape[-1] % 32 == 0
+                and "ffn_gate_inp" not in gname):  # fmt: skip
             q8 = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(value, q8)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=q8)

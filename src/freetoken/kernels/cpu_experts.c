@@ -19,8 +19,8 @@
  * independent 16-wide accumulators so enough loads are in flight. torch's bf16 GEMV reached
  * 40 GB/s on the GPU host's CPU where a loop like this one reached 64.
  *
- * Experts kept quantized (fp8, mxfp4, nvfp4: see "quantized experts" below) are decoded as they
- * are read, into the values their dequantized copy holds, and go through the same arithmetic.
+ * Experts kept quantized (fp8, mxfp4, nvfp4, q8_0: see "quantized experts" below) are decoded as
+ * they are read, into the values their dequantized copy holds, and go through the same arithmetic.
  *
  * Results follow the torch reference (kernels/grouped_experts.py) rounding step for step: for
  * bf16 banks the projections, the activation, its product with up, the down projection and the
@@ -47,7 +47,8 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 #error "compile through freetoken.kernels.native, which defines the ACT_* codes"
 #endif
 /* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
-#if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4)
+#if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) \
+    || !defined(FMT_Q8_0)
 #error "compile through freetoken.kernels.native, which defines the FMT_* codes"
 #endif
 
@@ -140,6 +141,7 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
  *   mxfp4  w [P, N, K / 2] e2m1 pairs (low nibble first), s [P, N, K / 32] e8m0:
  *          e2m1 * 2^(s - 127)
  *   nvfp4  w as mxfp4, s [P, N, K / 16] e4m3 bytes, g fp32 [P, N]: (e2m1 * fp8(s)) * g
+ *   q8_0   w [P, N, K] int8, s [P, N, K / 32] fp16: int8 * f16(s) (exact in fp32)
  *
  * The kernel computes with those values through the dense path's dot products (dot_bf16_bf16,
  * dot_f32), so a quantized job equals the dense job on the dequantized banks bit for bit, while
@@ -165,6 +167,7 @@ typedef struct {
     int fmt;
     const uint8_t *w;   /* its codes */
     const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4) */
+    const uint16_t *s16; /* its fp16 scales (q8_0) */
     const float *s32;   /* its row of block scales (fp8) */
     float g;            /* its scale (nvfp4) */
     int64_t bk;         /* fp8's block columns */
@@ -179,6 +182,9 @@ static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64
         q.w = (const uint8_t *)p->w + r * K;
         q.s32 = (const float *)p->s + (pair * scale_rows + row / p->bn) * scale_cols;
         q.bk = p->bk;
+    } else if (fmt == FMT_Q8_0) {
+        q.w = (const uint8_t *)p->w + r * K;
+        q.s16 = (const uint16_t *)p->s + r * (K / 32);
     } else {
         q.w = (const uint8_t *)p->w + r * (K / 2);
         q.s8 = (const uint8_t *)p->s + r * (K / (fmt == FMT_MXFP4 ? 32 : 16));
@@ -240,6 +246,19 @@ static inline void *at(void *out, int64_t k, int bf16) {
     return (char *)out + k * (bf16 ? sizeof(uint16_t) : sizeof(float));
 }
 
+/* fp16 bits -> fp32 (exact; subnormals, infinities and NaNs kept). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    float v;
+    if (e == 31) {
+        uint32_t u = sign | 0x7f800000u | (m << 13);
+        memcpy(&v, &u, 4);
+        return v;
+    }
+    v = e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(1024u + m), (int)e - 25);
+    return sign ? -v : v;
+}
+
 /* The scalar decoders: the definition, value by value. */
 static void fp8_span_scalar(const uint8_t *c, int64_t n, float s, int bf16, void *out) {
     for (int64_t k = 0; k < n; k++) put(out, k, E4M3[c[k]] * s, bf16);
@@ -267,6 +286,15 @@ __attribute__((unused)) static void nvfp4_blocks_scalar(const uint8_t *w, const 
             put(out, 16 * b + 2 * j, (E2M1[pair & 15] * scale) * g, bf16);
             put(out, 16 * b + 2 * j + 1, (E2M1[pair >> 4] * scale) * g, bf16);
         }
+    }
+}
+
+__attribute__((unused)) static void q8_0_blocks_scalar(const uint8_t *w, const uint16_t *s,
+                                                       int64_t blocks, int bf16, void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const float scale = f16_to_f32(s[b]);
+        for (int64_t j = 0; j < 32; j++)
+            put(out, 32 * b + j, (float)(int8_t)w[32 * b + j] * scale, bf16);
     }
 }
 
@@ -416,6 +444,22 @@ static inline void fp8_f32(const uint8_t *c, const fp8_scale_t *f, __m512 *lo, _
     fp8_span_scalar(c, 32, f->s, 0, v);
     *lo = _mm512_loadu_ps(v);
     *hi = _mm512_loadu_ps(v + 16);
+}
+
+/* q8_0: a block's 32 int8 codes times its scale, fp32 (lo: the first 16): exact products, so
+ * never subnormal (the least nonzero is 2^-24) and the bf16 conversion needs no check. */
+static inline void q8_f32(const uint8_t *w, float scale, __m512 *lo, __m512 *hi) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)w);
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), vs);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
+                        vs);
+}
+
+static inline __m512i q8_bf16(const uint8_t *w, float scale) {
+    __m512 lo, hi;
+    q8_f32(w, scale, &lo, &hi);
+    return bf16_rne32(lo, hi, 0);
 }
 
 /* An mxfp4 block (16 bytes) -> 32 bf16 values: one 32-bit lane per byte, whose low word indexes
@@ -660,6 +704,23 @@ static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, flo
     }
 }
 
+static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int bf16,
+                        void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 32 * b + PREFETCH_BYTES);
+        PREFETCH(s + b + PREFETCH_BYTES / 16);
+        const float scale = _cvtsh_ss(s[b]);
+        if (bf16) {
+            _mm512_storeu_si512((uint16_t *)out + 32 * b, q8_bf16(w + 32 * b, scale));
+        } else {
+            __m512 lo, hi;
+            q8_f32(w + 32 * b, scale, &lo, &hi);
+            _mm512_storeu_ps((float *)out + 32 * b, lo);
+            _mm512_storeu_ps((float *)out + 32 * b + 16, hi);
+        }
+    }
+}
+
 #elif FT_AVX2
 /* 8 floats -> bf16 bits (to nearest even, subnormals kept, NaN quiet). */
 static inline __m128i bf16_rne8(__m256 f) {
@@ -744,14 +805,28 @@ static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, flo
     }
 }
 
+static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int bf16,
+                        void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 32 * b + PREFETCH_BYTES);
+        const __m256 vs = _mm256_set1_ps(_cvtsh_ss(s[b]));
+        for (int64_t j = 0; j < 32; j += 8) {
+            const __m128i codes = _mm_loadl_epi64((const __m128i *)(w + 32 * b + j));
+            const __m256i d = _mm256_cvtepi8_epi32(codes);
+            emit8(out, 32 * b + j, _mm256_mul_ps(_mm256_cvtepi32_ps(d), vs), bf16);
+        }
+    }
+}
+
 #else
 #define fp8_span fp8_span_scalar
 #define mxfp4_blocks mxfp4_blocks_scalar
 #define nvfp4_blocks nvfp4_blocks_scalar
+#define q8_0_blocks q8_0_blocks_scalar
 #endif
 
-/* Values [k0, k1) of a quantized row into out (value k0 first), in the model's dtype. mxfp4 and
- * nvfp4 take whole blocks (k0 and k1 multiples of 32, 16). */
+/* Values [k0, k1) of a quantized row into out (value k0 first), in the model's dtype. mxfp4,
+ * nvfp4 and q8_0 take whole blocks (k0 and k1 multiples of 32, 16, 32). */
 static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void *out) {
     if (q->fmt == FMT_FP8) {
 #if FP8_TABLES
@@ -773,6 +848,8 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
         }
     } else if (q->fmt == FMT_MXFP4) {
         mxfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 32, (k1 - k0) / 32, bf16, out);
+    } else if (q->fmt == FMT_Q8_0) {
+        q8_0_blocks(q->w + k0, q->s16 + k0 / 32, (k1 - k0) / 32, bf16, out);
     } else { /* FMT_NVFP4 */
         nvfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 16, (k1 - k0) / 16, q->g, bf16, out);
     }
@@ -841,6 +918,16 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
                       nv_bf16(w + 48, NV_S(6), NV_S(7), 1, t));
 #undef NV_S
         }
+    } else if (q->fmt == FMT_Q8_0) {
+        for (; k + 128 <= K; k += 128) {
+            const uint8_t *w = q->w + k;
+            const uint16_t *s = q->s16 + k / 32;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            PREFETCH(s + PREFETCH_BYTES / 32);
+            QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
+                      q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
+        }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
         const fp8_table_t *t = tables;
@@ -885,6 +972,10 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, uint16_t *
             a0 = _mm512_dpbf16_ps(a0,
                                   (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
                                                     q->s8[k / 16 + 1], 1, t),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+    } else if (q->fmt == FMT_Q8_0) {
+        for (; k + 32 <= K; k += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)q8_bf16(q->w + k, _cvtsh_ss(q->s16[k / 32])),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
 #if FP8_TABLES
@@ -943,6 +1034,13 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
             PREFETCH(s + PREFETCH_BYTES / 8);
             nv_f32(w, s, 1, q->g, &w0, &w1);
             nv_f32(w + 16, s + 2, 1, q->g, &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
+        }
+    } else if (q->fmt == FMT_Q8_0) {
+        for (; k + 64 <= K; k += 64) {
+            PREFETCH(q->w + k + PREFETCH_BYTES);
+            q8_f32(q->w + k, _cvtsh_ss(q->s16[k / 32]), &w0, &w1);
+            q8_f32(q->w + k + 32, _cvtsh_ss(q->s16[k / 32 + 1]), &w2, &w3);
             QDOT_STEP(w0, w1, w2, w3);
         }
     } else { /* FMT_FP8, blocks of a multiple of 64 columns */

@@ -26,11 +26,11 @@ Experts with biases (gpt-oss) pass `b_gate_up [S, 2I]`, a bank of gate/up biases
 same slot ids, added to the projections before the gated unit; `act` names the unit
 (activations.py: `act(gate) * up`, or gpt-oss's clamped `swiglu_oai`).
 
-Experts kept quantized (weights/expert_format.py: fp8 with block scales, mxfp4, nvfp4) come as
-`QuantizedBank`s for both projections. The decode kernels read their bytes and dequantize tile
-by tile in registers (a quarter to a half of the bf16 bytes streamed), each weight computed as
-the format defines it and rounded to x.dtype, so the result is the dense kernels' on the
-dequantized banks. Long chunks dequantize the used slots a window at a time
+Experts kept quantized (weights/expert_format.py: fp8 with block scales, mxfp4, nvfp4, q8_0)
+come as `QuantizedBank`s for both projections. The decode kernels read their bytes and
+dequantize tile by tile in registers (a quarter to a half of the bf16 bytes streamed), each
+weight computed as the format defines it and rounded to x.dtype, so the result is the dense
+kernels' on the dequantized banks. Long chunks dequantize the used slots a window at a time
 (`dequantize_slots`, one Triton launch on CUDA) and run the grouped GEMMs on them.
 
 `reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
@@ -106,6 +106,10 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
               "DOWN_STAGES": 3},
+    # (a byte a weight, as fp8: its tiles; BLOCK_K a multiple of its 32-value blocks)
+    "q8_0": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+             "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+             "DOWN_STAGES": 3},
 }  # fmt: skip
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
@@ -324,22 +328,23 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 # take a runtime scalar as a loop bound with numpy >= 2.4. Strides stay runtime values so the
 # banks may be views of a larger pool (any layout of the two outer dimensions).
 #
-# Quantized banks (FORMAT 1 fp8, 2 mxfp4, 3 nvfp4: `ExpertFormat.code`) are dequantized inside
-# the same kernels, tile by tile (`_weight_tile`): each weight is computed as its format defines
-# it in fp32 (weights/expert_format.py), rounded to x.dtype (W_ROUND; skipped where that is
-# exact: fp32, and mxfp4's e2m1 x 2^e values in bf16), and then goes through the SAME
+# Quantized banks (FORMAT 1 fp8, 2 mxfp4, 3 nvfp4, 4 q8_0: `ExpertFormat.code`) are dequantized
+# inside the same kernels, tile by tile (`_weight_tile`): each weight is computed as its format
+# defines it in fp32 (weights/expert_format.py), rounded to x.dtype (W_ROUND; skipped where that
+# is exact: fp32, and mxfp4's e2m1 x 2^e values in bf16), and then goes through the SAME
 # [BLOCK_N, BLOCK_K] tiles and accumulation as a dense weight: the result is the dense kernels'
-# on the dequantized banks with the same launch parameters (bit for bit under the interpreter;
-# on the GPU the final in-tile sum of a differently laid-out tile may be ordered differently,
-# an fp32 rounding before the bf16 one). FP8 tiles take one scale per row where a scale block
-# spans the tile's columns (COL_BLOCK % BLOCK_K == 0: the checkpoints' 128 x 128 blocks with
-# BLOCK_K <= 128) and one per element otherwise. FP4 tiles are read as [BLOCK_N, BLOCK_K / 32, 4]
-# int32 words: chunks of 32 values, 16 bytes each, each word's 8 nibbles its 8 consecutive
-# values (low nibble first, little-endian); each nibble is decoded with three integer operations
-# and a multiply (`_e2m1`), scaled (an mxfp4 chunk has one e8m0 scale, an nvfp4 chunk two e4m3
-# scales, one a half), and the eight planes are joined into [BLOCK_N, BLOCK_K / 32, 4, 8] in
-# value order (register moves), which x is read to match: the same tile as [BLOCK_N, BLOCK_K],
-# reshaped once for the final sum.
+# on the dequantized banks with the same launch parameters (bit for bit under the interpreter; on
+# the GPU the final in-tile sum of a differently laid-out tile may be ordered differently, an
+# fp32 rounding before the bf16 one). FP8 tiles take one scale per row where a scale block spans
+# the tile's columns (COL_BLOCK % BLOCK_K == 0: the checkpoints' 128 x 128 blocks with BLOCK_K <=
+# 128) and one per element otherwise; Q8_0 tiles are read as [BLOCK_N, BLOCK_K / 32, 32] int8
+# codes times one fp16 scale a block, the tile reshaped back (row order kept). FP4 tiles are read
+# as [BLOCK_N, BLOCK_K / 32, 4] int32 words: chunks of 32 values, 16 bytes each, each word's 8
+# nibbles its 8 consecutive values (low nibble first, little-endian); each nibble is decoded with
+# three integer operations and a multiply (`_e2m1`), scaled (an mxfp4 chunk has one e8m0 scale,
+# an nvfp4 chunk two e4m3 scales, one a half), and the eight planes are joined into [BLOCK_N,
+# BLOCK_K / 32, 4, 8] in value order (register moves), which x is read to match: the same tile as
+# [BLOCK_N, BLOCK_K], reshaped once for the final sum.
 
 if triton is not None:
     _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # (a jit function reads only constexpr globals)
@@ -449,6 +454,16 @@ if triton is not None:
             else:
                 s_ptrs = s_rows[:, None] + ((k0 + cols) // COL_BLOCK)[None, :]
                 w = w * tl.load(s_ptrs, mask=mask, other=0.0)
+            return _round_weight(w, dt, W_ROUND)
+        elif FORMAT == 4:  # q8_0: int8(w) * fp16 scale of its 32-value block
+            G: tl.constexpr = BLOCK_K // 32
+            mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
+            codes = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0)
+            w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), [BLOCK_N, G, 32])
+            blocks = k0 // 32 + tl.arange(0, G)
+            s_mask = row_mask[:, None] & (blocks * 32 < KDIM)[None, :]
+            scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
+            w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
@@ -566,7 +581,7 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2:  # dense and fp8: [BLOCK_N, BLOCK_K] tiles
+        if FORMAT < 2 or FORMAT == 4:  # dense, fp8 and q8_0: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -644,7 +659,7 @@ if triton is not None:
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2:
+        if FORMAT < 2 or FORMAT == 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 k_ok = (k0 + cols) < INTER
@@ -785,7 +800,7 @@ def _check_blocks(format_code: int, params: dict[str, int]) -> None:
     if format_code >= 2:
         for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
             if params[name] % 32:
-                raise ValueError(f"fp4 tiles take whole chunks of 32 values: {name} "
+                raise ValueError(f"fp4 and q8_0 tiles take whole chunks of 32 values: {name} "
                                  f"{params[name]}")  # fmt: skip
 
 

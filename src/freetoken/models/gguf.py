@@ -2,12 +2,16 @@
 directory in the cache, which the engine then loads as any other.
 
 The conversion is transformers' (its GGUF reader: the config from the file's hyper-parameters,
-the tokenizer and chat template from its metadata, every tensor dequantized by the `gguf`
-package and renamed to transformers' names); freetoken writes what it returns as config.json,
-tokenizer files and safetensors, in bf16 (fp32 where the file holds only F32 tensors). The
-experts are thus dequantized: a quantized GGUF takes its bf16 size in host memory and on disk.
-Families transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
-gpt-oss (and others freetoken does not serve).
+the tokenizer and chat template from its metadata, each tensor dequantized by the `gguf`
+package and renamed to transformers' names), but for the routed experts: where every expert
+tensor of the file is Q8_0 (32 int8 codes and an fp16 scale a block) they are written as
+stored, as `X_q8_0` codes and `X_q8_0_scales` (weights/quantized.py reads them; the host pool,
+the fills and the kernels keep them so: 8.5 bits a weight). freetoken writes the rest as
+config.json, tokenizer files and safetensors, in bf16 (fp32 where the file holds only F32
+tensors). Experts of other GGUF types (Q4_K, Q5_K, Q6_K, ...) are dequantized: such a file
+takes the experts' bf16 size in host memory and on disk. Families transformers reads from GGUF:
+Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and others freetoken does not
+serve).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from freetoken import paths
@@ -29,6 +35,10 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 DONE = "freetoken-gguf.json"  # written last: a directory without it is incomplete
+# A layer's routed experts as llama.cpp stores them: [experts, rows, columns] each.
+EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# GGUF types whose experts are kept as stored -> the suffix of their parts' names
+KEPT_TYPES = {"Q8_0": "_q8_0"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -79,29 +89,107 @@ def _convert(path: Path, dst: Path) -> None:
         model_type = fields.pop("model_type")
         reader = GGUFReader(str(path))
         arch = str(reader.fields["general.architecture"].contents())
-        key_length = reader.fields.get(f"{arch}.attention.key_length")
-        if key_length is not None and "head_dim" not in fields:  # (Qwen3's: not in its map)
-            fields["head_dim"] = int(key_length.contents())
+        for key, name in (("attention.key_length", "head_dim"),  # (Qwen3's: not in its map)
+                          ("expert_feed_forward_length", "moe_intermediate_size")):  # fmt: skip
+            field = reader.fields.get(f"{arch}.{key}")
+            if field is not None and name not in fields:
+                fields[name] = int(field.contents())
         config = AutoConfig.for_model(model_type, **fields)
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
         dtype = torch.bfloat16 if quantized else torch.float32
-        _check_room(path, dst, sum(int(t.n_elements) for t in reader.tensors) * dtype.itemsize)
+        kept = _kept_experts(reader)
+        _check_room(path, dst, sum(int(t.n_bytes) if t.name in kept
+                                   else int(t.n_elements) * dtype.itemsize
+                                   for t in reader.tensors))  # fmt: skip
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
-        tensors = tensors["tensors"]
+        tensors = _tensors(reader, arch, parsed["config"], skeleton, kept)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (KeyError, ValueError, OSError, NotImplementedError) as e:
         raise CheckpointError(f"cannot read {path} as a GGUF checkpoint: {e}") from e
     config.dtype = dtype
     config.architectures = [type(skeleton).__name__]  # (what the family is looked up by)
     config.save_pretrained(dst)
+    if kept:  # (weights/quantized.py's reader for the parts kept as stored)
+        raw = json.loads((dst / "config.json").read_text())
+        raw["quantization_config"] = {"quant_method": "gguf"}
+        (dst / "config.json").write_text(json.dumps(raw, indent=2))
     tokenizer.save_pretrained(dst)
     eos = fields.get("eos_token_id")
     if eos is not None:  # (the turn's end token for the engine's stop list)
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()},
+    stored = {name: t if name.endswith(_KEPT_SUFFIXES) else t.to(dtype)
+              for name, t in tensors.items()}  # fmt: skip
+    save_file({name: t.contiguous() for name, t in stored.items()},
               str(dst / "model.safetensors"))  # fmt: skip
+
+
+_KEPT_SUFFIXES = tuple(s for suffix in KEPT_TYPES.values() for s in (suffix, suffix + "_scales"))
+
+
+def _kept_experts(reader) -> set[str]:
+    """The names of the expert tensors kept as stored: all of them where all are of one type
+    the kernels read (a mix would be dequantized at load anyway), else none."""
+    experts = [t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name)]
+    types = {t.tensor_type.name for t in experts}
+    if len(types) == 1 and types <= set(KEPT_TYPES):
+        return {t.name for t in experts}
+    if experts:
+        log.warning("%s experts are dequantized to bf16 (kept as stored: %s)",
+                    "/".join(sorted(types)), ", ".join(KEPT_TYPES))  # fmt: skip
+    return set()
+
+
+def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
+    """Every tensor of the file under transformers' names: dequantized and laid out by
+    transformers' GGUF tensor processor for the architecture (as its own loader does), the
+    `kept` experts as their parts (`_expert_parts`)."""
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    parsed = {"tensors": {}}  # (the processors write merged tensors here)
+    for t in reader.tensors:
+        if t.name in kept:
+            _expert_parts(t, names, parsed["tensors"])
+            continue
+        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                   tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
+        if result.name in names:  # (None: merged by the processor; else not the model's)
+            parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(result.weights))
+    return parsed["tensors"]
+
+
+def _expert_parts(t, names: dict[str, str], out: dict) -> None:
+    """A layer's expert tensor of a kept type as its parts under the fused names (the gate and
+    up projections stacked, gate first, as transformers lays `gate_up_proj` out)."""
+    m = EXPERT_TENSOR.fullmatch(t.name)
+    base = names[f"blk.{m[1]}.ffn_{m[2]}_exps"]
+    suffix = KEPT_TYPES[t.tensor_type.name]
+    codes, scales = _q8_0(t.data)
+    for part, value in ((suffix, codes), (suffix + "_scales", scales)):
+        value = torch.from_numpy(value)
+        if m[2] == "down":
+            out[base + part] = value
+            continue
+        rows = value.shape[1]
+        whole = out.setdefault(base + part, value.new_zeros(value.shape[0], 2 * rows,
+                                                            value.shape[2]))  # fmt: skip
+        (whole[:, :rows] if m[2] == "gate" else whole[:, rows:]).copy_(value)
+
+
+def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks (bytes [..., K / 32 * 34]: an fp16 scale, then 32 int8 codes, a block) ->
+    (codes int8 [..., K], scales fp16 [..., K / 32])."""
+    blocks = data.reshape(*data.shape[:-1], -1, 34)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    return codes.reshape(*data.shape[:-1], -1), np.ascontiguousarray(scales)
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
@@ -111,8 +199,8 @@ def _check_room(path: Path, dst: Path, nbytes: int) -> None:
                         (shutil.disk_usage(dst).free, str(dst))):  # fmt: skip
         if nbytes > free:
             raise CheckpointError(
-                f"{path.name} dequantizes to {memory.gib(nbytes)}, more than the "
-                f"{memory.gib(free)} free in {where}: freetoken keeps GGUF experts in their "
-                "quantized types only in a later version; convert a smaller file, or the "
-                "checkpoint this GGUF came from (ft checkpoint convert)"
+                f"{path.name} converts to {memory.gib(nbytes)}, more than the "
+                f"{memory.gib(free)} free in {where}: freetoken keeps GGUF experts as stored "
+                f"only in {', '.join(KEPT_TYPES)} (others are dequantized to bf16); use a file "
+                "of those, a smaller one, or the checkpoint this GGUF came from"
             )

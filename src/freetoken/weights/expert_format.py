@@ -8,6 +8,7 @@ the formats differ in what that row is made of:
     fp8      e4m3 bytes (uint8), pack 1  fp32 [ceil(N / bn), ceil(K / bk)]   -
     mxfp4    e2m1 pairs (uint8), pack 2  e8m0 bytes [N, K / 32]       -
     nvfp4    e2m1 pairs (uint8), pack 2  e4m3 bytes [N, K / 16]       fp32 [N]
+    q8_0     int8 bytes (uint8), pack 1  fp16 [N, K / 32]             -
 
 (e2m1 pairs: two 4-bit codes a byte, the low nibble first, element 2j in the low nibble of byte
 j. NVFP4's per-tensor `weight_scale_2` is kept per row, since one bank row holds the gate's and
@@ -20,12 +21,13 @@ in this order:
     fp8      fp8(data[n, k]) * scale[n // bn, k // bk]
     mxfp4    e2m1(code) * 2^(scale[n, k // 32] - 127)
     nvfp4    (e2m1(code) * fp8(scale[n, k // 16])) * row_scale[n]
+    q8_0     int8(code) * fp16(scale[n, k // 32])     (GGUF's Q8_0: exact in fp32)
 
 then rounded to the model's dtype: exactly the weight a checkpoint dequantized at load holds.
 Every expert kernel (the Triton decode kernels, the C kernel, the torch reference) computes with
 these values, so a quantized expert gives the same result as its dequantized copy on the same
 kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 4.25-4.5 bits a
-weight, FP8 8.0).
+weight, FP8 8.0, Q8_0 8.5).
 """
 
 from __future__ import annotations
@@ -40,21 +42,23 @@ from freetoken.weights.quantized import (
     FP8_BLOCK,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
+    Q8_0_BLOCK,
     QuantizedParts,
     dequantize_fp8_blocks,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    dequantize_q8_0,
 )
 
 # the kernels' codes (the C source's FMT_* macros, passed as -D defines by kernels/native.py)
-KERNEL_CODES = {"FMT_DENSE": 0, "FMT_FP8": 1, "FMT_MXFP4": 2, "FMT_NVFP4": 3}
+KERNEL_CODES = {"FMT_DENSE": 0, "FMT_FP8": 1, "FMT_MXFP4": 2, "FMT_NVFP4": 3, "FMT_Q8_0": 4}
 
 
 @dataclass(frozen=True)
 class ExpertFormat:
     """A way of storing an expert projection's weights (see the module's docstring)."""
 
-    name: str  # "dense", "fp8", "mxfp4", "nvfp4"
+    name: str  # "dense", "fp8", "mxfp4", "nvfp4", "q8_0"
     pack: int = 1  # values per stored element along K
     col_block: int = 0  # K values per scale (0: no scales)
     row_block: int = 1  # N rows per scale
@@ -83,8 +87,9 @@ class ExpertFormat:
         return parts
 
     def check(self, rows: int, cols: int) -> None:
-        """Refuse a projection shape the format's blocks cannot lay out."""
-        if self.pack > 1 and cols % self.col_block:
+        """Refuse a projection shape the format's blocks cannot lay out (fp8's last blocks
+        may be partial; the others' blocks are whole)."""
+        if self.quantized and self.name != "fp8" and cols % self.col_block:
             raise ValueError(
                 f"{self.name} needs the input width ({cols}) to be a multiple of {self.col_block}"
             )
@@ -112,6 +117,8 @@ class ExpertFormat:
             return dequantize_fp8_blocks(
                 w.view(torch.float8_e4m3fn), s, (self.row_block, self.col_block)
             )
+        if self.name == "q8_0":
+            return dequantize_q8_0(w, s)
         if self.name == "mxfp4":
             lead = w.shape[:-1]
             blocks = w.reshape(*lead, -1, MXFP4_BLOCK // 2)
@@ -127,6 +134,7 @@ MXFP4 = ExpertFormat("mxfp4", pack=2, col_block=MXFP4_BLOCK, scale_dtype=torch.u
 NVFP4 = ExpertFormat(
     "nvfp4", pack=2, col_block=NVFP4_BLOCK, scale_dtype=torch.uint8, row_scale=True
 )
+Q8_0 = ExpertFormat("q8_0", col_block=Q8_0_BLOCK, scale_dtype=torch.float16)
 
 
 def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
@@ -140,7 +148,7 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
     if name == "fp8":
         return fp8_format(fp8_block)
     try:
-        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4}[name]
+        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0}[name]
     except KeyError:
         raise ValueError(
             f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
@@ -152,6 +160,8 @@ def bank_parts(stored: QuantizedParts) -> dict[str, Tensor]:
     as its banks' parts hold it: {"w": codes, "s": scales, "g": per-row scales}."""
     if stored.format == "fp8":
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.float()}
+    if stored.format == "q8_0":
+        return {"w": stored.data.view(torch.uint8), "s": stored.scale.to(torch.float16)}
     scale = stored.scale
     if scale.dtype != torch.uint8:  # (e8m0 or e4m3 scales stored as such: their bits)
         scale = scale.view(torch.uint8)
@@ -256,9 +266,11 @@ def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> 
         if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)
             bank.random_(0, 255, generator=generator)
             return bank.masked_fill_(bank == 0x7F, 0x7E)
-        return bank.random_(0, 256, generator=generator)  # every e2m1 pair is a value
+        return bank.random_(0, 256, generator=generator)  # every e2m1 pair, every int8
     if fmt.name == "fp8":  # fp32 block scales: e4m3 values (up to 448) to ~0.1
         return bank.uniform_(2.0**-13, 2.0**-12, generator=generator)
     if fmt.name == "mxfp4":  # e8m0 2^-8 .. 2^-5
         return bank.random_(119, 123, generator=generator)
+    if fmt.name == "q8_0":  # fp16 scales: codes up to 127 to ~0.03
+        return bank.uniform_(2.0**-13, 2.0**-12, generator=generator)
     return bank.random_(0x38, 0x40, generator=generator)  # nvfp4: e4m3 1.0 .. 1.875

@@ -15,6 +15,9 @@ Three weight formats of the releases people run, each recognised by its companio
                             (one per tensor): W = fp4 * weight_scale * weight_scale_2 (ModelOpt
                             checkpoints: quant_method "modelopt", quant_algo "NVFP4";
                             `X.input_scale`, for activations, is not used)
+    Q8_0                    `X_q8_0` int8 [..., K] and `X_q8_0_scales` fp16 [..., K / 32]: W =
+                            code * scale of its 32-value block (GGUF's Q8_0, kept so by the
+                            GGUF conversion, models/gguf.py: quant_method "gguf")
 
 Routed experts stored so are kept quantized (`keep`): their parts go into the host pool's banks
 as they are (weights/expert_format.py lays them out; the kernels dequantize as they compute).
@@ -39,7 +42,8 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 FP8_BLOCK = (128, 128)
 MXFP4_BLOCK = 32
 NVFP4_BLOCK = 16
-SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4"
+Q8_0_BLOCK = 32
+SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4, GGUF Q8_0"
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,19 @@ def dequantize_nvfp4(
     return blocks.reshape(values.shape) * global_scale.float()
 
 
+def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [..., K] (or their bytes, uint8) and fp16 scales [..., K / 32] -> fp32 [...,
+    K]: code * scale, exact in fp32 (8 by 11 significant bits)."""
+    k = codes.shape[-1]
+    if k % Q8_0_BLOCK or tuple(scales.shape) != (*codes.shape[:-1], k // Q8_0_BLOCK):
+        raise CheckpointError(
+            f"Q8_0 codes of shape {tuple(codes.shape)} need scales of shape "
+            f"{(*codes.shape[:-1], k // Q8_0_BLOCK)}, not {tuple(scales.shape)}"
+        )
+    values = codes.view(torch.int8).float().unflatten(-1, (k // Q8_0_BLOCK, Q8_0_BLOCK))
+    return (values * scales.float().unsqueeze(-1)).flatten(-2)
+
+
 @dataclass(frozen=True)
 class QuantizedParts:
     """A quantized tensor as stored, for a bank that keeps it so: the data and its scales in
@@ -128,7 +145,7 @@ class QuantizedTensor:
     checkpoint tensors it is made of (data first), and the shape it dequantizes to."""
 
     name: str
-    format: str  # "fp8", "mxfp4", "nvfp4"
+    format: str  # "fp8", "mxfp4", "nvfp4", "q8_0"
     parts: tuple[str, ...]
     shape: tuple[int, ...]
 
@@ -180,6 +197,11 @@ class Dequantizer:
                 *lead, half = shapes[base]
                 out = (*lead, 2 * half)
                 return QuantizedTensor(base, "nvfp4", (base, scale, name), tuple(out))
+        if name.endswith("_q8_0_scales"):
+            base = name.removesuffix("_q8_0_scales")
+            if base + "_q8_0" in shapes:
+                shape = tuple(shapes[base + "_q8_0"])
+                return QuantizedTensor(base, "q8_0", (base + "_q8_0", name), shape)
         return None
 
     def tensors_of(
@@ -228,7 +250,7 @@ def _method(config: dict) -> str | None:
                 f"only FP8 e4m3 with block scales (`weight_block_size`) is supported, not {qc!r}"
             )
         return method
-    if method == "mxfp4":
+    if method in ("mxfp4", "gguf"):  # (gguf: what freetoken's GGUF conversion kept quantized)
         return method
     if method == "modelopt":
         algo = str(qc.get("quant_algo", (qc.get("quantization") or {}).get("quant_algo", "")))
@@ -245,4 +267,5 @@ _DEQUANTIZE = {
     "fp8": lambda d, w, s: dequantize_fp8_blocks(w, s, d.fp8_block),
     "mxfp4": lambda d, b, s: dequantize_mxfp4(b, s),
     "nvfp4": lambda d, w, s, g: dequantize_nvfp4(w, s, g),
+    "q8_0": lambda d, w, s: dequantize_q8_0(w, s),
 }
