@@ -8,11 +8,12 @@ Each (strategy, batch, context) gets a runner whose sequences already hold `cont
 KV (the pages reserved and counted as written: attention reads the same bytes whatever their
 values, and filling 64k tokens by prefill would take longer than the measurement), then decodes
 `--warmup` steps and `--rounds` timed rounds of `--steps` (median round reported). With
-`--checkpoint` the model is loaded from those files (the ones llama.cpp's converter read), else
-a random Qwen3-30B-A3B-shaped model is built in memory; routing is uniform random for the
+`--checkpoint` the model is loaded from those files (the ones llama.cpp's converter read, or a
+GGUF file both engines read: benchmarks/gguf_random.py), else a random Qwen3-30B-A3B-shaped
+model is built in memory; routing is uniform random for the
 offloaded strategies (decode_offload.py says why). llama-bench runs with `-d` at the same
-contexts: all layers on the GPU (`-ngl 99`), and with `--ncmoe N` the experts of the first N
-layers on the CPU; on a CPU device, with `-t` threads.
+contexts: all layers on the GPU (`-ngl 99`), and with `--ncmoe N` (repeatable) the experts of
+the first N layers on the CPU; on a CPU device, with `-t` threads. `--cache` repeats too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from decode_offload import (
 )
 
 from freetoken.engine.runner import ModelRunner
+from freetoken.models import gguf
 from freetoken.models.loading import load_model
 
 
@@ -94,7 +96,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 8192, 32768, 65536])
     ap.add_argument("--strategy", action="append")
-    ap.add_argument("--cache", default="8GiB", help="expert cache of the offloaded strategies")
+    ap.add_argument("--cache", action="append",
+                    help="expert cache of the offloaded strategies (default 8GiB)")
     ap.add_argument("--batch", action="append", type=int)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
@@ -104,15 +107,19 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--llama-bench", help="the llama-bench binary, to run beside")
     ap.add_argument("--gguf", type=Path, help="the checkpoint converted to GGUF, for llama-bench")
-    ap.add_argument("--ncmoe", type=int, help="llama-bench -ncmoe: experts of N layers on CPU")
+    ap.add_argument("--ncmoe", type=int, action="append",
+                    help="llama-bench -ncmoe: experts of N layers on CPU")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-bench -t")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
     strategies = args.strategy or (["fused", "hybrid"] if device.type == "cuda" else ["fused"])
     batches = args.batch or [1, 4]
+    caches = args.cache or ["8GiB"]
+    if args.checkpoint and gguf.is_gguf(args.checkpoint):
+        args.gguf = args.gguf or args.checkpoint  # (llama-bench reads the very file)
     if args.checkpoint:
-        loaded = load_model(args.checkpoint, "bfloat16", device)
+        loaded = load_model(gguf.resolve(args.checkpoint), "bfloat16", device)
     else:
         raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
         # Contexts beyond the model's 40k: the shape is what is measured, not its training.
@@ -124,19 +131,21 @@ def main() -> int:
         offloaded = strategy not in ("fused", "cpu")
         if offloaded:
             use_uniform_routing(loaded)  # (the fused runs go first and keep the model's router)
-        options = contender_options(strategy, cache_size=args.cache if offloaded else None)
-        for batch in batches:
-            for context in args.contexts:
-                r = decode_speed(loaded, options, batch, context, args.warmup, args.steps,
-                                 args.rounds, device)  # fmt: skip
-                row = {"engine": "freetoken", "config": strategy, "batch": batch,
-                       "context": context, **r}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for cache in caches if offloaded else [None]:
+            options = contender_options(strategy, cache_size=cache)
+            config = strategy if cache is None else f"{strategy}, {cache}"
+            for batch in batches:
+                for context in args.contexts:
+                    r = decode_speed(loaded, options, batch, context, args.warmup, args.steps,
+                                     args.rounds, device)  # fmt: skip
+                    row = {"engine": "freetoken", "config": config, "batch": batch,
+                           "context": context, **r}  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.llama_bench and args.gguf:
         configs = [("all on GPU", ["-ngl", "99"])] if device.type == "cuda" else []
-        if device.type == "cuda" and args.ncmoe:
-            configs.append((f"-ncmoe {args.ncmoe}", ["-ngl", "99", "-ncmoe", str(args.ncmoe)]))
+        for n in (args.ncmoe or []) if device.type == "cuda" else []:
+            configs.append((f"-ncmoe {n}", ["-ngl", "99", "-ncmoe", str(n)]))
         if device.type == "cpu":
             configs.append((f"CPU, {args.threads} threads", ["-t", str(args.threads)]))
         for label, extra in configs:
@@ -148,13 +157,16 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    experts = "bf16" if loaded.experts is None else loaded.experts.format.name
+    experts = "bf16" if experts == "dense" else experts
     lines = [
-        f"# decode_context: Qwen3-30B-A3B shape, {loaded.config.num_layers} layers, bf16",
+        f"# decode_context: Qwen3-30B-A3B shape, {loaded.config.num_layers} layers, experts "
+        f"{experts}",
         "",
         f"- device: {name}, {os.cpu_count()} CPU threads; torch {torch.__version__}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",
         f"- model: {args.checkpoint or 'random, in memory'}; offloaded strategies' expert cache "
-        f"{args.cache}, uniform random routing; {args.rounds} rounds of {args.steps} decode "
+        f"{', '.join(caches)}, uniform random routing; {args.rounds} rounds of {args.steps} decode "
         f"steps after {args.warmup} (median round); llama-bench tg32 with -d, 1 repetition",
         "",
         "| engine | config | batch | " + " | ".join(f"ctx {c}" for c in args.contexts)

@@ -1,5 +1,5 @@
 """Times the grouped expert decode kernels on CUDA per MoE layer, for each expert format (bf16,
-fp8 with 128 x 128 block scales, mxfp4, nvfp4) beside bf16 at the same shape, and reports the
+fp8 with 128 x 128 block scales, mxfp4, nvfp4, q8_0) beside bf16 at the same shape, and reports the
 bytes of expert weights they read, GB/s against an HBM ceiling measured in the same run with a
 large device-to-device copy, and each format's time as a multiple of bf16's (the target for
 quantized experts: at most 1.5x bf16's time per layer).
@@ -132,6 +132,9 @@ def random_bank(fmt_name: str, slots: int, n: int, k: int, gen: torch.Generator)
     if fmt_name == "mxfp4":
         e = round(torch.tensor(size / 2.6).log2().item()) + 127
         s = torch.randint(e - 2, e + 2, s_shape, dtype=torch.uint8, device=DEVICE, generator=gen)
+        return QuantizedBank(fmt, w, s)
+    if fmt_name == "q8_0":  # |int8| ~ 64 on average
+        s = ((torch.rand(s_shape, device=DEVICE, generator=gen) + 0.5) * size / 64).half()
         return QuantizedBank(fmt, w, s)
     s = (torch.rand(s_shape, device=DEVICE, generator=gen) * 3 + 0.25).to(torch.float8_e4m3fn)
     g = (torch.rand(slots, n, device=DEVICE, generator=gen) + 0.5) * size / 4

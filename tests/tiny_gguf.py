@@ -29,22 +29,20 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path:
-    """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
-    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or Q8_0 for the
-    weights whose rows are whole blocks (the norms and the router stay F32, as llama.cpp keeps
-    them)."""
+def qwen3_writer(cfg: dict, tokenizer: Path, out: Path):
+    """A `gguf.GGUFWriter` at `out` holding a Qwen3 (or, with experts, Qwen3-MoE) model's
+    hyper-parameters from its config.json `cfg`, and the Qwen tokenizer and chat template of
+    the directory `tokenizer` (tokenizer.json, tokenizer_config.json), as llama.cpp stores them;
+    the caller adds the tensors."""
     import gguf
 
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    tok = json.loads((checkpoint / "tokenizer.json").read_text())
-    tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    tok = json.loads((tokenizer / "tokenizer.json").read_text())
+    tok_config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the
     # latter)
-    moe = experts is not None
-    w = gguf.GGUFWriter(str(out), "qwen3moe" if moe else "qwen3")
+    w = gguf.GGUFWriter(str(out), "qwen3" if experts is None else "qwen3moe")
     w.add_name("tiny-qwen3")
-    if moe:
+    if experts is not None:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
@@ -78,7 +76,17 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path
     w.add_bos_token_id(cfg.get("bos_token_id") or vocab["<|endoftext|>"])
     w.add_add_bos_token(False)
     w.add_chat_template(tok_config["chat_template"])
+    return w
 
+
+def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path:
+    """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
+    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or Q8_0 for the
+    weights whose rows are whole blocks (the norms and the router stay F32, as llama.cpp keeps
+    them)."""
+    import gguf
+
+    w = qwen3_writer(json.loads((checkpoint / "config.json").read_text()), checkpoint, out)
     weights = load_file(str(checkpoint / "model.safetensors"))
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, proj) -> expert -> w
     for name in list(weights):
