@@ -89,3 +89,52 @@ def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b: (1,)))
     assert [graphs.run(batch) for _ in range(4)] == [None] * 4  # warm-up, then eager
     assert len(tries) == 1 and graphs.eager == {(1,)}
+
+
+def test_state_slots_travel_in_the_packed_buffer(tmp_path):
+    """Linear-attention layers read each sequence's state slot from the batch's packed buffer:
+    a decode graph's static copy of it takes the next step's slots (another set of sequences)
+    with the rest of the step's values."""
+    from freetoken.kv.batch import ForwardBatch
+
+    path, _ = build("qwen3_next", tmp_path / "m")
+    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=256, page_size=8)
+    first = [runner.new_sequence() for _ in range(3)]
+    batch = ForwardBatch.build(runner.kv, first, [[1], [2], [3]], runner.device)
+    assert batch.state_slots.tolist() == [s.state_slot for s in first]
+    assert batch.state_slots.data_ptr() >= batch.packed.data_ptr()  # a view of it
+    static = batch.views_of(batch.packed.clone())
+    spare = runner.new_sequence()  # (so that the next sequences take other slots)
+    others = [runner.new_sequence() for _ in range(3)]
+    step = ForwardBatch.build(runner.kv, others, [[4], [5], [6]], runner.device)
+    static.packed.copy_(step.packed)  # what a replay does
+    assert static.state_slots.tolist() == [s.state_slot for s in others]
+    assert static.state_slots.tolist() != batch.state_slots.tolist()
+    assert spare.state_slot not in static.state_slots.tolist()
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("options", [MoEOptions("fused"), MoEOptions("hybrid", "6")],
+                         ids=lambda o: o.strategy)  # fmt: skip
+def test_linear_attention_models_decode_in_graphs(tmp_path, family, options):
+    """Gated DeltaNet layers gather and scatter their sequences' states inside the graph: the
+    replayed steps give the eager logits, for new sequences (other state slots) too."""
+    path, _ = build(family, tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 17, 11])
+    eager, _ = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=True)
+    assert runner.graphs.replays >= 8
+    assert (eager - graphed).abs().max().item() < 1e-5
+    # a second set of sequences on the same runner (and captures): other slots
+    held = runner.new_sequence()
+    seqs = [runner.new_sequence() for _ in prompts]
+    assert {s.state_slot for s in seqs} != {0, 1, 2}
+    last = runner.forward(seqs, prompts)
+    again = []
+    for _ in range(10):
+        last = runner.forward(seqs, [[int(t)] for t in last.argmax(-1)])
+        again.append(last)
+    assert (torch.stack(again) - eager).abs().max().item() < 1e-5
+    runner.release(held)

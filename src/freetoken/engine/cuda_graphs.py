@@ -19,7 +19,8 @@ Triton launches cost ~250 us of host time per layer on the H200 machine, one gra
 us). Attention reads each sequence's length and page-table row on the device
 (kernels/paged_attention.py), so one capture serves a batch size at every context length; a
 replay copies in one packed buffer of the step's values (tokens, positions, write slots, rows,
-lengths), and the page table the graphs read is the cache's own, kept up to date by
+lengths, and the recurrent state slots that linear-attention layers gather and scatter their
+sequences' states by), and the page table the graphs read is the cache's own, kept up to date by
 ForwardBatch.build.
 
 A shape is captured the second time it is seen: the first run is eager and warms up what a
@@ -37,6 +38,7 @@ import torch
 
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
+from freetoken.kv.recurrent import RecurrentStatePool
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,8 @@ class _Capture:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: PagedKVCache):
-        self.model, self.kv = model, kv
+    def __init__(self, model, kv: PagedKVCache, states: RecurrentStatePool | None = None):
+        self.model, self.kv, self.states = model, kv, states
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.seen: set[tuple] = set()
         self.eager: set[tuple] = set()  # shapes whose capture ran out of device memory
@@ -181,7 +183,7 @@ class DecodeGraphs:
         try:
             with torch.cuda.stream(stream):
                 begin()
-                logits = self.model(static, self.kv)
+                logits = self.model(static, self.kv, states=self.states)
                 graphs[-1].capture_end()
         except BaseException:
             # Leave no stream capturing (a failed capture, out of memory say): end the graph

@@ -120,16 +120,15 @@ class ModelRunner:
         self._moe_blocks = [layer.moe for layer in self.model.layers if hasattr(layer, "moe")]
         self._install_moe()
         self.graphs = None
-        # Not for linear-attention layers yet: their decode path groups sequences on the host
-        # and reads the state pool, which DecodeGraphs does not hand to a replay; nor for heads
-        # the device's decode kernel does not take (their torch path reads lengths on the host).
+        # Not for heads the device's decode kernel does not take (their torch path reads
+        # lengths on the host). Linear-attention layers read their sequences' state slots from
+        # the batch's packed buffer, which a replay copies in.
         if (
             cuda_graphs
             and self.device.type == "cuda"
-            and self.states is None
             and paged_attention.triton_decode_width(cfg.kv_cache_dim)
         ):
-            self.graphs = DecodeGraphs(self.model, self.kv)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.states)
 
     @property
     def device(self) -> torch.device:
@@ -214,7 +213,8 @@ class ModelRunner:
         one_each = not all_logits and all(len(t) == 1 for t in new_tokens)
         if self.moe is not None:
             self.moe.begin_step(sum(map(len, new_tokens)), decode=one_each)
-        decode = self.graphs is not None and one_each
+        # (a step that saves a recurrent state mid-way, an anchor, runs eagerly: rare)
+        decode = self.graphs is not None and one_each and not any(captures or [])
         batch = ForwardBatch.build(
             self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )

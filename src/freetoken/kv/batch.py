@@ -5,8 +5,10 @@ tokens (a whole prompt, a prefill chunk, or one decode token). Tokens are flatte
 by sequence. Attention reads each sequence's keys where they lie, through its row of the
 cache's device page table and its length: no key table, no mask, nothing whose size grows
 with the context is built here. The per-step values (tokens, positions, write slots, rows,
-lengths) travel to the device in one packed copy, together with the page-table entries added
-since the last step (`PagedKVCache.pending_rows`).
+lengths and, for models with linear-attention layers, each sequence's recurrent state slot)
+travel to the device in one packed copy, together with the page-table entries added since the
+last step (`PagedKVCache.pending_rows`): a decode graph copies that one buffer in and reads
+everything else where it lies.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class ForwardBatch:
     seq_lens: list[int]  # total length of each sequence after this forward
     counts: list[int]  # new tokens of each sequence
     row_ids: list[int]
-    state_slots: torch.Tensor | None = None  # [B] recurrent state slot of each sequence
+    state_slots: torch.Tensor | None = None  # [B] recurrent state slot of each sequence (in
+    # `packed`, after the others, where every sequence has one)
     # Per sequence: (k, slot) = copy the recurrent state after its first k new tokens into
     # pool slot `slot` (an anchor checkpoint, kv/anchors.py); k ascending, 0 <= k <= count.
     captures: list[list[tuple[int, int]]] | None = None
@@ -141,19 +144,25 @@ class ForwardBatch:
             write_slots.extend(cache.slot(seq, p) for p in range(start, start + len(toks)))
             last.append(len(ids) - 1)
         row_ids = [seq.row for seq in seqs]
+        state_slots = [seq.state_slot for seq in seqs]
+        states = [] if any(slot is None for slot in state_slots) else state_slots
         update_index, update_pages = cache.pending_rows(list(seqs))
         t, b, u = len(ids), len(seqs), len(update_index)
-        values = [*ids, *positions, *write_slots, *row_ids, *totals, *last, *update_index,
-                  *update_pages]  # fmt: skip
+        n = 3 * t + 3 * b + len(states)  # the per-step values, then the page-table updates
+        values = [*ids, *positions, *write_slots, *row_ids, *totals, *last, *states,
+                  *update_index, *update_pages]  # fmt: skip
         if staging is not None and device.type == "cuda":
             flat = staging.upload(values, device)
         else:
             flat = torch.tensor(values, dtype=torch.long).to(device)
         if u:
-            cache.page_table.view(-1).index_copy_(
-                0, flat[3 * t + 3 * b : 3 * t + 3 * b + u], flat[3 * t + 3 * b + u :]
-            )
-        views = flat[: 3 * t + 3 * b].split([t, t, t, b, b, b])
+            cache.page_table.view(-1).index_copy_(0, flat[n : n + u], flat[n + u :])
+        return ForwardBatch._over(flat[:n], t, b, bool(states), cache.page_table,
+                                  cache.page_size, totals, counts, row_ids, captures)  # fmt: skip
+
+    @staticmethod
+    def _over(packed, t, b, states, page_table, page_size, totals, counts, row_ids, captures):
+        views = packed.split([t, t, t, b, b, b, *([b] if states else [])])
         return ForwardBatch(
             input_ids=views[0],
             positions=views[1],
@@ -161,34 +170,23 @@ class ForwardBatch:
             rows=views[3],
             lengths=views[4],
             last_index=views[5],
-            packed=flat[: 3 * t + 3 * b],
-            page_table=cache.page_table,
-            page_size=cache.page_size,
+            packed=packed,
+            page_table=page_table,
+            page_size=page_size,
             seq_lens=totals,
             counts=counts,
             row_ids=row_ids,
-            state_slots=None
-            if any(seq.state_slot is None for seq in seqs)
-            else torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long).to(device),
+            state_slots=views[6] if states else None,
             captures=captures,
         )
 
     def views_of(self, packed: torch.Tensor) -> ForwardBatch:
         """This batch over another packed buffer of the same layout (a decode graph's static
         inputs), the rest shared."""
-        t, b = self.num_tokens, len(self.counts)
-        views = packed.split([t, t, t, b, b, b])
-        return ForwardBatch(
-            *views,
-            packed,
-            self.page_table,
-            self.page_size,
-            list(self.seq_lens),
-            list(self.counts),
-            list(self.row_ids),
-            self.state_slots,
-            self.captures,
-        )
+        return ForwardBatch._over(packed, self.num_tokens, len(self.counts),
+                                  self.state_slots is not None, self.page_table, self.page_size,
+                                  list(self.seq_lens), list(self.counts), list(self.row_ids),
+                                  self.captures)  # fmt: skip
 
 
 def commit(seqs: Sequence[KVSequence], batch: ForwardBatch) -> None:
