@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 from decode_offload import (
+    SHAPES,
     contender_options,
-    qwen3_30b_a3b,
     random_model,
     report,
     sync,
@@ -42,9 +42,11 @@ from freetoken.models import gguf
 from freetoken.models.loading import load_model
 
 
-def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device) -> dict:
+def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device,
+                 graphs: bool = True) -> dict:  # fmt: skip
     longest = context + warmup + steps * rounds + 64
-    runner = ModelRunner(loaded, batch * longest, moe=options, max_model_len=longest)
+    runner = ModelRunner(loaded, batch * longest, moe=options, max_model_len=longest,
+                         cuda_graphs=graphs)  # fmt: skip
     seqs = [runner.new_sequence() for _ in range(batch)]
     for seq in seqs:
         runner.kv.reserve(seq, max(context, 1))
@@ -94,6 +96,10 @@ def llama_bench(binary, gguf, contexts, extra, label) -> dict[int, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="the random model's shape (without --checkpoint)")
+    ap.add_argument("--graphs", nargs="+", choices=["on", "off"], default=["on"],
+                    help="decode steps in CUDA graphs, or eager (both: each config twice)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 8192, 32768, 65536])
     ap.add_argument("--strategy", action="append")
     ap.add_argument("--cache", action="append",
@@ -121,7 +127,7 @@ def main() -> int:
     if args.checkpoint:
         loaded = load_model(gguf.resolve(args.checkpoint), "bfloat16", device)
     else:
-        raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+        raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
         # Contexts beyond the model's 40k: the shape is what is measured, not its training.
         raw["max_position_embeddings"] = max(raw["max_position_embeddings"],
                                              max(args.contexts) + 1024)  # fmt: skip
@@ -133,15 +139,17 @@ def main() -> int:
             use_uniform_routing(loaded)  # (the fused runs go first and keep the model's router)
         for cache in caches if offloaded else [None]:
             options = contender_options(strategy, cache_size=cache)
-            config = strategy if cache is None else f"{strategy}, {cache}"
-            for batch in batches:
-                for context in args.contexts:
-                    r = decode_speed(loaded, options, batch, context, args.warmup, args.steps,
-                                     args.rounds, device)  # fmt: skip
-                    row = {"engine": "freetoken", "config": config, "batch": batch,
-                           "context": context, **r}  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            for graphs in args.graphs:
+                config = strategy if cache is None else f"{strategy}, {cache}"
+                config += "" if args.graphs == ["on"] else f", graphs {graphs}"
+                for batch in batches:
+                    for context in args.contexts:
+                        r = decode_speed(loaded, options, batch, context, args.warmup,
+                                         args.steps, args.rounds, device, graphs == "on")
+                        row = {"engine": "freetoken", "config": config, "batch": batch,
+                               "context": context, **r}  # fmt: skip
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     if args.llama_bench and args.gguf:
         configs = [("all on GPU", ["-ngl", "99"])] if device.type == "cuda" else []
         for n in (args.ncmoe or []) if device.type == "cuda" else []:
@@ -160,8 +168,8 @@ def main() -> int:
     experts = "bf16" if loaded.experts is None else loaded.experts.format.name
     experts = "bf16" if experts == "dense" else experts
     lines = [
-        f"# decode_context: Qwen3-30B-A3B shape, {loaded.config.num_layers} layers, experts "
-        f"{experts}",
+        f"# decode_context: {args.checkpoint or args.shape} shape, {loaded.config.num_layers} "
+        f"layers, experts {experts}",
         "",
         f"- device: {name}, {os.cpu_count()} CPU threads; torch {torch.__version__}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",

@@ -117,8 +117,16 @@ def qwen3_5_35b_a3b(layers: int) -> dict:
     }  # fmt: skip
 
 
+def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
+    """Qwen3.5-35B-A3B's shape with every layer full attention: the hybrid model's peer of
+    about the same active size (27 against 34 M parameters a layer outside the experts), to
+    compare the hybrid model's decode with."""
+    return {**qwen3_5_35b_a3b(layers), "layer_types": ["full_attention"] * layers}
+
+
 SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
-          "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b}  # fmt: skip
+          "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
+          "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention}  # fmt: skip
 
 
 def tiny(layers: int) -> dict:

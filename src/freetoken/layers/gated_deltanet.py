@@ -8,8 +8,10 @@ recurrent state pool (`kv/recurrent.py`), one slot per sequence.
 
 Prefill runs the chunked form of the delta rule (chunks of 64, as the transformers torch
 fallback: a few matmuls per chunk instead of a step per token); decode runs one recurrent
-step. Both read and write the sequence's slot, so a prompt split across forwards (chunked
-prefill) carries its state over the chunk boundaries.
+step, on the GPU as one kernel launch (kernels/gated_delta.py: the decay, step size, norms and
+rule of a step, the state advanced in place in the pool). Both read and write the sequence's
+slot, so a prompt split across forwards (chunked prefill) carries its state over the chunk
+boundaries.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.activations import activation
+from freetoken.kernels import gated_delta
 from freetoken.kv.batch import ForwardBatch, StateGroup
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.linear import Linear
@@ -165,27 +168,25 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, states: RecurrentStatePool
     ) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
         conv, ssm = states.conv[self.index], states.ssm[self.index]
         core = torch.cat(
-            [self._group(conv, ssm, mixed, g, beta, group) for group in batch.state_groups()]
+            [self._group(conv, ssm, mixed, a, b, group) for group in batch.state_groups()]
         )  # [T, Hv, dv] fp32, flat token order
         out = self.norm(core.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.view(x.shape[0], self.value_dim))
 
-    def _group(self, conv, ssm, mixed, g, beta, group: StateGroup) -> torch.Tensor:
+    def _group(self, conv, ssm, mixed, a, b, group: StateGroup) -> torch.Tensor:
         """Advance a group's sequences over their new tokens; for each capture (k, slot),
         copy the state after the first k tokens into `slot` (splitting the tokens there: a
         state exists only between the segments the rule runs). Returns [rows, Hv, dv]."""
         n, rows, slots = group.n, group.rows, group.slots
         mixed = mixed[rows].view(n, -1, mixed.shape[-1])
-        g, beta = g[rows].view(n, -1, self.nv), beta[rows].view(n, -1, self.nv)
+        a, b = a[rows].view(n, -1, self.nv), b[rows].view(n, -1, self.nv)
         outs, start = [], 0
         for k, slot in [*group.captures, (mixed.shape[1], None)]:
             if k > start:
                 sl = slice(start, k)
-                outs.append(self._mix(conv, ssm, mixed[:, sl], g[:, sl], beta[:, sl], slots))
+                outs.append(self._mix(conv, ssm, mixed[:, sl], a[:, sl], b[:, sl], slots))
                 start = k
             if slot is not None:
                 dst = torch.tensor([slot], device=slots.device)
@@ -193,17 +194,23 @@ class GatedDeltaNet(nn.Module):
                 ssm.index_copy_(0, dst, ssm[slots])
         return torch.cat(outs, dim=1).reshape(-1, self.nv, self.dv)
 
-    def _mix(self, conv, ssm, mixed, g, beta, slots) -> torch.Tensor:
-        """Advance sequences [n, T, ...] from their slots and write the new states back.
-        Returns [n, T, Hv, dv] fp32."""
+    def _mix(self, conv, ssm, mixed, a, b, slots) -> torch.Tensor:
+        """Advance sequences [n, T, ...] from their slots and write the new states back (a, b:
+        the decay and step-size projections). Returns [n, T, Hv, dv] fp32."""
         n = mixed.shape[0]
         y, new_conv = causal_conv1d(mixed, conv[slots], self.conv1d.weight[:, 0], self.act)
+        conv.index_copy_(0, slots, new_conv.to(conv.dtype))
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (n, y.shape[1], -1)
         q, k = q.reshape(*shape, self.dk), k.reshape(*shape, self.dk)
         v = v.reshape(*shape, self.dv)
+        if y.shape[1] == 1 and gated_delta.available(y):  # a decode step: one launch
+            out = gated_delta.recurrent_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
+                                             self.A_log, self.dt_bias, ssm, slots)  # fmt: skip
+            return out[:, None]
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
         rule = recurrent_gated_delta_rule if y.shape[1] == 1 else chunk_gated_delta_rule
         out, new_ssm = rule(*_prepare(q, k, v, g, beta), ssm[slots])
-        conv.index_copy_(0, slots, new_conv.to(conv.dtype))
         ssm.index_copy_(0, slots, new_ssm)
         return out.transpose(1, 2)

@@ -1,0 +1,100 @@
+"""One decode step of the gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) in one kernel
+launch, on the GPU.
+
+The torch step (layers/gated_deltanet.py: `_prepare`, `recurrent_gated_delta_rule`, the state
+pool's gather and scatter) is some 35 launches a layer: head expansion, casts, two L2 norms, the
+decay and step size, and each product and sum of the rule. At batch 1 a decode step's kernels
+are tiny and their count sets its time (48 layers of Qwen3.5-35B-A3B, 40 of them linear). Here a
+program takes one sequence, value head and block of value columns: it reads the sequence's
+state block where it lies in the pool (by its slot), computes the decay exp(g) and step size
+beta from the raw projections (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b),
+rounded to b's dtype as torch's sigmoid leaves it), the L2-normalised q (scaled by dk^-0.5) and
+k of its key head, applies the rule and writes the state back in place:
+
+    S <- S exp(g);  delta = (v - k S) beta;  S <- S + k delta^T;  out = q S
+
+in fp32, the reference's order of operations; its sums run in a tree where torch's run in
+another (the last fp32 bit may differ). The torch code stays the CPU path and the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK_V = 32  # value columns a program: [dk, 32] fp32 of the state in registers
+L2_EPS = 1e-6  # (layers/gated_deltanet.py's _l2norm)
+SOFTPLUS_THRESHOLD = 20.0  # torch's: softplus(x) = x above it
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
+    """One token of each of n sequences: q, k [n, Hk, dk], v [n, Hv, dv] (the conv's output),
+    a, b [n, Hv] (the decay and step-size projections), a_log and dt_bias [Hv]; ssm [slots, Hv,
+    dk, dv] fp32, the layer's states, advanced in place at `slots` [n]. Returns out [n, Hv, dv]
+    fp32."""
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+    out = torch.empty(n, hv, dv, dtype=torch.float32, device=v.device)
+    block_v = min(BLOCK_V, triton.next_power_of_2(dv))
+    grid = (n, hv, triton.cdiv(dv, block_v))
+    _step_kernel[grid](
+        q, k, v, a, b, a_log, dt_bias, ssm, slots, out,
+        ssm.stride(0), ssm.stride(1), ssm.stride(2),
+        HK=hk, HV=hv, DK=dk, DV=dv, SCALE=dk**-0.5, EPS=L2_EPS, THRESHOLD=SOFTPLUS_THRESHOLD,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, slots_ptr, out_ptr,
+        stride_ss, stride_sh, stride_sk,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        SCALE: tl.constexpr, EPS: tl.constexpr, THRESHOLD: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        hk = h // (HV // HK)  # (each key head serves HV / HK consecutive value heads)
+        keys = tl.arange(0, BLOCK_K)
+        cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        k_ok, v_ok = keys < DK, cols < DV
+        qk_row = (i * HK + hk) * DK
+        q = tl.load(q_ptr + qk_row + keys, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + qk_row + keys, mask=k_ok, other=0.0).to(tl.float32)
+        q = q * tl.math.rsqrt(tl.sum(q * q, 0) + EPS) * SCALE
+        k = k * tl.math.rsqrt(tl.sum(k * k, 0) + EPS)
+        v = tl.load(v_ptr + (i * HV + h) * DV + cols, mask=v_ok, other=0.0).to(tl.float32)
+        # decay and step size, as the layer computes them (beta rounded to b's dtype)
+        a = tl.load(a_ptr + i * HV + h).to(tl.float32)
+        raw_b = tl.load(b_ptr + i * HV + h)
+        x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+        e = tl.exp(x)  # softplus: log1p(e), by its series where 1 + e would round e away
+        softplus = tl.where(x > THRESHOLD, x, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))
+        g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+        beta = (1.0 / (1.0 + tl.exp(-raw_b.to(tl.float32)))).to(raw_b.dtype).to(tl.float32)
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        s_ptrs = (ssm_ptr + slot * stride_ss + h * stride_sh + keys[:, None] * stride_sk
+                  + cols[None, :])  # fmt: skip
+        mask = k_ok[:, None] & v_ok[None, :]
+        state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)
+        predicted = tl.sum(state * k[:, None], 0)  # what S already returns for k
+        delta = (v - predicted) * beta
+        state = state + k[:, None] * delta[None, :]
+        tl.store(s_ptrs, state, mask=mask)
+        out = tl.sum(state * q[:, None], 0)
+        tl.store(out_ptr + (i * HV + h) * DV + cols, out, mask=v_ok)
