@@ -1,4 +1,4 @@
-"""A random Qwen3-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for side-by-side runs.
+"""A random Qwen3-MoE, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for side-by-side runs.
 
 llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
 files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors
@@ -21,9 +21,15 @@ from safetensors.torch import save_file
 BLOCK = 1 << 24  # values in the shared block of normals
 
 
+MODEL_TYPES = {"GptOssForCausalLM": "gpt_oss", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}  # fmt: skip
+
+
 def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
     if raw["architectures"] == ["GptOssForCausalLM"]:
         return gpt_oss_tensors_of_layer(raw, layer)
+    if raw["architectures"] == ["Qwen3_5MoeForCausalLM"]:
+        return qwen3_5_tensors_of_layer(raw, layer)
     h, d = raw["hidden_size"], raw["head_dim"]
     q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
     e, i = raw["num_experts"], raw["moe_intermediate_size"]
@@ -44,6 +50,50 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
         shapes[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
         shapes[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
     return shapes
+
+
+def qwen3_5_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5-MoE's text layers as transformers saves them: gated DeltaNet (`linear_attn`) or
+    gated full attention (q_proj twice the heads: query and gate), per-expert projections, a
+    shared expert with its sigmoid gate."""
+    h, d = raw["hidden_size"], raw["head_dim"]
+    e, i, shared = raw["num_experts"], raw["moe_intermediate_size"], \
+        raw["shared_expert_intermediate_size"]  # fmt: skip
+    p = f"model.layers.{layer}."
+    if raw["layer_types"][layer] == "linear_attention":
+        hk, hv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+        dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+        conv = 2 * hk * dk + hv * dv
+        mixer = {
+            p + "linear_attn.in_proj_qkv.weight": (conv, h),
+            p + "linear_attn.in_proj_z.weight": (hv * dv, h),
+            p + "linear_attn.in_proj_a.weight": (hv, h),
+            p + "linear_attn.in_proj_b.weight": (hv, h),
+            p + "linear_attn.conv1d.weight": (conv, 1, raw["linear_conv_kernel_dim"]),
+            p + "linear_attn.A_log": (hv,), p + "linear_attn.dt_bias": (hv,),
+            p + "linear_attn.norm.weight": (dv,),
+            p + "linear_attn.out_proj.weight": (h, hv * dv),
+        }  # fmt: skip
+    else:
+        q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
+        mixer = {
+            p + "self_attn.q_proj.weight": (2 * q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+        }  # fmt: skip
+    experts = {}
+    for x in range(e):
+        experts[p + f"mlp.experts.{x}.gate_proj.weight"] = (i, h)
+        experts[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
+        experts[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
+    return mixer | experts | {
+        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate.weight": (e, h),
+        p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+        p + "mlp.shared_expert.up_proj.weight": (shared, h),
+        p + "mlp.shared_expert.down_proj.weight": (h, shared),
+        p + "mlp.shared_expert_gate.weight": (1, h),
+    }  # fmt: skip
 
 
 def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -120,7 +170,7 @@ def write_random_checkpoint(
         weight_map.update(dict.fromkeys(shapes, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    model_type = "gpt_oss" if raw["architectures"] == ["GptOssForCausalLM"] else "qwen3_moe"
+    model_type = MODEL_TYPES[raw["architectures"][0]]
     config = {**raw, "model_type": model_type, "torch_dtype": "bfloat16", "dtype": "bfloat16",
               "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
@@ -140,7 +190,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    shapes = ["qwen3-30b-a3b", "gpt-oss-20b"]
+    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"]
     parser.add_argument("--shape", choices=shapes, default=shapes[0])
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts in MXFP4")
     args = parser.parse_args()

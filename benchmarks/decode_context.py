@@ -80,16 +80,42 @@ def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device,
             "spread": (per_round[-1] - per_round[0]) / per_round[len(per_round) // 2]}  # fmt: skip
 
 
-def llama_bench(binary, gguf, contexts, extra, label) -> dict[int, float]:
-    """llama-bench tg tok/s per context (`-d`), or {} when it fails."""
-    command = [binary, "-m", str(gguf), "-p", "0", "-n", "32", "-r", "1", "-o", "json",
-               "-d", ",".join(str(c) for c in contexts), *extra]  # fmt: skip
+def prefill_speed(loaded, options, tokens: int, device) -> float:
+    """tok/s of one `tokens`-token prompt in one forward (after one of the same size)."""
+    runner = ModelRunner(loaded, 2 * tokens + 64, moe=options, max_model_len=tokens + 64)
+    gen = torch.Generator().manual_seed(0)
+    seconds = []
+    for _ in range(2):
+        seq = runner.new_sequence()
+        ids = torch.randint(0, loaded.config.vocab_size, (tokens,), generator=gen).tolist()
+        sync(device)
+        start = time.perf_counter()
+        runner.forward([seq], [ids])[:, 0].max().item()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        runner.release(seq)
+    if runner.moe is not None and runner.moe.cpu is not None:
+        runner.moe.cpu.shutdown()
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / seconds[-1]
+
+
+def llama_bench(binary, gguf, contexts, extra, label, prefill: int = 0) -> dict[int, float]:
+    """llama-bench tg tok/s per context (`-d`), or {} when it fails; with `prefill`, pp tok/s
+    of a prompt of that many tokens instead (keyed -prefill)."""
+    test = ["-p", str(prefill), "-n", "0"] if prefill else ["-p", "0", "-n", "32", "-d",
+                                                             ",".join(map(str, contexts))]
+    command = [binary, "-m", str(gguf), *test, "-r", "1", "-o", "json", *extra]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)}
     print("running", " ".join(command), flush=True)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         print(f"llama-bench ({label}) failed:\n{done.stderr[-3000:]}", flush=True)
         return {}
+    if prefill:
+        return {-prefill: float(r["avg_ts"]) for r in json.loads(done.stdout)}
     return {int(r["n_depth"]): float(r["avg_ts"]) for r in json.loads(done.stdout)}
 
 
@@ -116,6 +142,8 @@ def main() -> int:
     ap.add_argument("--ncmoe", type=int, action="append",
                     help="llama-bench -ncmoe: experts of N layers on CPU")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-bench -t")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time one prompt of this many tokens (llama-bench: -p)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -150,6 +178,12 @@ def main() -> int:
                                "context": context, **r}  # fmt: skip
                         rows.append(row)
                         print(json.dumps(row), flush=True)
+                if args.prefill:
+                    row = {"engine": "freetoken", "config": config, "batch": 1,
+                           "context": -args.prefill,
+                           "tokens_per_s": prefill_speed(loaded, options, args.prefill, device)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.llama_bench and args.gguf:
         configs = [("all on GPU", ["-ngl", "99"])] if device.type == "cuda" else []
         for n in (args.ncmoe or []) if device.type == "cuda" else []:
@@ -157,11 +191,12 @@ def main() -> int:
         if device.type == "cpu":
             configs.append((f"CPU, {args.threads} threads", ["-t", str(args.threads)]))
         for label, extra in configs:
-            for context, tps in llama_bench(args.llama_bench, args.gguf, args.contexts, extra,
-                                            label).items():  # fmt: skip
-                rows.append({"engine": "llama.cpp", "config": label, "batch": 1,
-                             "context": context, "tokens_per_s": tps})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
+            for prefill in [0, args.prefill] if args.prefill else [0]:
+                for context, tps in llama_bench(args.llama_bench, args.gguf, args.contexts,
+                                                extra, label, prefill).items():  # fmt: skip
+                    rows.append({"engine": "llama.cpp", "config": label, "batch": 1,
+                                 "context": context, "tokens_per_s": tps})  # fmt: skip
+                    print(json.dumps(rows[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -178,8 +213,8 @@ def main() -> int:
         f"steps after {args.warmup} (median round); llama-bench tg32 with -d, 1 repetition",
         "",
         "| engine | config | batch | " + " | ".join(f"ctx {c}" for c in args.contexts)
-        + " | longest / shortest |",
-        "|---|---|---|" + "---|" * (len(args.contexts) + 1),
+        + " | longest / shortest |" + (f" prefill {args.prefill} |" if args.prefill else ""),
+        "|---|---|---|" + "---|" * (len(args.contexts) + 1 + bool(args.prefill)),
     ]  # fmt: skip
     groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
@@ -190,7 +225,10 @@ def main() -> int:
         cells = [f"{by_context[c]:.1f}" if c in by_context else "-" for c in args.contexts]
         first, last = by_context.get(args.contexts[0]), by_context.get(args.contexts[-1])
         keep = f"{last / first:.2f}" if first and last else "-"
-        lines.append(f"| {engine} | {config} | {batch} | " + " | ".join(cells) + f" | {keep} |")
+        pp = by_context.get(-args.prefill) if args.prefill else None
+        tail = "" if not args.prefill else (f" {pp:.1f} |" if pp else " - |")
+        lines.append(f"| {engine} | {config} | {batch} | " + " | ".join(cells) + f" | {keep} |"
+                     + tail)  # fmt: skip
     report(lines, args.out)
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(rows))
