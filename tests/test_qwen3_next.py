@@ -85,13 +85,15 @@ def test_prefill_and_decode_match_transformers_cache(tiny, loaded):
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), use_cache=True)
     worst = (ours - out.logits[0]).abs().max().item()
-    cache = out.cache
+    # (transformers before 5.2x names the cache `past_key_values`, as the GPU machine's 5.17)
+    name = "cache" if hasattr(out, "cache") else "past_key_values"
+    cache = getattr(out, name)
     for _ in range(20):
         token = int(ours[-1].argmax())
         ours = runner.forward([seq], [[token]])
         with torch.no_grad():
-            out = hf(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache = out.cache
+            out = hf(torch.tensor([[token]]), **{name: cache}, use_cache=True)
+        cache = getattr(out, name)
         worst = max(worst, (ours - out.logits[:, -1]).abs().max().item())
     assert worst < TOL, f"drifted from transformers by {worst}"
 
