@@ -1,4 +1,5 @@
-"""A random Qwen3-MoE, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for side-by-side runs.
+"""A random Qwen3-MoE, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for
+side-by-side runs.
 
 llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
 files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors

@@ -105,8 +105,11 @@ def prefill_speed(loaded, options, tokens: int, device) -> float:
 def llama_bench(binary, gguf, contexts, extra, label, prefill: int = 0) -> dict[int, float]:
     """llama-bench tg tok/s per context (`-d`), or {} when it fails; with `prefill`, pp tok/s
     of a prompt of that many tokens instead (keyed -prefill)."""
-    test = ["-p", str(prefill), "-n", "0"] if prefill else ["-p", "0", "-n", "32", "-d",
-                                                             ",".join(map(str, contexts))]
+    test = (
+        ["-p", str(prefill), "-n", "0"]
+        if prefill
+        else ["-p", "0", "-n", "32", "-d", ",".join(map(str, contexts))]
+    )
     command = [binary, "-m", str(gguf), *test, "-r", "1", "-o", "json", *extra]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)}
     print("running", " ".join(command), flush=True)
@@ -114,22 +117,33 @@ def llama_bench(binary, gguf, contexts, extra, label, prefill: int = 0) -> dict[
     if done.returncode != 0:
         print(f"llama-bench ({label}) failed:\n{done.stderr[-3000:]}", flush=True)
         return {}
+    results = json.loads(done.stdout)
     if prefill:
-        return {-prefill: float(r["avg_ts"]) for r in json.loads(done.stdout)}
-    return {int(r["n_depth"]): float(r["avg_ts"]) for r in json.loads(done.stdout)}
+        return {-prefill: float(results[-1]["avg_ts"])}
+    return {int(r["n_depth"]): float(r["avg_ts"]) for r in results}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
-                    help="the random model's shape (without --checkpoint)")
-    ap.add_argument("--graphs", nargs="+", choices=["on", "off"], default=["on"],
-                    help="decode steps in CUDA graphs, or eager (both: each config twice)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-30b-a3b",
+        help="the random model's shape (without --checkpoint)",
+    )
+    ap.add_argument(
+        "--graphs",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="decode steps in CUDA graphs, or eager (both: each config twice)",
+    )
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 8192, 32768, 65536])
     ap.add_argument("--strategy", action="append")
-    ap.add_argument("--cache", action="append",
-                    help="expert cache of the offloaded strategies (default 8GiB)")
+    ap.add_argument(
+        "--cache", action="append", help="expert cache of the offloaded strategies (default 8GiB)"
+    )
     ap.add_argument("--batch", action="append", type=int)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
@@ -139,11 +153,16 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--llama-bench", help="the llama-bench binary, to run beside")
     ap.add_argument("--gguf", type=Path, help="the checkpoint converted to GGUF, for llama-bench")
-    ap.add_argument("--ncmoe", type=int, action="append",
-                    help="llama-bench -ncmoe: experts of N layers on CPU")
+    ap.add_argument(
+        "--ncmoe", type=int, action="append", help="llama-bench -ncmoe: experts of N layers on CPU"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-bench -t")
-    ap.add_argument("--prefill", type=int, default=0,
-                    help="also time one prompt of this many tokens (llama-bench: -p)")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="also time one prompt of this many tokens (llama-bench: -p)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -172,16 +191,29 @@ def main() -> int:
                 config += "" if args.graphs == ["on"] else f", graphs {graphs}"
                 for batch in batches:
                     for context in args.contexts:
-                        r = decode_speed(loaded, options, batch, context, args.warmup,
-                                         args.steps, args.rounds, device, graphs == "on")
+                        r = decode_speed(
+                            loaded,
+                            options,
+                            batch,
+                            context,
+                            args.warmup,
+                            args.steps,
+                            args.rounds,
+                            device,
+                            graphs == "on",
+                        )
                         row = {"engine": "freetoken", "config": config, "batch": batch,
                                "context": context, **r}  # fmt: skip
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 if args.prefill:
-                    row = {"engine": "freetoken", "config": config, "batch": 1,
-                           "context": -args.prefill,
-                           "tokens_per_s": prefill_speed(loaded, options, args.prefill, device)}
+                    row = {
+                        "engine": "freetoken",
+                        "config": config,
+                        "batch": 1,
+                        "context": -args.prefill,
+                        "tokens_per_s": prefill_speed(loaded, options, args.prefill, device),
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.llama_bench and args.gguf:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+# the tests' GGUF metadata writer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_gguf import qwen3_writer  # noqa: E402  (the tests' GGUF metadata writer)
+from tiny_gguf import qwen3_writer
 
 BLOCK_BYTES = 34  # Q8_0: an fp16 scale and 32 int8 codes
 

@@ -187,7 +187,7 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
     from freetoken.moe.store import ExpertShape
 
     mib = {"qwen3-30b-a3b": 9.0, "gpt-oss-20b": 47.5, "deepseek-v3": 84.0, "glm-4.5-air": 33.0,
-           "qwen3.5-35b-a3b": 6.0}  # fmt: skip
+           "qwen3.5-35b-a3b": 6.0, "qwen3.5-35b-a3b-full-attention": 6.0}  # fmt: skip
     for name, shape in SHAPES.items():
         raw = shape(8)
         cfg = family_for(raw).parse_config(raw)
@@ -197,3 +197,29 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
         expert = ExpertShape(cfg.hidden_size, cfg.moe.intermediate_size, torch.bfloat16)
         assert abs(expert.nbytes / 2**20 - mib[name]) < 0.5, (name, expert.nbytes / 2**20)
         assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_decode_context_on_a_random_q8_0_gguf(tmp_path):
+    """gguf_random.py writes a Q8_0 GGUF both engines read; decode_context.py runs on it (its
+    experts kept Q8_0), with graphs on and off, and times a prefill."""
+    from freetoken.qwen_vocab import write_qwen_tokenizer
+
+    tokenizer = write_qwen_tokenizer(tmp_path / "tok", model_max_length=4096)
+    file = tmp_path / "m.gguf"
+    result = subprocess.run(
+        [sys.executable, "gguf_random.py", str(file), "--tiny", "--layers", "2", "--tokenizer",
+         str(tokenizer), "--max-context", "4096"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "context.md"
+    run("decode_context.py", "--checkpoint", str(file), "--layers", "2", "--contexts", "0", "16",
+        "--strategy", "fused", "--batch", "1", "--steps", "2", "--warmup", "1", "--rounds", "1",
+        "--graphs", "on", "off", "--prefill", "32", "--out", str(out),
+        tmp_path=tmp_path)  # fmt: skip
+    table = out.read_text()
+    assert "experts q8_0" in table.splitlines()[0]
+    for graphs in ("on", "off"):
+        row = next(line for line in table.splitlines() if f"graphs {graphs} |" in line)
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[0] == "freetoken" and all(float(c) > 0 for c in (cells[3], cells[4], cells[6]))

@@ -91,10 +91,18 @@ def test_an_engine_starts_from_a_gguf_file(source, tmp_path, monkeypatch):
     file = write_qwen3_gguf(path, tmp_path / "e.gguf")
     outputs = []
     for model in (file, path):
-        engine = LLMEngine.from_config(EngineConfig(model=model, device="cpu", dtype="float32",
-                                                    kv_cache_tokens=256, moe=MoEOptions("fused")))
-        req = engine.add_request(engine.tokenizer.encode("Hi there"),
-                                 SamplingParams(max_new_tokens=6, temperature=0.0))
+        engine = LLMEngine.from_config(
+            EngineConfig(
+                model=model,
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=256,
+                moe=MoEOptions("fused"),
+            )
+        )
+        req = engine.add_request(
+            engine.tokenizer.encode("Hi there"), SamplingParams(max_new_tokens=6, temperature=0.0)
+        )
         while not req.finished:
             engine.step()
         outputs.append(req.output_ids)
@@ -166,7 +174,7 @@ def test_q8_0_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     from freetoken.config import MoEOptions
     from freetoken.weights.quantized import dequantize_q8_0
 
-    file, converted = moe_file
+    _, converted = moe_file
     stored = load_file(str(converted / "model.safetensors"))
     codes = stored["model.layers.0.mlp.experts.gate_up_proj_q8_0"]
     assert codes.dtype == torch.int8 and codes.shape == (8, 64, 64)  # [E, 2I, H]: 8 bits a value

@@ -65,7 +65,7 @@ def test_fp8_block_scales_cover_partial_blocks():
 
 def test_q8_0_scales_each_32_int8_codes_by_an_fp16():
     codes = torch.tensor([[-128, -1, 0, 1, 127] + [2] * 27 + [3] * 32], dtype=torch.int8)
-    scales = torch.tensor([[0.5, -2.0**-24]], dtype=torch.float16)  # (a subnormal fp16)
+    scales = torch.tensor([[0.5, -(2.0**-24)]], dtype=torch.float16)  # (a subnormal fp16)
     out = q.dequantize_q8_0(codes, scales)
     assert out[0, :5].tolist() == [-64.0, -0.5, 0.0, 0.5, 63.5]
     assert out[0, 32:].unique().tolist() == [-3 * 2.0**-24]
