@@ -138,3 +138,17 @@ def test_linear_attention_models_decode_in_graphs(tmp_path, family, options):
         again.append(last)
     assert (torch.stack(again) - eager).abs().max().item() < 1e-5
     runner.release(held)
+
+
+@needs_cuda
+def test_latent_attention_models_decode_in_graphs(tmp_path):
+    """DeepSeek-V3's latent heads (the pool read as keys and values) take the Triton decode
+    kernel, so its decode steps are captured too and replay the eager logits."""
+    # (a RoPE part of 16: the kernel scores a key-only rest of at least 16 values)
+    path, _ = build("deepseek_v3", tmp_path / "m", qk_rope_head_dim=16, head_dim=16)
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 17, 11])
+    eager, _ = decode_logits(loaded, prompts, 10, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 10, cuda_graphs=True)
+    assert runner.graphs is not None and runner.graphs.replays >= 8
+    assert (eager - graphed).abs().max().item() < 1e-4

@@ -61,13 +61,22 @@ def test_the_shared_pool_survives_resizes_and_prefix_copies(tmp_path):
 
 
 def test_decode_graphs_are_kept_for_heads_the_device_kernel_takes():
-    """The Triton decode kernel takes power-of-two heads of 16 to 256; MLA's latent heads (576
-    for DeepSeek-V3) take the torch path, which reads lengths on the host, so ModelRunner
-    captures no decode graphs for them (a graph would replay the capture's lengths)."""
+    """The Triton decode kernel takes power-of-two heads of 16 to 256, and latent heads read
+    as their own values (576 = 512 + 64 for DeepSeek-V3: the latent, then the RoPE part), so
+    ModelRunner captures decode graphs for MLA models too; other widths take the torch path,
+    which reads lengths on the host (a graph would replay the capture's lengths)."""
     from freetoken.kernels import paged_attention
 
     if paged_attention.triton is None:
         pytest.skip("needs triton")
     assert paged_attention.triton_decode_width(128) and paged_attention.triton_decode_width(16)
-    for width in (576, 80, 8, 512 + 64, 1024):
+    assert paged_attention.triton_decode_width(576, values_are_keys=True)
+    assert paged_attention.triton_decode_width(64 + 16, values_are_keys=True)
+    for width in (576, 80, 8, 1024):
         assert not paged_attention.triton_decode_width(width), width
+    for width in (512 + 8, 1024 + 64, 512 + 96, 300):  # (a rest under 16, too wide, not 2^n)
+        assert not paged_attention.triton_decode_width(width, values_are_keys=True), width
+    # (the value columns the caller reads must lie in the kernel's value part: a latent of 520
+    # with a RoPE part of 56 is 576 wide too, but its last 8 latent values would be cut off)
+    assert paged_attention.triton_decode_width(576, True, values=512)
+    assert not paged_attention.triton_decode_width(576, True, values=520)

@@ -194,6 +194,19 @@ def _decode_cases(device: str) -> dict[str, float]:
             ours = paged_decode_triton(*args, splits=splits)
             ref = paged_attention_torch(*args)
             res[f"{name}/{page_size}"] = (ours - ref).abs().max().item()
+    # latent attention's heads: the pool read as keys [latent 64, RoPE part 16] and as values
+    # (the latent: the kernel returns its width), 20 query heads on one KV head (two blocks of
+    # 16, the second partial); and 512 + 64, DeepSeek-V3's, on one split
+    for name, (lengths, heads, latent, rope, splits) in {
+        "latent": ([5, 70, 33], 20, 64, 16, None),
+        "latent_576": ([40], 16, 512, 64, 2),
+    }.items():
+        q, cache, _, batch = make_case(lengths, [1] * len(lengths), heads, 1, latent + rope, 8,
+                                       device=device)  # fmt: skip
+        pool = cache.k[0]
+        ours = paged_decode_triton(q, pool, pool, batch, 0.1, splits=splits)
+        ref = paged_attention_torch(q, pool, pool, batch, 0.1)[..., :latent]
+        res[f"{name}/8"] = (ours - ref).abs().max().item() if ours.shape == ref.shape else 1.0
     return res
 
 
@@ -204,7 +217,7 @@ def interpreter_results() -> dict[str, float]:
 
 @needs_triton
 def test_triton_decode_matches_the_torch_path_in_the_interpreter(interpreter_results):
-    assert len(interpreter_results) == 14
+    assert len(interpreter_results) == 16
     assert max(interpreter_results.values()) < 1e-4, interpreter_results
 
 

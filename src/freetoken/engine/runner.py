@@ -126,7 +126,9 @@ class ModelRunner:
         if (
             cuda_graphs
             and self.device.type == "cuda"
-            and paged_attention.triton_decode_width(cfg.kv_cache_dim)
+            and paged_attention.triton_decode_width(
+                cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+            )
         ):
             self.graphs = DecodeGraphs(self.model, self.kv, self.states)
 

@@ -12,7 +12,10 @@ Three implementations of that one contract:
 - `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding): programs over
   (sequence, KV head, split of the keys) each run an online softmax over their split, a second
   kernel merges the splits. Lengths are read on the device, so a CUDA graph captured once
-  serves every length, and the split count is fixed per batch size.
+  serves every length, and the split count is fixed per batch size. Multi-head latent
+  attention's heads (keys [latent, RoPE part], 512 + 64 wide, the values the latent itself:
+  the pool read as both) take it too: the RoPE part's scores added, the latent read once as
+  key and value, the output the latent's width, 16 query heads a program.
 - `paged_decode_cpu`: one new token per sequence on the CPU, through the native library's
   thread team (cpu_experts.c, `ft_cpu_attention_submit`): the same splits and online softmax,
   reading bf16 keys and values in place with AVX512-BF16 dot products where the CPU has them.
@@ -54,6 +57,12 @@ DECODE_STAGES = 3
 # H200) and no more, since each split's partial costs a read and a write in the merge.
 DECODE_TARGET_PROGRAMS = 256
 DECODE_MAX_SPLITS = 64
+# Heads wider than 256 (latent attention's 512): a [16, 512] accumulator a program and fewer
+# keys a step, so registers and shared memory hold them (not swept).
+WIDE_GROUP_BLOCK = 16
+WIDE_BLOCK_N = 32
+WIDE_WARPS = 8
+WIDE_STAGES = 2
 
 
 def paged_attention(
@@ -64,9 +73,13 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    values: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the batch's new tokens: q [T, heads, d] -> [T, heads, d]."""
-    if batch.is_decode and q.is_cuda and triton_decode_takes(q, k_pool):
+    """Attention of the batch's new tokens: q [T, heads, d] -> [T, heads, d]. Where the pool
+    is read as its own values (`v_pool is k_pool`) and the caller reads only the first
+    `values` columns of the result (latent attention), the Triton decode kernel may return
+    fewer columns, at least `values`."""
+    if batch.is_decode and q.is_cuda and triton_decode_takes(q, k_pool, v_pool, values):
         return paged_decode_triton(q, k_pool, v_pool, batch, scale, window, sinks)
     if batch.is_decode and cpu_decode_takes(q, k_pool):
         return paged_decode_cpu(q, k_pool, v_pool, batch, scale, window, sinks)
@@ -80,15 +93,31 @@ def paged_attention(
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
 
-def triton_decode_width(d: int) -> bool:
-    """Whether the Triton decode kernel takes heads `d` wide: a power of two from 16 to 256
-    (multi-head latent attention's 576-wide latent heads, 128 to one, take the torch path for
-    now, which reads the batch's lengths on the host: no decode graph may hold it)."""
-    return triton is not None and 16 <= d <= 256 and not d & (d - 1)
+def _widths(d: int, values_are_keys: bool) -> tuple[int, int] | None:
+    """(value width, key-only width) of heads `d` wide as the Triton decode kernel takes them:
+    (d, 0) for a power of two from 16 to 256; where the values are the keys' first part
+    (latent attention), a power of two up to 512 and a key-only rest of at least 16, itself a
+    power of two (576 = 512 + 64); None otherwise."""
+    if 16 <= d <= 256 and not d & (d - 1):
+        return d, 0
+    main = 1 << (d.bit_length() - 1)
+    rest = d - main
+    if values_are_keys and main <= 512 and rest >= 16 and not rest & (rest - 1):
+        return main, rest
+    return None
 
 
-def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    return triton_decode_width(q.shape[-1])
+def triton_decode_width(d: int, values_are_keys: bool = False, values: int = 0) -> bool:
+    """Whether the Triton decode kernel takes heads `d` wide (`_widths`), of which `values`
+    leading columns are read as values."""
+    widths = _widths(d, values_are_keys)
+    return triton is not None and widths is not None and widths[0] >= values
+
+
+def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        values: int | None = None) -> bool:  # fmt: skip
+    widths = _widths(q.shape[-1], v_pool is k_pool and values is not None)
+    return triton is not None and widths is not None and widths[0] >= (values or 0)
 
 
 def cpu_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -207,37 +236,48 @@ def paged_decode_triton(
     q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None, splits=None,
     block_n=None, num_warps=None, num_stages=None,
 ) -> torch.Tensor:  # fmt: skip
-    """One query per sequence: q [B, heads, d] -> [B, heads, d]. `splits`, `block_n`,
-    `num_warps` and `num_stages` override the defaults (tests, benchmarks/paged_attention.py)."""
+    """One query per sequence: q [B, heads, d] -> [B, heads, d], or [B, heads, value width]
+    for keys wider than their values (`_widths`). `splits`, `block_n`, `num_warps` and
+    `num_stages` override the defaults (tests, benchmarks/paged_attention.py)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, heads, d = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim {d} is not a power of two >= 16")
-    splits = splits or decode_splits(b, kv_heads)
-    partial = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
+    widths = _widths(d, v_pool is k_pool)
+    if widths is None:
+        raise ValueError(f"head_dim {d} is not a power of two from 16 to 256 (nor a latent "
+                         "head read as its own values)")  # fmt: skip
+    width, rope = widths
+    wide = width > 256
+    group_pad = max(16, triton.next_power_of_2(group))
+    group_block = min(group_pad, WIDE_GROUP_BLOCK) if wide else group_pad
+    head_blocks = group_pad // group_block
+    splits = splits or decode_splits(b, kv_heads * head_blocks)
+    partial = torch.empty(b, heads, splits, width, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     table = batch.page_table
-    _decode_split_kernel[(b, kv_heads, splits)](
+    _decode_split_kernel[(b, kv_heads * head_blocks, splits)](
         q, k_pool, v_pool, table, batch.rows, batch.lengths, partial, lse,
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
         window or 0,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         table.stride(0), splits,
-        PAGE=batch.page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_D=d, BLOCK_N=block_n or DECODE_BLOCK_N, INTERPRETED=INTERPRETED,
+        PAGE=batch.page_size, GROUP=group, GROUP_BLOCK=group_block, HEAD_BLOCKS=head_blocks,
+        HEADS=heads, HEAD_D=width, ROPE_D=rope, ROPE_PAD=max(rope, 16),
+        VALUES_ARE_KEYS=v_pool is k_pool,
+        BLOCK_N=block_n or (WIDE_BLOCK_N if wide else DECODE_BLOCK_N), INTERPRETED=INTERPRETED,
         # fp32 (tests, CPU-exact runs) without TF32 rounding; bf16 / fp16 as they are.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES,
+        num_warps=num_warps or (WIDE_WARPS if wide else DECODE_WARPS),
+        num_stages=num_stages or (WIDE_STAGES if wide else DECODE_STAGES),
     )  # fmt: skip
-    out = torch.empty_like(q)
+    out = q.new_empty(b, heads, width)
     has_sinks = sinks is not None
     _decode_merge_kernel[(b, heads)](
         partial, lse, sinks if has_sinks else lse, out,
         out.stride(0), out.stride(1), splits,
-        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_D=d, HAS_SINKS=has_sinks,
+        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_D=width, HAS_SINKS=has_sinks,
     )  # fmt: skip
     return out
 
@@ -246,19 +286,32 @@ if triton is not None:
 
     @triton.jit
     def _attend_block(
-        q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table, stride_kn,
-        head_offset, PAGE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
+        stride_kn, head_offset, PAGE: tl.constexpr, HEAD_D: tl.constexpr, ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr, VALUES_ARE_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One block of keys [start, start + BLOCK_N) into the online softmax (m, total, acc)."""
+        """One block of keys [start, start + BLOCK_N) into the online softmax (m, total, acc).
+        ROPE_D > 0: the keys' last ROPE_D values score against q_rope and are no value."""
         j = start + tl.arange(0, BLOCK_N)
         valid = j < hi
         page = tl.load(TABLE + row * stride_table + j // PAGE, mask=valid, other=0)
         slot = page * PAGE + j % PAGE
         offs = slot[:, None] * stride_kn + head_offset + tl.arange(0, HEAD_D)[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(V + offs, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # base-2 logits
+        if VALUES_ARE_KEYS:  # noqa: SIM108  (a constexpr branch: no load at all)
+            v = k
+        else:
+            v = tl.load(V + offs, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if ROPE_D > 0:
+            r = tl.arange(0, ROPE_PAD)
+            k_rope = tl.load(
+                K + slot[:, None] * stride_kn + head_offset + HEAD_D + r[None, :],
+                mask=valid[:, None] & (r < ROPE_D)[None, :], other=0.0,
+            )  # fmt: skip
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        s = s * qk_scale  # base-2 logits
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -272,12 +325,14 @@ if triton is not None:
         Q, K, V, TABLE, ROWS, LENGTHS, PARTIAL, LSE,
         qk_scale, window,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_table, splits,
-        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+        HEAD_BLOCKS: tl.constexpr, HEADS: tl.constexpr, HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr, ROPE_PAD: tl.constexpr, VALUES_ARE_KEYS: tl.constexpr,
+        BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // HEAD_BLOCKS  # (a KV head's query heads, GROUP_BLOCK at
+        head_block = tl.program_id(1) % HEAD_BLOCKS  # a time)
         split = tl.program_id(2)
         length = tl.load(LENGTHS + seq)
         row = tl.load(ROWS + seq)
@@ -288,35 +343,37 @@ if triton is not None:
         lo = first + split * per_split
         hi = tl.minimum(lo + per_split, length)
 
-        g = tl.arange(0, GROUP_PAD)
+        g = head_block * GROUP_BLOCK + tl.arange(0, GROUP_BLOCK)
         heads = kv_head * GROUP + g
         head_ok = g < GROUP
         d = tl.arange(0, HEAD_D)
-        q = tl.load(
-            Q + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=head_ok[:, None],
-            other=0.0,
-        )
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_D], tl.float32)
+        q_rows = Q + seq * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
+        r = tl.arange(0, ROPE_PAD)
+        q_rope = tl.load(q_rows + HEAD_D + r[None, :],
+                         mask=head_ok[:, None] & (r < ROPE_D)[None, :], other=0.0)  # fmt: skip
+        m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_BLOCK], tl.float32)
+        acc = tl.zeros([GROUP_BLOCK, HEAD_D], tl.float32)
         if INTERPRETED:
             # The CPU interpreter cannot range over loaded values; the compiled kernel keeps
             # its `for` loop, which Triton pipelines.
             start = lo
             while start < hi:
                 m, total, acc = _attend_block(
-                    q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
-                    stride_kn, kv_head * stride_kh, PAGE, HEAD_D, BLOCK_N, PRECISION,
+                    q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale,
+                    stride_table, stride_kn, kv_head * stride_kh, PAGE, HEAD_D, ROPE_D,
+                    ROPE_PAD, VALUES_ARE_KEYS, BLOCK_N, PRECISION,
                 )  # fmt: skip
                 start += BLOCK_N
         else:
             for start in range(lo, hi, BLOCK_N):
                 m, total, acc = _attend_block(
-                    q, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
-                    stride_kn, kv_head * stride_kh, PAGE, HEAD_D, BLOCK_N, PRECISION,
+                    q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale,
+                    stride_table, stride_kn, kv_head * stride_kh, PAGE, HEAD_D, ROPE_D,
+                    ROPE_PAD, VALUES_ARE_KEYS, BLOCK_N, PRECISION,
                 )  # fmt: skip
-        out_offs = (seq * (GROUP * tl.num_programs(1)) + heads) * splits + split
+        out_offs = (seq * HEADS + heads) * splits + split
         empty = total == 0.0
         tl.store(
             PARTIAL + out_offs[:, None] * HEAD_D + d[None, :],

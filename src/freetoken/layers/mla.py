@@ -99,6 +99,7 @@ class LatentAttention(nn.Module):
         cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]
         kv.write(self.layer, batch.write_slots, cached, None)
         pool = kv.k[self.layer]
-        out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch, self.scale)
+        out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch, self.scale,
+                              values=r)  # fmt: skip
         out = torch.einsum("thr,hvr->thv", out[..., :r], w_uv)
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
