@@ -249,8 +249,10 @@ def profile(shape: Shape, banks, tokens: int, x, gen) -> None:
 
 
 def sweep_grid(fmt_name: str) -> dict[str, dict[str, list[int]]]:
-    # (fp8: BLOCK_K at most its 128-column scale blocks, else a scale gather per weight)
-    k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128]}.get(fmt_name, [64, 128, 256])
+    # (fp8: BLOCK_K at most its 128-column scale blocks, else a scale gather per weight; q8_0:
+    # 32, one scale a row and tile, against wider tiles of several)
+    k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128],
+                 "q8_0": [32, 64, 128, 256]}.get(fmt_name, [64, 128, 256])  # fmt: skip
     return {
         "gate_up": {"GATE_UP_BLOCK_N": [8, 16, 32, 64], "GATE_UP_BLOCK_K": k_choices,
                     "GATE_UP_WARPS": [4, 8], "GATE_UP_STAGES": [3]},
