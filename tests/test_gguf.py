@@ -35,7 +35,9 @@ def logits(path) -> torch.Tensor:
     return runner.forward([runner.new_sequence()], [IDS], all_logits=True)
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+# every type the gguf package writes (llama.cpp's K-quants it cannot: NotImplementedError)
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                  "MXFP4"])  # fmt: skip
 def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
     path, hf, _ = source
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
@@ -47,13 +49,15 @@ def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
         with torch.no_grad():
             ref = hf(torch.tensor([IDS])).logits[0].float()
         assert (ours - ref).abs().max().item() < 1e-4
-    else:  # each matrix dequantized from Q8_0: the source's weights within the blocks' steps
+    else:  # each matrix dequantized: the source's weights within the type's steps
         from safetensors.torch import load_file
 
         weights = load_file(str(converted / "model.safetensors"))
         state = hf.state_dict()
         q = weights["model.layers.0.self_attn.q_proj.weight"].float()
-        assert 0 < (q - state["model.layers.0.self_attn.q_proj.weight"]).abs().max() < 2e-3
+        source_q = state["model.layers.0.self_attn.q_proj.weight"]
+        step = {"Q8_0": 0.01, "F16": 0.01, "BF16": 0.01, "MXFP4": 0.35}.get(kind, 0.2)  # (of max)
+        assert 0 < (q - source_q).abs().max() < step * source_q.abs().max()
         assert json.loads((converted / "config.json").read_text())["dtype"] == "bfloat16"
         hf_q = type(hf)(hf.config).eval()  # the same model holding the dequantized weights
         result = hf_q.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
@@ -141,20 +145,26 @@ def test_a_gguf_file_converts_to_a_weight_directory(source, tmp_path, monkeypatc
     assert Tokenizer(dst).render_chat([{"role": "user", "content": "x"}])
 
 
-# -- Qwen3-MoE with Q8_0 experts: kept as stored -------------------------------------------
+# -- Qwen3-MoE with Q8_0 or MXFP4 experts: kept as stored -----------------------------------
+
+# (GGUF type of the experts, of the rest; the expert format kept, its parts' suffixes)
+MOE_KINDS = {"Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
+             "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales"))}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def moe_file(tmp_path_factory):
-    """A tiny Qwen3-MoE GGUF (every layer MoE, as llama.cpp's qwen3moe) in Q8_0 and its
-    converted checkpoint."""
+@pytest.fixture(scope="module", params=sorted(MOE_KINDS))
+def moe_file(request, tmp_path_factory):
+    """A tiny Qwen3-MoE GGUF (every layer MoE, as llama.cpp's qwen3moe) in Q8_0, or with MXFP4
+    experts (llama.cpp's MXFP4_MOE), its converted checkpoint and what it should keep."""
+    rest, experts, fmt, suffixes = MOE_KINDS[request.param]
     cache = tmp_path_factory.mktemp("moe-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(paths.CACHE_DIR_ENV, str(cache))
         path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
                                    mlp_only_layers=[])  # fmt: skip
-        file = write_qwen3_gguf(path, tmp_path_factory.mktemp("moe-gguf") / "moe.gguf", "Q8_0")
-        return file, gguf.checkpoint_of(file)
+        out = tmp_path_factory.mktemp("moe-gguf") / f"{request.param}.gguf"
+        file = write_qwen3_gguf(path, out, rest, experts)
+        return gguf.checkpoint_of(file), fmt, suffixes
 
 
 def moe_logits(path, moe=None, **load) -> torch.Tensor:
@@ -168,23 +178,23 @@ def moe_logits(path, moe=None, **load) -> torch.Tensor:
     return torch.cat(out)
 
 
-def test_q8_0_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_file):
+def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_file):
     from safetensors.torch import load_file
 
     from freetoken.config import MoEOptions
-    from freetoken.weights.quantized import dequantize_q8_0
+    from freetoken.weights.expert_format import expert_format
 
-    _, converted = moe_file
+    converted, fmt, (codes_suffix, scales_suffix) = moe_file
     stored = load_file(str(converted / "model.safetensors"))
-    codes = stored["model.layers.0.mlp.experts.gate_up_proj_q8_0"]
-    assert codes.dtype == torch.int8 and codes.shape == (8, 64, 64)  # [E, 2I, H]: 8 bits a value
-    assert stored["model.layers.0.mlp.experts.gate_up_proj_q8_0_scales"].dtype == torch.float16
-    assert "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    base = "model.layers.0.mlp.experts.gate_up_proj"
+    codes, scales = stored[base + codes_suffix], stored[base + scales_suffix]
+    assert codes.shape[:2] == scales.shape[:2] == (8, 64)  # [E, 2I, ...]
+    assert codes.dtype in (torch.int8, torch.uint8) and base not in stored  # not dequantized
     # the host pool holds the codes and scales as the file stores them
     experts = load_model(converted, dtype="float32").experts
-    assert experts.format.name == "q8_0" and experts.w_gate_up.dtype == torch.uint8
+    assert experts.format.name == fmt and experts.w_gate_up.dtype == torch.uint8
     dense = load_model(converted, dtype="float32", dequantize_experts=True)
-    assert experts.nbytes < dense.experts.nbytes / 3.5  # (8.5 bits a weight against fp32's 32)
+    assert experts.nbytes < dense.experts.nbytes / 3.5  # (8.5 or 4.25 bits a weight: fp32's 32)
     want = moe_logits(converted, dequantize_experts=True)
     # every strategy and cache size (one slot, a few, all) computes with them as defined
     for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("hybrid", "1"), MoEOptions("cpu"),
@@ -194,12 +204,22 @@ def test_q8_0_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     # the dequantized model is transformers' on those weights (the experts exact in fp32)
     from transformers import AutoModelForCausalLM
 
+    from freetoken.weights.quantized import QuantizedParts
+
+    def dequantized(name: str) -> torch.Tensor:
+        from freetoken.weights.expert_format import bank_parts
+
+        parts = bank_parts(QuantizedParts(fmt, stored[name + codes_suffix],
+                                          stored[name + scales_suffix]))  # fmt: skip
+        return expert_format(fmt).dequantize(parts["w"], parts["s"])
+
     hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    state = {k: v.float() for k, v in stored.items() if not k.endswith(("_q8_0", "_scales"))}
+    kept = (codes_suffix, scales_suffix)
+    state = {k: v.float() for k, v in stored.items() if not k.endswith(kept)}
     for layer in range(hf.config.num_hidden_layers):
         for proj in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{layer}.mlp.experts.{proj}"
-            state[name] = dequantize_q8_0(stored[name + "_q8_0"], stored[name + "_q8_0_scales"])
+            state[name] = dequantized(name)
     result = hf.load_state_dict(state, strict=False)
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
     hf.tie_weights()
@@ -208,12 +228,34 @@ def test_q8_0_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     assert (want[: len(IDS)] - ref).abs().max().item() < 1e-4
 
 
-def test_q8_0_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):
+def test_the_kept_experts_are_the_files_values():
+    """MXFP4: GGUF's block (a scale, then values j and j + 16 in byte j) reordered into
+    freetoken's (values 2j, 2j + 1 in byte j) holds the values the gguf package's own
+    dequantization gives; Q8_0 likewise."""
+    import gguf as gguf_package
+    import numpy as np
+
+    from freetoken.weights.expert_format import MXFP4, Q8_0
+
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((3, 5, 64)).astype(np.float32) * 0.1
+    for kind, fmt in (("MXFP4", MXFP4), ("Q8_0", Q8_0)):
+        qtype = getattr(gguf_package.GGMLQuantizationType, kind)
+        data = gguf_package.quants.quantize(weights, qtype)
+        want = gguf_package.quants.dequantize(data, qtype)
+        codes, scales = (gguf._mxfp4 if kind == "MXFP4" else gguf._q8_0)(data)
+        w = torch.from_numpy(codes)
+        w = w.flatten(-2) if kind == "MXFP4" else w.view(torch.uint8)
+        got = fmt.dequantize(w, torch.from_numpy(scales))
+        assert torch.equal(got, torch.from_numpy(want)), kind
+
+
+def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):
     from freetoken.models.loading import convert_checkpoint
     from freetoken.weights.weight_dir import WeightDir
 
-    _, converted = moe_file
+    converted, fmt, _ = moe_file
     dst = convert_checkpoint(converted, tmp_path / "weights", "float32", progress=False)
-    assert WeightDir(dst).meta["expert_format"] == "q8_0"
-    assert load_model(dst, dtype="float32").experts.format.name == "q8_0"
+    assert WeightDir(dst).meta["expert_format"] == fmt
+    assert load_model(dst, dtype="float32").experts.format.name == fmt
     assert torch.equal(moe_logits(dst), moe_logits(converted))

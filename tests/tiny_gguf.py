@@ -79,11 +79,14 @@ def qwen3_writer(cfg: dict, tokenizer: Path, out: Path):
     return w
 
 
-def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path:
+def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
+                     experts: str | None = None) -> Path:  # fmt: skip
     """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
-    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or Q8_0 for the
-    weights whose rows are whole blocks (the norms and the router stay F32, as llama.cpp keeps
-    them)."""
+    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or a type the gguf
+    package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
+    are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
+    the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
+    else)."""
     import gguf
 
     w = qwen3_writer(json.loads((checkpoint / "config.json").read_text()), checkpoint, out)
@@ -107,11 +110,12 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32") -> Path
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{NAMES[rest]}"
-        if (quantize == "Q8_0" and value.ndim >= 2 and value.shape[-1] % 32 == 0
+        kind = (experts or quantize) if "_exps" in gname else quantize
+        if (kind != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0
                 and "ffn_gate_inp" not in gname):  # fmt: skip
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            data = gguf.quants.quantize(value, q8)
-            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=q8)
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            data = gguf.quants.quantize(value, qtype)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
         else:
             w.add_tensor(gname, value)
     w.write_header_to_file()

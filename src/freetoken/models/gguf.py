@@ -4,14 +4,21 @@ directory in the cache, which the engine then loads as any other.
 The conversion is transformers' (its GGUF reader: the config from the file's hyper-parameters,
 the tokenizer and chat template from its metadata, each tensor dequantized by the `gguf`
 package and renamed to transformers' names), but for the routed experts: where every expert
-tensor of the file is Q8_0 (32 int8 codes and an fp16 scale a block) they are written as
-stored, as `X_q8_0` codes and `X_q8_0_scales` (weights/quantized.py reads them; the host pool,
-the fills and the kernels keep them so: 8.5 bits a weight). freetoken writes the rest as
-config.json, tokenizer files and safetensors, in bf16 (fp32 where the file holds only F32
-tensors). Experts of other GGUF types (Q4_K, Q5_K, Q6_K, ...) are dequantized: such a file
-takes the experts' bf16 size in host memory and on disk. Families transformers reads from GGUF:
-Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and others freetoken does not
-serve).
+tensor of the file is of one type the kernels read, they are written as stored (exactly: the
+same values), and weights/quantized.py reads them; the host pool, the fills and the kernels
+keep them so:
+
+    Q8_0    32 int8 codes and an fp16 scale a block   `X_q8_0`, `X_q8_0_scales` (8.5 bits)
+    MXFP4   32 e2m1 codes and an e8m0 scale a block   `X_blocks`, `X_scales`, as gpt-oss's
+            (llama.cpp's MXFP4_MOE files)             release (its codes reordered: GGUF
+                                                      packs values j and j + 16 in a byte,
+                                                      freetoken 2j and 2j + 1; 4.25 bits)
+
+freetoken writes the rest as config.json, tokenizer files and safetensors, in bf16 (fp32 where
+the file holds only F32 tensors). Experts of other GGUF types (Q4_K, Q5_K, Q6_K, ...) are
+dequantized: such a file takes the experts' bf16 size in host memory and on disk. Families
+transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and
+others freetoken does not serve).
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ SUFFIX = ".gguf"
 DONE = "freetoken-gguf.json"  # written last: a directory without it is incomplete
 # A layer's routed experts as llama.cpp stores them: [experts, rows, columns] each.
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
-# GGUF types whose experts are kept as stored -> the suffix of their parts' names
-KEPT_TYPES = {"Q8_0": "_q8_0"}
+# GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
+# scales), as weights/quantized.py recognises them
+KEPT_TYPES = {"Q8_0": ("_q8_0", "_q8_0_scales"), "MXFP4": ("_blocks", "_scales")}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -124,7 +132,7 @@ def _convert(path: Path, dst: Path) -> None:
               str(dst / "model.safetensors"))  # fmt: skip
 
 
-_KEPT_SUFFIXES = tuple(s for suffix in KEPT_TYPES.values() for s in (suffix, suffix + "_scales"))
+_KEPT_SUFFIXES = tuple(suffix for suffixes in KEPT_TYPES.values() for suffix in suffixes)
 
 
 def _kept_experts(reader) -> set[str]:
@@ -170,16 +178,16 @@ def _expert_parts(t, names: dict[str, str], out: dict) -> None:
     up projections stacked, gate first, as transformers lays `gate_up_proj` out)."""
     m = EXPERT_TENSOR.fullmatch(t.name)
     base = names[f"blk.{m[1]}.ffn_{m[2]}_exps"]
-    suffix = KEPT_TYPES[t.tensor_type.name]
-    codes, scales = _q8_0(t.data)
-    for part, value in ((suffix, codes), (suffix + "_scales", scales)):
+    kind = t.tensor_type.name
+    parts = (_q8_0 if kind == "Q8_0" else _mxfp4)(t.data)
+    for suffix, value in zip(KEPT_TYPES[kind], parts, strict=True):
         value = torch.from_numpy(value)
         if m[2] == "down":
-            out[base + part] = value
+            out[base + suffix] = value
             continue
         rows = value.shape[1]
-        whole = out.setdefault(base + part, value.new_zeros(value.shape[0], 2 * rows,
-                                                            value.shape[2]))  # fmt: skip
+        whole = out.setdefault(base + suffix, value.new_zeros(value.shape[0], 2 * rows,
+                                                              *value.shape[2:]))  # fmt: skip
         (whole[:, :rows] if m[2] == "gate" else whole[:, rows:]).copy_(value)
 
 
@@ -190,6 +198,19 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
     codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
     return codes.reshape(*data.shape[:-1], -1), np.ascontiguousarray(scales)
+
+
+def _mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 blocks (bytes [..., K / 32 * 17]: an e8m0 scale, then 16 bytes whose low
+    nibbles are values 0-15 and high nibbles values 16-31) -> (blocks uint8 [..., K / 32, 16]
+    with value 2j in byte j's low nibble and 2j + 1 in its high one, scales uint8 [..., K / 32]).
+    The same e2m1 codes and scales: ggml's table holds twice the e2m1 values and its scale
+    half of 2^(e - 127), whose product is the e2m1 value times 2^(e - 127) as in OCP MX."""
+    blocks = data.reshape(*data.shape[:-1], -1, 17)
+    codes = blocks[..., 1:]
+    values = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [..., G, 32] in order
+    packed = values[..., 0::2] | (values[..., 1::2] << 4)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(blocks[..., 0])
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
