@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from decode_offload import (
     qwen3_30b_a3b,
+    qwen3_next_80b_a3b,
     random_model,
     report,
     sync,
@@ -39,20 +40,6 @@ from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
 
 WORDS = ["def", "class", "return", "import", "self", "value", "path", "file", "test", "error"]
-
-
-def qwen3_next_80b_a3b(layers: int) -> dict:
-    return {
-        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
-        "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e7,
-        "max_position_embeddings": 65536, "tie_word_embeddings": False,
-        "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-        "partial_rotary_factor": 0.25,
-    }  # fmt: skip
 
 
 def conversation(turns: int, tool_tokens: int) -> list[list[dict]]:

@@ -1,5 +1,5 @@
-"""A random Qwen3-MoE, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face layout, for
-side-by-side runs.
+"""A random Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face
+layout, for side-by-side runs.
 
 llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
 files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors
@@ -23,14 +23,15 @@ BLOCK = 1 << 24  # values in the shared block of normals
 
 
 MODEL_TYPES = {"GptOssForCausalLM": "gpt_oss", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+               "Qwen3NextForCausalLM": "qwen3_next",
                "Qwen3MoeForCausalLM": "qwen3_moe"}  # fmt: skip
 
 
 def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
     if raw["architectures"] == ["GptOssForCausalLM"]:
         return gpt_oss_tensors_of_layer(raw, layer)
-    if raw["architectures"] == ["Qwen3_5MoeForCausalLM"]:
-        return qwen3_5_tensors_of_layer(raw, layer)
+    if raw["architectures"][0] in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+        return hybrid_tensors_of_layer(raw, layer)
     h, d = raw["hidden_size"], raw["head_dim"]
     q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
     e, i = raw["num_experts"], raw["moe_intermediate_size"]
@@ -53,23 +54,35 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def qwen3_5_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
-    """Qwen3.5-MoE's text layers as transformers saves them: gated DeltaNet (`linear_attn`) or
+def hybrid_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's and Qwen3.5-MoE's text layers as transformers saves them: gated DeltaNet
+    (`linear_attn`; Qwen3-Next's input projections fused, qkvz and ba, Qwen3.5's four apart) or
     gated full attention (q_proj twice the heads: query and gate), per-expert projections, a
     shared expert with its sigmoid gate."""
     h, d = raw["hidden_size"], raw["head_dim"]
     e, i, shared = raw["num_experts"], raw["moe_intermediate_size"], \
         raw["shared_expert_intermediate_size"]  # fmt: skip
     p = f"model.layers.{layer}."
-    if raw["layer_types"][layer] == "linear_attention":
+    interval = raw.get("full_attention_interval", 4)
+    kinds = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(raw["num_hidden_layers"])
+    ]
+    if kinds[layer] == "linear_attention":
         hk, hv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
         dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
         conv = 2 * hk * dk + hv * dv
-        mixer = {
-            p + "linear_attn.in_proj_qkv.weight": (conv, h),
-            p + "linear_attn.in_proj_z.weight": (hv * dv, h),
-            p + "linear_attn.in_proj_a.weight": (hv, h),
-            p + "linear_attn.in_proj_b.weight": (hv, h),
+        if raw["architectures"] == ["Qwen3NextForCausalLM"]:
+            projections = {p + "linear_attn.in_proj_qkvz.weight": (conv + hv * dv, h),
+                           p + "linear_attn.in_proj_ba.weight": (2 * hv, h)}  # fmt: skip
+        else:
+            projections = {
+                p + "linear_attn.in_proj_qkv.weight": (conv, h),
+                p + "linear_attn.in_proj_z.weight": (hv * dv, h),
+                p + "linear_attn.in_proj_a.weight": (hv, h),
+                p + "linear_attn.in_proj_b.weight": (hv, h),
+            }  # fmt: skip
+        mixer = projections | {
             p + "linear_attn.conv1d.weight": (conv, 1, raw["linear_conv_kernel_dim"]),
             p + "linear_attn.A_log": (hv,), p + "linear_attn.dt_bias": (hv,),
             p + "linear_attn.norm.weight": (dv,),
@@ -191,7 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"]
+    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"]
     parser.add_argument("--shape", choices=shapes, default=shapes[0])
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts in MXFP4")
     args = parser.parse_args()

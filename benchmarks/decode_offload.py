@@ -117,6 +117,22 @@ def qwen3_5_35b_a3b(layers: int) -> dict:
     }  # fmt: skip
 
 
+def qwen3_next_80b_a3b(layers: int) -> dict:
+    """Qwen3-Next-80B-A3B: gated DeltaNet layers, full attention every fourth, 512 experts of
+    6 MiB, top-10, a shared expert."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+        "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e7,
+        "max_position_embeddings": 65536, "tie_word_embeddings": False,
+        "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "partial_rotary_factor": 0.25,
+    }  # fmt: skip
+
+
 def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
     """Qwen3.5-35B-A3B's shape with every layer full attention: the hybrid model's peer of
     about the same active size (27 against 34 M parameters a layer outside the experts), to
@@ -126,7 +142,8 @@ def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
 
 SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
           "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
-          "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention}  # fmt: skip
+          "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
+          "qwen3-next-80b-a3b": qwen3_next_80b_a3b}  # fmt: skip
 
 
 def tiny(layers: int) -> dict:
