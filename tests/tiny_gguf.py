@@ -29,15 +29,14 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def qwen3_writer(cfg: dict, tokenizer: Path, out: Path):
+def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     """A `gguf.GGUFWriter` at `out` holding a Qwen3 (or, with experts, Qwen3-MoE) model's
     hyper-parameters from its config.json `cfg`, and the Qwen tokenizer and chat template of
-    the directory `tokenizer` (tokenizer.json, tokenizer_config.json), as llama.cpp stores them;
-    the caller adds the tensors."""
+    the directory `tokenizer` (tokenizer.json, tokenizer_config.json), as llama.cpp stores them
+    (None: no tokenizer, for tests of the tensors alone: reading 151k tokens' metadata costs
+    the gguf package seconds); the caller adds the tensors."""
     import gguf
 
-    tok = json.loads((tokenizer / "tokenizer.json").read_text())
-    tok_config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the
     # latter)
     w = gguf.GGUFWriter(str(out), "qwen3" if experts is None else "qwen3moe")
@@ -57,6 +56,10 @@ def qwen3_writer(cfg: dict, tokenizer: Path, out: Path):
     w.add_rope_freq_base(float(cfg["rope_theta"] if "rope_theta" in cfg else
                                cfg["rope_parameters"]["rope_theta"]))  # fmt: skip
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if tokenizer is None:
+        return w
+    tok = json.loads((tokenizer / "tokenizer.json").read_text())
+    tok_config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     # tokenizer: every id up to the model's vocabulary (unused rows as padding tokens)
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     by_id = {i: t for t, i in vocab.items()}
@@ -80,7 +83,7 @@ def qwen3_writer(cfg: dict, tokenizer: Path, out: Path):
 
 
 def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
-                     experts: str | None = None) -> Path:  # fmt: skip
+                     experts: str | None = None, tokenizer: bool = True) -> Path:  # fmt: skip
     """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
     qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or a type the gguf
     package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
@@ -89,7 +92,8 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
     else)."""
     import gguf
 
-    w = qwen3_writer(json.loads((checkpoint / "config.json").read_text()), checkpoint, out)
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    w = qwen3_writer(cfg, checkpoint if tokenizer else None, out)
     weights = load_file(str(checkpoint / "model.safetensors"))
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, proj) -> expert -> w
     for name in list(weights):
