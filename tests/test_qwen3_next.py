@@ -263,12 +263,16 @@ def _step_kernel_cases() -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         n, hk, hv, dk, dv, pool = 3, 2, 4, 16, 40, 6
-        q, k = (torch.randn(n, hk, dk, generator=gen).to(dtype) for _ in range(2))
-        v = torch.randn(n, hv, dv, generator=gen).to(dtype)
-        a = (torch.randn(n, hv, generator=gen) * 3).to(dtype)
-        a[0, 0] = 25.0  # (softplus past its threshold)
-        a[1, 0] = -30.0  # (and where 1 + exp would round exp away)
-        b = torch.randn(n, hv, generator=gen).to(dtype)
+        # q, k and v as column ranges of the conv's output rows, a and b of one projection's:
+        # read where they lie, by their row strides
+        y = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+        q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv)
+        ab = torch.randn(n, 2 * hv, generator=gen) * 3
+        ab[0, 0] = 25.0  # (softplus past its threshold)
+        ab[1, 0] = -30.0  # (and where 1 + exp would round exp away)
+        a, b = ab.to(dtype).split([hv, hv], dim=-1)
+        assert q.stride(0) == y.shape[1] and not q.is_contiguous()
         a_log = torch.randn(hv, generator=gen).to(dtype)
         dt_bias = torch.randn(hv, generator=gen).to(dtype)
         ssm = torch.randn(pool, hv, dk, dv, generator=gen)

@@ -40,15 +40,17 @@ def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
     """One token of each of n sequences: q, k [n, Hk, dk], v [n, Hv, dv] (the conv's output),
     a, b [n, Hv] (the decay and step-size projections), a_log and dt_bias [Hv]; ssm [slots, Hv,
     dk, dv] fp32, the layer's states, advanced in place at `slots` [n]. Returns out [n, Hv, dv]
-    fp32."""
+    fp32. Each input is read where it lies, by its row stride (q, k and v are column ranges of
+    the conv's output rows): only a row's heads must be packed."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+    q, k, v, a, b = (_packed_rows(t) for t in (q, k, v, a, b))
     out = torch.empty(n, hv, dv, dtype=torch.float32, device=v.device)
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (n, hv, triton.cdiv(dv, block_v))
     _step_kernel[grid](
         q, k, v, a, b, a_log, dt_bias, ssm, slots, out,
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2),
         HK=hk, HV=hv, DK=dk, DV=dv, SCALE=dk**-0.5, EPS=L2_EPS, THRESHOLD=SOFTPLUS_THRESHOLD,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
@@ -56,12 +58,23 @@ def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
     return out
 
 
+def _packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself where each row's values (all but the first dimension) are packed, whatever the
+    row stride; else a packed copy."""
+    inner = 1
+    for i in range(t.dim() - 1, 0, -1):
+        if t.shape[i] != 1 and t.stride(i) != inner:
+            return t.contiguous()
+        inner *= t.shape[i]
+    return t
+
+
 if triton is not None:
 
     @triton.jit
     def _step_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, slots_ptr, out_ptr,
-        stride_ss, stride_sh, stride_sk,
+        stride_q, stride_k, stride_v, stride_a, stride_b, stride_ss, stride_sh, stride_sk,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         SCALE: tl.constexpr, EPS: tl.constexpr, THRESHOLD: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -73,15 +86,15 @@ if triton is not None:
         keys = tl.arange(0, BLOCK_K)
         cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok, v_ok = keys < DK, cols < DV
-        qk_row = (i * HK + hk) * DK
-        q = tl.load(q_ptr + qk_row + keys, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + qk_row + keys, mask=k_ok, other=0.0).to(tl.float32)
+        row = i.to(tl.int64)
+        q = tl.load(q_ptr + row * stride_q + hk * DK + keys, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + row * stride_k + hk * DK + keys, mask=k_ok, other=0.0).to(tl.float32)
         q = q * tl.math.rsqrt(tl.sum(q * q, 0) + EPS) * SCALE
         k = k * tl.math.rsqrt(tl.sum(k * k, 0) + EPS)
-        v = tl.load(v_ptr + (i * HV + h) * DV + cols, mask=v_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row * stride_v + h * DV + cols, mask=v_ok, other=0.0).to(tl.float32)
         # decay and step size, as the layer computes them (beta rounded to b's dtype)
-        a = tl.load(a_ptr + i * HV + h).to(tl.float32)
-        raw_b = tl.load(b_ptr + i * HV + h)
+        a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+        raw_b = tl.load(b_ptr + row * stride_b + h)
         x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
         e = tl.exp(x)  # softplus: log1p(e), by its series where 1 + e would round e away
         softplus = tl.where(x > THRESHOLD, x, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))

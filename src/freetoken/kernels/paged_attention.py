@@ -116,8 +116,7 @@ def triton_decode_width(d: int, values_are_keys: bool = False, values: int = 0) 
 
 def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         values: int | None = None) -> bool:  # fmt: skip
-    widths = _widths(q.shape[-1], v_pool is k_pool and values is not None)
-    return triton is not None and widths is not None and widths[0] >= (values or 0)
+    return triton_decode_width(q.shape[-1], v_pool is k_pool and values is not None, values or 0)
 
 
 def cpu_decode_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -349,9 +348,12 @@ if triton is not None:
         d = tl.arange(0, HEAD_D)
         q_rows = Q + seq * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
-        r = tl.arange(0, ROPE_PAD)
-        q_rope = tl.load(q_rows + HEAD_D + r[None, :],
-                         mask=head_ok[:, None] & (r < ROPE_D)[None, :], other=0.0)  # fmt: skip
+        if ROPE_D > 0:
+            r = tl.arange(0, ROPE_PAD)
+            q_rope = tl.load(q_rows + HEAD_D + r[None, :],
+                             mask=head_ok[:, None] & (r < ROPE_D)[None, :], other=0.0)  # fmt: skip
+        else:
+            q_rope = q  # (no key-only part: unused)
         m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_BLOCK], tl.float32)
         acc = tl.zeros([GROUP_BLOCK, HEAD_D], tl.float32)
