@@ -708,7 +708,7 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
                         void *out) {
     for (int64_t b = 0; b < blocks; b++) {
         PREFETCH(w + 32 * b + PREFETCH_BYTES);
-        PREFETCH(s + b + PREFETCH_BYTES / 16);
+        PREFETCH(s + b + PREFETCH_BYTES / 32); /* (as far ahead: 2 scale bytes a 32 codes) */
         const float scale = _cvtsh_ss(s[b]);
         if (bf16) {
             _mm512_storeu_si512((uint16_t *)out + 32 * b, q8_bf16(w + 32 * b, scale));

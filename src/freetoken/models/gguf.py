@@ -179,8 +179,7 @@ def _expert_parts(t, names: dict[str, str], out: dict) -> None:
     m = EXPERT_TENSOR.fullmatch(t.name)
     base = names[f"blk.{m[1]}.ffn_{m[2]}_exps"]
     kind = t.tensor_type.name
-    parts = (_q8_0 if kind == "Q8_0" else _mxfp4)(t.data)
-    for suffix, value in zip(KEPT_TYPES[kind], parts, strict=True):
+    for suffix, value in zip(KEPT_TYPES[kind], _PARTS[kind](t.data), strict=True):
         value = torch.from_numpy(value)
         if m[2] == "down":
             out[base + suffix] = value
@@ -211,6 +210,9 @@ def _mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [..., G, 32] in order
     packed = values[..., 0::2] | (values[..., 1::2] << 4)
     return np.ascontiguousarray(packed), np.ascontiguousarray(blocks[..., 0])
+
+
+_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4}  # KEPT_TYPES' blocks -> (codes, scales)
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
