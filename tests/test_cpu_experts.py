@@ -18,6 +18,7 @@ from freetoken.kernels import native
 from freetoken.kernels.cpu_experts import (
     NativeCPUExperts,
     decode_expert,
+    row_dots,
     torch_cpu_experts,
 )
 from freetoken.kernels.cpu_team import library
@@ -440,6 +441,22 @@ def test_the_decoders_hold_the_definition_at_the_extremes(dtype):
             assert same_values(got, want), (bank.format, pair)
 
 
+def test_a_rows_dot_products_are_the_same_by_every_route():
+    """In fp32, before the job rounds them to bf16 (which hides most differences in the last
+    bits): a quantized row dotted with x in registers, by the fp4 formats' pairs route (odd
+    products then even ones, by FMAs) and decoded into a buffer as a dense row, bit for bit. K:
+    whole 128-value steps, then a 32-value step and a partial one (fp4: whole blocks)."""
+    gen = torch.Generator().manual_seed(5)
+    for name, fmt in FORMATS.items():
+        K = 416 if fmt.name == "fp8" else 3 * 128 + 32 + fmt.col_block
+        bank = quantized_bank(fmt, 2, 24, K, gen)
+        for row in range(24):
+            # activations of mixed signs and sizes, so that the order of the additions shows
+            x = torch.randn(K, generator=gen) * torch.exp(2 * torch.randn(K, generator=gen))
+            dots = row_dots(bank, row % 2, row, x)
+            assert dots[0] == dots[1] == dots[2], (name, row, dots)
+
+
 def check_every_format() -> None:
     """The checks above over every format, model dtype and shape (run by the builds that
     -march=native does not pick here, in a subprocess)."""
@@ -449,6 +466,7 @@ def check_every_format() -> None:
                 if fits(fmt, *shape):
                     check_quantized_job(fmt, dtype, *shape, "swiglu_oai")
             test_the_decoders_hold_the_definition_at_the_extremes(dtype)
+    test_a_rows_dot_products_are_the_same_by_every_route()
 
 
 def cpu_flags() -> set[str]:

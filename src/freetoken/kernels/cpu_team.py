@@ -30,6 +30,12 @@ SIGNATURES = {
     # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert row decoded
     "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
     "ft_cpu_experts_decoder_bits": ([], _INT),  # the decoders' vector width (tests)
+    # fmt, w, s, g, block rows, block cols, pair, N, K, row, x (bf16), out [3]: one row's dot
+    # products by each route (tests)
+    "ft_cpu_experts_row_dots": (
+        [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P],
+        None,
+    ),
     # dtype, w, bias, N, H, x, x_bf16, T, out, threads
     "ft_cpu_linear_submit": ([_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _INT], _U64),
     # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
