@@ -1,5 +1,5 @@
-"""A random Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE or gpt-oss checkpoint on disk, in Hugging Face
-layout, for side-by-side runs.
+"""A random Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss or DeepSeek-V3 checkpoint on disk, in
+Hugging Face layout, for side-by-side runs.
 
 llama.cpp reads checkpoints, not models in memory: its GGUF converter needs the safetensors
 files, config.json and tokenizer files a Hub checkpoint has. This writes them, one safetensors
@@ -23,7 +23,7 @@ BLOCK = 1 << 24  # values in the shared block of normals
 
 
 MODEL_TYPES = {"GptOssForCausalLM": "gpt_oss", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-               "Qwen3NextForCausalLM": "qwen3_next",
+               "Qwen3NextForCausalLM": "qwen3_next", "DeepseekV3ForCausalLM": "deepseek_v3",
                "Qwen3MoeForCausalLM": "qwen3_moe"}  # fmt: skip
 
 
@@ -32,6 +32,8 @@ def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
         return gpt_oss_tensors_of_layer(raw, layer)
     if raw["architectures"][0] in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         return hybrid_tensors_of_layer(raw, layer)
+    if raw["architectures"] == ["DeepseekV3ForCausalLM"]:
+        return deepseek_v3_tensors_of_layer(raw, layer)
     h, d = raw["hidden_size"], raw["head_dim"]
     q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
     e, i = raw["num_experts"], raw["moe_intermediate_size"]
@@ -108,6 +110,44 @@ def hybrid_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]
         p + "mlp.shared_expert.down_proj.weight": (h, shared),
         p + "mlp.shared_expert_gate.weight": (1, h),
     }  # fmt: skip
+
+
+def deepseek_v3_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's layers as transformers saves them: latent attention (queries through a
+    low-rank projection, keys and values through the latent, the RoPE part of the keys shared
+    by the heads), dense MLPs in the first `first_k_dense_replace` layers, then per-expert
+    projections, the router's correction bias and the shared experts."""
+    h, heads = raw["hidden_size"], raw["num_attention_heads"]
+    nope, rope, v = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
+    q_rank, kv_rank = raw["q_lora_rank"], raw["kv_lora_rank"]
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    shapes = {
+        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        a + "q_a_proj.weight": (q_rank, h), a + "q_a_layernorm.weight": (q_rank,),
+        a + "q_b_proj.weight": (heads * (nope + rope), q_rank),
+        a + "kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
+        a + "kv_a_layernorm.weight": (kv_rank,),
+        a + "kv_b_proj.weight": (heads * (nope + v), kv_rank),
+        a + "o_proj.weight": (h, heads * v),
+    }  # fmt: skip
+    if layer < raw["first_k_dense_replace"]:
+        i = raw["intermediate_size"]
+        return shapes | {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                         p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+    e, i = raw["n_routed_experts"], raw["moe_intermediate_size"]
+    shared = i * raw["n_shared_experts"]
+    shapes |= {
+        p + "mlp.gate.weight": (e, h), p + "mlp.gate.e_score_correction_bias": (e,),
+        p + "mlp.shared_experts.gate_proj.weight": (shared, h),
+        p + "mlp.shared_experts.up_proj.weight": (shared, h),
+        p + "mlp.shared_experts.down_proj.weight": (h, shared),
+    }  # fmt: skip
+    for x in range(e):
+        shapes[p + f"mlp.experts.{x}.gate_proj.weight"] = (i, h)
+        shapes[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
+        shapes[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
+    return shapes
 
 
 def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -204,7 +244,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"]
+    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
+              "deepseek-v3"]  # fmt: skip
     parser.add_argument("--shape", choices=shapes, default=shapes[0])
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts in MXFP4")
     args = parser.parse_args()
