@@ -1,6 +1,7 @@
 """Multi-head latent attention (layers/mla.py): the paged cache holds each token's latent and
-RoPE key part only, once per layer, and the absorbed form matches transformers' expanded one
-with and without a low-rank query, through prefill, paged decode and prefix copies."""
+RoPE key part only, once per layer; prompts (expanded from the cached latents, in one chunk or
+after a cached prefix, several sequences at once) and paged decode (the absorbed form) match
+transformers with and without a low-rank query, and the pool survives prefix copies."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def test_the_cache_holds_the_latent_and_decode_matches_transformers(q_lora_rank,
         ours = runner.forward([seq], [[ids[-1]]])
         worst = max(worst, (ours - reference_logits(hf, ids)[-1:]).abs().max().item())
     assert worst < 1e-4
+
+
+def test_prompts_after_a_cached_prefix_and_side_by_side_match_transformers(tmp_path):
+    """The expanded prefill reads each sequence's whole context from the pool: a chunk after a
+    cached prefix (queries the last positions of their keys) and two sequences of different
+    lengths in one forward."""
+    path, hf = build("deepseek_v3", tmp_path / "m")
+    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=256, page_size=8)
+    ids = list(range(3, 43))
+    seq = runner.new_sequence()
+    runner.forward([seq], [ids[:27]])
+    ours = runner.forward([seq], [ids[27:]], all_logits=True)
+    assert (ours - reference_logits(hf, ids)[27:]).abs().max().item() < 1e-4
+    other = [5, 9, 11, 2, 7, 30, 31]
+    a, b = runner.new_sequence(), runner.new_sequence()
+    ours = runner.forward([a, b], [ids, other], all_logits=True)
+    want = torch.cat([reference_logits(hf, ids), reference_logits(hf, other)])
+    assert (ours - want).abs().max().item() < 1e-4
 
 
 def test_the_shared_pool_survives_resizes_and_prefix_copies(tmp_path):

@@ -182,19 +182,20 @@ def paged_attention_torch(
         if sinks is not None or count == 1:
             o = _explicit_attention(queries, keys, values, mask, scale, sinks)
         else:
-            if mask is None:
-                mask = _causal_lower_right(count, length)  # (None: a square, is_causal)
-            o = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+            o = causal_attention(queries, keys, values, scale, mask)
         out[start : start + count] = o[0].transpose(0, 1)
     return out
+
+
+def causal_attention(q, k, v, scale, mask=None) -> torch.Tensor:
+    """SDPA of one sequence's n newest queries against its L keys, causal from the bottom
+    right (the queries are the last n positions) unless `mask` [n, L] is given: q [1, h, n, d],
+    k [1, kvh, L, d], v [1, kvh, L, d_v] -> [1, h, n, d_v]."""
+    if mask is None:
+        mask = _causal_lower_right(q.shape[2], k.shape[2])  # (None: a square, is_causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
 
 
 def _explicit_attention(q, k, v, mask, scale, sinks):

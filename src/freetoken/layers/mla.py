@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) over the paged KV cache, in its absorbed form.
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged KV cache.
 
 Each token's keys and values come from one shared latent: `kv_a_proj_with_mqa(x)` gives the
 latent c [r] (normalised) and a key part k_pe [d_rope] that carries RoPE; per head,
@@ -12,8 +12,13 @@ both keys and values: `PagedKVCache(values_are_keys=True)`), and attention never
     o      = W_UV . out[:r]           per head, [d_v], then o_proj
 
 which is the same sum as attending over the expanded keys and values (only the order of the
-floating-point operations differs). The same form serves prefill and decode, so the paged
-kernels run it as grouped-query attention with one KV head.
+floating-point operations differs). Decode takes that absorbed form: the paged kernels run it as
+grouped-query attention with one KV head, reading r + d_rope values a cached token. A prompt
+takes the expanded form instead (as llama.cpp and FlashMLA do): its context's cached latents
+expanded once into per-head keys [W_UK c, k_pe] and values W_UV c, then ordinary causal
+attention of d_nope + d_rope wide heads, a third of the absorbed form's arithmetic for
+DeepSeek-V3 (192 + 128 against 576 + 512 values a query and key) over queries that outnumber
+the cached tokens they expand.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import math
 import torch
 from torch import nn
 
-from freetoken.kernels.paged_attention import paged_attention
+from freetoken.kernels.paged_attention import (
+    causal_attention,
+    paged_attention,
+    sequence_slots,
+)
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.layers.linear import Linear
@@ -95,11 +104,30 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe.view(t, 1, -1), cos, sin)
         w = self.kv_b_proj.weight.view(heads, nope + mla.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]
         kv.write(self.layer, batch.write_slots, cached, None)
         pool = kv.k[self.layer]
-        out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch, self.scale,
-                              values=r)  # fmt: skip
-        out = torch.einsum("thr,hvr->thv", out[..., :r], w_uv)
+        if batch.is_decode:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch,
+                                  self.scale, values=r)  # fmt: skip
+            out = torch.einsum("thr,hvr->thv", out[..., :r], w_uv)
+        else:
+            out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv)
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
+
+    def _expanded(self, q, pool, batch: ForwardBatch, w_uk, w_uv) -> torch.Tensor:
+        """Prefill: each sequence's cached context (its new tokens written already) expanded
+        into per-head keys and values; q [T, heads, d_nope + d_rope] -> [T, heads, d_v]."""
+        r = self.mla.kv_lora_rank
+        out = q.new_empty(q.shape[0], self.num_heads, self.mla.v_head_dim)
+        for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+            context = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, r + d_rope]
+            latent, k_pe = context[:, :r], context[:, r:]
+            keys = torch.cat([torch.einsum("lr,hnr->hln", latent, w_uk),
+                              k_pe[None].expand(self.num_heads, -1, -1)], dim=-1)  # fmt: skip
+            values = torch.einsum("lr,hvr->hlv", latent, w_uv)
+            queries = q[start : start + count].transpose(0, 1)  # [heads, n, d]
+            o = causal_attention(queries[None], keys[None], values[None], self.scale)
+            out[start : start + count] = o[0].transpose(0, 1)
+        return out
