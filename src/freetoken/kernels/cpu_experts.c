@@ -491,14 +491,25 @@ static inline __m512i mx_bf16(const uint8_t *w, uint8_t s) {
     return _mm512_permutexvar_epi16(index, _mm512_load_si512(MX_BF16[s]));
 }
 
+/* 16 bytes of fp4 codes looked up in `table` (the 16 codes' values), in pairs: e holds values
+ * 2j (the low nibbles'), o values 2j + 1 (the high ones'). */
+static inline void fp4_pairs(const uint8_t *w, __m512 table, __m512 *e, __m512 *o) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    *e = _mm512_permutexvar_ps(d, table); /* (by 4 bits of the index) */
+    *o = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+}
+
+/* Pairs (e, o) -> values in order (lo: the first 16). */
+static inline void interleave(__m512 e, __m512 o, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_permutex2var_ps(e, _mm512_loadu_si512(INTERLEAVE), o);
+    *hi = _mm512_permutex2var_ps(e, _mm512_loadu_si512(INTERLEAVE + 16), o);
+}
+
 /* An mxfp4 block -> 32 fp32 values (lo: the first 16). */
 static inline void mx_f32(const uint8_t *w, uint8_t s, __m512 *lo, __m512 *hi) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    const __m512 table = _mm512_load_ps(MX_F32[s]);
-    const __m512 l = _mm512_permutexvar_ps(d, table); /* (by 4 bits of the index) */
-    const __m512 h = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
-    *lo = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE), h);
-    *hi = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE + 16), h);
+    __m512 e, o;
+    fp4_pairs(w, _mm512_load_ps(MX_F32[s]), &e, &o);
+    interleave(e, o, lo, hi);
 }
 
 /* nvfp4: two blocks at a time (16 bytes: 32 values), their two tables in one lookup (the fifth
@@ -514,14 +525,9 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
  * in a few per-thread entries, so a block's decoding is a lookup as mxfp4's is, where computing
  * its table (two products and a rounding per 16 values) halved the kernel's speed. Each scale's
  * row is the 16 values twice (64 bytes, one cache line: a block's table is one aligned load, where
- * 32-byte rows made every other 64-byte load straddle two lines; -DNV_ROW32 builds those). */
-#ifdef NV_ROW32
-#define NV_ROW 16
-#else
-#define NV_ROW 32
-#endif
+ * 32-byte rows made every other 64-byte load straddle two lines). */
 typedef struct {
-    uint16_t t[256 + 1][NV_ROW] __attribute__((aligned(64))); /* (+1: 64-byte loads of t[255]) */
+    uint16_t t[256][32] __attribute__((aligned(64)));
     float f[256][16] __attribute__((aligned(64))); /* t's values in fp32 (the pairs route) */
     uint32_t key;
     int used;
@@ -529,7 +535,7 @@ typedef struct {
 #define NV_TABLES 4
 static _Thread_local nv_table_t nv_cache[NV_TABLES];
 static _Thread_local unsigned nv_next;
-typedef const uint16_t (*nv_rows_t)[NV_ROW];
+typedef const uint16_t (*nv_rows_t)[32];
 
 static const nv_table_t *nv_table(float g) {
     uint32_t key;
@@ -547,12 +553,8 @@ static const nv_table_t *nv_table(float g) {
         _mm512_store_si512(
             e->f[sc + 1],
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
-#ifdef NV_ROW32
-        _mm512_store_si512(e->t[sc], ab);
-#else
         _mm512_store_si512(e->t[sc], _mm512_shuffle_i64x2(ab, ab, 0x44));     /* lo, lo */
         _mm512_store_si512(e->t[sc + 1], _mm512_shuffle_i64x2(ab, ab, 0xEE)); /* hi, hi */
-#endif
     }
     e->key = key;
     e->used = 1;
@@ -566,39 +568,32 @@ static inline __m512i nv_bf16(const uint8_t *w, unsigned sa, unsigned sb, int tw
                               nv_rows_t t) {
     const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
                               : _mm_loadl_epi64((const __m128i *)w);
-#ifndef NV_INSERT
     const __m512i index =
         _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
                                   _mm512_maskz_set1_epi32(0xff00, 0x00200020), 0xEA);
     return _mm512_permutex2var_epi16(_mm512_loadu_si512(t[sa]), index,
                                      _mm512_loadu_si512(t[two ? sb : sa]));
-#else
-    const __m256i ta = _mm256_loadu_si256((const __m256i *)t[sa]);
-    const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(ta),
-                                             two ? _mm256_loadu_si256((const __m256i *)t[sb]) : ta,
-                                             1);
-    /* each word's nibble & 0xf, with the second block's lanes' fifth bits set */
-    const __m512i index =
-        _mm512_ternarylogic_epi32(nibble_index(bytes), _mm512_set1_epi32(0x000f000f),
-                                  _mm512_maskz_set1_epi32(0xff00, 0x00100010), 0xEA);
-    return _mm512_permutexvar_epi16(index, table);
-#endif
 }
 
-static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, __m512 *lo,
-                          __m512 *hi) {
-    __m512 ta, tb;
-    nv_tables(s, two, g, &ta, &tb);
+/* Two nvfp4 blocks (16 bytes; `two` 0: the first 8) looked up in pairs as fp4_pairs does, in
+ * tables ta and tb (the fifth index bit picks tb for the second block's lanes). */
+static inline void nv_lookup(const uint8_t *w, int two, __m512 ta, __m512 tb, __m512 *e,
+                             __m512 *o) {
     const __m128i bytes = two ? _mm_loadu_si128((const __m128i *)w)
                               : _mm_loadl_epi64((const __m128i *)w);
     const __m512i d = _mm512_cvtepu8_epi32(bytes);
     const __m512i second = _mm512_maskz_set1_epi32(0xff00, 16);
-    const __m512i lo_index = _mm512_ternarylogic_epi32(d, _mm512_set1_epi32(15), second, 0xEA);
-    const __m512i hi_index = _mm512_or_si512(_mm512_srli_epi32(d, 4), second);
-    const __m512 l = _mm512_permutex2var_ps(ta, lo_index, tb);
-    const __m512 h = _mm512_permutex2var_ps(ta, hi_index, tb);
-    *lo = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE), h);
-    *hi = _mm512_permutex2var_ps(l, _mm512_loadu_si512(INTERLEAVE + 16), h);
+    *e = _mm512_permutex2var_ps(
+        ta, _mm512_ternarylogic_epi32(d, _mm512_set1_epi32(15), second, 0xEA), tb);
+    *o = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_srli_epi32(d, 4), second), tb);
+}
+
+static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, __m512 *lo,
+                          __m512 *hi) {
+    __m512 ta, tb, e, o;
+    nv_tables(s, two, g, &ta, &tb);
+    nv_lookup(w, two, ta, tb, &e, &o);
+    interleave(e, o, lo, hi);
 }
 
 /* The pairs route of the fp4 formats in bf16 models (qdot_bf16): 32 values as two fp32
@@ -607,21 +602,12 @@ static inline void nv_f32(const uint8_t *w, const uint8_t *s, int two, float g, 
  * bytes take the place of the word route's byte spread, shift and word permute (whose
  * two-table form is two shuffle uops): 15-17% less time a value on a Sapphire Rapids core. */
 static inline void mx_pairs(const uint8_t *w, uint8_t s, __m512 *e, __m512 *o) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    const __m512 t = _mm512_load_ps(MX_BF16_F32[s]);
-    *e = _mm512_permutexvar_ps(d, t); /* (by 4 bits of the index) */
-    *o = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), t);
+    fp4_pairs(w, _mm512_load_ps(MX_BF16_F32[s]), e, o);
 }
 
-/* Two nvfp4 blocks (16 bytes) of tables ta and tb (the fifth index bit picks tb). */
 static inline void nv_pairs(const uint8_t *w, const float *ta, const float *tb, __m512 *e,
                             __m512 *o) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    const __m512i second = _mm512_maskz_set1_epi32(0xff00, 16);
-    const __m512 a = _mm512_load_ps(ta), b = _mm512_load_ps(tb);
-    *e = _mm512_permutex2var_ps(
-        a, _mm512_ternarylogic_epi32(d, _mm512_set1_epi32(15), second, 0xEA), b);
-    *o = _mm512_permutex2var_ps(a, _mm512_or_si512(_mm512_srli_epi32(d, 4), second), b);
+    nv_lookup(w, 1, _mm512_load_ps(ta), _mm512_load_ps(tb), e, o);
 }
 
 #if defined(__AVX512VBMI__)
@@ -1511,6 +1497,7 @@ static void down_item(const job_t *j, int64_t item) {
     const int64_t n1 = n0 + block < H ? n0 + block : H;
     /* [a decoded row (quantized experts)] [a split for the pairs route] [outputs] */
     const size_t rows = j->fmt == FMT_DENSE ? 0 : (size_t)I * sizeof(float);
+    /* (each down item splits a group's row again: I values, against the block x I it decodes) */
     const size_t split = qdot_pairs(j->fmt, bf16) ? (size_t)I * sizeof(float) : 0;
     char *scratch = thread_scratch(rows + split + sizeof(float) * block * j->n_rows);
     void *buf = scratch;
