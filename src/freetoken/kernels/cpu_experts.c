@@ -523,41 +523,64 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
 /* nvfp4 in bf16: the 16 codes' values for each of the 256 e4m3 scales, for one per-row scale g
  * (a checkpoint's g is its tensor's: every row of a projection shares it), built once and kept
  * in a few per-thread entries, so a block's decoding is a lookup as mxfp4's is, where computing
- * its table (two products and a rounding per 16 values) halved the kernel's speed. Each scale's
- * row is the 16 values twice (64 bytes, one cache line: a block's table is one aligned load, where
- * 32-byte rows made every other 64-byte load straddle two lines). */
+ * its table (two products and a rounding per 16 values) halved the kernel's speed. Two parts,
+ * each built when first asked for: the bf16 words (the word route and the decoders; each scale's
+ * row is the 16 values twice, 64 bytes, one cache line: a block's table is one aligned load,
+ * where 32-byte rows made every other 64-byte load straddle two lines) and their fp32 values
+ * (the block route, which reads nothing else). A job's items switch between the experts'
+ * projections, each with its own g, so entries are many (8: 256 KiB a thread, in its L2) and
+ * the least recently used goes. */
+enum { NV_WORDS = 1, NV_FLOATS = 2 };
 typedef struct {
     uint16_t t[256][32] __attribute__((aligned(64)));
-    float f[256][16] __attribute__((aligned(64))); /* t's values in fp32 (the block route) */
+    float f[256][16] __attribute__((aligned(64)));
     uint32_t key;
-    int used;
+    unsigned built; /* NV_WORDS | NV_FLOATS: the parts made for key (0: the entry is free) */
+    uint64_t used;  /* when last asked for (nv_clock) */
 } nv_table_t;
-#define NV_TABLES 4
+#ifndef NV_TABLES
+#define NV_TABLES 8
+#endif
 static _Thread_local nv_table_t nv_cache[NV_TABLES];
-static _Thread_local unsigned nv_next;
+static _Thread_local uint64_t nv_clock;
 typedef const uint16_t (*nv_rows_t)[32];
 
-static const nv_table_t *nv_table(float g) {
-    uint32_t key;
-    memcpy(&key, &g, 4);
-    for (int i = 0; i < NV_TABLES; i++)
-        if (nv_cache[i].used && nv_cache[i].key == key) return &nv_cache[i];
-    nv_table_t *e = &nv_cache[nv_next++ % NV_TABLES];
+static void nv_build(nv_table_t *e, float g, unsigned part) {
     const __m512 values = _mm512_load_ps(E2M1), vg = _mm512_set1_ps(g);
     for (int sc = 0; sc < 256; sc += 2) { /* (e2m1 * e4m3) * g, as the definition orders it */
         const __m512 a = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc])), vg);
         const __m512 b = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc + 1])), vg);
         const __m512i ab = bf16_rne32(a, b, 1); /* (subnormals checked) sc's 16, sc + 1's 16 */
-        _mm512_store_si512(e->f[sc],
-                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
-        _mm512_store_si512(
-            e->f[sc + 1],
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
-        _mm512_store_si512(e->t[sc], _mm512_shuffle_i64x2(ab, ab, 0x44));     /* lo, lo */
-        _mm512_store_si512(e->t[sc + 1], _mm512_shuffle_i64x2(ab, ab, 0xEE)); /* hi, hi */
+        if (part == NV_FLOATS) {
+            _mm512_store_si512(e->f[sc], _mm512_slli_epi32(
+                                             _mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
+            _mm512_store_si512(
+                e->f[sc + 1],
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
+        } else {
+            _mm512_store_si512(e->t[sc], _mm512_shuffle_i64x2(ab, ab, 0x44));     /* lo, lo */
+            _mm512_store_si512(e->t[sc + 1], _mm512_shuffle_i64x2(ab, ab, 0xEE)); /* hi, hi */
+        }
     }
-    e->key = key;
-    e->used = 1;
+    e->built |= part;
+}
+
+/* g's table with `part` (NV_WORDS or NV_FLOATS) built. */
+static const nv_table_t *nv_table(float g, unsigned part) {
+    uint32_t key;
+    memcpy(&key, &g, 4);
+    nv_table_t *e = NULL, *oldest = &nv_cache[0];
+    for (int i = 0; i < NV_TABLES && !e; i++) {
+        if (nv_cache[i].built && nv_cache[i].key == key) e = &nv_cache[i];
+        if (nv_cache[i].used < oldest->used) oldest = &nv_cache[i];
+    }
+    if (!e) {
+        e = oldest;
+        e->key = key;
+        e->built = 0;
+    }
+    e->used = ++nv_clock;
+    if (!(e->built & part)) nv_build(e, g, part);
     return e;
 }
 
@@ -713,7 +736,7 @@ static void mxfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, int
 
 static void nvfp4_blocks(const uint8_t *w, const uint8_t *s, int64_t blocks, float g, int bf16,
                          void *out) {
-    const nv_rows_t table = bf16 ? nv_table(g)->t : NULL;
+    const nv_rows_t table = bf16 ? nv_table(g, NV_WORDS)->t : NULL;
     for (int64_t b = 0; b < blocks; b += 2) {
         const int two = b + 1 < blocks;
         PREFETCH(w + 8 * b + PREFETCH_BYTES);
@@ -993,7 +1016,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             PAIRS_STEP(a3, 3, e, o);
         }
     } else if (xs && q->fmt == FMT_NVFP4) {
-        const float(*t)[16] = nv_table(q->g)->f;
+        const float(*t)[16] = nv_table(q->g, NV_FLOATS)->f;
 #define BLOCK_STEP(a, i)                                                                        \
     a = _mm512_fmadd_ps(nv_block(w + 8 * (i), t[s[i]]), _mm512_loadu_ps(xs + k + 16 * (i)), a)
         for (; k + 128 <= K; k += 128) {
@@ -1010,6 +1033,10 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             BLOCK_STEP(a3, 7);
         }
 #undef BLOCK_STEP
+        /* (the blocks past the last whole step too: the words' table is not needed) */
+        for (; k + 16 <= K; k += 16)
+            a0 = _mm512_fmadd_ps(nv_block(q->w + k / 2, t[q->s8[k / 16]]), _mm512_loadu_ps(xs + k),
+                                 a0);
     } else if (q->fmt == FMT_MXFP4) {
         for (; k + 128 <= K; k += 128) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
@@ -1021,7 +1048,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
                       mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
         }
     } else if (q->fmt == FMT_NVFP4) {
-        const nv_rows_t t = nv_table(q->g)->t;
+        const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
         for (; k + 128 <= K; k += 128) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
             PREFETCH(w + PREFETCH_BYTES);
@@ -1084,7 +1111,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else if (q->fmt == FMT_NVFP4) {
-        const nv_rows_t t = nv_table(q->g)->t;
+        const nv_rows_t t = k + 32 <= K ? nv_table(q->g, NV_WORDS)->t : NULL;
         for (; k + 32 <= K; k += 32)
             a0 = _mm512_dpbf16_ps(a0,
                                   (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
