@@ -451,8 +451,9 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
     bits): a quantized row dotted with x in registers, by mxfp4's pairs route (odd products then
     even ones, by FMAs) and decoded into a buffer as a dense row, bit for bit; nvfp4's block
     route (each block's values in its own lane order) within fp32 rounding of them: a K-term
-    sum's error bound, K * 2^-24 * sum |x w|, which a value in a wrong lane exceeds by orders. K:
-    whole 128-value steps, then a 32-value step and a partial one (fp4: whole blocks)."""
+    sum's error bound, K * 2^-24 * sum |x w|, which a value in a wrong lane exceeds by orders;
+    two rows at a time (nvfp4's gate and up rows, its down rows) each as alone. K: whole
+    128-value steps, then a 32-value step and a partial one (fp4: whole blocks)."""
     gen = torch.Generator().manual_seed(5)
     for name, fmt in FORMATS.items():
         K = 416 if fmt.name == "fp8" else 3 * 128 + 32 + fmt.col_block
@@ -460,7 +461,10 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
         for row in range(24):
             # activations of mixed signs and sizes, so that the order of the additions shows
             x = torch.randn(K, generator=gen) * torch.exp(2 * torch.randn(K, generator=gen))
-            dots = row_dots(bank, row % 2, row, x)
+            other = (row + 7) % 24
+            dots = row_dots(bank, row % 2, row, x, other)
+            # two rows at a time: each as alone, bit for bit
+            assert dots[3] == dots[1] and dots[4] == row_dots(bank, row % 2, other, x)[1]
             if fmt is not NVFP4:
                 assert dots[0] == dots[1] == dots[2], (name, row, dots)
                 continue

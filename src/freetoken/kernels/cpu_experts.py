@@ -168,10 +168,13 @@ def decode_expert(bank: QuantizedBank, pair: int, dtype: torch.dtype) -> torch.T
     return out
 
 
-def row_dots(bank: QuantizedBank, pair: int, row: int, x: torch.Tensor) -> list[float]:
+def row_dots(
+    bank: QuantizedBank, pair: int, row: int, x: torch.Tensor, other: int = 0
+) -> list[float]:
     """Row `row` of expert `pair` dotted with x ([K], bf16) by each route a bf16 job may take
-    (in registers, by the fp4 formats' pairs route, decoded into a buffer), in fp32 before any
-    rounding (for tests that the routes agree bit for bit)."""
+    (in registers, by the route that reads x split, decoded into a buffer), then rows `row` and
+    `other` by the split route two at a time (nvfp4's block route), in fp32 before any rounding
+    (for tests that the routes agree)."""
     _, rows, cols = bank.shape
     parts = _projection(bank, rows, cols, torch.bfloat16)
     lib = library()
@@ -179,10 +182,10 @@ def row_dots(bank: QuantizedBank, pair: int, row: int, x: torch.Tensor) -> list[
         raise ValueError("the native kernel cannot decode this bank here")
     w, s, g, block_rows, block_cols = parts
     x = x.to(torch.bfloat16).contiguous()
-    out = np.zeros(3, np.float32)
+    out = np.zeros(5, np.float32)
     lib.ft_cpu_experts_row_dots(
         bank.format.code, _ptr(w), _ptr(s), _ptr(g), block_rows, block_cols, pair, rows, cols,
-        row, x.data_ptr(), _ptr(out),
+        row, other, x.data_ptr(), _ptr(out),
     )  # fmt: skip
     return out.tolist()
 

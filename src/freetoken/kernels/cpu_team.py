@@ -30,10 +30,10 @@ SIGNATURES = {
     # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert row decoded
     "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
     "ft_cpu_experts_decoder_bits": ([], _INT),  # the decoders' vector width (tests)
-    # fmt, w, s, g, block rows, block cols, pair, N, K, row, x (bf16), out [3]: one row's dot
-    # products by each route (tests)
+    # fmt, w, s, g, block rows, block cols, pair, N, K, row, other row, x (bf16), out [5]: one
+    # row's dot products by each route, and two rows' at a time (tests)
     "ft_cpu_experts_row_dots": (
-        [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P],
+        [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P],
         None,
     ),
     # dtype, w, bias, N, H, x, x_bf16, T, out, threads
