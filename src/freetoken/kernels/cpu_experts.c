@@ -529,8 +529,8 @@ static inline void nv_tables(const uint8_t *s, int two, float g, __m512 *ta, __m
  * row is the 16 values twice, 64 bytes, one cache line: a block's table is one aligned load,
  * where 32-byte rows made every other 64-byte load straddle two lines) and their fp32 values
  * (the block route, which reads nothing else). A job's items switch between the experts'
- * projections, each with its own g, so entries are many (8: 256 KiB a thread, in its L2) and
- * the least recently used goes. */
+ * projections, each with its own g, so entries are many (16: 512 KiB a thread, of which the
+ * rows its scales use are read) and the least recently used goes. */
 enum { NV_WORDS = 1, NV_FLOATS = 2 };
 typedef struct {
     uint16_t t[256][32] __attribute__((aligned(64)));
@@ -540,27 +540,36 @@ typedef struct {
     uint64_t used;  /* when last asked for (nv_clock) */
 } nv_table_t;
 #ifndef NV_TABLES
-#define NV_TABLES 8
+#define NV_TABLES 16
 #endif
 static _Thread_local nv_table_t nv_cache[NV_TABLES];
 static _Thread_local uint64_t nv_clock;
 typedef const uint16_t (*nv_rows_t)[32];
 
+/* The scales from 0x80 are the first 128 negated, and so are their rows, bit for bit (each
+ * product and rounding is symmetric in sign; a NaN stays a NaN): computed once, stored twice. */
 static void nv_build(nv_table_t *e, float g, unsigned part) {
     const __m512 values = _mm512_load_ps(E2M1), vg = _mm512_set1_ps(g);
-    for (int sc = 0; sc < 256; sc += 2) { /* (e2m1 * e4m3) * g, as the definition orders it */
+    const __m512i sign32 = _mm512_set1_epi32((int)0x80000000u), sign16 = _mm512_set1_epi16(-32768);
+    for (int sc = 0; sc < 128; sc += 2) { /* (e2m1 * e4m3) * g, as the definition orders it */
         const __m512 a = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc])), vg);
         const __m512 b = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc + 1])), vg);
         const __m512i ab = bf16_rne32(a, b, 1); /* (subnormals checked) sc's 16, sc + 1's 16 */
         if (part == NV_FLOATS) {
-            _mm512_store_si512(e->f[sc], _mm512_slli_epi32(
-                                             _mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
-            _mm512_store_si512(
-                e->f[sc + 1],
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
+            const __m512i fa = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16);
+            const __m512i fb =
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16);
+            _mm512_store_si512(e->f[sc], fa);
+            _mm512_store_si512(e->f[sc + 1], fb);
+            _mm512_store_si512(e->f[sc + 128], _mm512_xor_si512(fa, sign32));
+            _mm512_store_si512(e->f[sc + 129], _mm512_xor_si512(fb, sign32));
         } else {
-            _mm512_store_si512(e->t[sc], _mm512_shuffle_i64x2(ab, ab, 0x44));     /* lo, lo */
-            _mm512_store_si512(e->t[sc + 1], _mm512_shuffle_i64x2(ab, ab, 0xEE)); /* hi, hi */
+            const __m512i ta = _mm512_shuffle_i64x2(ab, ab, 0x44); /* lo, lo */
+            const __m512i tb = _mm512_shuffle_i64x2(ab, ab, 0xEE); /* hi, hi */
+            _mm512_store_si512(e->t[sc], ta);
+            _mm512_store_si512(e->t[sc + 1], tb);
+            _mm512_store_si512(e->t[sc + 128], _mm512_xor_si512(ta, sign16));
+            _mm512_store_si512(e->t[sc + 129], _mm512_xor_si512(tb, sign16));
         }
     }
     e->built |= part;
