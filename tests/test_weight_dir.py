@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,62 @@ def test_a_server_on_corrupt_weights_says_so_and_computes_nothing():
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
         reply = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 500 and "experts:w_down" in reply.json()["error"]["message"]
+
+
+def file_backed(tensor: torch.Tensor, path) -> bool:
+    """Whether the tensor's memory is a mapping of the file at `path` (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return len(fields) > 5 and fields[5] == str(path)
+    return False
+
+
+def test_a_directory_the_page_cache_holds_gives_its_banks_mapped(converted, monkeypatch):
+    """A warm start: the expert banks are the file's pages (no fresh memory, nothing read);
+    a directory the page cache does not hold whole is read as before; both equal."""
+    (converted / "experts.bin").read_bytes()  # (into the page cache)
+    warm = load_model(converted, verify=True)
+    assert warm.experts.mapped
+    for bank in warm.experts.banks:
+        assert file_backed(bank, (converted / "experts.bin").resolve())
+    monkeypatch.setattr(wd, "resident_fraction", lambda path: 0.5)
+    cold = load_model(converted, verify=True)
+    assert not cold.experts.mapped and not file_backed(
+        cold.experts.w_down, converted / "experts.bin"
+    )
+    for name, bank in warm.experts.named_banks.items():
+        assert torch.equal(bank, cold.experts.named_banks[name]), name
+    prompt = [3, 17, 5, 9, 11, 2]
+    assert torch.equal(logits(warm, prompt), logits(cold, prompt))
+
+
+def test_mapped_banks_are_locked_read_only_or_copied_where_that_is_refused(converted, monkeypatch):
+    """cudaHostRegister of a mapped pool asks for a read-only lock (a writable one would copy
+    each page of the private mapping); a driver that refuses gets the banks copied into memory
+    of their own, locked as usual. (CPU machine: CUDA's calls recorded by a fake.)"""
+    (converted / "experts.bin").read_bytes()
+    store = load_model(converted).experts
+    assert store.mapped
+    want = {name: bank.clone() for name, bank in store.named_banks.items()}
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(flags)
+            return 801 if flags & 8 else 0  # (cudaErrorNotSupported for read-only locks)
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    assert store.pin()
+    assert calls[0] == 1 | 2 | 8 and all(flags == 1 | 2 for flags in calls[1:])
+    assert not store.mapped and len(calls) == 1 + len(store.banks)
+    for name, bank in store.named_banks.items():
+        assert not file_backed(bank, (converted / "experts.bin").resolve())
+        assert torch.equal(bank, want[name]) and bank.data_ptr() % 4096 == 0
+    store.pinned = False  # (nothing was locked: the fake's)

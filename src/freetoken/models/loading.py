@@ -286,6 +286,15 @@ def _load_weight_dir(
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
+        if weights.resident([entry for entry, _ in banks]):
+            # (a warm start: the page cache's pages are the pool, nothing to read or fault in)
+            names = list(store.named_banks)
+            for (entry, bank), name in zip(banks, names, strict=True):
+                weights.check(entry, bank)
+                store.named_banks[name] = weights.map(entry)
+            store.mapped = True
+            banks = [(entry, store.named_banks[name])
+                     for (entry, _), name in zip(banks, names, strict=True)]  # fmt: skip
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
                                desc="Loading weights", disable=not show) as bar:  # fmt: skip
@@ -297,8 +306,11 @@ def _load_weight_dir(
 
         # The banks' reads run while the model is given its memory (whose first CPU op costs
         # 0.6-0.9 s on the H200 machine: the disk would sit idle), then the dense tensors'.
+        if store is not None and store.mapped:
+            advance(sum(entry.nbytes for entry, _ in banks))
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
-            banks_read = pool.submit(weights.read, banks, progress=advance)
+            to_read = [] if store is not None and store.mapped else banks
+            banks_read = pool.submit(weights.read, to_read, progress=advance)
             model.materialize("cpu")
             dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
                              path)  # fmt: skip

@@ -41,7 +41,7 @@ from freetoken.weights.memory import pinning_advice
 
 log = logging.getLogger(__name__)
 
-PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
+PORTABLE, MAPPED, READ_ONLY = 1, 2, 8  # cudaHostRegister flags
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,10 @@ class HostExpertStore(BanksByName):
             for name, (row, row_dtype) in self.shape.bank_rows().items()
         }
         self.pinned = False
+        # The banks are a weight directory's file pages (mapped: models/loading.py), which
+        # are page-locked read-only (the device only reads them; a writable lock would copy
+        # each page of a private mapping).
+        self.mapped = False
 
     @classmethod
     def for_model(
@@ -182,10 +186,15 @@ class HostExpertStore(BanksByName):
             ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
             # Portable and mapped: the device may also read the pool in place, by its host
             # address (unified addressing), as the device-launched fills do.
-            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED)
+            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED | (READ_ONLY * self.mapped))
             if int(err) != 0:
                 for p in registered:
                     cudart.cudaHostUnregister(p)
+                if self.mapped:  # (a driver that cannot lock file pages: lock a copy)
+                    log.info("page-locking the mapped expert pool failed (CUDA error %s): "
+                             "copying it into memory of its own", int(err))  # fmt: skip
+                    self._unmap()
+                    return self.pin()
                 log.warning(
                     "could not page-lock the %.1f GiB expert pool (CUDA error %s); copies to the "
                     "GPU would be slow, so experts that miss the cache run on the CPU instead. "
@@ -198,6 +207,14 @@ class HostExpertStore(BanksByName):
             registered.append(ptr)
         self.pinned = True
         return True
+
+    def _unmap(self) -> None:
+        """The banks copied out of their file mapping into memory of the pool's own."""
+        for name, bank in self.named_banks.items():
+            own = page_aligned_empty(tuple(bank.shape), bank.dtype)
+            own.copy_(bank)
+            self.named_banks[name] = own
+        self.mapped = False
 
     def __del__(self) -> None:
         # Registered pages must be unregistered before the memory is freed: otherwise a later

@@ -13,7 +13,8 @@ Every tensor starts on a 4 KiB boundary, so reads into page-aligned buffers can 
 cache (O_DIRECT) where the file system allows: a file the page cache does not hold already
 (mincore, on a mapping of it) is read so, sparing host memory a second copy of the weights;
 one it holds is read through it, at memory speed (direct reads of a cached file go to the
-disk: on the H200 machine 2 GB/s against 8). Reads are
+disk: on the H200 machine 2 GB/s against 8), or mapped (`map`: the expert banks of a directory
+the page cache holds whole are its pages, not a copy). Reads are
 split into 64 MiB chunks over a pool of threads (os.preadv releases the GIL), short reads
 continued. Opening a directory checks every file's size against the index (a truncated file
 is refused there); `verify` recomputes the CRCs of tensors in memory and names the first one
@@ -207,6 +208,26 @@ class WeightDir:
                 list(pool.map(run, jobs))
         finally:
             fds.close()
+
+    def resident(self, entries: list[Entry]) -> bool:
+        """Whether the page cache holds every page of the files that store `entries`."""
+        return all(resident_fraction(self.path / f) >= 1.0 for f in {e.file for e in entries})
+
+    def map(self, entry: Entry) -> torch.Tensor:
+        """The entry's tensor over a private mapping of its bytes in the file: no copy and no
+        fresh memory, where a read into a new buffer faults in and zeroes every page before
+        copying (for a file the page cache holds, reading 3 GiB this way took 0.02 s here
+        against 0.6 s). Copy-on-write: a write would change this process's copy only."""
+        with open(self.path / entry.file, "rb") as f:
+            mapping = mmap.mmap(
+                f.fileno(),
+                entry.nbytes,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=entry.offset,
+            )
+        data = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping)
+        return data.view(getattr(torch, entry.dtype)).view(entry.shape)
 
     def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1,
                stop: threading.Event | None = None) -> bool:  # fmt: skip
