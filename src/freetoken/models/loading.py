@@ -286,8 +286,11 @@ def _load_weight_dir(
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
-        if weights.resident([entry for entry, _ in banks]):
-            # (a warm start: the page cache's pages are the pool, nothing to read or fault in)
+        if torch.device(device).type != "cuda" and weights.resident([e for e, _ in banks]):
+            # A warm CPU start: the page cache's pages are the pool, nothing to read or fault
+            # in. Not where the pool is to be page-locked for the GPU's fills: locking a
+            # mapping's file pages (cudaHostRegister, read-only) did not end in 100 s for 18 GiB
+            # on the H200 machine, where locking memory of the pool's own is part of a 1 s step.
             names = list(store.named_banks)
             for (entry, bank), name in zip(banks, names, strict=True):
                 weights.check(entry, bank)

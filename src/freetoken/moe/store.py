@@ -41,7 +41,7 @@ from freetoken.weights.memory import pinning_advice
 
 log = logging.getLogger(__name__)
 
-PORTABLE, MAPPED, READ_ONLY = 1, 2, 8  # cudaHostRegister flags
+PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,8 @@ class HostExpertStore(BanksByName):
             for name, (row, row_dtype) in self.shape.bank_rows().items()
         }
         self.pinned = False
-        # The banks are a weight directory's file pages (mapped: models/loading.py), which
-        # are page-locked read-only (the device only reads them; a writable lock would copy
-        # each page of a private mapping).
+        # The banks are a weight directory's file pages (mapped: models/loading.py, for CPU
+        # starts), copied into memory of their own before they are page-locked.
         self.mapped = False
 
     @classmethod
@@ -180,21 +179,18 @@ class HostExpertStore(BanksByName):
             return True
         if not torch.cuda.is_available():
             return False
+        if self.mapped:  # (locking a mapping's file pages took minutes: see __init__)
+            self._unmap()
         cudart = torch.cuda.cudart()
         registered = []
         for bank in self.banks:
             ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
             # Portable and mapped: the device may also read the pool in place, by its host
             # address (unified addressing), as the device-launched fills do.
-            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED | (READ_ONLY * self.mapped))
+            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED)
             if int(err) != 0:
                 for p in registered:
                     cudart.cudaHostUnregister(p)
-                if self.mapped:  # (a driver that cannot lock file pages: lock a copy)
-                    log.info("page-locking the mapped expert pool failed (CUDA error %s): "
-                             "copying it into memory of its own", int(err))  # fmt: skip
-                    self._unmap()
-                    return self.pin()
                 log.warning(
                     "could not page-lock the %.1f GiB expert pool (CUDA error %s); copies to the "
                     "GPU would be slow, so experts that miss the cache run on the CPU instead. "
@@ -210,6 +206,7 @@ class HostExpertStore(BanksByName):
 
     def _unmap(self) -> None:
         """The banks copied out of their file mapping into memory of the pool's own."""
+        log.info("copying the mapped expert pool into memory of its own, to page-lock it")
         for name, bank in self.named_banks.items():
             own = page_aligned_empty(tuple(bank.shape), bank.dtype)
             own.copy_(bank)
