@@ -146,7 +146,10 @@ def main() -> int:
     )
     ap.add_argument("--batch", action="append", type=int)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=8)
+    # (hybrid's StepModes runs 16 split steps, then trials of each way, before it settles:
+    # fewer warm-up steps time the trials; a DeepSeek-V3-shaped side-by-side with 4 read
+    # 10.6 ms a token where 16 and 32-step rounds read 8.0, results/2026-12-02-nvfp4-block-route)
+    ap.add_argument("--warmup", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--checkpoint", type=Path, help="load the model from this checkpoint")
