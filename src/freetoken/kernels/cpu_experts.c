@@ -146,7 +146,8 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
  * The kernel computes with those values through the dense path's dot products (dot_bf16_bf16,
  * dot_f32), so a quantized job equals the dense job on the dequantized banks bit for bit, while
  * reading only the quantized bytes (but for nvfp4's rows of bf16 models read by one route: their
- * block route sums the same products in another order, within fp32 rounding; see nv_block). A row read by one route (decode's usual case) is decoded
+ * block route sums the same products in another order, within fp32 rounding; see nv_block). A
+ * row read by one route (decode's usual case) is decoded
  * in registers, 32 or 64 values at a time, straight into that dot product's accumulators, in
  * its order (`qdot_*`); a row read by several routes is decoded once into the thread's buffer
  * and dotted from there with each (as are rows a decoder cannot take in registers: fp8 blocks
@@ -559,7 +560,8 @@ static void nv_build(nv_table_t *e, float g, unsigned part) {
         const __m512 b = _mm512_mul_ps(_mm512_mul_ps(values, _mm512_set1_ps(E4M3[sc + 1])), vg);
         const __m512i ab = bf16_rne32(a, b, 1); /* (subnormals checked) sc's 16, sc + 1's 16 */
         if (part == NV_FLOATS) {
-            const __m512i fa = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16);
+            const __m512i fa =
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16);
             const __m512i fb =
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16);
             _mm512_store_si512(e->f[sc], fa);
@@ -1005,7 +1007,8 @@ static inline __attribute__((always_inline)) void nv_block_dots(const qrow_t *a,
     const char *tb = b ? (const char *)nv_table(b->g, NV_FLOATS)->f : ta;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     /* (scale i of a step's eight, times 64 bytes: its row of the table) */
-#define NV_ROW(t, s8, i) ((const float *)((t) + (((i) ? (s8) >> (8 * (i) - 6) : (s8) << 6) & 0x3fc0)))
+#define NV_ROW(t, s8, i)                                                                        \
+    ((const float *)((t) + (((i) ? (s8) >> (8 * (i) - 6) : (s8) << 6) & 0x3fc0)))
 #define BLOCK_STEP(acc_a, acc_b, i)                                                             \
     do {                                                                                        \
         const __m512 xv = _mm512_loadu_ps(xs + k + 16 * (i));                                   \
@@ -1037,13 +1040,16 @@ static inline __attribute__((always_inline)) void nv_block_dots(const qrow_t *a,
 #undef NV_ROW
     for (; k + 16 <= K; k += 16) {
         const __m512 xv = _mm512_loadu_ps(xs + k);
-        a0 = _mm512_fmadd_ps(nv_block(a->w + k / 2, (const float *)ta + 16 * a->s8[k / 16]), xv, a0);
-        if (b)
-            b0 = _mm512_fmadd_ps(nv_block(b->w + k / 2, (const float *)tb + 16 * b->s8[k / 16]), xv,
-                                 b0);
+        const float *row_a = (const float *)ta + 16 * a->s8[k / 16];
+        a0 = _mm512_fmadd_ps(nv_block(a->w + k / 2, row_a), xv, a0);
+        if (b) {
+            const float *row_b = (const float *)tb + 16 * b->s8[k / 16];
+            b0 = _mm512_fmadd_ps(nv_block(b->w + k / 2, row_b), xv, b0);
+        }
     }
     out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    if (b) out[1] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3)));
+    if (b)
+        out[1] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3)));
 }
 
 /* dot_bf16_bf16 of the decoded row with x: 128 values a step into its four accumulators, the
