@@ -191,7 +191,19 @@ def test_api_key(fresh_engine):
         assert good.models.list().data[0].id == MODEL
 
 
-def test_full_queue_answers_429(fresh_engine):
+def test_full_queue_answers_429(fresh_engine, monkeypatch):
+    # The engine's steps wait once the first request runs, so it cannot end (the demo model
+    # decoded its 300 tokens before the third request came, on a busy 2-core CI machine) and
+    # the second stays queued.
+    held, release = threading.Event(), threading.Event()
+    step = fresh_engine.step
+
+    def held_step():
+        if held.is_set():
+            release.wait(60)
+        return step()
+
+    monkeypatch.setattr(fresh_engine, "step", held_step)
     with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
         body = {
             **greedy(max_tokens=300),
@@ -202,8 +214,10 @@ def test_full_queue_answers_429(fresh_engine):
             url = base + "/v1/chat/completions"
             first = http.send(http.build_request("POST", url, json=body), stream=True)
             next(first.iter_lines())  # running
+            held.set()
             second = http.send(http.build_request("POST", url, json=body), stream=True)
             third = http.post(url, json=body)
+            release.set()
             assert third.status_code == 429
             assert third.json()["error"]["type"] == "rate_limit_error"
             first.close()
