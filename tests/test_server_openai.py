@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -192,14 +193,14 @@ def test_api_key(fresh_engine):
 
 
 def test_full_queue_answers_429(fresh_engine, monkeypatch):
-    # The engine's steps wait once the first request runs, so it cannot end (the demo model
-    # decoded its 300 tokens before the third request came, on a busy 2-core CI machine) and
-    # the second stays queued.
-    held, release = threading.Event(), threading.Event()
+    # The engine's steps after its first (the first request's prefill and first token) wait
+    # until the end, so the first request cannot end and the second stays queued: timed as it
+    # came, the first request sometimes ended before the third came (a busy 2-core CI machine).
+    release, steps = threading.Event(), itertools.count()
     step = fresh_engine.step
 
     def held_step():
-        if held.is_set():
+        if next(steps) >= 1:
             release.wait(60)
         return step()
 
@@ -214,7 +215,6 @@ def test_full_queue_answers_429(fresh_engine, monkeypatch):
             url = base + "/v1/chat/completions"
             first = http.send(http.build_request("POST", url, json=body), stream=True)
             next(first.iter_lines())  # running
-            held.set()
             second = http.send(http.build_request("POST", url, json=body), stream=True)
             third = http.post(url, json=body)
             release.set()
