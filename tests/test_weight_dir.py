@@ -319,28 +319,3 @@ def test_a_cuda_start_reads_its_pool_rather_than_mapping_it(converted, monkeypat
     store = load_model(converted, device="cuda").experts
     assert not store.mapped
     assert not file_backed(store.w_down, (converted / "experts.bin").resolve())
-
-
-def test_fresh_memory_is_faulted_in_before_a_read_into_it(converted, monkeypatch):
-    """Reads go into pages faulted in by one call each chunk (where Linux can: 5.14), not one
-    fault a page inside the copy; the tensors read are the same."""
-    import resource
-
-    from freetoken.moe.store import page_aligned_empty
-
-    fresh = page_aligned_empty((8 << 20,), torch.uint8)
-    if not wd.prefault(memoryview(fresh.numpy()).cast("B")):
-        pytest.skip("this kernel cannot populate a range (MADV_POPULATE_WRITE)")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    fresh.zero_()  # (every page already there: no faults)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 64
-    chunks = []
-    real = wd.prefault
-    monkeypatch.setattr(wd, "prefault", lambda buf: chunks.append(len(buf)) or real(buf))
-    monkeypatch.setattr(wd, "CHUNK", 1 << 16)
-    loaded = load_model(converted, verify=True)
-    weights = wd.WeightDir(converted)
-    read = sum(e.nbytes for e in weights.entries.values())
-    if loaded.experts.mapped:  # (a warm CPU start maps the banks: only the dense tensors read)
-        read -= sum(weights.entries[f"experts:{n}"].nbytes for n in loaded.experts.named_banks)
-    assert sum(chunks) == read and max(chunks) <= 1 << 16

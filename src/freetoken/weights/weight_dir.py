@@ -27,13 +27,11 @@ This module knows tensors and bytes only; models/loading.py maps them onto a mod
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import logging
 import mmap
 import os
 import shutil
-import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -200,7 +198,6 @@ class WeightDir:
 
         def run(job) -> None:
             entry, data, a, b = job
-            prefault(data[a:b])
             fds.read_into(entry.file, entry.offset + a, data[a:b], entry.name)
             if progress is not None:
                 with lock:
@@ -314,35 +311,6 @@ class _Files:
         for fd in [*self._buffered.values(), *self._direct.values()]:
             if fd is not None:
                 os.close(fd)
-
-
-_MADV_POPULATE_WRITE = 23  # (Linux 5.14)
-
-
-def prefault(buf: memoryview) -> bool:
-    """Fault in the pages of fresh memory about to be read into, in one call
-    (MADV_POPULATE_WRITE): a read into pages never touched takes a fault per page inside the
-    copy, and reading a warm 3 GiB file into fresh memory on 2 threads took 1.30-1.47 s so, 0.62-
-    0.88 s after this (this machine, a VM). False where the system cannot (an older kernel,
-    another OS): the read then faults them as before."""
-    if not len(buf) or not sys.platform.startswith("linux"):
-        return False
-    address = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE  # (whole pages inside the buffer)
-    end = (address + len(buf)) // mmap.PAGESIZE * mmap.PAGESIZE
-    libc = _libc()
-    if libc is None or end <= start:
-        return False
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                        _MADV_POPULATE_WRITE) == 0  # fmt: skip
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
 
 
 def resident_fraction(path: Path) -> float:
