@@ -539,9 +539,7 @@ typedef struct {
     uint32_t key;
     unsigned built; /* NV_WORDS | NV_FLOATS: the parts made for key (0: the entry is free) */
 } nv_table_t;
-#ifndef NV_TABLES
 #define NV_TABLES 16
-#endif
 static _Thread_local nv_table_t nv_cache[NV_TABLES];
 /* The entries from the most recently used to the least: a row pair's two tables (a gate row's
  * and its up row's) are found in the first two places, a compare each, where a scan of every
@@ -1173,7 +1171,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else if (q->fmt == FMT_NVFP4) {
-        const nv_rows_t t = k + 32 <= K ? nv_table(q->g, NV_WORDS)->t : NULL;
+        const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
         for (; k + 32 <= K; k += 32)
             a0 = _mm512_dpbf16_ps(a0,
                                   (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
@@ -1666,23 +1664,21 @@ static void down_item(const job_t *j, int64_t item) {
          * the two need no room of their own) */
         const int64_t step = pairs && j->fmt == FMT_NVFP4 ? 2 : 1;
         for (int64_t n = n0; n < n1; n += step) {
+            const int rows_now = n + step <= n1 ? (int)step : 1;
             wrow_t w[2];
-            float y[2];
-            const int two = step == 2 && n + 1 < n1;
-            weight_row(j, &j->down, j->group_pair[g], H, I, n, last - first, buf, &w[0]);
-            if (two) {
-                weight_row(j, &j->down, j->group_pair[g], H, I, n + 1, 1, buf, &w[1]);
-                row_dot_pair(j, &w[0], &w[1], I, j->a16 + first * I, as, buf, buf, y);
-                for (int i = 0; i < 2; i++)
-                    out[j->route_row[first] * block + n + i - n0] +=
-                        rnd(rnd(y[i], bf16) * j->route_w[first], bf16);
-                continue;
-            }
+            for (int i = 0; i < rows_now; i++)
+                weight_row(j, &j->down, j->group_pair[g], H, I, n + i, last - first, buf, &w[i]);
             for (int64_t r = first; r < last; r++) {
                 const void *ar = bf16 ? (const void *)(j->a16 + r * I)
                                       : (const void *)(j->a_buf + r * I);
-                y[0] = rnd(row_dot(j, &w[0], I, ar, pairs ? as : NULL, buf), bf16);
-                out[j->route_row[r] * block + n - n0] += rnd(y[0] * j->route_w[r], bf16);
+                float y[2];
+                if (rows_now == 2)
+                    row_dot_pair(j, &w[0], &w[1], I, ar, as, buf, buf, y);
+                else
+                    y[0] = row_dot(j, &w[0], I, ar, pairs ? as : NULL, buf);
+                for (int i = 0; i < rows_now; i++)
+                    out[j->route_row[r] * block + n + i - n0] +=
+                        rnd(rnd(y[i], bf16) * j->route_w[r], bf16);
             }
         }
     }

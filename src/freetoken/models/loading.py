@@ -287,17 +287,7 @@ def _load_weight_dir(
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
         if torch.device(device).type != "cuda" and weights.resident([e for e, _ in banks]):
-            # A warm CPU start: the page cache's pages are the pool, nothing to read or fault
-            # in. Not where the pool is to be page-locked for the GPU's fills: locking a
-            # mapping's file pages (cudaHostRegister, read-only) did not end in 100 s for 18 GiB
-            # on the H200 machine, where locking memory of the pool's own is part of a 1 s step.
-            names = list(store.named_banks)
-            for (entry, bank), name in zip(banks, names, strict=True):
-                weights.check(entry, bank)
-                store.named_banks[name] = weights.map(entry)
-            store.mapped = True
-            banks = [(entry, store.named_banks[name])
-                     for (entry, _), name in zip(banks, names, strict=True)]  # fmt: skip
+            banks = _map_banks(weights, store, banks)
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
                                desc="Loading weights", disable=not show) as bar:  # fmt: skip
@@ -309,11 +299,11 @@ def _load_weight_dir(
 
         # The banks' reads run while the model is given its memory (whose first CPU op costs
         # 0.6-0.9 s on the H200 machine: the disk would sit idle), then the dense tensors'.
-        if store is not None and store.mapped:
+        mapped = store is not None and store.mapped
+        if mapped:
             advance(sum(entry.nbytes for entry, _ in banks))
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
-            to_read = [] if store is not None and store.mapped else banks
-            banks_read = pool.submit(weights.read, to_read, progress=advance)
+            banks_read = pool.submit(weights.read, [] if mapped else banks, progress=advance)
             model.materialize("cpu")
             dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
                              path)  # fmt: skip
@@ -330,6 +320,21 @@ def _load_weight_dir(
         store = _dequantized(store, cfg)
     model = model.to(device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
+
+
+def _map_banks(weights: wd.WeightDir, store: HostExpertStore, banks: list) -> list:
+    """A warm CPU start: the pool's banks become mappings of the directory's file pages, nothing
+    to read or fault in; the (entry, bank) pairs for the integrity check. Not for a pool to be
+    page-locked for the GPU's fills: locking a mapping's file pages (cudaHostRegister,
+    read-only) did not end in 100 s for 18 GiB on the H200 machine, where locking memory of the
+    pool's own is part of a 1 s step."""
+    mapped = []
+    for (entry, bank), name in zip(banks, list(store.named_banks), strict=True):
+        weights.check(entry, bank)
+        store.named_banks[name] = weights.map(entry)
+        mapped.append((entry, store.named_banks[name]))
+    store.mapped = True
+    return mapped
 
 
 def _pool_bytes(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat) -> int:
