@@ -17,6 +17,7 @@ GB/s at the same thread count, in the same run.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import sys
@@ -58,16 +59,35 @@ HANDOFF_SPIN = {"asleep": 0.0, "awake": 0.005}
 
 def measure_kernel(kernel, shape: ExpertShape, n: int, batch: int, seconds: float, start: int):
     """Jobs of `batch` experts x 1 token for about `seconds`, from expert `start` on; (bytes of
-    experts read per second, the next expert)."""
+    experts read per second of the loop, per second of the jobs themselves, the next expert).
+    The second leaves out what the loop costs in Python between jobs (the same for every
+    format: a larger share of shorter jobs)."""
     x = torch.randn(1, shape.hidden).to(shape.dtype)
     rows, weights = np.zeros(batch, np.int64), np.ones(batch, np.float32)
-    nxt, read, begin = start, 0, time.perf_counter()
+    item_seconds(kernel)
+    nxt, read, in_jobs, begin = start, 0, 0.0, time.perf_counter()
     while time.perf_counter() - begin < seconds:
         pairs = np.arange(nxt, nxt + batch) % n
         nxt = (nxt + batch) % n
-        kernel.submit(x, rows, pairs, weights).result()
+        job = kernel.submit(x, rows, pairs, weights)
+        job.result()
+        in_jobs += job.seconds
         read += batch * shape.nbytes
-    return read / (time.perf_counter() - begin), nxt
+    split = item_seconds(kernel)
+    if split is not None:  # a profiling build: where the team's time went
+        team = (kernel.threads + 1) * in_jobs  # the waiting caller works on each job too
+        ITEM_SPLITS[shape.format, kernel.threads] = [t / team for t in split]
+    return read / (time.perf_counter() - begin), read / in_jobs, nxt
+
+
+# Per (format, threads): shares of the team's time in jobs spent in gate/up items, down items
+# and between the two phases, from a build with -DITEM_TIMES (FREETOKEN_NATIVE_FLAGS).
+ITEM_SPLITS: dict = {}
+
+
+def item_seconds(kernel) -> list[float] | None:
+    out = (ctypes.c_double * 3)()
+    return list(out) if kernel.lib.ft_cpu_experts_item_seconds(out) else None
 
 
 def formats_table(args) -> list[str]:
@@ -102,34 +122,44 @@ def formats_table(args) -> list[str]:
         for key, kernel, shape, n in configs:
             kernel.set_spin(HANDOFF_SPIN[key[-1]])
             measure_kernel(kernel, shape, n, args.batch, 0.05, 0)  # wakes the team
-            rate, nxt[key] = measure_kernel(
+            *rates, nxt[key] = measure_kernel(
                 kernel, shape, n, args.batch, args.seconds / args.rounds, nxt.get(key, 0)
             )
-            best[key] = max(best.get(key, 0.0), rate)
+            best[key] = [max(b, r) for b, r in zip(best.get(key, (0.0, 0.0)), rates, strict=True)]
     rows = []
     for (name, dtype_name, threads, handoff), _, shape, _ in configs:
-        rate = best[name, dtype_name, threads, handoff]
-        ref = best["dense", "bfloat16", threads, handoff]
+        rate, in_jobs = best[name, dtype_name, threads, handoff]
+        ref, ref_in_jobs = best["dense", "bfloat16", threads, handoff]
         row = (
             f"| {dtype_name} | {fmt_label(shape.format)} | {threads} | {handoff} | {gbs(rate)} | "
-            f"{rate / ref:.0%} | {shape.nbytes / 1e6:.2f} | {rate / shape.nbytes:,.0f} | "
+            f"{rate / ref:.0%} | {gbs(in_jobs)} | {in_jobs / ref_in_jobs:.0%} | "
+            f"{shape.nbytes / 1e6:.2f} | {rate / shape.nbytes:,.0f} | "
             f"{rate / shape.nbytes / args.batch:,.0f} |"
         )
         print(row, flush=True)
         rows.append(row)
+    for (fmt, threads), (gate, down, between) in ITEM_SPLITS.items():
+        print(
+            f"# team time, {fmt_label(fmt)} at {threads} threads (last round): gate/up items "
+            f"{gate:.1%}, down items {down:.1%}, between phases {between:.1%}, elsewhere "
+            f"{1 - gate - down - between:.1%}",
+            flush=True,
+        )
     return [
         f"## By expert format ({h} x {i} experts, jobs of {args.batch} experts x 1 token)",
         "",
         f"- each configuration's best of {args.rounds} rounds of {args.seconds / args.rounds:.2f}"
         f" s, taken in turns; pools of {args.pool_gib:g} GiB per format cycled through",
-        "- GB/s: bytes of the experts read (codes and scales when quantized); of bf16: against "
-        "dense bf16 experts at the same thread count and handoff",
+        "- GB/s: bytes of the experts read (codes and scales when quantized) per second of the "
+        "measuring loop; in jobs: per second from each job's submission to its completion (the "
+        "kernel's own rate, without the loop's Python between jobs); of bf16: against dense bf16 "
+        "experts at the same thread count and handoff",
         "- team: asleep, each job wakes the threads (the library's default); awake, they spin "
         "between jobs, as decode's team woken ahead of each layer's job (`cpu_prepare_us`)",
         "",
-        "| model dtype | stored | threads | team | GB/s read | of bf16 | MB / expert | "
-        "experts/s | jobs/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model dtype | stored | threads | team | GB/s read | of bf16 | GB/s in jobs | of bf16 | "
+        "MB / expert | experts/s | jobs/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -3,6 +3,7 @@ cache, and the fallback to torch when it cannot be built."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -525,6 +526,42 @@ def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split()[0] == str(want)
+
+
+def job_team_seconds() -> tuple[int, list[float], float]:
+    """A job on 3 team threads: (whether the build times its items, the team's seconds in
+    phase 1 items, phase 2 items and between them, the job's seconds)."""
+    import ctypes
+
+    w_gate_up, w_down = banks(torch.float32)
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, "silu", threads=3)
+    x, rows, pairs, weights = job()
+    out = (ctypes.c_double * 3)()
+    library().ft_cpu_experts_item_seconds(out)  # from zero
+    pending = kernel.submit(x, rows, pairs, weights)
+    pending.result()
+    timed = library().ft_cpu_experts_item_seconds(out)
+    return timed, list(out), pending.seconds
+
+
+def test_a_profiling_build_times_the_items_of_each_phase():
+    """-DITEM_TIMES (the benchmark's view of where a job's time goes) sums the team's seconds
+    in each phase's items, within the team's time in the job; other builds say they do not."""
+    timed, split, _ = job_team_seconds()
+    assert timed == 0 and split == [0.0, 0.0, 0.0]
+    env = dict(os.environ, **{native.FLAGS_ENV: "-DITEM_TIMES"})
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
+        "import json; print(json.dumps(t.job_team_seconds()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    timed, split, seconds = json.loads(result.stdout)
+    assert timed == 1 and split[0] > 0 and split[1] > 0 and split[2] >= 0
+    assert sum(split) <= 4 * seconds * 1.01  # 3 team threads and the waiting caller
 
 
 def test_quantized_banks_need_the_model_dtype_and_one_format():

@@ -1751,6 +1751,29 @@ static void finish(uint64_t gen) {
     if (wake) pthread_cond_broadcast(&done_cond); /* after unlocking, as in submit */
 }
 
+/* With -DITEM_TIMES (a profiling build: FREETOKEN_NATIVE_FLAGS), the team's thread-seconds in
+ * phase 1 items, in phase 2 items and waiting between the two, summed over jobs until read by
+ * ft_cpu_experts_item_seconds: where a job's time goes besides the items' own work. */
+static uint64_t item_ns[3];
+
+int ft_cpu_experts_item_seconds(double *out) {
+    for (int i = 0; i < 3; i++)
+        out[i] = (double)__atomic_exchange_n(&item_ns[i], 0, __ATOMIC_SEQ_CST) * 1e-9;
+#ifdef ITEM_TIMES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef ITEM_TIMES
+#define ITEM_CLOCK(t) const double t = now()
+#define ITEM_TIME(which, t0) ADD(&item_ns[which], (uint64_t)((now() - (t0)) * 1e9))
+#else
+#define ITEM_CLOCK(t)
+#define ITEM_TIME(which, t0)
+#endif
+
 /* Takes and runs items of job `gen` (described by *j) until none is left. */
 static void run_items(const job_t *j, uint64_t gen) {
     const uint64_t tag = (gen & 0xffffffffu) << 32;
@@ -1763,6 +1786,7 @@ static void run_items(const job_t *j, uint64_t gen) {
                                          __ATOMIC_SEQ_CST))
             continue;
         int64_t item = (int64_t)(c & 0xffffffffu);
+        ITEM_CLOCK(t0);
         if (j->kind == JOB_LINEAR) {
             linear_item(j, item);
         } else if (item < j->gate_items) {
@@ -1770,15 +1794,19 @@ static void run_items(const job_t *j, uint64_t gen) {
                 attention_partial(j, item);
             else
                 gate_item(j, item);
+            ITEM_TIME(0, t0);
             ADD(&gate_done, 1);
         } else {
             /* Phase 2 items read every phase 1 item's output; all are taken by now, and each
              * takes microseconds. */
             while (LOAD(&gate_done) < j->gate_items) cpu_relax();
+            ITEM_TIME(2, t0);
+            ITEM_CLOCK(t1);
             if (j->kind == JOB_ATTENTION)
                 attention_merge(j, item - j->gate_items);
             else
                 down_item(j, item - j->gate_items);
+            ITEM_TIME(1, t1);
         }
         did++;
     }

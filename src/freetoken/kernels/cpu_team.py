@@ -49,6 +49,9 @@ SIGNATURES = {
     "ft_cpu_experts_wait": ([_U64], _D),
     "ft_cpu_experts_set_spin": ([_D], None),
     "ft_cpu_experts_prepare": ([_D], None),
+    # out [3]: thread-seconds in phase 1 items, phase 2 items, between them, since the last
+    # call; 1 in a build with -DITEM_TIMES (else 0 and zeros)
+    "ft_cpu_experts_item_seconds": ([_P], _INT),
 }
 _lib: ctypes.CDLL | bool | None = None
 
