@@ -385,6 +385,26 @@ def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int
     assert scale > 0 and (got - want).abs().max().item() <= slack * TOLERANCE[dtype] * scale
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8-128x128"])
+def test_down_rows_wait_for_their_own_groups_activations(name):
+    """A group's down rows start once its own gate/up items are done (its activations split
+    once, by the last of them, for the routes that read a split x), while other groups' may
+    still run: on a team of 6 threads (more than this machine's cores, so items interleave
+    every way), every job equals the 1-thread job's result bit for bit."""
+    fmt, hidden, inter = FORMATS[name], 256, 1024  # 2 gate/up items a group (64 rows each)
+    w_gate_up, w_down = quantized_experts(fmt, hidden, inter)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, hidden, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    rows = torch.tensor([0, 1, 0, 1, 0, 1, 0])
+    pairs = torch.tensor([4, 4, 1, 7, 2, 9, 11])  # expert 4 twice, five of one route
+    weights = torch.rand(7, generator=gen)
+    one = NativeCPUExperts.create(w_gate_up, w_down, "silu", 1, dtype=torch.bfloat16)
+    want = [one(x, rows, pairs, weights) for x in xs]
+    team = NativeCPUExperts.create(w_gate_up, w_down, "silu", 6, dtype=torch.bfloat16)
+    for n in range(60):  # two inputs in turn: an early read would find the other's activations
+        assert torch.equal(team(xs[n % 2], rows, pairs, weights), want[n % 2]), n
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)

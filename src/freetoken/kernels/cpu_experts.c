@@ -1357,7 +1357,9 @@ static inline float activate(float g, int act) {
  * with the expert at flat id group_pair[g]. Route r reads row route_row[r] of x [*, H] and adds
  * route_w[r] * expert(x) into row route_row[r] of out [*, H] (fp32, zeroed at submission).
  * a_buf [R, I] is scratch. With bf16 banks the activations are bf16 too (x16, a16: the values
- * torch would multiply, each already rounded to bf16), for dot_bf16_bf16. */
+ * torch would multiply, each already rounded to bf16), for dot_bf16_bf16. A group's down rows
+ * wait for its own gate/up items only (group_done), not for every group's: a thread out of
+ * gate/up items starts on the down rows of the groups done first. */
 enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2 };
 
 typedef struct {
@@ -1369,6 +1371,10 @@ typedef struct {
     const int64_t *group_start, *group_pair, *route_row;
     float *a_buf, *out;
     uint16_t *a16;
+    /* Per group: its gate/up items done, one more once its activations are ready for the down
+     * projection (split, where a single route's rows take a split x: a_split [R, I]). */
+    int64_t *group_done;
+    float *a_split;
     int64_t gate_items, down_items; /* gate items come first, then down items */
     int64_t n_rows;                 /* rows of x and out */
     int64_t gate_rows, down_rows;   /* weight rows per gate item, output columns per down item */
@@ -1590,8 +1596,51 @@ static void attention_merge(const job_t *j, int64_t item) {
     for (int64_t d = 0; d < D; d++) out[d] /= total;
 }
 
+/* ---- shared by the items and the team: atomics, the clock, the profiling build's times ---- */
+
+#define LOAD(p) __atomic_load_n(p, __ATOMIC_SEQ_CST)
+#define STORE(p, v) __atomic_store_n(p, v, __ATOMIC_SEQ_CST)
+#define ADD(p, v) __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* With -DITEM_TIMES (a profiling build: FREETOKEN_NATIVE_FLAGS), the team's thread-seconds in
+ * phase 1 items, in phase 2 items and waiting between the two, summed over jobs until read by
+ * ft_cpu_experts_item_seconds: where a job's time goes besides the items' own work. */
+static uint64_t item_ns[3];
+
+int ft_cpu_experts_item_seconds(double *out) {
+    for (int i = 0; i < 3; i++)
+        out[i] = (double)__atomic_exchange_n(&item_ns[i], 0, __ATOMIC_SEQ_CST) * 1e-9;
+#ifdef ITEM_TIMES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef ITEM_TIMES
+#define ITEM_CLOCK(t) const double t = now()
+#define ITEM_ADD(which, seconds) ADD(&item_ns[which], (uint64_t)(int64_t)((seconds) * 1e9))
+#else
+#define ITEM_CLOCK(t)
+#define ITEM_ADD(which, seconds)
+#endif
+#define ITEM_TIME(which, t0) ITEM_ADD(which, now() - (t0))
+
 /* Gate item: gate_rows rows of one group's gate and up projections, for every route of the
- * group: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. */
+ * group: a[r, n] = act(gate_n . x) * (up_n . x), rounded as torch rounds. The group's last item
+ * to finish readies its activations for the down items (group_done). */
 static void gate_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
     const int64_t block = j->gate_rows, blocks = (j->I + block - 1) / block;
@@ -1637,6 +1686,32 @@ static void gate_item(const job_t *j, int64_t item) {
             else
                 j->a_buf[r * I + n] = a;
         }
+    if (ADD(&j->group_done[g], 1) == blocks) { /* the group's activations are all in */
+        /* Split once here for every down item (each had split it again: 1/16 of their work) */
+        if (split) split_x(j->fmt, j->a16 + first * I, I, j->a_split + first * I);
+        ADD(&j->group_done[g], 1);
+    }
+}
+
+/* Asks for the first PREFETCH_BYTES of rows `row` on of expert `pair`'s projection p [N, K] (and
+ * of their scales): a down item reads a few rows of each group's expert in turn, each group's a
+ * new stream, and the hardware's prefetchers catch on to it only after its first lines came. */
+static void prefetch_rows(const job_t *j, const proj_t *p, int64_t pair, int64_t N, int64_t K,
+                          int64_t row) {
+#if PREFETCH_BYTES > 0
+    if (j->fmt == FMT_DENSE) {
+        const size_t size = j->dtype == DT_BF16 ? sizeof(uint16_t) : sizeof(float);
+        const char *w = (const char *)p->w + (pair * N + row) * K * size;
+        for (int64_t b = 0; b < PREFETCH_BYTES; b += 64) PREFETCH(w + b);
+        return;
+    }
+    const qrow_t q = quantized_row(j->fmt, p, pair, N, K, row);
+    for (int64_t b = 0; b < PREFETCH_BYTES; b += 64) PREFETCH(q.w + b);
+    const void *s = q.s8 ? (const void *)q.s8 : q.s16 ? (const void *)q.s16 : (const void *)q.s32;
+    for (int64_t b = 0; b < PREFETCH_BYTES / 8; b += 64) PREFETCH((const char *)s + b);
+#else
+    (void)j, (void)p, (void)pair, (void)N, (void)K, (void)row;
+#endif
 }
 
 /* Down item: down_rows output columns, over every group and route in route order, so each
@@ -1647,19 +1722,25 @@ static void down_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
     const int64_t H = j->H, I = j->I, block = j->down_rows, n0 = item * block;
     const int64_t n1 = n0 + block < H ? n0 + block : H;
-    /* [a decoded row (quantized experts)] [a split for the pairs or block route] [outputs] */
+    /* [a decoded row (quantized experts)] [outputs] */
     const size_t rows = j->fmt == FMT_DENSE ? 0 : (size_t)I * sizeof(float);
-    /* (each down item splits a group's row again: I values, against the block x I it decodes) */
-    const size_t split = qdot_split(j->fmt, bf16) ? (size_t)I * sizeof(float) : 0;
-    char *scratch = thread_scratch(rows + split + sizeof(float) * block * j->n_rows);
+    const int split = qdot_split(j->fmt, bf16);
+    const int64_t gate_blocks = (I + j->gate_rows - 1) / j->gate_rows;
+    char *scratch = thread_scratch(rows + sizeof(float) * block * j->n_rows);
     void *buf = scratch;
-    float *as = (float *)(scratch + rows);
-    float *out = (float *)(scratch + rows + split); /* [row of x][column of the block] */
+    float *out = (float *)(scratch + rows); /* [row of x][column of the block] */
     memset(out, 0, sizeof(float) * block * j->n_rows);
     for (int64_t g = 0; g < j->n_groups; g++) {
         const int64_t first = j->group_start[g], last = j->group_start[g + 1];
         const int pairs = split && last - first == 1;
-        if (pairs) split_x(j->fmt, j->a16 + first * I, I, as);
+        const float *as = pairs ? j->a_split + first * I : NULL;
+        if (g + 1 < j->n_groups) prefetch_rows(j, &j->down, j->group_pair[g + 1], H, I, n0);
+        if (LOAD(&j->group_done[g]) <= gate_blocks) { /* its last gate/up items still run */
+            ITEM_CLOCK(t0);
+            while (LOAD(&j->group_done[g]) <= gate_blocks) cpu_relax();
+            ITEM_TIME(2, t0);
+            ITEM_ADD(1, t0 - now()); /* (run_items counts the whole item) */
+        }
         /* (nvfp4's block route takes two rows at a time; its rows are read in place, direct, so
          * the two need no room of their own) */
         const int64_t step = pairs && j->fmt == FMT_NVFP4 ? 2 : 1;
@@ -1675,7 +1756,7 @@ static void down_item(const job_t *j, int64_t item) {
                 if (rows_now == 2)
                     row_dot_pair(j, &w[0], &w[1], I, ar, as, buf, buf, y);
                 else
-                    y[0] = row_dot(j, &w[0], I, ar, pairs ? as : NULL, buf);
+                    y[0] = row_dot(j, &w[0], I, ar, as, buf);
                 for (int i = 0; i < rows_now; i++)
                     out[j->route_row[r] * block + n + i - n0] +=
                         rnd(rnd(y[i], bf16) * j->route_w[r], bf16);
@@ -1705,16 +1786,7 @@ static double spin_seconds = 0.0;
 
 void ft_cpu_experts_set_spin(double seconds) { spin_seconds = seconds; }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
 #define MAX_TEAM 1024
-#define LOAD(p) __atomic_load_n(p, __ATOMIC_SEQ_CST)
-#define STORE(p, v) __atomic_store_n(p, v, __ATOMIC_SEQ_CST)
-#define ADD(p, v) __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST)
 
 static pthread_mutex_t team_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work_cond = PTHREAD_COND_INITIALIZER; /* a job was published */
@@ -1725,12 +1797,6 @@ static uint64_t claim, published, completed;
 static int64_t gate_done, items_done;
 static int team_size = 0, sleeping_workers = 0, sleeping_waiters = 0;
 static double ready_until = 0.0; /* ft_cpu_experts_prepare: stay awake until then */
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
 
 /* Spin until *value differs from `from` (gives up after spin_seconds); returns what it saw. */
 static uint64_t spin_while_equal(uint64_t *value, uint64_t from) {
@@ -1750,29 +1816,6 @@ static void finish(uint64_t gen) {
     pthread_mutex_unlock(&team_mutex);
     if (wake) pthread_cond_broadcast(&done_cond); /* after unlocking, as in submit */
 }
-
-/* With -DITEM_TIMES (a profiling build: FREETOKEN_NATIVE_FLAGS), the team's thread-seconds in
- * phase 1 items, in phase 2 items and waiting between the two, summed over jobs until read by
- * ft_cpu_experts_item_seconds: where a job's time goes besides the items' own work. */
-static uint64_t item_ns[3];
-
-int ft_cpu_experts_item_seconds(double *out) {
-    for (int i = 0; i < 3; i++)
-        out[i] = (double)__atomic_exchange_n(&item_ns[i], 0, __ATOMIC_SEQ_CST) * 1e-9;
-#ifdef ITEM_TIMES
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-#ifdef ITEM_TIMES
-#define ITEM_CLOCK(t) const double t = now()
-#define ITEM_TIME(which, t0) ADD(&item_ns[which], (uint64_t)((now() - (t0)) * 1e9))
-#else
-#define ITEM_CLOCK(t)
-#define ITEM_TIME(which, t0)
-#endif
 
 /* Takes and runs items of job `gen` (described by *j) until none is left. */
 static void run_items(const job_t *j, uint64_t gen) {
@@ -1795,18 +1838,18 @@ static void run_items(const job_t *j, uint64_t gen) {
             else
                 gate_item(j, item);
             ITEM_TIME(0, t0);
-            ADD(&gate_done, 1);
-        } else {
+            ADD(&gate_done, 1); /* (read by attention's phase 2) */
+        } else if (j->kind == JOB_ATTENTION) {
             /* Phase 2 items read every phase 1 item's output; all are taken by now, and each
              * takes microseconds. */
             while (LOAD(&gate_done) < j->gate_items) cpu_relax();
             ITEM_TIME(2, t0);
             ITEM_CLOCK(t1);
-            if (j->kind == JOB_ATTENTION)
-                attention_merge(j, item - j->gate_items);
-            else
-                down_item(j, item - j->gate_items);
+            attention_merge(j, item - j->gate_items);
             ITEM_TIME(1, t1);
+        } else {
+            down_item(j, item - j->gate_items); /* waits for each group's gate/up items */
+            ITEM_TIME(1, t0);
         }
         did++;
     }
@@ -1875,7 +1918,8 @@ typedef struct {
     void *p;
     size_t cap;
 } buf_t;
-enum { B_X, B_A, B_GROUP_START, B_GROUP_PAIR, B_ROW, B_W, B_ORDER, B_META, N_BUFS };
+enum { B_X, B_A, B_A_SPLIT, B_GROUP_START, B_GROUP_PAIR, B_GROUP_DONE, B_ROW, B_W, B_ORDER,
+       B_META, N_BUFS };
 static buf_t scratch[2][N_BUFS];
 
 /* At least `bytes` (their contents not kept), on a cache line: the vector loads of x and of the
@@ -1931,7 +1975,13 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     int64_t *row = grow(&b[B_ROW], sizeof(int64_t) * (n_routes + 1));
     float *w = grow(&b[B_W], sizeof(float) * (n_routes + 1));
     route_key_t *order = grow(&b[B_ORDER], sizeof(route_key_t) * (n_routes + 1));
-    if (!xs || !a || !start || !pair || !row || !w || !order) return 0;
+    int64_t *done = grow(&b[B_GROUP_DONE], sizeof(int64_t) * (n_routes + 1));
+    float *a_split = qdot_split(j->fmt, bf16) ? grow(&b[B_A_SPLIT], sizeof(float) * n_routes * I)
+                                               : NULL;
+    if (!xs || !a || !start || !pair || !row || !w || !order || !done ||
+        (qdot_split(j->fmt, bf16) && !a_split))
+        return 0;
+    memset(done, 0, sizeof(int64_t) * (n_routes + 1));
     /* x in the banks' dtype, as torch casts it: bf16 banks take bf16 x (rounded from fp32). */
     const int64_t nx = n_rows * H;
     if (bf16 && x_bf16)
@@ -1967,6 +2017,8 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     j->route_row = row;
     j->a_buf = a;
     j->a16 = (uint16_t *)a;
+    j->a_split = a_split;
+    j->group_done = done;
     j->out = out;
     j->gate_rows = item_rows(j, groups * I);
     j->down_rows = item_rows(j, H);
