@@ -2,7 +2,8 @@
 
     python benchmarks/prefill.py --layers 16 --cache 8GiB --tokens 1024 --tokens 4096 ...
 
-On the Qwen3-30B-A3B-shaped random model of decode_offload.py (uniform random routing), with
+On a random model of one of decode_offload.py's shapes (`--shape`, Qwen3-30B-A3B's by default;
+uniform random routing), with
 the expert cache capped, prefills one chunk of each size with streaming overlap on and off and
 reports tokens/s, the chunk time, bytes over PCIe and device to device, the GPU's wait for
 copies, and the chunk time divided by the transfer floor (expert pool bytes / measured B_P).
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 from decode_offload import (
-    qwen3_30b_a3b,
+    SHAPES,
     random_model,
     report,
     sync,
@@ -58,6 +59,7 @@ def prefill(loaded, options, tokens: int, overlap: bool, device) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--cache", default="8GiB")
     ap.add_argument("--tokens", type=int, action="append")
@@ -66,7 +68,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
-    loaded = random_model(tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers), device)
+    loaded = random_model((tiny if args.tiny else SHAPES[args.shape])(args.layers), device)
     use_uniform_routing(loaded)
     store = loaded.experts
     bw = measure(store.shape, device, seconds=0.3 if args.tiny else 1.5)
@@ -81,7 +83,8 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = [
-        f"# prefill: Qwen3-30B-A3B shape, {args.layers} layers, cache {args.cache}",
+        f"# prefill: {'tiny' if args.tiny else args.shape} shape, {args.layers} layers, "
+        f"cache {args.cache}",
         "",
         f"- GPU: {bw.gpu}; CPU: {bw.cpu}; torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
