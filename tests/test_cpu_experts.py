@@ -25,11 +25,13 @@ from freetoken.kernels.cpu_experts import (
 from freetoken.kernels.cpu_team import library
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.weights.expert_format import (
+    K_QUANTS,
     MXFP4,
     NVFP4,
     Q8_0,
     ExpertWeights,
     QuantizedBank,
+    fill_random_,
     fp8_format,
 )
 
@@ -310,13 +312,14 @@ FORMATS = {
     "mxfp4": MXFP4,
     "nvfp4": NVFP4,
     "q8_0": Q8_0,
+    **K_QUANTS,
 }
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
 # items of 48 and 64 gate rows and of 64 down columns (quantized items grow with the job), the
 # last ones partial; 64 values past the last whole 128-value step (the fp8 tables' 64-value
 # tail)
-SHAPES = [(416, 160), (256, 176), (1056, 96), (448, 96)]
+SHAPES = [(416, 160), (256, 176), (1056, 96), (448, 96), (512, 256)]
 
 
 def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
@@ -324,6 +327,9 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
     parts = {}
     for name, (shape, _) in fmt.parts(rows, cols, torch.float32).items():
         shape = (pairs, *shape)
+        if fmt.name in K_QUANTS:  # any codes and sub-block scales; fp16 scales of ~5e-4
+            parts[name] = fill_random_(fmt, name, torch.empty(shape, dtype=torch.uint8), gen)
+            continue
         if name == "w":
             part = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
             if fmt.name == "fp8":
@@ -456,6 +462,11 @@ def extreme_banks() -> list[QuantizedBank]:
     bits[1] |= 0x8000  # (negative scales)
     scales = bits.to(torch.int16).view(torch.float16)
     out.append(QuantizedBank(Q8_0, codes.contiguous(), scales.contiguous()))
+    # the K-quants: every byte in every place (their fp16 scales from subnormal to NaN)
+    for fmt in K_QUANTS.values():
+        w = torch.randint(0, 256, (2, 64, 256), generator=gen, dtype=torch.uint8)
+        s = torch.randint(0, 256, (2, 64, 2 * fmt.scale_width), generator=gen, dtype=torch.uint8)
+        out.append(QuantizedBank(fmt, w, s))
     return out
 
 
@@ -478,6 +489,8 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
     gen = torch.Generator().manual_seed(5)
     for name, fmt in FORMATS.items():
         K = 416 if fmt.name == "fp8" else 3 * 128 + 32 + fmt.col_block
+        if fmt.name in K_QUANTS:  # (decoded into the buffer whole, 256 values a block)
+            K = 3 * 256
         bank = quantized_bank(fmt, 2, 24, K, gen)
         for row in range(24):
             # activations of mixed signs and sizes, so that the order of the additions shows

@@ -24,7 +24,14 @@ from freetoken.kernels.grouped_experts import (
     grouped_gemm_experts,
     reference_grouped_experts,
 )
-from freetoken.weights.expert_format import MXFP4, NVFP4, Q8_0, QuantizedBank, fp8_format
+from freetoken.weights.expert_format import (
+    K_QUANTS,
+    MXFP4,
+    NVFP4,
+    Q8_0,
+    QuantizedBank,
+    fp8_format,
+)
 from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -101,7 +108,7 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
 
 QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
              "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4,
-             "q8_0": Q8_0}  # fmt: skip
+             "q8_0": Q8_0, **K_QUANTS}  # fmt: skip
 
 
 def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
@@ -117,6 +124,13 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
         return QuantizedBank(fmt, w, s)
     if fmt.name == "q8_0":  # |int8| ~ 64 on average
         s = ((torch.rand(s_shape, generator=gen) + 0.5) * size / 64).half()
+        return QuantizedBank(fmt, w, s)
+    if fmt.name in K_QUANTS:  # any codes and sub-block scales; fp16 scales to values ~ size
+        s = torch.randint(0, 256, s_shape, dtype=torch.uint8, generator=gen)
+        blocks = s.view(*s_shape[:-1], -1, fmt.scale_width)
+        d = torch.tensor([size / (40 if fmt.name == "q6_k" else 300)], dtype=torch.float16)
+        for at in (80,) if fmt.name == "q6_k" else (0, 2):
+            blocks[..., at : at + 2] = d.view(torch.uint8)
         return QuantizedBank(fmt, w, s)
     if fmt.name == "mxfp4":  # |e2m1| ~ 2.6 on average
         e = round(torch.tensor(size / 2.6).log2().item()) + 127
@@ -374,10 +388,11 @@ SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4
                 "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
                 "DOWN_STAGES": 1}  # fmt: skip
 QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
-                    "q8_0": (96, 64)}  # fmt: skip
+                    "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS}}  # fmt: skip
 QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
                     ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16"), ("q8_0", "fp32"),
-                    ("q8_0", "bf16")]  # fmt: skip
+                    ("q8_0", "bf16"), ("q4_k", "fp32"), ("q5_k", "bf16"), ("q6_k", "fp32"),
+                    ("q6_k", "bf16")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -441,13 +456,15 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
     # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
     gen = torch.Generator().manual_seed(25)
-    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0"):
+    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS):
         fmt = QUANTIZED[name]
-        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160}[fmt.name]  # (K tails: nvfp4 2.5
-        # chunks, q8_0 1.25 of the default tiles)
+        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160}.get(fmt.name, 512)  # (K tails:
+        # nvfp4 2.5 chunks, q8_0 1.25 of the default tiles)
         bank = quantized_bank(fmt, 4, 40, k, gen)
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
-        if fmt.name == "fp8":
+        if fmt.name in K_QUANTS:  # every byte of the blocks' rest: fp16 scales to NaN
+            bank.s.view(-1)[: bank.s.shape[-1]] = torch.arange(bank.s.shape[-1]) % 256
+        elif fmt.name == "fp8":
             bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
         elif fmt.name == "q8_0":  # fp16: subnormal, largest, infinite, NaN
             extremes = torch.tensor([1, 0x7BFF, 0x7C00, 0x7E00, -0x7FFF], dtype=torch.int16)
@@ -501,8 +518,10 @@ for _case in QUANTIZED_INTERPRETER_CASES:
 QUANTIZED_INTERPRETER_CASES += [
     *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
     "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
+    *(f"dq_{name}" for name in K_QUANTS),
 ]  # fmt: skip
-for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0"):
+for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
+              *(f"dq_{name}" for name in K_QUANTS)):  # fmt: skip
     INTERPRETER_TOLERANCE[_case] = -1.0
 
 

@@ -48,7 +48,7 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 #endif
 /* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
 #if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) \
-    || !defined(FMT_Q8_0)
+    || !defined(FMT_Q8_0) || !defined(FMT_Q4_K) || !defined(FMT_Q5_K) || !defined(FMT_Q6_K)
 #error "compile through freetoken.kernels.native, which defines the FMT_* codes"
 #endif
 
@@ -168,12 +168,21 @@ typedef struct {
 typedef struct {
     int fmt;
     const uint8_t *w;   /* its codes */
-    const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4) */
+    const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4; the K-quants' blocks' other bytes) */
     const uint16_t *s16; /* its fp16 scales (q8_0) */
     const float *s32;   /* its row of block scales (fp8) */
     float g;            /* its scale (nvfp4) */
     int64_t bk;         /* fp8's block columns */
 } qrow_t;
+
+/* GGUF's K-quants: super-blocks of 256 values kept as their 128 bytes of low 4 bits (w) and
+ * their other bytes (s: k_quant_rest a block), as weights/quantized.py's k_quant_values. */
+static inline int is_k_quant(int fmt) {
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+}
+static inline int64_t k_quant_rest(int fmt) {
+    return fmt == FMT_Q4_K ? 16 : fmt == FMT_Q5_K ? 48 : 82;
+}
 
 static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64_t N, int64_t K,
                                    int64_t row) {
@@ -187,6 +196,9 @@ static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64
     } else if (fmt == FMT_Q8_0) {
         q.w = (const uint8_t *)p->w + r * K;
         q.s16 = (const uint16_t *)p->s + r * (K / 32);
+    } else if (is_k_quant(fmt)) {
+        q.w = (const uint8_t *)p->w + r * (K / 2);
+        q.s8 = (const uint8_t *)p->s + r * (K / 256) * k_quant_rest(fmt);
     } else {
         q.w = (const uint8_t *)p->w + r * (K / 2);
         q.s8 = (const uint8_t *)p->s + r * (K / (fmt == FMT_MXFP4 ? 32 : 16));
@@ -893,8 +905,58 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
 #define q8_0_blocks q8_0_blocks_scalar
 #endif
 
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 packed bytes (ggml's
+ * get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* K-quant super-blocks into out, each value computed as k_quant_values defines it (scalar: the
+ * products are exact in fp32, so the order of the one rounding is the definition's). */
+static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
+                           void *out) {
+    const int64_t rest = k_quant_rest(fmt);
+    float v[256];
+    for (int64_t b = 0; b < blocks; b++, w += 128, s += rest) {
+        if (fmt == FMT_Q6_K) {
+            const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++) {
+                    const int lo = w[64 * h + l], hi = w[64 * h + 32 + l], bits = s[32 * h + l];
+                    const int low[4] = {lo & 0xF, hi & 0xF, lo >> 4, hi >> 4};
+                    for (int j = 0; j < 4; j++) {
+                        const int at = 128 * h + 32 * j + l;
+                        const int code = low[j] | ((bits >> (2 * j)) & 3) << 4;
+                        v[at] = (d * (float)(int8_t)s[64 + at / 16]) * (float)(code - 32);
+                    }
+                }
+        } else {
+            const float d = f16_to_f32((uint16_t)(s[0] | s[1] << 8));
+            const float dmin = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
+            for (int g = 0; g < 4; g++)
+                for (int half = 0; half < 2; half++) {
+                    int sc, m;
+                    k_scale_min(s + 4, 2 * g + half, &sc, &m);
+                    const float scale = d * (float)sc, offset = dmin * (float)m;
+                    for (int l = 0; l < 32; l++) {
+                        int code = half ? w[32 * g + l] >> 4 : w[32 * g + l] & 0xF;
+                        if (fmt == FMT_Q5_K) code |= ((s[16 + l] >> (2 * g + half)) & 1) << 4;
+                        v[64 * g + 32 * half + l] = scale * (float)code - offset;
+                    }
+                }
+        }
+        for (int i = 0; i < 256; i++) put(out, b * 256 + i, v[i], bf16);
+    }
+}
+
 /* Values [k0, k1) of a quantized row into out (value k0 first), in the model's dtype. mxfp4,
- * nvfp4 and q8_0 take whole blocks (k0 and k1 multiples of 32, 16, 32). */
+ * nvfp4, q8_0 and the K-quants take whole blocks (k0 and k1 multiples of 32, 16, 32, 256). */
 static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void *out) {
     if (q->fmt == FMT_FP8) {
 #if FP8_TABLES
@@ -918,6 +980,9 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
         mxfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 32, (k1 - k0) / 32, bf16, out);
     } else if (q->fmt == FMT_Q8_0) {
         q8_0_blocks(q->w + k0, q->s16 + k0 / 32, (k1 - k0) / 32, bf16, out);
+    } else if (is_k_quant(q->fmt)) {
+        k_quant_blocks(q->fmt, q->w + k0 / 2, q->s8 + k0 / 256 * k_quant_rest(q->fmt),
+                       (k1 - k0) / 256, bf16, out);
     } else { /* FMT_NVFP4 */
         nvfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 16, (k1 - k0) / 16, q->g, bf16, out);
     }
@@ -933,6 +998,7 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
 #endif
 
 static inline int qdot_takes(const qrow_t *q, int bf16) {
+    if (is_k_quant(q->fmt)) return 0; /* decoded into the buffer, then dotted */
 #if QDOT_BF16
     if (bf16) return q->fmt != FMT_FP8 || q->bk % 128 == 0;
 #endif

@@ -110,6 +110,10 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "q8_0": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
              "DOWN_STAGES": 3},
+    # (not measured on the GPU yet: q8_0's tiles)
+    **{name: {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+              "DOWN_STAGES": 3} for name in ("q4_k", "q5_k", "q6_k")},
 }  # fmt: skip
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
@@ -465,12 +469,64 @@ if triton is not None:
             scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
+        elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
+            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_K)
+            return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
                 _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
                           INTERPRETED, BLOCK_N, BLOCK_K),
                 [BLOCK_N, BLOCK_K],
             )  # fmt: skip
+
+    @triton.jit
+    def _f16_at(ptrs, mask):
+        """The fp16 values (as fp32) whose two bytes (little-endian) start at ptrs."""
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
+        return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _k_quant_tile(
+        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of K-quant rows (5 q4_k, 6 q5_k, 7
+        q6_k: weights/quantized.py's k_quant_values, in its order of operations): each value
+        reads its code byte, high bits and sub-block scale where its super-block keeps them
+        (a block's 128 code bytes in w, its other bytes in s)."""
+        REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (k < KDIM)[None, :]
+        v = k % 256
+        w_at = w_rows[:, None] + ((k // 256) * 128)[None, :]
+        s_at = s_rows[:, None] + ((k // 256) * REST)[None, :]
+        if FORMAT == 7:  # q6_k: values 128 h + 32 j + l
+            h, j, lane = v // 128, (v % 128) // 32, v % 32
+            byte = tl.load(w_at + (64 * h + 32 * (j % 2) + lane)[None, :], mask=mask, other=0)
+            code = (byte.to(tl.int32) >> (4 * (j // 2))[None, :]) & 0xF
+            bits = tl.load(s_at + (32 * h + lane)[None, :], mask=mask, other=0).to(tl.int32)
+            code = code | (((bits >> (2 * j)[None, :]) & 3) << 4)
+            sc = tl.load(s_at + (64 + v // 16)[None, :], mask=mask, other=0)
+            scale = _f16_at(s_at + 80, mask) * sc.to(tl.int8, bitcast=True).to(tl.float32)
+            return scale * (code - 32).to(tl.float32)
+        g, half, lane = v // 64, (v % 64) // 32, v % 32  # q4_k, q5_k: values 64 g + 32 half + l
+        byte = tl.load(w_at + (32 * g + lane)[None, :], mask=mask, other=0).to(tl.int32)
+        code = (byte >> (4 * half)[None, :]) & 0xF
+        if FORMAT == 6:
+            qh = tl.load(s_at + (16 + lane)[None, :], mask=mask, other=0).to(tl.int32)
+            code = code | (((qh >> (2 * g + half)[None, :]) & 1) << 4)
+        # the sub-block's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
+        sub = (v // 32)[None, :]
+        low = sub < 4
+        a = tl.load(s_at + 4 + tl.where(low, sub, sub + 4), mask=mask, other=0).to(tl.int32)
+        b = tl.load(s_at + 4 + tl.where(low, sub + 4, sub - 4), mask=mask, other=0).to(tl.int32)
+        c = tl.load(s_at + 4 + tl.where(low, sub + 4, sub), mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low, a & 63, (a & 0xF) | ((b >> 6) << 4))
+        mn = tl.where(low, c & 63, (a >> 4) | ((c >> 6) << 4))
+        scale = _f16_at(s_at, mask) * sc.to(tl.float32)
+        offset = _f16_at(s_at + 2, mask) * mn.to(tl.float32)
+        return scale * code.to(tl.float32) - offset
 
     @triton.jit
     def _fp4_tile(
@@ -581,7 +637,7 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT == 4:  # dense, fp8 and q8_0: [BLOCK_N, BLOCK_K] tiles
+        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -659,7 +715,7 @@ if triton is not None:
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT == 4:
+        if FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 k_ok = (k0 + cols) < INTER

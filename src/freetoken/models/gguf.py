@@ -9,14 +9,18 @@ same values), and weights/quantized.py reads them; the host pool, the fills and 
 keep them so:
 
     Q8_0    32 int8 codes and an fp16 scale a block   `X_q8_0`, `X_q8_0_scales` (8.5 bits)
+    Q4_K,   super-blocks of 256: fp16 scales, 6- or   `X_q4_k` (the blocks' 128 bytes of low
+    Q5_K,   8-bit sub-block scales, 4-6 bit codes     4 bits), `X_q4_k_scales` (their other
+    Q6_K                                              bytes: 4.5, 5.5, 6.56 bits)
     MXFP4   32 e2m1 codes and an e8m0 scale a block   `X_blocks`, `X_scales`, as gpt-oss's
             (llama.cpp's MXFP4_MOE files)             release (its codes reordered: GGUF
                                                       packs values j and j + 16 in a byte,
                                                       freetoken 2j and 2j + 1; 4.25 bits)
 
 freetoken writes the rest as config.json, tokenizer files and safetensors, in bf16 (fp32 where
-the file holds only F32 tensors). Experts of other GGUF types (Q4_K, Q5_K, Q6_K, ...) are
-dequantized: such a file takes the experts' bf16 size in host memory and on disk. Families
+the file holds only F32 tensors). Experts of other GGUF types, or of several types in one file
+(Q4_K_M files hold Q4_K and Q6_K experts), are dequantized: such a file takes the experts' bf16
+size in host memory and on disk. Families
 transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and
 others freetoken does not serve).
 """
@@ -38,6 +42,7 @@ import torch
 from freetoken import paths
 from freetoken.errors import CheckpointError
 from freetoken.weights import memory
+from freetoken.weights.quantized import K_QUANT_REST
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,11 @@ DONE = "freetoken-gguf.json"  # written last: a directory without it is incomple
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 # GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
 # scales), as weights/quantized.py recognises them
-KEPT_TYPES = {"Q8_0": ("_q8_0", "_q8_0_scales"), "MXFP4": ("_blocks", "_scales")}
+KEPT_TYPES = {
+    "Q8_0": ("_q8_0", "_q8_0_scales"),
+    "MXFP4": ("_blocks", "_scales"),
+    **{k: (f"_{k.lower()}", f"_{k.lower()}_scales") for k in ("Q4_K", "Q5_K", "Q6_K")},
+}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -237,7 +246,26 @@ def _mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(packed), np.ascontiguousarray(blocks[..., 0])
 
 
-_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4}  # KEPT_TYPES' blocks -> (codes, scales)
+def _k_quant(kind: str):
+    """K-quant super-blocks (bytes [..., K / 256 * B]) -> (their low-4-bit code bytes [..., K /
+    2], their other bytes [..., K / 256 * (B - 128)]), each block's in its order
+    (weights/quantized.py's `k_quant_values` reads them so)."""
+    rest = K_QUANT_REST[kind.lower()]
+
+    def split(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks = data.reshape(*data.shape[:-1], -1, 128 + rest)
+        # Q6_K starts with its codes; Q4_K and Q5_K end with them
+        codes, other = ((blocks[..., :128], blocks[..., 128:]) if kind == "Q6_K"
+                        else (blocks[..., rest:], blocks[..., :rest]))  # fmt: skip
+        lead = data.shape[:-1]
+        return (np.ascontiguousarray(codes).reshape(*lead, -1),
+                np.ascontiguousarray(other).reshape(*lead, -1))  # fmt: skip
+
+    return split
+
+
+# KEPT_TYPES' blocks -> (codes, scales)
+_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in ("Q4_K", "Q5_K", "Q6_K")}}
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:

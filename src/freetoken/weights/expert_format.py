@@ -9,6 +9,9 @@ the formats differ in what that row is made of:
     mxfp4    e2m1 pairs (uint8), pack 2  e8m0 bytes [N, K / 32]       -
     nvfp4    e2m1 pairs (uint8), pack 2  e4m3 bytes [N, K / 16]       fp32 [N]
     q8_0     int8 bytes (uint8), pack 1  fp16 [N, K / 32]             -
+    q4_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 16]      -
+    q5_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 48]      -
+    q6_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 82]      -
 
 (e2m1 pairs: two 4-bit codes a byte, the low nibble first, element 2j in the low nibble of byte
 j. NVFP4's per-tensor `weight_scale_2` is kept per row, since one bank row holds the gate's and
@@ -22,12 +25,14 @@ in this order:
     mxfp4    e2m1(code) * 2^(scale[n, k // 32] - 127)
     nvfp4    (e2m1(code) * fp8(scale[n, k // 16])) * row_scale[n]
     q8_0     int8(code) * fp16(scale[n, k // 32])     (GGUF's Q8_0: exact in fp32)
+    q*_k     GGUF's K-quants: the super-block's values (weights/quantized.py's
+             `k_quant_values`: its 128 code bytes in data, the rest of its bytes in scale)
 
 then rounded to the model's dtype: exactly the weight a checkpoint dequantized at load holds.
 Every expert kernel (the Triton decode kernels, the C kernel, the torch reference) computes with
 these values, so a quantized expert gives the same result as its dequantized copy on the same
 kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 4.25-4.5 bits a
-weight, FP8 8.0, Q8_0 8.5).
+weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56).
 """
 
 from __future__ import annotations
@@ -40,30 +45,43 @@ from torch import Tensor
 from freetoken.config import EXPERT_FORMATS
 from freetoken.weights.quantized import (
     FP8_BLOCK,
+    K_QUANT_REST,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
     Q8_0_BLOCK,
+    QK_K,
     QuantizedParts,
     dequantize_fp8_blocks,
     dequantize_mxfp4,
     dequantize_nvfp4,
     dequantize_q8_0,
+    k_quant_values,
 )
 
 # the kernels' codes (the C source's FMT_* macros, passed as -D defines by kernels/native.py)
-KERNEL_CODES = {"FMT_DENSE": 0, "FMT_FP8": 1, "FMT_MXFP4": 2, "FMT_NVFP4": 3, "FMT_Q8_0": 4}
+KERNEL_CODES = {
+    "FMT_DENSE": 0,
+    "FMT_FP8": 1,
+    "FMT_MXFP4": 2,
+    "FMT_NVFP4": 3,
+    "FMT_Q8_0": 4,
+    "FMT_Q4_K": 5,
+    "FMT_Q5_K": 6,
+    "FMT_Q6_K": 7,
+}
 
 
 @dataclass(frozen=True)
 class ExpertFormat:
     """A way of storing an expert projection's weights (see the module's docstring)."""
 
-    name: str  # "dense", "fp8", "mxfp4", "nvfp4", "q8_0"
+    name: str  # "dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k"
     pack: int = 1  # values per stored element along K
     col_block: int = 0  # K values per scale (0: no scales)
     row_block: int = 1  # N rows per scale
     scale_dtype: torch.dtype | None = None
     row_scale: bool = False
+    scale_width: int = 1  # scale elements a block (the K-quants: their blocks' other bytes)
 
     @property
     def quantized(self) -> bool:
@@ -81,7 +99,8 @@ class ExpertFormat:
         self.check(rows, cols)
         parts = {"w": ((rows, cols // self.pack), torch.uint8)}
         scale_rows = -(-rows // self.row_block)
-        parts["s"] = ((scale_rows, -(-cols // self.col_block)), self.scale_dtype)
+        parts["s"] = ((scale_rows, -(-cols // self.col_block) * self.scale_width),
+                      self.scale_dtype)  # fmt: skip
         if self.row_scale:
             parts["g"] = ((rows,), torch.float32)
         return parts
@@ -119,6 +138,8 @@ class ExpertFormat:
             )
         if self.name == "q8_0":
             return dequantize_q8_0(w, s)
+        if self.name in K_QUANT_REST:
+            return k_quant_values(self.name, w, s)
         if self.name == "mxfp4":
             lead = w.shape[:-1]
             blocks = w.reshape(*lead, -1, MXFP4_BLOCK // 2)
@@ -135,6 +156,10 @@ NVFP4 = ExpertFormat(
     "nvfp4", pack=2, col_block=NVFP4_BLOCK, scale_dtype=torch.uint8, row_scale=True
 )
 Q8_0 = ExpertFormat("q8_0", col_block=Q8_0_BLOCK, scale_dtype=torch.float16)
+K_QUANTS = {
+    name: ExpertFormat(name, pack=2, col_block=QK_K, scale_dtype=torch.uint8, scale_width=width)
+    for name, width in K_QUANT_REST.items()
+}
 
 
 def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
@@ -148,7 +173,7 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
     if name == "fp8":
         return fp8_format(fp8_block)
     try:
-        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0}[name]
+        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **K_QUANTS}[name]
     except KeyError:
         raise ValueError(
             f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
@@ -162,6 +187,8 @@ def bank_parts(stored: QuantizedParts) -> dict[str, Tensor]:
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.float()}
     if stored.format == "q8_0":
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.to(torch.float16)}
+    if stored.format in K_QUANTS:
+        return {"w": stored.data, "s": stored.scale}
     scale = stored.scale
     if scale.dtype != torch.uint8:  # (e8m0 or e4m3 scales stored as such: their bits)
         scale = scale.view(torch.uint8)
@@ -261,6 +288,15 @@ def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> 
         if rows is None:
             return bank.copy_(halves[:, :1, 0].expand_as(bank))
         rows.copy_(halves.expand_as(rows))
+        return bank
+    if fmt.name in K_QUANTS:  # any codes and sub-block scales, the fp16 scales of ~0.0005
+        bank.random_(0, 256, generator=generator)
+        if part == "s":
+            blocks = bank.view(*bank.shape[:-1], -1, fmt.scale_width)
+            scale = torch.tensor([2.0**-11], dtype=torch.float16).view(torch.uint8)
+            places = (80,) if fmt.name == "q6_k" else (0, 2)  # d (and dmin)
+            for at in places:
+                blocks[..., at : at + 2] = scale
         return bank
     if part == "w":
         if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)

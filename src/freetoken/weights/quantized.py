@@ -18,6 +18,12 @@ Three weight formats of the releases people run, each recognised by its companio
     Q8_0                    `X_q8_0` int8 [..., K] and `X_q8_0_scales` fp16 [..., K / 32]: W =
                             code * scale of its 32-value block (GGUF's Q8_0, kept so by the
                             GGUF conversion, models/gguf.py: quant_method "gguf")
+    Q4_K, Q5_K, Q6_K        `X_q4_k` uint8 [..., K / 2] and `X_q4_k_scales` uint8 [..., K / 256
+                            * S]: GGUF's K-quant super-blocks of 256 values split in two, the
+                            low 4 bits of each value (as the block stores them) and the rest of
+                            the block (its fp16 scales, packed sub-block scales, and Q5_K's and
+                            Q6_K's high bits: S = 16, 48, 82 bytes), as the GGUF conversion
+                            keeps them (`k_quant_values` below is the definition)
 
 Routed experts stored so are kept quantized (`keep`): their parts go into the host pool's banks
 as they are (weights/expert_format.py lays them out; the kernels dequantize as they compute).
@@ -43,7 +49,11 @@ FP8_BLOCK = (128, 128)
 MXFP4_BLOCK = 32
 NVFP4_BLOCK = 16
 Q8_0_BLOCK = 32
-SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4, GGUF Q8_0"
+SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4, GGUF Q8_0, Q4_K, Q5_K, Q6_K"
+QK_K = 256  # values a K-quant super-block
+# A K-quant super-block's bytes other than its 128 of low 4-bit codes (`k_quant_values`)
+K_QUANT_REST = {"q4_k": 16, "q5_k": 48, "q6_k": 82}
+GGUF_KEPT = ("q8_0", *K_QUANT_REST)  # GGUF types a conversion keeps as they are stored
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -128,6 +138,74 @@ def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values * scales.float().unsqueeze(-1)).flatten(-2)
 
 
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins [..., 12] -> [..., 8] each (ggml's
+    get_scale_min_k4): sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7; 4-7 in bytes
+    8-11's nibbles, their top 2 bits in the top bits of bytes 0-3 and 4-7."""
+    q = packed.to(torch.int32)
+    low, mid, high = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    scales = torch.cat([low & 63, (high & 0xF) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """GGUF K-quant super-blocks as kept (`codes` uint8 [..., K / 2]: each block's 128 bytes of
+    low 4 bits, `rest` uint8 [..., K / 256 * S]: its other bytes in the block's order) -> fp32
+    [..., K], as ggml defines them, in fp32 in this order:
+
+        q4_k   (d * scale) * q - (dmin * min)        (q 4 bits; a scale, min a 32 values)
+        q5_k   (d * scale) * q - (dmin * min)        (q 5 bits: the high bit from qh)
+        q6_k   (d * scale) * (q - 32)                (q 6 bits; an int8 scale a 16 values)
+
+    (q4_k, q5_k: the product is exact in fp32, so the one rounding is the subtraction's.)
+    Codes: a block's bytes 32 g + l hold values 64 g + l (low nibble) and 64 g + 32 + l (high
+    nibble) in q4_k and q5_k; in q6_k, bytes 64 h + l and 64 h + 32 + l hold values 128 h + l,
+    + 32 (low nibbles) and + 64, + 96 (high)."""
+    width = K_QUANT_REST[fmt]
+    lead, k = codes.shape[:-1], codes.shape[-1] * 2
+    blocks = k // QK_K
+    if k % QK_K or tuple(rest.shape) != (*lead, blocks * width):
+        raise CheckpointError(
+            f"{fmt.upper()} codes of shape {tuple(codes.shape)} need the rest of their blocks "
+            f"of shape {(*lead, blocks * width)}, not {tuple(rest.shape)}"
+        )
+    c = codes.reshape(*lead, blocks, QK_K // 2).to(torch.int32)
+    r = rest.reshape(*lead, blocks, width)
+
+    def f16(at: int) -> torch.Tensor:
+        return r[..., at : at + 2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
+
+    if fmt == "q6_k":
+        qh = r[..., 0:64].to(torch.int32)
+        scales = r[..., 64:80].view(torch.int8).float()
+        d = f16(80)
+        q = []
+        for h in range(2):  # values 128 h + 32 j + l
+            lo, hi, bits = (
+                c[..., 64 * h : 64 * h + 32],
+                c[..., 64 * h + 32 : 64 * h + 64],
+                (qh[..., 32 * h : 32 * h + 32]),
+            )
+            for j, nibble in enumerate((lo & 0xF, hi & 0xF, lo >> 4, hi >> 4)):
+                q.append(nibble | (((bits >> (2 * j)) & 3) << 4))
+        q = torch.cat(q, dim=-1).float() - 32  # [..., blocks, 256]
+        scale = (d * scales).repeat_interleave(16, dim=-1)
+        return (scale * q).reshape(*lead, k)
+    sc, mn = _k_scales_mins(r[..., 4:16])
+    q = []
+    for g in range(4):  # values 64 g + 32 half + l
+        byte = c[..., 32 * g : 32 * g + 32]
+        for half, nibble in enumerate((byte & 0xF, byte >> 4)):
+            if fmt == "q5_k":
+                nibble = nibble | (((r[..., 16:48].to(torch.int32) >> (2 * g + half)) & 1) << 4)
+            q.append(nibble)
+    q = torch.cat(q, dim=-1).float()
+    scale = (f16(0) * sc.float()).repeat_interleave(32, dim=-1)
+    offset = (f16(2) * mn.float()).repeat_interleave(32, dim=-1)
+    return (scale * q - offset).reshape(*lead, k)
+
+
 @dataclass(frozen=True)
 class QuantizedParts:
     """A quantized tensor as stored, for a bank that keeps it so: the data and its scales in
@@ -145,7 +223,7 @@ class QuantizedTensor:
     checkpoint tensors it is made of (data first), and the shape it dequantizes to."""
 
     name: str
-    format: str  # "fp8", "mxfp4", "nvfp4", "q8_0"
+    format: str  # "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k"
     parts: tuple[str, ...]
     shape: tuple[int, ...]
 
@@ -197,11 +275,13 @@ class Dequantizer:
                 *lead, half = shapes[base]
                 out = (*lead, 2 * half)
                 return QuantizedTensor(base, "nvfp4", (base, scale, name), tuple(out))
-        if name.endswith("_q8_0_scales"):
-            base = name.removesuffix("_q8_0_scales")
-            if base + "_q8_0" in shapes:
-                shape = tuple(shapes[base + "_q8_0"])
-                return QuantizedTensor(base, "q8_0", (base + "_q8_0", name), shape)
+        for fmt in GGUF_KEPT:  # (the GGUF conversion's: X_q8_0 and X_q8_0_scales, ...)
+            if name.endswith(f"_{fmt}_scales"):
+                base = name.removesuffix(f"_{fmt}_scales")
+                if base + f"_{fmt}" in shapes:
+                    *lead, k = shapes[base + f"_{fmt}"]
+                    shape = (*lead, k if fmt == "q8_0" else 2 * k)
+                    return QuantizedTensor(base, fmt, (base + f"_{fmt}", name), tuple(shape))
         return None
 
     def tensors_of(
@@ -268,4 +348,5 @@ _DEQUANTIZE = {
     "mxfp4": lambda d, b, s: dequantize_mxfp4(b, s),
     "nvfp4": lambda d, w, s, g: dequantize_nvfp4(w, s, g),
     "q8_0": lambda d, w, s: dequantize_q8_0(w, s),
+    **{fmt: (lambda d, w, s, fmt=fmt: k_quant_values(fmt, w, s)) for fmt in K_QUANT_REST},
 }
