@@ -211,7 +211,9 @@ def test_a_gguf_file_converts_to_a_weight_directory(f32_file, tmp_path, monkeypa
 
 # (GGUF type of the experts, of the rest; the expert format kept, its parts' suffixes)
 MOE_KINDS = {"Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
-             "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales"))}  # fmt: skip
+             "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales")),
+             **{f"{k}_EXPERTS": ("Q8_0", k, k.lower(), (f"_{k.lower()}", f"_{k.lower()}_scales"))
+                for k in ("Q4_K", "Q5_K", "Q6_K")}}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_KINDS))
@@ -220,10 +222,12 @@ def moe_file(request, tmp_path_factory):
     experts (llama.cpp's MXFP4_MOE), its converted checkpoint and what it should keep."""
     rest, experts, fmt, suffixes = MOE_KINDS[request.param]
     cache = tmp_path_factory.mktemp("moe-cache")
+    # (K-quants: super-blocks of 256 values a row)
+    widths = dict(hidden_size=256, moe_intermediate_size=256) if fmt.endswith("_k") else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(paths.CACHE_DIR_ENV, str(cache))
         path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
-                                   mlp_only_layers=[])  # fmt: skip
+                                   mlp_only_layers=[], **widths)  # fmt: skip
         out = tmp_path_factory.mktemp("moe-gguf") / f"{request.param}.gguf"
         file = write_qwen3_gguf(path, out, rest, experts)
         return gguf.checkpoint_of(file), fmt, suffixes
@@ -250,7 +254,8 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     stored = load_file(str(converted / "model.safetensors"))
     base = "model.layers.0.mlp.experts.gate_up_proj"
     codes, scales = stored[base + codes_suffix], stored[base + scales_suffix]
-    assert codes.shape[:2] == scales.shape[:2] == (8, 64)  # [E, 2I, ...]
+    inter = json.loads((converted / "config.json").read_text())["moe_intermediate_size"]
+    assert codes.shape[:2] == scales.shape[:2] == (8, 2 * inter)  # [E, 2I, ...]
     assert codes.dtype in (torch.int8, torch.uint8) and base not in stored  # not dequantized
     # the host pool holds the codes and scales as the file stores them
     experts = load_model(converted, dtype="float32").experts
@@ -293,7 +298,7 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
 def test_the_kept_experts_are_the_files_values():
     """MXFP4: GGUF's block (a scale, then values j and j + 16 in byte j) reordered into
     freetoken's (values 2j, 2j + 1 in byte j) holds the values the gguf package's own
-    dequantization gives; Q8_0 likewise."""
+    dequantization gives; Q8_0 and the K-quants likewise."""
     import gguf as gguf_package
     import numpy as np
 
@@ -309,6 +314,17 @@ def test_the_kept_experts_are_the_files_values():
         w = torch.from_numpy(codes)
         w = w.flatten(-2) if kind == "MXFP4" else w.view(torch.uint8)
         got = fmt.dequantize(w, torch.from_numpy(scales))
+        assert torch.equal(got, torch.from_numpy(want)), kind
+    # the K-quants: a block's code bytes and its other bytes apart hold the file's values
+    from freetoken.weights.expert_format import K_QUANTS
+    from tiny_gguf import random_k_blocks
+
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        data = random_k_blocks(kind, (3, 5, 512), rng)
+        qtype = getattr(gguf_package.GGMLQuantizationType, kind)
+        want = gguf_package.quants.dequantize(data, qtype)
+        codes, rest = gguf._PARTS[kind](data)
+        got = K_QUANTS[kind.lower()].dequantize(torch.from_numpy(codes), torch.from_numpy(rest))
         assert torch.equal(got, torch.from_numpy(want)), kind
 
 

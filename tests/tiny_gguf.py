@@ -82,6 +82,25 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     return w
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_k_blocks(kind: str, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random K-quant super-blocks for a tensor of logical `shape` (the last a multiple of 256),
+    as bytes [..., K / 256 * block bytes]: any codes and sub-block scales, fp16 scales that give
+    weights of ~0.01."""
+    import gguf
+
+    size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, kind)][1]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
+    if kind == "Q6_K":  # d last
+        blocks[..., 208:210] = np.array([1e-5], np.float16).view(np.uint8)
+    else:  # d, dmin first
+        blocks[..., 0:2] = np.array([2e-5], np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.array([1e-5], np.float16).view(np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
+
+
 def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
                      experts: str | None = None, tokenizer: bool = True) -> Path:  # fmt: skip
     """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
@@ -89,7 +108,7 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
     package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
     are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
     the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
-    else)."""
+    else; Q4_K, Q5_K, Q6_K: random blocks, widths of 256s)."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -115,7 +134,11 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{NAMES[rest]}"
         kind = (experts or quantize) if "_exps" in gname else quantize
-        if (kind != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0
+        if kind in K_QUANTS:  # (the gguf package cannot quantize to them: random blocks)
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            data = random_k_blocks(kind, value.shape, np.random.default_rng(len(gname)))
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+        elif (kind != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0
                 and "ffn_gate_inp" not in gname):  # fmt: skip
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             data = gguf.quants.quantize(value, qtype)

@@ -924,16 +924,19 @@ static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t 
     const int64_t rest = k_quant_rest(fmt);
     float v[256];
     for (int64_t b = 0; b < blocks; b++, w += 128, s += rest) {
-        if (fmt == FMT_Q6_K) {
+        if (fmt == FMT_Q6_K) { /* values 128 h + 32 j + l, 16 a scale (vectorizable runs) */
             const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
             for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 32; l++) {
-                    const int lo = w[64 * h + l], hi = w[64 * h + 32 + l], bits = s[32 * h + l];
-                    const int low[4] = {lo & 0xF, hi & 0xF, lo >> 4, hi >> 4};
-                    for (int j = 0; j < 4; j++) {
-                        const int at = 128 * h + 32 * j + l;
-                        const int code = low[j] | ((bits >> (2 * j)) & 3) << 4;
-                        v[at] = (d * (float)(int8_t)s[64 + at / 16]) * (float)(code - 32);
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *low = w + 64 * h + 32 * (j & 1), *high = s + 32 * h;
+                    const int shift = 4 * (j >> 1), high_shift = 2 * j;
+                    for (int l0 = 0; l0 < 32; l0 += 16) {
+                        const float scale = d * (float)(int8_t)s[64 + 8 * h + 2 * j + l0 / 16];
+                        for (int l = l0; l < l0 + 16; l++) {
+                            const int code = ((low[l] >> shift) & 0xF) |
+                                             ((high[l] >> high_shift) & 3) << 4;
+                            v[128 * h + 32 * j + l] = scale * (float)(code - 32);
+                        }
                     }
                 }
         } else {
@@ -951,7 +954,12 @@ static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t 
                     }
                 }
         }
-        for (int i = 0; i < 256; i++) put(out, b * 256 + i, v[i], bf16);
+        if (bf16) {
+            uint16_t *o = (uint16_t *)out + b * 256;
+            for (int i = 0; i < 256; i++) o[i] = bf16_round_bits(v[i]);
+        } else {
+            memcpy((float *)out + b * 256, v, sizeof(v));
+        }
     }
 }
 
