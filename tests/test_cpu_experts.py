@@ -547,18 +547,25 @@ def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
             want = 0
         if bits == want:
             pytest.skip("the default build is that one already (tested above)")
-    env = dict(os.environ, **{native.FLAGS_ENV: flags})
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
+    out = with_native_flags(
+        flags,
         "from freetoken.kernels.cpu_team import library; "
-        "print(library().ft_cpu_experts_decoder_bits()); t.check_every_format()"
+        "print(library().ft_cpu_experts_decoder_bits()); t.check_every_format()",
     )
+    assert out.split()[0] == str(want)
+
+
+def with_native_flags(flags: str, code: str) -> str:
+    """Runs `code` (with this module as t) in a new process whose native library is built with
+    `flags` (FREETOKEN_NATIVE_FLAGS); returns its output, having checked that it succeeded."""
+    env = dict(os.environ, **{native.FLAGS_ENV: flags})
+    prelude = "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
     result = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        [sys.executable, "-c", prelude + code, str(Path(__file__).parent)],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split()[0] == str(want)
+    return result.stdout
 
 
 def job_team_seconds() -> tuple[int, list[float], float]:
@@ -582,17 +589,8 @@ def test_a_profiling_build_times_the_items_of_each_phase():
     in each phase's items, within the team's time in the job; other builds say they do not."""
     timed, split, _ = job_team_seconds()
     assert timed == 0 and split == [0.0, 0.0, 0.0]
-    env = dict(os.environ, **{native.FLAGS_ENV: "-DITEM_TIMES"})
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
-        "import json; print(json.dumps(t.job_team_seconds()))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    timed, split, seconds = json.loads(result.stdout)
+    out = with_native_flags("-DITEM_TIMES", "import json; print(json.dumps(t.job_team_seconds()))")
+    timed, split, seconds = json.loads(out)
     assert timed == 1 and split[0] > 0 and split[1] > 0 and split[2] >= 0
     assert sum(split) <= 4 * seconds * 1.01  # 3 team threads and the waiting caller
 
