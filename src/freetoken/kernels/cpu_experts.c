@@ -184,6 +184,18 @@ static inline int64_t k_quant_rest(int fmt) {
     return fmt == FMT_Q4_K ? 16 : fmt == FMT_Q5_K ? 48 : 82;
 }
 
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 packed bytes (ggml's
+ * get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
 static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64_t N, int64_t K,
                                    int64_t row) {
     const int64_t r = pair * N + row;
@@ -475,6 +487,67 @@ static inline void q8_f32(const uint8_t *w, float scale, __m512 *lo, __m512 *hi)
 static inline __m512i q8_bf16(const uint8_t *w, float scale) {
     __m512 lo, hi;
     q8_f32(w, scale, &lo, &hi);
+    return bf16_rne32(lo, hi, 0);
+}
+
+/* A K-quant block's multipliers: q4_k, q5_k: d * scale and dmin * min of its 8 sub-blocks of
+ * 32; q6_k: d * scale of its 16 of 16 (exact in fp32, as k_quant_blocks computes them). */
+static inline void kq_scales(int fmt, const uint8_t *s, float *scale, float *offset) {
+    if (fmt == FMT_Q6_K) {
+        const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
+        for (int i = 0; i < 16; i++) scale[i] = d * (float)(int8_t)s[64 + i];
+        return;
+    }
+    const float d = f16_to_f32((uint16_t)(s[0] | s[1] << 8));
+    const float dmin = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k_scale_min(s + 4, j, &sc, &m);
+        scale[j] = d * (float)sc;
+        offset[j] = dmin * (float)m;
+    }
+}
+
+/* Values 32 c .. 32 c + 31 of a K-quant block -> 32 bf16 values, each k_quant_blocks' value
+ * (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale * (code
+ * - 32); never subnormal: multiples of 2^-24 or zero). */
+static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
+                              const float *scale, const float *offset) {
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    __m256i code;
+    if (fmt == FMT_Q6_K) { /* values 128 h + 32 j + l */
+        const int h = c >> 2, j = c & 3;
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (j & 1)));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(s + 32 * h));
+        code = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (j >> 1))), nibble);
+        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * j)),
+                                             _mm256_set1_epi8(3));
+        code = _mm256_or_si256(code, _mm256_slli_epi16(top, 4));
+        const __m512i bias = _mm512_set1_epi32(32);
+        const __m512 lo = _mm512_mul_ps(
+            _mm512_set1_ps(scale[2 * c]),
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), bias)));
+        const __m512 hi = _mm512_mul_ps(
+            _mm512_set1_ps(scale[2 * c + 1]),
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), bias)));
+        return bf16_rne32(lo, hi, 0);
+    }
+    const int g = c >> 1, half = c & 1; /* values 64 g + 32 half + l */
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
+    code = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(4 * half)), nibble);
+    if (fmt == FMT_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(s + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(c)),
+                                             _mm256_set1_epi8(1));
+        code = _mm256_or_si256(code, _mm256_slli_epi16(bit, 4));
+    }
+    const __m512 vs = _mm512_set1_ps(scale[c]), vo = _mm512_set1_ps(offset[c]);
+    const __m512 lo = _mm512_fmsub_ps(
+        vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(code))), vo);
+    const __m512 hi = _mm512_fmsub_ps(
+        vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1))), vo);
     return bf16_rne32(lo, hi, 0);
 }
 
@@ -905,18 +978,6 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
 #define q8_0_blocks q8_0_blocks_scalar
 #endif
 
-/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 packed bytes (ggml's
- * get_scale_min_k4). */
-static inline void k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* K-quant super-blocks into out, each value computed as k_quant_values defines it (scalar: the
  * products are exact in fp32, so the order of the one rounding is the definition's). */
 static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
@@ -1006,7 +1067,7 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
 #endif
 
 static inline int qdot_takes(const qrow_t *q, int bf16) {
-    if (is_k_quant(q->fmt)) return 0; /* decoded into the buffer, then dotted */
+    if (is_k_quant(q->fmt) && !bf16) return 0; /* (fp32 models: decoded into the buffer) */
 #if QDOT_BF16
     if (bf16) return q->fmt != FMT_FP8 || q->bk % 128 == 0;
 #endif
@@ -1204,6 +1265,22 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             PREFETCH(s + PREFETCH_BYTES / 32);
             QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
                       q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
+        }
+    } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: two steps each */
+        const int fmt = q->fmt;
+        const int64_t rest = k_quant_rest(fmt);
+        for (; k + 256 <= K; k += 128) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * rest;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            PREFETCH(s + PREFETCH_BYTES / 2);
+            float scale[16], offset[8];
+            kq_scales(fmt, s, scale, offset);
+            QDOT_STEP(kq_bf16(fmt, w, s, 0, scale, offset), kq_bf16(fmt, w, s, 1, scale, offset),
+                      kq_bf16(fmt, w, s, 2, scale, offset), kq_bf16(fmt, w, s, 3, scale, offset));
+            k += 128;
+            QDOT_STEP(kq_bf16(fmt, w, s, 4, scale, offset), kq_bf16(fmt, w, s, 5, scale, offset),
+                      kq_bf16(fmt, w, s, 6, scale, offset), kq_bf16(fmt, w, s, 7, scale, offset));
         }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
