@@ -177,28 +177,27 @@ def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.T
         return r[..., at : at + 2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
 
     if fmt == "q6_k":
-        qh = r[..., 0:64].to(torch.int32)
+        high = r[..., 0:64].to(torch.int32)
         scales = r[..., 64:80].view(torch.int8).float()
-        d = f16(80)
         q = []
         for h in range(2):  # values 128 h + 32 j + l
-            lo, hi, bits = (
-                c[..., 64 * h : 64 * h + 32],
-                c[..., 64 * h + 32 : 64 * h + 64],
-                (qh[..., 32 * h : 32 * h + 32]),
-            )
-            for j, nibble in enumerate((lo & 0xF, hi & 0xF, lo >> 4, hi >> 4)):
+            low = c[..., 64 * h : 64 * h + 64]
+            bits = high[..., 32 * h : 32 * h + 32]
+            nibbles = (low[..., :32] & 0xF, low[..., 32:] & 0xF, low[..., :32] >> 4,
+                       low[..., 32:] >> 4)  # fmt: skip
+            for j, nibble in enumerate(nibbles):
                 q.append(nibble | (((bits >> (2 * j)) & 3) << 4))
         q = torch.cat(q, dim=-1).float() - 32  # [..., blocks, 256]
-        scale = (d * scales).repeat_interleave(16, dim=-1)
+        scale = (f16(80) * scales).repeat_interleave(16, dim=-1)
         return (scale * q).reshape(*lead, k)
     sc, mn = _k_scales_mins(r[..., 4:16])
+    high = r[..., 16:48].to(torch.int32) if fmt == "q5_k" else None
     q = []
     for g in range(4):  # values 64 g + 32 half + l
         byte = c[..., 32 * g : 32 * g + 32]
         for half, nibble in enumerate((byte & 0xF, byte >> 4)):
-            if fmt == "q5_k":
-                nibble = nibble | (((r[..., 16:48].to(torch.int32) >> (2 * g + half)) & 1) << 4)
+            if high is not None:
+                nibble = nibble | (((high >> (2 * g + half)) & 1) << 4)
             q.append(nibble)
     q = torch.cat(q, dim=-1).float()
     scale = (f16(0) * sc.float()).repeat_interleave(32, dim=-1)
