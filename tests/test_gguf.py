@@ -328,6 +328,22 @@ def test_the_kept_experts_are_the_files_values():
         assert torch.equal(got, torch.from_numpy(want)), kind
 
 
+def test_experts_of_several_types_are_dequantized_and_the_log_says_why(caplog):
+    """A Q4_K_M-like file (Q4_K and Q6_K experts by layer) keeps none as stored (the store holds
+    one format), and the warning names the mix."""
+    from types import SimpleNamespace
+
+    def tensor(name: str, kind: str):
+        return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind))
+
+    one = [tensor("blk.0.ffn_down_exps.weight", "Q6_K"), tensor("blk.0.ffn_up_exps.weight", "Q6_K")]
+    assert gguf._kept_experts(SimpleNamespace(tensors=one)) == {t.name for t in one}
+    mixed = [*one, tensor("blk.1.ffn_down_exps.weight", "Q4_K")]
+    with caplog.at_level("WARNING"):
+        assert gguf._kept_experts(SimpleNamespace(tensors=mixed)) == set()
+    assert "several types (Q4_K/Q6_K)" in caplog.text
+
+
 def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):
     from freetoken.models.loading import convert_checkpoint
     from freetoken.weights.weight_dir import WeightDir

@@ -177,8 +177,11 @@ def _kept_experts(reader) -> set[str]:
     if len(types) == 1 and types <= set(KEPT_TYPES):
         return {t.name for t in experts}
     if experts:
-        log.warning("%s experts are dequantized to bf16 (kept as stored: %s)",
-                    "/".join(sorted(types)), ", ".join(KEPT_TYPES))  # fmt: skip
+        kinds = "/".join(sorted(types))
+        why = (f"they are of several types ({kinds}), as in Q4_K_M and Q5_K_M files"
+               if len(types) > 1 else f"the kernels do not take {kinds} as stored")  # fmt: skip
+        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: files whose "
+                    "experts are all of one of %s)", why, ", ".join(KEPT_TYPES))  # fmt: skip
     return set()
 
 
