@@ -470,7 +470,7 @@ if triton is not None:
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
-            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_K)
+            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_N, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
@@ -489,44 +489,51 @@ if triton is not None:
     @triton.jit
     def _k_quant_tile(
         w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of K-quant rows (5 q4_k, 6 q5_k, 7
-        q6_k: weights/quantized.py's k_quant_values, in its order of operations): each value
-        reads its code byte, high bits and sub-block scale where its super-block keeps them
-        (a block's 128 code bytes in w, its other bytes in s)."""
+        q6_k: weights/quantized.py's k_quant_values, in its order of operations), as [BLOCK_N,
+        G, 32]: G chunks of 32 values (k0 and BLOCK_K multiples of 32), each within one
+        super-block (a block's 128 code bytes in w, its other bytes in s), whose fp16 scales and
+        sub-block scales are read once a chunk and whose codes and high bits a value."""
         REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (k < KDIM)[None, :]
-        v = k % 256
-        w_at = w_rows[:, None] + ((k // 256) * 128)[None, :]
-        s_at = s_rows[:, None] + ((k // 256) * REST)[None, :]
-        if FORMAT == 7:  # q6_k: values 128 h + 32 j + l
-            h, j, lane = v // 128, (v % 128) // 32, v % 32
-            byte = tl.load(w_at + (64 * h + 32 * (j % 2) + lane)[None, :], mask=mask, other=0)
-            code = (byte.to(tl.int32) >> (4 * (j // 2))[None, :]) & 0xF
-            bits = tl.load(s_at + (32 * h + lane)[None, :], mask=mask, other=0).to(tl.int32)
-            code = code | (((bits >> (2 * j)[None, :]) & 3) << 4)
-            sc = tl.load(s_at + (64 + v // 16)[None, :], mask=mask, other=0)
-            scale = _f16_at(s_at + 80, mask) * sc.to(tl.int8, bitcast=True).to(tl.float32)
-            return scale * (code - 32).to(tl.float32)
-        g, half, lane = v // 64, (v % 64) // 32, v % 32  # q4_k, q5_k: values 64 g + 32 half + l
-        byte = tl.load(w_at + (32 * g + lane)[None, :], mask=mask, other=0).to(tl.int32)
-        code = (byte >> (4 * half)[None, :]) & 0xF
+        G: tl.constexpr = BLOCK_K // 32
+        chunk = k0 // 32 + tl.arange(0, G)  # the chunks' places in the row
+        sub = chunk % 8  # ... and in their super-block
+        lane = tl.arange(0, 32)[None, None, :]
+        mask = row_mask[:, None] & (chunk * 32 < KDIM)[None, :]  # [BLOCK_N, G]
+        mask3 = mask[:, :, None] & (lane < 32)
+        w_at = (w_rows[:, None] + ((chunk // 8) * 128)[None, :])[:, :, None]
+        s_at = s_rows[:, None] + ((chunk // 8) * REST)[None, :]  # [BLOCK_N, G]
+        if FORMAT == 7:  # q6_k: chunk 4 h + j holds values 128 h + 32 j + l
+            h, j = (sub // 4)[None, :, None], (sub % 4)[None, :, None]
+            byte = tl.load(w_at + 64 * h + 32 * (j % 2) + lane, mask=mask3, other=0)
+            code = (byte.to(tl.int32) >> (4 * (j // 2))) & 0xF
+            bits = tl.load(s_at[:, :, None] + 32 * h + lane, mask=mask3, other=0).to(tl.int32)
+            code = code | (((bits >> (2 * j)) & 3) << 4)
+            sc = tl.load(s_at[:, :, None] + 64 + 2 * sub[None, :, None] + lane // 16,
+                         mask=mask3, other=0)  # fmt: skip
+            d = _f16_at(s_at + 80, mask)[:, :, None]
+            w = (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * (code - 32).to(tl.float32)
+            return tl.reshape(w, [BLOCK_N, BLOCK_K])
+        # q4_k, q5_k: chunk 2 g + half holds values 64 g + 32 half + l
+        g, half = (sub // 2)[None, :, None], (sub % 2)[None, :, None]
+        byte = tl.load(w_at + 32 * g + lane, mask=mask3, other=0).to(tl.int32)
+        code = (byte >> (4 * half)) & 0xF
         if FORMAT == 6:
-            qh = tl.load(s_at + (16 + lane)[None, :], mask=mask, other=0).to(tl.int32)
-            code = code | (((qh >> (2 * g + half)[None, :]) & 1) << 4)
-        # the sub-block's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
-        sub = (v // 32)[None, :]
+            qh = tl.load(s_at[:, :, None] + 16 + lane, mask=mask3, other=0).to(tl.int32)
+            code = code | (((qh >> sub[None, :, None]) & 1) << 4)
+        # the chunk's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
         low = sub < 4
-        a = tl.load(s_at + 4 + tl.where(low, sub, sub + 4), mask=mask, other=0).to(tl.int32)
-        b = tl.load(s_at + 4 + tl.where(low, sub + 4, sub - 4), mask=mask, other=0).to(tl.int32)
-        c = tl.load(s_at + 4 + tl.where(low, sub + 4, sub), mask=mask, other=0).to(tl.int32)
-        sc = tl.where(low, a & 63, (a & 0xF) | ((b >> 6) << 4))
-        mn = tl.where(low, c & 63, (a >> 4) | ((c >> 6) << 4))
-        scale = _f16_at(s_at, mask) * sc.to(tl.float32)
-        offset = _f16_at(s_at + 2, mask) * mn.to(tl.float32)
-        return scale * code.to(tl.float32) - offset
+        at = s_at + 4
+        a = tl.load(at + tl.where(low, sub, sub + 4)[None, :], mask=mask, other=0).to(tl.int32)
+        b = tl.load(at + tl.where(low, sub + 4, sub - 4)[None, :], mask=mask, other=0)
+        c = tl.load(at + tl.where(low, sub + 4, sub)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low[None, :], a & 63, (a & 0xF) | ((b.to(tl.int32) >> 6) << 4))
+        mn = tl.where(low[None, :], c & 63, (a >> 4) | ((c >> 6) << 4))
+        scale = (_f16_at(s_at, mask) * sc.to(tl.float32))[:, :, None]
+        offset = (_f16_at(s_at + 2, mask) * mn.to(tl.float32))[:, :, None]
+        return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
 
     @triton.jit
     def _fp4_tile(
