@@ -501,24 +501,6 @@ static inline __m512i q8_bf16(const uint8_t *w, float scale) {
     return bf16_rne32(lo, hi, 0);
 }
 
-/* A K-quant block's multipliers: q4_k, q5_k: d * scale and dmin * min of its 8 sub-blocks of
- * 32; q6_k: d * scale of its 16 of 16 (exact in fp32, as k_quant_blocks computes them). */
-static inline void kq_scales(int fmt, const uint8_t *s, float *scale, float *offset) {
-    if (fmt == FMT_Q6_K) {
-        const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
-        for (int i = 0; i < 16; i++) scale[i] = d * (float)(int8_t)s[64 + i];
-        return;
-    }
-    const float d = f16_to_f32((uint16_t)(s[0] | s[1] << 8));
-    const float dmin = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        k_scale_min(s + 4, j, &sc, &m);
-        scale[j] = d * (float)sc;
-        offset[j] = dmin * (float)m;
-    }
-}
-
 /* Values 32 c .. 32 c + 31 of a K-quant block -> 32 bf16 values, each k_quant_blocks' value
  * (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale * (code
  * - 32); never subnormal: multiples of 2^-24 or zero). */
@@ -989,40 +971,54 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
 #define q8_0_blocks q8_0_blocks_scalar
 #endif
 
+/* A K-quant block's multipliers: q4_k, q5_k: d * scale and dmin * min of its 8 sub-blocks of
+ * 32; q6_k: d * scale of its 16 of 16 (exact in fp32). */
+static inline void kq_scales(int fmt, const uint8_t *s, float *scale, float *offset) {
+    if (fmt == FMT_Q6_K) {
+        const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
+        for (int i = 0; i < 16; i++) scale[i] = d * (float)(int8_t)s[64 + i];
+        return;
+    }
+    const float d = f16_to_f32((uint16_t)(s[0] | s[1] << 8));
+    const float dmin = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k_scale_min(s + 4, j, &sc, &m);
+        scale[j] = d * (float)sc;
+        offset[j] = dmin * (float)m;
+    }
+}
+
 /* K-quant super-blocks into out, each value computed as k_quant_values defines it (scalar: the
  * products are exact in fp32, so the order of the one rounding is the definition's). */
 static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
                            void *out) {
     const int64_t rest = k_quant_rest(fmt);
-    float v[256];
+    float v[256], scale[16], offset[8];
     for (int64_t b = 0; b < blocks; b++, w += 128, s += rest) {
+        kq_scales(fmt, s, scale, offset);
         if (fmt == FMT_Q6_K) { /* values 128 h + 32 j + l, 16 a scale (vectorizable runs) */
-            const float d = f16_to_f32((uint16_t)(s[80] | s[81] << 8));
             for (int h = 0; h < 2; h++)
                 for (int j = 0; j < 4; j++) {
                     const uint8_t *low = w + 64 * h + 32 * (j & 1), *high = s + 32 * h;
                     const int shift = 4 * (j >> 1), high_shift = 2 * j;
                     for (int l0 = 0; l0 < 32; l0 += 16) {
-                        const float scale = d * (float)(int8_t)s[64 + 8 * h + 2 * j + l0 / 16];
+                        const float sc = scale[8 * h + 2 * j + l0 / 16];
                         for (int l = l0; l < l0 + 16; l++) {
                             const int code = ((low[l] >> shift) & 0xF) |
                                              ((high[l] >> high_shift) & 3) << 4;
-                            v[128 * h + 32 * j + l] = scale * (float)(code - 32);
+                            v[128 * h + 32 * j + l] = sc * (float)(code - 32);
                         }
                     }
                 }
         } else {
-            const float d = f16_to_f32((uint16_t)(s[0] | s[1] << 8));
-            const float dmin = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
             for (int g = 0; g < 4; g++)
                 for (int half = 0; half < 2; half++) {
-                    int sc, m;
-                    k_scale_min(s + 4, 2 * g + half, &sc, &m);
-                    const float scale = d * (float)sc, offset = dmin * (float)m;
+                    const float sc = scale[2 * g + half], off = offset[2 * g + half];
                     for (int l = 0; l < 32; l++) {
                         int code = half ? w[32 * g + l] >> 4 : w[32 * g + l] & 0xF;
                         if (fmt == FMT_Q5_K) code |= ((s[16 + l] >> (2 * g + half)) & 1) << 4;
-                        v[64 * g + 32 * half + l] = scale * (float)code - offset;
+                        v[64 * g + 32 * half + l] = sc * (float)code - off;
                     }
                 }
         }
@@ -1540,6 +1536,7 @@ typedef struct {
     int64_t gate_items, down_items; /* gate items come first, then down items */
     int64_t n_rows;                 /* rows of x and out */
     int64_t gate_rows, down_rows;   /* weight rows per gate item, output columns per down item */
+    int64_t gate_blocks;            /* gate items per group: ceil(I / gate_rows) */
     /* A dense layer (JOB_LINEAR): out [T, N] = x [T, H] . w [N, H]^T + bias, each output
      * rounded as torch rounds it; its items are ROW_BLOCK rows of w, for every row of x. */
     int kind;
@@ -1805,7 +1802,7 @@ int ft_cpu_experts_item_seconds(double *out) {
  * to finish readies its activations for the down items (group_done). */
 static void gate_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
-    const int64_t block = j->gate_rows, blocks = (j->I + block - 1) / block;
+    const int64_t block = j->gate_rows, blocks = j->gate_blocks;
     const int64_t g = item / blocks, n0 = (item % blocks) * block;
     const int64_t n1 = n0 + block < j->I ? n0 + block : j->I;
     const int64_t H = j->H, I = j->I, pair = j->group_pair[g];
@@ -1887,7 +1884,6 @@ static void down_item(const job_t *j, int64_t item) {
     /* [a decoded row (quantized experts)] [outputs] */
     const size_t rows = j->fmt == FMT_DENSE ? 0 : (size_t)I * sizeof(float);
     const int split = qdot_split(j->fmt, bf16);
-    const int64_t gate_blocks = (I + j->gate_rows - 1) / j->gate_rows;
     char *scratch = thread_scratch(rows + sizeof(float) * block * j->n_rows);
     void *buf = scratch;
     float *out = (float *)(scratch + rows); /* [row of x][column of the block] */
@@ -1897,9 +1893,9 @@ static void down_item(const job_t *j, int64_t item) {
         const int pairs = split && last - first == 1;
         const float *as = pairs ? j->a_split + first * I : NULL;
         if (g + 1 < j->n_groups) prefetch_rows(j, &j->down, j->group_pair[g + 1], H, I, n0);
-        if (LOAD(&j->group_done[g]) <= gate_blocks) { /* its last gate/up items still run */
+        if (LOAD(&j->group_done[g]) <= j->gate_blocks) { /* its last gate/up items still run */
             ITEM_CLOCK(t0);
-            while (LOAD(&j->group_done[g]) <= gate_blocks) cpu_relax();
+            while (LOAD(&j->group_done[g]) <= j->gate_blocks) cpu_relax();
             ITEM_TIME(2, t0);
             ITEM_ADD(1, t0 - now()); /* (run_items counts the whole item) */
         }
@@ -2138,10 +2134,9 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     float *w = grow(&b[B_W], sizeof(float) * (n_routes + 1));
     route_key_t *order = grow(&b[B_ORDER], sizeof(route_key_t) * (n_routes + 1));
     int64_t *done = grow(&b[B_GROUP_DONE], sizeof(int64_t) * (n_routes + 1));
-    float *a_split = qdot_split(j->fmt, bf16) ? grow(&b[B_A_SPLIT], sizeof(float) * n_routes * I)
-                                               : NULL;
-    if (!xs || !a || !start || !pair || !row || !w || !order || !done ||
-        (qdot_split(j->fmt, bf16) && !a_split))
+    const int split = qdot_split(j->fmt, bf16); /* (down items read a split activation) */
+    float *a_split = split ? grow(&b[B_A_SPLIT], sizeof(float) * n_routes * I) : NULL;
+    if (!xs || !a || !start || !pair || !row || !w || !order || !done || (split && !a_split))
         return 0;
     memset(done, 0, sizeof(int64_t) * (n_routes + 1));
     /* x in the banks' dtype, as torch casts it: bf16 banks take bf16 x (rounded from fp32). */
@@ -2184,7 +2179,8 @@ static int build_job(job_t *j, int slot, const void *x, int x_bf16, int64_t n_ro
     j->out = out;
     j->gate_rows = item_rows(j, groups * I);
     j->down_rows = item_rows(j, H);
-    j->gate_items = groups * ((I + j->gate_rows - 1) / j->gate_rows);
+    j->gate_blocks = (I + j->gate_rows - 1) / j->gate_rows;
+    j->gate_items = groups * j->gate_blocks;
     j->down_items = groups ? (H + j->down_rows - 1) / j->down_rows : 0;
     return 1;
 }

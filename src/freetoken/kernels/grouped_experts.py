@@ -48,6 +48,7 @@ from torch import Tensor
 
 from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
 from freetoken.weights.expert_format import QuantizedBank
+from freetoken.weights.quantized import K_QUANT_REST
 
 Bank = Tensor | QuantizedBank  # a projection of S experts: dense [S, N, K], or kept quantized
 
@@ -96,6 +97,12 @@ LAUNCH_NAMES = (
 # scales), or x and the scales cross shared memory every step, behind a barrier. FP8 BLOCK_K
 # stays at most the checkpoints' 128-column scale blocks (one scale per row and tile); fp4
 # BLOCK_K must be a multiple of 32.
+# q8_0's tiles (a byte a weight, as fp8's; BLOCK_K a multiple of its 32-value blocks), which the
+# K-quants take too (not measured on the GPU yet); each format gets a copy of its own, since
+# grouped_experts_bench.py sweeps a format's entries in place.
+_BYTE_TILES = {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
+               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
+               "DOWN_STAGES": 3}  # fmt: skip
 QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "fp8": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
             "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
@@ -106,14 +113,7 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
               "DOWN_STAGES": 3},
-    # (a byte a weight, as fp8: its tiles; BLOCK_K a multiple of its 32-value blocks)
-    "q8_0": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-             "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-             "DOWN_STAGES": 3},
-    # (not measured on the GPU yet: q8_0's tiles)
-    **{name: {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-              "DOWN_STAGES": 3} for name in ("q4_k", "q5_k", "q6_k")},
+    **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST)},
 }  # fmt: skip
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32

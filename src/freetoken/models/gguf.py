@@ -50,12 +50,13 @@ SUFFIX = ".gguf"
 DONE = "freetoken-gguf.json"  # written last: a directory without it is incomplete
 # A layer's routed experts as llama.cpp stores them: [experts, rows, columns] each.
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+K_TYPES = tuple(name.upper() for name in K_QUANT_REST)  # Q4_K, Q5_K, Q6_K
 # GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
 # scales), as weights/quantized.py recognises them
 KEPT_TYPES = {
     "Q8_0": ("_q8_0", "_q8_0_scales"),
     "MXFP4": ("_blocks", "_scales"),
-    **{k: (f"_{k.lower()}", f"_{k.lower()}_scales") for k in ("Q4_K", "Q5_K", "Q6_K")},
+    **{k: (f"_{k.lower()}", f"_{k.lower()}_scales") for k in K_TYPES},
 }
 
 
@@ -268,7 +269,7 @@ def _k_quant(kind: str):
 
 
 # KEPT_TYPES' blocks -> (codes, scales)
-_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in ("Q4_K", "Q5_K", "Q6_K")}}
+_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in K_TYPES}}
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
