@@ -39,7 +39,7 @@ import torch
 
 from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import grouped_experts as ge
-from freetoken.weights.expert_format import QuantizedBank, expert_format
+from freetoken.weights.expert_format import K_FAMILY, QuantizedBank, expert_format, fill_random_
 
 MODELS = {"gpt-oss-20b": (2880, 2880, 4), "qwen3-30b-a3b": (2048, 768, 8)}  # H, I, top-k
 TINY_MODELS = {"gpt-oss-20b": (96, 64, 2), "qwen3-30b-a3b": (64, 32, 4)}  # (--tiny)
@@ -106,6 +106,8 @@ class Shape:
     def __init__(self, model: str, tiny: bool = False):
         self.model = model
         self.hidden, self.inter, self.top_k = (TINY_MODELS if tiny else MODELS)[model]
+        if tiny:  # (whole K-quant super-blocks of 256 in every format)
+            self.hidden, self.inter = 256, 256
         dense_expert = 3 * self.hidden * self.inter * DTYPE.itemsize
         self.slots = 8 if tiny else max(32, POOL_BYTES // dense_expert)
 
@@ -136,6 +138,10 @@ def random_bank(fmt_name: str, slots: int, n: int, k: int, gen: torch.Generator)
     if fmt_name == "q8_0":  # |int8| ~ 64 on average
         s = ((torch.rand(s_shape, device=DEVICE, generator=gen) + 0.5) * size / 64).half()
         return QuantizedBank(fmt, w, s)
+    if fmt_name in K_FAMILY:  # (k_mixed: each expert of one of the three types)
+        cpu = torch.Generator().manual_seed(int(torch.randint(2**31, (), generator=gen)))
+        s = fill_random_(fmt, "s", torch.empty(s_shape, dtype=torch.uint8), cpu)
+        return QuantizedBank(fmt, w, s.to(DEVICE))
     s = (torch.rand(s_shape, device=DEVICE, generator=gen) * 3 + 0.25).to(torch.float8_e4m3fn)
     g = (torch.rand(slots, n, device=DEVICE, generator=gen) + 0.5) * size / 4
     return QuantizedBank(fmt, w, s.view(torch.uint8), g)

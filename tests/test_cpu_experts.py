@@ -25,7 +25,11 @@ from freetoken.kernels.cpu_experts import (
 from freetoken.kernels.cpu_team import library
 from freetoken.moe.cpu import CPUExpertExecutor, CPUJob
 from freetoken.weights.expert_format import (
+    K_FAMILY,
+    K_MIXED,
     K_QUANTS,
+    MIXED_K_TAG,
+    MIXED_K_WIDTH,
     MXFP4,
     NVFP4,
     Q8_0,
@@ -313,6 +317,7 @@ FORMATS = {
     "nvfp4": NVFP4,
     "q8_0": Q8_0,
     **K_QUANTS,
+    "k_mixed": K_MIXED,  # (each expert of one K type, as fill_random_ draws them)
 }
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
@@ -327,7 +332,7 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
     parts = {}
     for name, (shape, _) in fmt.parts(rows, cols, torch.float32).items():
         shape = (pairs, *shape)
-        if fmt.name in K_QUANTS:  # any codes and sub-block scales; fp16 scales of ~5e-4
+        if fmt.name in K_FAMILY:  # any codes and sub-block scales; fp16 scales of ~5e-4
             parts[name] = fill_random_(fmt, name, torch.empty(shape, dtype=torch.uint8), gen)
             continue
         if name == "w":
@@ -348,11 +353,12 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
     return QuantizedBank(fmt, parts["w"], parts["s"], parts.get("g"))
 
 
-def quantized_experts(fmt, hidden: int, inter: int, seed: int = 0, pairs: int = 12):
+def quantized_experts(fmt, hidden: int, inter: int, seed: int = 0, pairs: int = 12, down=None):
+    """Gate/up and down banks of `fmt` (the down projection's `down` where given)."""
     gen = torch.Generator().manual_seed(seed)
     return (
         quantized_bank(fmt, pairs, 2 * inter, hidden, gen),
-        quantized_bank(fmt, pairs, hidden, inter, gen),
+        quantized_bank(down or fmt, pairs, hidden, inter, gen),
     )
 
 
@@ -360,12 +366,13 @@ def fits(fmt, hidden: int, inter: int) -> bool:
     return fmt.name == "fp8" or (hidden % fmt.col_block == 0 and inter % fmt.col_block == 0)
 
 
-def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0) -> None:
+def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0,
+                        down=None) -> None:  # fmt: skip
     """The native job on quantized banks equals (bit for bit) the native job on their
     dequantized copies (nvfp4 in bf16: its single-route groups' block route sums in another
     order, so within a bf16 rounding of the intermediates), and is close to the torch reference
-    on the quantized banks."""
-    w_gate_up, w_down = quantized_experts(fmt, hidden, inter, seed)
+    on the quantized banks. `down`: the down projection's format where it differs."""
+    w_gate_up, w_down = quantized_experts(fmt, hidden, inter, seed, down=down)
     bias = None
     if act == "swiglu_oai":
         bias = torch.randn(12, 2 * inter, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -422,6 +429,16 @@ def test_quantized_experts_equal_their_dequantized_banks(name, dtype, shape, act
     check_quantized_job(fmt, dtype, *shape, act)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q4_k_m_files_formats_q4_k_and_k_mixed_make_one_job(dtype):
+    """Gate/up in one K-quant and down in mixed K-quants (a Q4_K_M file as the pool holds it)
+    are one job, equal to the job on their dequantized banks; a pair the kernel cannot take
+    together (fp4 beside a K-quant) is refused."""
+    check_quantized_job(K_QUANTS["q4_k"], dtype, 512, 256, "silu", down=K_MIXED)
+    w_gate_up, w_down = quantized_experts(MXFP4, 512, 256, down=K_MIXED)
+    assert NativeCPUExperts.create(w_gate_up, w_down, "silu", 1, dtype=dtype) is None
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit, NaNs aside (where both hold one)."""
     a, b = a.float(), b.float()
@@ -463,9 +480,13 @@ def extreme_banks() -> list[QuantizedBank]:
     scales = bits.to(torch.int16).view(torch.float16)
     out.append(QuantizedBank(Q8_0, codes.contiguous(), scales.contiguous()))
     # the K-quants: every byte in every place (their fp16 scales from subnormal to NaN)
-    for fmt in K_QUANTS.values():
+    for fmt in (*K_QUANTS.values(), K_MIXED):
         w = torch.randint(0, 256, (2, 64, 256), generator=gen, dtype=torch.uint8)
         s = torch.randint(0, 256, (2, 64, 2 * fmt.scale_width), generator=gen, dtype=torch.uint8)
+        if fmt is K_MIXED:  # every type, a row's blocks of one (a row is one tensor's)
+            tags = s.view(2, 64, 2, MIXED_K_WIDTH)[..., MIXED_K_TAG]
+            codes = torch.tensor([f.code for f in K_QUANTS.values()], dtype=torch.uint8)
+            tags.copy_(codes.repeat(43)[: 2 * 64].view(2, 64, 1).expand(2, 64, 2))
         out.append(QuantizedBank(fmt, w, s))
     return out
 
@@ -489,7 +510,7 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
     gen = torch.Generator().manual_seed(5)
     for name, fmt in FORMATS.items():
         K = 416 if fmt.name == "fp8" else 3 * 128 + 32 + fmt.col_block
-        if fmt.name in K_QUANTS:  # (decoded into the buffer whole, 256 values a block)
+        if fmt.name in K_FAMILY:  # (decoded into the buffer whole, 256 values a block)
             K = 3 * 256
         bank = quantized_bank(fmt, 2, 24, K, gen)
         for row in range(24):

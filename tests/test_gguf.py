@@ -209,11 +209,18 @@ def test_a_gguf_file_converts_to_a_weight_directory(f32_file, tmp_path, monkeypa
 
 # -- Qwen3-MoE with Q8_0 or MXFP4 experts: kept as stored -----------------------------------
 
-# (GGUF type of the experts, of the rest; the expert format kept, its parts' suffixes)
+# (GGUF type of the rest, of the experts; the expert format kept (gate/up's, and the down
+# projection's where it differs), its parts' suffixes)
 MOE_KINDS = {"Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
              "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales")),
              **{f"{k}_EXPERTS": ("Q8_0", k, k.lower(), (f"_{k.lower()}", f"_{k.lower()}_scales"))
-                for k in ("Q4_K", "Q5_K", "Q6_K")}}  # fmt: skip
+                for k in ("Q4_K", "Q5_K", "Q6_K")},
+             # Q4_K_M / Q5_K_M-like: the down projections of even layers Q6_K
+             **{f"{k}_M": ("Q8_0", f"{k}_M", (k.lower(), "k_mixed"),
+                           (f"_{k.lower()}", f"_{k.lower()}_scales"))
+                for k in ("Q4_K", "Q5_K")}}  # fmt: skip
+# a kept expert tensor's suffixes (codes, scales) -> its format
+SUFFIXES = {"_q8_0": "q8_0", "_blocks": "mxfp4", "_q4_k": "q4_k", "_q5_k": "q5_k", "_q6_k": "q6_k"}
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_KINDS))
@@ -223,7 +230,7 @@ def moe_file(request, tmp_path_factory):
     rest, experts, fmt, suffixes = MOE_KINDS[request.param]
     cache = tmp_path_factory.mktemp("moe-cache")
     # (K-quants: super-blocks of 256 values a row)
-    widths = dict(hidden_size=256, moe_intermediate_size=256) if fmt.endswith("_k") else {}
+    widths = dict(hidden_size=256, moe_intermediate_size=256) if "_k" in str(fmt) else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(paths.CACHE_DIR_ENV, str(cache))
         path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
@@ -251,6 +258,7 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     from freetoken.weights.expert_format import expert_format
 
     converted, fmt, (codes_suffix, scales_suffix) = moe_file
+    fmt, down = fmt if isinstance(fmt, tuple) else (fmt, fmt)
     stored = load_file(str(converted / "model.safetensors"))
     base = "model.layers.0.mlp.experts.gate_up_proj"
     codes, scales = stored[base + codes_suffix], stored[base + scales_suffix]
@@ -260,6 +268,7 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     # the host pool holds the codes and scales as the file stores them
     experts = load_model(converted, dtype="float32").experts
     assert experts.format.name == fmt and experts.w_gate_up.dtype == torch.uint8
+    assert experts.formats["down"].name == down
     dense = load_model(converted, dtype="float32", dequantize_experts=True)
     assert experts.nbytes < dense.experts.nbytes / 3.5  # (8.5 or 4.25 bits a weight: fp32's 32)
     want = moe_logits(converted, dequantize_experts=True)
@@ -273,15 +282,17 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
 
     from freetoken.weights.quantized import QuantizedParts
 
-    def dequantized(name: str) -> torch.Tensor:
+    def dequantized(name: str) -> torch.Tensor:  # (by the type the file stores it in)
         from freetoken.weights.expert_format import bank_parts
 
-        parts = bank_parts(QuantizedParts(fmt, stored[name + codes_suffix],
-                                          stored[name + scales_suffix]))  # fmt: skip
-        return expert_format(fmt).dequantize(parts["w"], parts["s"])
+        codes = next(s for s in SUFFIXES if name + s in stored)
+        scales = name + codes.replace("_blocks", "") + "_scales"
+        kind = SUFFIXES[codes]
+        parts = bank_parts(QuantizedParts(kind, stored[name + codes], stored[scales]))
+        return expert_format(kind).dequantize(parts["w"], parts["s"])
 
     hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    kept = (codes_suffix, scales_suffix)
+    kept = (*SUFFIXES, *(s.replace("_blocks", "") + "_scales" for s in SUFFIXES))
     state = {k: v.float() for k, v in stored.items() if not k.endswith(kept)}
     for layer in range(hf.config.num_hidden_layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -328,20 +339,29 @@ def test_the_kept_experts_are_the_files_values():
         assert torch.equal(got, torch.from_numpy(want)), kind
 
 
-def test_experts_of_several_types_are_dequantized_and_the_log_says_why(caplog):
-    """A Q4_K_M-like file (Q4_K and Q6_K experts by layer) keeps none as stored (the store holds
-    one format), and the warning names the mix."""
+def test_which_mixes_of_expert_types_are_kept_and_the_log_says_why_not(caplog):
+    """K-quants of several types (Q4_K_M: some layers' down projections Q6_K) are kept; a layer
+    whose gate and up differ in type (they are stacked in one bank row), or a K-quant beside
+    another type, is dequantized, and the warning says why."""
     from types import SimpleNamespace
 
     def tensor(name: str, kind: str):
         return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind))
 
+    def kept(tensors) -> set[str]:
+        return gguf._kept_experts(SimpleNamespace(tensors=tensors))
+
     one = [tensor("blk.0.ffn_down_exps.weight", "Q6_K"), tensor("blk.0.ffn_up_exps.weight", "Q6_K")]
-    assert gguf._kept_experts(SimpleNamespace(tensors=one)) == {t.name for t in one}
+    assert kept(one) == {t.name for t in one}
     mixed = [*one, tensor("blk.1.ffn_down_exps.weight", "Q4_K")]
+    assert kept(mixed) == {t.name for t in mixed}
     with caplog.at_level("WARNING"):
-        assert gguf._kept_experts(SimpleNamespace(tensors=mixed)) == set()
-    assert "several types (Q4_K/Q6_K)" in caplog.text
+        assert kept([*mixed, tensor("blk.0.ffn_gate_exps.weight", "Q4_K")]) == set()
+    assert "gate and up projections differ in type (Q4_K/Q6_K)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert kept([*mixed, tensor("blk.2.ffn_down_exps.weight", "Q8_0")]) == set()
+    assert "several types (Q4_K/Q6_K/Q8_0)" in caplog.text
 
 
 def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):
@@ -349,7 +369,34 @@ def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp
     from freetoken.weights.weight_dir import WeightDir
 
     converted, fmt, _ = moe_file
+    fmt, down = fmt if isinstance(fmt, tuple) else (fmt, fmt)
     dst = convert_checkpoint(converted, tmp_path / "weights", "float32", progress=False)
     assert WeightDir(dst).meta["expert_format"] == fmt
-    assert load_model(dst, dtype="float32").experts.format.name == fmt
+    assert WeightDir(dst).meta.get("expert_format_down", fmt) == down
+    experts = load_model(dst, dtype="float32").experts
+    assert experts.format.name == fmt and experts.formats["down"].name == down
     assert torch.equal(moe_logits(dst), moe_logits(converted))
+
+
+def test_a_k_mixed_bank_holds_each_tensors_own_values():
+    """k_mixed (a projection whose layers differ in K type): each block's other bytes padded
+    and tagged with its type hold the values of the type it came from; a block whose tag is no
+    K type is refused rather than read as one."""
+    import numpy as np
+
+    from freetoken.weights.expert_format import K_MIXED, K_QUANTS, MIXED_K_TAG, MIXED_K_WIDTH
+    from freetoken.weights.expert_format import bank_parts as parts_of
+    from freetoken.weights.quantized import QuantizedParts
+    from tiny_gguf import random_k_blocks
+
+    rng = np.random.default_rng(1)
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        codes, rest = map(torch.from_numpy, gguf._PARTS[kind](random_k_blocks(kind, (3, 512), rng)))
+        stored = QuantizedParts(kind.lower(), codes, rest)
+        mixed = parts_of(stored, K_MIXED)
+        assert mixed["s"].shape == (3, 2 * MIXED_K_WIDTH)
+        want = K_QUANTS[kind.lower()].dequantize(codes, rest)
+        assert torch.equal(K_MIXED.dequantize(mixed["w"], mixed["s"]), want), kind
+    mixed["s"].view(3, 2, MIXED_K_WIDTH)[1, 0, MIXED_K_TAG] = 9
+    with pytest.raises(ValueError, match="type code 9"):
+        K_MIXED.dequantize(mixed["w"], mixed["s"])

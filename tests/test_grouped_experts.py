@@ -25,12 +25,17 @@ from freetoken.kernels.grouped_experts import (
     reference_grouped_experts,
 )
 from freetoken.weights.expert_format import (
+    K_FAMILY,
+    K_MIXED,
     K_QUANTS,
+    MIXED_K_TAG,
+    MIXED_K_WIDTH,
     MXFP4,
     NVFP4,
     Q8_0,
     QuantizedBank,
     fp8_format,
+    k_mixed_rest,
 )
 from interpreted import run_interpreted
 
@@ -108,7 +113,7 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
 
 QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
              "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4,
-             "q8_0": Q8_0, **K_QUANTS}  # fmt: skip
+             "q8_0": Q8_0, **K_QUANTS, "k_mixed": K_MIXED}  # fmt: skip
 
 
 def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
@@ -124,6 +129,12 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
         return QuantizedBank(fmt, w, s)
     if fmt.name == "q8_0":  # |int8| ~ 64 on average
         s = ((torch.rand(s_shape, generator=gen) + 0.5) * size / 64).half()
+        return QuantizedBank(fmt, w, s)
+    if fmt.name == "k_mixed":  # each slot of one of the K-quants (as a file's layers are)
+        kinds = [quantized_bank(K_QUANTS[name], 1, n, k, gen, scale)
+                 for name in (list(K_QUANTS) * slots)[:slots]]  # fmt: skip
+        w = torch.cat([b.w for b in kinds])
+        s = torch.cat([k_mixed_rest(b.format.name, b.s) for b in kinds])
         return QuantizedBank(fmt, w, s)
     if fmt.name in K_QUANTS:  # any codes and sub-block scales; fp16 scales to values ~ size
         s = torch.randint(0, 256, s_shape, dtype=torch.uint8, generator=gen)
@@ -143,14 +154,16 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
 
 def quantized_case(name: str, t: int, k: int, h: int, i: int, s: int, *, seed: int = 0,
                    dtype=torch.float32, scale: float = 1.0, device: str = "cpu"):  # fmt: skip
-    """make_case's routing with random quantized banks of format `name` (and the dense banks
-    they dequantize to, in `dtype`)."""
+    """make_case's routing with random quantized banks of format `name` ("a+b": the gate/up
+    projections' and the down projection's), and the dense banks they dequantize to, in
+    `dtype`."""
     x, slots, weights, _, _ = make_case(t, k, h, i, s, seed=seed, dtype=dtype, device=device)
     if t * k > 1:  # (at least one route skipped, its gate weight nan)
         slots[0, -1], weights[0, -1] = -1, float("nan")
     gen = torch.Generator().manual_seed(1000 + seed)
-    fmt = QUANTIZED[name]
-    banks = [quantized_bank(fmt, s, 2 * i, h, gen, scale), quantized_bank(fmt, s, h, i, gen)]
+    gate_up, _, down = name.partition("+")
+    fmt, down = QUANTIZED[gate_up], QUANTIZED[down or gate_up]
+    banks = [quantized_bank(fmt, s, 2 * i, h, gen, scale), quantized_bank(down, s, h, i, gen)]
     banks = [QuantizedBank(b.format, *(p.to(device) for p in b.tensors)) for b in banks]
     dense = [b.dequantize(slice(None), dtype) for b in banks]
     return (x, slots, weights, *banks), (x, slots, weights, *dense)
@@ -388,11 +401,13 @@ SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4
                 "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
                 "DOWN_STAGES": 1}  # fmt: skip
 QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
-                    "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS}}  # fmt: skip
+                    "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS},
+                    "k_mixed": (256, 256), "q4_k+k_mixed": (256, 256)}  # fmt: skip
 QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
                     ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16"), ("q8_0", "fp32"),
                     ("q8_0", "bf16"), ("q4_k", "fp32"), ("q5_k", "bf16"), ("q6_k", "fp32"),
-                    ("q6_k", "bf16")]  # fmt: skip
+                    ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
+                    ("q4_k+k_mixed", "bf16")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -456,14 +471,17 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
     # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
     gen = torch.Generator().manual_seed(25)
-    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS):
+    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed"):
         fmt = QUANTIZED[name]
         k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160}.get(fmt.name, 512)  # (K tails:
         # nvfp4 2.5 chunks, q8_0 1.25 of the default tiles)
         bank = quantized_bank(fmt, 4, 40, k, gen)
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
-        if fmt.name in K_QUANTS:  # every byte of the blocks' rest: fp16 scales to NaN
+        if fmt.name in K_FAMILY:  # every byte of the blocks' rest: fp16 scales to NaN
             bank.s.view(-1)[: bank.s.shape[-1]] = torch.arange(bank.s.shape[-1]) % 256
+            if fmt.name == "k_mixed":  # (a row's type as it was: a row is of one type)
+                tags = bank.s.view(*bank.s.shape[:-1], -1, MIXED_K_WIDTH)[..., MIXED_K_TAG]
+                tags[0, 0] = tags[0, 1]
         elif fmt.name == "fp8":
             bank.s.view(-1)[:3] = torch.tensor([1e30, 2.0**-140, 0.0])
         elif fmt.name == "q8_0":  # fp16: subnormal, largest, infinite, NaN
@@ -518,10 +536,10 @@ for _case in QUANTIZED_INTERPRETER_CASES:
 QUANTIZED_INTERPRETER_CASES += [
     *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
     "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
-    *(f"dq_{name}" for name in K_QUANTS),
+    *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed")),
 ]  # fmt: skip
 for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
-              *(f"dq_{name}" for name in K_QUANTS)):  # fmt: skip
+              *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed"))):  # fmt: skip
     INTERPRETER_TOLERANCE[_case] = -1.0
 
 

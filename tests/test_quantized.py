@@ -353,7 +353,7 @@ def test_the_memory_check_counts_experts_kept_quantized_at_their_stored_size(sou
     quantized, _ = quantized_pair(source[0], tmp_path, "mxfp4")
     ckpt = CheckpointDir(quantized)
     family = family_for(ckpt.config)
-    fmt, kept = expert_storage(ckpt, family, family.parse_config(ckpt.config))
+    fmt, kept, _ = expert_storage(ckpt, family, family.parse_config(ckpt.config))
     assert fmt.name == "mxfp4" and kept and all(".experts." in n for n in kept)
     expert_bytes = sum(ckpt.tensors[p].stored_bytes for n in kept
                        for p in ckpt.quantized.tensors[n].parts)  # fmt: skip

@@ -26,6 +26,7 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",  # (the router: F32, as llama.cpp keeps it)
 }
+MIXED_K = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # (write_qwen3_gguf's experts: their base type)
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -108,7 +109,8 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
     package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
     are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
     the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
-    else; Q4_K, Q5_K, Q6_K: random blocks, widths of 256s)."""
+    else; Q4_K, Q5_K, Q6_K: random blocks, widths of 256s; Q4_K_M, Q5_K_M: Q4_K or Q5_K but
+    the down projections of even layers Q6_K, as llama.cpp gives some layers more bits)."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -134,6 +136,9 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{NAMES[rest]}"
         kind = (experts or quantize) if "_exps" in gname else quantize
+        if kind in MIXED_K:
+            layer = int(gname.split(".")[1])
+            kind = "Q6_K" if "ffn_down" in gname and layer % 2 == 0 else MIXED_K[kind]
         if kind in K_QUANTS:  # (the gguf package cannot quantize to them: random blocks)
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             data = random_k_blocks(kind, value.shape, np.random.default_rng(len(gname)))

@@ -29,8 +29,8 @@ def expert_shape(args: argparse.Namespace) -> ExpertShape:
                 "profiled as the engine holds them (--dequantize-experts: dense)"
             )
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
-        fmt, _ = expert_storage(ckpt, family, cfg, args.dequantize_experts)  # (as served)
-        return ExpertShape.of(cfg, dtype, fmt)
+        fmt, _, down = expert_storage(ckpt, family, cfg, args.dequantize_experts)  # (as served)
+        return ExpertShape.of(cfg, dtype, fmt, down)
     dtype = resolve_dtype(args.dtype, "bfloat16")
     fmt = expert_format(args.expert_format or "dense")
     return ExpertShape(args.hidden, args.intermediate, dtype, format=fmt)

@@ -48,7 +48,8 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 #endif
 /* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
 #if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) \
-    || !defined(FMT_Q8_0) || !defined(FMT_Q4_K) || !defined(FMT_Q5_K) || !defined(FMT_Q6_K)
+    || !defined(FMT_Q8_0) || !defined(FMT_Q4_K) || !defined(FMT_Q5_K) || !defined(FMT_Q6_K) \
+    || !defined(FMT_K_MIXED) || !defined(MIXED_K_WIDTH) || !defined(MIXED_K_TAG)
 #error "compile through freetoken.kernels.native, which defines the FMT_* codes"
 #endif
 
@@ -169,6 +170,7 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
  * reference. */
 
 typedef struct {
+    int fmt;        /* FMT_*: how it is stored (the two projections differ only as K-quants) */
     const void *w;  /* dense weights in the model's dtype, or the codes */
     const void *s;  /* the scales (above) */
     const float *g; /* nvfp4's per-row scales */
@@ -184,10 +186,13 @@ typedef struct {
     const float *s32;   /* its row of block scales (fp8) */
     float g;            /* its scale (nvfp4) */
     int64_t bk;         /* fp8's block columns */
+    int64_t rest;       /* the K-quants' bytes from one block's other bytes to the next's */
 } qrow_t;
 
 /* GGUF's K-quants: super-blocks of 256 values kept as their 128 bytes of low 4 bits (w) and
- * their other bytes (s: k_quant_rest a block), as weights/quantized.py's k_quant_values. */
+ * their other bytes (s: k_quant_rest a block), as weights/quantized.py's k_quant_values; or, as
+ * FMT_K_MIXED, blocks of any of the three with their other bytes padded to MIXED_K_WIDTH and
+ * their type at byte MIXED_K_TAG (a row is of one type: quantized_row reads it once). */
 static inline int is_k_quant(int fmt) {
     return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
 }
@@ -207,10 +212,19 @@ static inline void k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64_t N, int64_t K,
+static inline qrow_t quantized_row(const proj_t *p, int64_t pair, int64_t N, int64_t K,
                                    int64_t row) {
+    const int fmt = p->fmt;
     const int64_t r = pair * N + row;
     qrow_t q = {.fmt = fmt};
+    if (fmt == FMT_K_MIXED) {
+        q.rest = MIXED_K_WIDTH;
+        q.w = (const uint8_t *)p->w + r * (K / 2);
+        q.s8 = (const uint8_t *)p->s + r * (K / 256) * q.rest;
+        const int type = q.s8[MIXED_K_TAG];
+        q.fmt = is_k_quant(type) ? type : FMT_Q4_K; /* (a bad tag: read in bounds anyway) */
+        return q;
+    }
     if (fmt == FMT_FP8) {
         const int64_t scale_rows = (N + p->bn - 1) / p->bn, scale_cols = (K + p->bk - 1) / p->bk;
         q.w = (const uint8_t *)p->w + r * K;
@@ -220,8 +234,9 @@ static inline qrow_t quantized_row(int fmt, const proj_t *p, int64_t pair, int64
         q.w = (const uint8_t *)p->w + r * K;
         q.s16 = (const uint16_t *)p->s + r * (K / 32);
     } else if (is_k_quant(fmt)) {
+        q.rest = k_quant_rest(fmt);
         q.w = (const uint8_t *)p->w + r * (K / 2);
-        q.s8 = (const uint8_t *)p->s + r * (K / 256) * k_quant_rest(fmt);
+        q.s8 = (const uint8_t *)p->s + r * (K / 256) * q.rest;
     } else {
         q.w = (const uint8_t *)p->w + r * (K / 2);
         q.s8 = (const uint8_t *)p->s + r * (K / (fmt == FMT_MXFP4 ? 32 : 16));
@@ -991,9 +1006,8 @@ static inline void kq_scales(int fmt, const uint8_t *s, float *scale, float *off
 
 /* K-quant super-blocks into out, each value computed as k_quant_values defines it (scalar: the
  * products are exact in fp32, so the order of the one rounding is the definition's). */
-static void k_quant_blocks(int fmt, const uint8_t *w, const uint8_t *s, int64_t blocks, int bf16,
-                           void *out) {
-    const int64_t rest = k_quant_rest(fmt);
+static void k_quant_blocks(int fmt, int64_t rest, const uint8_t *w, const uint8_t *s,
+                           int64_t blocks, int bf16, void *out) {
     float v[256], scale[16], offset[8];
     for (int64_t b = 0; b < blocks; b++, w += 128, s += rest) {
         kq_scales(fmt, s, scale, offset);
@@ -1057,7 +1071,7 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
     } else if (q->fmt == FMT_Q8_0) {
         q8_0_blocks(q->w + k0, q->s16 + k0 / 32, (k1 - k0) / 32, bf16, out);
     } else if (is_k_quant(q->fmt)) {
-        k_quant_blocks(q->fmt, q->w + k0 / 2, q->s8 + k0 / 256 * k_quant_rest(q->fmt),
+        k_quant_blocks(q->fmt, q->rest, q->w + k0 / 2, q->s8 + k0 / 256 * q->rest,
                        (k1 - k0) / 256, bf16, out);
     } else { /* FMT_NVFP4 */
         nvfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 16, (k1 - k0) / 16, q->g, bf16, out);
@@ -1275,7 +1289,7 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
         }
     } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: two steps each */
         const int fmt = q->fmt;
-        const int64_t rest = k_quant_rest(fmt);
+        const int64_t rest = q->rest;
         for (; k + 256 <= K; k += 128) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * rest;
             PREFETCH(w + PREFETCH_BYTES);
@@ -1464,10 +1478,10 @@ int ft_cpu_experts_decoder_bits(void) {
 void ft_cpu_experts_decode(int dtype, int fmt, const void *w, const void *s, const float *g,
                            int64_t bn, int64_t bk, int64_t pair, int64_t N, int64_t K, void *out) {
     pthread_once(&tables_once, init_tables);
-    const proj_t p = {w, s, g, bn, bk};
+    const proj_t p = {fmt, w, s, g, bn, bk};
     const int bf16 = dtype == DT_BF16;
     for (int64_t row = 0; row < N; row++) {
-        const qrow_t q = quantized_row(fmt, &p, pair, N, K, row);
+        const qrow_t q = quantized_row(&p, pair, N, K, row);
         decode_range(&q, 0, K, bf16, at(out, row * K, bf16));
     }
 }
@@ -1522,7 +1536,7 @@ enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2 };
 
 typedef struct {
     int dtype, act, workers;
-    int fmt;                 /* FMT_*: how the experts' projections are stored */
+    int fmt;                 /* FMT_*: the gate/up projection's (the routes of both: see submit) */
     proj_t gate_up, down;    /* [P, 2I, H] and [P, H, I] */
     int64_t H, I, n_groups;
     const float *x, *route_w;
@@ -1584,7 +1598,7 @@ static inline void weight_row(const job_t *j, const proj_t *p, int64_t pair, int
         w->direct = 0;
         return;
     }
-    w->q = quantized_row(j->fmt, p, pair, N, K, row);
+    w->q = quantized_row(p, pair, N, K, row);
     w->direct = routes == 1 && qdot_takes(&w->q, bf16);
     if (!w->direct) {
         decode_range(&w->q, 0, K, bf16, buf);
@@ -1628,9 +1642,9 @@ void ft_cpu_experts_row_dots(int fmt, const void *w, const void *s, const float 
                              int64_t bk, int64_t pair, int64_t N, int64_t K, int64_t row,
                              int64_t other, const uint16_t *x, float *out) {
     pthread_once(&tables_once, init_tables);
-    const proj_t p = {w, s, g, bn, bk};
-    const qrow_t q = quantized_row(fmt, &p, pair, N, K, row);
-    const qrow_t q2 = quantized_row(fmt, &p, pair, N, K, other);
+    const proj_t p = {fmt, w, s, g, bn, bk};
+    const qrow_t q = quantized_row(&p, pair, N, K, row);
+    const qrow_t q2 = quantized_row(&p, pair, N, K, other);
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)K);
     float *xs = malloc(sizeof(float) * (size_t)K);
     if (!buf || !xs) abort();
@@ -1864,7 +1878,7 @@ static void prefetch_rows(const job_t *j, const proj_t *p, int64_t pair, int64_t
         for (int64_t b = 0; b < PREFETCH_BYTES; b += 64) PREFETCH(w + b);
         return;
     }
-    const qrow_t q = quantized_row(j->fmt, p, pair, N, K, row);
+    const qrow_t q = quantized_row(p, pair, N, K, row);
     for (int64_t b = 0; b < PREFETCH_BYTES; b += 64) PREFETCH(q.w + b);
     const void *s = q.s8 ? (const void *)q.s8 : q.s16 ? (const void *)q.s16 : (const void *)q.s32;
     for (int64_t b = 0; b < PREFETCH_BYTES / 8; b += 64) PREFETCH((const char *)s + b);
@@ -2236,12 +2250,13 @@ static uint64_t publish(const job_t *j, uint64_t gen, int64_t items) {
  * `n_routes` routes (row of x, flat expert id, gate weight) in any order, over x [n_rows, H]
  * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The experts: each
  * projection's weights w, scales s and per-row scales g and fp8's block (bn rows, bk columns)
- * as `fmt` stores them (FMT_DENSE: w only, in `dtype`), computed in `dtype`, the model's; the
+ * as `fmt` (the down projection: `fmt_down`) stores them (FMT_DENSE: w only, in `dtype`; the
+ * two differ only as K-quants, whose rows the same routes read), computed in `dtype`; the
  * gate/up biases b_gate_up [P, 2I] in `dtype`, or NULL. The routes and x are copied before
  * this returns; `out` must stay alive until the job is waited for. *experts receives the
  * number of distinct experts the job reads. Returns 0 if no thread can be started or the
  * job's buffers cannot be allocated. */
-uint64_t ft_cpu_experts_submit(int dtype, int fmt, const void *w_gate_up, const void *s_gate_up,
+uint64_t ft_cpu_experts_submit(int dtype, int fmt, int fmt_down, const void *w_gate_up, const void *s_gate_up,
                                const float *g_gate_up, int64_t bn_gate_up, int64_t bk_gate_up,
                                const void *w_down, const void *s_down, const float *g_down,
                                int64_t bn_down, int64_t bk_down, const void *b_gate_up, int64_t H,
@@ -2253,8 +2268,8 @@ uint64_t ft_cpu_experts_submit(int dtype, int fmt, const void *w_gate_up, const 
     uint64_t gen = begin_job(threads);
     if (!gen) return 0;
     job_t j = {.dtype = dtype, .act = act, .workers = threads, .fmt = fmt, .H = H, .I = I};
-    j.gate_up = (proj_t){w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
-    j.down = (proj_t){w_down, s_down, g_down, bn_down, bk_down};
+    j.gate_up = (proj_t){fmt, w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
+    j.down = (proj_t){fmt_down, w_down, s_down, g_down, bn_down, bk_down};
     j.kind = JOB_EXPERTS;
     j.b_gate_up = b_gate_up;
     if (!build_job(&j, gen & 1, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w,
@@ -2385,7 +2400,7 @@ typedef struct {
     const float *weights;
     const void *x;
     float *out;
-    int x_bf16, dtype, act, threads, fmt;
+    int x_bf16, dtype, act, threads;
     int64_t max_routes, H, I, layers;
     proj_t gate_up, down; /* the experts, as ft_cpu_experts_submit takes them */
     const void *b_gate_up;
@@ -2424,7 +2439,7 @@ static void serve(listener_t *l, uint32_t shape) {
     int64_t experts = 0;
     const proj_t *gu = &l->gate_up, *d = &l->down;
     uint64_t ticket = ft_cpu_experts_submit(
-        l->dtype, l->fmt, gu->w, gu->s, gu->g, gu->bn, gu->bk, d->w, d->s, d->g, d->bn, d->bk,
+        l->dtype, gu->fmt, d->fmt, gu->w, gu->s, gu->g, gu->bn, gu->bk, d->w, d->s, d->g, d->bn, d->bk,
         l->b_gate_up, l->H, l->I, l->x, l->x_bf16, tokens, n, l->rows, l->routes, l->gates, l->out,
         l->act, l->threads, &experts);
     if (!ticket) { /* no thread or no memory: a zero partial, counted, and the graph goes on */
@@ -2475,7 +2490,7 @@ static void *listener_main(void *arg) {
  * joins them). */
 void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *done,
                         const int64_t *pairs, const float *weights, const void *x, int x_bf16,
-                        float *out, int64_t max_routes, int dtype, int fmt,
+                        float *out, int64_t max_routes, int dtype, int fmt, int fmt_down,
                         const void *w_gate_up, const void *s_gate_up, const float *g_gate_up,
                         int64_t bn_gate_up, int64_t bk_gate_up, const void *w_down,
                         const void *s_down, const float *g_down, int64_t bn_down,
@@ -2486,11 +2501,11 @@ void *ft_listener_start(const uint32_t *seq, const uint32_t *shape, uint32_t *do
     if (!l) return NULL;
     *l = (listener_t){.seq = seq, .shape = shape, .done = done, .pairs = pairs,
                       .weights = weights, .x = x, .out = out, .x_bf16 = x_bf16, .dtype = dtype,
-                      .act = act, .threads = threads, .fmt = fmt, .max_routes = max_routes,
+                      .act = act, .threads = threads, .max_routes = max_routes,
                       .H = H, .I = I, .layers = layers, .b_gate_up = b_gate_up, .stats = stats,
                       .idle_spin = idle_spin, .prepare = prepare};
-    l->gate_up = (proj_t){w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
-    l->down = (proj_t){w_down, s_down, g_down, bn_down, bk_down};
+    l->gate_up = (proj_t){fmt, w_gate_up, s_gate_up, g_gate_up, bn_gate_up, bk_gate_up};
+    l->down = (proj_t){fmt_down, w_down, s_down, g_down, bn_down, bk_down};
     /* read here, not on the thread: a ring made before the thread first runs is a job */
     l->served = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
     const size_t routes = (size_t)max_routes;

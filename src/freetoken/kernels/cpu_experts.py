@@ -19,7 +19,7 @@ import torch
 from freetoken.activations import activation_code, supported
 from freetoken.kernels.cpu_team import library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
-from freetoken.weights.expert_format import QuantizedBank
+from freetoken.weights.expert_format import K_FAMILY, QuantizedBank
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -46,6 +46,10 @@ def _projection(bank, rows: int, cols: int, dtype: torch.dtype) -> tuple | None:
     return (*parts, *blocks)
 
 
+def _format_code(bank) -> int:
+    return bank.format.code if isinstance(bank, QuantizedBank) else 0
+
+
 class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
     returns None when this machine cannot run it (no compiler, unsupported dtype or banks)."""
@@ -60,10 +64,8 @@ class NativeCPUExperts:
         self.threads = threads
         self.hidden = w_gate_up.shape[2]
         self.intermediate = w_down.shape[2]
-        fmt = w_gate_up.format if isinstance(w_gate_up, QuantizedBank) else None
-        self.format_code = 0 if fmt is None else fmt.code
         # What both entry points take for the experts (see the C source).
-        args = [self.format_code]
+        args = [_format_code(w_gate_up), _format_code(w_down)]
         for w, s, g, block_rows, block_cols in projections:
             args += [_ptr(w), _ptr(s), _ptr(g), block_rows, block_cols]
         self.expert_args = (*args, _ptr(b_gate_up))
@@ -80,8 +82,9 @@ class NativeCPUExperts:
         dtype: torch.dtype | None = None,
     ) -> NativeCPUExperts | None:
         """`w_gate_up` [P, 2I, H] and `w_down` [P, H, I]: dense banks, or both `QuantizedBank`s
-        of one format; `dtype`: the model's, which the experts compute in (required with
-        quantized banks; dense banks must hold it). `spin_seconds`: how long the job handoff
+        of one format (or two K-quant formats: a Q4_K_M file's q4_k and k_mixed); `dtype`: the
+        model's, which the experts compute in (required with quantized banks; dense banks must
+        hold it). `spin_seconds`: how long the job handoff
         spins before sleeping (see the C source); for machines where these cores have nothing
         else to run. `b_gate_up`: the gate/up biases [P, 2I] (in `dtype`) of experts that have
         them (moe/store.py)."""
@@ -92,9 +95,11 @@ class NativeCPUExperts:
         if dtype not in _DTYPES or not supported(act):
             return None
         if quantized != isinstance(w_down, QuantizedBank) or (
-            quantized and w_gate_up.format.name != w_down.format.name
+            quantized
+            and w_gate_up.format.name != w_down.format.name
+            and not {w_gate_up.format.name, w_down.format.name} <= K_FAMILY
         ):
-            return None  # (one format for both projections)
+            return None  # (one format for both projections, but for the K-quants' routes)
         if b_gate_up is not None and (
             b_gate_up.dtype != dtype
             or tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2])

@@ -12,10 +12,11 @@ from freetoken.kernels import native
 
 _P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                ctypes.c_double, ctypes.c_uint64)  # fmt: skip
-# The experts' arguments of the entry points that take them: fmt (weights/expert_format.py's
-# kernel code), then per projection (gate_up, down) its weights, scales, per-row scales and fp8
-# block (rows, cols), then the gate/up bias bank (or NULL).
-EXPERT_ARGS = [_INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
+# The experts' arguments of the entry points that take them: the gate/up and down projections'
+# formats (weights/expert_format.py's kernel codes), then per projection (gate_up, down) its
+# weights, scales, per-row scales and fp8 block (rows, cols), then the gate/up bias bank (or
+# NULL).
+EXPERT_ARGS = [_INT, _INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
 # seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
 # threads, stats, layers, idle_spin, prepare
 LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, *EXPERT_ARGS, _I64, _I64, _INT,

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
-from freetoken.weights.expert_format import QuantizedBank
+from freetoken.weights.expert_format import MIXED_K_TAG, MIXED_K_WIDTH, QuantizedBank
 from freetoken.weights.quantized import K_QUANT_REST
 
 Bank = Tensor | QuantizedBank  # a projection of S experts: dense [S, N, K], or kept quantized
@@ -113,7 +113,7 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
               "DOWN_STAGES": 3},
-    **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST)},
+    **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed")},
 }  # fmt: skip
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
@@ -354,6 +354,8 @@ if triton is not None:
     _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # (a jit function reads only constexpr globals)
     _OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
     _TWO_POW_126 = tl.constexpr(2.0**126)
+    _MIXED_K_WIDTH = tl.constexpr(MIXED_K_WIDTH)
+    _MIXED_K_TAG = tl.constexpr(MIXED_K_TAG)
 
     @triton.jit
     def _activation(g, ACT: tl.constexpr):
@@ -469,8 +471,21 @@ if triton is not None:
             scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
+        elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
+            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
+            if kind == 7:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            elif kind == 6:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
-            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_N, BLOCK_K)
+            REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
+            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
@@ -489,14 +504,14 @@ if triton is not None:
     @triton.jit
     def _k_quant_tile(
         w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of K-quant rows (5 q4_k, 6 q5_k, 7
         q6_k: weights/quantized.py's k_quant_values, in its order of operations), as [BLOCK_N,
         G, 32]: G chunks of 32 values (k0 and BLOCK_K multiples of 32), each within one
         super-block (a block's 128 code bytes in w, its other bytes in s), whose fp16 scales and
-        sub-block scales are read once a chunk and whose codes and high bits a value."""
-        REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
+        sub-block scales are read once a chunk and whose codes and high bits a value. REST:
+        the bytes from one block's other bytes to the next's (the type's, or k_mixed's)."""
         G: tl.constexpr = BLOCK_K // 32
         chunk = k0 // 32 + tl.arange(0, G)  # the chunks' places in the row
         sub = chunk % 8  # ... and in their super-block

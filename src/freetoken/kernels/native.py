@@ -26,12 +26,20 @@ from pathlib import Path
 from freetoken.activations import KERNEL_CODES as ACTIVATION_CODES
 from freetoken.paths import cache_dir
 from freetoken.weights.expert_format import KERNEL_CODES as FORMAT_CODES
+from freetoken.weights.expert_format import MIXED_K_TAG, MIXED_K_WIDTH
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 # Constants a source takes from Python's one definition of them, as -D macros.
-DEFINES: dict[str, dict[str, int]] = {"cpu_experts": {**ACTIVATION_CODES, **FORMAT_CODES}}
+DEFINES: dict[str, dict[str, int]] = {
+    "cpu_experts": {
+        **ACTIVATION_CODES,
+        **FORMAT_CODES,
+        "MIXED_K_WIDTH": MIXED_K_WIDTH,
+        "MIXED_K_TAG": MIXED_K_TAG,
+    }
+}
 DISABLE_ENV = "FREETOKEN_NATIVE"
 FLAGS_ENV = "FREETOKEN_NATIVE_FLAGS"
 _lock = threading.Lock()

@@ -17,10 +17,13 @@ keep them so:
                                                       packs values j and j + 16 in a byte,
                                                       freetoken 2j and 2j + 1; 4.25 bits)
 
+K-quant experts of several types (Q4_K_M and Q5_K_M files: some layers' down projections Q6_K)
+are kept too, each tensor in its own type; the host pool holds such a projection as k_mixed
+(weights/expert_format.py: every block's other bytes padded to Q6_K's, with its type).
 freetoken writes the rest as config.json, tokenizer files and safetensors, in bf16 (fp32 where
-the file holds only F32 tensors). Experts of other GGUF types, or of several types in one file
-(Q4_K_M files hold Q4_K and Q6_K experts), are dequantized: such a file takes the experts' bf16
-size in host memory and on disk. Families
+the file holds only F32 tensors). Experts of other GGUF types, or mixing a K-quant with another
+type, are dequantized: such a file takes the experts' bf16 size in host memory and on disk.
+Families
 transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and
 others freetoken does not serve).
 """
@@ -172,17 +175,29 @@ _KEPT_SUFFIXES = tuple(suffix for suffixes in KEPT_TYPES.values() for suffix in 
 
 def _kept_experts(reader) -> set[str]:
     """The names of the expert tensors kept as stored: all of them where all are of one type
-    the kernels read (a mix would be dequantized at load anyway), else none."""
+    the kernels read, or all K-quants with each layer's gate and up of one type (Q4_K_M and
+    Q5_K_M files: some layers' down projections Q6_K; the loader keeps such a projection as
+    k_mixed), else none (a mix would be dequantized at load anyway)."""
     experts = [t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name)]
     types = {t.tensor_type.name for t in experts}
     if len(types) == 1 and types <= set(KEPT_TYPES):
         return {t.name for t in experts}
+    gate_up: dict[str, set[str]] = {}  # layer -> its gate's and up's types
+    for t in experts:
+        m = EXPERT_TENSOR.fullmatch(t.name)
+        if m[2] != "down":
+            gate_up.setdefault(m[1], set()).add(t.tensor_type.name)
+    stackable = all(len(kinds) == 1 for kinds in gate_up.values())
+    if types <= set(K_TYPES) and stackable:
+        return {t.name for t in experts}
     if experts:
         kinds = "/".join(sorted(types))
-        why = (f"they are of several types ({kinds}), as in Q4_K_M and Q5_K_M files"
+        why = (f"a layer's gate and up projections differ in type ({kinds})"
+               if types <= set(K_TYPES) else f"they are of several types ({kinds})"
                if len(types) > 1 else f"the kernels do not take {kinds} as stored")  # fmt: skip
         log.warning("the routed experts are dequantized to bf16: %s (kept as stored: files whose "
-                    "experts are all of one of %s)", why, ", ".join(KEPT_TYPES))  # fmt: skip
+                    "experts are all of one of %s, or all K-quants)", why,
+                    ", ".join(KEPT_TYPES))  # fmt: skip
     return set()
 
 

@@ -25,7 +25,14 @@ from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
-from freetoken.weights.expert_format import DENSE, ExpertFormat, bank_parts, expert_format
+from freetoken.weights.expert_format import (
+    DENSE,
+    K_MIXED,
+    K_QUANTS,
+    ExpertFormat,
+    bank_parts,
+    expert_format,
+)
 from freetoken.weights.quantized import FP8_BLOCK, QuantizedParts
 from freetoken.weights.safetensors_dir import CheckpointDir
 
@@ -120,7 +127,7 @@ def load_model(
     ckpt = CheckpointDir(path)
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
-    fmt, kept = expert_storage(ckpt, family, cfg, dequantize_experts)
+    fmt, kept, down = expert_storage(ckpt, family, cfg, dequantize_experts)
     _admit(ckpt.path, ckpt.nbytes(dtype, kept), dtype)
     if ckpt.quantized.tensors:
         log.info(
@@ -130,7 +137,7 @@ def load_model(
             str(dtype).removeprefix("torch."), memory.gib(ckpt.nbytes(dtype, kept)),
             memory.gib(ckpt.nbytes()),
         )  # fmt: skip
-    model, store = _empty_model(cfg, dtype, fmt)
+    model, store = _empty_model(cfg, dtype, fmt, down)
     _fill(model, store, ckpt, family, progress, kept)
     model = model.to(device)
     return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
@@ -154,32 +161,40 @@ def _is_expert(name: str | None) -> bool:
 
 def expert_storage(
     ckpt: CheckpointDir, family, cfg: ModelConfig, dequantize: bool = False
-) -> tuple[ExpertFormat, frozenset[str]]:
-    """How the host pool holds a checkpoint's routed experts: in the format they are stored
-    in, with the names of the quantized tensors kept so, where every expert is stored in one
-    format whose blocks the banks can lay out; dense (dequantized at load, said why) else."""
+) -> tuple[ExpertFormat, frozenset[str], ExpertFormat | None]:
+    """How the host pool holds a checkpoint's routed experts: (format, the names of the
+    quantized tensors kept so, the down projection's format where it differs). Kept where
+    every expert is stored in one format whose blocks the banks can lay out, or in K-quants
+    (a projection whose tensors differ in type kept as k_mixed: a Q4_K_M file's down
+    projections); dense (dequantized at load, said why) else."""
     quantized = ckpt.quantized
     if cfg.moe is None or not quantized.tensors:
-        return DENSE, frozenset()
+        return DENSE, frozenset(), None
     experts = {n: q for n, q in quantized.tensors.items() if _is_expert(family.canonical_name(n))}
     if not experts:
-        return DENSE, frozenset()
+        return DENSE, frozenset(), None
     plain = [n for n in ckpt.tensors
              if n not in quantized.parts and _is_expert(family.canonical_name(n))]  # fmt: skip
     formats = sorted({q.format for q in experts.values()})
-    fmt, why = DENSE, None
+    fmt, down, why = DENSE, None, None
     if dequantize:
         why = "asked to (--dequantize-experts)"
-    elif len(formats) > 1:
+    elif len(formats) > 1 and not set(formats) <= set(K_QUANTS):
         why = f"they are stored in several formats ({', '.join(formats)})"
     elif plain:
         why = f"some are not quantized ({plain[0]})"
     else:
-        fmt = expert_format(formats[0], quantized.fp8_block)
+        by_projection: dict[str, set[str]] = {"gate_up": set(), "down": set()}
+        for name, q in experts.items():
+            by_projection[_projection(family.canonical_name(name))].add(q.format)
+        fmt, down = (
+            expert_format(kinds.pop(), quantized.fp8_block) if len(kinds) == 1 else K_MIXED
+            for kinds in by_projection.values()
+        )
         h, i = cfg.hidden_size, cfg.moe.intermediate_size
         try:
             fmt.check(2 * i, h)
-            fmt.check(h, i)
+            down.check(h, i)
         except ValueError as e:
             fmt, why = DENSE, str(e)
         if fmt.quantized and not fmt.stacks(i):
@@ -188,9 +203,14 @@ def expert_storage(
             why = f"{blocks}-row scale blocks straddle the gate and up projections (I = {i})"
     if why is not None:
         say = log.info if dequantize else log.warning
-        say("routed experts stored %s are dequantized at load: %s", formats[0], why)
-        return DENSE, frozenset()
-    return fmt, frozenset(experts)
+        say("routed experts stored %s are dequantized at load: %s", "/".join(formats), why)
+        return DENSE, frozenset(), None
+    return fmt, frozenset(experts), None if down == fmt else down
+
+
+def _projection(name: str) -> str:
+    """The bank ("gate_up" or "down") a canonical expert tensor's name goes to."""
+    return "down" if name.endswith(("down_proj", "down_proj.weight")) else "gate_up"
 
 
 def _parse(raw: dict, path: Path):
@@ -214,9 +234,14 @@ def _admit(path: Path, nbytes: int, dtype: torch.dtype) -> None:
         )
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE):
+def _empty_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    fmt: ExpertFormat = DENSE,
+    down: ExpertFormat | None = None,
+):
     model = DecoderModel.empty(cfg, dtype, "cpu")
-    store = HostExpertStore.for_model(cfg, dtype, fmt) if cfg.moe is not None else None
+    store = HostExpertStore.for_model(cfg, dtype, fmt, down) if cfg.moe is not None else None
     return model, store
 
 
@@ -250,6 +275,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
         fmt = loaded.experts.format
         meta["expert_format"] = fmt.name
         meta["expert_blocks"] = [fmt.row_block, fmt.col_block]
+        if loaded.experts.shape.down_format is not None:
+            meta["expert_format_down"] = loaded.experts.shape.down_format.name
     total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
@@ -277,11 +304,13 @@ def _load_weight_dir(
         )
     blocks = weights.meta.get("expert_blocks") or FP8_BLOCK
     fmt = expert_format(weights.meta.get("expert_format", "dense"), tuple(blocks))
+    down = weights.meta.get("expert_format_down")
+    down = None if down is None else expert_format(down)
     dequantize = dequantize_experts and fmt.quantized and cfg.moe is not None
     _admit(path, weights.nbytes + (_pool_bytes(cfg, stored, DENSE) if dequantize else 0), stored)
     model = DecoderModel.on_meta(cfg, stored)
     _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)  # (all there)
-    store = HostExpertStore.for_model(cfg, stored, fmt) if cfg.moe is not None else None
+    store = HostExpertStore.for_model(cfg, stored, fmt, down) if cfg.moe is not None else None
     banks = []
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
@@ -402,7 +431,10 @@ def _fill(
                 continue
             key = target[0]
             # a tensor kept quantized fills a bank per part (codes, scales), each as stored
-            parts = bank_parts(tensor) if isinstance(tensor, QuantizedParts) else {"w": tensor}
+            if isinstance(tensor, QuantizedParts):
+                parts = bank_parts(tensor, store.formats[_projection(name)])
+            else:
+                parts = {"w": tensor}
             for part, value in parts.items():
                 dest = target[1] if part == "w" else _target(name, params, moe_index, part)[1]
                 if family.to_layout is not None:

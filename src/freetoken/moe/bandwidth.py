@@ -73,6 +73,8 @@ def format_key(shape: ExpertShape) -> str:
     if fmt.quantized:
         blocks = f"-{fmt.row_block}x{fmt.col_block}" if fmt.name == "fp8" else ""
         stored = f" {fmt.name}{blocks}"
+        if shape.down_format is not None:
+            stored += f" down {shape.down_format.name}"
     return f"{dtype}{stored} H{shape.hidden} I{shape.intermediate}"
 
 

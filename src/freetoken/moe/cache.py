@@ -86,7 +86,7 @@ class ExpertCache(BanksByName):
     @property
     def weights(self) -> ExpertWeights:
         """The slots' projections, for the GPU kernels (by slot id)."""
-        return expert_weights(self.named_banks, self.store.format)
+        return expert_weights(self.named_banks, *self.store.formats.values())
 
     @classmethod
     def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:

@@ -141,7 +141,7 @@ class LayerStreamer:
             after.record(stream)
             self._chunk["waits"].append((before, after))
         w = expert_weights(dict(zip(self.store.named_banks, self.buffers[b], strict=True)),
-                           self.store.format)  # fmt: skip
+                           *self.store.formats.values())  # fmt: skip
         out = grouped_expert_forward(x, ids, weights, w.gate_up, w.down, self.act, w.bias)
         if stream is not None:
             self.free[b] = torch.cuda.Event()

@@ -51,12 +51,27 @@ class ExpertShape:
     dtype: torch.dtype  # the model's (what quantized experts compute in)
     bias: bool = False  # a gate/up bias row too (gpt-oss)
     format: ExpertFormat = DENSE
+    # the down projection's where it differs (K-quants only: a Q4_K_M file's, k_mixed)
+    down_format: ExpertFormat | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> ExpertShape:
-        """The routed experts of a model `cfg` computing in `dtype`, stored in `fmt`."""
+    def of(
+        cls,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        fmt: ExpertFormat = DENSE,
+        down: ExpertFormat | None = None,
+    ) -> ExpertShape:
+        """The routed experts of a model `cfg` computing in `dtype`, stored in `fmt` (the down
+        projection in `down` where given)."""
         moe = cfg.moe
-        return cls(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt)
+        return cls(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt,
+                   None if down == fmt else down)  # fmt: skip
+
+    @property
+    def formats(self) -> dict[str, ExpertFormat]:
+        """Each projection's format."""
+        return {"gate_up": self.format, "down": self.down_format or self.format}
 
     @property
     def projections(self) -> dict[str, tuple[int, int]]:
@@ -68,7 +83,7 @@ class ExpertShape:
         """Every bank's row (one expert's share of it): shape and dtype, in BANK_NAMES order."""
         rows = {}
         for proj, (n, k) in self.projections.items():
-            for part, spec in self.format.parts(n, k, self.dtype).items():
+            for part, spec in self.formats[proj].parts(n, k, self.dtype).items():
                 rows[f"{part}_{proj}"] = spec
         if self.bias:
             rows["b_gate_up"] = ((2 * self.intermediate,), self.dtype)
@@ -130,16 +145,27 @@ class HostExpertStore(BanksByName):
 
     @classmethod
     def for_model(
-        cls, cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat = DENSE
+        cls,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        fmt: ExpertFormat = DENSE,
+        down: ExpertFormat | None = None,
     ) -> HostExpertStore:
         """The pool of a model's routed experts: `dtype` the model's, `fmt` how they are stored
+        (`down`: the down projection's format where it differs)
         (dense: in `dtype`)."""
         assert cfg.moe is not None
-        return cls(ExpertShape.of(cfg, dtype, fmt), cfg.num_moe_layers, cfg.moe.num_experts)
+        return cls(ExpertShape.of(cfg, dtype, fmt, down), cfg.num_moe_layers, cfg.moe.num_experts)
 
     @property
     def format(self) -> ExpertFormat:
+        """The gate/up projections' format (the down projection's too but for mixed K-quants:
+        `formats`)."""
         return self.shape.format
+
+    @property
+    def formats(self) -> dict[str, ExpertFormat]:
+        return self.shape.formats
 
     @property
     def banks(self) -> tuple[Tensor, ...]:
@@ -149,15 +175,15 @@ class HostExpertStore(BanksByName):
     @property
     def weights(self) -> ExpertWeights:
         """The pool's projections, for the CPU kernels (by flat id)."""
-        return expert_weights(self.named_banks, self.format)
+        return expert_weights(self.named_banks, *self.formats.values())
 
     def fill_random_(self, seed: int = 0, distinct: int = 64) -> None:
         """Random experts of the pool's format (benchmarks): `distinct` of them repeated, since
         drawing tens of GB of random values takes minutes and speed depends on bytes moved."""
         gen = torch.Generator().manual_seed(seed)
         for name, bank in self.named_banks.items():
-            part = name.partition("_")[0]
-            block = fill_random_(self.format, part, bank[:distinct], gen)
+            part, _, proj = name.partition("_")
+            block = fill_random_(self.formats[proj], part, bank[:distinct], gen)
             for rows in bank[distinct:].split(distinct):
                 rows.copy_(block[: rows.shape[0]])
 

@@ -12,6 +12,7 @@ the formats differ in what that row is made of:
     q4_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 16]      -
     q5_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 48]      -
     q6_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 82]      -
+    k_mixed  low 4 bits (uint8), pack 2  bytes [N, K / 256 * 84]      -
 
 (e2m1 pairs: two 4-bit codes a byte, the low nibble first, element 2j in the low nibble of byte
 j. NVFP4's per-tensor `weight_scale_2` is kept per row, since one bank row holds the gate's and
@@ -27,12 +28,20 @@ in this order:
     q8_0     int8(code) * fp16(scale[n, k // 32])     (GGUF's Q8_0: exact in fp32)
     q*_k     GGUF's K-quants: the super-block's values (weights/quantized.py's
              `k_quant_values`: its 128 code bytes in data, the rest of its bytes in scale)
+    k_mixed  K-quant super-blocks of any of those types, each block's other bytes padded to
+             84 with its type's kernel code in byte 82: a projection whose layers differ in
+             type, as the down projections of Q4_K_M and Q5_K_M files (Q6_K in some layers).
+             A bank row (an expert's projection) is of one type, so kernels read the type
+             once a row or a tile
 
 then rounded to the model's dtype: exactly the weight a checkpoint dequantized at load holds.
 Every expert kernel (the Triton decode kernels, the C kernel, the torch reference) computes with
 these values, so a quantized expert gives the same result as its dequantized copy on the same
 kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 4.25-4.5 bits a
-weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56).
+weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, mixed K-quants 6.63).
+
+A store's two projections may differ in format where both are K-quants (a Q4_K_M file: gate
+and up Q4_K, down mixed): `formats` maps each projection to its own.
 """
 
 from __future__ import annotations
@@ -68,7 +77,10 @@ KERNEL_CODES = {
     "FMT_Q4_K": 5,
     "FMT_Q5_K": 6,
     "FMT_Q6_K": 7,
+    "FMT_K_MIXED": 8,
 }
+# k_mixed: each block's other bytes padded to this width, its type's kernel code at MIXED_K_TAG
+MIXED_K_WIDTH, MIXED_K_TAG = 84, 82
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,8 @@ class ExpertFormat:
             return dequantize_q8_0(w, s)
         if self.name in K_QUANT_REST:
             return k_quant_values(self.name, w, s)
+        if self.name == "k_mixed":
+            return k_mixed_values(w, s)
         if self.name == "mxfp4":
             lead = w.shape[:-1]
             blocks = w.reshape(*lead, -1, MXFP4_BLOCK // 2)
@@ -160,6 +174,46 @@ K_QUANTS = {
     name: ExpertFormat(name, pack=2, col_block=QK_K, scale_dtype=torch.uint8, scale_width=width)
     for name, width in K_QUANT_REST.items()
 }
+K_MIXED = ExpertFormat(
+    "k_mixed", pack=2, col_block=QK_K, scale_dtype=torch.uint8, scale_width=MIXED_K_WIDTH
+)
+K_FAMILY = frozenset((*K_QUANTS, K_MIXED.name))  # formats a row of which the K decoders read
+
+
+def k_mixed_rest(kind: str, rest: Tensor) -> Tensor:
+    """A `kind` K-quant's other bytes [..., K / 256 * width] as a k_mixed bank holds them:
+    each block's padded to MIXED_K_WIDTH, its type's kernel code at MIXED_K_TAG."""
+    width = K_QUANT_REST[kind]
+    blocks = rest.reshape(*rest.shape[:-1], -1, width)
+    out = blocks.new_zeros(*blocks.shape[:-1], MIXED_K_WIDTH)
+    out[..., :width] = blocks
+    out[..., MIXED_K_TAG] = K_QUANTS[kind].code
+    return out.flatten(-2)
+
+
+def k_mixed_values(codes: Tensor, rest: Tensor) -> Tensor:
+    """fp32 values [..., K] of k_mixed parts (codes [..., K / 2], rest [..., K / 256 * 84]):
+    each block by its own type's definition (`k_quant_values`)."""
+    blocks = rest.reshape(*rest.shape[:-1], -1, MIXED_K_WIDTH)
+    lead, count = blocks.shape[:-2], blocks.shape[-2]
+    if tuple(codes.shape) != (*lead, count * QK_K // 2):
+        raise ValueError(f"k_mixed codes of shape {tuple(codes.shape)} do not match their "
+                         f"{count} blocks' other bytes {tuple(rest.shape)}")  # fmt: skip
+    blocks = blocks.reshape(-1, MIXED_K_WIDTH)
+    tags = blocks[:, MIXED_K_TAG]
+    code_blocks = codes.reshape(-1, QK_K // 2)
+    out = torch.empty(blocks.shape[0], QK_K)
+    seen = torch.zeros_like(tags, dtype=torch.bool)
+    for kind, fmt in K_QUANTS.items():
+        sel = tags == fmt.code
+        if sel.any():
+            width = K_QUANT_REST[kind]
+            out[sel] = k_quant_values(kind, code_blocks[sel], blocks[sel, :width])
+            seen |= sel
+    if not bool(seen.all()):
+        bad = int(tags[~seen][0])
+        raise ValueError(f"a k_mixed block has type code {bad}, none of the K-quants'")
+    return out.reshape(*lead, count * QK_K)
 
 
 def fp8_format(block: tuple[int, int] = FP8_BLOCK) -> ExpertFormat:
@@ -173,16 +227,20 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
     if name == "fp8":
         return fp8_format(fp8_block)
     try:
-        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **K_QUANTS}[name]
+        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **K_QUANTS,
+                "k_mixed": K_MIXED}[name]  # fmt: skip
     except KeyError:
         raise ValueError(
             f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
         ) from None
 
 
-def bank_parts(stored: QuantizedParts) -> dict[str, Tensor]:
+def bank_parts(stored: QuantizedParts, bank: ExpertFormat | None = None) -> dict[str, Tensor]:
     """A checkpoint's quantized tensor (one expert's projection [N, K], or a layer's [E, N, K])
-    as its banks' parts hold it: {"w": codes, "s": scales, "g": per-row scales}."""
+    as its banks' parts hold it: {"w": codes, "s": scales, "g": per-row scales}; `bank`: the
+    banks' format where it is not the tensor's (k_mixed banks of a K-quant tensor)."""
+    if bank is not None and bank.name == "k_mixed" and stored.format in K_QUANTS:
+        return {"w": stored.data, "s": k_mixed_rest(stored.format, stored.scale)}
     if stored.format == "fp8":
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.float()}
     if stored.format == "q8_0":
@@ -264,13 +322,17 @@ class ExpertWeights:
     bias: Tensor | None = None
 
 
-def expert_weights(banks: dict[str, Tensor], fmt: ExpertFormat) -> ExpertWeights:
-    """The projections of named banks (a store's, a cache's, a streamed layer's)."""
+def expert_weights(
+    banks: dict[str, Tensor], fmt: ExpertFormat, down: ExpertFormat | None = None
+) -> ExpertWeights:
+    """The projections of named banks (a store's, a cache's, a streamed layer's): in `fmt`, the
+    down projection in `down` where given."""
 
     def projection(proj: str) -> Tensor | QuantizedBank:
-        if not fmt.quantized:
+        f = down if proj == "down" and down is not None else fmt
+        if not f.quantized:
             return banks[f"w_{proj}"]
-        return QuantizedBank(fmt, banks[f"w_{proj}"], banks[f"s_{proj}"], banks.get(f"g_{proj}"))
+        return QuantizedBank(f, banks[f"w_{proj}"], banks[f"s_{proj}"], banks.get(f"g_{proj}"))
 
     return ExpertWeights(projection("gate_up"), projection("down"), banks.get("b_gate_up"))
 
@@ -289,14 +351,22 @@ def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> 
             return bank.copy_(halves[:, :1, 0].expand_as(bank))
         rows.copy_(halves.expand_as(rows))
         return bank
-    if fmt.name in K_QUANTS:  # any codes and sub-block scales, the fp16 scales of ~0.0005
+    if fmt.name in K_FAMILY:  # any codes and sub-block scales, the fp16 scales of ~0.0005
         bank.random_(0, 256, generator=generator)
         if part == "s":
             blocks = bank.view(*bank.shape[:-1], -1, fmt.scale_width)
             scale = torch.tensor([2.0**-11], dtype=torch.float16).view(torch.uint8)
-            places = (80,) if fmt.name == "q6_k" else (0, 2)  # d (and dmin)
-            for at in places:
-                blocks[..., at : at + 2] = scale
+            kinds = [fmt.name] * bank.shape[0]
+            if fmt.name == "k_mixed":  # a type per expert (a bank row is of one type)
+                names = list(K_QUANTS)
+                picks = torch.randint(len(names), (bank.shape[0],), generator=generator)
+                kinds = [names[int(i)] for i in picks]
+                blocks[..., MIXED_K_WIDTH - 2 :] = 0
+            for expert, kind in enumerate(kinds):
+                for at in (80,) if kind == "q6_k" else (0, 2):  # d (and dmin)
+                    blocks[expert, ..., at : at + 2] = scale
+                if fmt.name == "k_mixed":
+                    blocks[expert, ..., MIXED_K_TAG] = K_QUANTS[kind].code
         return bank
     if part == "w":
         if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)
