@@ -400,3 +400,18 @@ def test_a_k_mixed_bank_holds_each_tensors_own_values():
     mixed["s"].view(3, 2, MIXED_K_WIDTH)[1, 0, MIXED_K_TAG] = 9
     with pytest.raises(ValueError, match="type code 9"):
         K_MIXED.dequantize(mixed["w"], mixed["s"])
+
+
+def test_the_memory_check_counts_a_k_mixed_pool_as_held(moe_file, monkeypatch):
+    """k_mixed pads its blocks, so the host pool is larger than the file's experts: the
+    admission check asks for the pool's size beside the other weights."""
+    from freetoken.models import loading
+
+    converted, fmt, _ = moe_file
+    if not isinstance(fmt, tuple):
+        pytest.skip("one format: the pool holds the experts as stored")
+    asked = []
+    monkeypatch.setattr(loading, "_admit", lambda path, nbytes, dtype: asked.append(nbytes))
+    loaded = load_model(converted, dtype="float32")
+    dense = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert asked[0] >= dense + loaded.experts.nbytes

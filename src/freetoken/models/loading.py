@@ -128,7 +128,12 @@ def load_model(
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     fmt, kept, down = expert_storage(ckpt, family, cfg, dequantize_experts)
-    _admit(ckpt.path, ckpt.nbytes(dtype, kept), dtype)
+    need = ckpt.nbytes(dtype, kept)
+    if down is not None:  # (k_mixed pads its blocks: the pool is larger than the file's experts)
+        parts = [p for n in kept for p in ckpt.quantized.tensors[n].parts]
+        stored = sum(ckpt.tensors[p].stored_bytes for p in parts)
+        need += _pool_bytes(cfg, dtype, fmt, down) - stored
+    _admit(ckpt.path, need, dtype)
     if ckpt.quantized.tensors:
         log.info(
             "%s: %d tensors stored %s, %d of them routed experts kept so; the others are "
@@ -366,9 +371,11 @@ def _map_banks(weights: wd.WeightDir, store: HostExpertStore, banks: list) -> li
     return mapped
 
 
-def _pool_bytes(cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat) -> int:
-    """Host memory of the expert pool of `cfg` in `fmt`."""
-    return cfg.num_moe_layers * cfg.moe.num_experts * ExpertShape.of(cfg, dtype, fmt).nbytes
+def _pool_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, fmt: ExpertFormat, down: ExpertFormat | None = None
+) -> int:
+    """Host memory of the expert pool of `cfg` in `fmt` (the down projection in `down`)."""
+    return cfg.num_moe_layers * cfg.moe.num_experts * ExpertShape.of(cfg, dtype, fmt, down).nbytes
 
 
 def _dequantized(store: HostExpertStore, cfg: ModelConfig) -> HostExpertStore:
