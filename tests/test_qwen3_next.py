@@ -4,6 +4,7 @@ state pool never leaks a slot."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import pytest
@@ -299,3 +300,86 @@ def test_the_decode_step_kernel_is_the_torch_step():
     tolerance = {"fp32_out": 2e-6, "fp32_state": 2e-6, "bf16_out": 5e-3, "bf16_state": 5e-3}
     for case, err in res.items():
         assert err < tolerance.get(case, 1e-9), (case, err)
+
+
+# -- prompts through flash-linear-attention's chunked kernels (kernels/gated_delta.chunked) ---
+
+
+def _fla_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel):  # fmt: skip
+    """fla's chunk_gated_delta_rule as its documentation defines it ([B, T, H, K] q and k, each
+    key head serving HV / H consecutive value heads, q and k L2-normalised in the kernel,
+    scaled by `scale`), in torch: for the layer's use of it on any machine."""
+    from freetoken.layers.gated_deltanet import _prepare, chunk_gated_delta_rule
+
+    assert use_qk_l2norm_in_kernel and output_final_state and scale == q.shape[-1] ** -0.5
+    assert q.shape[:3] == k.shape[:3] and v.shape[2] % q.shape[2] == 0
+    assert g.shape == beta.shape == v.shape[:3] and initial_state.dtype == torch.float32
+    out, final = chunk_gated_delta_rule(*_prepare(q, k, v, g, beta), initial_state)
+    return out.transpose(1, 2).to(v.dtype), final
+
+
+def test_prompts_take_flas_kernels_where_they_apply(loaded, monkeypatch):
+    """The layer hands a prompt's raw q, k, v, gates and states to fla's kernel in its layout
+    (checked by a torch stand-in of its documented API): the same logits and states as the
+    torch rule; decode steps and fp32 models keep their own paths; FREETOKEN_FLA=0 turns it
+    off."""
+    from freetoken.kernels import gated_delta
+
+    prompt = random_ids(90, seed=11)
+
+    def run():
+        runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+        seq = runner.new_sequence()
+        logits = runner.forward([seq], [prompt], all_logits=True)
+        step = runner.forward([seq], [[int(logits[-1].argmax())]])
+        return torch.cat([logits, step]), runner.states.ssm[:, seq.state_slot].clone()
+
+    want = run()
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(args[0].shape)
+        return _fla_stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(gated_delta, "_fla_chunk", lambda: stand_in)
+    monkeypatch.setattr(gated_delta, "chunked_available", lambda x: x.shape[1] > 1)
+    got = run()
+    assert [shape[1] for shape in calls] == [90, 90]  # each linear layer's prompt, once
+    assert (got[0] - want[0]).abs().max().item() < SAME
+    assert (got[1] - want[1]).abs().max().item() < SAME
+    # where it applies: CUDA, half precision, installed and not turned off
+    monkeypatch.undo()
+    gated_delta._fla_chunk.cache_clear()
+    monkeypatch.setenv(gated_delta.FLA_ENV, "0")
+    assert gated_delta._fla_chunk() is None
+    gated_delta._fla_chunk.cache_clear()
+    assert not gated_delta.chunked_available(torch.zeros(1, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_prompts_on_cuda_stay_within_bf16_of_the_torch_rule(tiny, monkeypatch):
+    """bf16 on CUDA with fla-core installed: a prompt through fla's kernels gives the torch
+    rule's logits within bf16's rounding, and the same next tokens."""
+    from freetoken.kernels import gated_delta
+
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed")
+    model = load_model(tiny[0], dtype="bfloat16", device="cuda")
+    prompt = random_ids(300, seed=12)
+
+    def run():
+        runner = ModelRunner(model, kv_cache_tokens=512, page_size=8)
+        seq = runner.new_sequence()
+        return runner.forward([seq], [prompt], all_logits=True).float()
+
+    gated_delta._fla_chunk.cache_clear()
+    assert gated_delta.chunked_available(torch.zeros(1, 2, dtype=torch.bfloat16, device="cuda"))
+    fla = run()
+    monkeypatch.setenv(gated_delta.FLA_ENV, "0")
+    gated_delta._fla_chunk.cache_clear()
+    torch_rule = run()
+    gated_delta._fla_chunk.cache_clear()
+    scale = torch_rule.abs().max().item()
+    assert (fla - torch_rule).abs().max().item() < 0.05 * scale
+    assert (fla.argmax(-1) == torch_rule.argmax(-1)).float().mean().item() > 0.9

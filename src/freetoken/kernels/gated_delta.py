@@ -1,5 +1,5 @@
-"""One decode step of the gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) in one kernel
-launch, on the GPU.
+"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) on the GPU: one decode step in one
+kernel launch, and prompts through flash-linear-attention's chunked kernels where installed.
 
 The torch step (layers/gated_deltanet.py: `_prepare`, `recurrent_gated_delta_rule`, the state
 pool's gather and scatter) is some 35 launches a layer: head expansion, casts, two L2 norms, the
@@ -15,9 +15,19 @@ k of its key head, applies the rule and writes the state back in place:
 
 in fp32, the reference's order of operations; its sums run in a tree where torch's run in
 another (the last fp32 bit may differ). The torch code stays the CPU path and the reference.
+
+Prompts (`chunked`): fla-core's `chunk_gated_delta_rule` (optional: `pip install fla-core`),
+for half-precision models on CUDA: the UT-transform chunks the torch rule computes as batched
+matmuls and a Python loop over chunks, fused into Triton kernels that keep the inputs' dtype
+where the torch rule works in fp32 (fp32 models keep the torch rule, the reference).
+FREETOKEN_FLA=0 turns it off.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 
@@ -32,8 +42,40 @@ L2_EPS = 1e-6  # (layers/gated_deltanet.py's _l2norm)
 SOFTPLUS_THRESHOLD = 20.0  # torch's: softplus(x) = x above it
 
 
+FLA_ENV = "FREETOKEN_FLA"
+
+
 def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
+
+
+@functools.cache
+def _fla_chunk():
+    """fla's chunked rule, or None where fla-core is not installed or is turned off (imported
+    on first use: it is seconds of imports a start that serves no prompt yet need not pay)."""
+    if os.environ.get(FLA_ENV, "1") == "0" or importlib.util.find_spec("fla") is None:
+        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def chunked_available(x: torch.Tensor) -> bool:
+    """Whether `chunked` takes a prompt of x's dtype and device."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fla_chunk() is not None
+
+
+def chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt tokens of n sequences: q, k [n, T, Hk, dk] and v [n, T, Hv, dv] (the conv's
+    output, in the model's dtype), g (log decay) and beta [n, T, Hv], state [n, Hv, dk, dv]
+    fp32. q and k are L2-normalised in the kernel and q scaled by dk^-0.5, as `_prepare` does;
+    each key head serves Hv / Hk consecutive value heads. Returns (out [n, T, Hv, dv] fp32, the
+    final states fp32)."""
+    out, final = _fla_chunk()(
+        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state,
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    return out.float(), final.float()
 
 
 def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:

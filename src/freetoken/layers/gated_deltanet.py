@@ -210,6 +210,10 @@ class GatedDeltaNet(nn.Module):
             return out[:, None]
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
+        if y.shape[1] > 1 and gated_delta.chunked_available(y):  # a prompt: fla's kernels
+            out, new_ssm = gated_delta.chunked(q, k, v, g, beta, ssm[slots])
+            ssm.index_copy_(0, slots, new_ssm)
+            return out
         rule = recurrent_gated_delta_rule if y.shape[1] == 1 else chunk_gated_delta_rule
         out, new_ssm = rule(*_prepare(q, k, v, g, beta), ssm[slots])
         ssm.index_copy_(0, slots, new_ssm)
