@@ -319,3 +319,88 @@ def test_a_cuda_start_reads_its_pool_rather_than_mapping_it(converted, monkeypat
     store = load_model(converted, device="cuda").experts
     assert not store.mapped
     assert not file_backed(store.w_down, (converted / "experts.bin").resolve())
+
+
+# -- the banks read from the start (weights/early_read.py) ---------------------------------
+
+
+@pytest.fixture
+def gpu_node(tmp_path, monkeypatch):
+    """A machine that looks as if it had a GPU (early reads start only there)."""
+    from freetoken.weights import early_read
+
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(early_read, "NVIDIA_NODE", str(node))
+    return early_read
+
+
+def test_banks_read_from_the_start_are_the_pools_and_give_the_same_logits(converted, gpu_node):
+    """Claimed by the loader: the pool's banks are views of the early read's memory (not read
+    again), bit for bit the banks a plain load reads, and the model's logits are the same."""
+    read = gpu_node.start(converted, None)
+    assert read is not None and gpu_node.start(converted / "missing", None) is None
+    early = load_model(converted, verify=True)
+    assert gpu_node.claim(converted) is None  # (claimed once)
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(read.region))
+    plain = load_model(converted, verify=True)
+    for name, bank in early.experts.named_banks.items():
+        assert base <= bank.data_ptr() < base + read.nbytes, name
+        assert torch.equal(bank, plain.experts.named_banks[name]), name
+    prompt = [3, 17, 5, 9, 11, 2]
+    assert torch.equal(logits(early, prompt), logits(plain, prompt))
+
+
+def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypatch, tmp_path):
+    """Not on --device cpu, nor without a GPU, nor for a checkpoint that is no weight
+    directory, a damaged one (the loader says what is wrong), or one host memory cannot hold
+    beside the margin."""
+    assert gpu_node.start(converted, "cpu") is None
+    assert gpu_node.start(None, None) is None
+    assert gpu_node.start(converted.parent / "src", None) is None
+    cut = copy_of(converted, tmp_path)
+    with open(cut / "experts.bin", "r+b") as f:
+        f.truncate(100)
+    assert gpu_node.start(cut, None) is None
+    monkeypatch.setattr(gpu_node.memory, "available_host_bytes", lambda: 2 * 2**30)
+    assert gpu_node.start(converted, None) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu_node, "NVIDIA_NODE", str(tmp_path / "absent"))
+    assert gpu_node.start(converted, None) is None
+
+
+def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node, monkeypatch):
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        if offset > 0:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(wd, "CHUNK", 1 << 16)  # (several chunks: the second one fails)
+    monkeypatch.setattr(os, "preadv", failing)
+    read = gpu_node.start(converted, None)
+    with pytest.raises(OSError, match="Input/output error"):
+        read.wait()
+    monkeypatch.setattr(os, "preadv", real)  # (the loader's reads of the rest would succeed)
+    with pytest.raises(OSError, match="Input/output error"):
+        load_model(converted)
+
+
+def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch):
+    from freetoken.cli import main as cli
+    from freetoken.errors import FreetokenError
+    from freetoken.weights import early_read
+
+    asked = []
+
+    def start(model, device):
+        asked.append((str(model), device))
+        raise FreetokenError("stop here")  # (main reports it: no engine is built)
+
+    monkeypatch.setattr(early_read, "start", start)
+    assert cli.main(["serve", "--model", "/m", "--device", "cuda"]) == 2
+    assert cli.main(["generate", "--model", "/m", "--prompt", "hello"]) == 2
+    assert asked == [("/m", "cuda"), ("/m", None)]

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen, max_tokens=128)
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.set_defaults(func="freetoken.cli.generate:run")
+    gen.set_defaults(func="freetoken.cli.generate:run", early_read=True)
 
     shell = sub.add_parser("shell", help="interactive chat with the model")
     add_engine_args(shell)
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds requests in flight may take to finish before they are ended "
         "(default: %(default)s)",
     )
-    serve.set_defaults(func="freetoken.cli.serve:run")
+    serve.set_defaults(func="freetoken.cli.serve:run", early_read=True)
 
     launch.add_parser(sub, add_engine_args)
 
@@ -335,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
 
     module, func = args.func.split(":")
     try:
+        if getattr(args, "early_read", False):  # (before the engine's imports: seconds of torch)
+            from freetoken.weights import early_read
+
+            early_read.start(args.model, args.device)
         return getattr(importlib.import_module(module), func)(args) or 0
     except FreetokenError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from freetoken.models import gguf
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
-from freetoken.weights import memory
+from freetoken.weights import early_read, memory
 from freetoken.weights import weight_dir as wd
 from freetoken.weights.expert_format import (
     DENSE,
@@ -297,6 +297,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
 def _load_weight_dir(
     path: Path, dtype, device, progress, verify: bool, dequantize_experts: bool = False
 ) -> LoadedModel:
+    early = early_read.claim(path)  # (the banks' reads begun at the start, if they were)
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
     _, cfg = _parse(raw, path)
@@ -320,8 +321,13 @@ def _load_weight_dir(
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
-        if torch.device(device).type != "cuda" and weights.resident([e for e, _ in banks]):
+        if early is not None and {e.file for e, _ in banks} == {early.file}:
+            banks = _adopt_early_read(weights, store, banks, early)
+        elif torch.device(device).type != "cuda" and weights.resident([e for e, _ in banks]):
             banks = _map_banks(weights, store, banks)
+            early = None
+        else:
+            early = None
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
                                desc="Loading weights", disable=not show) as bar:  # fmt: skip
@@ -336,8 +342,17 @@ def _load_weight_dir(
         mapped = store is not None and store.mapped
         if mapped:
             advance(sum(entry.nbytes for entry, _ in banks))
+
+        def read_banks() -> None:
+            if early is None:
+                return weights.read([] if mapped else banks, progress=advance)
+            early.wait()
+            advance(sum(entry.nbytes for entry, _ in banks))
+            log.info("expert banks read from the start: %.1f GB in %.2f s", early.nbytes / 1e9,
+                     early.seconds)  # fmt: skip
+
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
-            banks_read = pool.submit(weights.read, [] if mapped else banks, progress=advance)
+            banks_read = pool.submit(read_banks)
             model.materialize("cpu")
             dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
                              path)  # fmt: skip
@@ -354,6 +369,21 @@ def _load_weight_dir(
         store = _dequantized(store, cfg)
     model = model.to(device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
+
+
+def _adopt_early_read(
+    weights: wd.WeightDir, store: HostExpertStore, banks: list, early: early_read.EarlyRead
+) -> list:
+    """The pool's banks as views of the early read's memory (laid out as the file: each bank at
+    its index offset), whose bytes arrive as its threads read them (`early.wait`)."""
+    adopted = []
+    for (entry, bank), name in zip(banks, list(store.named_banks), strict=True):
+        weights.check(entry, bank)
+        view = torch.frombuffer(early.region, dtype=torch.uint8, count=entry.nbytes,
+                                offset=entry.offset)  # fmt: skip
+        store.named_banks[name] = view.view(bank.dtype).view(bank.shape)
+        adopted.append((entry, store.named_banks[name]))
+    return adopted
 
 
 def _map_banks(weights: wd.WeightDir, store: HostExpertStore, banks: list) -> list:

@@ -21,7 +21,9 @@ is refused there); `verify` recomputes the CRCs of tensors in memory and names t
 that differs, with its file. The index is written last, so an interrupted conversion leaves
 no directory that claims to be complete.
 
-This module knows tensors and bytes only; models/loading.py maps them onto a model.
+This module knows tensors and bytes only; models/loading.py maps them onto a model. It imports
+no torch until a tensor is asked for, so a start can read the expert banks (early_read.py) while
+Python is still importing torch.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from freetoken.errors import CheckpointError, FreetokenError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +80,19 @@ def is_weight_dir(path: str | Path) -> bool:
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, writable, without a copy."""
+    import torch
+
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _chunks(nbytes: int, chunk: int | None = None) -> list[tuple[int, int]]:
+def chunk_spans(nbytes: int, chunk: int | None = None) -> list[tuple[int, int]]:
     chunk = chunk or CHUNK
     return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)] or [(0, 0)]
 
 
 def _crcs(data: memoryview, chunk: int) -> tuple[int, ...]:
-    return tuple(zlib.crc32(data[a:b]) for a, b in _chunks(len(data), chunk))
+    return tuple(zlib.crc32(data[a:b]) for a, b in chunk_spans(len(data), chunk))
 
 
 def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dict,
@@ -109,7 +114,7 @@ def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dic
                 out.write(b"\0" * pad)
                 offset += pad
                 data = raw_bytes(tensor.contiguous())
-                for a, b in _chunks(len(data)):
+                for a, b in chunk_spans(len(data)):
                     out.write(data[a:b])
                     if progress is not None:
                         progress(b - a)
@@ -187,12 +192,12 @@ class WeightDir:
              progress=None) -> None:  # fmt: skip
         """Read each entry into its tensor (contiguous, CPU, checked), chunks in parallel."""
         threads = threads or io_threads()
-        fds = _Files(self.path)
+        fds = FileReads(self.path)
         jobs = []
         for entry, tensor in items:
             self.check(entry, tensor)
             data = raw_bytes(tensor)
-            for a, b in _chunks(entry.nbytes):
+            for a, b in chunk_spans(entry.nbytes):
                 jobs.append((entry, data, a, b))
         lock = threading.Lock()
 
@@ -218,6 +223,8 @@ class WeightDir:
         fresh memory, where a read into a new buffer faults in and zeroes every page before
         copying (for a file the page cache holds, reading 3 GiB this way took 0.02 s here
         against 0.6 s). Copy-on-write: a write would change this process's copy only."""
+        import torch
+
         with open(self.path / entry.file, "rb") as f:
             mapping = mmap.mmap(
                 f.fileno(),
@@ -234,7 +241,7 @@ class WeightDir:
         """Recompute each tensor's CRCs; raise WeightIntegrityError naming the first that
         differs from the index, with its file. False if `stop` was set before the end (what was
         checked is not reported), else True."""
-        spans = [_chunks(entry.nbytes, self.checksum_chunk) for entry, _ in items]
+        spans = [chunk_spans(entry.nbytes, self.checksum_chunk) for entry, _ in items]
         chunks = [raw_bytes(tensor)[a:b]
                   for (_, tensor), of in zip(items, spans, strict=True) for a, b in of]  # fmt: skip
 
@@ -257,7 +264,7 @@ class WeightDir:
         return True
 
 
-class _Files:
+class FileReads:
     """Open descriptors per file: a direct one (O_DIRECT, where the file system has it) for
     aligned reads into aligned memory, a buffered one for the rest."""
 
@@ -283,7 +290,7 @@ class _Files:
 
     def read_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         buffered, direct = self._fds(file)
-        address = torch.frombuffer(buf, dtype=torch.uint8).data_ptr() if len(buf) else 0
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
         aligned = (address | offset | len(buf)) % ALIGN == 0
         done = 0
         while done < len(buf):
@@ -313,6 +320,9 @@ class _Files:
                 os.close(fd)
 
 
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
 def resident_fraction(path: Path) -> float:
     """The share of a file's pages in the page cache (mincore on a mapping of it); 0 where
     that cannot be asked."""
@@ -334,10 +344,11 @@ def resident_fraction(path: Path) -> float:
         if addr is None or addr == ctypes.c_void_p(-1).value:
             return 0.0
         try:
-            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-            if libc.mincore(addr, size, pages.ctypes.data) != 0:
+            pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            if libc.mincore(addr, size, pages) != 0:
                 return 0.0
-            return float((pages & 1).mean())
+            # (bit 0 of each page's byte: resident; the other bits are reserved)
+            return bytes(pages).translate(_LOW_BIT).count(1) / len(pages)
         finally:
             libc.munmap(addr, size)
     finally:
