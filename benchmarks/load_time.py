@@ -16,6 +16,7 @@ weights (benchmarks/checkpoint.py), `hybrid` with an 8 GiB expert cache on CUDA.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -31,6 +32,9 @@ from freetoken.models.loading import convert_checkpoint
 START = """
 import json, os, sys, time
 t0 = float(sys.argv[2])
+if os.environ.get("LOAD_TIME_EARLY_READ") == "1":  # (as ft serve does, before the engine)
+    from freetoken.weights import early_read
+    early_read.start(sys.argv[1])
 profile = os.environ.get("LOAD_TIME_PROFILE")
 if profile:
     import cProfile, pstats
@@ -89,8 +93,9 @@ def plain_read(path: Path) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
+               early: bool = True) -> dict:  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOAD_TIME_EARLY_READ": "1" if early else "0"}
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
         env["LOAD_TIME_PROFILE"] = str(profile)
     t0 = time.time()
@@ -118,6 +123,9 @@ def main() -> int:
         "their on-disk caches for every timed start (a user's second start)",
     )
     ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
+    ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
+                    help="weight directory: its banks read from the start (as ft serve "
+                    "does), or by the loader")  # fmt: skip
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"
     start = time.perf_counter()
@@ -141,7 +149,8 @@ def main() -> int:
     for label, path in (("safetensors", src), ("weight directory", dst)):
         if label not in args.formats:
             continue
-        for cache_state in ("cold", "warm"):
+        earlies = args.early_read if label == "weight directory" else ["off"]
+        for cache_state, early in itertools.product(("cold", "warm"), earlies):
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -151,12 +160,12 @@ def main() -> int:
                 plain_read(path)
             profile = None
             if args.profile:
-                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}.txt"
-            t = start_once(path, args.strategy, args.cache, profile)
+                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}-{early}.txt"
+            t = start_once(path, args.strategy, args.cache, profile, early == "on")
             floor = seconds  # the same bytes at the plain read's bandwidth
-            rows.append(dict(format=label, page_cache=cache_state, gb=nbytes / 1e9,
-                             plain_read_gb_s=nbytes / seconds / 1e9, floor_s=floor, **t,
-                             ratio=t["first_token_s"] / floor))  # fmt: skip
+            rows.append(dict(format=label, page_cache=cache_state, early_read=early,
+                             gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
+                             floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     lines = [
         f"# load_time: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, "
@@ -165,13 +174,14 @@ def main() -> int:
         f"checkpoint written in {written:.0f} s, converted in {converted:.0f} s"
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
-        "| format | page cache | GB | plain read GB/s | floor s | imports s | weights loaded s | "
-        "engine built s | first token s | first token / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| format | page cache | early read | GB | plain read GB/s | floor s | imports s | "
+        "weights loaded s | engine built s | first token s | first token / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['format']} | {r['page_cache']} | {r['gb']:.1f} | {r['plain_read_gb_s']:.2f} | "
+            f"| {r['format']} | {r['page_cache']} | {r['early_read']} | {r['gb']:.1f} | "
+            f"{r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
             f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} |"
         )

@@ -170,7 +170,7 @@ def test_load_time_starts_from_both_formats(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     table = out.read_text()
-    for row in ("| safetensors | cold |", "| weight directory | warm |"):
+    for row in ("| safetensors | cold | off |", "| weight directory | warm | on |"):
         assert row in table
 
 
