@@ -404,3 +404,20 @@ def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch):
     assert cli.main(["serve", "--model", "/m", "--device", "cuda"]) == 2
     assert cli.main(["generate", "--model", "/m", "--prompt", "hello"]) == 2
     assert asked == [("/m", "cuda"), ("/m", None)]
+
+
+def test_the_memory_check_counts_what_the_early_read_holds_as_used(converted, gpu_node,
+                                                                  monkeypatch):  # fmt: skip
+    """The banks an early read holds already took their memory from what is free: the load's
+    check asks only for the rest (else a model that fits would be refused)."""
+    from freetoken.errors import InsufficientMemoryError
+
+    read = gpu_node.start(converted, None)
+    read.wait()
+    banks = read.nbytes
+    total = wd.WeightDir(converted).nbytes
+    free = total - banks + loader.HOST_MEMORY_MARGIN + 4096
+    monkeypatch.setattr(loader.memory, "available_host_bytes", lambda: free)
+    assert load_model(converted).experts is not None
+    with pytest.raises(InsufficientMemoryError):
+        load_model(converted)  # (no early read: every byte still to come)

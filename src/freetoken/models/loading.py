@@ -313,7 +313,10 @@ def _load_weight_dir(
     down = weights.meta.get("expert_format_down")
     down = None if down is None else expert_format(down)
     dequantize = dequantize_experts and fmt.quantized and cfg.moe is not None
-    _admit(path, weights.nbytes + (_pool_bytes(cfg, stored, DENSE) if dequantize else 0), stored)
+    need = weights.nbytes + (_pool_bytes(cfg, stored, DENSE) if dequantize else 0)
+    if early is not None:  # (what it has read is in memory already: no longer free)
+        need -= early.done_bytes
+    _admit(path, need, stored)
     model = DecoderModel.on_meta(cfg, stored)
     _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)  # (all there)
     store = HostExpertStore.for_model(cfg, stored, fmt, down) if cfg.moe is not None else None

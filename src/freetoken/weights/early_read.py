@@ -59,6 +59,8 @@ class EarlyRead:
         self.started = time.perf_counter()
         self.seconds: float | None = None  # once done
         self.error: BaseException | None = None
+        self.done_bytes = 0  # read so far (that memory is no longer free: the load's check)
+        self._count = threading.Lock()
         self._done = threading.Event()
         self._threads = threads or wd.io_threads()
         threading.Thread(target=self._run, name="ft-early-read", daemon=True).start()
@@ -66,11 +68,16 @@ class EarlyRead:
     def _run(self) -> None:
         files = wd.FileReads(self.path)
         view = memoryview(self.region)
+
+        def read(span: tuple[int, int]) -> None:
+            a, b = span
+            files.read_into(self.file, a, view[a:b], self.file)
+            with self._count:
+                self.done_bytes += b - a
+
         try:
             with ThreadPoolExecutor(self._threads, thread_name_prefix="ft-early-read") as pool:
-                spans = wd.chunk_spans(self.nbytes)
-                list(pool.map(lambda s: files.read_into(self.file, s[0], view[s[0] : s[1]],
-                                                        self.file), spans))  # fmt: skip
+                list(pool.map(read, wd.chunk_spans(self.nbytes)))
         except BaseException as e:  # (the loader raises it where it waits)
             self.error = e
         finally:
