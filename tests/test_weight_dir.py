@@ -367,8 +367,14 @@ def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypat
     monkeypatch.setattr(gpu_node.memory, "available_host_bytes", lambda: 2 * 2**30)
     assert gpu_node.start(converted, None) is None
     monkeypatch.undo()
-    monkeypatch.setattr(gpu_node, "NVIDIA_NODE", str(tmp_path / "absent"))
+    monkeypatch.setenv(gpu_node.ENV, "0")
     assert gpu_node.start(converted, None) is None
+    monkeypatch.setattr(gpu_node, "NVIDIA_NODE", str(tmp_path / "absent"))
+    monkeypatch.delenv(gpu_node.ENV)
+    assert gpu_node.start(converted, None) is None
+    monkeypatch.setenv(gpu_node.ENV, "1")  # (asked for: a CPU start too)
+    assert gpu_node.claim(converted) is None and gpu_node.start(converted, "cpu") is not None
+    assert gpu_node.claim(converted) is not None
 
 
 def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node, monkeypatch):

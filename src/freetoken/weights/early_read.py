@@ -13,6 +13,7 @@ them. Nothing here imports torch.
 
 Not started (the loader reads as before) where the index cannot be read, where host memory
 (cgroup limits included) lacks room for the banks beside a margin, or on `--device cpu`.
+FREETOKEN_EARLY_READ=0 turns it off; =1 starts it without a GPU too (CPU starts, benchmarks).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 EXPERTS_FILE = "experts.bin"  # (models/loading.py writes the banks there)
 MARGIN = 2 * 2**30  # host memory left beside the banks for the rest of the model and Python
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there: torch is not imported yet to ask)
+ENV = "FREETOKEN_EARLY_READ"
 
 _pending: dict[Path, EarlyRead] = {}
 _lock = threading.Lock()
@@ -96,7 +98,10 @@ class EarlyRead:
 def start(model: str | Path | None, device: str | None = None) -> EarlyRead | None:
     """Begin reading `model`'s expert banks if it is a weight directory a GPU start will read
     (see the module's docstring); the loader then `claim`s it."""
-    if model is None or device == "cpu" or not os.path.exists(NVIDIA_NODE):
+    wanted = os.environ.get(ENV)
+    if wanted == "0" or model is None:
+        return None
+    if wanted != "1" and (device == "cpu" or not os.path.exists(NVIDIA_NODE)):
         return None
     path = Path(model)
     if not wd.is_weight_dir(path) or not (path / EXPERTS_FILE).is_file():
