@@ -42,6 +42,13 @@ _pending: dict[Path, EarlyRead] = {}
 _lock = threading.Lock()
 
 
+def reader_threads() -> int:
+    """The loader's I/O threads, but two cores left to the imports they run beside (a warm
+    read is memory copies: on the 2-core machine 8 readers stretched the imports from 1 s to
+    10 s, and the start ended 2x later than without them)."""
+    return max(1, min(wd.io_threads(), (os.cpu_count() or 1) - 2))
+
+
 def anonymous_region(nbytes: int) -> mmap.mmap:
     """Fresh memory of its own (page-aligned), advised to take 2 MiB pages where it can."""
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -64,7 +71,7 @@ class EarlyRead:
         self.done_bytes = 0  # read so far (that memory is no longer free: the load's check)
         self._count = threading.Lock()
         self._done = threading.Event()
-        self._threads = threads or wd.io_threads()
+        self._threads = threads or reader_threads()
         threading.Thread(target=self._run, name="ft-early-read", daemon=True).start()
 
     def _run(self) -> None:
