@@ -358,28 +358,34 @@ def test_prompts_take_flas_kernels_where_they_apply(loaded, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fla_prompts_on_cuda_stay_within_bf16_of_the_torch_rule(tiny, monkeypatch):
-    """bf16 on CUDA with fla-core installed: a prompt through fla's kernels gives the torch
-    rule's logits within bf16's rounding, and the same next tokens."""
+@pytest.mark.parametrize("dims", [(2, 4, 16, 8), (16, 32, 128, 128)], ids=["tiny", "qwen3-next"])
+def test_fla_prompts_on_cuda_stay_within_bf16_of_the_torch_rule(dims):
+    """bf16 inputs on CUDA with fla-core installed: fla's chunked rule gives the torch rule's
+    outputs and final states (fp32, on the same inputs, from a nonzero state) within bf16's
+    rounding (6e-3 measured on the H200 machine), at the tiny model's head shapes and at
+    Qwen3-Next's. (A first call per shape autotunes fla's kernels: tens of seconds, cached by
+    Triton on disk.)"""
+    import torch.nn.functional as F
+
     from freetoken.kernels import gated_delta
+    from freetoken.layers.gated_deltanet import _prepare, chunk_gated_delta_rule
 
     if importlib.util.find_spec("fla") is None:
         pytest.skip("fla-core is not installed")
-    model = load_model(tiny[0], dtype="bfloat16", device="cuda")
-    prompt = random_ids(300, seed=12)
+    hk, hv, dk, dv = dims
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def run():
-        runner = ModelRunner(model, kv_cache_tokens=512, page_size=8)
-        seq = runner.new_sequence()
-        return runner.forward([seq], [prompt], all_logits=True).float()
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
 
+    q, k = randn(1, 300, hk, dk).bfloat16(), randn(1, 300, hk, dk).bfloat16()
+    v, a, b = randn(1, 300, hv, dv).bfloat16(), randn(1, 300, hv), randn(1, 300, hv)
+    g, beta = -0.5 * F.softplus(a), b.bfloat16().sigmoid()
+    state = randn(1, hv, dk, dv) * 0.1
     gated_delta._fla_chunk.cache_clear()
-    assert gated_delta.chunked_available(torch.zeros(1, 2, dtype=torch.bfloat16, device="cuda"))
-    fla = run()
-    monkeypatch.setenv(gated_delta.FLA_ENV, "0")
-    gated_delta._fla_chunk.cache_clear()
-    torch_rule = run()
-    gated_delta._fla_chunk.cache_clear()
-    scale = torch_rule.abs().max().item()
-    assert (fla - torch_rule).abs().max().item() < 0.05 * scale
-    assert (fla.argmax(-1) == torch_rule.argmax(-1)).float().mean().item() > 0.9
+    assert gated_delta.chunked_available(v)
+    want, want_state = chunk_gated_delta_rule(*_prepare(q, k, v, g, beta), state)
+    got, got_state = gated_delta.chunked(q, k, v, g, beta, state)
+    assert got.dtype == got_state.dtype == torch.float32
+    for ours, ref in ((got, want.transpose(1, 2)), (got_state, want_state)):
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 2e-2

@@ -202,7 +202,7 @@ def k_mixed_values(codes: Tensor, rest: Tensor) -> Tensor:
     blocks = blocks.reshape(-1, MIXED_K_WIDTH)
     tags = blocks[:, MIXED_K_TAG]
     code_blocks = codes.reshape(-1, QK_K // 2)
-    out = torch.empty(blocks.shape[0], QK_K)
+    out = torch.empty(blocks.shape[0], QK_K, device=codes.device)
     seen = torch.zeros_like(tags, dtype=torch.bool)
     for kind, fmt in K_QUANTS.items():
         sel = tags == fmt.code
