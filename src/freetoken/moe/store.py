@@ -37,7 +37,7 @@ from freetoken.weights.expert_format import (
     expert_weights,
     fill_random_,
 )
-from freetoken.weights.memory import pinning_advice
+from freetoken.weights.memory import anonymous_region, pinning_advice
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,19 @@ PAGE = 4096
 BANK_NAMES = ("w_gate_up", "w_down", "b_gate_up", "s_gate_up", "s_down", "g_gate_up", "g_down")
 
 
+HUGE_PAGE = 2 * 2**20
+
+
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data starts on a page boundary."""
+    """An uninitialised CPU tensor whose data starts on a page boundary: from 2 MiB up, memory
+    of its own advised to take huge pages (weights/memory.py's `anonymous_region`: a bank is
+    filled once, then page-locked)."""
     nbytes = dtype.itemsize
     for n in shape:
         nbytes *= n
+    if nbytes >= HUGE_PAGE:
+        region = anonymous_region(nbytes)  # (the tensor holds it)
+        return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
     return raw[start : start + nbytes].view(dtype).view(shape)

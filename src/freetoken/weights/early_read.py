@@ -18,9 +18,7 @@ FREETOKEN_EARLY_READ=0 turns it off; =1 starts it without a GPU too (CPU starts,
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
 import threading
 import time
@@ -49,22 +47,13 @@ def reader_threads() -> int:
     return max(1, min(wd.io_threads(), (os.cpu_count() or 1) - 2))
 
 
-def anonymous_region(nbytes: int) -> mmap.mmap:
-    """Fresh memory of its own (page-aligned), advised to take 2 MiB pages where it can."""
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # (kernels without transparent huge pages)
-            region.madvise(mmap.MADV_HUGEPAGE)
-    return region
-
-
 class EarlyRead:
     """A file of a weight directory read into `region` (same offsets) on a thread pool."""
 
     def __init__(self, weights: wd.WeightDir, file: str, threads: int | None = None):
         self.path, self.file = weights.path, file
         self.nbytes = (weights.path / file).stat().st_size
-        self.region = anonymous_region(self.nbytes)
+        self.region = memory.anonymous_region(self.nbytes)
         self.started = time.perf_counter()
         self.seconds: float | None = None  # once done
         self.error: BaseException | None = None

@@ -4,10 +4,18 @@ loading anything and for the advice given when the expert pool cannot be pinned.
 Free memory is the kernel's MemAvailable, lowered to what the process's memory cgroup still
 allows where one sets a limit (containers: cgroup v2's `memory.max`, v1's
 `memory.limit_in_bytes`), counting the cgroup's inactive page cache as reclaimable.
+
+Large host buffers that are filled once and then page-locked (the expert pool) take memory of
+their own advised MADV_HUGEPAGE (`anonymous_region`): their first touch is the fill, and 2 MiB
+pages take a fault and a zeroing per 2 MiB, not per 4 KiB. On the H200 machine, 4 GiB of a warm
+file read on 16 threads and page-locked: 0.16 + 0.08 s so, 0.27 + 0.16 s in 4 KiB pages
+(benchmarks/pool_fill_bench.py; results/2026-12-03-k-mixed-and-early-read.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import resource
 from pathlib import Path
@@ -114,6 +122,16 @@ def _stat(path: Path, key: str) -> int:
         if name == key:
             return int(value)
     return 0
+
+
+def anonymous_region(nbytes: int) -> mmap.mmap:
+    """Fresh memory of its own (page-aligned, zeroed on first touch), advised to take 2 MiB
+    pages where the kernel has transparent huge pages."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # (kernels without transparent huge pages)
+            region.madvise(mmap.MADV_HUGEPAGE)
+    return region
 
 
 def locked_memory_limit() -> int | None:
