@@ -6,6 +6,12 @@ same prompts, and the two tokenizers' ids for them.
     python benchmarks/gguf_vs_llama_cpp.py FILE.gguf --llama-python /tmp/lcpp/bin/python \
         [--tokens 32] [--out result.md]
 
+Or, without building: llama-cpp-python's `llama_cpp` package (from the sdist) copied into a venv
+with numpy, typing-extensions, diskcache and jinja2, over the llama.cpp libraries prebuilt from
+the same sdist (shared/tools/llama.cpp), with LD_LIBRARY_PATH and LLAMA_CPP_LIB_PATH set to
+their folder. `gguf_f32_copy.py` makes an F32 copy of a file, where llama.cpp does not round
+the activations to 8 bits as its quantized kernels do.
+
 llama.cpp runs in its own process, under that interpreter (llama-cpp-python and torch in one
 process crashed here). Each prompt is tokenized by both; the ids llama.cpp makes are then given
 to both models, so a difference in the generated ids is the models' (freetoken computes with the

@@ -224,3 +224,31 @@ def test_decode_context_on_a_random_q8_0_gguf(tmp_path):
         row = next(line for line in table.splitlines() if f"graphs {graphs} |" in line)
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert cells[0] == "freetoken" and all(float(c) > 0 for c in (cells[3], cells[4], cells[6]))
+
+
+def test_a_gguf_f32_copy_holds_the_files_values_and_metadata(tmp_path, monkeypatch):
+    """gguf_f32_copy.py (llama.cpp against freetoken without llama.cpp's 8-bit activations):
+    every tensor F32 with the values the gguf package dequantizes, every metadata field kept."""
+    import gguf
+    import numpy as np
+
+    from tiny_gguf import write_qwen3_gguf
+    from tiny_models import build_chat_model
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from gguf_f32_copy import f32_copy
+
+    src, _ = build_chat_model("qwen3", tmp_path / "src")
+    quantized = write_qwen3_gguf(src, tmp_path / "q8_0.gguf", "Q8_0")
+    assert f32_copy(str(quantized), str(tmp_path / "f32.gguf")) > 0
+    before, after = gguf.GGUFReader(quantized), gguf.GGUFReader(tmp_path / "f32.gguf")
+    kinds = {t.tensor_type for t in before.tensors}
+    assert gguf.GGMLQuantizationType.Q8_0 in kinds
+    assert {t.tensor_type for t in after.tensors} == {gguf.GGMLQuantizationType.F32}
+    for a, b in zip(before.tensors, after.tensors, strict=True):
+        assert a.name == b.name
+        assert np.array_equal(gguf.dequantize(a.data, a.tensor_type), b.data), a.name
+    names = {n for n in before.fields if not n.startswith("GGUF.")}
+    assert names == {n for n in after.fields if not n.startswith("GGUF.")}
+    for name in names:
+        assert before.fields[name].contents() == after.fields[name].contents(), name
