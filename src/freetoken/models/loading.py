@@ -324,13 +324,13 @@ def _load_weight_dir(
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
-        if early is not None and {e.file for e, _ in banks} == {early.file}:
-            banks = _adopt_early_read(weights, store, banks, early)
-        elif torch.device(device).type != "cuda" and weights.resident([e for e, _ in banks]):
-            banks = _map_banks(weights, store, banks)
-            early = None
-        else:
-            early = None
+    if early is not None and {e.file for e, _ in banks} != {early.file}:
+        early = None  # (it read another file than the banks': not theirs)
+    if early is not None:
+        banks = _adopt_early_read(weights, store, banks, early)
+    elif (store is not None and torch.device(device).type != "cuda"
+          and weights.resident([e for e, _ in banks])):  # fmt: skip
+        banks = _map_banks(weights, store, banks)
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
                                desc="Loading weights", disable=not show) as bar:  # fmt: skip
