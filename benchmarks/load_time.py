@@ -30,8 +30,16 @@ from decode_offload import qwen3_30b_a3b, report, tiny
 from freetoken.models.loading import convert_checkpoint
 
 START = """
-import json, os, sys, time
+import json, logging, os, sys, time
 t0 = float(sys.argv[2])
+if os.environ.get("LOAD_TIME_LOG"):  # the engine's log, each line at its time from t0 (stderr)
+    logging.basicConfig(level=logging.DEBUG, format="%(t).3f s %(name)s: %(message)s")
+    _factory = logging.getLogRecordFactory()
+    def _record(*a, **k):
+        r = _factory(*a, **k)
+        r.t = r.created - t0
+        return r
+    logging.setLogRecordFactory(_record)
 if os.environ.get("LOAD_TIME_EARLY_READ") == "1":  # (as ft serve does, before the engine)
     from freetoken.weights import early_read
     early_read.start(sys.argv[1])
@@ -94,15 +102,19 @@ def plain_read(path: Path) -> tuple[int, float]:
 
 
 def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
-               early: bool = True) -> dict:  # fmt: skip
+               early: bool = True, log: Path | None = None) -> dict:  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOAD_TIME_EARLY_READ": "1" if early else "0"}
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
         env["LOAD_TIME_PROFILE"] = str(profile)
+    if log is not None:
+        env["LOAD_TIME_LOG"] = "1"
     t0 = time.time()
     done = subprocess.run([sys.executable, "-c", START, str(model), repr(t0), strategy, cache],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     if done.returncode:
         raise SystemExit(f"start from {model} failed:\n{done.stderr[-3000:]}")
+    if log is not None:
+        log.write_text(done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -123,6 +135,12 @@ def main() -> int:
         "their on-disk caches for every timed start (a user's second start)",
     )
     ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
+    ap.add_argument(
+        "--logs",
+        type=Path,
+        help="directory for each start's engine log, its lines timed from the start",
+    )
+    ap.add_argument("--page-cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
                     help="weight directory: its banks read from the start (as ft serve "
                     "does), or by the loader")  # fmt: skip
@@ -144,13 +162,14 @@ def main() -> int:
         start = time.perf_counter()
         start_once(dst, args.strategy, args.cache)
         print(f"primed (one untimed start) in {time.perf_counter() - start:.1f} s", flush=True)
-    if args.profile:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    for d in (args.profile, args.logs):
+        if d:
+            d.mkdir(parents=True, exist_ok=True)
     for label, path in (("safetensors", src), ("weight directory", dst)):
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        for cache_state, early in itertools.product(("cold", "warm"), earlies):
+        for cache_state, early in itertools.product(args.page_cache, earlies):
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -158,10 +177,10 @@ def main() -> int:
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)
-            profile = None
-            if args.profile:
-                profile = args.profile / f"{label.replace(' ', '-')}-{cache_state}-{early}.txt"
-            t = start_once(path, args.strategy, args.cache, profile, early == "on")
+            name = f"{label.replace(' ', '-')}-{cache_state}-{early}.txt"
+            profile = args.profile / name if args.profile else None
+            log = args.logs / name if args.logs else None
+            t = start_once(path, args.strategy, args.cache, profile, early == "on", log)
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, early_read=early,
                              gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,

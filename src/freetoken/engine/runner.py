@@ -108,6 +108,7 @@ class ModelRunner:
         self.states = RecurrentStatePool.for_model(
             cfg, max_sequences + state_anchors, self.model.dtype, self.model.device
         )
+        log.debug("KV cache and state pool allocated")
         self.anchor_slots = (
             [self.states.alloc() for _ in range(state_anchors)] if self.states else []
         )
@@ -117,6 +118,7 @@ class ModelRunner:
             self.moe = build_runtime(
                 loaded.experts, self.model.device, moe or MoEOptions(), cfg.hidden_act
             )
+            log.debug("MoE runtime built")
         self._moe_blocks = [layer.moe for layer in self.model.layers if hasattr(layer, "moe")]
         self._install_moe()
         self.graphs = None

@@ -359,9 +359,12 @@ def _load_weight_dir(
             model.materialize("cpu")
             dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
                              path)  # fmt: skip
+            log.debug("model's memory given")
             weights.read(dense, progress=advance)
+            log.debug("dense tensors read")
             banks_read.result()
     weights.verify(dense, threads=wd.io_threads())  # smaller: at once
+    log.debug("dense tensors verified")
     integrity = None
     if verify or dequantize:  # (what is dequantized is checked first)
         weights.verify(banks, threads=wd.io_threads())
@@ -371,6 +374,7 @@ def _load_weight_dir(
         log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
         store = _dequantized(store, cfg)
     model = model.to(device)
+    log.debug("model on %s", device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
 
 

@@ -236,6 +236,7 @@ class HostExpertStore(BanksByName):
                 return False
             registered.append(ptr)
         self.pinned = True
+        log.debug("expert pool page-locked: %.1f GB", self.nbytes / 1e9)
         return True
 
     def _unmap(self) -> None:
