@@ -335,22 +335,96 @@ def gpu_node(tmp_path, monkeypatch):
     return early_read
 
 
-def test_banks_read_from_the_start_are_the_pools_and_give_the_same_logits(converted, gpu_node):
-    """Claimed by the loader: the pool's banks are views of the early read's memory (not read
-    again), bit for bit the banks a plain load reads, and the model's logits are the same."""
+def inside(tensor, read, file) -> bool:
+    base = loader.memory.address(read.regions[file])
+    return base <= tensor.data_ptr() < base + read.sizes[file]
+
+
+def test_files_read_from_the_start_are_the_models_and_give_the_same_logits(converted, gpu_node):
+    """Claimed by the loader: the pool's banks and the dense parameters are views of the early
+    read's memory (not read again), bit for bit what a plain load reads, and the model's logits
+    are the same."""
     read = gpu_node.start(converted, None)
     assert read is not None and gpu_node.start(converted / "missing", None) is None
+    assert read.files == ("dense.bin", "experts.bin")  # (the dense parameters first)
     early = load_model(converted, verify=True)
     assert gpu_node.claim(converted) is None  # (claimed once)
-    import ctypes
-
-    base = ctypes.addressof(ctypes.c_char.from_buffer(read.region))
     plain = load_model(converted, verify=True)
     for name, bank in early.experts.named_banks.items():
-        assert base <= bank.data_ptr() < base + read.nbytes, name
+        assert inside(bank, read, "experts.bin"), name
         assert torch.equal(bank, plain.experts.named_banks[name]), name
+    params = dict(plain.model.named_parameters())
+    for name, param in early.model.named_parameters():
+        assert inside(param, read, "dense.bin"), name
+        assert torch.equal(param, params[name]), name
     prompt = [3, 17, 5, 9, 11, 2]
     assert torch.equal(logits(early, prompt), logits(plain, prompt))
+
+
+def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, gpu_node,
+                                                                    monkeypatch):  # fmt: skip
+    """On CUDA the pool's banks are page-locked as one range on a thread once read (the pool's
+    `pin` then waits for that lock instead of locking bank by bank), and the dense parameters
+    are locked while they are copied to the device, then unlocked."""
+    from freetoken.moe import store as store_module
+
+    calls = []
+
+    def lock(start, nbytes, flags=loader.memory.PORTABLE):
+        calls.append(("lock", start, nbytes, flags))
+        return 0
+
+    for module in (loader.memory, store_module):
+        monkeypatch.setattr(module, "lock_pages", lock)
+        monkeypatch.setattr(module, "unlock_pages", lambda start: calls.append(("unlock", start)))
+    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)  # (no device here)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    read = gpu_node.start(converted, "cuda")
+    store = load_model(converted, device="cuda").experts
+    dense = loader.memory.address(read.regions["dense.bin"])
+    banks = loader.memory.address(read.regions["experts.bin"])
+    assert ("lock", dense, read.sizes["dense.bin"], loader.memory.PORTABLE) in calls
+    assert calls.index(("unlock", dense)) > calls.index(
+        ("lock", dense, read.sizes["dense.bin"], loader.memory.PORTABLE)
+    )
+    assert store.pin()
+    mapped = store_module.PORTABLE | store_module.MAPPED
+    pool_locks = [c for c in calls if c[0] == "lock" and c[1] != dense]
+    assert pool_locks == [("lock", banks, read.sizes["experts.bin"], mapped)]  # (one, not per bank)
+    store.unpin()
+    assert calls[-1] == ("unlock", banks) and not store.pinned
+
+
+def test_a_pool_locked_soon_waits_for_its_reads_and_falls_back_to_its_banks(monkeypatch):
+    """`pin_soon` locks only after its reads end; where that lock fails, `pin` locks bank by
+    bank."""
+    import threading
+
+    from freetoken.moe import store as store_module
+    from freetoken.moe.store import ExpertShape, HostExpertStore
+
+    calls = []
+
+    def lock(start, nbytes, flags):
+        calls.append((start, nbytes))
+        return 2 if start == 8192 else 0  # (CUDA refuses the range at 8192)
+
+    monkeypatch.setattr(store_module, "lock_pages", lock)
+    monkeypatch.setattr(store_module, "unlock_pages", lambda start: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    store = HostExpertStore(ExpertShape(64, 32, torch.float32), 2, 4)
+    reads_done = threading.Event()
+    store.pin_soon(12288, 4096, reads_done.wait)
+    assert not reads_done.wait(0.05) and calls == [] and not store.pinned
+    reads_done.set()
+    assert store.pin() and calls == [(12288, 4096)]
+    store.unpin()
+    calls.clear()
+    store.pin_soon(8192, 4096, lambda: None)
+    assert store.pin() and calls[0] == (8192, 4096)
+    assert calls[1:] == [(b.data_ptr(), b.numel() * b.element_size()) for b in store.banks]
+    store.unpin()
 
 
 def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypatch, tmp_path):
@@ -389,7 +463,7 @@ def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node,
     monkeypatch.setattr(os, "preadv", failing)
     read = gpu_node.start(converted, None)
     with pytest.raises(OSError, match="Input/output error"):
-        read.wait()
+        read.wait("experts.bin")
     monkeypatch.setattr(os, "preadv", real)  # (the loader's reads of the rest would succeed)
     with pytest.raises(OSError, match="Input/output error"):
         load_model(converted)
@@ -419,10 +493,10 @@ def test_the_memory_check_counts_what_the_early_read_holds_as_used(converted, gp
     from freetoken.errors import InsufficientMemoryError
 
     read = gpu_node.start(converted, None)
-    read.wait()
-    banks = read.nbytes
+    for file in read.files:
+        read.wait(file)
     total = wd.WeightDir(converted).nbytes
-    free = total - banks + loader.HOST_MEMORY_MARGIN + 4096
+    free = total - read.nbytes + loader.HOST_MEMORY_MARGIN + 4096
     monkeypatch.setattr(loader.memory, "available_host_bytes", lambda: free)
     assert load_model(converted).experts is not None
     with pytest.raises(InsufficientMemoryError):

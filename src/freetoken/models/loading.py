@@ -252,7 +252,7 @@ def _empty_model(
 
 # -- freetoken's weight directory -----------------------------------------------------------
 
-EXPERTS_FILE, DENSE_FILE = "experts.bin", "dense.bin"
+EXPERTS_FILE, DENSE_FILE = wd.EXPERTS_FILE, wd.DENSE_FILE
 # what a weight directory copies from its source: everything but the weights and their index
 _SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
 
@@ -297,7 +297,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
 def _load_weight_dir(
     path: Path, dtype, device, progress, verify: bool, dequantize_experts: bool = False
 ) -> LoadedModel:
-    early = early_read.claim(path)  # (the banks' reads begun at the start, if they were)
+    early = early_read.claim(path)  # (the files' reads begun at the start, if they were)
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
     _, cfg = _parse(raw, path)
@@ -324,12 +324,16 @@ def _load_weight_dir(
     if store is not None:
         banks = _entries(weights, {f"experts:{name}": bank
                                    for name, bank in store.named_banks.items()}, path)  # fmt: skip
-    if early is not None and {e.file for e, _ in banks} != {early.file}:
-        early = None  # (it read another file than the banks': not theirs)
-    if early is not None:
-        banks = _adopt_early_read(weights, store, banks, early)
-    elif (store is not None and torch.device(device).type != "cuda"
-          and weights.resident([e for e, _ in banks])):  # fmt: skip
+    early_banks = early is not None and _all_in(banks, early, EXPERTS_FILE)
+    cuda = torch.device(device).type == "cuda"
+    if early_banks:
+        banks = _adopt(weights, banks, early)
+        for entry, view in banks:
+            store.named_banks[entry.name.removeprefix("experts:")] = view
+        if cuda and not dequantize:  # (locked while the rest loads: `pin` waits for it)
+            region = early.regions[EXPERTS_FILE]
+            store.pin_soon(memory.address(region), len(region), lambda: early.wait(EXPERTS_FILE))
+    elif store is not None and not cuda and weights.resident([e for e, _ in banks]):
         banks = _map_banks(weights, store, banks)
     show = sys.stderr.isatty() if progress is None else progress
     with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
@@ -347,20 +351,28 @@ def _load_weight_dir(
             advance(sum(entry.nbytes for entry, _ in banks))
 
         def read_banks() -> None:
-            if early is None:
+            if not early_banks:
                 return weights.read([] if mapped else banks, progress=advance)
-            early.wait()
+            early.wait(EXPERTS_FILE)
             advance(sum(entry.nbytes for entry, _ in banks))
-            log.info("expert banks read from the start: %.1f GB in %.2f s", early.nbytes / 1e9,
-                     early.seconds)  # fmt: skip
+            log.info("expert banks read from the start: %.1f GB in %.2f s",
+                     early.sizes[EXPERTS_FILE] / 1e9, early.seconds[EXPERTS_FILE])  # fmt: skip
 
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
             banks_read = pool.submit(read_banks)
             model.materialize("cpu")
+            log.debug("model's memory given")
             dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
                              path)  # fmt: skip
-            log.debug("model's memory given")
-            weights.read(dense, progress=advance)
+            early_dense = early is not None and _all_in(dense, early, DENSE_FILE)
+            if early_dense:  # the parameters become views of what was read
+                for (_, param), (_, view) in zip(dense, _adopt(weights, dense, early),
+                                                 strict=True):  # fmt: skip
+                    param.data = view
+                early.wait(DENSE_FILE)
+                advance(early.sizes[DENSE_FILE])
+            else:
+                weights.read(dense, progress=advance)
             log.debug("dense tensors read")
             banks_read.result()
     weights.verify(dense, threads=wd.io_threads())  # smaller: at once
@@ -373,23 +385,32 @@ def _load_weight_dir(
     if dequantize:
         log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
         store = _dequantized(store, cfg)
-    model = model.to(device)
+    if cuda and early_dense:  # copied from page-locked memory: at the link's speed
+        region = early.regions[DENSE_FILE]
+        with memory.page_locked(memory.address(region), len(region)):
+            model = model.to(device, non_blocking=True)
+            torch.cuda.synchronize(device)
+    else:
+        model = model.to(device)
     log.debug("model on %s", device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
 
 
-def _adopt_early_read(
-    weights: wd.WeightDir, store: HostExpertStore, banks: list, early: early_read.EarlyRead
-) -> list:
-    """The pool's banks as views of the early read's memory (laid out as the file: each bank at
-    its index offset), whose bytes arrive as its threads read them (`early.wait`)."""
+def _all_in(items: list, early: early_read.EarlyRead, file: str) -> bool:
+    """Whether `items`' entries all lie in `file` and the early read read it."""
+    return bool(items) and file in early.files and all(e.file == file for e, _ in items)
+
+
+def _adopt(weights: wd.WeightDir, items: list, early: early_read.EarlyRead) -> list:
+    """(entry, view) pairs: each tensor of `items` as a view of the early read's memory (laid
+    out as the file: each at its index offset), whose bytes arrive as its threads read them
+    (`early.wait`)."""
     adopted = []
-    for (entry, bank), name in zip(banks, list(store.named_banks), strict=True):
-        weights.check(entry, bank)
-        view = torch.frombuffer(early.region, dtype=torch.uint8, count=entry.nbytes,
-                                offset=entry.offset)  # fmt: skip
-        store.named_banks[name] = view.view(bank.dtype).view(bank.shape)
-        adopted.append((entry, store.named_banks[name]))
+    for entry, tensor in items:
+        weights.check(entry, tensor)
+        view = torch.frombuffer(early.regions[entry.file], dtype=torch.uint8,
+                                count=entry.nbytes, offset=entry.offset)  # fmt: skip
+        adopted.append((entry, view.view(tensor.dtype).view(tensor.shape)))
     return adopted
 
 

@@ -24,6 +24,8 @@ import contextlib
 import functools
 import logging
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +39,16 @@ from freetoken.weights.expert_format import (
     expert_weights,
     fill_random_,
 )
-from freetoken.weights.memory import anonymous_region, pinning_advice
+from freetoken.weights.memory import (
+    MAPPED,
+    PORTABLE,
+    anonymous_region,
+    lock_pages,
+    pinning_advice,
+    unlock_pages,
+)
 
 log = logging.getLogger(__name__)
-
-PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,8 @@ class HostExpertStore(BanksByName):
             for name, (row, row_dtype) in self.shape.bank_rows().items()
         }
         self.pinned = False
+        self._locked: list[int] = []  # the page-locked ranges' starts, to unlock
+        self._pinning: threading.Thread | None = None  # `pin_soon`'s
         # The banks are a weight directory's file pages (mapped: models/loading.py, for CPU
         # starts), copied into memory of their own before they are page-locked.
         self.mapped = False
@@ -209,35 +218,56 @@ class HostExpertStore(BanksByName):
     def pin(self) -> bool:
         """Page-lock the filled banks in place (cudaHostRegister), so copies to the GPU run at
         full PCIe speed and asynchronously. Returns False, with a warning, if that fails."""
+        self._wait_for_pinning()
         if self.pinned:
             return True
         if not torch.cuda.is_available():
             return False
         if self.mapped:  # (locking a mapping's file pages took minutes: see __init__)
             self._unmap()
-        cudart = torch.cuda.cudart()
-        registered = []
         for bank in self.banks:
-            ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
+            start, size = bank.data_ptr(), bank.numel() * bank.element_size()
             # Portable and mapped: the device may also read the pool in place, by its host
             # address (unified addressing), as the device-launched fills do.
-            err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED)
-            if int(err) != 0:
-                for p in registered:
-                    cudart.cudaHostUnregister(p)
+            err = lock_pages(start, size, PORTABLE | MAPPED)
+            if err != 0:
+                for p in self._locked:
+                    unlock_pages(p)
+                self._locked = []
                 log.warning(
                     "could not page-lock the %.1f GiB expert pool (CUDA error %s); copies to the "
                     "GPU would be slow, so experts that miss the cache run on the CPU instead. "
                     "To pin it: %s",
                     self.nbytes / 2**30,
-                    int(err),
+                    err,
                     pinning_advice(self.nbytes),
                 )
                 return False
-            registered.append(ptr)
+            self._locked.append(start)
         self.pinned = True
         log.debug("expert pool page-locked: %.1f GB", self.nbytes / 1e9)
         return True
+
+    def pin_soon(self, start: int, nbytes: int, after: Callable[[], None]) -> None:
+        """Begin page-locking the banks on a thread once `after` returns (their reads ended),
+        as the one allocation [start, start + nbytes) that holds them all (an early read's:
+        models/loading.py), while the rest of the model loads; `pin` waits for it (and locks
+        bank by bank, warning, if it failed)."""
+
+        def lock() -> None:
+            with contextlib.suppress(Exception):  # (the loader raises a failed read)
+                after()
+                if lock_pages(start, nbytes, PORTABLE | MAPPED) == 0:
+                    self._locked, self.pinned = [start], True
+                    log.debug("expert pool page-locked as it loads: %.1f GB", nbytes / 1e9)
+
+        self._pinning = threading.Thread(target=lock, name="ft-pin", daemon=True)
+        self._pinning.start()
+
+    def _wait_for_pinning(self) -> None:
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
 
     def _unmap(self) -> None:
         """The banks copied out of their file mapping into memory of the pool's own."""
@@ -255,8 +285,9 @@ class HostExpertStore(BanksByName):
             self.unpin()
 
     def unpin(self) -> None:
+        self._wait_for_pinning()
         if self.pinned:
-            cudart = torch.cuda.cudart()
-            for bank in self.banks:
-                cudart.cudaHostUnregister(bank.data_ptr())
+            for start in self._locked:
+                unlock_pages(start)
+            self._locked = []
             self.pinned = False

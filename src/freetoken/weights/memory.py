@@ -15,6 +15,7 @@ file read on 16 threads and page-locked: 0.16 + 0.08 s so, 0.27 + 0.16 s in 4 Ki
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import resource
@@ -132,6 +133,43 @@ def anonymous_region(nbytes: int) -> mmap.mmap:
         with contextlib.suppress(OSError):  # (kernels without transparent huge pages)
             region.madvise(mmap.MADV_HUGEPAGE)
     return region
+
+
+def address(buffer) -> int:
+    """Where a writable buffer's (an `anonymous_region`'s) memory starts."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
+
+
+def lock_pages(start: int, nbytes: int, flags: int = PORTABLE) -> int:
+    """Page-lock host memory for CUDA's copies (cudaHostRegister); CUDA's error code, 0 where
+    it is locked (-1: no CUDA here). Imports torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return -1
+    return int(torch.cuda.cudart().cudaHostRegister(start, nbytes, flags))
+
+
+def unlock_pages(start: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(start)
+
+
+@contextlib.contextmanager
+def page_locked(start: int, nbytes: int):
+    """Memory page-locked for the copies made in the block (copies to the GPU from pageable
+    memory go through the driver's staging buffers, at a fraction of the link's speed); left
+    as it is where CUDA cannot lock it: the copies still work. Yields whether it is locked."""
+    locked = lock_pages(start, nbytes) == 0
+    try:
+        yield locked
+    finally:
+        if locked:
+            unlock_pages(start)
 
 
 def locked_memory_limit() -> int | None:

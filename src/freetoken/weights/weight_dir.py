@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INDEX = "freetoken-weights.json"
+DENSE_FILE, EXPERTS_FILE = "dense.bin", "experts.bin"  # (models/loading.py writes them)
 FORMAT, VERSION = "freetoken-weights", 1
 ALIGN = 4096
 CHUNK = 64 * 2**20  # bytes per read and per checksum
