@@ -43,11 +43,6 @@ if os.environ.get("LOAD_TIME_LOG"):  # the engine's log, each line at its time f
 if os.environ.get("LOAD_TIME_EARLY_READ") == "1":  # (as ft serve does, before the engine)
     from freetoken.weights import early_read
     early_read.start(sys.argv[1])
-profile = os.environ.get("LOAD_TIME_PROFILE")
-if profile:
-    import cProfile, pstats
-    prof = cProfile.Profile()
-    prof.enable()
 from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine import generate
 from freetoken.engine.generate import LLMEngine
@@ -62,6 +57,11 @@ generate.load_model = timed_load
 engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], kv_cache_tokens=4096,
     moe=MoEOptions(sys.argv[3], sys.argv[4] if sys.argv[4] != "none" else None), progress=False))
 t_engine = time.time() - t0
+profile = os.environ.get("LOAD_TIME_PROFILE")
+if profile:  # (the first step only: a profiler slows the imports' Python 1.7x)
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    prof.enable()
 engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=1, temperature=0.0))
 while not engine.step():
     pass
@@ -134,7 +134,7 @@ def main() -> int:
         help="one untimed start first, so kernels compiled on first use are in "
         "their on-disk caches for every timed start (a user's second start)",
     )
-    ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report")
+    ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report of its first step")
     ap.add_argument(
         "--logs",
         type=Path,

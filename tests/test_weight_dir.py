@@ -397,8 +397,8 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, g
 
 
 def test_a_pool_locked_soon_waits_for_its_reads_and_falls_back_to_its_banks(monkeypatch):
-    """`pin_soon` locks only after its reads end; where that lock fails, `pin` locks bank by
-    bank."""
+    """A PageLock locks only after its reads end; a pool that adopted one waits for it in
+    `pin` and releases it in `unpin`; where that lock failed, `pin` locks bank by bank."""
     import threading
 
     from freetoken.moe import store as store_module
@@ -407,24 +407,27 @@ def test_a_pool_locked_soon_waits_for_its_reads_and_falls_back_to_its_banks(monk
     calls = []
 
     def lock(start, nbytes, flags):
-        calls.append((start, nbytes))
+        calls.append(("lock", start, nbytes))
         return 2 if start == 8192 else 0  # (CUDA refuses the range at 8192)
 
-    monkeypatch.setattr(store_module, "lock_pages", lock)
-    monkeypatch.setattr(store_module, "unlock_pages", lambda start: None)
+    for module in (loader.memory, store_module):
+        monkeypatch.setattr(module, "lock_pages", lock)
+        monkeypatch.setattr(module, "unlock_pages", lambda start: calls.append(("unlock", start)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     store = HostExpertStore(ExpertShape(64, 32, torch.float32), 2, 4)
     reads_done = threading.Event()
-    store.pin_soon(12288, 4096, reads_done.wait)
+    store.adopt_page_lock(loader.memory.PageLock(12288, 4096, 3, reads_done.wait))
     assert not reads_done.wait(0.05) and calls == [] and not store.pinned
     reads_done.set()
-    assert store.pin() and calls == [(12288, 4096)]
+    assert store.pin() and calls == [("lock", 12288, 4096)]
     store.unpin()
+    assert calls[-1] == ("unlock", 12288) and not store.pinned
     calls.clear()
-    store.pin_soon(8192, 4096, lambda: None)
-    assert store.pin() and calls[0] == (8192, 4096)
-    assert calls[1:] == [(b.data_ptr(), b.numel() * b.element_size()) for b in store.banks]
+    store.adopt_page_lock(loader.memory.PageLock(8192, 4096, 3, lambda: None))
+    assert store.pin() and calls[0] == ("lock", 8192, 4096)
+    assert calls[1:] == [("lock", b.data_ptr(), b.numel() * b.element_size()) for b in store.banks]
     store.unpin()
+    assert ("unlock", 8192) not in calls  # (never locked)
 
 
 def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypatch, tmp_path):

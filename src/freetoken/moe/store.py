@@ -24,8 +24,6 @@ import contextlib
 import functools
 import logging
 import math
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +40,7 @@ from freetoken.weights.expert_format import (
 from freetoken.weights.memory import (
     MAPPED,
     PORTABLE,
+    PageLock,
     anonymous_region,
     lock_pages,
     pinning_advice,
@@ -155,7 +154,7 @@ class HostExpertStore(BanksByName):
         }
         self.pinned = False
         self._locked: list[int] = []  # the page-locked ranges' starts, to unlock
-        self._pinning: threading.Thread | None = None  # `pin_soon`'s
+        self._page_lock: PageLock | None = None  # one lock of every bank (`adopt_page_lock`)
         # The banks are a weight directory's file pages (mapped: models/loading.py, for CPU
         # starts), copied into memory of their own before they are page-locked.
         self.mapped = False
@@ -218,9 +217,14 @@ class HostExpertStore(BanksByName):
     def pin(self) -> bool:
         """Page-lock the filled banks in place (cudaHostRegister), so copies to the GPU run at
         full PCIe speed and asynchronously. Returns False, with a warning, if that fails."""
-        self._wait_for_pinning()
         if self.pinned:
             return True
+        if self._page_lock is not None:
+            if self._page_lock.wait():
+                self.pinned = True
+                log.debug("expert pool page-locked as it loaded: %.1f GB", self.nbytes / 1e9)
+                return True
+            self._page_lock = None  # (refused as one range: bank by bank, warning if refused)
         if not torch.cuda.is_available():
             return False
         if self.mapped:  # (locking a mapping's file pages took minutes: see __init__)
@@ -248,26 +252,11 @@ class HostExpertStore(BanksByName):
         log.debug("expert pool page-locked: %.1f GB", self.nbytes / 1e9)
         return True
 
-    def pin_soon(self, start: int, nbytes: int, after: Callable[[], None]) -> None:
-        """Begin page-locking the banks on a thread once `after` returns (their reads ended),
-        as the one allocation [start, start + nbytes) that holds them all (an early read's:
-        models/loading.py), while the rest of the model loads; `pin` waits for it (and locks
-        bank by bank, warning, if it failed)."""
-
-        def lock() -> None:
-            with contextlib.suppress(Exception):  # (the loader raises a failed read)
-                after()
-                if lock_pages(start, nbytes, PORTABLE | MAPPED) == 0:
-                    self._locked, self.pinned = [start], True
-                    log.debug("expert pool page-locked as it loads: %.1f GB", nbytes / 1e9)
-
-        self._pinning = threading.Thread(target=lock, name="ft-pin", daemon=True)
-        self._pinning.start()
-
-    def _wait_for_pinning(self) -> None:
-        if self._pinning is not None:
-            self._pinning.join()
-            self._pinning = None
+    def adopt_page_lock(self, lock: PageLock) -> None:
+        """Take `lock` (begun as the banks were read: one range that holds them all, locked
+        PORTABLE | MAPPED) as the pool's: `pin` waits for it rather than locking bank by bank,
+        `unpin` releases it."""
+        self._page_lock = lock
 
     def _unmap(self) -> None:
         """The banks copied out of their file mapping into memory of the pool's own."""
@@ -285,7 +274,9 @@ class HostExpertStore(BanksByName):
             self.unpin()
 
     def unpin(self) -> None:
-        self._wait_for_pinning()
+        if self._page_lock is not None:
+            self._page_lock.release()
+            self._page_lock = None
         if self.pinned:
             for start in self._locked:
                 unlock_pages(start)

@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import resource
+import threading
 from pathlib import Path
 
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -170,6 +171,33 @@ def page_locked(start: int, nbytes: int):
     finally:
         if locked:
             unlock_pages(start)
+
+
+class PageLock:
+    """[start, start + nbytes) page-locked on a thread once `after` returns (its reads ended),
+    while the caller goes on: an early read's expert pool (models/loading.py), locked as one
+    range as soon as torch is there, while the model is built. `wait` says whether it is
+    locked; `release` unlocks it."""
+
+    def __init__(self, start: int, nbytes: int, flags: int, after):
+        self.start, self.nbytes, self.locked = start, nbytes, False
+
+        def lock() -> None:
+            with contextlib.suppress(Exception):  # (a failed read: its waiter raises it)
+                after()
+                self.locked = lock_pages(start, nbytes, flags) == 0
+
+        self._thread = threading.Thread(target=lock, name="ft-page-lock", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> bool:
+        self._thread.join()
+        return self.locked
+
+    def release(self) -> None:
+        if self.wait():
+            unlock_pages(self.start)
+            self.locked = False
 
 
 def locked_memory_limit() -> int | None:
