@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -58,6 +59,11 @@ def main() -> int:
     for f in args.path.iterdir():  # (into the page cache)
         if f.is_file():
             f.read_bytes()
+    # Python's bytecode compiled once, where a read-only environment (the GPU machine's) would
+    # compile every module at each start (seconds: load_time.py --prime does the same)
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", "/tmp/early-read-imports-pycache")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    once(args.path, 0, True)
     lines = [
         f"# early_read_imports: {args.path}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",

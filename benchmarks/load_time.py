@@ -102,8 +102,11 @@ def plain_read(path: Path) -> tuple[int, float]:
 
 
 def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
-               early: bool = True, log: Path | None = None) -> dict:  # fmt: skip
+               early: bool = True, log: Path | None = None,
+               readers: int | None = None) -> dict:  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOAD_TIME_EARLY_READ": "1" if early else "0"}
+    if readers is not None:  # (beside the imports; weights/early_read.py)
+        env["FREETOKEN_EARLY_READERS"] = str(readers)
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
         env["LOAD_TIME_PROFILE"] = str(profile)
     if log is not None:
@@ -134,12 +137,17 @@ def main() -> int:
         help="one untimed start first, so kernels compiled on first use are in "
         "their on-disk caches for every timed start (a user's second start)",
     )
-    ap.add_argument("--profile", type=Path, help="directory for each start's cProfile report of its first step")
+    ap.add_argument(
+        "--profile", type=Path, help="directory for each start's cProfile of its first step"
+    )
     ap.add_argument(
         "--logs",
         type=Path,
         help="directory for each start's engine log, its lines timed from the start",
     )
+    ap.add_argument("--early-readers", type=int, nargs="+", default=[None],
+                    help="early read: its reader threads beside the imports (default: its own "
+                    "choice), one start each")  # fmt: skip
     ap.add_argument("--page-cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
                     help="weight directory: its banks read from the start (as ft serve "
@@ -169,7 +177,8 @@ def main() -> int:
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        for cache_state, early in itertools.product(args.page_cache, earlies):
+        runs = [(e, r) for e in earlies for r in (args.early_readers if e == "on" else [None])]
+        for cache_state, (early, readers) in itertools.product(args.page_cache, runs):
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -177,10 +186,12 @@ def main() -> int:
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)
-            name = f"{label.replace(' ', '-')}-{cache_state}-{early}.txt"
+            if readers is not None:
+                early = f"{early} ({readers} readers)"
+            name = f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}.txt"
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
-            t = start_once(path, args.strategy, args.cache, profile, early == "on", log)
+            t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers)
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, early_read=early,
                              gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,

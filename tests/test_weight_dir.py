@@ -361,6 +361,23 @@ def test_files_read_from_the_start_are_the_models_and_give_the_same_logits(conve
     assert torch.equal(logits(early, prompt), logits(plain, prompt))
 
 
+def test_an_early_read_takes_more_readers_when_claimed(converted, gpu_node, monkeypatch):
+    """Few readers beside the imports (FREETOKEN_EARLY_READERS sets how many), the rest of the
+    I/O threads once the loader claims it; chunks taken by any reader land where they belong."""
+    monkeypatch.setattr(wd, "CHUNK", 1 << 16)  # (many chunks over several readers)
+    monkeypatch.setattr(wd, "io_threads", lambda: 5)
+    monkeypatch.setenv(gpu_node.READERS_ENV, "2")
+    read = gpu_node.start(converted, None)
+    assert read.readers == 2
+    assert gpu_node.claim(converted) is read and read.readers == 5
+    for file in read.files:
+        read.wait(file)
+        assert bytes(read.regions[file]) == (converted / file).read_bytes(), file
+    assert read.done_bytes == read.nbytes
+    read.add_readers(3)  # (nothing left to read: none start)
+    assert read.readers == 5
+
+
 def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, gpu_node,
                                                                     monkeypatch):  # fmt: skip
     """On CUDA the pool's banks are page-locked as one range on a thread once read (the pool's

@@ -4,13 +4,14 @@
 `ft serve` / `ft generate` call `start(model)` before they import the engine: where the model is
 a weight directory and a GPU is there (a CUDA start reads its pool; a CPU start of a directory
 the page cache holds maps it instead), each of its files (`dense.bin`, then `experts.bin`) is
-read whole on a pool of threads (os.preadv releases the GIL; direct I/O for a file the page
-cache lacks, weight_dir.py's rule) into one anonymous mapping laid out as the file, so each
-tensor is a view at its index offset. The mappings are advised MADV_HUGEPAGE: the reads fault in
-fresh memory, and 2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB pages took one
-per 4 KiB. The loader `claim`s the read (models/loading.py): the pool's banks and the dense
-parameters become views of its memory, and the loader waits for each file where it would have
-read it. Nothing here imports torch.
+read whole by reader threads (os.preadv releases the GIL; direct I/O for a file the page cache
+lacks, weight_dir.py's rule) into one anonymous mapping laid out as the file, so each tensor is
+a view at its index offset. Few readers while the imports run (they slow them), the rest of
+the I/O threads once the loader claims the read. The mappings are advised MADV_HUGEPAGE: the
+reads fault in fresh memory, and 2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB
+pages took one per 4 KiB. The loader `claim`s the read (models/loading.py): the pool's banks
+and the dense parameters become views of its memory, and the loader waits for each file where
+it would have read it. Nothing here imports torch.
 
 Not started (the loader reads as before) where the index cannot be read, where host memory
 (cgroup limits included) lacks room for the files beside a margin, or on `--device cpu`.
@@ -23,7 +24,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from freetoken.errors import FreetokenError
@@ -38,21 +38,28 @@ FILES = (wd.DENSE_FILE, wd.EXPERTS_FILE)
 MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the model and Python
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there: torch is not imported yet to ask)
 ENV = "FREETOKEN_EARLY_READ"
+READERS_ENV = "FREETOKEN_EARLY_READERS"  # readers while the imports run (benchmarks)
+# Readers beside the imports. On the H200 machine 8 readers (a warm 21 GB in 1.3 s alone)
+# stretched the imports from 1.4 s to 2.8 s, and the start gained nothing.
+IMPORT_READERS = 2
 
 _pending: dict[Path, EarlyRead] = {}
 _lock = threading.Lock()
 
 
 def reader_threads() -> int:
-    """The loader's I/O threads, but two cores left to the imports they run beside (a warm
-    read is memory copies: on the 2-core machine 8 readers stretched the imports from 1 s to
-    10 s, and the start ended 2x later than without them)."""
-    return max(1, min(wd.io_threads(), (os.cpu_count() or 1) - 2))
+    """Readers while Python imports torch: few, so that the imports (seconds of work on one
+    core) are not slowed by the copies (see IMPORT_READERS); the loader adds the rest of the I/O
+    threads when it claims the read (`add_readers`)."""
+    wanted = os.environ.get(READERS_ENV)
+    if wanted:
+        return max(1, int(wanted))
+    return max(1, min(IMPORT_READERS, wd.io_threads(), (os.cpu_count() or 1) - 2))
 
 
 class EarlyRead:
     """Files of a weight directory, each read into a region of its own (same offsets), one file
-    after another on a thread pool."""
+    after another, 64 MiB chunks taken in order by reader threads (more can join)."""
 
     def __init__(self, weights: wd.WeightDir, files: tuple[str, ...], threads: int | None = None):
         self.path = weights.path
@@ -62,10 +69,17 @@ class EarlyRead:
         self.seconds: dict[str, float] = {}  # each file's, from the start, once read
         self.error: BaseException | None = None
         self.done_bytes = 0  # read so far (that memory is no longer free: the load's check)
-        self._count = threading.Lock()
+        self._lock = threading.Lock()
         self._done = {file: threading.Event() for file in files}
-        self._threads = threads or reader_threads()
-        threading.Thread(target=self._run, name="ft-early-read", daemon=True).start()
+        self._left = {file: len(wd.chunk_spans(n)) for file, n in self.sizes.items()}
+        self._chunks = iter(
+            [(f, a, b) for f, n in self.sizes.items() for a, b in wd.chunk_spans(n)]
+        )
+        self._views = {file: memoryview(region) for file, region in self.regions.items()}
+        self._reads = wd.FileReads(self.path)
+        self.readers = 0
+        self._running = 0
+        self.add_readers(threads or reader_threads())
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -75,31 +89,47 @@ class EarlyRead:
     def nbytes(self) -> int:
         return sum(self.sizes.values())
 
-    def _run(self) -> None:
-        reads = wd.FileReads(self.path)
+    def add_readers(self, n: int) -> None:
+        """`n` more reader threads (none once every chunk is taken)."""
+        with self._lock:
+            if self._chunks is None:
+                return
+            self.readers += n
+            self._running += n
+        for _ in range(n):
+            threading.Thread(target=self._read, name="ft-early-read", daemon=True).start()
+
+    def _next(self) -> tuple[str, int, int] | None:
+        with self._lock:
+            chunk = next(self._chunks, None) if self._chunks is not None else None
+            if chunk is None:
+                self._chunks = None
+            return chunk
+
+    def _read(self) -> None:
         try:
-            with ThreadPoolExecutor(self._threads, thread_name_prefix="ft-early-read") as pool:
-                for file, nbytes in self.sizes.items():
-                    view = memoryview(self.regions[file])
-
-                    def read(span: tuple[int, int], file=file, view=view) -> None:
-                        a, b = span
-                        reads.read_into(file, a, view[a:b], file)
-                        with self._count:
-                            self.done_bytes += b - a
-
-                    try:
-                        list(pool.map(read, wd.chunk_spans(nbytes)))
-                    finally:
-                        view.release()
-                    self.seconds[file] = time.perf_counter() - self.started
-                    self._done[file].set()
+            while (chunk := self._next()) is not None:
+                file, a, b = chunk
+                self._reads.read_into(file, a, self._views[file][a:b], file)
+                with self._lock:
+                    self.done_bytes += b - a
+                    self._left[file] -= 1
+                    if self._left[file] == 0:
+                        self.seconds[file] = time.perf_counter() - self.started
+                        self._done[file].set()
         except BaseException as e:  # (the loader raises it where it waits)
-            self.error = e
-        finally:
-            reads.close()
+            with self._lock:
+                self.error, self._chunks = e, None
             for done in self._done.values():  # (a failure ends every wait)
                 done.set()
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0 and self._chunks is None
+            if last:  # (every chunk taken and read, or a failure)
+                self._reads.close()
+                for view in self._views.values():
+                    view.release()
 
     def wait(self, file: str) -> None:
         """Until every byte of `file` is read; raises what a read raised (a file cut short)."""
@@ -137,6 +167,10 @@ def start(model: str | Path | None, device: str | None = None) -> EarlyRead | No
 
 
 def claim(path: str | Path) -> EarlyRead | None:
-    """The early read of `path`'s files, once (None where none was started)."""
+    """The early read of `path`'s files, once (None where none was started), with the rest of
+    the I/O threads added to its readers (the imports are over)."""
     with _lock:
-        return _pending.pop(Path(path).resolve(), None)
+        read = _pending.pop(Path(path).resolve(), None)
+    if read is not None:
+        read.add_readers(max(0, wd.io_threads() - read.readers))
+    return read
