@@ -413,6 +413,27 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, g
     assert calls[-1] == ("unlock", banks) and not store.pinned
 
 
+def test_a_failed_cuda_load_unlocks_what_it_locked_early(converted, gpu_node, monkeypatch):
+    """The pool's early lock is released when the load fails after it began (its memory goes
+    with the read: CUDA refuses later copies from a range freed while registered)."""
+    calls = []
+
+    def lock(start, nbytes, flags=loader.memory.PORTABLE):
+        calls.append(("lock", start))
+        return 0
+
+    monkeypatch.setattr(loader.memory, "lock_pages", lock)
+    monkeypatch.setattr(
+        loader.memory, "unlock_pages", lambda start: calls.append(("unlock", start))
+    )
+    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
+    read = gpu_node.start(converted, "cuda")
+    with pytest.raises(CheckpointError, match="float16"):
+        load_model(converted, dtype="float16", device="cuda")  # (stored fp32: refused)
+    banks = loader.memory.address(read.regions["experts.bin"])
+    assert calls == [("lock", banks), ("unlock", banks)]
+
+
 def test_a_pool_locked_soon_waits_for_its_reads_and_falls_back_to_its_banks(monkeypatch):
     """A PageLock locks only after its reads end; a pool that adopted one waits for it in
     `pin` and releases it in `unpin`; where that lock failed, `pin` locks bank by bank."""
