@@ -115,6 +115,11 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
               "DOWN_STAGES": 3},
     **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed")},
 }  # fmt: skip
+# Q4_K's gate/up from `grouped_experts_bench.py --sweep --format q4_k` on the H200 (2026-12-03,
+# Qwen3-30B-A3B's shape): 8 x 256 tiles on 4 warps took a layer from 45.5 to 42.0 us at batch 1
+# and 152.4 to 131.2 us at batch 4 (bf16: 25.6 and 74.4); its down kernel's defaults were within
+# 1% of the sweep's best. The other K-quants keep q8_0's tiles (not swept).
+QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=8, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4)
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
 DEQUANTIZE_BLOCK_K = 128  # (a multiple of 32: whole fp4 chunks; fp8: at most its 128 blocks)

@@ -39,9 +39,12 @@ MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the mode
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there: torch is not imported yet to ask)
 ENV = "FREETOKEN_EARLY_READ"
 READERS_ENV = "FREETOKEN_EARLY_READERS"  # readers while the imports run (benchmarks)
-# Readers beside the imports. On the H200 machine 8 readers (a warm 21 GB in 1.3 s alone)
-# stretched the imports from 1.4 s to 2.8 s, and the start gained nothing.
-IMPORT_READERS = 2
+# Readers beside the imports. Each slows them (memory copies and page faults on other cores):
+# on the H200 machine, imports of 1.8-2.1 s alone took 2.1-2.6 s beside one reader, 2.5-2.9 s
+# beside two, 3.0-3.3 s beside four and 3.3-3.7 s beside eight (`early_read_imports.py`), and a
+# warm 16-layer start reached its first token in 6.0, 5.7, 5.0 and 6.6 s (6.8 s without an
+# early read): four it is.
+IMPORT_READERS = 4
 
 _pending: dict[Path, EarlyRead] = {}
 _lock = threading.Lock()
