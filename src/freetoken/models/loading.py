@@ -269,13 +269,21 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
     loaded = load_model(src, dtype, "cpu", progress, dequantize_experts=dequantize_experts)
+    copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
+    write_weight_dir(loaded, dst, copy, progress)
+    return dst
+
+
+def write_weight_dir(loaded: LoadedModel, dst: Path, copy: list[Path],
+                     progress: bool | None = None) -> None:  # fmt: skip
+    """`loaded`'s parameters and host pool (in CPU memory) as a weight directory at `dst`, with
+    the files `copy` (config and tokenizer) beside them."""
     files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
     if loaded.experts is not None:
         files[EXPERTS_FILE] = [(f"experts:{name}", bank)
                                for name, bank in loaded.experts.named_banks.items()]  # fmt: skip
-    copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    meta = {"dtype": dtype_name, "source": src.name}
+    meta = {"dtype": dtype_name, "source": loaded.path.name}
     if loaded.experts is not None and loaded.experts.format.quantized:
         fmt = loaded.experts.format
         meta["expert_format"] = fmt.name
@@ -291,7 +299,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
         # experts as `expert_format` in its index says: config.json no longer describes them
         raw = {k: v for k, v in loaded.raw_config.items() if k != "quantization_config"}
         (dst / "config.json").write_text(json.dumps(raw, indent=2))
-    return dst
 
 
 def _load_weight_dir(
