@@ -452,7 +452,7 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     compare(((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
             "q_int32_slots")  # fmt: skip
     for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48),
-                         "q8_0": (160, 64)}.items():  # fmt: skip
+                         "q8_0": (160, 64), "q4_k": (512, 256)}.items():  # fmt: skip
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
@@ -528,7 +528,8 @@ INTERPRETER_TOLERANCE = {
 QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
-    "q_q8_0_defaults", "q_mxfp4_bf16_bias_swiglu_oai", "q_fp8_fp32_bias_swiglu_oai",
+    "q_q8_0_defaults", "q_q4_k_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
+    "q_fp8_fp32_bias_swiglu_oai",
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
