@@ -456,6 +456,11 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
+    # q4_k / q5_k in paired tiles (a code byte loaded once for its two values: K_PAIRS)
+    pairs = {**SMALL_LAUNCH, "GATE_UP_BLOCK_K": 128, "DOWN_BLOCK_K": 128, "K_PAIRS": 1}
+    for name, dt in (("q4_k", "fp32"), ("q4_k", "bf16"), ("q5_k", "fp32"), ("q5_k", "bf16")):
+        compare(quantized_case(name, 2, 2, 256, 256, 5, seed=25, dtype=DTYPES[dt]),
+                f"q_{name}_{dt}_pairs", params=pairs)  # fmt: skip
     # gpt-oss's unit with biases, gate and up past its clamp
     for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
         h, i = QUANTIZED_SHAPES[name]
@@ -529,7 +534,8 @@ QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
     "q_q8_0_defaults", "q_q4_k_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
-    "q_fp8_fp32_bias_swiglu_oai",
+    "q_fp8_fp32_bias_swiglu_oai", "q_q4_k_fp32_pairs", "q_q4_k_bf16_pairs", "q_q5_k_fp32_pairs",
+    "q_q5_k_bf16_pairs",
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
@@ -656,6 +662,27 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
     fmt = QUANTIZED[name]
     if fmt.name in K_FAMILY and (h % fmt.col_block or i % fmt.col_block):
         pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("name", ["q4_k", "q5_k"])
+def test_cuda_paired_k_quant_tiles(name, monkeypatch):
+    """The paired tiles (K_PAIRS=1) on the GPU against the per-chunk tiles and the reference,
+    at Qwen3-30B-A3B's shape."""
+    import freetoken.kernels.grouped_experts as ge
+
+    h, i, s, k = MODEL_SHAPES["qwen3"]
+    fmt = QUANTIZED[name].name
+    for tokens in (1, 4):
+        quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=tokens,
+                                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        chunked = ge.triton_grouped_expert_forward(*quantized)
+        monkeypatch.setitem(ge.QUANTIZED_LAUNCH, fmt, {**ge.launch_params(fmt), "K_PAIRS": 1})
+        paired = ge.triton_grouped_expert_forward(*quantized)
+        monkeypatch.undo()
+        assert _rel_err(paired, chunked) < 5e-3
+        assert _rel_err(paired, reference_grouped_experts(*dense)) < 1e-2
 
 
 @needs_cuda

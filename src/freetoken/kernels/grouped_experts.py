@@ -120,6 +120,10 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
 # and 152.4 to 131.2 us at batch 4 (bf16: 25.6 and 74.4); its down kernel's defaults were within
 # 1% of the sweep's best. The other K-quants keep q8_0's tiles (not swept).
 QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=8, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4)
+# K_PAIRS=1 (q4_k, q5_k; BLOCK_K a multiple of 128): tiles that load each code byte once for
+# its two values (`_k_pairs_tile`), where the per-chunk tiles load it once a value. The same
+# results bit for bit (the interpreter's tests); off until timed on the GPU against the
+# per-chunk tiles (`grouped_experts_bench.py --format q4_k --set K_PAIRS=1`).
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
 DEQUANTIZE_BLOCK_K = 128  # (a multiple of 32: whole fp4 chunks; fp8: at most its 128 blocks)
@@ -556,6 +560,62 @@ if triton is not None:
         return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
 
     @triton.jit
+    def _k_pairs_tile(
+        w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        REST: tl.constexpr, W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """q4_k / q5_k weights (rounded to dt) of columns k0.. as [BLOCK_N, Q, 2, 32, 2], Q =
+        BLOCK_K / 128: value k0 + 128 q + 64 r + 32 h + l at [:, q, r, l, h], so that each code
+        byte is loaded once for its two values (its low nibble h = 0, its high one h = 1), where
+        `_k_quant_tile` loads it once per value; the same values, in the same order of
+        operations. x is read in this order too (`_k_pairs_x`)."""
+        Q: tl.constexpr = BLOCK_K // 128
+        q = tl.arange(0, Q)[:, None, None, None]
+        r = tl.arange(0, 2)[None, :, None, None]
+        lane = tl.arange(0, 32)[None, None, :, None]
+        h = tl.arange(0, 2)[None, None, None, :]
+        v0 = k0 + 128 * q + 64 * r  # [Q, 2, 1, 1]: the first value of each 64-value group
+        ok = row_mask[:, None, None, None, None] & (v0 < KDIM)[None]
+        base = s_rows[:, None, None, None, None] + ((v0 // 256) * REST)[None]  # its block's
+        byte = tl.load(w_rows[:, None, None, None, None] + (v0 // 2 + lane)[None],
+                       mask=ok & (lane < 32)[None], other=0).to(tl.int32)  # fmt: skip
+        code = (byte >> (4 * h)[None]) & 0xF  # [BLOCK_N, Q, 2, 32, 2]
+        sub = ((v0 // 32) % 8 + h)[None]  # each chunk's place in its block: [1, Q, 2, 1, 2]
+        if FORMAT == 6:
+            qh = tl.load(base + 16 + lane[None], mask=ok & (lane < 32)[None], other=0)
+            code = code | (((qh.to(tl.int32) >> sub) & 1) << 4)
+        # the chunk's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
+        low = sub < 4
+        at = base + 4
+        chunk_ok = ok & (h < 2)[None]
+        a = tl.load(at + tl.where(low, sub, sub + 4), mask=chunk_ok, other=0).to(tl.int32)
+        b = tl.load(at + tl.where(low, sub + 4, sub - 4), mask=chunk_ok, other=0)
+        c = tl.load(at + tl.where(low, sub + 4, sub), mask=chunk_ok, other=0).to(tl.int32)
+        sc = tl.where(low, a & 63, (a & 0xF) | ((b.to(tl.int32) >> 6) << 4))
+        mn = tl.where(low, c & 63, (a >> 4) | ((c >> 6) << 4))
+        scale = _f16_at(base, ok) * sc.to(tl.float32)
+        offset = _f16_at(base + 2, ok) * mn.to(tl.float32)
+        return _round_weight(scale * code.to(tl.float32) - offset, dt, W_ROUND)
+
+    @triton.jit
+    def _k_pairs_x(x_row, k0, valid, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [Q, 2, 32, 2] (fp32) for `_k_pairs_tile`'s tile of columns k0.."""
+        offs = (k0 + 128 * tl.arange(0, BLOCK_K // 128)[:, None, None, None]
+                + 64 * tl.arange(0, 2)[None, :, None, None]
+                + tl.arange(0, 32)[None, None, :, None]
+                + 32 * tl.arange(0, 2)[None, None, None, :])  # fmt: skip
+        return tl.load(x_row + offs, mask=(offs < KDIM) & valid, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _k_pairs_sum(acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N] sums of a `_k_pairs_tile`-shaped accumulator, over its values in value
+        order (as the [BLOCK_N, BLOCK_K] accumulators sum theirs): one permute, after the
+        loop."""
+        acc = tl.permute(acc, (0, 1, 2, 4, 3))
+        return tl.sum(tl.reshape(acc, [BLOCK_N, BLOCK_K]), axis=1)
+
+    @triton.jit
     def _fp4_tile(
         w_rows, s_rows, g_rows, k0, row_mask, dt,
         KDIM: tl.constexpr, FORMAT: tl.constexpr, W_ROUND: tl.constexpr,
@@ -641,6 +701,7 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        K_PAIRS: tl.constexpr,
     ):
         """a[r, n] = glu(W_gu[s, n] @ x[t] (+ b[s, n]), W_gu[s, INTER + n] @ x[t] (+ b[s,
         INTER + n])) for one block of n."""
@@ -664,7 +725,19 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
+        if K_PAIRS and (FORMAT == 5 or FORMAT == 6):  # q4_k, q5_k: a code byte a value pair
+            REST_G: tl.constexpr = 16 if FORMAT == 5 else 48
+            acc_g5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
+            acc_u5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                xv = _k_pairs_x(x_row, k0, valid, HIDDEN, BLOCK_K)[None]
+                acc_g5 += xv * _k_pairs_tile(gate_rows, s_gate, k0, row_mask, dt, HIDDEN,
+                                             FORMAT, REST_G, W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_u5 += xv * _k_pairs_tile(up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT,
+                                             REST_G, W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
+            gate = _k_pairs_sum(acc_g5, BLOCK_N, BLOCK_K)
+            up = _k_pairs_sum(acc_u5, BLOCK_N, BLOCK_K)
+        elif FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -676,6 +749,8 @@ if triton is not None:
                                   COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc_g += wg * xv[None, :]
                 acc_u += wu * xv[None, :]
+            gate = tl.sum(acc_g, axis=1)
+            up = tl.sum(acc_u, axis=1)
         else:  # fp4: the same tiles as [BLOCK_N, BLOCK_K / 32, 4, 8], x to match
             acc_g4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
             acc_u4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
@@ -687,12 +762,12 @@ if triton is not None:
                                W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc_g4 += wg * xv[None, :, :, :]
                 acc_u4 += wu * xv[None, :, :, :]
-            acc_g = tl.reshape(acc_g4, [BLOCK_N, BLOCK_K])
-            acc_u = tl.reshape(acc_u4, [BLOCK_N, BLOCK_K])
+            gate = tl.sum(tl.reshape(acc_g4, [BLOCK_N, BLOCK_K]), axis=1)
+            up = tl.sum(tl.reshape(acc_u4, [BLOCK_N, BLOCK_K]), axis=1)
         # Round where torch would: h = W @ x is an x.dtype tensor, act(gate) is one, and so is
         # the product (no-ops for fp32).
-        gate = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
-        up = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt).to(tl.float32)
         if HAS_BIAS:  # (a skipped route adds 0: it must still compute 0)
             b_row = b_ptr + slot * stride_bs + rows
             gate = gate + tl.load(b_row, mask=row_mask, other=0.0).to(tl.float32)
@@ -726,6 +801,7 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        K_PAIRS: tl.constexpr,
     ):
         """c[r, n] = (route_w[r] * (W_d[s, n] @ a[r])).to(x.dtype) for one block of n."""
         r = tl.program_id(0)
@@ -742,7 +818,15 @@ if triton is not None:
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT >= 4:
+        if K_PAIRS and (FORMAT == 5 or FORMAT == 6):
+            REST_D: tl.constexpr = 16 if FORMAT == 5 else 48
+            acc5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                av = _k_pairs_x(a_row, k0, valid, INTER, BLOCK_K)[None]
+                acc5 += av * _k_pairs_tile(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT,
+                                           REST_D, W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
+            y = _k_pairs_sum(acc5, BLOCK_N, BLOCK_K)
+        elif FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 k_ok = (k0 + cols) < INTER
@@ -750,6 +834,7 @@ if triton is not None:
                 wd = _weight_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
                                   COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc += wd * av[None, :]
+            y = tl.sum(acc, axis=1)
         else:
             acc4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
@@ -757,8 +842,8 @@ if triton is not None:
                 wd = _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
                                W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc4 += wd * av[None, :, :, :]
-            acc = tl.reshape(acc4, [BLOCK_N, BLOCK_K])
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            y = tl.sum(tl.reshape(acc4, [BLOCK_N, BLOCK_K]), axis=1)
+        y = y.to(dt).to(tl.float32)
         # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
         # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
         # skipped route contributes exactly 0 whatever its weight (even inf or nan).
@@ -880,6 +965,11 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
 
 
 def _check_blocks(format_code: int, params: dict[str, int]) -> None:
+    if params.get("K_PAIRS") and format_code in (5, 6):
+        for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
+            if params[name] % 128:
+                raise ValueError(f"paired K-quant tiles take whole 128-value groups: {name} "
+                                 f"{params[name]}")  # fmt: skip
     if format_code >= 2:
         for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
             if params[name] % 32:
@@ -946,6 +1036,7 @@ def triton_grouped_expert_forward(
         INTERPRETED=interpreted,
         BLOCK_N=p["GATE_UP_BLOCK_N"],
         BLOCK_K=p["GATE_UP_BLOCK_K"],
+        K_PAIRS=p.get("K_PAIRS", 0),
         num_warps=p["GATE_UP_WARPS"],
         num_stages=p["GATE_UP_STAGES"],
         **gu_consts,
@@ -972,6 +1063,7 @@ def triton_grouped_expert_forward(
         INTERPRETED=interpreted,
         BLOCK_N=p["DOWN_BLOCK_N"],
         BLOCK_K=p["DOWN_BLOCK_K"],
+        K_PAIRS=p.get("K_PAIRS", 0),
         num_warps=p["DOWN_WARPS"],
         num_stages=p["DOWN_STAGES"],
         **d_consts,
