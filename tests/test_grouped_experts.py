@@ -409,6 +409,9 @@ QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("m
                     ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
                     ("q4_k+k_mixed", "bf16")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PAIRED_CASES = [("q4_k", "fp32"), ("q4_k", "bf16"), ("q5_k", "fp32"), ("q5_k", "bf16"),
+                ("q6_k", "fp32"), ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
+                ("q4_k+k_mixed", "bf16")]  # fmt: skip
 
 
 def _quantized_interpreter_cases() -> dict[str, float]:
@@ -444,7 +447,9 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res: dict[str, float] = {}
     for name, dt in QUANTIZED_DTYPES:
         h, i = QUANTIZED_SHAPES[name]
-        compare(quantized_case(name, 2, 2, h, i, 5, seed=20, dtype=DTYPES[dt]), f"q_{name}_{dt}")
+        tokens = 4 if "k_mixed" in name else 2  # (routes to slots of each K type: 0, 1, 2)
+        compare(quantized_case(name, tokens, 2, h, i, 5, seed=20, dtype=DTYPES[dt]),
+                f"q_{name}_{dt}")  # fmt: skip
     # int32 slots; the launch defaults (larger tiles than the dims: one partial K step for fp4,
     # fp8's one-scale-per-row path with 128 x 128 blocks)
     quantized, dense = quantized_case("fp8", 2, 3, 72, 40, 4, seed=21)
@@ -456,10 +461,10 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
-    # q4_k / q5_k in paired tiles (a code byte loaded once for its two values: K_PAIRS)
+    # the K-quants in paired tiles (each code byte loaded once: K_PAIRS)
     pairs = {**SMALL_LAUNCH, "GATE_UP_BLOCK_K": 128, "DOWN_BLOCK_K": 128, "K_PAIRS": 1}
-    for name, dt in (("q4_k", "fp32"), ("q4_k", "bf16"), ("q5_k", "fp32"), ("q5_k", "bf16")):
-        compare(quantized_case(name, 2, 2, 256, 256, 5, seed=25, dtype=DTYPES[dt]),
+    for name, dt in PAIRED_CASES:
+        compare(quantized_case(name, 4, 2, 256, 256, 5, seed=25, dtype=DTYPES[dt]),
                 f"q_{name}_{dt}_pairs", params=pairs)  # fmt: skip
     # gpt-oss's unit with biases, gate and up past its clamp
     for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
@@ -534,8 +539,7 @@ QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
     "q_q8_0_defaults", "q_q4_k_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
-    "q_fp8_fp32_bias_swiglu_oai", "q_q4_k_fp32_pairs", "q_q4_k_bf16_pairs", "q_q5_k_fp32_pairs",
-    "q_q5_k_bf16_pairs",
+    "q_fp8_fp32_bias_swiglu_oai", *(f"q_{name}_{dt}_pairs" for name, dt in PAIRED_CASES),
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
@@ -666,14 +670,14 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
 
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("name", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k", "k_mixed", "q4_k+k_mixed"])
 def test_cuda_paired_k_quant_tiles(name, monkeypatch):
     """The paired tiles (K_PAIRS=1) on the GPU against the per-chunk tiles and the reference,
     at Qwen3-30B-A3B's shape."""
     import freetoken.kernels.grouped_experts as ge
 
     h, i, s, k = MODEL_SHAPES["qwen3"]
-    fmt = QUANTIZED[name].name
+    fmt = QUANTIZED[name.partition("+")[0]].name  # (the launch follows gate/up's format)
     for tokens in (1, 4):
         quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=tokens,
                                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
