@@ -21,7 +21,7 @@ from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+    importlib.util.find_spec("triton") is None, reason="needs triton (dev extras, Linux)"
 )
 
 # A quantized pool's banks (moe/store.py BANK_NAMES order): one expert's row of each, as nvfp4

@@ -3,7 +3,7 @@
 - The torch reference against a naive per-route loop (CPU, fp32).
 - The Triton kernels against the reference under Triton's CPU interpreter: TRITON_INTERPRET must
   be set before triton is imported, so those cases run in one subprocess; they skip when triton
-  is not installed (it is not a project dependency).
+  is not installed (the dev extras bring it on Linux).
 - Quantized banks (fp8 block scales, mxfp4, nvfp4): the reference against the same experts
   dequantized; under the interpreter the Triton kernels against the dense Triton kernels on the
   dequantized banks (bit for bit) and `dequantize_slots`' kernel against the formats' definition.
@@ -41,7 +41,7 @@ from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+    importlib.util.find_spec("triton") is None, reason="needs triton (dev extras, Linux)"
 )
 
 

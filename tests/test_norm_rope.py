@@ -15,7 +15,7 @@ import pytest
 import torch
 
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+    importlib.util.find_spec("triton") is None, reason="needs triton (dev extras, Linux)"
 )
 
 

@@ -24,7 +24,7 @@ from freetoken.kv.paged import KVSequence, PagedKVCache
 from interpreted import run_interpreted
 
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (not a project dependency)"
+    importlib.util.find_spec("triton") is None, reason="needs triton (dev extras, Linux)"
 )
 
 
