@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from freetoken.errors import CheckpointError, FreetokenError
+from freetoken.weights import memory
 
 if TYPE_CHECKING:
     import torch
@@ -291,7 +292,7 @@ class FileReads:
 
     def read_into(self, file: str, offset: int, buf: memoryview, name: str) -> None:
         buffered, direct = self._fds(file)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+        address = memory.address(buf) if len(buf) else 0
         aligned = (address | offset | len(buf)) % ALIGN == 0
         done = 0
         while done < len(buf):
