@@ -91,14 +91,20 @@ def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
             ref = hf(torch.tensor([IDS])).logits[0].float()
         assert (ours - ref).abs().max().item() < 1e-4
     else:  # each matrix dequantized: the source's weights within the type's steps
+        import gguf as gguf_package
         from safetensors.torch import load_file
 
         weights = load_file(str(converted / "model.safetensors"))
         state = hf.state_dict()
-        q = weights["model.layers.0.self_attn.q_proj.weight"].float()
+        q = weights["model.layers.0.self_attn.q_proj.weight"]
         source_q = state["model.layers.0.self_attn.q_proj.weight"]
         step = {"Q8_0": 0.01}.get(kind, 0.2)  # (of the largest)
-        assert 0 < (q - source_q).abs().max() < step * source_q.abs().max()
+        assert 0 < (q.float() - source_q).abs().max() < step * source_q.abs().max()
+        # stored as the file defines them (fp32: bf16 would round most of a block's values)
+        t = next(t for t in gguf_package.GGUFReader(str(file)).tensors
+                 if t.name == "blk.0.attn_q.weight")  # fmt: skip
+        want = torch.from_numpy(gguf_package.quants.dequantize(t.data, t.tensor_type))
+        assert q.dtype == torch.float32 and torch.equal(q, want)
         assert json.loads((converted / "config.json").read_text())["dtype"] == "bfloat16"
         hf_q = type(hf)(hf.config).eval()  # the same model holding the dequantized weights
         result = hf_q.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
@@ -111,6 +117,30 @@ def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
         got = ours_bf16.forward([ours_bf16.new_sequence()], [IDS], all_logits=True)
         assert (got - ref).abs().max().item() < 1e-4
     assert gguf.checkpoint_of(file) == converted  # a second start converts nothing
+
+
+def test_exact_storage_takes_the_narrowest_type_holding_every_value():
+    halves = torch.tensor([0.5, -1.25, 3.0])  # exact in bf16 and fp16
+    assert gguf._exact(halves).dtype == torch.bfloat16
+    fine = torch.tensor([1 + 2**-10, 3.0])  # 11 significant bits: fp16's, not bf16's
+    assert gguf._exact(fine).dtype == torch.float16
+    block = torch.tensor([0.0123, 7.0]).half().float() * 13  # a scale times a code
+    assert gguf._exact(block).dtype == torch.float32
+    for t in (halves, fine, block):
+        assert torch.equal(gguf._exact(t).float(), t)
+
+
+def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
+    file, cache = f32_file
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache))
+    converted = gguf.checkpoint_of(file)
+    done = json.loads((converted / gguf.DONE).read_text())
+    assert done["format"] == gguf.FORMAT
+    (converted / gguf.DONE).write_text(json.dumps({**done, "format": gguf.FORMAT - 1}))
+    (converted / "model.safetensors").write_bytes(b"stale")  # an earlier layout's weights
+    assert gguf.checkpoint_of(file) == converted
+    assert json.loads((converted / gguf.DONE).read_text())["format"] == gguf.FORMAT
+    assert (converted / "model.safetensors").stat().st_size > 1000
 
 
 def test_its_tokenizer_and_template_are_the_source_checkpoints(source, f32_file, monkeypatch):

@@ -20,12 +20,14 @@ keep them so:
 K-quant experts of several types (Q4_K_M and Q5_K_M files: some layers' down projections Q6_K)
 are kept too, each tensor in its own type; the host pool holds such a projection as k_mixed
 (weights/expert_format.py: every block's other bytes padded to Q6_K's, with its type).
-freetoken writes the rest as config.json, tokenizer files and safetensors, in bf16 (fp32 where
-the file holds only F32 tensors). Experts of other GGUF types, or mixing a K-quant with another
-type, are dequantized: such a file takes the experts' bf16 size in host memory and on disk.
-Families
-transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, gpt-oss (and
-others freetoken does not serve).
+freetoken writes the rest as config.json, tokenizer files and safetensors, each dequantized
+tensor in the narrowest of bf16, fp16 and fp32 that holds its values exactly (`_exact`), so an
+engine computing in fp32 computes with the very values the file's blocks define (a Q4_1 or Q8_0
+block's fp16 scale times its codes needs fp32: bf16 rounded 75% of a Q4_1 file's values and 97%
+of a Q8_0 one's). Experts of other GGUF types, or mixing a K-quant with another type, are
+dequantized so: such a file takes several times its own size in host memory and on disk.
+Families transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
+gpt-oss (and others freetoken does not serve).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 DONE = "freetoken-gguf.json"  # written last: a directory without it is incomplete
+# The conversion's layout: a directory of another (an earlier release's) is converted again.
+FORMAT = 2  # 2: dequantized tensors stored exactly (1: rounded to bf16)
 # A layer's routed experts as llama.cpp stores them: [experts, rows, columns] each.
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 K_TYPES = tuple(name.upper() for name in K_QUANT_REST)  # Q4_K, Q5_K, Q6_K
@@ -79,7 +83,7 @@ def checkpoint_of(path: str | Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     dst = paths.cache_dir() / "gguf" / f"{path.stem}-{key}"
-    if (dst / DONE).is_file():
+    if _converted(dst):
         return dst
     log.warning("converting %s once into %s (later starts read it from there)", path, dst)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
@@ -87,12 +91,21 @@ def checkpoint_of(path: str | Path) -> Path:
     tmp.mkdir(parents=True)
     try:
         _convert(path, tmp)
-        (tmp / DONE).write_text(json.dumps({"source": str(path), "size": stat.st_size}))
+        (tmp / DONE).write_text(json.dumps({"source": str(path), "size": stat.st_size,
+                                            "format": FORMAT}))  # fmt: skip
         shutil.rmtree(dst, ignore_errors=True)
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _converted(dst: Path) -> bool:
+    """Whether `dst` holds a finished conversion in this release's layout."""
+    try:
+        return json.loads((dst / DONE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def _convert(path: Path, dst: Path) -> None:
@@ -119,10 +132,11 @@ def _convert(path: Path, dst: Path) -> None:
                 fields[name] = int(field.contents())
         config = AutoConfig.for_model(model_type, **fields)
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
+        # (the engine's dtype under "auto"; each tensor is stored as `_exact` says)
         dtype = torch.bfloat16 if quantized else torch.float32
         kept = _kept_experts(reader)
         _check_room(path, dst, sum(int(t.n_bytes) if t.name in kept
-                                   else int(t.n_elements) * dtype.itemsize
+                                   else int(t.n_elements) * _HALF.get(t.tensor_type.name, 4)
                                    for t in reader.tensors))  # fmt: skip
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -140,7 +154,7 @@ def _convert(path: Path, dst: Path) -> None:
     eos = fields.get("eos_token_id")
     if eos is not None:  # (the turn's end token for the engine's stop list)
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    stored = {name: t if name.endswith(_KEPT_SUFFIXES) else t.to(dtype)
+    stored = {name: t if name.endswith(_KEPT_SUFFIXES) else _exact(t)
               for name, t in tensors.items()}  # fmt: skip
     save_file({name: t.contiguous() for name, t in stored.items()},
               str(dst / "model.safetensors"))  # fmt: skip
@@ -170,6 +184,22 @@ def _parsed_once(reader_class, path: Path):
         gguf.GGUFReader = reader_class
 
 
+# GGUF types whose values always fit a 2-byte float (the others' worst case: fp32)
+_HALF = {"F16": 2, "BF16": 2}
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """A dequantized tensor (fp32) in the narrowest float type that holds its values exactly:
+    bf16 (the GPU's compute type), fp16 (F16 files), else fp32 (a quantized block's scale times
+    its codes: an fp16 scale's 11 significant bits times codes of 4-8 bits)."""
+    t = t.float()
+    for narrow in (torch.bfloat16, torch.float16):
+        n = t.to(narrow)
+        if torch.equal(n.float(), t):
+            return n
+    return t
+
+
 _KEPT_SUFFIXES = tuple(suffix for suffixes in KEPT_TYPES.values() for suffix in suffixes)
 
 
@@ -195,7 +225,7 @@ def _kept_experts(reader) -> set[str]:
         why = (f"a layer's gate and up projections differ in type ({kinds})"
                if types <= set(K_TYPES) else f"they are of several types ({kinds})"
                if len(types) > 1 else f"the kernels do not take {kinds} as stored")  # fmt: skip
-        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: files whose "
+        log.warning("the routed experts are dequantized: %s (kept as stored: files whose "
                     "experts are all of one of %s, or all K-quants)", why,
                     ", ".join(KEPT_TYPES))  # fmt: skip
     return set()
@@ -296,6 +326,6 @@ def _check_room(path: Path, dst: Path, nbytes: int) -> None:
             raise CheckpointError(
                 f"{path.name} converts to {memory.gib(nbytes)}, more than the "
                 f"{memory.gib(free)} free in {where}: freetoken keeps GGUF experts as stored "
-                f"only in {', '.join(KEPT_TYPES)} (others are dequantized to bf16); use a file "
+                f"only in {', '.join(KEPT_TYPES)} (others are dequantized); use a file "
                 "of those, a smaller one, or the checkpoint this GGUF came from"
             )
