@@ -130,6 +130,31 @@ def test_exact_storage_takes_the_narrowest_type_holding_every_value():
         assert torch.equal(gguf._exact(t).float(), t)
 
 
+def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path, monkeypatch):
+    """Experts of a type the kernels do not keep (Q4_0) are the bulk of a file: bf16, as the
+    engine holds them; the attention's Q4_0 matrices are stored as the file defines them."""
+    import gguf as gguf_package
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    path, _ = build_chat_model("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
+    file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0")
+    stored = load_file(str(gguf.checkpoint_of(file) / "model.safetensors"))
+    tensors = {t.name: t for t in gguf_package.GGUFReader(str(file)).tensors}
+
+    def values(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(gguf_package.quants.dequantize(t.data, t.tensor_type))
+
+    down = stored["model.layers.1.mlp.experts.down_proj"]
+    assert down.dtype == torch.bfloat16
+    assert torch.equal(down, values("blk.1.ffn_down_exps.weight").to(torch.bfloat16))
+    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"]
+    assert gate_up.dtype == torch.bfloat16 and gate_up.shape[1] == 2 * down.shape[2]
+    q = stored["model.layers.1.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float32 and torch.equal(q, values("blk.1.attn_q.weight"))
+
+
 def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
     file, cache = f32_file
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache))

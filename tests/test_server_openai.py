@@ -191,10 +191,13 @@ def test_api_key(fresh_engine):
         assert good.models.list().data[0].id == MODEL
 
 
-def test_full_queue_answers_429(fresh_engine):
-    # The first request is long (4,000 tokens) so that it is still running when the third comes:
-    # with 300, a busy 2-core CI machine once had it done first, and the third was taken. (It
-    # is cancelled when its stream is closed.)
+def test_full_queue_answers_429(fresh_engine, monkeypatch):
+    # The first request must still be running when the third comes: its 4,000 tokens at 10 ms
+    # a step take 40 s (unslowed, a busy 2-core CI machine once decoded all 4,000 before the
+    # server read the third request, and the third was taken). It is cancelled when its stream
+    # is closed.
+    step = fresh_engine.step
+    monkeypatch.setattr(fresh_engine, "step", lambda: (time.sleep(0.01), step())[1])
     with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
         body = {
             **greedy(max_tokens=4000),

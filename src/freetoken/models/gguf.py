@@ -24,8 +24,9 @@ freetoken writes the rest as config.json, tokenizer files and safetensors, each 
 tensor in the narrowest of bf16, fp16 and fp32 that holds its values exactly (`_exact`), so an
 engine computing in fp32 computes with the very values the file's blocks define (a Q4_1 or Q8_0
 block's fp16 scale times its codes needs fp32: bf16 rounded 75% of a Q4_1 file's values and 97%
-of a Q8_0 one's). Experts of other GGUF types, or mixing a K-quant with another type, are
-dequantized so: such a file takes several times its own size in host memory and on disk.
+of a Q8_0 one's). Routed experts of other GGUF types, or mixing a K-quant with another type,
+are dequantized to bf16 (the bulk of such a file, 3-4x its size in host memory and on disk as
+it is; fp32 would double that; an fp32 engine reads them so rounded).
 Families transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
 gpt-oss (and others freetoken does not serve).
 """
@@ -132,12 +133,10 @@ def _convert(path: Path, dst: Path) -> None:
                 fields[name] = int(field.contents())
         config = AutoConfig.for_model(model_type, **fields)
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
-        # (the engine's dtype under "auto"; each tensor is stored as `_exact` says)
+        # (the engine's dtype under "auto"; each tensor is stored as `_stored` says)
         dtype = torch.bfloat16 if quantized else torch.float32
         kept = _kept_experts(reader)
-        _check_room(path, dst, sum(int(t.n_bytes) if t.name in kept
-                                   else int(t.n_elements) * _HALF.get(t.tensor_type.name, 4)
-                                   for t in reader.tensors))  # fmt: skip
+        _check_room(path, dst, sum(_stored_bytes(t, kept) for t in reader.tensors))
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = _tensors(reader, arch, parsed["config"], skeleton, kept)
@@ -154,8 +153,7 @@ def _convert(path: Path, dst: Path) -> None:
     eos = fields.get("eos_token_id")
     if eos is not None:  # (the turn's end token for the engine's stop list)
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    stored = {name: t if name.endswith(_KEPT_SUFFIXES) else _exact(t)
-              for name, t in tensors.items()}  # fmt: skip
+    stored = {name: _stored(name, t) for name, t in tensors.items()}
     save_file({name: t.contiguous() for name, t in stored.items()},
               str(dst / "model.safetensors"))  # fmt: skip
 
@@ -184,8 +182,18 @@ def _parsed_once(reader_class, path: Path):
         gguf.GGUFReader = reader_class
 
 
-# GGUF types whose values always fit a 2-byte float (the others' worst case: fp32)
-_HALF = {"F16": 2, "BF16": 2}
+def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A converted tensor as written: kept parts as they are, the rest `_exact` (dequantized
+    routed experts are bf16 already: `_tensors`)."""
+    return t if name.endswith(_KEPT_SUFFIXES) else _exact(t)
+
+
+def _stored_bytes(t, kept: set[str]) -> int:
+    """The most bytes file tensor `t` takes once converted (`_stored`)."""
+    if t.name in kept:
+        return int(t.n_bytes)
+    half = EXPERT_TENSOR.fullmatch(t.name) or t.tensor_type.name in ("F16", "BF16")
+    return int(t.n_elements) * (2 if half else 4)
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +242,7 @@ def _kept_experts(reader) -> set[str]:
 def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
     """Every tensor of the file under transformers' names: dequantized and laid out by
     transformers' GGUF tensor processor for the architecture (as its own loader does), the
-    `kept` experts as their parts (`_expert_parts`)."""
+    `kept` experts as their parts (`_expert_parts`), the other routed experts in bf16."""
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -245,15 +253,22 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
     names = get_gguf_hf_weights_map(skeleton, processor)
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
+    out = parsed["tensors"]
+    routed: set[str] = set()  # the names dequantized routed experts went to
     for t in reader.tensors:
         if t.name in kept:
-            _expert_parts(t, names, parsed["tensors"])
+            _expert_parts(t, names, out)
             continue
+        before = {name: id(value) for name, value in out.items()}
         result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
         if result.name in names:  # (None: merged by the processor; else not the model's)
-            parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(result.weights))
-    return parsed["tensors"]
+            out[names[result.name]] = torch.from_numpy(np.copy(result.weights))
+        if EXPERT_TENSOR.fullmatch(t.name):
+            routed |= {name for name, value in out.items() if before.get(name) != id(value)}
+    for name in routed:  # (the bulk of the file: bf16, the engine's dtype for it)
+        out[name] = out[name].to(torch.bfloat16)
+    return out
 
 
 def _expert_parts(t, names: dict[str, str], out: dict) -> None:
