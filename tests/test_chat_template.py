@@ -255,3 +255,19 @@ def test_messages_are_normalised_and_never_changed() -> None:
         "{% endfor %}", messages)  # fmt: skip
     assert text == "False why why"
     assert messages == [{"role": "assistant", "content": None, "reasoning": "why"}]
+
+
+def test_a_tokenizer_json_of_another_model_kind_goes_through_transformers(tmp_path: Path) -> None:
+    """Only BPE tokenizer.json files are read as stored (the model kind read off the parsed
+    tokenizer): a WordLevel one goes through transformers, and encodes as it does."""
+    from tokenizers import Tokenizer as Stored
+    from tokenizers import models, pre_tokenizers
+
+    stored = Stored(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    stored.pre_tokenizer = pre_tokenizers.Whitespace()
+    stored.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer(tmp_path)
+    assert ours.uses_transformers
+    assert ours.encode("hello world again") == [1, 2, 0]

@@ -209,30 +209,28 @@ class TransformersVocab:
 
 def _stored_tokenizer(path: Path, config: Mapping[str, Any]):
     """tokenizer.json as a `tokenizers.Tokenizer`, where transformers would take it unchanged;
-    else None (and why, in the log)."""
+    else None (and why, in the log). What decides is read off the parsed tokenizer, not off a
+    second parse of its JSON in Python (0.12 s of a 0.44 s load for Qwen's 151k vocabulary, all
+    of it holding the GIL while the weights load)."""
     file = path / "tokenizer.json"
     name = config.get("tokenizer_class")
     if not file.is_file() or name not in AS_STORED:
         return None
+    from tokenizers import Tokenizer as Stored
+
     try:
-        text = file.read_text(encoding="utf-8")
-        raw = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file}: {e}") from e
-    if (raw.get("model") or {}).get("type") != "BPE":
+        tok = Stored.from_file(str(file))
+    except Exception as e:  # (tokenizers raises its own Exception type)
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+    if type(tok.model).__name__ != "BPE":
         return None
-    stored = {(t.get("id"), t.get("content")) for t in raw.get("added_tokens") or []}
+    stored = {(tid, t.content) for tid, t in tok.get_added_tokens_decoder().items()}
     for tid, token in (config.get("added_tokens_decoder") or {}).items():
         if (int(tid), _content(token)) not in stored:
             log.info("%s: added token %s is not in tokenizer.json: through transformers", path,
                      tid)  # fmt: skip
             return None
-    from tokenizers import Tokenizer as Stored
-
-    try:
-        return Stored.from_str(text)
-    except Exception as e:  # (tokenizers raises its own Exception type)
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+    return tok
 
 
 def _content(token: Any) -> str | None:
