@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -110,3 +111,77 @@ def record_prompts(engine, monkeypatch) -> list[str]:
 
     monkeypatch.setattr(engine, "add_request", recording)
     return prompts
+
+
+# A reasoning model's tool use, as a format-specific test scripts it (`tool_use_round_trip`)
+WEATHER_ASK = "Weather in Paris?"
+WEATHER_THOUGHT = "The user wants the weather."
+WEATHER_ANSWER = "It is sunny in Paris."
+
+
+def tool_use_round_trip(engine, base: str, monkeypatch, tool: dict, call: str, args: dict,
+                        answer: str, **first) -> list[str]:  # fmt: skip
+    """A chat format's whole tool-use path through the official `openai` SDK: the scripted
+    `call` text (reasoning WEATHER_THOUGHT, then a call of `tool` with `args`) comes back as
+    reasoning and a tool call, whole (`first`: that request's extra arguments) and streamed (no
+    markup in the text); the tool's result goes back through the template and the scripted
+    `answer` comes back as the reply WEATHER_ANSWER. Returns the prompts the engine was given
+    (the three requests'), for the format's own checks."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    tok, name = engine.tokenizer, tool["function"]["name"]
+    prompts = record_prompts(engine, monkeypatch)
+    monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(call)))
+    messages = [{"role": "user", "content": WEATHER_ASK}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
+                                           max_tokens=100, **first)  # fmt: skip
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == WEATHER_THOUGHT
+    [tool_call] = choice.message.tool_calls
+    assert tool_call.function.name == name
+    assert json.loads(tool_call.function.arguments) == args
+
+    # streamed: the reasoning, then the call's name and arguments in pieces
+    names, pieces, reasoning = [], [], []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
+                                                max_tokens=100, stream=True):  # fmt: skip
+        for c in chunk.choices:
+            reasoning.append((c.delta.model_extra or {}).get("reasoning_content") or "")
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                pieces.append(d.function.arguments or "")
+            assert not c.delta.content  # no markup leaks into the text
+    assert "".join(reasoning) == WEATHER_THOUGHT
+    assert names == [name] and json.loads("".join(pieces)) == args
+
+    monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(answer)))
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"sky": "sunny"}'},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
+                                            max_tokens=100)  # fmt: skip
+    assert '{"sky": "sunny"}' in prompts[-1]
+    assert second.choices[0].message.content == WEATHER_ANSWER
+    assert second.choices[0].finish_reason == "stop"
+    return prompts
+
+
+def forced_tool_call(engine, base: str, monkeypatch, tool: dict, rest: str, question: str):
+    """The tool call a request that forces `tool` (tool_choice) gets, the model scripted to
+    write `rest`: what the format writes after the call's opening, which the server writes."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    monkeypatch.setattr(engine, "_sample", scripted(engine, engine.tokenizer.encode(rest)))
+    forced = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], tools=[tool],
+        tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
+        max_tokens=50,
+    )  # fmt: skip
+    [tool_call] = forced.choices[0].message.tool_calls
+    assert tool_call.function.name == tool["function"]["name"]
+    return tool_call

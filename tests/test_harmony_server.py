@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from server_fixtures import (
-    MODEL,
+    WEATHER_ANSWER,
+    WEATHER_THOUGHT,
     cpu_engine,
     demo_with_template,
-    record_prompts,
+    forced_tool_call,
     running_server,
-    scripted,
+    tool_use_round_trip,
 )
 
 SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
@@ -81,66 +81,20 @@ def server(engine):
 def test_reasoning_and_a_tool_call_round_trip(engine, server, monkeypatch):
     base, core = server
     assert core.parser_name == "harmony"
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    tok = engine.tokenizer
-    prompts = record_prompts(engine, monkeypatch)
     call = (
-        "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+        f"<|channel|>analysis<|message|>{WEATHER_THOUGHT}<|end|>"
         "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
         '<|message|>{"city": "Paris"}<|call|>'
     )
-    monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(call)))
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=100, reasoning_effort="high"
-    )
-    assert "Reasoning: high" in prompts[-1]  # reasoning_effort reached the template
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert not choice.message.content
-    assert choice.message.model_extra["reasoning_content"] == "The user wants the weather."
-    [tool_call] = choice.message.tool_calls
-    assert tool_call.function.name == "get_weather"
-    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
-
-    # streamed: the reasoning, then the call's name and arguments in pieces
-    names, args, reasoning = [], [], []
-    for chunk in client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=100, stream=True
-    ):
-        for c in chunk.choices:
-            reasoning.append((c.delta.model_extra or {}).get("reasoning_content") or "")
-            for d in c.delta.tool_calls or []:
-                names += [d.function.name] if d.function.name else []
-                args.append(d.function.arguments or "")
-            assert not c.delta.content  # no markup leaks into the text
-    assert "".join(reasoning) == "The user wants the weather."
-    assert names == ["get_weather"] and json.loads("".join(args)) == {"city": "Paris"}
-
-    # the result goes back through the template; the model answers on the final channel
-    answer = "<|channel|>final<|message|>It is sunny in Paris.<|return|>"
-    monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(answer)))
-    messages += [
-        choice.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"sky": "sunny"}'},
-    ]
-    second = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=100
-    )
-    assert "to=functions.get_weather" in prompts[-1] and '{"sky": "sunny"}' in prompts[-1]
-    assert second.choices[0].message.content == "It is sunny in Paris."
-    assert second.choices[0].finish_reason == "stop"
+    # the model answers on the final channel
+    answer = f"<|channel|>final<|message|>{WEATHER_ANSWER}<|return|>"
+    prompts = tool_use_round_trip(engine, base, monkeypatch, WEATHER, call, {"city": "Paris"},
+                                  answer, reasoning_effort="high")  # fmt: skip
+    assert "Reasoning: high" in prompts[0]  # reasoning_effort reached the template
+    assert "to=functions.get_weather" in prompts[-1]  # the call went back through it
 
 
 def test_a_forced_tool_choice_opens_the_call_in_harmony(engine, server, monkeypatch):
-    base, _ = server
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    tok = engine.tokenizer
-    monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode('{"city": "Rome"}<|call|>')))
-    forced = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Rome?"}], tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=50,
-    )  # fmt: skip
-    [tool_call] = forced.choices[0].message.tool_calls
-    assert tool_call.function.name == "get_weather"
+    rest = '{"city": "Rome"}<|call|>'
+    tool_call = forced_tool_call(engine, server[0], monkeypatch, WEATHER, rest, "Rome?")
     assert json.loads(tool_call.function.arguments) == {"city": "Rome"}
