@@ -149,8 +149,10 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
     down = stored["model.layers.1.mlp.experts.down_proj"]
     assert down.dtype == torch.bfloat16
     assert torch.equal(down, values("blk.1.ffn_down_exps.weight").to(torch.bfloat16))
-    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"]
-    assert gate_up.dtype == torch.bfloat16 and gate_up.shape[1] == 2 * down.shape[2]
+    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"]  # (gate, then up: merged)
+    gate, up = values("blk.1.ffn_gate_exps.weight"), values("blk.1.ffn_up_exps.weight")
+    assert gate_up.dtype == torch.bfloat16
+    assert torch.equal(gate_up, torch.cat([gate, up], dim=1).to(torch.bfloat16))
     q = stored["model.layers.1.self_attn.q_proj.weight"]
     assert q.dtype == torch.float32 and torch.equal(q, values("blk.1.attn_q.weight"))
 

@@ -254,7 +254,6 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
     names = get_gguf_hf_weights_map(skeleton, processor)
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
     out = parsed["tensors"]
-    routed: set[str] = set()  # the names dequantized routed experts went to
     for t in reader.tensors:
         if t.name in kept:
             _expert_parts(t, names, out)
@@ -264,10 +263,10 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
                                    tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
         if result.name in names:  # (None: merged by the processor; else not the model's)
             out[names[result.name]] = torch.from_numpy(np.copy(result.weights))
-        if EXPERT_TENSOR.fullmatch(t.name):
-            routed |= {name for name, value in out.items() if before.get(name) != id(value)}
-    for name in routed:  # (the bulk of the file: bf16, the engine's dtype for it)
-        out[name] = out[name].to(torch.bfloat16)
+        if EXPERT_TENSOR.fullmatch(t.name):  # the bulk of the file: bf16 at once (a merge's
+            for name, value in out.items():  # later parts are cast as they are copied in)
+                if before.get(name) != id(value) and value.dtype != torch.bfloat16:
+                    out[name] = value.to(torch.bfloat16)
     return out
 
 
