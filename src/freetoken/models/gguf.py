@@ -25,7 +25,7 @@ tensor in the narrowest of bf16, fp16 and fp32 that holds its values exactly (`_
 engine computing in fp32 computes with the very values the file's blocks define (a Q4_1 or Q8_0
 block's fp16 scale times its codes needs fp32: bf16 rounded 75% of a Q4_1 file's values and 97%
 of a Q8_0 one's). Routed experts of other GGUF types, or mixing a K-quant with another type,
-are dequantized to bf16 (the bulk of such a file, 3-4x its size in host memory and on disk as
+are dequantized to bf16 (the bulk of such a file, 2-4x its size in host memory and on disk as
 it is; fp32 would double that; an fp32 engine reads them so rounded).
 Families transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
 gpt-oss (and others freetoken does not serve).
@@ -233,7 +233,7 @@ def _kept_experts(reader) -> set[str]:
         why = (f"a layer's gate and up projections differ in type ({kinds})"
                if types <= set(K_TYPES) else f"they are of several types ({kinds})"
                if len(types) > 1 else f"the kernels do not take {kinds} as stored")  # fmt: skip
-        log.warning("the routed experts are dequantized: %s (kept as stored: files whose "
+        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: files whose "
                     "experts are all of one of %s, or all K-quants)", why,
                     ", ".join(KEPT_TYPES))  # fmt: skip
     return set()
