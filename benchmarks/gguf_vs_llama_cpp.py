@@ -77,12 +77,20 @@ def main() -> int:
     ap.add_argument("gguf", type=Path)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--llama-python", default=sys.executable,
-                    help="a Python with llama-cpp-python installed")
+    ap.add_argument(
+        "--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed"
+    )
     args = ap.parse_args()
     theirs = llama_cpp_greedy(args.llama_python, args.gguf, args.tokens)
-    engine = LLMEngine.from_config(EngineConfig(model=args.gguf, device="cpu", dtype="float32",
-                                                kv_cache_tokens=2048, moe=MoEOptions("fused")))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=args.gguf,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=2048,
+            moe=MoEOptions("fused"),
+        )
+    )
     lines = [f"# {args.gguf.name}: freetoken (fp32, dequantized) against llama-cpp-python, "
              f"greedy, {args.tokens} tokens; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| prompt | same ids in | same greedy tokens | first difference at |",
@@ -99,8 +107,14 @@ def main() -> int:
         lines.append(f"| {prompt[:40]!r} | {'yes' if ours_ids == their['ids'] else 'no'} | "
                      f"{'yes' if first is None else 'no'} ({len(a)} / {len(b)}) | "
                      f"{'-' if first is None else first} |")  # fmt: skip
-        print(repr(prompt), "\n  llama.cpp:", repr(their["text"]),
-              "\n  freetoken:", repr(engine.tokenizer.decode(b)), flush=True)
+        print(
+            repr(prompt),
+            "\n  llama.cpp:",
+            repr(their["text"]),
+            "\n  freetoken:",
+            repr(engine.tokenizer.decode(b)),
+            flush=True,
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

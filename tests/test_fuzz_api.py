@@ -342,9 +342,7 @@ GOOD = {
 def server():
     engine = demo_engine()
     tok = engine.tokenizer
-    engine._sample = scripted(
-        engine, [*tok.encode("Hi"), tok.token_id("<|im_end|>")]
-    )
+    engine._sample = scripted(engine, [*tok.encode("Hi"), tok.token_id("<|im_end|>")])
     with (
         running_server(engine, MODEL) as (base, core),
         httpx.Client(base_url=base, timeout=TIMEOUT) as client,

@@ -202,9 +202,7 @@ print(sorted(m for m in ("torch._dynamo", "transformers") if m in sys.modules))
 
 
 @pytest.mark.parametrize("weight_dir", [False, True], ids=["safetensors", "weight directory"])
-def test_a_start_to_the_first_token_imports_neither_dynamo_nor_transformers(
-    tmp_path, weight_dir
-):
+def test_a_start_to_the_first_token_imports_neither_dynamo_nor_transformers(tmp_path, weight_dir):
     """Each is seconds of a start (torch._dynamo came in through the meta device's reference
     ops: nn.Embedding's random init, the RoPE table; transformers through the tokenizer)."""
     import subprocess
