@@ -183,10 +183,10 @@ def test_its_tokenizer_and_template_are_the_source_checkpoints(source, f32_file,
     assert ours.token_id("<|im_end|>") in ours.eos_token_ids
 
 
-def test_a_conversion_parses_the_files_metadata_once(f32_file, tmp_path, monkeypatch):
+def test_a_conversion_parses_the_files_metadata_once(f32_file, tmp_path, monkeypatch, capsys):
     """transformers' config and tokenizer readers each parse the file again unless handed the
     conversion's reader (each parse of a 151k-token vocabulary is 5-6 s); the gguf package is
-    left as it was."""
+    left as it was. The conversion shows its progress over the file's tensors when asked."""
     import gguf as gguf_package
 
     parses = []
@@ -199,9 +199,11 @@ def test_a_conversion_parses_the_files_metadata_once(f32_file, tmp_path, monkeyp
 
     monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    converted = gguf.checkpoint_of(f32_file[0])
+    converted = gguf.checkpoint_of(f32_file[0], progress=True)
     assert (converted / "tokenizer.json").is_file() and (converted / "config.json").is_file()
     assert parses == [str(f32_file[0].resolve())]
+    bar = capsys.readouterr().err
+    assert "Converting" in bar and "100%" in bar
     assert gguf_package.GGUFReader is Counting
 
 

@@ -157,7 +157,7 @@ class LLMEngine:
                 "builds the demo model's)"
             )
         device = resolve_device(config.device)
-        model = gguf.resolve(config.model)  # (a GGUF file: converted once, in the cache)
+        model = gguf.resolve(config.model, config.progress)  # (GGUF: converted once, cached)
         # The tokenizer loads on a thread while the weights do (the reads release the GIL);
         # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:

@@ -39,11 +39,13 @@ import logging
 import os
 import re
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from freetoken import paths
 from freetoken.errors import CheckpointError
@@ -72,14 +74,15 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, progress: bool | None = None) -> Path:
     """`path` itself, or for a GGUF file the checkpoint directory it converts to."""
-    return checkpoint_of(path) if is_gguf(path) else Path(path)
+    return checkpoint_of(path, progress) if is_gguf(path) else Path(path)
 
 
-def checkpoint_of(path: str | Path) -> Path:
+def checkpoint_of(path: str | Path, progress: bool | None = None) -> Path:
     """The checkpoint directory converted from the GGUF file at `path` (made on first use,
-    kept in the cache directory, keyed by the file's path, size and time)."""
+    kept in the cache directory, keyed by the file's path, size and time); `progress`: a bar
+    over the file's tensors while it converts (None: on a terminal)."""
     path = Path(path).resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -91,7 +94,7 @@ def checkpoint_of(path: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _convert(path, tmp)
+        _convert(path, tmp, progress)
         (tmp / DONE).write_text(json.dumps({"source": str(path), "size": stat.st_size,
                                             "format": FORMAT}))  # fmt: skip
         shutil.rmtree(dst, ignore_errors=True)
@@ -109,7 +112,7 @@ def _converted(dst: Path) -> bool:
         return False
 
 
-def _convert(path: Path, dst: Path) -> None:
+def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     try:
         from gguf import GGUFReader
         from safetensors.torch import save_file
@@ -139,7 +142,7 @@ def _convert(path: Path, dst: Path) -> None:
         _check_room(path, dst, sum(_stored_bytes(t, kept) for t in reader.tensors))
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = _tensors(reader, arch, parsed["config"], skeleton, kept)
+        tensors = _tensors(reader, arch, parsed["config"], skeleton, kept, progress)
     except (KeyError, ValueError, OSError, NotImplementedError) as e:
         raise CheckpointError(f"cannot read {path} as a GGUF checkpoint: {e}") from e
     config.dtype = dtype
@@ -239,7 +242,8 @@ def _kept_experts(reader) -> set[str]:
     return set()
 
 
-def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
+def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
+             progress: bool | None = None) -> dict:  # fmt: skip
     """Every tensor of the file under transformers' names: dequantized and laid out by
     transformers' GGUF tensor processor for the architecture (as its own loader does), the
     `kept` experts as their parts (`_expert_parts`), the other routed experts in bf16."""
@@ -254,20 +258,33 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str]) -> dict:
     names = get_gguf_hf_weights_map(skeleton, processor)
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
     out = parsed["tensors"]
-    for t in reader.tensors:
-        if t.name in kept:
-            _expert_parts(t, names, out)
-            continue
-        before = {name: id(value) for name, value in out.items()}
-        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
-                                   tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
-        if result.name in names:  # (None: merged by the processor; else not the model's)
-            out[names[result.name]] = torch.from_numpy(np.copy(result.weights))
-        if EXPERT_TENSOR.fullmatch(t.name):  # the bulk of the file: bf16 at once (a merge's
-            for name, value in out.items():  # later parts are cast as they are copied in)
-                if before.get(name) != id(value) and value.dtype != torch.bfloat16:
-                    out[name] = value.to(torch.bfloat16)
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), unit="B", unit_scale=True,
+              desc="Converting", disable=not show) as bar:  # fmt: skip
+        for t in reader.tensors:
+            if t.name in kept:
+                _expert_parts(t, names, out)
+            else:
+                _dequantized(t, processor, names, parsed, dequantize)
+            bar.update(int(t.n_bytes))
     return out
+
+
+def _dequantized(t, processor, names: dict[str, str], parsed: dict, dequantize) -> None:
+    """File tensor `t` dequantized into `parsed["tensors"]` under transformers' name by the
+    architecture's processor (which merges some: a layer's gate and up experts into one), a
+    routed expert's in bf16 at once (the bulk of the file; a merge's later part is cast as it
+    is copied in)."""
+    out = parsed["tensors"]
+    before = {name: id(value) for name, value in out.items()}
+    result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                               tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
+    if result.name in names:  # (None: merged by the processor; else not the model's)
+        out[names[result.name]] = torch.from_numpy(np.copy(result.weights))
+    if EXPERT_TENSOR.fullmatch(t.name):
+        for name, value in out.items():
+            if before.get(name) != id(value) and value.dtype != torch.bfloat16:
+                out[name] = value.to(torch.bfloat16)
 
 
 def _expert_parts(t, names: dict[str, str], out: dict) -> None:

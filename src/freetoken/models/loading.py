@@ -263,7 +263,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     """Write `src` (a safetensors checkpoint, or a GGUF file: converted first, models/gguf.py)
     as a weight directory at `dst`: the model's parameters and the host pool's banks exactly as
     loading holds them (quantized experts kept so unless `dequantize_experts`)."""
-    src, dst = gguf.resolve(src), Path(dst)
+    src, dst = gguf.resolve(src, progress), Path(dst)
     if wd.is_weight_dir(src):
         raise CheckpointError(f"{src} is a weight directory already")
     if dst.exists() and any(dst.iterdir()):
