@@ -121,7 +121,7 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
 # 1% of the sweep's best. The other K-quants keep q8_0's tiles (not swept).
 QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=8, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4)
 # K_PAIRS=1 (the K-quants and k_mixed; BLOCK_K a multiple of 128): tiles that load each code
-# byte once for the values it holds (`_k_pairs_weights`), where the per-chunk tiles load it
+# byte once for the values it holds (`_k_pairs_tile`), where the per-chunk tiles load it
 # once a value. The same results bit for bit (the interpreter's tests); off until timed on the
 # GPU against the per-chunk tiles (`grouped_experts_bench.py --format F --set K_PAIRS=1`).
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
@@ -480,22 +480,9 @@ if triton is not None:
             scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
-        elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
-            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
-            if kind == 7:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            elif kind == 6:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            else:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
-            REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
-            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
-            return _round_weight(w, dt, W_ROUND)
+            return _k_weights(w_rows, s_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND, BLOCK_N,
+                              BLOCK_K, False)  # fmt: skip
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
                 _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
@@ -560,42 +547,55 @@ if triton is not None:
         return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
 
     @triton.jit
-    def _k_pairs_weights(
+    def _k_weights(
         w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
     ):  # fmt: skip
-        """The K-quants' weights (rounded to dt) of columns k0.. as [BLOCK_N, Q, 2, 32, 2], Q =
-        BLOCK_K / 128: value k0 + 128 q + 64 a + 32 b + l at [:, q, a, l, b] (`_k_pairs_tile`),
-        each code byte loaded once for the values it holds; mixed K-quants branch on the
-        tile's type, as `_weight_tile` does. x is read in this order (`_k_pairs_x`)."""
+        """The K-quants' weights (rounded to dt) of columns k0..: [BLOCK_N, BLOCK_K] in value
+        order (`_k_quant_tile`), or with PAIRS the paired tile (`_k_pairs_tile`). Mixed
+        K-quants (FORMAT 8) branch on the tile's type: its rows are one expert's."""
         if FORMAT == 8:
             kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
             if kind == 7:
-                w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N,
+                            BLOCK_K, PAIRS)  # fmt: skip
             elif kind == 6:
-                w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N,
+                            BLOCK_K, PAIRS)  # fmt: skip
             else:
-                w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N,
+                            BLOCK_K, PAIRS)  # fmt: skip
         else:
             REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
-            w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+            w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K, PAIRS)
         return _round_weight(w, dt, W_ROUND)
+
+    @triton.jit
+    def _k_tile(
+        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
+    ):  # fmt: skip
+        """One K type's fp32 values: the paired tile or the per-chunk one."""
+        if PAIRS:
+            return _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N,
+                                 BLOCK_K)  # fmt: skip
+        return _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _k_pairs_tile(
         w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
         REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """`_k_pairs_weights`' fp32 values for one type (5 q4_k, 6 q5_k, 7 q6_k; REST: the
-        bytes from one block's other bytes to the next's), in `_k_quant_tile`'s order of
-        operations. A 128-value group's code bytes are 64 bytes at v0 / 2: q4_k / q5_k keep values
-        64 a + l and 64 a + 32 + l in byte 32 a + l (low and high nibble: b = 0, 1); q6_k keeps
-        values 32 b + l and 64 + 32 b + l in byte 32 b + l (a = 0, 1), its two high bits of
-        value 32 j + l in byte l of its group's 32 (shift 2 j). Each loads [.., 32, 1] or
-        [.., 1, 32, 2] bytes once and spreads them over the nibble's dimension."""
+        """The paired tile's fp32 values for one type (5 q4_k, 6 q5_k, 7 q6_k; REST: the
+        bytes from one block's other bytes to the next's) as [BLOCK_N, Q, 2, 32, 2], Q =
+        BLOCK_K / 128: value k0 + 128 q + 64 a + 32 b + l at [:, q, a, l, b], each code byte
+        loaded once for the values it holds (x is read in this order: `_k_pairs_x`), in
+        `_k_quant_tile`'s order of operations. A 128-value group's code bytes are 64 bytes at
+        v0 / 2: q4_k / q5_k keep values 64 a + l and 64 a + 32 + l in byte 32 a + l (low and
+        high nibble: b = 0, 1); q6_k keeps values 32 b + l and 64 + 32 b + l in byte 32 b + l
+        (a = 0, 1), its two high bits of value 32 j + l in byte l of its group's 32 (shift 2
+        j). Each loads [.., 32, 1] or [.., 1, 32, 2] bytes once and spreads them over the
+        nibble's dimension."""
         Q: tl.constexpr = BLOCK_K // 128
         q = tl.arange(0, Q)[:, None, None, None]
         a = tl.arange(0, 2)[None, :, None, None]
@@ -642,7 +642,7 @@ if triton is not None:
 
     @triton.jit
     def _k_pairs_x(x_row, k0, valid, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x [Q, 2, 32, 2] (fp32) for `_k_pairs_weights`' tile of columns k0.."""
+        """x [Q, 2, 32, 2] (fp32) for the paired tile of columns k0.."""
         offs = (k0 + 128 * tl.arange(0, BLOCK_K // 128)[:, None, None, None]
                 + 64 * tl.arange(0, 2)[None, :, None, None]
                 + tl.arange(0, 32)[None, None, :, None]
@@ -651,7 +651,7 @@ if triton is not None:
 
     @triton.jit
     def _k_pairs_sum(acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[BLOCK_N] sums of a `_k_pairs_weights`-shaped accumulator, over its values in value
+        """[BLOCK_N] sums of a paired tile's accumulator, over its values in value
         order (as the [BLOCK_N, BLOCK_K] accumulators sum theirs): one permute, after the
         loop."""
         acc = tl.permute(acc, (0, 1, 2, 4, 3))
@@ -772,10 +772,10 @@ if triton is not None:
             acc_u5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
                 xv = _k_pairs_x(x_row, k0, valid, HIDDEN, BLOCK_K)[None]
-                acc_g5 += xv * _k_pairs_weights(gate_rows, s_gate, k0, row_mask, dt, HIDDEN,
-                                                FORMAT, W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
-                acc_u5 += xv * _k_pairs_weights(up_rows, s_up, k0, row_mask, dt, HIDDEN,
-                                                FORMAT, W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_g5 += xv * _k_weights(gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT,
+                                          W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
+                acc_u5 += xv * _k_weights(up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT,
+                                          W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
             gate = _k_pairs_sum(acc_g5, BLOCK_N, BLOCK_K)
             up = _k_pairs_sum(acc_u5, BLOCK_N, BLOCK_K)
         elif FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
@@ -863,8 +863,8 @@ if triton is not None:
             acc5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 av = _k_pairs_x(a_row, k0, valid, INTER, BLOCK_K)[None]
-                acc5 += av * _k_pairs_weights(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT,
-                                              W_ROUND, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc5 += av * _k_weights(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT,
+                                        W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
             y = _k_pairs_sum(acc5, BLOCK_N, BLOCK_K)
         elif FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
