@@ -322,8 +322,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="small shapes (with --device cpu)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a launch parameter of --format's (e.g. K_PAIRS=1: q4_k / q5_k "
-                        "tiles that load a code byte once for its two values)")  # fmt: skip
+                        help="a launch parameter of --format's (e.g. K_PAIRS=1: K-quant "
+                        "tiles that load a code byte once for the values it holds)")  # fmt: skip
     args = parser.parse_args()
     for item in args.set:
         name, _, value = item.partition("=")

@@ -186,9 +186,11 @@ def _parsed_once(reader_class, path: Path):
 
 
 def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A converted tensor as written: kept parts as they are, the rest `_exact` (dequantized
-    routed experts are bf16 already: `_tensors`)."""
-    return t if name.endswith(_KEPT_SUFFIXES) else _exact(t)
+    """A converted tensor as written: kept parts and dequantized routed experts (bf16 already:
+    `_tensors`) as they are, the rest `_exact`."""
+    if name.endswith(_KEPT_SUFFIXES) or t.dtype == torch.bfloat16:
+        return t  # (the experts are the bulk of a file: no fp32 copy of them to compare)
+    return _exact(t)
 
 
 def _stored_bytes(t, kept: set[str]) -> int:
