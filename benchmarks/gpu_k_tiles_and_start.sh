@@ -28,7 +28,8 @@ echo "K tiles done in $(( $(date +%s) - start )) s"
 mkdir -p /tmp/load-logs
 timeout $(( 590 - ($(date +%s) - start) )) python3 benchmarks/load_time.py --direct --layers 16 \
   --work /tmp/lt --tokenizer "$tokenizer" --prime --formats "weight directory" \
-  --early-read on off --page-cache warm cold --logs /tmp/load-logs --out "$out/load.md" 2>&1 \
+  --early-read on off --page-cache warm cold --logs /tmp/load-logs --profile /tmp/load-logs/profile \
+  --out "$out/load.md" 2>&1 \
   | tail -30
 tar czf "$out/load-logs.tgz" -C /tmp load-logs  # (one file: few come back from a call)
 echo "done in $(( $(date +%s) - start )) s"
