@@ -40,9 +40,8 @@ if os.environ.get("LOAD_TIME_LOG"):  # the engine's log, each line at its time f
         r.t = r.created - t0
         return r
     logging.setLogRecordFactory(_record)
-if os.environ.get("LOAD_TIME_EARLY_READ") == "1":  # (as ft serve does, before the engine)
-    from freetoken.weights import early_read
-    early_read.start(sys.argv[1])
+from freetoken import early_start  # (as ft serve does, before the engine's imports)
+early_start.before_imports(sys.argv[1])
 from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine import generate
 from freetoken.engine.generate import LLMEngine
@@ -103,8 +102,13 @@ def plain_read(path: Path) -> tuple[int, float]:
 
 def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
                early: bool = True, log: Path | None = None,
-               readers: int | None = None) -> dict:  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOAD_TIME_EARLY_READ": "1" if early else "0"}
+               readers: int | None = None, preload: bool = True) -> dict:  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "FREETOKEN_EARLY_READ": "1" if early else "0",
+        "FREETOKEN_PRELOAD": "1" if preload else "0",
+    }
     if readers is not None:  # (beside the imports; weights/early_read.py)
         env["FREETOKEN_EARLY_READERS"] = str(readers)
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
@@ -155,6 +159,10 @@ def main() -> int:
                     help="early read: its reader threads beside the imports (default: its own "
                     "choice), one start each")  # fmt: skip
     ap.add_argument("--page-cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--preload", nargs="+", default=["on"], choices=["on", "off"],
+                    help="torch's native libraries and the CUDA context opened on a thread "
+                    "beside the tokenizer's load, before the imports (native_preload.py), "
+                    "as ft serve does, or not")  # fmt: skip
     ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
                     help="weight directory: its banks read from the start (as ft serve "
                     "does), or by the loader")  # fmt: skip
@@ -188,8 +196,9 @@ def main() -> int:
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        runs = [(e, r) for e in earlies for r in (args.early_readers if e == "on" else [None])]
-        for cache_state, (early, readers) in itertools.product(args.page_cache, runs):
+        runs = [(e, r, p) for e in earlies for p in args.preload
+                for r in (args.early_readers if e == "on" else [None])]  # fmt: skip
+        for cache_state, (early, readers, preload) in itertools.product(args.page_cache, runs):
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -199,12 +208,15 @@ def main() -> int:
                 plain_read(path)
             if readers is not None:
                 early = f"{early} ({readers} readers)"
-            name = f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}.txt"
+            name = (f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
+                    f"-preload-{preload}.txt")  # fmt: skip
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
-            t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers)
+            t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers,
+                           preload == "on")  # fmt: skip
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, early_read=early,
+                             preload=preload,
                              gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
                              floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -216,13 +228,14 @@ def main() -> int:
         + (" (the weight directory written straight)" if args.direct else "")
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
-        "| format | page cache | early read | GB | plain read GB/s | floor s | imports s | "
-        "weights loaded s | engine built s | first token s | first token / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| format | page cache | early read | preload | GB | plain read GB/s | floor s | "
+        "imports s | weights loaded s | engine built s | first token s | first token / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['format']} | {r['page_cache']} | {r['early_read']} | {r['gb']:.1f} | "
+            f"| {r['format']} | {r['page_cache']} | {r['early_read']} | {r['preload']} | "
+            f"{r['gb']:.1f} | "
             f"{r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
             f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} |"

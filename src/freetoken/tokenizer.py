@@ -154,6 +154,29 @@ class Tokenizer:
                                     self.vocab.special, **template_kwargs)  # fmt: skip
 
 
+# Tokenizers a start loaded before its imports of torch (`preload`), by resolved directory.
+_preloaded: dict[Path, Tokenizer] = {}
+
+
+def preload(path: str | Path) -> None:
+    """Load the tokenizer of checkpoint directory `path` now, for `load` to return: a CUDA
+    start calls it before it imports torch, while native_preload opens torch's libraries on a
+    thread that does not hold the GIL (the tokenizer's load holds it: 0.3 s for Qwen's). Where
+    it fails, nothing is kept: `load` fails as it would have."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    try:
+        _preloaded[path.resolve()] = Tokenizer(path)
+    except Exception as e:  # (load reports it, in its place)
+        log.debug("no early tokenizer for %s: %s", path, e)
+
+
+def load(path: str | Path) -> Tokenizer:
+    """The tokenizer of checkpoint directory `path`: the one `preload` loaded, or loaded now."""
+    return _preloaded.pop(Path(path).resolve(), None) or Tokenizer(path)
+
+
 class StoredVocab:
     """tokenizer.json through `tokenizers` alone; the special tokens as tokenizer_config.json
     names them."""

@@ -336,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     module, func = args.func.split(":")
     try:
         if getattr(args, "early_read", False):  # (before the engine's imports: seconds of torch)
-            from freetoken.weights import early_read
+            from freetoken import early_start
 
-            early_read.start(args.model, args.device)
+            early_start.before_imports(args.model, args.device)
         return getattr(importlib.import_module(module), func)(args) or 0
     except FreetokenError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ from freetoken.models import gguf
 from freetoken.models.loading import load_model
 from freetoken.telemetry import PrefixReuseTelemetry
 from freetoken.tokenizer import Tokenizer
+from freetoken.tokenizer import load as load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class LLMEngine:
         # The tokenizer loads on a thread while the weights do (the reads release the GIL);
         # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
-            tokenizer = pool.submit(Tokenizer, model)
+            tokenizer = pool.submit(load_tokenizer, model)
             loaded = load_model(model, config.dtype, device,
                                 progress=config.progress, verify=config.verify_weights,
                                 dequantize_experts=config.dequantize_experts)  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from freetoken import native_preload
 from freetoken.errors import CheckpointError, InsufficientMemoryError
 from freetoken.model_config import ModelConfig
 from freetoken.models import gguf
@@ -347,6 +348,9 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
         need -= early.done_bytes
     _admit(path, need, stored)
     log.debug("index and config read")
+    if (preload := native_preload.started()) is not None:  # (what the start did GIL-free)
+        log.debug("native preload %s: %s", "done" if preload.wait(0) else "still running",
+                  ", ".join(f"{k} {v:.3f} s" for k, v in preload.timings.items()))  # fmt: skip
     model = DecoderModel.on_meta(cfg, stored)
     _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)  # (all there)
     store = HostExpertStore.for_model(cfg, stored, fmt, down) if cfg.moe is not None else None

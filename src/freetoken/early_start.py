@@ -1,0 +1,29 @@
+"""What `ft serve` and `ft generate` do before they import torch (issue 18: a warm start is
+the imports and the work after them, one after another on the GIL; the weights' reads and the
+native libraries' loading need no GIL and run beside them).
+
+1. native_preload: a thread opens torch's native libraries and makes the GPU's CUDA context
+   through ctypes (GIL-free), work `import torch` and the first tensor on the GPU would do
+   holding the GIL;
+2. weights/early_read: reader threads read a weight directory's files;
+3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
+   the engine, torch with it.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from freetoken import native_preload, tokenizer
+from freetoken.weights import early_read
+
+
+def before_imports(model: str | Path | None, device: str | None = None) -> None:
+    """Begin what can begin for a start of `model` on `device` (each part decides whether it
+    applies: a GPU's driver, a weight directory, room in memory)."""
+    preload = native_preload.start(device)
+    early_read.start(model, device)
+    if preload is not None and model is not None:  # (while the preload opens the libraries)
+        tokenizer.preload(model)

@@ -1,0 +1,135 @@
+"""Work a CUDA start can do before Python imports torch, on a thread that does not hold the GIL
+(issue 18: a warm start is the imports and the work after them, one at a time, on the GIL).
+
+`import torch` opens its native libraries (hundreds of MB of code with their relocations and
+static initializers: the CUDA kernels' registrations) from the import machinery, which keeps
+the GIL while it does, and the CUDA context is made later by the first tensor on the GPU, also
+under the GIL. Here both are done first through ctypes, whose calls release the GIL: the
+libraries torch's import would open, in its order (`libtorch_global_deps` with RTLD_GLOBAL, as
+torch's `__init__` does, then `libtorch_cuda`/`libtorch`, which bring their CUDA libraries by
+their own run paths), and the device's primary context through the driver (`cuInit`,
+`cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it is.
+Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
+`import torch` finds the libraries open (or waits for the loader's lock) and the context made.
+
+Nothing is opened that the import would not open: where LD_LIBRARY_PATH is set, torch's own
+loading decides which CUDA libraries it takes (it preloads some from its wheels first), so only
+`libtorch_global_deps` and the context are done here. A failure only logs: the import then does
+the work as it would have. FREETOKEN_PRELOAD=0 turns it off. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "FREETOKEN_PRELOAD"
+NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there)
+DRIVER = "libcuda.so.1"
+# torch's native libraries after its global dependencies, each bringing its own (a CPU build
+# has no libtorch_cuda): opened in this order, the last one needing the others.
+LIBRARIES = ("libtorch_cpu.so", "libtorch_cuda.so", "libtorch.so")
+
+_started: Preload | None = None
+
+
+class Preload:
+    """The thread and what it did: seconds per step, by name (`timings`), once `done`."""
+
+    def __init__(self, lib_dir: Path, device_index: int | None, libraries: tuple[str, ...]):
+        self.lib_dir = lib_dir
+        self.device_index = device_index
+        self.libraries = libraries
+        self.timings: dict[str, float] = {}
+        self.error: BaseException | None = None
+        self._handles: list = []  # (kept: a library stays open while its handle lives)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ft-preload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._open("libtorch_global_deps.so", ctypes.RTLD_GLOBAL)
+            for name in self.libraries:
+                if (self.lib_dir / name).is_file():
+                    self._open(name, ctypes.DEFAULT_MODE)
+            if self.device_index is not None:
+                self._timed("cuda context", self._context)
+        except BaseException as e:  # (the import and torch's own start do it instead)
+            self.error = e
+            log.debug("native preload stopped: %s", e)
+        finally:
+            self._done.set()
+
+    def _open(self, name: str, mode: int) -> None:
+        self._timed(name, lambda: self._handles.append(ctypes.CDLL(str(self.lib_dir / name), mode)))
+
+    def _context(self) -> None:
+        """The device's primary context, retained (it lives as long as the process: torch's
+        runtime takes the same one)."""
+        cuda = ctypes.CDLL(DRIVER)
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        for call, args in (
+            ("cuInit", (0,)),
+            ("cuDeviceGet", (ctypes.byref(device), self.device_index)),
+            ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device)),
+        ):
+            status = getattr(cuda, call)(*args)
+            if status != 0:
+                raise OSError(f"{call} returned CUDA error {status}")
+        self._handles.append(cuda)
+
+    def _timed(self, name: str, step) -> None:
+        start = time.perf_counter()
+        step()
+        self.timings[name] = time.perf_counter() - start
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+def torch_lib_dir() -> Path | None:
+    """torch's `lib` directory, found without importing torch (None where torch is missing)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "lib"
+
+
+def device_index(device: str | None) -> int | None:
+    """The GPU a start will use (`--device`: none or "cuda" is 0, "cuda:N" is N), or None for
+    a CPU start."""
+    if device in (None, "cuda"):
+        return 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    return None
+
+
+def start(device: str | None = None) -> Preload | None:
+    """Begin the preload for a start on `device` where a GPU's driver is there (see the
+    module's docstring); None where it is not begun."""
+    global _started
+    if os.environ.get(ENV) == "0" or _started is not None:
+        return None
+    index = device_index(device)
+    lib_dir = torch_lib_dir()
+    if index is None or lib_dir is None or not os.path.exists(NVIDIA_NODE):
+        return None
+    if not (lib_dir / "libtorch_global_deps.so").is_file():
+        return None
+    libraries = () if os.environ.get("LD_LIBRARY_PATH") else LIBRARIES
+    _started = Preload(lib_dir, index, libraries)
+    return _started
+
+
+def started() -> Preload | None:
+    """The preload this process began, if it did (its timings are logged by the loader)."""
+    return _started

@@ -1,0 +1,139 @@
+"""What a start does before it imports torch (early_start.py): torch's native libraries and the
+CUDA context on a thread that does not hold the GIL (native_preload.py), the tokenizer loaded
+meanwhile. The driver is faked here (CI has no GPU); the libraries are the CPU build's own."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+
+from freetoken import early_start, native_preload, tokenizer
+from freetoken.errors import CheckpointError
+
+
+class FakeDriver:
+    """libcuda's three calls the preload makes, each answering `status` (0: success)."""
+
+    def __init__(self, status: int = 0):
+        self.status, self.calls = status, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return self.status
+
+        return call
+
+
+@pytest.fixture
+def driver(monkeypatch, tmp_path):
+    """A machine with a GPU's driver node and a fake libcuda (other libraries open for real)."""
+    fake, real = FakeDriver(), ctypes.CDLL
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(node))
+    monkeypatch.setattr(native_preload, "_started", None)
+    monkeypatch.delenv(native_preload.ENV, raising=False)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(
+        ctypes, "CDLL", lambda name, *a: fake if name == native_preload.DRIVER else real(name, *a)
+    )
+    return fake
+
+
+def test_a_cuda_start_opens_torchs_libraries_and_makes_the_context_off_the_gil(driver):
+    preload = native_preload.start("cuda:1")
+    assert preload is not None and native_preload.started() is preload
+    assert preload.wait(60) and preload.error is None
+    opened = [n for n in preload.timings if n.endswith(".so")]
+    # torch's global dependencies first (RTLD_GLOBAL, as its __init__ opens them), then its
+    # libraries in dependency order (the CPU build has no libtorch_cuda)
+    assert opened[0] == "libtorch_global_deps.so"
+    assert opened[1:] == [n for n in native_preload.LIBRARIES if (preload.lib_dir / n).is_file()]
+    assert "libtorch_cpu.so" in opened and "libtorch.so" in opened
+    assert [name for name, _ in driver.calls] == [
+        "cuInit",
+        "cuDeviceGet",
+        "cuDevicePrimaryCtxRetain",
+    ]
+    assert driver.calls[1][1][1] == 1  # (the device asked for: cuda:1)
+    assert preload.timings["cuda context"] >= 0
+    assert native_preload.start("cuda") is None  # (once a process)
+
+
+def test_a_failing_driver_stops_only_the_preload(driver):
+    driver.status = 100  # CUDA_ERROR_NO_DEVICE
+    preload = native_preload.start(None)
+    assert preload.wait(60)
+    assert isinstance(preload.error, OSError) and "cuInit" in str(preload.error)
+    assert "cuda context" not in preload.timings  # (the import's own start makes it)
+
+
+def test_the_preload_begins_only_for_a_gpu_start(driver, monkeypatch, tmp_path):
+    assert native_preload.start("cpu") is None
+    monkeypatch.setenv(native_preload.ENV, "0")
+    assert native_preload.start("cuda") is None
+    monkeypatch.delenv(native_preload.ENV)
+    monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(tmp_path / "none"))
+    assert native_preload.start("cuda") is None
+    assert native_preload.started() is None
+
+
+def test_with_ld_library_path_torchs_own_loading_picks_its_cuda_libraries(driver, monkeypatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/cuda/lib64")
+    preload = native_preload.start("cuda")
+    assert preload.wait(60) and preload.error is None
+    assert list(preload.timings) == ["libtorch_global_deps.so", "cuda context"]
+
+
+@pytest.mark.parametrize(
+    "device, index", [(None, 0), ("cuda", 0), ("cuda:3", 3), ("cpu", None), ("cuda:x", None)]
+)
+def test_the_device_a_start_uses(device, index):
+    assert native_preload.device_index(device) == index
+
+
+# -- the tokenizer, loaded while the libraries open ---------------------------------------
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A directory with a tokenizer.json that tokenizers reads as it is."""
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_preloaded_tokenizer_is_the_one_the_engine_takes_once(checkpoint):
+    tokenizer.preload(checkpoint / ".." / checkpoint.name)  # (same directory, another spelling)
+    early = tokenizer.load(checkpoint)
+    assert early.encode("hello world") == [1, 2]
+    later = tokenizer.load(checkpoint)  # (taken once: a later load reads the files again)
+    assert later is not early and later.encode("hello world") == [1, 2]
+
+
+def test_a_tokenizer_that_fails_early_fails_where_the_engine_loads_it(tmp_path):
+    tokenizer.preload(tmp_path)  # (no tokenizer files: nothing kept, nothing raised)
+    tokenizer.preload(tmp_path / "model.gguf")  # (not a directory: left to the loader)
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("preloading", [True, False])
+def test_a_start_loads_the_tokenizer_early_only_beside_the_preload(monkeypatch, preloading):
+    done = []
+    monkeypatch.setattr(native_preload, "start", lambda device: object() if preloading else None)
+    monkeypatch.setattr(early_start.early_read, "start", lambda m, d: done.append(("read", m)))
+    monkeypatch.setattr(tokenizer, "preload", lambda m: done.append(("tokenizer", m)))
+    early_start.before_imports("/m", "cuda")
+    # without the preload's thread, the tokenizer's load is better left to the loader's thread,
+    # beside the weights' reads
+    assert done == ([("read", "/m"), ("tokenizer", "/m")] if preloading else [("read", "/m")])
