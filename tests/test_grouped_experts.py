@@ -37,6 +37,7 @@ from freetoken.weights.expert_format import (
     fp8_format,
     k_mixed_rest,
 )
+from compiled import run_compiled
 from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -666,6 +667,70 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
     fmt = QUANTIZED[name]
     if fmt.name in K_FAMILY and (h % fmt.col_block or i % fmt.col_block):
         pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
+
+
+COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed"]
+PAIRED_FORMATS = ["q4_k", "q5_k", "q6_k", "k_mixed", "q4_k+k_mixed"]
+
+
+def _compile_cases() -> dict[str, list[str] | str]:
+    """Every format's decode kernels (and dequantize_slots) launched at Qwen3-30B-A3B's shape
+    with their launch parameters, the K-quants' paired tiles too, under compiled.py's
+    compile-only driver: each case's kernels compiled, or its error."""
+    import compiled
+
+    import freetoken.kernels.grouped_experts as ge
+
+    h, i, _, k = MODEL_SHAPES["qwen3"]
+    cases = [(name, False) for name in COMPILED_FORMATS]
+    cases += [(name, True) for name in PAIRED_FORMATS]
+    res: dict[str, list[str] | str] = {}
+    for name, paired in cases:
+        key = f"{name}{' K_PAIRS' if paired else ''}"
+        before = len(compiled.COMPILED)
+        try:
+            if name == "dense":
+                x, slots, weights, w_gate_up, w_down = make_case(4, k, h, i, 8,
+                                                                 dtype=torch.bfloat16)  # fmt: skip
+                ge.triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down)
+            else:
+                quantized, _ = quantized_case(name, 4, k, h, i, 8, dtype=torch.bfloat16)
+                fmt = QUANTIZED[name.partition("+")[0]].name
+                saved = ge.QUANTIZED_LAUNCH[fmt]
+                if paired:
+                    ge.QUANTIZED_LAUNCH[fmt] = {**saved, "K_PAIRS": 1}
+                try:
+                    ge.triton_grouped_expert_forward(*quantized)
+                    if not paired:
+                        ge.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
+                finally:
+                    ge.QUANTIZED_LAUNCH[fmt] = saved
+        except Exception as e:  # (the test names it)
+            res[key] = f"{type(e).__name__}: {str(e)[-600:]}"
+            continue
+        res[key] = [c["name"] for c in compiled.COMPILED[before:]]
+    return res
+
+
+@pytest.fixture(scope="module")
+def compiled_results() -> dict[str, list[str] | str]:
+    return run_compiled("test_grouped_experts", "_compile_cases")
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "case", [*COMPILED_FORMATS, *(f"{name} K_PAIRS" for name in PAIRED_FORMATS)]
+)
+def test_the_decode_kernels_compile_for_the_gpu(compiled_results, case):
+    """Triton's code generator and ptxas take every format's kernels as launched on an H200
+    (which the interpreter's tests do not check): the gate/up, down and sum kernels (and a
+    quantized format's dequantize kernel) each compiled once."""
+    kernels = compiled_results[case]
+    assert isinstance(kernels, list), kernels
+    expected = ["_gate_up_act_kernel", "_down_kernel", "_sum_routes_kernel"]
+    if case != "dense" and not case.endswith("K_PAIRS"):
+        expected.append("_dequantize_kernel")
+    assert kernels == expected
 
 
 @needs_cuda

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
+from freetoken.kernels import INTERPRETED
 from freetoken.weights.expert_format import MIXED_K_TAG, MIXED_K_WIDTH, QuantizedBank
 from freetoken.weights.quantized import K_QUANT_REST
 
@@ -575,11 +576,14 @@ if triton is not None:
         w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
         REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
     ):  # fmt: skip
-        """One K type's fp32 values: the paired tile or the per-chunk one."""
+        """One K type's fp32 values: the paired tile or the per-chunk one. (One return after
+        the branch: Triton's code generator refuses returns of two shapes in one function,
+        even under a constexpr branch, where the interpreter takes them.)"""
         if PAIRS:
-            return _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N,
-                                 BLOCK_K)  # fmt: skip
-        return _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+            w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+        else:
+            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+        return w
 
     @triton.jit
     def _k_pairs_tile(
@@ -1035,9 +1039,8 @@ def triton_grouped_expert_forward(
     t, k, h, i = _check_args(x, slots, weights, w_gate_up, w_down)
     _check_bias(b_gate_up, w_gate_up, x.dtype)
     act_code = activation_code(act)  # (a clear error for an unknown name)
-    interpreted = x.device.type != "cuda"
-    gu_args, gu_consts = _bank_args(w_gate_up, x.dtype, interpreted)
-    d_args, d_consts = _bank_args(w_down, x.dtype, interpreted)
+    gu_args, gu_consts = _bank_args(w_gate_up, x.dtype, INTERPRETED)
+    d_args, d_consts = _bank_args(w_down, x.dtype, INTERPRETED)
     if b_gate_up is not None and b_gate_up.stride(1) != 1:
         raise ValueError("the bias bank must be contiguous in its last dimension")
     routes = t * k
@@ -1073,7 +1076,7 @@ def triton_grouped_expert_forward(
         K=k,
         ACT=act_code,
         HAS_BIAS=b_gate_up is not None,
-        INTERPRETED=interpreted,
+        INTERPRETED=INTERPRETED,
         BLOCK_N=p["GATE_UP_BLOCK_N"],
         BLOCK_K=p["GATE_UP_BLOCK_K"],
         K_PAIRS=p.get("K_PAIRS", 0),
@@ -1100,7 +1103,7 @@ def triton_grouped_expert_forward(
         c.stride(0),
         HIDDEN=h,
         INTER=i,
-        INTERPRETED=interpreted,
+        INTERPRETED=INTERPRETED,
         BLOCK_N=p["DOWN_BLOCK_N"],
         BLOCK_K=p["DOWN_BLOCK_K"],
         K_PAIRS=p.get("K_PAIRS", 0),
@@ -1124,8 +1127,7 @@ def triton_dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dty
     out = torch.empty(slots.numel(), n, kdim, dtype=dtype, device=bank.device)
     if out.numel() == 0:
         return out
-    interpreted = bank.device.type != "cuda"
-    args, consts = _bank_args(bank, dtype, interpreted)
+    args, consts = _bank_args(bank, dtype, INTERPRETED)
     w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = args
     _dequantize_kernel[(slots.numel(), triton.cdiv(n, DEQUANTIZE_BLOCK_N))](
         w,
@@ -1142,7 +1144,7 @@ def triton_dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dty
         out.stride(1),
         N=n,
         KDIM=kdim,
-        INTERPRETED=interpreted,
+        INTERPRETED=INTERPRETED,
         BLOCK_N=DEQUANTIZE_BLOCK_N,
         BLOCK_K=DEQUANTIZE_BLOCK_K,
         num_warps=DEQUANTIZE_WARPS,

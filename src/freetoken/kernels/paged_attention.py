@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels import cpu_team
+from freetoken.kernels import INTERPRETED, cpu_team
 from freetoken.kv.batch import ForwardBatch
 
 try:
@@ -46,7 +45,6 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
 # Keys per inner step of a split, warps and pipeline stages: the fastest of 36 variants in CUDA
 # graphs on the H200 machine at 32k keys (benchmarks/paged_attention.py: 25.8 us a layer at
 # batch 1, 70.9 at batch 4, 3.8 TB/s, against 27.9 and 78.2 for 64 keys, 4 warps, 3 stages).
