@@ -28,6 +28,7 @@ from checkpoint import write_random_checkpoint, write_random_weight_dir
 from decode_offload import qwen3_30b_a3b, report, tiny
 
 from freetoken.models.loading import convert_checkpoint
+from freetoken.weights.weight_dir import is_weight_dir
 
 START = """
 import json, logging, os, sys, time
@@ -61,16 +62,27 @@ if profile:  # (the first step only: a profiler slows the imports' Python 1.7x)
     import cProfile, pstats
     prof = cProfile.Profile()
     prof.enable()
+cpu = time.thread_time()
 engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=1, temperature=0.0))
 while not engine.step():
     pass
 first = time.time() - t0
+first_cpu = time.thread_time() - cpu  # (the main thread's; the rest of the step is waits)
 if profile:
     prof.disable()
     with open(profile, "w") as f:
-        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(80)
+        stats = pstats.Stats(prof, stream=f)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(40)
+# the same step again (other tokens: no prefix reuse), its first-time costs paid
+again = time.time()
+engine.add_request([9, 10, 11, 12, 13, 14, 15, 16], SamplingParams(max_new_tokens=1,
+                                                                   temperature=0.0))
+while not engine.step():
+    pass
 print(json.dumps(dict(import_s=t_import, loaded_s=loaded_at[0], engine_s=t_engine,
-                      first_token_s=first)))
+                      first_token_s=first, first_step_cpu_s=first_cpu,
+                      second_step_s=time.time() - again)))
 """
 
 
@@ -140,6 +152,9 @@ def main() -> int:
         help="write the weight directory straight (no safetensors first: half the disk; "
         "the safetensors rows are left out)",
     )
+    ap.add_argument("--reuse", action="store_true",
+                    help="--direct: a weight directory already at WORK/weight-dir is started "
+                    "as it is (an earlier run's, same --layers)")  # fmt: skip
     ap.add_argument("--formats", nargs="+", default=["safetensors", "weight directory"])
     ap.add_argument(
         "--prime",
@@ -158,6 +173,7 @@ def main() -> int:
     ap.add_argument("--early-readers", type=int, nargs="+", default=[None],
                     help="early read: its reader threads beside the imports (default: its own "
                     "choice), one start each")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="starts of each setting")
     ap.add_argument("--page-cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--preload", nargs="+", default=["on"], choices=["on", "off"],
                     help="torch's native libraries and the CUDA context opened on a thread "
@@ -172,7 +188,8 @@ def main() -> int:
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
     if args.direct:
         args.formats = [f for f in args.formats if f != "safetensors"]
-        write_random_weight_dir(raw, dst, tokenizer=args.tokenizer)
+        if not (args.reuse and is_weight_dir(dst)):
+            write_random_weight_dir(raw, dst, tokenizer=args.tokenizer)
         written, converted = time.perf_counter() - start, 0.0
     else:
         write_random_checkpoint(raw, src, tokenizer=args.tokenizer)
@@ -198,7 +215,9 @@ def main() -> int:
         earlies = args.early_read if label == "weight directory" else ["off"]
         runs = [(e, r, p) for e in earlies for p in args.preload
                 for r in (args.early_readers if e == "on" else [None])]  # fmt: skip
-        for cache_state, (early, readers, preload) in itertools.product(args.page_cache, runs):
+        for rep, cache_state, (early, readers, preload) in itertools.product(
+            range(args.repeat), args.page_cache, runs
+        ):  # (repetitions interleaved: a machine's drift spreads over every setting)
             drop_cache(path)
             if cache_state == "warm":
                 plain_read(path)  # into the page cache
@@ -209,7 +228,7 @@ def main() -> int:
             if readers is not None:
                 early = f"{early} ({readers} readers)"
             name = (f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
-                    f"-preload-{preload}.txt")  # fmt: skip
+                    f"-preload-{preload}{f'-{rep}' if args.repeat > 1 else ''}.txt")  # fmt: skip
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
             t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers,
@@ -229,8 +248,9 @@ def main() -> int:
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
         "| format | page cache | early read | preload | GB | plain read GB/s | floor s | "
-        "imports s | weights loaded s | engine built s | first token s | first token / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "imports s | weights loaded s | engine built s | first token s | first token / floor | "
+        "first step s (main thread's CPU s) | same step again s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -238,7 +258,9 @@ def main() -> int:
             f"{r['gb']:.1f} | "
             f"{r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
-            f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} |"
+            f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} | "
+            f"{r['first_token_s'] - r['engine_s']:.2f} ({r['first_step_cpu_s']:.2f}) | "
+            f"{r['second_step_s']:.2f} |"
         )
     report(lines, args.out)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -137,3 +138,20 @@ def test_a_start_loads_the_tokenizer_early_only_beside_the_preload(monkeypatch, 
     # without the preload's thread, the tokenizer's load is better left to the loader's thread,
     # beside the weights' reads
     assert done == ([("read", "/m"), ("tokenizer", "/m")] if preloading else [("read", "/m")])
+
+
+# -- Triton's once-a-process cache key, ahead of the first step ----------------------------
+
+
+def test_tritons_cache_key_is_computed_on_a_thread_once(monkeypatch):
+    cache = pytest.importorskip("triton.runtime.cache")
+    from freetoken.kernels import triton_start
+
+    monkeypatch.setattr(triton_start, "_started", False)
+    cache.triton_key.cache_clear()
+    triton_start.begin()
+    thread = next(t for t in threading.enumerate() if t.name == "ft-triton-key")
+    thread.join(120)
+    assert cache.triton_key.cache_info().currsize == 1  # (the first compile finds it)
+    triton_start.begin()
+    assert not any(t.name == "ft-triton-key" for t in threading.enumerate())  # (once)

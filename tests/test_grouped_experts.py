@@ -17,6 +17,7 @@ import importlib.util
 import pytest
 import torch
 
+from compiled import run_compiled
 from freetoken.activations import glu
 from freetoken.kernels.grouped_experts import (
     dequantize_slots,
@@ -37,7 +38,6 @@ from freetoken.weights.expert_format import (
     fp8_format,
     k_mixed_rest,
 )
-from compiled import run_compiled
 from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -678,7 +678,6 @@ def _compile_cases() -> dict[str, list[str] | str]:
     with their launch parameters, the K-quants' paired tiles too, under compiled.py's
     compile-only driver: each case's kernels compiled, or its error."""
     import compiled
-
     import freetoken.kernels.grouped_experts as ge
 
     h, i, _, k = MODEL_SHAPES["qwen3"]

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from freetoken import native_preload
 from freetoken.errors import CheckpointError, InsufficientMemoryError
+from freetoken.kernels import triton_start
 from freetoken.model_config import ModelConfig
 from freetoken.models import gguf
 from freetoken.models.decoder import DecoderModel
@@ -151,12 +152,13 @@ def load_model(
 
 def _start_device_in_background(device: torch.device) -> None:
     """Create the CUDA context on a thread while the weights load (0.5-2 s that the first
-    copy to the device would otherwise wait for); torch's lazy initialisation is thread-safe
-    and happens once."""
+    copy to the device would otherwise wait for; torch's lazy initialisation is thread-safe
+    and happens once), and compute Triton's once-a-process cache key (triton_start.py)."""
     if device.type == "cuda" and torch.cuda.is_available():
         threading.Thread(
             target=lambda: torch.empty(1, device=device), name="ft-device-init", daemon=True
         ).start()
+        triton_start.begin()
 
 
 def _is_expert(name: str | None) -> bool:
