@@ -114,12 +114,14 @@ def plain_read(path: Path) -> tuple[int, float]:
 
 def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
                early: bool = True, log: Path | None = None,
-               readers: int | None = None, preload: bool = True) -> dict:  # fmt: skip
+               readers: int | None = None, preload: bool = True,
+               mapping: bool = True) -> dict:  # fmt: skip
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "FREETOKEN_EARLY_READ": "1" if early else "0",
         "FREETOKEN_PRELOAD": "1" if preload else "0",
+        "FREETOKEN_EARLY_MAP": "1" if mapping else "0",
     }
     if readers is not None:  # (beside the imports; weights/early_read.py)
         env["FREETOKEN_EARLY_READERS"] = str(readers)
@@ -179,6 +181,9 @@ def main() -> int:
                     help="torch's native libraries and the CUDA context opened on a thread "
                     "beside the tokenizer's load, before the imports (native_preload.py), "
                     "as ft serve does, or not")  # fmt: skip
+    ap.add_argument("--map", nargs="+", default=["on"], choices=["on", "off"],
+                    help="early read: a warm experts.bin mapped read-only from the page cache "
+                    "(early_read.py), as ft serve does, or read")  # fmt: skip
     ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
                     help="weight directory: its banks read from the start (as ft serve "
                     "does), or by the loader")  # fmt: skip
@@ -213,9 +218,10 @@ def main() -> int:
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        runs = [(e, r, p) for e in earlies for p in args.preload
+        runs = [(e, r, p, m) for e in earlies for p in args.preload
+                for m in (args.map if e == "on" else ["off"])
                 for r in (args.early_readers if e == "on" else [None])]  # fmt: skip
-        for rep, cache_state, (early, readers, preload) in itertools.product(
+        for rep, cache_state, (early, readers, preload, mapping) in itertools.product(
             range(args.repeat), args.page_cache, runs
         ):  # (repetitions interleaved: a machine's drift spreads over every setting)
             drop_cache(path)
@@ -228,14 +234,15 @@ def main() -> int:
             if readers is not None:
                 early = f"{early} ({readers} readers)"
             name = (f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
-                    f"-preload-{preload}{f'-{rep}' if args.repeat > 1 else ''}.txt")  # fmt: skip
+                    f"-preload-{preload}-map-{mapping}{f'-{rep}' if args.repeat > 1 else ''}"
+                    ".txt")  # fmt: skip
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
             t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers,
-                           preload == "on")  # fmt: skip
+                           preload == "on", mapping == "on")  # fmt: skip
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, early_read=early,
-                             preload=preload,
+                             preload=preload, mapped=mapping,
                              gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
                              floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -247,14 +254,16 @@ def main() -> int:
         + (" (the weight directory written straight)" if args.direct else "")
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
-        "| format | page cache | early read | preload | GB | plain read GB/s | floor s | "
+        "| format | page cache | early read | preload | pool mapped | GB | plain read GB/s | "
+        "floor s | "
         "imports s | weights loaded s | engine built s | first token s | first token / floor | "
         "first step s (main thread's CPU s) | same step again s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['format']} | {r['page_cache']} | {r['early_read']} | {r['preload']} | "
+            f"{r['mapped']} | "
             f"{r['gb']:.1f} | "
             f"{r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "

@@ -84,11 +84,20 @@ def test_the_preload_begins_only_for_a_gpu_start(driver, monkeypatch, tmp_path):
     assert native_preload.started() is None
 
 
-def test_with_ld_library_path_torchs_own_loading_picks_its_cuda_libraries(driver, monkeypatch):
-    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/cuda/lib64")
+def test_with_cuda_libraries_on_ld_library_path_torchs_own_loading_picks_them(
+    driver, monkeypatch, tmp_path
+):
+    toolkit, drivers = tmp_path / "cuda" / "lib64", tmp_path / "nvidia" / "lib64"
+    for folder, name in ((toolkit, "libcublasLt.so.13"), (drivers, "libcuda.so.1")):
+        folder.mkdir(parents=True)
+        (folder / name).touch()
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{drivers}:{toolkit}:/missing")
+    assert native_preload.cuda_libraries_on_path() == [str(toolkit / "libcublasLt.so.13")]
     preload = native_preload.start("cuda")
     assert preload.wait(60) and preload.error is None
     assert list(preload.timings) == ["libtorch_global_deps.so", "cuda context"]
+    # (driver libraries alone, a container's usual LD_LIBRARY_PATH: torch's libraries opened)
+    assert native_preload.cuda_libraries_on_path(str(drivers)) == []
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,9 @@ from freetoken.weights import weight_dir as wd
 from tiny_models import FAMILIES, build, build_chat_model
 
 
-def logits(loaded, prompt, steps=3):
+def logits(loaded, prompt, steps=3, moe: MoEOptions | None = None):
     """Prefill then greedy decode through the paged runner: every step's logits."""
-    moe = MoEOptions("fused") if loaded.experts is not None else None
+    moe = (moe or MoEOptions("fused")) if loaded.experts is not None else None
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8, moe=moe)
     seq = runner.new_sequence()
     out = [runner.forward([seq], [prompt])]
@@ -378,12 +378,19 @@ def test_an_early_read_takes_more_readers_when_claimed(converted, gpu_node, monk
     assert read.readers == 5
 
 
-def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, gpu_node,
-                                                                    monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("mapping", [True, False])
+def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(
+    converted, gpu_node, monkeypatch, mapping
+):
     """On CUDA the pool's banks are page-locked as one range on a thread once read (the pool's
     `pin` then waits for that lock instead of locking bank by bank), and the dense parameters
-    are locked while they are copied to the device, then unlocked."""
+    are locked while they are copied to the device, then unlocked. A warm directory's pool is
+    the page cache's pages, mapped read-only and locked so (READ_ONLY); read with
+    FREETOKEN_EARLY_MAP=0."""
     from freetoken.moe import store as store_module
+
+    if not mapping:
+        monkeypatch.setenv(gpu_node.MAP_ENV, "0")
 
     calls = []
 
@@ -405,12 +412,55 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(converted, g
     assert calls.index(("unlock", dense)) > calls.index(
         ("lock", dense, read.sizes["dense.bin"], loader.memory.PORTABLE)
     )
+    assert read.mapped == ({"experts.bin"} if mapping else set())
     assert store.pin()
-    mapped = store_module.PORTABLE | store_module.MAPPED
+    flags = store_module.PORTABLE | store_module.MAPPED
+    flags |= loader.memory.READ_ONLY if mapping else 0
     pool_locks = [c for c in calls if c[0] == "lock" and c[1] != dense]
-    assert pool_locks == [("lock", banks, read.sizes["experts.bin"], mapped)]  # (one, not per bank)
+    assert pool_locks == [("lock", banks, read.sizes["experts.bin"], flags)]  # (one, not per bank)
     store.unpin()
     assert calls[-1] == ("unlock", banks) and not store.pinned
+
+
+def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(converted, gpu_node,
+                                                                     monkeypatch):  # fmt: skip
+    """Where the read-only lock of a mapped pool fails, `pin` copies the banks into memory of
+    their own and locks those (a write-free fallback: the mapping is never locked writable)."""
+    from freetoken.moe import store as store_module
+
+    locked = []
+
+    def lock(start, nbytes, flags=loader.memory.PORTABLE):
+        if flags & loader.memory.READ_ONLY:
+            return 801  # cudaErrorNotSupported
+        locked.append(start)
+        return 0
+
+    for module in (loader.memory, store_module):
+        monkeypatch.setattr(module, "lock_pages", lock)
+        monkeypatch.setattr(module, "unlock_pages", lambda start: None)
+    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    read = gpu_node.start(converted, "cuda")
+    assert read.mapped == {"experts.bin"}
+    store = load_model(converted, device="cuda").experts
+    plain = load_model(converted).experts
+    assert store.pin() and not store.mapped
+    for name, bank in store.named_banks.items():
+        assert not inside(bank, read, "experts.bin"), name  # (memory of its own)
+        assert bank.data_ptr() in locked, name
+        assert torch.equal(bank, plain.named_banks[name]), name
+
+
+def test_a_file_the_page_cache_lacks_in_part_is_read_not_mapped(converted, gpu_node,
+                                                                monkeypatch):  # fmt: skip
+    monkeypatch.setattr(wd, "resident_fraction", lambda path: 0.5)
+    read = gpu_node.start(converted, None)
+    assert read.mapped == set()
+    read.wait("experts.bin")
+    assert bytes(read.regions["experts.bin"]) == (converted / "experts.bin").read_bytes()
 
 
 def test_a_failed_cuda_load_unlocks_what_it_locked_early(converted, gpu_node, monkeypatch):
@@ -502,6 +552,7 @@ def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node,
 
     monkeypatch.setattr(wd, "CHUNK", 1 << 16)  # (several chunks: the second one fails)
     monkeypatch.setattr(os, "preadv", failing)
+    monkeypatch.setenv(gpu_node.MAP_ENV, "0")  # (read, not mapped)
     read = gpu_node.start(converted, None)
     with pytest.raises(OSError, match="Input/output error"):
         read.wait("experts.bin")
@@ -576,3 +627,28 @@ def test_the_pools_banks_take_memory_advised_to_huge_pages():
         assert bool((t == 1.5).all())
     # (a small one's mapping is the allocator's, whatever advice that carries)
     assert "hg" in vma_flags(big.data_ptr())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_a_warm_cuda_start_serves_from_its_mapped_pool(converted, strategy):
+    """On the GPU: a warm directory's pool mapped read-only from the page cache and page-locked
+    read-only fills the expert cache (the device-launched fills read it by its host address)
+    and the CPU experts read it: the same logits as a load that reads the pool into memory of
+    its own, through a cache that holds a third of the pool."""
+    from freetoken.weights import early_read
+
+    read = early_read.start(converted, "cuda")
+    assert read is not None and read.mapped == {"experts.bin"}
+    loaded = load_model(converted, device="cuda")
+    store = loaded.experts
+    base = loader.memory.address(read.regions["experts.bin"])
+    assert all(base <= b.data_ptr() < base + read.sizes["experts.bin"] for b in store.banks)
+    assert store.pin()
+    slots = max(2, store.num_pairs // 3)
+    moe = MoEOptions(strategy, str(slots))
+    prompt = [3, 17, 5, 9, 11, 2, 8, 13]
+    ours = logits(loaded, prompt, steps=6, moe=moe)
+    read_in = load_model(converted, device="cuda")  # (no early read: the loader reads)
+    assert not read_in.experts.mapped and read_in.experts.pin()
+    assert torch.equal(ours, logits(read_in, prompt, steps=6, moe=moe))

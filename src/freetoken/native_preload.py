@@ -12,10 +12,13 @@ their own run paths), and the device's primary context through the driver (`cuIn
 Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
 `import torch` finds the libraries open (or waits for the loader's lock) and the context made.
 
-Nothing is opened that the import would not open: where LD_LIBRARY_PATH is set, torch's own
-loading decides which CUDA libraries it takes (it preloads some from its wheels first), so only
-`libtorch_global_deps` and the context are done here. A failure only logs: the import then does
-the work as it would have. FREETOKEN_PRELOAD=0 turns it off. Nothing here imports torch.
+Nothing is opened that the import would not open: where a directory of LD_LIBRARY_PATH holds
+CUDA libraries torch links (cuBLAS, cuDNN, NCCL, ...: a toolkit's, which the loader would find
+before torch's own), torch's loading decides which it takes (it preloads some from its wheels
+first), so only `libtorch_global_deps` and the context are done here (a container's
+LD_LIBRARY_PATH of driver libraries, /usr/local/nvidia/lib64, holds none of them). A failure
+only logs: the import then does the work as it would have. FREETOKEN_PRELOAD=0 turns it off.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ DRIVER = "libcuda.so.1"
 # torch's native libraries after its global dependencies, each bringing its own (a CPU build
 # has no libtorch_cuda): opened in this order, the last one needing the others.
 LIBRARIES = ("libtorch_cpu.so", "libtorch_cuda.so", "libtorch.so")
+# CUDA libraries torch links, by name prefix (torch's `_preload_cuda_deps` list)
+CUDA_LIBRARIES = ("libcublas", "libcudnn", "libnvrtc", "libcudart", "libcupti", "libcufft",
+                  "libcurand", "libnvJitLink", "libcusparse", "libcusolver", "libnccl",
+                  "libnvshmem", "libcufile")  # fmt: skip
 
 _started: Preload | None = None
 
@@ -125,9 +132,21 @@ def start(device: str | None = None) -> Preload | None:
         return None
     if not (lib_dir / "libtorch_global_deps.so").is_file():
         return None
-    libraries = () if os.environ.get("LD_LIBRARY_PATH") else LIBRARIES
+    libraries = () if cuda_libraries_on_path() else LIBRARIES
     _started = Preload(lib_dir, index, libraries)
     return _started
+
+
+def cuda_libraries_on_path(value: str | None = None) -> list[str]:
+    """The CUDA libraries torch links that LD_LIBRARY_PATH's directories hold (by file name)."""
+    found = []
+    for folder in (os.environ.get("LD_LIBRARY_PATH", "") if value is None else value).split(":"):
+        try:
+            names = os.listdir(folder) if folder else []
+        except OSError:
+            continue
+        found += [os.path.join(folder, n) for n in names if n.startswith(CUDA_LIBRARIES)]
+    return found
 
 
 def started() -> Preload | None:

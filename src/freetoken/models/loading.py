@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,9 +314,12 @@ def _load_weight_dir(
     if early is not None and cuda and EXPERTS_FILE in early.files and not dequantize_experts:
         # The pool is page-locked as soon as it is read, while the model is built (0.4 s for
         # 19 GB in 2 MiB pages on the H200 machine); the store adopts the lock.
+        # (a pool mapped from the page cache: its pages locked read-only, as CUDA takes them)
         region = early.regions[EXPERTS_FILE]
-        pool_lock = memory.PageLock(memory.address(region), len(region),
-                                    memory.PORTABLE | memory.MAPPED,
+        flags = memory.PORTABLE | memory.MAPPED
+        if EXPERTS_FILE in early.mapped:
+            flags |= memory.READ_ONLY
+        pool_lock = memory.PageLock(memory.address(region), len(region), flags,
                                     lambda: early.wait(EXPERTS_FILE))  # fmt: skip
     try:
         return _read_weight_dir(path, dtype, device, progress, verify, dequantize_experts,
@@ -366,6 +370,9 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
         banks = _adopt(weights, banks, early)
         for entry, view in banks:
             store.named_banks[entry.name.removeprefix("experts:")] = view
+        # (mapped from the page cache, read-only: where the lock fails, `pin` copies the pool
+        # into memory of its own first, as for a CPU start's mapping)
+        store.mapped = EXPERTS_FILE in early.mapped
         if pool_lock is not None and not dequantize:
             store.adopt_page_lock(pool_lock)
             pool_lock = None
@@ -384,7 +391,7 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
 
         # The banks' reads run while the model is given its memory (whose first CPU op costs
         # 0.6-0.9 s on the H200 machine: the disk would sit idle), then the dense tensors'.
-        mapped = store is not None and store.mapped
+        mapped = store is not None and store.mapped and not early_banks
         if mapped:
             advance(sum(entry.nbytes for entry, _ in banks))
 
@@ -393,8 +400,12 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
                 return weights.read([] if mapped else banks, progress=advance)
             early.wait(EXPERTS_FILE)
             advance(sum(entry.nbytes for entry, _ in banks))
-            log.info("expert banks read from the start: %.1f GB in %.2f s",
-                     early.sizes[EXPERTS_FILE] / 1e9, early.seconds[EXPERTS_FILE])  # fmt: skip
+            if EXPERTS_FILE in early.mapped:
+                log.info("expert banks mapped from the page cache: %.1f GB",
+                         early.sizes[EXPERTS_FILE] / 1e9)  # fmt: skip
+            else:
+                log.info("expert banks read from the start: %.1f GB in %.2f s",
+                         early.sizes[EXPERTS_FILE] / 1e9, early.seconds[EXPERTS_FILE])  # fmt: skip
 
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
             banks_read = pool.submit(read_banks)
@@ -446,18 +457,20 @@ def _adopt(weights: wd.WeightDir, items: list, early: early_read.EarlyRead) -> l
     adopted = []
     for entry, tensor in items:
         weights.check(entry, tensor)
-        view = torch.frombuffer(early.regions[entry.file], dtype=torch.uint8,
-                                count=entry.nbytes, offset=entry.offset)  # fmt: skip
+        with warnings.catch_warnings():  # (a read-only mapping: torch warns it is not writable)
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(early.regions[entry.file], dtype=torch.uint8,
+                                    count=entry.nbytes, offset=entry.offset)  # fmt: skip
         adopted.append((entry, view.view(tensor.dtype).view(tensor.shape)))
     return adopted
 
 
 def _map_banks(weights: wd.WeightDir, store: HostExpertStore, banks: list) -> list:
     """A warm CPU start: the pool's banks become mappings of the directory's file pages, nothing
-    to read or fault in; the (entry, bank) pairs for the integrity check. Not for a pool to be
-    page-locked for the GPU's fills: locking a mapping's file pages (cudaHostRegister,
-    read-only) did not end in 100 s for 18 GiB on the H200 machine, where locking memory of the
-    pool's own is part of a 1 s step."""
+    to read or fault in; the (entry, bank) pairs for the integrity check. Private mappings: not
+    for a pool to be page-locked for the GPU's fills (locking these pages did not end in 100 s
+    for 18 GiB on the H200 machine); a GPU start maps the file shared and read-only instead, as
+    its early read (weights/early_read.py)."""
     mapped = []
     for (entry, bank), name in zip(banks, list(store.named_banks), strict=True):
         weights.check(entry, bank)

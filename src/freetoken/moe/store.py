@@ -155,8 +155,10 @@ class HostExpertStore(BanksByName):
         self.pinned = False
         self._locked: list[int] = []  # the page-locked ranges' starts, to unlock
         self._page_lock: PageLock | None = None  # one lock of every bank (`adopt_page_lock`)
-        # The banks are a weight directory's file pages (mapped: models/loading.py, for CPU
-        # starts), copied into memory of their own before they are page-locked.
+        # The banks are a weight directory's file pages (mapped: models/loading.py): a CPU
+        # start's private mapping, or a warm GPU start's shared read-only one, whose lock is
+        # adopted; where the pool is locked bank by bank, copied into memory of its own first
+        # (locking a private mapping's pages for writing did not end in minutes).
         self.mapped = False
 
     @classmethod
@@ -227,7 +229,7 @@ class HostExpertStore(BanksByName):
             self._page_lock = None  # (refused as one range: bank by bank, warning if refused)
         if not torch.cuda.is_available():
             return False
-        if self.mapped:  # (locking a mapping's file pages took minutes: see __init__)
+        if self.mapped:  # (see __init__)
             self._unmap()
         for bank in self.banks:
             start, size = bank.data_ptr(), bank.numel() * bank.element_size()

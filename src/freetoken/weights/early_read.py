@@ -1,17 +1,23 @@
 """A weight directory's files read from a start's first moments, while Python imports torch
 (issue 18: a warm start's reads, 3-4 s for 21 GB, had waited for ~2 s of imports).
 
-`ft serve` / `ft generate` call `start(model)` before they import the engine: where the model is
-a weight directory and a GPU is there (a CUDA start reads its pool; a CPU start of a directory
-the page cache holds maps it instead), each of its files (`dense.bin`, then `experts.bin`) is
-read whole by reader threads (os.preadv releases the GIL; direct I/O for a file the page cache
-lacks, weight_dir.py's rule) into one anonymous mapping laid out as the file, so each tensor is
-a view at its index offset. Few readers while the imports run (they slow them), the rest of
-the I/O threads once the loader claims the read. The mappings are advised MADV_HUGEPAGE: the
-reads fault in fresh memory, and 2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB
-pages took one per 4 KiB. The loader `claim`s the read (models/loading.py): the pool's banks
-and the dense parameters become views of its memory, and the loader waits for each file where
-it would have read it. Nothing here imports torch.
+`ft serve` / `ft generate` call `start(model)` before they import the engine: where the model
+is a weight directory and a GPU is there (a CUDA start reads its pool; a CPU start of a
+directory the page cache holds maps it instead), each of its files (`dense.bin`, then
+`experts.bin`) is read whole by reader threads (os.preadv releases the GIL; direct I/O for a
+file the page cache lacks, weight_dir.py's rule) into one anonymous mapping laid out as the
+file, so each tensor is a view at its index offset. Few readers while the imports run (they
+slow them), the rest of the I/O threads once the loader claims the read. Where the page cache
+holds `experts.bin` whole (a warm start), it is not read but mapped, shared and read-only
+(`memory.file_region`): the pool is the page cache's own pages, nothing is copied, faulted in
+or zeroed beside the imports (which such copies slowed from 1.6 to 3.5 s on one H200 machine),
+and CUDA page-locks them read-only (`memory.READ_ONLY`: 8 GiB in 0.28 s there, as long as
+memory of the pool's own; `benchmarks/mapped_pool_probe.py`); FREETOKEN_EARLY_MAP=0 reads it
+instead. The regions read into are advised MADV_HUGEPAGE: the reads fault in fresh memory, and
+2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB pages took one per 4 KiB. The
+loader `claim`s the read (models/loading.py): the pool's banks and the dense parameters become
+views of its memory, and the loader waits for each file where it would have read it. Nothing
+here imports torch.
 
 Not started (the loader reads as before) where the index cannot be read, where host memory
 (cgroup limits included) lacks room for the files beside a margin, or on `--device cpu`.
@@ -38,6 +44,8 @@ FILES = (wd.DENSE_FILE, wd.EXPERTS_FILE)
 MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the model and Python
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there: torch is not imported yet to ask)
 ENV = "FREETOKEN_EARLY_READ"
+MAP_ENV = "FREETOKEN_EARLY_MAP"
+MAPPABLE = (wd.EXPERTS_FILE,)  # (read-only: the dense parameters are copied to the GPU, cast)
 READERS_ENV = "FREETOKEN_EARLY_READERS"  # readers while the imports run (benchmarks)
 # Readers beside the imports. Each slows them (memory copies and page faults on other cores):
 # on the H200 machine, imports of 1.8-2.1 s alone took 2.1-2.6 s beside one reader, 2.5-2.9 s
@@ -62,23 +70,33 @@ def reader_threads() -> int:
 
 class EarlyRead:
     """Files of a weight directory, each read into a region of its own (same offsets), one file
-    after another, 64 MiB chunks taken in order by reader threads (more can join)."""
+    after another, 64 MiB chunks taken in order by reader threads (more can join); those in
+    `mapped` are mapped read-only from the page cache instead (their region is the file's)."""
 
-    def __init__(self, weights: wd.WeightDir, files: tuple[str, ...], threads: int | None = None):
+    def __init__(self, weights: wd.WeightDir, files: tuple[str, ...], threads: int | None = None,
+                 mapped: tuple[str, ...] = ()):  # fmt: skip
         self.path = weights.path
         self.sizes = {file: (weights.path / file).stat().st_size for file in files}
-        self.regions = {file: memory.anonymous_region(n) for file, n in self.sizes.items()}
+        self.mapped = frozenset(mapped)
+        self.regions = {
+            file: memory.file_region(self.path / file, n)
+            if file in self.mapped
+            else memory.anonymous_region(n)
+            for file, n in self.sizes.items()
+        }
         self.started = time.perf_counter()
-        self.seconds: dict[str, float] = {}  # each file's, from the start, once read
+        self.seconds = {file: 0.0 for file in self.mapped}  # each file's, from the start
         self.error: BaseException | None = None
-        self.done_bytes = 0  # read so far (that memory is no longer free: the load's check)
+        # read so far, or mapped (memory no longer free, or none needed: the load's check)
+        self.done_bytes = sum(self.sizes[file] for file in self.mapped)
         self._lock = threading.Lock()
         self._done = {file: threading.Event() for file in files}
-        self._left = {file: len(wd.chunk_spans(n)) for file, n in self.sizes.items()}
-        self._chunks = iter(
-            [(f, a, b) for f, n in self.sizes.items() for a, b in wd.chunk_spans(n)]
-        )
-        self._views = {file: memoryview(region) for file, region in self.regions.items()}
+        for file in self.mapped:
+            self._done[file].set()
+        read = {file: n for file, n in self.sizes.items() if file not in self.mapped}
+        self._left = {file: len(wd.chunk_spans(n)) for file, n in read.items()}
+        self._chunks = iter([(f, a, b) for f, n in read.items() for a, b in wd.chunk_spans(n)])
+        self._views = {file: memoryview(self.regions[file]) for file in read}
         self._reads = wd.FileReads(self.path)
         self.readers = 0
         self._running = 0
@@ -157,16 +175,24 @@ def start(model: str | Path | None, device: str | None = None) -> EarlyRead | No
         files = tuple(f for f in FILES if (path / f).is_file())
         if not files:
             return None
-        nbytes = sum((path / f).stat().st_size for f in files)
+        mapped = tuple(f for f in files if f in MAPPABLE and _maps(path / f))
+        nbytes = sum((path / f).stat().st_size for f in files if f not in mapped)
         if nbytes + MARGIN > memory.available_host_bytes():
             return None
-        read = EarlyRead(weights, files)
+        read = EarlyRead(weights, files, mapped=mapped)
     except (OSError, FreetokenError) as e:
         log.debug("no early read of %s: %s", path, e)
         return None
     with _lock:
         _pending[path.resolve()] = read
     return read
+
+
+def _maps(file: Path) -> bool:
+    """Whether `file` is mapped rather than read: the page cache holds all of it (a mapping
+    of a file it lacks would read it at the page cache's pace, where direct reads run at the
+    disk's), unless FREETOKEN_EARLY_MAP=0."""
+    return os.environ.get(MAP_ENV) != "0" and wd.resident_fraction(file) >= 1.0
 
 
 def claim(path: str | Path) -> EarlyRead | None:

@@ -20,6 +20,7 @@ import mmap
 import os
 import resource
 import threading
+import warnings
 from pathlib import Path
 
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -136,12 +137,29 @@ def anonymous_region(nbytes: int) -> mmap.mmap:
     return region
 
 
+def file_region(path: Path, nbytes: int) -> mmap.mmap:
+    """The first `nbytes` of a file mapped shared and read-only: its pages in the page cache as
+    they are (nothing copied or zeroed; a write to them is a segmentation fault, not a change to
+    the file). CUDA page-locks such pages only as READ_ONLY."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+
 def address(buffer) -> int:
-    """Where a writable buffer's (an `anonymous_region`'s) memory starts."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    """Where a buffer's memory starts (an `anonymous_region`, or a read-only `file_region`,
+    whose address ctypes does not give: torch does)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except TypeError:  # (read-only)
+        import torch
+
+        with warnings.catch_warnings():  # (torch warns that the buffer is not writable)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
 
 
-PORTABLE, MAPPED = 1, 2  # cudaHostRegister flags
+# cudaHostRegister flags (READ_ONLY: the device only reads it; needed for read-only mappings)
+PORTABLE, MAPPED, READ_ONLY = 1, 2, 8
 
 
 def lock_pages(start: int, nbytes: int, flags: int = PORTABLE) -> int:
