@@ -12,8 +12,8 @@ out=${1:?output directory}
 tokenizer=${2:-.carry/tokenizer}
 source benchmarks/engine_env.sh
 start=$(date +%s)
-left() { echo $(( 560 - ($(date +%s) - start) )); }
-(cd tests && timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short \
+left() { echo $(( 360 - ($(date +%s) - start) )); }
+(cd tests && timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short \
   -k "mapped_pool or early_start" test_weight_dir.py test_early_start.py) > "$out/cuda-tests.txt" 2>&1
 tail -4 "$out/cuda-tests.txt"
 {
