@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# One device call for issue 18's warm start and issue 19's paired K-quant tiles:
+# One device call for issue 18's warm start:
 # 1. torch's import alone, and after native_preload opened its libraries (GIL-free);
 # 2. warm starts of a 16-layer Qwen3-30B-A3B-shaped weight directory to the first token,
 #    native preload on/off x early read on/off, twice each, interleaved (logs and first-step
 #    profiles kept), then one cold start (both on);
-# 3. a warm file's pool by copy vs mapped from the page cache (mapped_pool_probe.py);
-# 4. the paired K tiles' CUDA tests and their decode kernels against the per-chunk tiles.
+# 3. a warm file's pool by copy vs mapped from the page cache (mapped_pool_probe.py).
 # Usage: bash benchmarks/gpu_warm_start.sh OUT_DIR [TOKENIZER_DIR]
 set -uo pipefail
 out=${1:?output directory}
@@ -41,15 +40,4 @@ timeout 90 python3 benchmarks/load_time.py --direct --reuse --layers 16 --work /
   --tokenizer "$tokenizer" --formats "weight directory" --early-read on --preload on \
   --page-cache cold --logs /tmp/load-logs/cold --out "$out/load-cold.md" 2>&1 | tail -4
 tar czf "$out/load-logs.tgz" -C /tmp load-logs  # (one file: few come back from a call)
-echo "starts done in $(( $(date +%s) - start )) s"
-(cd tests && timeout $(( $(left) - 70 )) python3 -m pytest -q -p no:cacheprovider --tb=short \
-  -k "cuda_paired" test_grouped_experts.py) > "$out/cuda-tests.txt" 2>&1
-tail -4 "$out/cuda-tests.txt"
-for fmt in q4_k q6_k k_mixed; do
-  for pairs in 0 1; do
-    echo "== $fmt K_PAIRS=$pairs" | tee -a "$out/tiles.txt"
-    timeout 40 python3 benchmarks/grouped_experts_bench.py --format "$fmt" \
-      --model qwen3-30b-a3b --set "K_PAIRS=$pairs" 2>&1 | tee -a "$out/tiles.txt" | tail -2
-  done
-done
 echo "done in $(( $(date +%s) - start )) s"

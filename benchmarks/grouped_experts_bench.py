@@ -260,8 +260,6 @@ def sweep_grid(fmt_name: str) -> dict[str, dict[str, list[int]]]:
     # 32, one scale a row and tile, against wider tiles of several)
     k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128],
                  "q8_0": [32, 64, 128, 256]}.get(fmt_name, [64, 128, 256])  # fmt: skip
-    if ge.launch_params(fmt_name).get("K_PAIRS"):  # (whole 128-value groups)
-        k_choices = [128, 256, 512]
     return {
         "gate_up": {"GATE_UP_BLOCK_N": [8, 16, 32, 64], "GATE_UP_BLOCK_K": k_choices,
                     "GATE_UP_WARPS": [4, 8], "GATE_UP_STAGES": [3]},
@@ -321,9 +319,13 @@ def main() -> None:
                         help="also the eager call and the torch reference")  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="small shapes (with --device cpu)")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a launch parameter of --format's (e.g. K_PAIRS=1: K-quant "
-                        "tiles that load a code byte once for the values it holds)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a launch parameter of --format's: GATE_UP_BLOCK_K=128, ...",
+    )
     args = parser.parse_args()
     for item in args.set:
         name, _, value = item.partition("=")

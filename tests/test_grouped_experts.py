@@ -410,9 +410,6 @@ QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("m
                     ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
                     ("q4_k+k_mixed", "bf16")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PAIRED_CASES = [("q4_k", "fp32"), ("q4_k", "bf16"), ("q5_k", "fp32"), ("q5_k", "bf16"),
-                ("q6_k", "fp32"), ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
-                ("q4_k+k_mixed", "bf16")]  # fmt: skip
 
 
 def _quantized_interpreter_cases() -> dict[str, float]:
@@ -462,11 +459,6 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
-    # the K-quants in paired tiles (each code byte loaded once: K_PAIRS)
-    pairs = {**SMALL_LAUNCH, "GATE_UP_BLOCK_K": 128, "DOWN_BLOCK_K": 128, "K_PAIRS": 1}
-    for name, dt in PAIRED_CASES:
-        compare(quantized_case(name, 4, 2, 256, 256, 5, seed=25, dtype=DTYPES[dt]),
-                f"q_{name}_{dt}_pairs", params=pairs)  # fmt: skip
     # gpt-oss's unit with biases, gate and up past its clamp
     for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
         h, i = QUANTIZED_SHAPES[name]
@@ -540,7 +532,7 @@ QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
     "q_q8_0_defaults", "q_q4_k_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
-    "q_fp8_fp32_bias_swiglu_oai", *(f"q_{name}_{dt}_pairs" for name, dt in PAIRED_CASES),
+    "q_fp8_fp32_bias_swiglu_oai",
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
@@ -670,22 +662,18 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
 
 
 COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed"]
-PAIRED_FORMATS = ["q4_k", "q5_k", "q6_k", "k_mixed", "q4_k+k_mixed"]
 
 
 def _compile_cases() -> dict[str, list[str] | str]:
     """Every format's decode kernels (and dequantize_slots) launched at Qwen3-30B-A3B's shape
-    with their launch parameters, the K-quants' paired tiles too, under compiled.py's
-    compile-only driver: each case's kernels compiled, or its error."""
+    with their launch parameters, under compiled.py's compile-only driver: each case's kernels
+    compiled, or its error."""
     import compiled
     import freetoken.kernels.grouped_experts as ge
 
     h, i, _, k = MODEL_SHAPES["qwen3"]
-    cases = [(name, False) for name in COMPILED_FORMATS]
-    cases += [(name, True) for name in PAIRED_FORMATS]
     res: dict[str, list[str] | str] = {}
-    for name, paired in cases:
-        key = f"{name}{' K_PAIRS' if paired else ''}"
+    for name in COMPILED_FORMATS:
         before = len(compiled.COMPILED)
         try:
             if name == "dense":
@@ -694,20 +682,12 @@ def _compile_cases() -> dict[str, list[str] | str]:
                 ge.triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down)
             else:
                 quantized, _ = quantized_case(name, 4, k, h, i, 8, dtype=torch.bfloat16)
-                fmt = QUANTIZED[name.partition("+")[0]].name
-                saved = ge.QUANTIZED_LAUNCH[fmt]
-                if paired:
-                    ge.QUANTIZED_LAUNCH[fmt] = {**saved, "K_PAIRS": 1}
-                try:
-                    ge.triton_grouped_expert_forward(*quantized)
-                    if not paired:
-                        ge.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
-                finally:
-                    ge.QUANTIZED_LAUNCH[fmt] = saved
+                ge.triton_grouped_expert_forward(*quantized)
+                ge.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
         except Exception as e:  # (the test names it)
-            res[key] = f"{type(e).__name__}: {str(e)[-600:]}"
+            res[name] = f"{type(e).__name__}: {str(e)[-600:]}"
             continue
-        res[key] = [c["name"] for c in compiled.COMPILED[before:]]
+        res[name] = [c["name"] for c in compiled.COMPILED[before:]]
     return res
 
 
@@ -717,9 +697,7 @@ def compiled_results() -> dict[str, list[str] | str]:
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "case", [*COMPILED_FORMATS, *(f"{name} K_PAIRS" for name in PAIRED_FORMATS)]
-)
+@pytest.mark.parametrize("case", COMPILED_FORMATS)
 def test_the_decode_kernels_compile_for_the_gpu(compiled_results, case):
     """Triton's code generator and ptxas take every format's kernels as launched on an H200
     (which the interpreter's tests do not check): the gate/up, down and sum kernels (and a
@@ -727,30 +705,9 @@ def test_the_decode_kernels_compile_for_the_gpu(compiled_results, case):
     kernels = compiled_results[case]
     assert isinstance(kernels, list), kernels
     expected = ["_gate_up_act_kernel", "_down_kernel", "_sum_routes_kernel"]
-    if case != "dense" and not case.endswith("K_PAIRS"):
+    if case != "dense":
         expected.append("_dequantize_kernel")
     assert kernels == expected
-
-
-@needs_cuda
-@needs_triton
-@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k", "k_mixed", "q4_k+k_mixed"])
-def test_cuda_paired_k_quant_tiles(name, monkeypatch):
-    """The paired tiles (K_PAIRS=1) on the GPU against the per-chunk tiles and the reference,
-    at Qwen3-30B-A3B's shape."""
-    import freetoken.kernels.grouped_experts as ge
-
-    h, i, s, k = MODEL_SHAPES["qwen3"]
-    fmt = QUANTIZED[name.partition("+")[0]].name  # (the launch follows gate/up's format)
-    for tokens in (1, 4):
-        quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=tokens,
-                                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
-        chunked = ge.triton_grouped_expert_forward(*quantized)
-        monkeypatch.setitem(ge.QUANTIZED_LAUNCH, fmt, {**ge.launch_params(fmt), "K_PAIRS": 1})
-        paired = ge.triton_grouped_expert_forward(*quantized)
-        monkeypatch.undo()
-        assert _rel_err(paired, chunked) < 5e-3
-        assert _rel_err(paired, reference_grouped_experts(*dense)) < 1e-2
 
 
 @needs_cuda

@@ -121,10 +121,6 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
 # and 152.4 to 131.2 us at batch 4 (bf16: 25.6 and 74.4); its down kernel's defaults were within
 # 1% of the sweep's best. The other K-quants keep q8_0's tiles (not swept).
 QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=8, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4)
-# K_PAIRS=1 (the K-quants and k_mixed; BLOCK_K a multiple of 128): tiles that load each code
-# byte once for the values it holds (`_k_pairs_tile`), where the per-chunk tiles load it
-# once a value. The same results bit for bit (the interpreter's tests); off until timed on the
-# GPU against the per-chunk tiles (`grouped_experts_bench.py --format F --set K_PAIRS=1`).
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
 DEQUANTIZE_BLOCK_K = 128  # (a multiple of 32: whole fp4 chunks; fp8: at most its 128 blocks)
@@ -483,7 +479,7 @@ if triton is not None:
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
             return _k_weights(w_rows, s_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND, BLOCK_N,
-                              BLOCK_K, False)  # fmt: skip
+                              BLOCK_K)  # fmt: skip
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
                 _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
@@ -550,116 +546,26 @@ if triton is not None:
     @triton.jit
     def _k_weights(
         w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
+        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """The K-quants' weights (rounded to dt) of columns k0..: [BLOCK_N, BLOCK_K] in value
-        order (`_k_quant_tile`), or with PAIRS the paired tile (`_k_pairs_tile`). Mixed
-        K-quants (FORMAT 8) branch on the tile's type: its rows are one expert's."""
+        order (`_k_quant_tile`). Mixed K-quants (FORMAT 8) branch on the tile's type: its rows
+        are one expert's."""
         if FORMAT == 8:
             kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
             if kind == 7:
-                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N,
-                            BLOCK_K, PAIRS)  # fmt: skip
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
             elif kind == 6:
-                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N,
-                            BLOCK_K, PAIRS)  # fmt: skip
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
             else:
-                w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N,
-                            BLOCK_K, PAIRS)  # fmt: skip
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
         else:
             REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
-            w = _k_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K, PAIRS)
-        return _round_weight(w, dt, W_ROUND)
-
-    @triton.jit
-    def _k_tile(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
-    ):  # fmt: skip
-        """One K type's fp32 values: the paired tile or the per-chunk one. (One return after
-        the branch: Triton's code generator refuses returns of two shapes in one function,
-        even under a constexpr branch, where the interpreter takes them.)"""
-        if PAIRS:
-            w = _k_pairs_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
-        else:
             w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
-        return w
-
-    @triton.jit
-    def _k_pairs_tile(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The paired tile's fp32 values for one type (5 q4_k, 6 q5_k, 7 q6_k; REST: the
-        bytes from one block's other bytes to the next's) as [BLOCK_N, Q, 2, 32, 2], Q =
-        BLOCK_K / 128: value k0 + 128 q + 64 a + 32 b + l at [:, q, a, l, b], each code byte
-        loaded once for the values it holds (x is read in this order: `_k_pairs_x`), in
-        `_k_quant_tile`'s order of operations. A 128-value group's code bytes are 64 bytes at
-        v0 / 2: q4_k / q5_k keep values 64 a + l and 64 a + 32 + l in byte 32 a + l (low and
-        high nibble: b = 0, 1); q6_k keeps values 32 b + l and 64 + 32 b + l in byte 32 b + l
-        (a = 0, 1), its two high bits of value 32 j + l in byte l of its group's 32 (shift 2
-        j). Each loads [.., 32, 1] or [.., 1, 32, 2] bytes once and spreads them over the
-        nibble's dimension."""
-        Q: tl.constexpr = BLOCK_K // 128
-        q = tl.arange(0, Q)[:, None, None, None]
-        a = tl.arange(0, 2)[None, :, None, None]
-        lane = tl.arange(0, 32)[None, None, :, None]
-        b = tl.arange(0, 2)[None, None, None, :]
-        g0 = k0 + 128 * q  # [Q, 1, 1, 1]: each 128-value group's first value
-        ok = row_mask[:, None, None, None, None] & (g0 < KDIM)[None]
-        lanes_ok = ok & (lane < 32)[None]
-        base = s_rows[:, None, None, None, None] + ((g0 // 256) * REST)[None]  # its block's
-        codes = w_rows[:, None, None, None, None] + (g0 // 2)[None]
-        j = (2 * a + b)[None]  # the chunk of 32 values in its group, [1, 1, 2, 1, 2]
-        if FORMAT == 7:  # q6_k: value 32 j + l, j = 2 a + b: byte 32 b + l, nibble a
-            byte = tl.load(codes + (32 * b + lane)[None], mask=lanes_ok & (b < 2)[None],
-                           other=0).to(tl.int32)  # fmt: skip
-            code = (byte >> (4 * a)[None]) & 0xF
-            half = (g0 // 128) % 2  # the group's place in its super-block
-            bits = tl.load(base + (32 * half + lane)[None], mask=lanes_ok, other=0).to(tl.int32)
-            code = code | (((bits >> (2 * j)) & 3) << 4)
-            sub = (4 * half)[None] + j  # the chunk's place in its super-block
-            sc = tl.load(base + 64 + 2 * sub + (lane // 16)[None], mask=lanes_ok & (b < 2)[None],
-                         other=0)  # fmt: skip
-            d = _f16_at(base + 80, ok)
-            return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * (code - 32).to(tl.float32)
-        # q4_k, q5_k: value 64 a + 32 b + l: byte 32 a + l, nibble b
-        byte = tl.load(codes + (32 * a + lane)[None], mask=lanes_ok & (a < 2)[None],
-                       other=0).to(tl.int32)  # fmt: skip
-        code = (byte >> (4 * b)[None]) & 0xF  # [BLOCK_N, Q, 2, 32, 2]
-        sub = ((g0 // 32) % 8)[None] + j  # each chunk's place in its block: [1, Q, 2, 1, 2]
-        if FORMAT == 6:
-            qh = tl.load(base + 16 + lane[None], mask=lanes_ok, other=0)
-            code = code | (((qh.to(tl.int32) >> sub) & 1) << 4)
-        # the chunk's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
-        low = sub < 4
-        at = base + 4
-        chunk_ok = ok & ((a < 2) & (b < 2))[None]
-        a6 = tl.load(at + tl.where(low, sub, sub + 4), mask=chunk_ok, other=0).to(tl.int32)
-        b6 = tl.load(at + tl.where(low, sub + 4, sub - 4), mask=chunk_ok, other=0)
-        c6 = tl.load(at + tl.where(low, sub + 4, sub), mask=chunk_ok, other=0).to(tl.int32)
-        sc = tl.where(low, a6 & 63, (a6 & 0xF) | ((b6.to(tl.int32) >> 6) << 4))
-        mn = tl.where(low, c6 & 63, (a6 >> 4) | ((c6 >> 6) << 4))
-        scale = _f16_at(base, ok) * sc.to(tl.float32)
-        offset = _f16_at(base + 2, ok) * mn.to(tl.float32)
-        return scale * code.to(tl.float32) - offset
-
-    @triton.jit
-    def _k_pairs_x(x_row, k0, valid, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x [Q, 2, 32, 2] (fp32) for the paired tile of columns k0.."""
-        offs = (k0 + 128 * tl.arange(0, BLOCK_K // 128)[:, None, None, None]
-                + 64 * tl.arange(0, 2)[None, :, None, None]
-                + tl.arange(0, 32)[None, None, :, None]
-                + 32 * tl.arange(0, 2)[None, None, None, :])  # fmt: skip
-        return tl.load(x_row + offs, mask=(offs < KDIM) & valid, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _k_pairs_sum(acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[BLOCK_N] sums of a paired tile's accumulator, over its values in value
-        order (as the [BLOCK_N, BLOCK_K] accumulators sum theirs): one permute, after the
-        loop."""
-        acc = tl.permute(acc, (0, 1, 2, 4, 3))
-        return tl.sum(tl.reshape(acc, [BLOCK_N, BLOCK_K]), axis=1)
+        return _round_weight(w, dt, W_ROUND)
 
     @triton.jit
     def _fp4_tile(
@@ -747,7 +653,6 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        K_PAIRS: tl.constexpr,
     ):
         """a[r, n] = glu(W_gu[s, n] @ x[t] (+ b[s, n]), W_gu[s, INTER + n] @ x[t] (+ b[s,
         INTER + n])) for one block of n."""
@@ -771,18 +676,7 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if K_PAIRS and FORMAT >= 5:  # the K-quants: each code byte loaded once
-            acc_g5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
-            acc_u5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                xv = _k_pairs_x(x_row, k0, valid, HIDDEN, BLOCK_K)[None]
-                acc_g5 += xv * _k_weights(gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT,
-                                          W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
-                acc_u5 += xv * _k_weights(up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT,
-                                          W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
-            gate = _k_pairs_sum(acc_g5, BLOCK_N, BLOCK_K)
-            up = _k_pairs_sum(acc_u5, BLOCK_N, BLOCK_K)
-        elif FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
+        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -846,7 +740,6 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        K_PAIRS: tl.constexpr,
     ):
         """c[r, n] = (route_w[r] * (W_d[s, n] @ a[r])).to(x.dtype) for one block of n."""
         r = tl.program_id(0)
@@ -863,14 +756,7 @@ if triton is not None:
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if K_PAIRS and FORMAT >= 5:
-            acc5 = tl.zeros([BLOCK_N, BLOCK_K // 128, 2, 32, 2], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                av = _k_pairs_x(a_row, k0, valid, INTER, BLOCK_K)[None]
-                acc5 += av * _k_weights(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT,
-                                        W_ROUND, BLOCK_N, BLOCK_K, True)  # fmt: skip
-            y = _k_pairs_sum(acc5, BLOCK_N, BLOCK_K)
-        elif FORMAT < 2 or FORMAT >= 4:
+        if FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 k_ok = (k0 + cols) < INTER
@@ -1009,11 +895,6 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
 
 
 def _check_blocks(format_code: int, params: dict[str, int]) -> None:
-    if params.get("K_PAIRS") and format_code >= 5:
-        for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
-            if params[name] % 128:
-                raise ValueError(f"paired K-quant tiles take whole 128-value groups: {name} "
-                                 f"{params[name]}")  # fmt: skip
     if format_code >= 2:
         for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
             if params[name] % 32:
@@ -1079,7 +960,6 @@ def triton_grouped_expert_forward(
         INTERPRETED=INTERPRETED,
         BLOCK_N=p["GATE_UP_BLOCK_N"],
         BLOCK_K=p["GATE_UP_BLOCK_K"],
-        K_PAIRS=p.get("K_PAIRS", 0),
         num_warps=p["GATE_UP_WARPS"],
         num_stages=p["GATE_UP_STAGES"],
         **gu_consts,
@@ -1106,7 +986,6 @@ def triton_grouped_expert_forward(
         INTERPRETED=INTERPRETED,
         BLOCK_N=p["DOWN_BLOCK_N"],
         BLOCK_K=p["DOWN_BLOCK_K"],
-        K_PAIRS=p.get("K_PAIRS", 0),
         num_warps=p["DOWN_WARPS"],
         num_stages=p["DOWN_STAGES"],
         **d_consts,
