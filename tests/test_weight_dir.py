@@ -191,6 +191,31 @@ def evict(path) -> bool:
     return wd.resident_fraction(path / "experts.bin") < 0.5
 
 
+def test_writing_a_directory_again_leaves_a_servers_mapping_of_it_readable(tmp_path):
+    """A file written again is a new file, the old one unlinked, not cut short: a server whose
+    pool maps the old one keeps reading its bytes (a truncated mapping's reads fault: SIGBUS
+    would kill the subprocess)."""
+    script = """
+import mmap, sys, torch
+from pathlib import Path
+from freetoken.weights import weight_dir as wd
+dst = Path(sys.argv[1])
+wd.write(dst, {"experts.bin": [("a", torch.arange(1 << 16, dtype=torch.int32))]}, {})
+with open(dst / "experts.bin", "rb") as f:
+    old = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+wd.write(dst, {"experts.bin": [("a", torch.zeros(16, dtype=torch.int32))]}, {})
+print(torch.frombuffer(bytearray(old[:]), dtype=torch.int32).sum().item())
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "wd")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == sum(range(1 << 16))
+    assert (tmp_path / "wd" / "experts.bin").stat().st_size == 64
+
+
 def test_the_page_cache_decides_between_direct_and_buffered_reads(converted):
     if not evict(converted):
         pytest.skip("this file system keeps its pages (tmpfs)")

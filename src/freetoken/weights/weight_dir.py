@@ -107,6 +107,10 @@ def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dic
     entries: dict[str, dict] = {}
     sizes: dict[str, int] = {}
     for file, tensors in files.items():
+        # A new file, not the old one cut short: a server started from this directory maps its
+        # files (a warm start's pool is their page cache pages), and reads of a mapping whose
+        # file was truncated fault (SIGBUS); an unlinked file lives on while it is mapped.
+        (dst / file).unlink(missing_ok=True)
         with open(dst / file, "wb") as out:
             offset = 0
             for name, tensor in tensors:
