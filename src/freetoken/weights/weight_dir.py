@@ -254,9 +254,14 @@ class WeightDir:
         def crc(chunk: memoryview) -> int | None:
             return None if stop is not None and stop.is_set() else zlib.crc32(chunk)
 
-        # every tensor's chunks at once (many tensors are small); zlib.crc32 releases the GIL
-        with ThreadPoolExecutor(threads) as pool:
-            crcs = list(pool.map(crc, chunks))
+        # every tensor's chunks at once (many tensors are small); zlib.crc32 releases the GIL.
+        # One thread (the background check) computes them itself: an executor refuses work once
+        # the interpreter begins to exit, and a process that exits mid-check would print that.
+        if threads == 1:
+            crcs = [crc(chunk) for chunk in chunks]
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                crcs = list(pool.map(crc, chunks))
         chunks.clear()
         if stop is not None and stop.is_set():
             return False
