@@ -11,6 +11,10 @@ their own run paths), and the device's primary context through the driver (`cuIn
 `cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it is.
 Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
 `import torch` finds the libraries open (or waits for the loader's lock) and the context made.
+On the H200 machine: libtorch_cpu 0.25-0.34 s, libtorch_cuda 0.12-0.16 s, the context
+0.23-1.27 s, all on the thread; torch's import after them 4.15-4.19 s against 4.45-4.86 s, the
+first tensor on the GPU 0.02 s against 0.34 s
+(benchmarks/results/2026-12-03-warm-start-and-k-pairs-h200.md).
 
 Nothing is opened that the import would not open: where a directory of LD_LIBRARY_PATH holds
 CUDA libraries torch links (cuBLAS, cuDNN, NCCL, ...: a toolkit's, which the loader would find
