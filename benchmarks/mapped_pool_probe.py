@@ -17,13 +17,14 @@ import ctypes
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from freetoken.weights import memory
+from freetoken.weights.memory import PORTABLE, READ_ONLY
 
-PORTABLE, READ_ONLY = 1, 8  # cudaHostRegister flags
-PROT_READ, MAP_SHARED, MADV_POPULATE_READ = 1, 1, 22
+MADV_POPULATE_READ = 22
 CHUNK = 64 * 2**20
 
 
@@ -87,14 +88,14 @@ def main() -> None:
           f"H2D {copied_gbs:.1f} GB/s", flush=True)  # fmt: skip
 
     # 2. the file mapped shared and read-only, its pages mapped in on threads, then registered
+    # (the early read's own mapping, memory.file_region; madvise through libc: Python's mmap
+    # module does not name MADV_POPULATE_READ)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]  # fmt: skip
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = time.perf_counter()
-    mapped = libc.mmap(None, nbytes, PROT_READ, MAP_SHARED, fd, 0)
+    region = memory.file_region(Path(args.file), nbytes)
     map_s = time.perf_counter() - start
+    mapped = memory.address(region)
     errors = []
 
     def populate(a: int, b: int) -> None:

@@ -372,8 +372,21 @@ def gpu_node(tmp_path, monkeypatch):
 
     node = tmp_path / "nvidiactl"
     node.touch()
-    monkeypatch.setattr(early_read, "NVIDIA_NODE", str(node))
+    monkeypatch.setattr(early_read.native_preload, "NVIDIA_NODE", str(node))
     return early_read
+
+
+def fake_cuda_load(monkeypatch, lock, unlock=lambda start: None) -> None:
+    """A CUDA load on this machine: `lock` and `unlock` stand for cudaHostRegister and its
+    undoing (for the loader and the pool), no device copies or context."""
+    from freetoken.moe import store as store_module
+
+    for module in (loader.memory, store_module):
+        monkeypatch.setattr(module, "lock_pages", lock)
+        monkeypatch.setattr(module, "unlock_pages", unlock)
+    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)  # (no device here)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
 def inside(tensor, read, file) -> bool:
@@ -439,12 +452,7 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(
         calls.append(("lock", start, nbytes, flags))
         return 0
 
-    for module in (loader.memory, store_module):
-        monkeypatch.setattr(module, "lock_pages", lock)
-        monkeypatch.setattr(module, "unlock_pages", lambda start: calls.append(("unlock", start)))
-    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)  # (no device here)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    fake_cuda_load(monkeypatch, lock, lambda start: calls.append(("unlock", start)))
     read = gpu_node.start(converted, "cuda")
     store = load_model(converted, device="cuda").experts
     dense = loader.memory.address(read.regions["dense.bin"])
@@ -467,8 +475,6 @@ def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(converted, 
                                                                      monkeypatch):  # fmt: skip
     """Where the read-only lock of a mapped pool fails, `pin` copies the banks into memory of
     their own and locks those (a write-free fallback: the mapping is never locked writable)."""
-    from freetoken.moe import store as store_module
-
     locked = []
 
     def lock(start, nbytes, flags=loader.memory.PORTABLE):
@@ -477,12 +483,7 @@ def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(converted, 
         locked.append(start)
         return 0
 
-    for module in (loader.memory, store_module):
-        monkeypatch.setattr(module, "lock_pages", lock)
-        monkeypatch.setattr(module, "unlock_pages", lambda start: None)
-    monkeypatch.setattr(loader, "_start_device_in_background", lambda device: None)
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    fake_cuda_load(monkeypatch, lock)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     read = gpu_node.start(converted, "cuda")
     assert read.mapped == {"experts.bin"}
@@ -575,7 +576,7 @@ def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypat
     monkeypatch.undo()
     monkeypatch.setenv(gpu_node.ENV, "0")
     assert gpu_node.start(converted, None) is None
-    monkeypatch.setattr(gpu_node, "NVIDIA_NODE", str(tmp_path / "absent"))
+    monkeypatch.setattr(gpu_node.native_preload, "NVIDIA_NODE", str(tmp_path / "absent"))
     monkeypatch.delenv(gpu_node.ENV)
     assert gpu_node.start(converted, None) is None
     monkeypatch.setenv(gpu_node.ENV, "1")  # (asked for: a CPU start too)

@@ -106,6 +106,11 @@ class Preload:
         return self._done.wait(timeout)
 
 
+def gpu_driver_present() -> bool:
+    """Whether an NVIDIA GPU's driver is there (asked before torch is imported: its node)."""
+    return os.path.exists(NVIDIA_NODE)
+
+
 def torch_lib_dir() -> Path | None:
     """torch's `lib` directory, found without importing torch (None where torch is missing)."""
     spec = importlib.util.find_spec("torch")
@@ -132,7 +137,7 @@ def start(device: str | None = None) -> Preload | None:
         return None
     index = device_index(device)
     lib_dir = torch_lib_dir()
-    if index is None or lib_dir is None or not os.path.exists(NVIDIA_NODE):
+    if index is None or lib_dir is None or not gpu_driver_present():
         return None
     if not (lib_dir / "libtorch_global_deps.so").is_file():
         return None

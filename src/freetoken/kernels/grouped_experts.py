@@ -477,9 +477,22 @@ if triton is not None:
             scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
+        elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
+            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
+            if kind == 7:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            elif kind == 6:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
+                                  BLOCK_N, BLOCK_K)  # fmt: skip
+            return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
-            return _k_weights(w_rows, s_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND, BLOCK_N,
-                              BLOCK_K)  # fmt: skip
+            REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
+            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+            return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
                 _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
@@ -542,30 +555,6 @@ if triton is not None:
         scale = (_f16_at(s_at, mask) * sc.to(tl.float32))[:, :, None]
         offset = (_f16_at(s_at + 2, mask) * mn.to(tl.float32))[:, :, None]
         return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
-
-    @triton.jit
-    def _k_weights(
-        w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The K-quants' weights (rounded to dt) of columns k0..: [BLOCK_N, BLOCK_K] in value
-        order (`_k_quant_tile`). Mixed K-quants (FORMAT 8) branch on the tile's type: its rows
-        are one expert's."""
-        if FORMAT == 8:
-            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
-            if kind == 7:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            elif kind == 6:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            else:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-        else:
-            REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
-            w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
-        return _round_weight(w, dt, W_ROUND)
 
     @triton.jit
     def _fp4_tile(

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from freetoken import native_preload
 from freetoken.errors import FreetokenError
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 # they are checked and copied to the GPU while the banks are still read), then the expert pool.
 FILES = (wd.DENSE_FILE, wd.EXPERTS_FILE)
 MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the model and Python
-NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there: torch is not imported yet to ask)
 ENV = "FREETOKEN_EARLY_READ"
 MAP_ENV = "FREETOKEN_EARLY_MAP"
 MAPPABLE = (wd.EXPERTS_FILE,)  # (read-only: the dense parameters are copied to the GPU, cast)
@@ -165,7 +165,7 @@ def start(model: str | Path | None, device: str | None = None) -> EarlyRead | No
     wanted = os.environ.get(ENV)
     if wanted == "0" or model is None:
         return None
-    if wanted != "1" and (device == "cpu" or not os.path.exists(NVIDIA_NODE)):
+    if wanted != "1" and (device == "cpu" or not native_preload.gpu_driver_present()):
         return None
     path = Path(model)
     if not wd.is_weight_dir(path):
