@@ -65,7 +65,8 @@ if profile:  # (the first step only: a profiler slows the imports' Python 1.7x)
     prof = cProfile.Profile()
     prof.enable()
 cpu = time.thread_time()
-engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=1, temperature=0.0))
+first_req = engine.add_request([1, 2, 3, 4, 5, 6, 7, 8],
+                               SamplingParams(max_new_tokens=1, temperature=0.0))
 while not engine.step():
     pass
 first = time.time() - t0
@@ -82,9 +83,14 @@ engine.add_request([9, 10, 11, 12, 13, 14, 15, 16], SamplingParams(max_new_token
                                                                    temperature=0.0))
 while not engine.step():
     pass
+second = time.time() - again
+# greedy tokens through decode (untimed): every way of starting must give the same ones
+decoded = engine.add_request([17, 3, 5, 7], SamplingParams(max_new_tokens=8, temperature=0.0))
+while not decoded.finished:
+    engine.step()
 print(json.dumps(dict(import_s=t_import, loaded_s=loaded_at[0], engine_s=t_engine,
-                      first_token_s=first, first_step_cpu_s=first_cpu,
-                      second_step_s=time.time() - again)))
+                      first_token_s=first, first_step_cpu_s=first_cpu, second_step_s=second,
+                      tokens=first_req.output_ids + decoded.output_ids)))
 """
 
 
@@ -117,13 +123,14 @@ def plain_read(path: Path) -> tuple[int, float]:
 def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
                early: bool = True, log: Path | None = None,
                readers: int | None = None, preload: bool = True,
-               mapping: bool = True) -> dict:  # fmt: skip
+               mapping: bool = True, lock: bool = True) -> dict:  # fmt: skip
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         early_read.ENV: "1" if early else "0",
         native_preload.ENV: "1" if preload else "0",
         early_read.MAP_ENV: "1" if mapping else "0",
+        early_read.LOCK_ENV: "1" if lock else "0",
     }
     if readers is not None:  # (beside the imports)
         env[early_read.READERS_ENV] = str(readers)
@@ -186,6 +193,10 @@ def main() -> int:
     ap.add_argument("--map", nargs="+", default=["on"], choices=["on", "off"],
                     help="early read: a warm experts.bin mapped read-only from the page cache "
                     "(early_read.py), as ft serve does, or read")  # fmt: skip
+    ap.add_argument("--early-lock", nargs="+", default=["on"], choices=["on", "off"],
+                    help="early read with the preload: the pool page-locked through the driver "
+                    "beside the imports (early_start.py), as ft serve does, or by the loader "
+                    "after them")  # fmt: skip
     ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
                     help="weight directory: its banks read from the start (as ft serve "
                     "does), or by the loader")  # fmt: skip
@@ -220,10 +231,11 @@ def main() -> int:
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        runs = [(e, r, p, m) for e in earlies for p in args.preload
+        runs = [(e, r, p, m, k) for e in earlies for p in args.preload
                 for m in (args.map if e == "on" else ["off"])
+                for k in (args.early_lock if e == "on" and p == "on" else ["off"])
                 for r in (args.early_readers if e == "on" else [None])]  # fmt: skip
-        for rep, cache_state, (early, readers, preload, mapping) in itertools.product(
+        for rep, cache_state, (early, readers, preload, mapping, lock) in itertools.product(
             range(args.repeat), args.page_cache, runs
         ):  # (repetitions interleaved: a machine's drift spreads over every setting)
             drop_cache(path)
@@ -236,15 +248,16 @@ def main() -> int:
             if readers is not None:
                 early = f"{early} ({readers} readers)"
             name = (f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
-                    f"-preload-{preload}-map-{mapping}{f'-{rep}' if args.repeat > 1 else ''}"
+                    f"-preload-{preload}-map-{mapping}-lock-{lock}"
+                    f"{f'-{rep}' if args.repeat > 1 else ''}"
                     ".txt")  # fmt: skip
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
             t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers,
-                           preload == "on", mapping == "on")  # fmt: skip
+                           preload == "on", mapping == "on", lock == "on")  # fmt: skip
             floor = seconds  # the same bytes at the plain read's bandwidth
             rows.append(dict(format=label, page_cache=cache_state, early_read=early,
-                             preload=preload, mapped=mapping,
+                             preload=preload, mapped=mapping, early_lock=lock,
                              gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
                              floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -256,22 +269,23 @@ def main() -> int:
         + (" (the weight directory written straight)" if args.direct else "")
         + ("; kernels compiled before the timed starts (--prime)" if args.prime else ""),
         "",
-        "| format | page cache | early read | preload | pool mapped | GB | plain read GB/s | "
+        "| format | page cache | early read | preload | pool mapped | early lock | GB | "
+        "plain read GB/s | "
         "floor s | "
         "imports s | weights loaded s | engine built s | first token s | first token / floor | "
-        "first step s (main thread's CPU s) | same step again s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "first step s (main thread's CPU s) | same step again s | greedy tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['format']} | {r['page_cache']} | {r['early_read']} | {r['preload']} | "
-            f"{r['mapped']} | "
+            f"{r['mapped']} | {r['early_lock']} | "
             f"{r['gb']:.1f} | "
             f"{r['plain_read_gb_s']:.2f} | "
             f"{r['floor_s']:.1f} | {r['import_s']:.1f} | {r['loaded_s']:.1f} | "
             f"{r['engine_s']:.1f} | {r['first_token_s']:.1f} | {r['ratio']:.2f} | "
             f"{r['first_token_s'] - r['engine_s']:.2f} ({r['first_step_cpu_s']:.2f}) | "
-            f"{r['second_step_s']:.2f} |"
+            f"{r['second_step_s']:.2f} | {' '.join(map(str, r['tokens']))} |"
         )
     report(lines, args.out)
     return 0

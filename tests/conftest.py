@@ -2,6 +2,8 @@
 modules are imported inside the fixtures, so tests that need no server run where the server's
 dependencies are not installed (the GPU machine)."""
 
+import ctypes
+
 import pytest
 
 
@@ -33,3 +35,39 @@ def fresh_engine(engine):
     from server_fixtures import demo_engine
 
     return demo_engine()
+
+
+class FakeDriver:
+    """libcuda's calls (those the native preload makes), each answering `status` (0: success)
+    or its own answer in `answers`; `calls` lists them."""
+
+    def __init__(self, status: int = 0):
+        self.status, self.calls, self.answers = status, [], {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return self.answers.get(name, self.status)
+
+        return call
+
+
+@pytest.fixture
+def driver(monkeypatch, tmp_path):
+    """A machine with a GPU's driver node and a fake libcuda (other libraries open for real)
+    for the native preload (native_preload.py)."""
+    from freetoken import native_preload
+
+    fake, real = FakeDriver(), ctypes.CDLL
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(node))
+    monkeypatch.setattr(native_preload, "_started", None)
+    monkeypatch.delenv(native_preload.ENV, raising=False)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(
+        ctypes,
+        "CDLL",
+        lambda name, *a, **k: fake if name == native_preload.DRIVER else real(name, *a, **k),
+    )
+    return fake

@@ -4,7 +4,6 @@ meanwhile. The driver is faked here (CI has no GPU); the libraries are the CPU b
 
 from __future__ import annotations
 
-import ctypes
 import json
 import threading
 
@@ -14,36 +13,6 @@ from tokenizers import models, pre_tokenizers
 
 from freetoken import early_start, native_preload, tokenizer
 from freetoken.errors import CheckpointError
-
-
-class FakeDriver:
-    """libcuda's three calls the preload makes, each answering `status` (0: success)."""
-
-    def __init__(self, status: int = 0):
-        self.status, self.calls = status, []
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.calls.append((name, args))
-            return self.status
-
-        return call
-
-
-@pytest.fixture
-def driver(monkeypatch, tmp_path):
-    """A machine with a GPU's driver node and a fake libcuda (other libraries open for real)."""
-    fake, real = FakeDriver(), ctypes.CDLL
-    node = tmp_path / "nvidiactl"
-    node.touch()
-    monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(node))
-    monkeypatch.setattr(native_preload, "_started", None)
-    monkeypatch.delenv(native_preload.ENV, raising=False)
-    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
-    monkeypatch.setattr(
-        ctypes, "CDLL", lambda name, *a: fake if name == native_preload.DRIVER else real(name, *a)
-    )
-    return fake
 
 
 def test_a_cuda_start_opens_torchs_libraries_and_makes_the_context_off_the_gil(driver):

@@ -5,7 +5,9 @@ native libraries' loading need no GIL and run beside them).
 1. native_preload: a thread opens torch's native libraries and makes the GPU's CUDA context
    through ctypes (GIL-free), work `import torch` and the first tensor on the GPU would do
    holding the GIL;
-2. weights/early_read: reader threads read a weight directory's files;
+2. weights/early_read: reader threads read a weight directory's files (or map them from the
+   page cache), and the expert pool is page-locked on the preload's context as soon as both
+   are there (FREETOKEN_EARLY_LOCK=0: by the loader, after the imports);
 3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
    the engine, torch with it.
 
@@ -14,6 +16,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from freetoken import native_preload, tokenizer
@@ -24,6 +27,8 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
     """Begin what can begin for a start of `model` on `device` (each part decides whether it
     applies: a GPU's driver, a weight directory, room in memory)."""
     preload = native_preload.start(device)
-    early_read.start(model, device)
+    read = early_read.start(model, device)
+    if read is not None and preload is not None and os.environ.get(early_read.LOCK_ENV) != "0":
+        read.lock_pool(preload)
     if preload is not None and model is not None:  # (while the preload opens the libraries)
         tokenizer.preload(model)

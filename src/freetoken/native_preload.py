@@ -61,6 +61,8 @@ class Preload:
         self.timings: dict[str, float] = {}
         self.error: BaseException | None = None
         self._handles: list = []  # (kept: a library stays open while its handle lives)
+        self._driver = None  # libcuda, once the context is made
+        self._context = ctypes.c_void_p()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ft-preload", daemon=True)
         self._thread.start()
@@ -72,7 +74,7 @@ class Preload:
                 if (self.lib_dir / name).is_file():
                     self._open(name, ctypes.DEFAULT_MODE)
             if self.device_index is not None:
-                self._timed("cuda context", self._context)
+                self._timed("cuda context", self._make_context)
         except BaseException as e:  # (the import and torch's own start do it instead)
             self.error = e
             log.debug("native preload stopped: %s", e)
@@ -82,20 +84,39 @@ class Preload:
     def _open(self, name: str, mode: int) -> None:
         self._timed(name, lambda: self._handles.append(ctypes.CDLL(str(self.lib_dir / name), mode)))
 
-    def _context(self) -> None:
+    def _make_context(self) -> None:
         """The device's primary context, retained (it lives as long as the process: torch's
         runtime takes the same one)."""
         cuda = ctypes.CDLL(DRIVER)
-        device, context = ctypes.c_int(), ctypes.c_void_p()
+        device = ctypes.c_int()
         for call, args in (
             ("cuInit", (0,)),
             ("cuDeviceGet", (ctypes.byref(device), self.device_index)),
-            ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device)),
+            ("cuDevicePrimaryCtxRetain", (ctypes.byref(self._context), device)),
         ):
             status = getattr(cuda, call)(*args)
             if status != 0:
                 raise OSError(f"{call} returned CUDA error {status}")
-        self._handles.append(cuda)
+        self._driver = cuda
+
+    @property
+    def has_context(self) -> bool:
+        """Whether the preload has ended with the device's context made (waits for it)."""
+        self.wait()
+        return self._driver is not None
+
+    def lock_host(self, start: int, nbytes: int, flags: int) -> int:
+        """Page-lock host memory through the driver, on the preload's context (cudaHostRegister's
+        flags, which the driver's call shares), before torch is there; CUDA's error code. Torch's
+        runtime unlocks it as its own (one context: the device's primary one)."""
+        self._driver.cuCtxSetCurrent(self._context)  # (current on the calling thread)
+        return self._driver.cuMemHostRegister_v2(
+            ctypes.c_void_p(start), ctypes.c_size_t(nbytes), ctypes.c_uint(flags)
+        )
+
+    def unlock_host(self, start: int) -> None:
+        self._driver.cuCtxSetCurrent(self._context)
+        self._driver.cuMemHostUnregister(ctypes.c_void_p(start))
 
     def _timed(self, name: str, step) -> None:
         start = time.perf_counter()

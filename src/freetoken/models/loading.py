@@ -311,16 +311,17 @@ def _load_weight_dir(
     early = early_read.claim(path)  # (the files' reads begun at the start, if they were)
     cuda = torch.device(device).type == "cuda"
     pool_lock = None
-    if early is not None and cuda and EXPERTS_FILE in early.files and not dequantize_experts:
+    if early is not None and cuda and EXPERTS_FILE in early.files:
         # The pool is page-locked as soon as it is read, while the model is built (0.4 s for
-        # 19 GB in 2 MiB pages on the H200 machine); the store adopts the lock.
+        # 19 GB in 2 MiB pages on the H200 machine); the store adopts the lock. A start's early
+        # read began it beside the imports where the native preload ran (`lock_pool`).
         # (a pool mapped from the page cache: its pages locked read-only, as CUDA takes them)
-        region = early.regions[EXPERTS_FILE]
-        flags = memory.PORTABLE | memory.MAPPED
-        if EXPERTS_FILE in early.mapped:
-            flags |= memory.READ_ONLY
-        pool_lock = memory.PageLock(memory.address(region), len(region), flags,
-                                    lambda: early.wait(EXPERTS_FILE))  # fmt: skip
+        if early.pool_lock is None and not dequantize_experts:
+            early.lock_pool(None)
+        pool_lock = early.pool_lock
+        if pool_lock is not None and dequantize_experts:  # (the experts are copied, dequantized)
+            pool_lock.release()
+            pool_lock = None
     try:
         return _read_weight_dir(path, dtype, device, progress, verify, dequantize_experts,
                                 early, pool_lock)  # fmt: skip

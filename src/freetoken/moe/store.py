@@ -224,7 +224,8 @@ class HostExpertStore(BanksByName):
         if self._page_lock is not None:
             if self._page_lock.wait():
                 self.pinned = True
-                log.debug("expert pool page-locked as it loaded: %.1f GB", self.nbytes / 1e9)
+                log.debug("expert pool page-locked as it loaded: %.1f GB in %.2f s",
+                          self.nbytes / 1e9, self._page_lock.seconds)  # fmt: skip
                 return True
             self._page_lock = None  # (refused as one range: bank by bank, warning if refused)
         if not torch.cuda.is_available():

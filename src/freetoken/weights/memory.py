@@ -20,7 +20,7 @@ import mmap
 import os
 import resource
 import threading
-import warnings
+import time
 from pathlib import Path
 
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -145,17 +145,24 @@ def file_region(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
+class _Buffer(ctypes.Structure):  # (CPython's Py_buffer)
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+                ("internal", ctypes.c_void_p)]  # fmt: skip
+
+
 def address(buffer) -> int:
     """Where a buffer's memory starts (an `anonymous_region`, or a read-only `file_region`,
-    whose address ctypes does not give: torch does)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    except TypeError:  # (read-only)
-        import torch
-
-        with warnings.catch_warnings():  # (torch warns that the buffer is not writable)
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+    whose address ctypes' `from_buffer` refuses: asked through the buffer protocol, so that a
+    start can page-lock it before torch is imported)."""
+    view = _Buffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(buffer), ctypes.byref(view), 0)
+    try:  # (a TypeError above for what is no buffer)
+        return view.buf or 0
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 
 
 # cudaHostRegister flags (READ_ONLY: the device only reads it; needed for read-only mappings)
@@ -191,21 +198,43 @@ def page_locked(start: int, nbytes: int):
             unlock_pages(start)
 
 
+# A range is page-locked in pieces: the driver holds the process's memory map (read-locked)
+# while it pins a range, and a start's imports, which map their libraries and Python's arenas,
+# wait for it meanwhile (a 20 GB pool takes ~0.7 s on the H200 machine; a piece ~35 ms).
+LOCK_PIECE = 2**30
+
+
 class PageLock:
-    """[start, start + nbytes) page-locked on a thread once `after` returns (its reads ended),
-    while the caller goes on: an early read's expert pool (models/loading.py), locked as one
-    range as soon as torch is there, while the model is built. `wait` says whether it is
+    """[start, start + nbytes) page-locked on a thread once `after` returns (its reads ended,
+    the CUDA context made), while the caller goes on: an early read's expert pool, locked as
+    soon as it is read (weights/early_read.py: beside the imports, through the driver, where the
+    native preload made the context; models/loading.py otherwise, once torch is there). `lock`
+    and `unlock` (cudaHostRegister/Unregister by default) take pieces of LOCK_PIECE bytes in
+    order; where one is refused, those before it are unlocked. `wait` says whether it is
     locked; `release` unlocks it."""
 
-    def __init__(self, start: int, nbytes: int, flags: int, after):
+    def __init__(self, start: int, nbytes: int, flags: int, after, lock=None, unlock=None):
         self.start, self.nbytes, self.locked = start, nbytes, False
+        self.seconds: float | None = None  # the locking's own, once locked
+        self.error: int | None = None  # CUDA's error code where it was refused
+        self._lock = lock or (lambda *args: lock_pages(*args))  # (found when called: tests)
+        self._unlock = unlock or (lambda start: unlock_pages(start))
+        self._pieces: list[int] = []
 
-        def lock() -> None:
+        def lock_all() -> None:
             with contextlib.suppress(Exception):  # (a failed read: its waiter raises it)
                 after()
-                self.locked = lock_pages(start, nbytes, flags) == 0
+                began = time.perf_counter()
+                for at in range(start, start + nbytes, LOCK_PIECE):
+                    err = self._lock(at, min(LOCK_PIECE, start + nbytes - at), flags)
+                    if err != 0:
+                        self.error = err
+                        self._release_pieces()
+                        return
+                    self._pieces.append(at)
+                self.locked, self.seconds = True, time.perf_counter() - began
 
-        self._thread = threading.Thread(target=lock, name="ft-page-lock", daemon=True)
+        self._thread = threading.Thread(target=lock_all, name="ft-page-lock", daemon=True)
         self._thread.start()
 
     def wait(self) -> bool:
@@ -214,8 +243,13 @@ class PageLock:
 
     def release(self) -> None:
         if self.wait():
-            unlock_pages(self.start)
+            self._release_pieces()
             self.locked = False
+
+    def _release_pieces(self) -> None:
+        for at in self._pieces:
+            self._unlock(at)
+        self._pieces = []
 
 
 def locked_memory_limit() -> int | None:
