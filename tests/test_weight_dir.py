@@ -562,36 +562,6 @@ def test_a_pool_locked_soon_waits_for_its_reads_and_falls_back_to_its_banks(monk
     assert ("unlock", 8192) not in calls  # (never locked)
 
 
-def test_a_page_lock_takes_pieces_and_undoes_them_where_one_is_refused(monkeypatch):
-    """A range is locked in pieces of LOCK_PIECE bytes, in order (the driver holds the memory
-    map while it pins one: the imports beside it wait less); a refused piece unlocks those
-    before it and leaves the range unlocked, with CUDA's error; `release` unlocks each."""
-    monkeypatch.setattr(loader.memory, "LOCK_PIECE", 4096)
-    calls, refuse = [], {}
-
-    def lock(start, nbytes, flags):
-        calls.append(("lock", start, nbytes, flags))
-        return refuse.get(start, 0)
-
-    def unlock(start):
-        calls.append(("unlock", start))
-
-    lock_ = loader.memory.PageLock(8192, 3 * 4096 + 100, 9, lambda: None, lock, unlock)
-    assert lock_.wait() and lock_.seconds is not None and lock_.error is None
-    assert calls == [("lock", 8192 + i * 4096, n, 9) for i, n in enumerate([4096] * 3 + [100])]
-    calls.clear()
-    lock_.release()
-    assert calls == [("unlock", 8192 + i * 4096) for i in range(4)] and not lock_.locked
-    calls.clear()
-    refuse[8192 + 2 * 4096] = 2  # (cudaErrorMemoryAllocation)
-    lock_ = loader.memory.PageLock(8192, 4 * 4096, 1, lambda: None, lock, unlock)
-    assert not lock_.wait() and lock_.error == 2
-    assert [c[:2] for c in calls] == [("lock", 8192), ("lock", 12288), ("lock", 16384),
-                                      ("unlock", 8192), ("unlock", 12288)]  # fmt: skip
-    lock_.release()  # (nothing left to unlock)
-    assert len(calls) == 5
-
-
 def early_start_of(converted, monkeypatch):
     """`early_start.before_imports(converted, "cuda")` as `ft serve` runs it; the early read it
     began."""
@@ -608,20 +578,19 @@ def early_start_of(converted, monkeypatch):
 def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted, driver,
                                                                      monkeypatch):  # fmt: skip
     """Where the native preload made the CUDA context, the early read's pool is page-locked
-    through the driver on that context (cuMemHostRegister, read-only for a mapped pool, in
-    pieces) before torch is needed; the loader's pool adopts that lock (torch's runtime locks
+    through the driver on that context (cuMemHostRegister, read-only for a mapped pool, one
+    range) before torch is needed; the loader's pool adopts that lock (torch's runtime locks
     only the dense parameters, for their copy) and unlocks it through the driver."""
-    monkeypatch.setattr(loader.memory, "LOCK_PIECE", 8192)
     torch_calls = []
     fake_cuda_load(monkeypatch, lambda *a: torch_calls.append(a) or 0, torch_calls.append)
     read = early_start_of(converted, monkeypatch)
     assert read.pool_lock is not None and read.pool_lock.wait()
+    assert read.pool_lock.seconds is not None and read.pool_lock.error is None
     base, size = loader.memory.address(read.regions["experts.bin"]), read.sizes["experts.bin"]
     registered = [tuple(a.value for a in args) for name, args in driver.calls
                   if name == "cuMemHostRegister_v2"]  # fmt: skip
-    assert size > 8192 and registered == [
-        (at, min(8192, base + size - at), 1 | 2 | 8) for at in range(base, base + size, 8192)
-    ]  # (PORTABLE | MAPPED | READ_ONLY: the warm pool is mapped from the page cache)
+    # (PORTABLE | MAPPED | READ_ONLY: the warm pool is mapped from the page cache)
+    assert registered == [(base, size, 1 | 2 | 8)]
     assert driver.calls[[n for n, _ in driver.calls].index("cuMemHostRegister_v2") - 1][0] == (
         "cuCtxSetCurrent"
     )
@@ -631,9 +600,7 @@ def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted,
     assert [a[0] for a in torch_calls if isinstance(a, tuple)] == [dense]  # (its lock only)
     driver.calls.clear()
     store.unpin()
-    assert [args[0].value for name, args in driver.calls if name == "cuMemHostUnregister"] == [
-        at for at, _, _ in registered
-    ]
+    assert [args[0].value for name, args in driver.calls if name == "cuMemHostUnregister"] == [base]
 
 
 def test_without_the_preloads_context_torch_locks_the_early_pool(converted, driver,
@@ -792,8 +759,7 @@ def test_a_warm_cuda_start_serves_from_its_mapped_pool(converted_plain, strategy
     read-only fills the expert cache (the device-launched fills read it by its host address)
     and the CPU experts read it: the same logits as a load that reads the pool into memory of
     its own, through a cache that holds a third of the pool. Locked by the driver on the
-    native preload's context (as a start does beside its imports), in pieces small enough that
-    banks span several, or by torch's runtime."""
+    native preload's context (as a start does beside its imports), or by torch's runtime."""
     from freetoken import native_preload
     from freetoken.weights import early_read
 
@@ -801,11 +767,10 @@ def test_a_warm_cuda_start_serves_from_its_mapped_pool(converted_plain, strategy
     assert read is not None and read.mapped == {"experts.bin"}
     if locked_by == "driver":
         monkeypatch.setattr(native_preload, "_started", None)
-        monkeypatch.setattr(loader.memory, "LOCK_PIECE", 1 << 16)
         preload = native_preload.start("cuda")
         assert preload is not None and preload.has_context, preload.error
         read.lock_pool(preload)
-        assert read.pool_lock.wait() and read.sizes["experts.bin"] > 4 << 16
+        assert read.pool_lock.wait()
     loaded = load_model(converted_plain, device="cuda")
     store = loaded.experts
     base = loader.memory.address(read.regions["experts.bin"])

@@ -198,40 +198,30 @@ def page_locked(start: int, nbytes: int):
             unlock_pages(start)
 
 
-# A range is page-locked in pieces: the driver holds the process's memory map (read-locked)
-# while it pins a range, and a start's imports, which map their libraries and Python's arenas,
-# wait for it meanwhile (a 20 GB pool takes ~0.7 s on the H200 machine; a piece ~35 ms).
-LOCK_PIECE = 2**30
-
-
 class PageLock:
     """[start, start + nbytes) page-locked on a thread once `after` returns (its reads ended,
     the CUDA context made), while the caller goes on: an early read's expert pool, locked as
     soon as it is read (weights/early_read.py: beside the imports, through the driver, where the
     native preload made the context; models/loading.py otherwise, once torch is there). `lock`
-    and `unlock` (cudaHostRegister/Unregister by default) take pieces of LOCK_PIECE bytes in
-    order; where one is refused, those before it are unlocked. `wait` says whether it is
-    locked; `release` unlocks it."""
+    and `unlock` are cudaHostRegister/Unregister by default. One range: a copy from pinned
+    memory that spans two registrations is refused (CUDA error 1, on the H200 machine, for a
+    pool locked in 1 GiB pieces). `wait` says whether it is locked; `release` unlocks it."""
 
     def __init__(self, start: int, nbytes: int, flags: int, after, lock=None, unlock=None):
         self.start, self.nbytes, self.locked = start, nbytes, False
         self.seconds: float | None = None  # the locking's own, once locked
         self.error: int | None = None  # CUDA's error code where it was refused
-        self._lock = lock or (lambda *args: lock_pages(*args))  # (found when called: tests)
-        self._unlock = unlock or (lambda start: unlock_pages(start))
-        self._pieces: list[int] = []
+        self._unlock = unlock or (lambda start: unlock_pages(start))  # (found when called)
+        lock = lock or (lambda *args: lock_pages(*args))
 
         def lock_all() -> None:
             with contextlib.suppress(Exception):  # (a failed read: its waiter raises it)
                 after()
                 began = time.perf_counter()
-                for at in range(start, start + nbytes, LOCK_PIECE):
-                    err = self._lock(at, min(LOCK_PIECE, start + nbytes - at), flags)
-                    if err != 0:
-                        self.error = err
-                        self._release_pieces()
-                        return
-                    self._pieces.append(at)
+                err = lock(start, nbytes, flags)
+                if err != 0:
+                    self.error = err
+                    return
                 self.locked, self.seconds = True, time.perf_counter() - began
 
         self._thread = threading.Thread(target=lock_all, name="ft-page-lock", daemon=True)
@@ -243,13 +233,8 @@ class PageLock:
 
     def release(self) -> None:
         if self.wait():
-            self._release_pieces()
+            self._unlock(self.start)
             self.locked = False
-
-    def _release_pieces(self) -> None:
-        for at in self._pieces:
-            self._unlock(at)
-        self._pieces = []
 
 
 def locked_memory_limit() -> int | None:
