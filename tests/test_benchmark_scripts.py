@@ -174,6 +174,22 @@ def test_load_time_starts_from_both_formats(tmp_path):
         assert row in table
 
 
+def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_path):
+    out = tmp_path / "imports.md"
+    result = subprocess.run(
+        [sys.executable, "import_profile.py", "--repeat", "1", "--top", "5", "--out", str(out)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = out.read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| 0 |"))
+    alone_wall, alone_cpu, beside_wall = (float(c) for c in row.split("|")[2:5])
+    assert 0 < alone_cpu <= alone_wall * 1.05 and beside_wall > 0
+    assert "| torch |" in table or "| torch._C |" in table  # (among the slowest modules)
+    assert any((tmp_path / "pycache").rglob("*.pyc"))  # (its bytecode kept)
+
+
 def test_a_random_weight_directory_written_straight_loads_and_checks(tmp_path, monkeypatch):
     """checkpoint.py's write_random_weight_dir: a weight directory without a safetensors copy
     first (load_time.py --direct), its checksums right, its config and tokenizer beside it, no

@@ -11,6 +11,11 @@ their own run paths), and the device's primary context through the driver (`cuIn
 `cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it is.
 Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
 `import torch` finds the libraries open (or waits for the loader's lock) and the context made.
+On that context the early read's expert pool is page-locked through the driver as soon as it is
+there (`lock_host`, from `weights/early_read.EarlyRead.lock_pool`), also beside the imports:
+19.3 GB in 0.38 s, which had kept the model's copy to the GPU waiting after them (a warm start
+1.01-1.08x a plain read of its weights against 1.45-1.57x;
+benchmarks/results/2026-12-03-early-pool-lock-h200.md).
 On the H200 machine: libtorch_cpu 0.25-0.34 s, libtorch_cuda 0.12-0.16 s, the context
 0.23-1.27 s, all on the thread; torch's import after them 4.15-4.19 s against 4.45-4.86 s, the
 first tensor on the GPU 0.02 s against 0.34 s
