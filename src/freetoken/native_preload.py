@@ -112,8 +112,9 @@ class Preload:
 
     def lock_host(self, start: int, nbytes: int, flags: int) -> int:
         """Page-lock host memory through the driver, on the preload's context (cudaHostRegister's
-        flags, which the driver's call shares), before torch is there; CUDA's error code. Torch's
-        runtime unlocks it as its own (one context: the device's primary one)."""
+        flags, which the driver's call shares), before torch is there; CUDA's error code. The
+        memory is then page-locked for torch's runtime too (one context: the device's primary
+        one); `unlock_host` undoes it."""
         self._driver.cuCtxSetCurrent(self._context)  # (current on the calling thread)
         return self._driver.cuMemHostRegister_v2(
             ctypes.c_void_p(start), ctypes.c_size_t(nbytes), ctypes.c_uint(flags)

@@ -227,6 +227,8 @@ class HostExpertStore(BanksByName):
                 log.debug("expert pool page-locked as it loaded: %.1f GB in %.2f s",
                           self.nbytes / 1e9, self._page_lock.seconds)  # fmt: skip
                 return True
+            log.debug("the pool's lock as one range failed (CUDA error %s): bank by bank",
+                      self._page_lock.error)  # fmt: skip
             self._page_lock = None  # (refused as one range: bank by bank, warning if refused)
         if not torch.cuda.is_available():
             return False

@@ -157,9 +157,10 @@ class EarlyRead:
     def lock_pool(self, preload: native_preload.Preload | None) -> None:
         """Page-lock the expert pool for CUDA's copies and fills as soon as it is read (a mapped
         one at once) and the native preload has made the context: through the driver, on a
-        thread, while the imports run (a 20 GB pool took 0.7 s after them, on the H200 machine;
-        the loader adopts the lock). Where the preload made no context, torch's runtime locks
-        it (the loader's call, `preload` None, once the imports are over)."""
+        thread, while the imports run (19.3 GB took 0.4-0.6 s after them on the H200 machine,
+        and the model's copy to the GPU waited for it; the loader adopts the lock). Where the
+        preload made no context, torch's runtime locks it (the loader's call, `preload` None,
+        once the imports are over)."""
         if wd.EXPERTS_FILE not in self.sizes:
             return
         region = self.regions[wd.EXPERTS_FILE]

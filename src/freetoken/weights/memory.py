@@ -214,7 +214,7 @@ class PageLock:
         self._unlock = unlock or (lambda start: unlock_pages(start))  # (found when called)
         lock = lock or (lambda *args: lock_pages(*args))
 
-        def lock_all() -> None:
+        def run() -> None:
             with contextlib.suppress(Exception):  # (a failed read: its waiter raises it)
                 after()
                 began = time.perf_counter()
@@ -224,7 +224,7 @@ class PageLock:
                     return
                 self.locked, self.seconds = True, time.perf_counter() - began
 
-        self._thread = threading.Thread(target=lock_all, name="ft-page-lock", daemon=True)
+        self._thread = threading.Thread(target=run, name="ft-page-lock", daemon=True)
         self._thread.start()
 
     def wait(self) -> bool:
