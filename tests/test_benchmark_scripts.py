@@ -190,6 +190,25 @@ def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_p
     assert any((tmp_path / "pycache").rglob("*.pyc"))  # (its bytecode kept)
 
 
+def test_serve_start_times_ft_serve_to_its_first_answer(tmp_path):
+    out = tmp_path / "serve.md"
+    result = subprocess.run(
+        [sys.executable, "serve_start.py", "--tiny", "--layers", "1", "--work", str(tmp_path / "w"),
+         "--strategy", "fused", "--cache", "none", "--repeat", "1", "--page-cache", "warm", "cold",
+         "--out", str(out)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
+             "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|") for line in out.read_text().splitlines()
+            if line.startswith(("| warm |", "| cold |"))]  # fmt: skip
+    assert [r[1].strip() for r in rows] == ["warm", "cold"]
+    for r in rows:
+        floor, listening, answered = float(r[3]), float(r[4]), float(r[5])
+        assert floor > 0 and 0 < listening <= answered
+
+
 def test_a_random_weight_directory_written_straight_loads_and_checks(tmp_path, monkeypatch):
     """checkpoint.py's write_random_weight_dir: a weight directory without a safetensors copy
     first (load_time.py --direct), its checksums right, its config and tokenizer beside it, no

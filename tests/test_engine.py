@@ -92,6 +92,18 @@ def test_prompt_longer_than_context_is_rejected(engine):
     assert not engine.running
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission(engine):
+    """Refused before any step (a step with such an id fails; on CUDA a device-side assert
+    would leave the engine unusable), and the engine goes on serving."""
+    vocab = engine.runner.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocab"):
+            engine.add_request([1, 2, bad, 3], GREEDY)
+    assert not engine.running
+    [ok] = engine.generate([[1, 2, vocab - 1]], SamplingParams(max_new_tokens=2, temperature=0))
+    assert len(ok.output_ids) == 2
+
+
 def test_chunked_prefill_gives_the_same_tokens(engine):
     """A prompt split over several steps decodes exactly as one prefilled whole, and a short
     request admitted meanwhile keeps decoding while the long one is still prefilling."""

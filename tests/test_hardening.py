@@ -459,6 +459,23 @@ def test_logit_bias_and_penalties_are_honoured(server, monkeypatch):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
+def test_ids_a_request_may_name_are_the_models_where_its_tokenizer_has_more(engine):
+    """logit_bias ids index the model's logits: a tokenizer with more tokens than the model's
+    vocabulary (a mismatched checkpoint) does not widen what a request may name."""
+    from types import SimpleNamespace
+
+    from freetoken.server.core import GenerationCore
+
+    class Wider:  # (the engine's tokenizer, with more tokens than the model has rows)
+        vocab_size = engine.runner.config.vocab_size + 100
+
+        def __getattr__(self, name):
+            return getattr(engine.tokenizer, name)
+
+    core = GenerationCore(SimpleNamespace(engine=engine), Wider(), MODEL)
+    assert core.vocab_size == engine.runner.config.vocab_size
+
+
 def test_a_long_model_name_is_not_echoed_whole(server):
     r = httpx.post(server[0] + CHAT, json={**GENERATING[CHAT](2), "model": "m" * 2**20})
     assert r.status_code == 404 and len(r.content) < 1000

@@ -124,6 +124,10 @@ class LLMEngine:
         self.max_prefill_chunk = max_prefill_chunk
         self.sampler = Sampler()
         self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
+        if tokenizer.vocab_size > runner.config.vocab_size:
+            log.warning("the tokenizer has %d tokens, the model's vocabulary %d: prompts with "
+                        "the ids beyond it are refused", tokenizer.vocab_size,
+                        runner.config.vocab_size)  # fmt: skip
         self.running: list[Request] = []  # requests holding KV, oldest first
         # Requests whose KV was taken for older ones, oldest first; they resume before any new
         # request is admitted.
@@ -199,6 +203,14 @@ class LLMEngine:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        # (an id past the embedding fails the step; on CUDA as a device-side assert, which
+        # leaves the context unusable for every later request)
+        vocab = self.runner.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
+                             "; a tokenizer with more tokens than the model's embedding has rows "
+                             "gives such ids")  # fmt: skip
         if len(prompt_ids) >= self.max_context:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"

@@ -77,7 +77,9 @@ class GenerationCore:
         self.metrics = None  # the app's Metrics (server/stats.py), observed per token
         self.draining = False  # shutting down: no new requests
         self.shutdown_deadline: float | None = None  # time.monotonic() to be gone by
-        self.vocab_size = tokenizer.vocab_size  # ids a request may name (logit_bias)
+        # ids a request may name (logit_bias): the model's logits', which a tokenizer's
+        # vocabulary may exceed (an id past them would fail the step)
+        self.vocab_size = min(tokenizer.vocab_size, scheduler.engine.runner.config.vocab_size)
         # A request that sets no output limit gets the checkpoint's own (generation_config's
         # max_new_tokens), else whatever the context leaves.
         self.default_max_tokens = tokenizer.default_max_new_tokens
