@@ -226,3 +226,33 @@ def test_triton_decode_matches_the_torch_path_in_the_interpreter(interpreter_res
 def test_triton_decode_matches_the_torch_path_on_cuda():
     results = _decode_cases("cuda")
     assert max(results.values()) < 1e-3, results  # fp32 on the GPU: tf32-free dots
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "value_dim"),
+    [(8, 2, 128, 128), (6, 6, 72, 72), (16, 16, 192, 128)],  # GQA; a padded head; MLA's
+)
+def test_a_chunk_after_a_cached_prefix_attends_from_the_bottom_right_on_cuda(
+    heads, kv_heads, head_dim, value_dim
+):
+    """Fewer queries than keys on CUDA: flash attention's causal mask (its own padding for a
+    head size not a multiple of 8) or memory-efficient attention's bottom-right mask give what
+    SDPA gives with that mask made (fp32, explicit)."""
+    from freetoken.kernels.paged_attention import causal_attention
+
+    torch.manual_seed(0)
+    n, length = 37, 300
+    q = torch.randn(1, heads, n, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, kv_heads, length, head_dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(1, kv_heads, length, value_dim, dtype=torch.bfloat16, device="cuda")
+    scale = head_dim**-0.5
+    ours = causal_attention(q, k, v, scale)
+    mask = torch.ones(n, length, dtype=torch.bool, device="cuda").tril(length - n)
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+        attn_mask=mask, scale=scale,
+    )  # fmt: skip
+    assert ours.shape == expected.shape
+    assert (ours.float() - expected).abs().max().item() < 3e-2

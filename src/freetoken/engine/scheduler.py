@@ -24,7 +24,6 @@ from typing import Any
 from freetoken.engine.generate import LLMEngine, Request, StepOutput
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreetokenError
-from freetoken.kernels import paged_attention
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +189,6 @@ class Scheduler:
             self._run_calls()
             self._admit_and_cancel()
             if not self.engine.running and not self.engine.preempted:
-                # Idle: what a prefill after a cached prefix needs is imported now, on a thread
-                # (3-10 s of Python holding the GIL: not while the weights load nor while the
-                # first request runs; a fresh prompt's first chunk does without it).
-                paged_attention.import_in_background()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

@@ -29,10 +29,6 @@ Three implementations of that one contract:
 
 from __future__ import annotations
 
-import functools
-import importlib
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -189,11 +185,52 @@ def causal_attention(q, k, v, scale, mask=None) -> torch.Tensor:
     """SDPA of one sequence's n newest queries against its L keys, causal from the bottom
     right (the queries are the last n positions) unless `mask` [n, L] is given: q [1, h, n, d],
     k [1, kvh, L, d], v [1, kvh, L, d_v] -> [1, h, n, d_v]."""
-    if mask is None:
-        mask = _causal_lower_right(q.shape[2], k.shape[2])  # (None: a square, is_causal)
+    if mask is None and q.shape[2] != k.shape[2]:
+        return _lower_right_causal(q, k, v, scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
+
+
+def _lower_right_causal(q, k, v, scale) -> torch.Tensor:
+    """Fewer queries than keys, causal from the bottom right (a prefill after a cached prefix).
+    SDPA's `is_causal` means the top left, so this takes the kernels whose causal mask is the
+    bottom right where they apply, as `torch.nn.attention.bias.causal_lower_right` does,
+    without that module: it imports torch._dynamo, 3.5-9.6 s of Python on the H200 machine that
+    held the GIL beside a fresh server's first requests. Flash attention (its causal is the
+    bottom right), memory-efficient attention (mask type 2), else SDPA with the mask made."""
+    from torch.backends.cuda import (
+        SDPAParams,
+        can_use_efficient_attention,
+        can_use_flash_attention,
+    )
+
+    n, length = q.shape[2], k.shape[2]
+    if q.is_cuda:
+        params = SDPAParams(q, k, v, None, 0.0, False, True)  # (no mask, dropout; GQA)
+        if can_use_flash_attention(params):
+            head = q.shape[-1]
+            pad = -head % 8  # (flash's head sizes: multiples of 8)
+            if pad:
+                q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+            )[0]
+            return out[..., :head]
+        if can_use_efficient_attention(params):
+            return torch.ops.aten._efficient_attention_forward(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                dropout_p=0.0, custom_mask_type=LOWER_RIGHT_MASK, compute_log_sumexp=False,
+                scale=scale, seqlen_k=None,
+            )[0].transpose(1, 2)  # fmt: skip
+    mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+# memory-efficient attention's mask types: 0 none, 1 causal from the top left, 2 from the
+# bottom right (torch.nn.attention.bias.CausalVariant's values)
+LOWER_RIGHT_MASK = 2
 
 
 def _explicit_attention(q, k, v, mask, scale, sinks):
@@ -410,27 +447,3 @@ if triton is not None:
                        other=0.0)  # fmt: skip
         o = tl.sum(part * w[:, None], 0) / total
         tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))
-
-
-def _causal_lower_right(queries: int, keys: int):
-    """SDPA's implicit lower-right causal mask. Its module pulls in torch._dynamo, 3.5-9.6 s
-    on the H200 machine: imported on a thread once a server's engine is first idle
-    (`import_in_background`). A fresh prompt's first chunk (as many queries as keys) needs none
-    of it: is_causal, which is what the mask does for a square (torch.nn.attention.bias)."""
-    if queries == keys:
-        return None
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(queries, keys)
-
-
-@functools.cache
-def import_in_background() -> None:
-    """Start importing what a prefill after a cached prefix or a first chunk needs, on a
-    thread, once (the import lock makes a prefill that comes first wait for it, never import
-    twice)."""
-    # (not a daemon: a process that exits while torch imports on another thread can abort in
-    # torch's C++ teardown; exit waits for the import instead)
-    threading.Thread(
-        target=importlib.import_module, args=("torch.nn.attention.bias",), name="ft-imports"
-    ).start()
