@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 
 from freetoken.kernels import INTERPRETED, cpu_team
 from freetoken.kv.batch import ForwardBatch
@@ -192,6 +193,11 @@ def causal_attention(q, k, v, scale, mask=None) -> torch.Tensor:
     )
 
 
+# memory-efficient attention's mask types: 0 none, 1 causal from the top left, 2 from the
+# bottom right (torch.nn.attention.bias.CausalVariant's values)
+LOWER_RIGHT_MASK = 2
+
+
 def _lower_right_causal(q, k, v, scale) -> torch.Tensor:
     """Fewer queries than keys, causal from the bottom right (a prefill after a cached prefix).
     SDPA's `is_causal` means the top left, so this takes the kernels whose causal mask is the
@@ -199,12 +205,6 @@ def _lower_right_causal(q, k, v, scale) -> torch.Tensor:
     without that module: it imports torch._dynamo, 3.5-9.6 s of Python on the H200 machine that
     held the GIL beside a fresh server's first requests. Flash attention (its causal is the
     bottom right), memory-efficient attention (mask type 2), else SDPA with the mask made."""
-    from torch.backends.cuda import (
-        SDPAParams,
-        can_use_efficient_attention,
-        can_use_flash_attention,
-    )
-
     n, length = q.shape[2], k.shape[2]
     if q.is_cuda:
         params = SDPAParams(q, k, v, None, 0.0, False, True)  # (no mask, dropout; GQA)
@@ -226,11 +226,6 @@ def _lower_right_causal(q, k, v, scale) -> torch.Tensor:
             )[0].transpose(1, 2)  # fmt: skip
     mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-
-# memory-efficient attention's mask types: 0 none, 1 causal from the top left, 2 from the
-# bottom right (torch.nn.attention.bias.CausalVariant's values)
-LOWER_RIGHT_MASK = 2
 
 
 def _explicit_attention(q, k, v, mask, scale, sinks):

@@ -167,19 +167,21 @@ class EarlyRead:
         flags = memory.PORTABLE | memory.MAPPED
         if wd.EXPERTS_FILE in self.mapped:  # (as CUDA takes a read-only mapping)
             flags |= memory.READ_ONLY
-        driver = []  # (whether the driver's call locked it: then it unlocks it too)
 
-        def after() -> None:
+        def by_driver() -> bool:  # (the same answer each time, once the preload has ended)
+            return preload is not None and preload.has_context
+
+        def after() -> None:  # (the pool there, and the preload's context made or not)
             self.wait(wd.EXPERTS_FILE)
-            driver.append(preload is not None and preload.has_context)
+            by_driver()
 
         def lock(start: int, nbytes: int, flags: int) -> int:
-            if driver[0]:
+            if by_driver():
                 return preload.lock_host(start, nbytes, flags)
             return memory.lock_pages(start, nbytes, flags)
 
         def unlock(start: int) -> None:
-            (preload.unlock_host if driver[0] else memory.unlock_pages)(start)
+            (preload.unlock_host if by_driver() else memory.unlock_pages)(start)
 
         self.pool_lock = memory.PageLock(memory.address(region), len(region), flags, after,
                                          lock, unlock)  # fmt: skip
