@@ -40,9 +40,11 @@ def free_port() -> int:
 def serve_once(model: Path, strategy: str, cache: str, env: dict, log: Path | None,
                timeout: float = 300.0) -> dict:  # fmt: skip
     """Seconds from launching `ft serve` to its port taking connections and to its first
-    answer, and the answer's text."""
+    answer, and the answer's text. With a `log`, the server's debug log goes there, each line
+    timed from its start (`ft -v`)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", str(model),
+    verbose = ["-v"] if log else []
+    cmd = [sys.executable, "-m", "freetoken.cli.main", *verbose, "serve", "--model", str(model),
            "--port", str(port), "--moe-strategy", strategy,
            "--kv-cache-tokens", "4096"]  # fmt: skip
     if cache != "none":
@@ -91,7 +93,8 @@ def main() -> int:
     ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--page-cache", nargs="+", default=["warm"], choices=["cold", "warm"])
-    ap.add_argument("--logs", type=Path, help="directory for each start's stderr")
+    ap.add_argument("--logs", type=Path,
+                    help="directory for each start's debug log (ft -v: a timeline)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = args.work / "weight-dir"

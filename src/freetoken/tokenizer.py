@@ -170,6 +170,8 @@ def preload(path: str | Path) -> None:
         _preloaded[path.resolve()] = Tokenizer(path)
     except Exception as e:  # (load reports it, in its place)
         log.debug("no early tokenizer for %s: %s", path, e)
+    else:
+        log.debug("tokenizer loaded early")
 
 
 def load(path: str | Path) -> Tokenizer:

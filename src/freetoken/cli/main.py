@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
+
+STARTED = time.time()  # (a -v log's lines say how long after this they came: a start's timeline)
 
 from freetoken.cli import launch
 from freetoken.config import EXPERT_FORMATS, STRATEGIES, EngineConfig, MoEOptions, ServerConfig
@@ -323,11 +326,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _timed_records(factory):
+    """Log records that carry the seconds since the command started (`since_start`)."""
+
+    def record(*args, **kwargs):
+        r = factory(*args, **kwargs)
+        r.since_start = r.created - STARTED
+        return r
+
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        logging.setLogRecordFactory(_timed_records(logging.getLogRecordFactory()))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+        format=("%(since_start)7.3fs " if args.verbose else "")
+        + "%(levelname)s %(name)s: %(message)s",
     )
     import importlib
 

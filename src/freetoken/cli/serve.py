@@ -12,6 +12,7 @@ from freetoken.cli.common import load_engine
 from freetoken.config import ServerConfig
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
+log = logging.getLogger(__name__)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -51,6 +52,10 @@ def make_server(app, core, host: str, port: int, config: ServerConfig):
     from freetoken.server.core import shutdown_reserve
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            log.debug("listening")
+
         def handle_exit(self, sig, frame) -> None:
             core.begin_shutdown(config.shutdown_timeout_s)
             super().handle_exit(sig, frame)
@@ -78,11 +83,13 @@ def make_server(app, core, host: str, port: int, config: ServerConfig):
 
 
 def run(args: argparse.Namespace) -> int:
+    log.debug("engine modules imported")
     from freetoken.engine.scheduler import Scheduler
     from freetoken.server.app import create_app
     from freetoken.server.core import GenerationCore
     from freetoken.server.sandbox import TemplateSandbox
 
+    log.debug("server modules imported")
     config = server_config(args)
     if warning := exposure_warning(args.host, config.api_key):
         print(warning, file=sys.stderr)
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         sandbox = TemplateSandbox(engine.tokenizer.path, config.template_timeout_s)
     core = GenerationCore(scheduler, engine.tokenizer, name, template_sandbox=sandbox)
     app = create_app(core, config)
+    log.debug("app made")
     url = f"http://{args.host}:{args.port}"
     auth = ' -H "Authorization: Bearer $FREETOKEN_API_KEY"' if config.api_key else ""
     print(

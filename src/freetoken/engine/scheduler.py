@@ -93,6 +93,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
+        self._steps = 0
         self._ttft: collections.deque[float] = collections.deque(maxlen=256)
         self._counters = dict(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
@@ -123,6 +124,8 @@ class Scheduler:
         generated token, and `on_output(None, error)` if the request fails; `on_admit(request)`
         when the engine takes it (its prefix-cache reuse is known then)."""
         ticket = Ticket(next(self._ids), list(prompt_ids), params, on_output, on_admit)
+        if ticket.id == 0:
+            log.debug("first request submitted")
         with self._lock:
             if not self._admitting:
                 raise ShutdownError("the server is shutting down")
@@ -258,6 +261,9 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - start
         now = time.perf_counter()
+        if self._steps == 0:  # (a start's timeline: the first step pays one-time costs)
+            log.debug("first step: %.3f s", elapsed)
+        self._steps += 1
         prefill, decode = self.engine.last_step.prefill, self.engine.last_step.decode
         with self._lock:
             c = self._counters
