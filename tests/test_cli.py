@@ -125,3 +125,14 @@ def test_serve_answers_on_the_demo_model(env):
         _, err = proc.communicate(timeout=30)
     assert f"{base}/v1" in err and "curl" in err  # the ready message with an example
     assert '"max_tokens": 64' in err  # the demo's replies never end by themselves
+
+
+def test_verbose_lines_are_timed_from_the_process_start(env):
+    """`ft -v`: each log line begins with the seconds since the process began (a start's
+    timeline), the engine's load in order after the interpreter's own start."""
+    done = ft(env, "-v", "generate", "--prompt", "Hi", "--max-tokens", "1", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    times = [float(line.split()[0][:-1]) for line in done.stderr.splitlines()
+             if line.split() and line.split()[0].endswith("s") and " DEBUG " in line]  # fmt: skip
+    assert len(times) >= 3
+    assert 0 < times[0] and times == sorted(times) and times[-1] < 300

@@ -4,7 +4,11 @@ meanwhile. The driver is faked here (CI has no GPU); the libraries are the CPU b
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -112,10 +116,50 @@ def test_a_start_loads_the_tokenizer_early_only_beside_the_preload(monkeypatch, 
     monkeypatch.setattr(native_preload, "start", lambda device: object() if preloading else None)
     monkeypatch.setattr(early_start.early_read, "start", lambda m, d: done.append(("read", m)))
     monkeypatch.setattr(tokenizer, "preload", lambda m: done.append(("tokenizer", m)))
+    monkeypatch.setattr(early_start.gc, "disable", lambda: None)  # (this is pytest's process)
     early_start.before_imports("/m", "cuda")
     # without the preload's thread, the tokenizer's load is better left to the loader's thread,
     # beside the weights' reads
     assert done == ([("read", "/m"), ("tokenizer", "/m")] if preloading else [("read", "/m")])
+
+
+def test_a_start_runs_without_the_collector_and_freezes_what_it_made(monkeypatch):
+    """The cyclic collector is off from before the imports until the engine is built, then
+    what the start made is frozen (no full pass walks it again) and the collector is on."""
+    monkeypatch.setattr(native_preload, "start", lambda device: None)
+    monkeypatch.setattr(early_start.early_read, "start", lambda m, d: None)
+    frozen = []
+    monkeypatch.setattr(early_start.gc, "freeze", lambda: frozen.append(gc.isenabled()))
+    try:
+        early_start.before_imports("/m", "cuda")
+        assert not gc.isenabled()
+        early_start.started()
+        assert frozen == [False]  # (frozen before the collector runs again)
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_cli_turns_the_collector_off_for_a_start_and_on_after_the_engine():
+    """`ft generate` in a fresh process: off while it loads, frozen and on once the engine is
+    built (checked from inside the command)."""
+    seen = subprocess.run([sys.executable, "-c",
+        "import gc, sys\n"
+        "from freetoken.cli import common, main\n"
+        "load = common.load_engine\n"
+        "def checked(args):\n"
+        "    print('loading, collector on:', gc.isenabled())\n"
+        "    engine = load(args)\n"
+        "    print('built, collector on:', gc.isenabled(), 'frozen:', gc.get_freeze_count() > 0)\n"
+        "    raise SystemExit(0)\n"
+        "common.load_engine = checked\n"
+        "import freetoken.cli.generate as g\n"
+        "g.load_engine = checked\n"
+        "main.main(['generate', '--prompt', 'hi', '--max-tokens', '1'])\n"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    ).stdout  # fmt: skip
+    assert "loading, collector on: False" in seen
+    assert "built, collector on: True frozen: True" in seen
 
 
 # -- Triton's once-a-process cache key, ahead of the first step ----------------------------

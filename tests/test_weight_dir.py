@@ -6,6 +6,7 @@ reads survive short reads and files whose system refuses direct I/O."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -570,6 +571,7 @@ def early_start_of(converted, monkeypatch):
 
     began, start = [], early_read.start
     monkeypatch.setattr(early_read, "start", lambda m, d: began.append(start(m, d)) or began[-1])
+    monkeypatch.setattr(early_start.gc, "disable", lambda: None)  # (this is pytest's process)
     early_start.before_imports(converted, "cuda")
     assert began[0] is not None
     return began[0]
@@ -688,6 +690,7 @@ def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch):
     assert cli.main(["serve", "--model", "/m", "--device", "cuda"]) == 2
     assert cli.main(["generate", "--model", "/m", "--prompt", "hello"]) == 2
     assert asked == [("/m", "cuda"), ("/m", None)]
+    assert gc.isenabled()  # (the start turned the collector off; its failure turns it back on)
 
 
 def test_the_memory_check_counts_what_the_early_read_holds_as_used(converted, gpu_node,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from freetoken import early_start
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 
@@ -20,7 +21,9 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
         print("Using the built-in demo model: its weights are random, its replies are noise.",
               file=sys.stderr)  # fmt: skip
         config = dataclasses.replace(config, model=demo_checkpoint())
-    return LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
+    early_start.started()
+    return engine
 
 
 def sampling_params(args: argparse.Namespace, engine: LLMEngine) -> SamplingParams:

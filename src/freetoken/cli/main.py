@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import os
 import sys
 import time
 from pathlib import Path
-
-STARTED = time.time()  # (a -v log's lines say how long after this they came: a start's timeline)
 
 from freetoken.cli import launch
 from freetoken.config import EXPERT_FORMATS, STRATEGIES, EngineConfig, MoEOptions, ServerConfig
@@ -326,12 +326,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def process_started() -> float:
+    """When this process began (time.time()'s clock; to the kernel's 10 ms ticks), so that a
+    start's timeline counts the interpreter's own start too; now where /proc cannot say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # (field 22: starttime)
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 def _timed_records(factory):
-    """Log records that carry the seconds since the command started (`since_start`)."""
+    """Log records that carry the seconds since the process started (`since_start`)."""
+    started = process_started()
 
     def record(*args, **kwargs):
         r = factory(*args, **kwargs)
-        r.since_start = r.created - STARTED
+        r.since_start = r.created - started
         return r
 
     return record
@@ -362,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        gc.enable()  # (off since before_imports where a start failed first: a caller's process)
 
 
 if __name__ == "__main__":

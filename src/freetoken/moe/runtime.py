@@ -734,6 +734,7 @@ def build_runtime(
     ):
         kind = STRATEGIES["cpu"]  # no cache, or no pinned pool to fill it from
     cache = _cache_for(kind, store, slots, device, options)
+    log.debug("expert cache made")
     cpu = None
     if not kind.resident or device.type == "cpu":
         executor = CPUExpertExecutor(store, act, options.cpu_threads, **cpu_waits(options))
@@ -765,6 +766,7 @@ def build_runtime(
             )
         else:
             streamer = LayerStreamer(store, cache, device, act)
+    log.debug("layer streamer made")
     control = doorbell = None
     if kind.on_device and options.device_control:
         control, doorbell = _device_control(kind, store, cache, cpu, options, device)
