@@ -135,4 +135,4 @@ def test_verbose_lines_are_timed_from_the_process_start(env):
     times = [float(line.split()[0][:-1]) for line in done.stderr.splitlines()
              if line.split() and line.split()[0].endswith("s") and " DEBUG " in line]  # fmt: skip
     assert len(times) >= 3
-    assert 0 < times[0] and times == sorted(times) and times[-1] < 300
+    assert times[0] > 0 and times == sorted(times) and times[-1] < 300
