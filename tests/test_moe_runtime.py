@@ -455,3 +455,36 @@ def test_the_expert_cache_shrinks_and_grows_between_steps(
     fused = build_runtime(store, torch.device("cpu"), MoEOptions("fused"))
     with pytest.raises(ValueError, match="cannot be resized"):
         fused.resize_cache(4)
+
+
+def test_a_warm_start_leaves_its_fills_running_and_the_first_step_waits_for_them(monkeypatch):
+    """The build queues the warm cache's fills and returns (on CUDA the link copies them while
+    the start goes on); the slots are waited for before anything reads them: the first step,
+    or a re-size."""
+    from freetoken.moe.cache import ExpertCache
+    from freetoken.moe.runtime import build_runtime
+
+    class Copying:  # a CUDA copy's done event, faked: CI has no GPU
+        waited = 0
+
+        def synchronize(self):
+            Copying.waited += 1
+
+    place = ExpertCache.place
+
+    def placed(self, *args, **kwargs):
+        return place(self, *args, **kwargs) or (None, Copying())
+
+    monkeypatch.setattr(ExpertCache, "place", placed)
+    store = tiny_store()
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "3"))
+    assert min(rt.cache.pair_of.tolist()) >= 0 and Copying.waited == 0  # queued, not waited
+    rt.begin_step(1, decode=True)
+    assert Copying.waited == 1
+    rt.begin_step(1, decode=True)  # (once)
+    assert Copying.waited == 1
+    again = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "3"))
+    again.resize_cache(2)  # the slots a re-size keeps are read: after the fills
+    assert Copying.waited == 2
+    fixed = build_runtime(store, torch.device("cpu"), MoEOptions("hybrid", "3", warm_cache=False))
+    assert fixed.cache.pair_of.tolist() == [-1, -1, -1]

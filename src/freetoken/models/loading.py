@@ -425,8 +425,23 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
                 weights.read(dense, progress=advance)
             log.debug("dense tensors read")
             banks_read.result()
-    weights.verify(dense, threads=wd.io_threads())  # smaller: at once
+    # The dense tensors (smaller) are checked at once, on threads (zlib.crc32 releases the GIL)
+    # while they are copied to the GPU: nothing computes with them before both are done. (The
+    # check reads the host tensors as they are now: the copy points the parameters elsewhere.)
+    host_dense = [(entry, tensor.detach()) for entry, tensor in dense]
+    with ThreadPoolExecutor(1, thread_name_prefix="ft-verify-dense") as pool:
+        dense_checked = pool.submit(weights.verify, host_dense, threads=wd.io_threads())
+        if cuda and early_dense:  # copied from page-locked memory: at the link's speed
+            region = early.regions[DENSE_FILE]
+            with memory.page_locked(memory.address(region), len(region)):
+                on_device = model.to(device, non_blocking=True)
+                torch.cuda.synchronize(device)
+        else:
+            on_device = model.to(device)
+        log.debug("model on %s", device)
+        dense_checked.result()
     log.debug("dense tensors verified")
+    model = on_device
     integrity = None
     if verify or dequantize:  # (what is dequantized is checked first)
         weights.verify(banks, threads=wd.io_threads())
@@ -435,14 +450,6 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
     if dequantize:
         log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
         store = _dequantized(store, cfg)
-    if cuda and early_dense:  # copied from page-locked memory: at the link's speed
-        region = early.regions[DENSE_FILE]
-        with memory.page_locked(memory.address(region), len(region)):
-            model = model.to(device, non_blocking=True)
-            torch.cuda.synchronize(device)
-    else:
-        model = model.to(device)
-    log.debug("model on %s", device)
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
 
 

@@ -201,6 +201,8 @@ class MoERuntime:
         """Called before every forward: for hybrid deciding on the device, the last decode
         step's time given to `StepModes`, this step's way chosen and its split written where
         the plans read it."""
+        if self.cache is not None:
+            self.cache.settle()  # (a warm start's fills, left running by the build)
         if self._split is None:
             return
         self._check_doorbell()
@@ -797,7 +799,7 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
         policy = ExpectedNextUsePolicy()
     cache = ExpertCache(store, slots, device, policy=policy)
     if options.warm_cache:
-        cache.preload(warm_order(store))
+        cache.preload(warm_order(store), wait=False)  # (settled by the first step)
     return cache
 
 

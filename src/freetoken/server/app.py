@@ -228,7 +228,6 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
             Exception: internal,
         },
     )
-    app.state.core = core
     if config.api_key:
         app.add_middleware(RequireKey, key=config.api_key)
     return app
