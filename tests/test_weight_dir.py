@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -241,6 +242,28 @@ def test_the_page_cache_decides_between_direct_and_buffered_reads(converted):
     assert wd.resident_fraction(converted / "experts.bin") == 0.0
     (converted / "experts.bin").read_bytes()
     assert wd.resident_fraction(converted / "experts.bin") == 1.0
+
+
+def test_the_kernel_counts_a_files_cached_pages_as_mincore_does(tmp_path, monkeypatch):
+    """cachestat(2)'s count and mincore's page-by-page answer agree on a file the page cache
+    holds a part of; a kernel without cachestat gets mincore's."""
+    path = tmp_path / "experts.bin"
+    path.write_bytes(os.urandom(1024 * mmap.PAGESIZE))
+    if not evict(path.parent):
+        pytest.skip("this file system keeps its pages (tmpfs)")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (no readahead: a part only)
+        os.pread(fd, 16 * mmap.PAGESIZE, 8 * mmap.PAGESIZE)
+    finally:
+        os.close(fd)
+    by_mincore = wd._resident_fraction_by_mincore(path, path.stat().st_size)
+    assert 0 < by_mincore < 1
+    if wd._cached_pages(path) is None:
+        pytest.skip("this kernel has no cachestat (before Linux 6.5)")
+    assert wd.resident_fraction(path) == by_mincore
+    monkeypatch.setattr(wd, "_cached_pages", lambda path: None)
+    assert wd.resident_fraction(path) == by_mincore
 
 
 def direct_io_works(path) -> bool:

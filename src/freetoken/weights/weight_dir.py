@@ -334,12 +334,52 @@ class FileReads:
 _LOW_BIT = bytes(b & 1 for b in range(256))
 
 
+CACHESTAT = 451  # Linux 6.5's cachestat(2): the same number on every architecture
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
 def resident_fraction(path: Path) -> float:
-    """The share of a file's pages in the page cache (mincore on a mapping of it); 0 where
-    that cannot be asked."""
+    """The share of a file's pages in the page cache; 0 where that cannot be asked. cachestat
+    counts them in the kernel (1 ms for 10.7 GB on the CPU machine); where the kernel lacks it,
+    mincore on a mapping asks page by page (60 ms: a warm start asks before its imports)."""
     size = path.stat().st_size
     if size == 0:
         return 1.0
+    pages = -(-size // mmap.PAGESIZE)
+    cached = _cached_pages(path)
+    if cached is not None:
+        return min(1.0, cached / pages)
+    return _resident_fraction_by_mincore(path, size)
+
+
+def _cached_pages(path: Path) -> int | None:
+    """The file's pages in the page cache by cachestat(2), or None where it is missing."""
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stat = _Cachestat()
+        whole = _CachestatRange(0, 0)  # (a length of 0: to the file's end)
+        if syscall(CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
+            return None  # (ENOSYS before Linux 6.5)
+        return stat.nr_cache
+    finally:
+        os.close(fd)
+
+
+def _resident_fraction_by_mincore(path: Path, size: int) -> float:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
