@@ -4,12 +4,14 @@ meanwhile. The driver is faked here (CI has no GPU); the libraries are the CPU b
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -37,6 +39,23 @@ def test_a_cuda_start_opens_torchs_libraries_and_makes_the_context_off_the_gil(d
     assert driver.calls[1][1][1] == 1  # (the device asked for: cuda:1)
     assert preload.timings["cuda context"] >= 0
     assert native_preload.start("cuda") is None  # (once a process)
+
+
+def test_the_libraries_open_through_a_foreign_call_that_releases_the_gil(driver, monkeypatch):
+    """ctypes.CDLL's own loading keeps the GIL (the main thread would stand still for each
+    library's load); libc's dlopen, called as a foreign function, does not. The libraries are
+    open all the same."""
+    loaded, cdll = [], ctypes.CDLL
+    monkeypatch.setattr(
+        ctypes, "CDLL", lambda name, *a, **k: loaded.append(name) or cdll(name, *a, **k)
+    )
+    preload = native_preload.start("cuda")
+    assert preload.wait(60) and preload.error is None
+    assert set(loaded) <= {None, native_preload.DRIVER}  # (libc itself, and the faked driver)
+    maps = Path("/proc/self/maps").read_text()
+    assert "libtorch_global_deps.so" in maps and "libtorch_cpu.so" in maps
+    with pytest.raises(OSError, match="no-such-library"):
+        native_preload.dlopen("/no-such-library.so", ctypes.DEFAULT_MODE)
 
 
 def test_a_failing_driver_stops_only_the_preload(driver):

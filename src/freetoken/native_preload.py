@@ -4,11 +4,14 @@
 `import torch` opens its native libraries (hundreds of MB of code with their relocations and
 static initializers: the CUDA kernels' registrations) from the import machinery, which keeps
 the GIL while it does, and the CUDA context is made later by the first tensor on the GPU, also
-under the GIL. Here both are done first through ctypes, whose calls release the GIL: the
-libraries torch's import would open, in its order (`libtorch_global_deps` with RTLD_GLOBAL, as
-torch's `__init__` does, then `libtorch_cuda`/`libtorch`, which bring their CUDA libraries by
-their own run paths), and the device's primary context through the driver (`cuInit`,
-`cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it is.
+under the GIL. Here both are done first through ctypes' foreign calls, which release the GIL:
+the libraries torch's import would open, in its order (`libtorch_global_deps` with
+RTLD_GLOBAL, as torch's `__init__` does, then `libtorch_cuda`/`libtorch`, which bring their
+CUDA libraries by their own run paths), by libc's `dlopen` called as a foreign function
+(`ctypes.CDLL`'s own loading keeps the GIL: the main thread stood still for the 0.16 s of
+libtorch_cpu's load on the CPU machine), and the device's primary context through the driver
+(`cuInit`, `cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it
+is.
 Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
 `import torch` finds the libraries open (or waits for the loader's lock) and the context made.
 On that context the early read's expert pool is page-locked through the driver as soon as it is
@@ -32,6 +35,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import logging
@@ -65,7 +69,7 @@ class Preload:
         self.libraries = libraries
         self.timings: dict[str, float] = {}
         self.error: BaseException | None = None
-        self._handles: list = []  # (kept: a library stays open while its handle lives)
+        self._handles: list[int] = []  # the libraries' (never closed)
         self._driver = None  # libcuda, once the context is made
         self._context = ctypes.c_void_p()
         self._done = threading.Event()
@@ -87,11 +91,13 @@ class Preload:
             self._done.set()
 
     def _open(self, name: str, mode: int) -> None:
-        self._timed(name, lambda: self._handles.append(ctypes.CDLL(str(self.lib_dir / name), mode)))
+        self._timed(name, lambda: self._handles.append(dlopen(str(self.lib_dir / name), mode)))
 
     def _make_context(self) -> None:
         """The device's primary context, retained (it lives as long as the process: torch's
         runtime takes the same one)."""
+        with contextlib.suppress(OSError):  # (CDLL says why)
+            dlopen(DRIVER, ctypes.DEFAULT_MODE)  # without the GIL: CDLL then finds it open
         cuda = ctypes.CDLL(DRIVER)
         device = ctypes.c_int()
         for call, args in (
@@ -131,6 +137,18 @@ class Preload:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+
+def dlopen(path: str, mode: int) -> int:
+    """Open a shared library (RTLD_NOW, as ctypes does) through libc's dlopen, a foreign call
+    that releases the GIL while the loader works; its handle (kept open: never closed)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.dlopen.restype, libc.dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    libc.dlerror.restype = ctypes.c_char_p
+    handle = libc.dlopen(path.encode(), mode | os.RTLD_NOW)
+    if not handle:
+        raise OSError((libc.dlerror() or b"dlopen failed").decode(errors="replace"))
+    return handle
 
 
 def gpu_driver_present() -> bool:
