@@ -144,22 +144,38 @@ def test_a_start_loads_the_tokenizer_early_only_beside_the_preload(monkeypatch, 
 
 def test_a_start_runs_without_the_collector_and_freezes_what_it_made(monkeypatch):
     """The cyclic collector is off from before the imports until the engine is built, then
-    what the start made is frozen (no full pass walks it again) and the collector is on."""
+    what the start made is frozen (no full pass walks it again) and the collector is on; the
+    start's garbage is freed later, in one pass (the server's engine thread, once idle)."""
     monkeypatch.setattr(native_preload, "start", lambda device: None)
     monkeypatch.setattr(early_start.early_read, "start", lambda m, d: None)
     done = []
-    monkeypatch.setattr(early_start.gc, "freeze", lambda: done.append(("freeze", gc.isenabled())))
-    monkeypatch.setattr(early_start.gc, "collect", lambda: done.append(("collect", gc.isenabled())))
+    for name in ("freeze", "unfreeze", "collect"):
+        monkeypatch.setattr(early_start.gc, name,
+                            lambda name=name: done.append((name, gc.isenabled())))  # fmt: skip
     try:
         early_start.before_imports("/m", "cuda")
         assert not gc.isenabled()
         early_start.started()
-        # the start's garbage collected first (a frozen cycle is never freed), then frozen,
-        # before the collector runs again
-        assert done == [("collect", False), ("freeze", False)]
+        assert done == [("freeze", False)]  # (frozen before the collector runs again)
         assert gc.isenabled()
+        early_start.collect_start_garbage()
+        assert done[1:] == [("unfreeze", True), ("collect", True), ("freeze", True)]
     finally:
         gc.enable()
+
+
+def test_the_start_asks_the_dynamic_loader_before_the_preload_holds_it(monkeypatch):
+    """The early read's set-up and the import of the tokenizer's native module (both take the
+    dynamic loader's lock) come before the preload's loads of torch's libraries, which hold
+    it; the tokenizer loads beside them."""
+    done = []
+    monkeypatch.setattr(early_start.gc, "disable", lambda: None)  # (this is pytest's process)
+    monkeypatch.setattr(early_start.early_read, "start", lambda m, d: done.append("read"))
+    monkeypatch.setattr(tokenizer, "load_native", lambda: done.append("tokenizers imported"))
+    monkeypatch.setattr(native_preload, "start", lambda d: done.append("preload") or object())
+    monkeypatch.setattr(tokenizer, "preload", lambda m: done.append("tokenizer"))
+    early_start.before_imports("/m", "cuda")
+    assert done == ["read", "tokenizers imported", "preload", "tokenizer"]
 
 
 def test_the_cli_turns_the_collector_off_for_a_start_and_on_after_the_engine():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -10,7 +11,7 @@ from freetoken.config import EngineConfig
 from freetoken.demo import demo_checkpoint
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
-from freetoken.engine.scheduler import Scheduler
+from freetoken.engine.scheduler import IDLE_S, Scheduler
 
 
 @pytest.fixture()
@@ -66,3 +67,35 @@ def test_an_engine_takes_one_scheduler_at_a_time(small_engine):
         first.shutdown()
     second = Scheduler(small_engine)
     second.shutdown()
+
+
+def test_the_idle_chore_runs_once_when_the_engine_first_has_nothing_to_do(engine):
+    """A server's one-time chore (the start's garbage freed) waits for the engine thread to
+    idle, not for a request; it runs once, and a failing one leaves the engine serving."""
+    ran = []
+
+    def chore():
+        ran.append(time.perf_counter())
+        raise RuntimeError("a chore that fails")
+
+    started = time.perf_counter()
+    sched = Scheduler(engine, on_idle=chore)
+    try:
+        deadline = time.time() + 30
+        while not ran and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(ran) == 1 and ran[0] - started >= IDLE_S
+        time.sleep(3 * IDLE_S)
+        assert len(ran) == 1
+        outputs = []
+        done = threading.Event()
+
+        def on_output(out, error):
+            outputs.append((out, error))
+            if error is not None or out.request.finished:
+                done.set()
+
+        sched.submit([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0), on_output)
+        assert done.wait(60) and outputs[-1][1] is None and len(outputs) == 2
+    finally:
+        sched.shutdown()

@@ -11,6 +11,12 @@ native libraries' loading need no GIL and run beside them).
 3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
    the engine, torch with it.
 
+The early read's set-up and the import of the tokenizer's native module come before the
+preload: both ask the dynamic loader (ctypes, an extension's import), whose lock the preload's
+loads of torch's libraries hold for 0.3 s (an import of `tokenizers` beside libtorch_cpu's
+load waited out all 0.23 s of it on the CPU machine; the tokenizer's load took 0.47-0.52 s
+there on the H200 machine, 0.30-0.33 s before it).
+
 Python's cyclic garbage collector is off from here until `started()`: a start makes about a
 million objects (torch's modules, the model) and little garbage, and the collector would walk
 them all at each of its full passes (0.2-0.3 s of a 1.3-1.6 s import on the CPU machine).
@@ -35,8 +41,10 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
     """Begin what can begin for a start of `model` on `device` (each part decides whether it
     applies: a GPU's driver, a weight directory, room in memory)."""
     gc.disable()
-    preload = native_preload.start(device)
     read = early_read.start(model, device)
+    if model is not None:
+        tokenizer.load_native()
+    preload = native_preload.start(device)
     log.debug("early start: native preload %s, early read %s", "begun" if preload else "none",
               "begun" if read else "none")  # fmt: skip
     if read is not None and preload is not None and os.environ.get(early_read.LOCK_ENV) != "0":
@@ -46,11 +54,19 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
 
 
 def started() -> None:
-    """The engine is built: what the start made lives as long as the process. One pass
-    collects the start's garbage (a frozen cycle would never be freed: 0.08 s on the CPU
-    machine, where the passes it replaces took 0.2-0.3 s), the rest is frozen (never walked by
-    the collector again: no pause of tens of ms in a decode step when a full pass comes), and
-    the collector runs again for what comes after."""
-    gc.collect()
+    """The engine is built: what the start made lives as long as the process. It is frozen
+    (never walked by the collector again: no pause of tens of ms in a decode step when a full
+    pass comes), and the collector runs again for what comes after. The start's own garbage
+    is frozen with it until `collect_start_garbage`."""
     gc.freeze()
     gc.enable()
+
+
+def collect_start_garbage() -> None:
+    """Free what of the start was garbage (a frozen cycle is never freed otherwise): one full
+    pass over everything (0.08 s on the CPU machine, 0.1-0.15 s on the H200 machine's start),
+    for a moment no request waits on (the server's engine thread, once idle), then frozen
+    again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()

@@ -11,6 +11,7 @@ the ids and the text transformers gives (tests check it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -174,6 +175,13 @@ def preload(path: str | Path) -> None:
         log.debug("no early tokenizer for %s: %s", path, e)
     else:
         log.debug("tokenizer loaded early in %.3f s", time.perf_counter() - began)
+
+
+def load_native() -> None:
+    """Import `tokenizers`' native module now (a start does, before native_preload takes the
+    dynamic loader's lock for torch's libraries); nothing where it is missing."""
+    with contextlib.suppress(ImportError):
+        import tokenizers  # noqa: F401
 
 
 def load(path: str | Path) -> Tokenizer:

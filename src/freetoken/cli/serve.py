@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from freetoken import early_start
 from freetoken.cli.common import load_engine
 from freetoken.config import ServerConfig
 
@@ -95,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     engine = load_engine(args)
     name = args.served_model_name or (args.model.name if args.model else "freetoken-demo")
-    scheduler = Scheduler(engine, max_queued=args.max_queued_requests)
+    # (the start's garbage is freed once the engine first idles: a pass over everything, which
+    # no request then waits on)
+    scheduler = Scheduler(engine, max_queued=args.max_queued_requests,
+                          on_idle=early_start.collect_start_garbage)  # fmt: skip
     sandbox = None
     if config.allow_request_chat_template:
         sandbox = TemplateSandbox(engine.tokenizer.path, config.template_timeout_s)

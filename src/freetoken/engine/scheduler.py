@@ -28,6 +28,10 @@ from freetoken.errors import FreetokenError
 log = logging.getLogger(__name__)
 
 
+# Seconds without work after which the engine thread counts as idle (and checks for work again)
+IDLE_S = 0.5
+
+
 class QueueFullError(FreetokenError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
 
@@ -70,10 +74,13 @@ _DRIVEN: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 
 class Scheduler:
-    def __init__(self, engine: LLMEngine, max_running: int | None = None, max_queued: int = 64):
+    def __init__(self, engine: LLMEngine, max_running: int | None = None, max_queued: int = 64,
+                 on_idle: Callable[[], None] | None = None):  # fmt: skip
         """`max_running`: at most this many requests at once (default and at most: the
-        engine's `max_batch_size`, which sized its state pools). One scheduler per engine at a
-        time: shut one down before giving its engine to another."""
+        engine's `max_batch_size`, which sized its state pools). `on_idle`: called once, on the
+        engine thread, the first time it had nothing to do for IDLE_S (a server's one-time
+        chores that would hold the GIL: no request is waiting on them). One scheduler per
+        engine at a time: shut one down before giving its engine to another."""
         if engine in _DRIVEN:
             raise RuntimeError(
                 "this engine is already driven by a running Scheduler; shut that one down "
@@ -94,6 +101,7 @@ class Scheduler:
         self._stop = False
         self._ids = itertools.count()
         self._steps = 0
+        self._on_idle = on_idle
         self._ttft: collections.deque[float] = collections.deque(maxlen=256)
         self._counters = dict(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
@@ -192,10 +200,19 @@ class Scheduler:
             self._run_calls()
             self._admit_and_cancel()
             if not self.engine.running and not self.engine.preempted:
-                self._wake.wait(timeout=0.5)
+                woken = self._wake.wait(timeout=IDLE_S)
                 self._wake.clear()
+                if not woken and self._on_idle is not None:
+                    self._run_idle_chore()
                 continue
             self._step()
+
+    def _run_idle_chore(self) -> None:
+        chore, self._on_idle = self._on_idle, None
+        try:
+            chore()
+        except Exception:  # (a chore's failure is its own; the engine goes on)
+            log.exception("the engine thread's idle chore failed")
 
     def _run_calls(self) -> None:
         with self._lock:
