@@ -2,12 +2,12 @@
 the imports and the work after them, one after another on the GIL; the weights' reads and the
 native libraries' loading need no GIL and run beside them).
 
-1. native_preload: a thread opens torch's native libraries and makes the GPU's CUDA context
-   through ctypes (GIL-free), work `import torch` and the first tensor on the GPU would do
-   holding the GIL;
-2. weights/early_read: reader threads read a weight directory's files (or map them from the
-   page cache), and the expert pool is page-locked on the preload's context as soon as both
-   are there (FREETOKEN_EARLY_LOCK=0: by the loader, after the imports);
+1. weights/early_read: reader threads read a weight directory's files (or map them from the
+   page cache);
+2. native_preload: a thread opens torch's native libraries and makes the GPU's CUDA context
+   through ctypes' foreign calls (GIL-free), work `import torch` and the first tensor on the
+   GPU would do holding the GIL; the expert pool is page-locked on its context as soon as
+   both are there (FREETOKEN_EARLY_LOCK=0: by the loader, after the imports);
 3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
    the engine, torch with it.
 
@@ -15,7 +15,7 @@ The early read's set-up and the import of the tokenizer's native module come bef
 preload: both ask the dynamic loader (ctypes, an extension's import), whose lock the preload's
 loads of torch's libraries hold for 0.3 s (an import of `tokenizers` beside libtorch_cpu's
 load waited out all 0.23 s of it on the CPU machine; the tokenizer's load took 0.47-0.52 s
-there on the H200 machine, 0.30-0.33 s before it).
+on the H200 machine, 0.30-0.33 s before the preload loaded without the GIL).
 
 Python's cyclic garbage collector is off from here until `started()`: a start makes about a
 million objects (torch's modules, the model) and little garbage, and the collector would walk
