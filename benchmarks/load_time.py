@@ -9,7 +9,7 @@ with posix_fadvise first) and a warm one.
 Each start is a fresh Python process that builds the engine (`LLMEngine.from_config`: load,
 runtime, KV) and runs one request to its first token, as `ft serve` does before it answers
 (times are from the process's start: imports, weights loaded, engine built, first token)
-(the HTTP layer is left out: the GPU machine has no fastapi). Random Qwen3-30B-A3B-shaped bf16
+(the HTTP layer is left out: serve_start.py times it). Random Qwen3-30B-A3B-shaped bf16
 weights (benchmarks/checkpoint.py), `hybrid` with an 8 GiB expert cache on CUDA.
 """
 
