@@ -27,14 +27,9 @@ from pathlib import Path
 from checkpoint import write_random_weight_dir
 from decode_offload import qwen3_30b_a3b, report, tiny
 from load_time import drop_cache, plain_read
+from server_process import free_port, stop
 
 from freetoken.weights.weight_dir import is_weight_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_once(model: Path, strategy: str, cache: str, env: dict, log: Path | None,
@@ -74,11 +69,7 @@ def serve_once(model: Path, strategy: str, cache: str, env: dict, log: Path | No
             return dict(listening_s=listening, answered_s=time.time() - t0, text=text)
         raise SystemExit(f"ft serve did not answer within {timeout:.0f} s")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=60)
         if log:
             err.close()
 

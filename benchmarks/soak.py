@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,16 +31,11 @@ from datetime import date
 from pathlib import Path
 
 import httpx
+from server_process import free_port, stop
 
 APIS = ("chat", "messages", "responses")
 WORDS = ["alpha", "beta", "gamma", "delta", "tests", "file", "path", "error", "value", "import",
          "class", "return"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -199,11 +193,7 @@ def main() -> int:
         stats = httpx.get(base + "/v1/stats").json()
         samples.append((time.monotonic() - start, rss_bytes(server.pid)))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server, timeout=30)
 
     first = [r for t, r in samples if args.warmup_s <= t < args.warmup_s + 60]
     last = [r for t, r in samples if t >= samples[-1][0] - 60]

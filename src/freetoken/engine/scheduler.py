@@ -100,7 +100,6 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
-        self._steps = 0
         self._on_idle = on_idle
         self._ttft: collections.deque[float] = collections.deque(maxlen=256)
         self._counters = dict(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
@@ -278,12 +277,11 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - start
         now = time.perf_counter()
-        if self._steps == 0:  # (a start's timeline: the first step pays one-time costs)
-            log.debug("first step: %.3f s", elapsed)
-        self._steps += 1
         prefill, decode = self.engine.last_step.prefill, self.engine.last_step.decode
         with self._lock:
             c = self._counters
+            if not (c["prefill_tokens"] or c["decode_tokens"]):  # the first: a start's costs
+                log.debug("first step: %.3f s", elapsed)
             total = max(1, prefill + decode)
             c["prefill_tokens"] += prefill
             c["decode_tokens"] += decode

@@ -434,14 +434,13 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
         if cuda and early_dense:  # copied from page-locked memory: at the link's speed
             region = early.regions[DENSE_FILE]
             with memory.page_locked(memory.address(region), len(region)):
-                on_device = model.to(device, non_blocking=True)
+                model.to(device, non_blocking=True)
                 torch.cuda.synchronize(device)
         else:
-            on_device = model.to(device)
+            model.to(device)
         log.debug("model on %s", device)
         dense_checked.result()
     log.debug("dense tensors verified")
-    model = on_device
     integrity = None
     if verify or dequantize:  # (what is dequantized is checked first)
         weights.verify(banks, threads=wd.io_threads())

@@ -122,7 +122,8 @@ class RequireKey:
 
 def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Starlette:
     """The app. Starlette's own routing: each body is read and validated here (`parse`), so
-    FastAPI's layer above it added nothing but 0.1-0.2 s to a start's imports."""
+    FastAPI's layer above it added nothing but its import (0.38 s of a start on the H200
+    machine)."""
     config = config or ServerConfig()
     metrics = Metrics(core)
     core.metrics = metrics
