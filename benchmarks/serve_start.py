@@ -1,5 +1,6 @@
 """Start to first answered request through `ft serve`, the HTTP layer in (issue 18's measure):
-a fresh `ft serve --model DIR` on a weight directory, timed from its launch to the answer of
+a fresh `ft serve --model DIR` on a weight directory (or, with `--format safetensors`, on the
+safetensors checkpoint it would be converted from), timed from its launch to the answer of
 a one-token `/v1/completions` request sent as soon as the port takes connections, beside the
 floor, the bytes / the file system's sequential read bandwidth (a plain single-threaded read of
 the same files, load_time.py's), from a warm page cache and, with `--page-cache cold`, a cold
@@ -24,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from checkpoint import write_random_weight_dir
+from checkpoint import write_random_checkpoint, write_random_weight_dir
 from decode_offload import qwen3_30b_a3b, report, tiny
 from load_time import drop_cache, plain_read
 from server_process import free_port, stop
@@ -80,6 +81,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/load-time"))
     ap.add_argument("--tokenizer", type=Path, help="Qwen3 tokenizer files to copy")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--format", choices=["weight-dir", "safetensors"], default="weight-dir",
+                    help="what `ft serve --model` reads (each written once under WORK)")  # fmt: skip
     ap.add_argument("--strategy", default="hybrid")
     ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
     ap.add_argument("--repeat", type=int, default=3)
@@ -88,10 +91,12 @@ def main() -> int:
                     help="directory for each start's debug log (ft -v: a timeline)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    model = args.work / "weight-dir"
-    if not is_weight_dir(model):
-        raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    model = args.work / args.format
+    if args.format == "weight-dir" and not is_weight_dir(model):
         write_random_weight_dir(raw, model, tokenizer=args.tokenizer)
+    elif args.format == "safetensors" and not (model / "model.safetensors.index.json").exists():
+        write_random_checkpoint(raw, model, tokenizer=args.tokenizer)
     # Bytecode compiled once and kept (load_time.py's directory): a read-only environment
     # compiles every module from source at each start otherwise
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -110,13 +115,14 @@ def main() -> int:
             drop_cache(model)
             if state == "warm":
                 plain_read(model)
-            log = args.logs / f"serve-{state}-{rep}.txt" if args.logs else None
+            log = args.logs / f"{args.format}-{state}-{rep}.txt" if args.logs else None
             t = serve_once(model, args.strategy, args.cache, env, log)
             rows.append(dict(page_cache=state, gb=nbytes / 1e9, floor_s=floor, **t,
                              ratio=t["answered_s"] / floor))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     lines = [
-        f"# serve_start: `ft serve` to its first answer; Qwen3-30B-A3B shape, {args.layers} "
+        f"# serve_start: `ft serve` to its first answer from a {args.format}; Qwen3-30B-A3B "
+        f"shape, {args.layers} "
         f"layers, random bf16, {args.strategy} {args.cache}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
