@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path, help="Qwen3 tokenizer files to copy")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--format", choices=["weight-dir", "safetensors"], default="weight-dir",
-                    help="what `ft serve --model` reads (each written once under WORK)")  # fmt: skip
+                    help="what `ft serve --model` reads (written once under WORK)")  # fmt: skip
     ap.add_argument("--strategy", default="hybrid")
     ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
     ap.add_argument("--repeat", type=int, default=3)

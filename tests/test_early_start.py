@@ -8,6 +8,8 @@ import ctypes
 import gc
 import json
 import os
+import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -176,6 +178,71 @@ def test_the_start_asks_the_dynamic_loader_before_the_preload_holds_it(monkeypat
     monkeypatch.setattr(tokenizer, "preload", lambda m: done.append("tokenizer"))
     early_start.before_imports("/m", "cuda")
     assert done == ["read", "tokenizers imported", "preload", "tokenizer"]
+
+
+HOLDER_C = r"""
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
+/* Runs inside dlopen, the dynamic loader's lock held: until the test opens the FIFO. */
+__attribute__((constructor)) static void hold(void) {
+    const char *held = getenv("FT_TEST_HELD"), *release = getenv("FT_TEST_RELEASE");
+    char c;
+    if (!held || !release) return;
+    close(open(held, O_CREAT | O_WRONLY, 0600));
+    int fd = open(release, O_RDONLY);
+    if (fd >= 0) { read(fd, &c, 1); close(fd); }
+}
+"""
+
+LOAD_WHILE_HELD = """
+import ctypes, os, sys, threading, time
+from freetoken import tokenizer
+from tokenizers import Tokenizer
+tokenizer.load_native()
+libc = ctypes.CDLL(None)
+libc.dlopen.restype, libc.dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+holder = threading.Thread(target=libc.dlopen, args=(sys.argv[1].encode(), 2))
+holder.start()
+while not os.path.exists(os.environ["FT_TEST_HELD"]):
+    time.sleep(0.001)
+print("loading", flush=True)
+Tokenizer.from_file(sys.argv[2])
+print("loaded", flush=True)
+holder.join()
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler for the lock's holder")
+def test_a_tokenizer_loads_while_another_thread_holds_the_dynamic_loader(checkpoint, tmp_path):
+    """After `load_native`, loading a tokenizer never asks the dynamic loader: a library's
+    load on another thread (here one whose constructor waits, holding the loader's lock, as
+    libtorch_cpu's load holds it for its whole load) does not hold it up. Without the set-up,
+    the first tokenizer's seeding of its hash maps (dlsym) waits for that lock."""
+    source, so = tmp_path / "holder.c", tmp_path / "holder.so"
+    source.write_text(HOLDER_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(source)], check=True)
+    held, release = tmp_path / "held", tmp_path / "release"
+    os.mkfifo(release)
+    env = {**os.environ, "FT_TEST_HELD": str(held), "FT_TEST_RELEASE": str(release)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", LOAD_WHILE_HELD, str(so), str(checkpoint / "tokenizer.json")],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True).start()
+    try:
+        assert lines.get(timeout=60) == "loading\n"
+        try:
+            loaded_while_held = lines.get(timeout=30) == "loaded\n"
+        except queue.Empty:
+            loaded_while_held = False
+    finally:
+        with open(release, "w") as fifo:  # (the constructor returns, the lock is let go)
+            fifo.write("x")
+        child.wait(60)
+    assert loaded_while_held
+    assert child.returncode == 0
 
 
 def test_the_cli_turns_the_collector_off_for_a_start_and_on_after_the_engine():
