@@ -11,11 +11,11 @@ native libraries' loading need no GIL and run beside them).
 3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
    the engine, torch with it.
 
-The early read's set-up and the import of the tokenizer's native module come before the
-preload: both ask the dynamic loader (ctypes, an extension's import), whose lock the preload's
-loads of torch's libraries hold for 0.3 s (an import of `tokenizers` beside libtorch_cpu's
-load waited out all 0.23 s of it on the CPU machine; the tokenizer's load took 0.47-0.52 s
-on the H200 machine, 0.30-0.33 s before the preload loaded without the GIL).
+The early read's set-up and what of `tokenizers` asks the dynamic loader (its native module's
+import, its one-time seeding through dlsym: `tokenizer.load_native`) come before the preload,
+whose loads of torch's libraries hold the loader's lock for the whole of each load (the
+tokenizer's load, holding the GIL, waited out libtorch_cpu's: 0.55-0.85 s on the H200 machine
+against 0.33 s alone).
 
 Python's cyclic garbage collector is off from here until `started()`: a start makes about a
 million objects (torch's modules, the model) and little garbage, and the collector would walk
