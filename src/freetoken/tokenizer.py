@@ -188,10 +188,10 @@ def load_native() -> None:
     native_preload's loads of torch's libraries hold the loader's lock (each for the whole of
     its load). That is the import of its native module, and its first tokenizer: the keys of
     its hash maps are seeded once per process through the getrandom crate, which finds libc's
-    getrandom with dlsym, and dlsym takes that lock (the Qwen tokenizer's load waited out
-    libtorch_cpu's load there: 0.55-0.85 s on the H200 machine where it takes 0.33 s alone). A
-    tokenizer of nothing does it here in a millisecond. Nothing where `tokenizers` is
-    missing."""
+    getrandom with dlsym, and dlsym takes that lock (so the Qwen tokenizer's load, holding the
+    GIL, waited out libtorch_cpu's load: on the CPU machine 0.33-0.37 s of wall time for
+    0.25 s of CPU). A tokenizer of nothing does it here in a millisecond. Nothing where
+    `tokenizers` is missing."""
     try:
         from tokenizers import Tokenizer as Stored
     except ImportError:
