@@ -122,8 +122,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     lines = [
         f"# serve_start: `ft serve` to its first answer from a {args.format}; Qwen3-30B-A3B "
-        f"shape, {args.layers} "
-        f"layers, random bf16, {args.strategy} {args.cache}; "
+        f"shape, {args.layers} layers, random bf16, {args.strategy} {args.cache}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "| page cache | GB | floor s | port open s | first answer s | first answer / floor | "
