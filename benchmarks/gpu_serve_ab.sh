@@ -3,7 +3,7 @@
 # against an older one (its src/ and benchmarks/ under OLD_DIR, e.g. from `git archive REV src
 # benchmarks`), starts interleaved on one machine, warm page cache; then one cold start of this
 # tree. serve_start.py's own floor (a plain read of the same files) beside each start.
-# Usage: bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry .carry: the
+# Usage: [REPS=3] bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry .carry: the
 # HTTP stack's wheels for Python 3.12 (fastapi's too, for an older tree), the tokenizer, OLD_DIR)
 set -uo pipefail
 out=${1:?output directory}
@@ -14,7 +14,7 @@ new_path=$PYTHONPATH
 old_path=$PWD/$old/src:$PWD/$old/benchmarks:/tmp/carried
 start=$(date +%s)
 mkdir -p /tmp/logs
-for rep in 1 2 3; do
+for rep in $(seq "${REPS:-3}"); do
   for side in new old; do
     if [ "$side" = new ]; then
       path=$new_path dir=benchmarks logs=(--logs "/tmp/logs/new-$rep")

@@ -28,8 +28,8 @@ def test_a_cuda_start_opens_torchs_libraries_and_makes_the_context_off_the_gil(d
     assert preload is not None and native_preload.started() is preload
     assert preload.wait(60) and preload.error is None
     opened = [n for n in preload.timings if n.endswith(".so")]
-    # torch's global dependencies first (RTLD_GLOBAL, as its __init__ opens them), then its
-    # libraries in dependency order (the CPU build has no libtorch_cuda)
+    # torch's global dependencies first (RTLD_GLOBAL, as its __init__ opens them), then
+    # libtorch, which brings the others (the CPU build has no libtorch_cuda)
     assert opened[0] == "libtorch_global_deps.so"
     assert opened[1:] == [n for n in native_preload.LIBRARIES if (preload.lib_dir / n).is_file()]
     assert "libtorch_cpu.so" in opened and "libtorch.so" in opened
@@ -58,6 +58,43 @@ def test_the_libraries_open_through_a_foreign_call_that_releases_the_gil(driver,
     assert "libtorch_global_deps.so" in maps and "libtorch_cpu.so" in maps
     with pytest.raises(OSError, match="no-such-library"):
         native_preload.dlopen("/no-such-library.so", ctypes.DEFAULT_MODE)
+
+
+def test_the_libraries_load_in_one_foreign_call_begun_before_the_tokenizer(driver, monkeypatch):
+    """Between two foreign calls the preload's thread takes the GIL, which the tokenizer's load
+    (begun meanwhile) holds for the whole of it: so torch's libraries are loaded by one call,
+    libtorch's, and `wait_loading` returns only once the thread is past its short first call
+    and into that one."""
+    calls, real, started = [], native_preload.dlopen, threading.Event()
+
+    def dlopen(path, mode):
+        started.wait(60)  # (until `preload` below is there)
+        calls.append((Path(path).name, preload._loading.is_set()))
+        return real(path, mode)
+
+    monkeypatch.setattr(native_preload, "dlopen", dlopen)
+    preload = native_preload.start("cuda")
+    started.set()
+    preload.wait_loading()
+    assert preload.wait(60) and preload.error is None
+    assert calls[0] == ("libtorch_global_deps.so", False)
+    assert calls[1] == ("libtorch.so", True)
+    # libtorch's load brought libtorch_cpu (its needed library): in a fresh process, one call
+    lib = preload.lib_dir / "libtorch.so"
+    mapped = subprocess.run(
+        [sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); "
+         "print(open('/proc/self/maps').read())", str(lib)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "libtorch_cpu.so" in mapped
+
+
+def test_a_preload_that_fails_early_does_not_hold_the_start(driver, monkeypatch, tmp_path):
+    monkeypatch.setattr(native_preload, "torch_lib_dir", lambda: tmp_path)
+    (tmp_path / "libtorch_global_deps.so").write_text("not a library")
+    preload = native_preload.start("cuda")
+    preload.wait_loading()  # (returns: the thread has ended)
+    assert preload.wait(60) and isinstance(preload.error, OSError)
 
 
 def test_a_failing_driver_stops_only_the_preload(driver):
@@ -134,7 +171,8 @@ def test_a_tokenizer_that_fails_early_fails_where_the_engine_loads_it(tmp_path):
 @pytest.mark.parametrize("preloading", [True, False])
 def test_a_start_loads_the_tokenizer_early_only_beside_the_preload(monkeypatch, preloading):
     done = []
-    monkeypatch.setattr(native_preload, "start", lambda device: object() if preloading else None)
+    preload = type("Preload", (), {"wait_loading": lambda self: None})()
+    monkeypatch.setattr(native_preload, "start", lambda device: preload if preloading else None)
     monkeypatch.setattr(early_start.early_read, "start", lambda m, d: done.append(("read", m)))
     monkeypatch.setattr(tokenizer, "preload", lambda m: done.append(("tokenizer", m)))
     monkeypatch.setattr(early_start.gc, "disable", lambda: None)  # (this is pytest's process)
@@ -169,15 +207,16 @@ def test_a_start_runs_without_the_collector_and_freezes_what_it_made(monkeypatch
 def test_the_start_asks_the_dynamic_loader_before_the_preload_holds_it(monkeypatch):
     """The early read's set-up and the import of the tokenizer's native module (both take the
     dynamic loader's lock) come before the preload's loads of torch's libraries, which hold
-    it; the tokenizer loads beside them."""
+    it; the tokenizer loads beside them, once they have begun."""
     done = []
     monkeypatch.setattr(early_start.gc, "disable", lambda: None)  # (this is pytest's process)
     monkeypatch.setattr(early_start.early_read, "start", lambda m, d: done.append("read"))
     monkeypatch.setattr(tokenizer, "load_native", lambda: done.append("tokenizers imported"))
-    monkeypatch.setattr(native_preload, "start", lambda d: done.append("preload") or object())
+    preload = type("Preload", (), {"wait_loading": lambda self: done.append("loading")})()
+    monkeypatch.setattr(native_preload, "start", lambda d: done.append("preload") or preload)
     monkeypatch.setattr(tokenizer, "preload", lambda m: done.append("tokenizer"))
     early_start.before_imports("/m", "cuda")
-    assert done == ["read", "tokenizers imported", "preload", "tokenizer"]
+    assert done == ["read", "tokenizers imported", "preload", "loading", "tokenizer"]
 
 
 HOLDER_C = r"""

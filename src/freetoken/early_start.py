@@ -49,6 +49,7 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
     if read is not None and preload is not None and os.environ.get(early_read.LOCK_ENV) != "0":
         read.lock_pool(preload)
     if preload is not None and model is not None:  # (while the preload opens the libraries)
+        preload.wait_loading()
         tokenizer.preload(model)
 
 

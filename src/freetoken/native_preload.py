@@ -50,8 +50,10 @@ ENV = "FREETOKEN_PRELOAD"
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there)
 DRIVER = "libcuda.so.1"
 # torch's native libraries after its global dependencies, each bringing its own (a CPU build
-# has no libtorch_cuda): opened in this order, the last one needing the others.
-LIBRARIES = ("libtorch_cpu.so", "libtorch_cuda.so", "libtorch.so")
+# has no libtorch_cuda). libtorch first: it needs the others, so its one foreign call loads them
+# all (between two calls the thread takes the GIL, and the tokenizer's load, beside it, holds
+# the GIL for its whole 0.3-0.6 s); the others' calls then find them open.
+LIBRARIES = ("libtorch.so", "libtorch_cpu.so", "libtorch_cuda.so")
 # CUDA libraries torch links, by name prefix (torch's `_preload_cuda_deps` list)
 CUDA_LIBRARIES = ("libcublas", "libcudnn", "libnvrtc", "libcudart", "libcupti", "libcufft",
                   "libcurand", "libnvJitLink", "libcusparse", "libcusolver", "libnccl",
@@ -73,12 +75,14 @@ class Preload:
         self._driver = None  # libcuda, once the context is made
         self._context = ctypes.c_void_p()
         self._done = threading.Event()
+        self._loading = threading.Event()  # (`wait_loading`)
         self._thread = threading.Thread(target=self._run, name="ft-preload", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             self._open("libtorch_global_deps.so", ctypes.RTLD_GLOBAL)
+            self._loading.set()  # (the long calls come next)
             for name in self.libraries:
                 if (self.lib_dir / name).is_file():
                     self._open(name, ctypes.DEFAULT_MODE)
@@ -88,7 +92,17 @@ class Preload:
             self.error = e
             log.debug("native preload stopped: %s", e)
         finally:
+            self._loading.set()
             self._done.set()
+
+    def wait_loading(self) -> None:
+        """Until the thread has begun its long foreign calls (torch's libraries, else the
+        context), or ended. Work that holds the GIL throughout, as the tokenizer's load does, is
+        best begun after this: begun before, it holds the thread at its first return from a
+        foreign call (so the libraries' load began only after the tokenizer's, on the CPU
+        machine, and libtorch_cuda's after it on the H200 machine: then beside the import of
+        torch, which waited for it, 0.2 s)."""
+        self._loading.wait()
 
     def _open(self, name: str, mode: int) -> None:
         self._timed(name, lambda: self._handles.append(dlopen(str(self.lib_dir / name), mode)))
