@@ -3,8 +3,9 @@
 # against an older one (its src/ and benchmarks/ under OLD_DIR, e.g. from `git archive REV src
 # benchmarks`), starts interleaved on one machine, warm page cache; then one cold start of this
 # tree. serve_start.py's own floor (a plain read of the same files) beside each start.
-# Usage: [REPS=3] bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry .carry: the
-# HTTP stack's wheels for Python 3.12 (fastapi's too, for an older tree), the tokenizer, OLD_DIR)
+# Usage: [REPS=3] bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry
+# .carry: the HTTP stack's wheels for Python 3.12 (fastapi's too, for an older tree), the
+# tokenizer, OLD_DIR)
 set -uo pipefail
 out=${1:?output directory}
 old=${2:?older tree}
