@@ -3,7 +3,7 @@
 # against an older one (its src/ and benchmarks/ under OLD_DIR, e.g. from `git archive REV src
 # benchmarks`), starts interleaved on one machine, warm page cache; then one cold start of this
 # tree. serve_start.py's own floor (a plain read of the same files) beside each start.
-# Usage: [REPS=3] bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry
+# Usage: [REPS=3] [COLD=1] bash benchmarks/gpu_serve_ab.sh OUT_DIR OLD_DIR [TOKENIZER_DIR]  (carry
 # .carry: the HTTP stack's wheels for Python 3.12 (fastapi's too, for an older tree), the
 # tokenizer, OLD_DIR)
 set -uo pipefail
@@ -27,7 +27,11 @@ for rep in $(seq "${REPS:-3}"); do
   done
 done | tee "$out/ab.txt"
 echo "warm starts done in $(( $(date +%s) - start )) s"
-timeout 200 python3 benchmarks/serve_start.py --layers 16 --work /tmp/lt --tokenizer "$tokenizer" \
-  --repeat 1 --page-cache cold --logs /tmp/logs/cold --out "$out/cold.md" 2>&1 | tail -3
+tar czf "$out/logs.tgz" -C /tmp logs
+if [ "${COLD:-1}" != 0 ]; then
+  timeout 200 python3 benchmarks/serve_start.py --layers 16 --work /tmp/lt \
+    --tokenizer "$tokenizer" --repeat 1 --page-cache cold --logs /tmp/logs/cold \
+    --out "$out/cold.md" 2>&1 | tail -3
+fi
 tar czf "$out/logs.tgz" -C /tmp logs
 echo "done in $(( $(date +%s) - start )) s"

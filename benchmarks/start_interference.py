@@ -24,7 +24,11 @@ from pathlib import Path
 
 from decode_offload import report
 
-CONDITIONS = ("alone", "libraries", "libraries+context", "read", "all")
+CONDITIONS = ("alone", "libraries", "libraries+context", "read", "all", "all:no-populate",
+              "all:late-lock")  # fmt: skip
+# `ft serve`'s early start with one of its parts turned off
+VARIANTS = {"all:no-populate": {"FREETOKEN_EARLY_POPULATE": "0"},
+            "all:late-lock": {"FREETOKEN_EARLY_LOCK": "0"}}  # fmt: skip
 
 CHILD = """
 import gc, json, sys, time
@@ -35,7 +39,7 @@ from freetoken.weights import early_read
 tokenizer.load_native()
 preload = None
 wall, cpu = time.perf_counter(), time.thread_time()
-if condition == "all":
+if condition.startswith("all"):
     early_start.before_imports(model, "cuda")  # (its tokenizer's load is most of it)
     preload = native_preload.started()
 else:
@@ -56,6 +60,8 @@ import torch
 from freetoken.engine.generate import LLMEngine
 import_wall, import_cpu = time.perf_counter() - wall, time.thread_time() - cpu
 read = early_read.claim(model)  # (as the loader does: the rest of the readers join)
+lock = read.pool_lock if read is not None else None
+lock_s = lock.seconds if lock is not None and lock.wait() else None
 if preload is not None:
     preload.wait()
 if read is not None:
@@ -66,11 +72,12 @@ reads = read.seconds if read is not None else {}
 print(json.dumps(dict(condition=condition, tokenizer_s=tok_wall, tokenizer_cpu_s=tok_cpu,
                       import_s=import_wall, import_cpu_s=import_cpu,
                       preload={k: round(v, 3) for k, v in steps.items()},
-                      read_s={k: round(v, 3) for k, v in reads.items()})))
+                      read_s={k: round(v, 3) for k, v in reads.items()}, lock_s=lock_s)))
 """
 
 
 def run(model: Path, condition: str, env: dict) -> dict:
+    env = {**env, **VARIANTS.get(condition, {})}
     out = subprocess.run([sys.executable, "-c", CHILD, str(model), condition], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -103,15 +110,17 @@ def main() -> int:
         f"# start_interference: the tokenizer's load and the engine's imports beside the early "
         f"start's parts; {args.model}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        "| beside | tokenizer s (CPU s) | imports s (CPU s) | preload's steps s | read s |",
-        "|---|---|---|---|---|",
+        "| beside | tokenizer s (CPU s) | imports s (CPU s) | preload's steps s | read s | "
+        "pool locked in s |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         preload = ", ".join(f"{k} {v}" for k, v in r["preload"].items()) or "-"
         read = ", ".join(f"{k} {v}" for k, v in r["read_s"].items()) or "-"
         tok = f"{r['tokenizer_s']:.3f} ({r['tokenizer_cpu_s']:.3f})"
         imports = f"{r['import_s']:.3f} ({r['import_cpu_s']:.3f})"
-        lines.append(f"| {r['condition']} | {tok} | {imports} | {preload} | {read} |")
+        lock = "-" if r["lock_s"] is None else f"{r['lock_s']:.2f}"
+        lines.append(f"| {r['condition']} | {tok} | {imports} | {preload} | {read} | {lock} |")
     report(lines, args.out)
     return 0
 
