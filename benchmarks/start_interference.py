@@ -24,11 +24,9 @@ from pathlib import Path
 
 from decode_offload import report
 
-CONDITIONS = ("alone", "libraries", "libraries+context", "read", "all", "all:no-populate",
-              "all:late-lock")  # fmt: skip
-# `ft serve`'s early start with one of its parts turned off
-VARIANTS = {"all:no-populate": {"FREETOKEN_EARLY_POPULATE": "0"},
-            "all:late-lock": {"FREETOKEN_EARLY_LOCK": "0"}}  # fmt: skip
+CONDITIONS = ("alone", "libraries", "libraries+context", "read", "all", "all:late-lock")
+# `ft serve`'s early start with a part of it turned off
+VARIANTS = {"all:late-lock": {"FREETOKEN_EARLY_LOCK": "0"}}
 
 CHILD = """
 import gc, json, sys, time

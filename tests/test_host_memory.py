@@ -5,8 +5,6 @@ the advice names the limits that are too small."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from freetoken.weights import memory
@@ -84,25 +82,3 @@ def test_this_machine_reads_without_error():
     assert memory.available_host_bytes() > 0
     limit = memory.locked_memory_limit()
     assert limit is None or limit >= 0
-
-
-def _resident_kib(address: int) -> int:
-    """Rss of this process's mapping that starts at `address` (its pages in the page tables)."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.split("-", 1)[0] == f"{address:x}":
-            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
-    raise AssertionError("no such mapping")
-
-
-def test_populate_fills_a_file_mappings_page_tables(tmp_path):
-    """A mapped pool's page tables filled a piece at a time (memory.populate), so that its
-    page-lock finds them filled instead of filling them holding the process's memory map."""
-    path = tmp_path / "pool.bin"
-    path.write_bytes(bytes(range(256)) * (3 * 4096 + 64))  # (in the page cache: just written)
-    region = memory.file_region(path, path.stat().st_size)
-    start = memory.address(region)
-    assert _resident_kib(start) == 0  # (a fresh mapping: nothing faulted in yet)
-    assert memory.populate(start, len(region), chunk=2 * 4096)  # (uneven: a short last piece)
-    assert _resident_kib(start) * 1024 >= len(region)
-    region.close()

@@ -609,9 +609,6 @@ def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted,
     only the dense parameters, for their copy) and unlocks it through the driver."""
     torch_calls = []
     fake_cuda_load(monkeypatch, lambda *a: torch_calls.append(a) or 0, torch_calls.append)
-    fill = loader.memory.populate
-    monkeypatch.setattr(loader.memory, "populate",
-                        lambda *a: driver.calls.append(("populate", a)) or fill(*a))  # fmt: skip
     read = early_start_of(converted, monkeypatch)
     assert read.pool_lock is not None and read.pool_lock.wait()
     assert read.pool_lock.seconds is not None and read.pool_lock.error is None
@@ -620,10 +617,6 @@ def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted,
                   if name == "cuMemHostRegister_v2"]  # fmt: skip
     # (PORTABLE | MAPPED | READ_ONLY: the warm pool is mapped from the page cache)
     assert registered == [(base, size, 1 | 2 | 8)]
-    # its page tables filled first, a piece at a time, not by the lock in one hold
-    names = [name for name, _ in driver.calls]
-    assert driver.calls[names.index("populate")][1] == (base, size)
-    assert names.index("populate") < names.index("cuMemHostRegister_v2")
     assert driver.calls[[n for n, _ in driver.calls].index("cuMemHostRegister_v2") - 1][0] == (
         "cuCtxSetCurrent"
     )

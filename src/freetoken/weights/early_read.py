@@ -46,7 +46,6 @@ MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the mode
 ENV = "FREETOKEN_EARLY_READ"
 MAP_ENV = "FREETOKEN_EARLY_MAP"
 LOCK_ENV = "FREETOKEN_EARLY_LOCK"  # =0: the pool is page-locked after the imports (`lock_pool`)
-POPULATE_ENV = "FREETOKEN_EARLY_POPULATE"  # =0: a mapped pool's lock fills its page tables itself
 MAPPABLE = (wd.EXPERTS_FILE,)  # (read-only: the dense parameters are copied to the GPU, cast)
 READERS_ENV = "FREETOKEN_EARLY_READERS"  # readers while the imports run (benchmarks)
 # Readers beside the imports. Each slows them (memory copies and page faults on other cores):
@@ -161,9 +160,7 @@ class EarlyRead:
         thread, while the imports run (19.3 GB took 0.4-0.6 s after them on the H200 machine,
         and the model's copy to the GPU waited for it; the loader adopts the lock). Where the
         preload made no context, torch's runtime locks it (the loader's call, `preload` None,
-        once the imports are over). A mapped pool's page tables are filled first, a piece at a
-        time, while the context is made (`memory.populate`: the lock would fill them holding
-        the process's memory map throughout)."""
+        once the imports are over)."""
         if wd.EXPERTS_FILE not in self.sizes:
             return
         region = self.regions[wd.EXPERTS_FILE]
@@ -176,12 +173,6 @@ class EarlyRead:
 
         def after() -> None:  # (the pool there, and the preload's context made or not)
             self.wait(wd.EXPERTS_FILE)
-            if wd.EXPERTS_FILE in self.mapped and os.environ.get(POPULATE_ENV) != "0":
-                began = time.perf_counter()
-                filled = memory.populate(memory.address(region), len(region))
-                took = time.perf_counter() - began
-                log.debug("the mapped pool's page tables %s in %.2f s",
-                          "filled" if filled else "not filled", took)  # fmt: skip
             by_driver()
 
         def lock(start: int, nbytes: int, flags: int) -> int:

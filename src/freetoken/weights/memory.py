@@ -145,33 +145,6 @@ def file_region(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
-MADV_POPULATE_READ = 22  # (Linux 5.14; the mmap module names it from Python 3.13 on)
-POPULATE_CHUNK = 256 * 2**20
-
-
-def populate(start: int, nbytes: int, chunk: int = POPULATE_CHUNK) -> bool:
-    """Fill in the page tables of a mapped range (page-aligned) from the page cache, `chunk`
-    bytes per call; False where the kernel cannot (nothing done then, or part of it).
-
-    Page-locking a file mapping does this too, but in one call that holds the process's memory
-    map (its mmap lock) for the whole of it (19.3 GB, 4.7 million 4 KiB pages: 0.4-0.5 s on the
-    H200 machine), and every mmap or brk of the imports running beside it waits that long.
-    A chunk's call holds it for a few ms; the lock then finds the tables filled."""
-    madvise = _libc_madvise()
-    for offset in range(0, nbytes, chunk):
-        size = min(chunk, nbytes - offset)
-        if madvise(ctypes.c_void_p(start + offset), ctypes.c_size_t(size), MADV_POPULATE_READ):
-            return False
-    return True
-
-
-def _libc_madvise():
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
 class _Buffer(ctypes.Structure):  # (CPython's Py_buffer)
     _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
                 ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
