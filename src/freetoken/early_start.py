@@ -8,8 +8,9 @@ native libraries' loading need no GIL and run beside them).
    through ctypes' foreign calls (GIL-free), work `import torch` and the first tensor on the
    GPU would do holding the GIL; the expert pool is page-locked on its context as soon as
    both are there (FREETOKEN_EARLY_LOCK=0: by the loader, after the imports);
-3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch), then imports
-   the engine, torch with it.
+3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch, all of it
+   holding the GIL: begun once the preload is inside its libraries' one foreign call, which
+   it would otherwise hold at its return), then imports the engine, torch with it.
 
 The early read's set-up and what of `tokenizers` asks the dynamic loader (its native module's
 import, its one-time seeding through dlsym: `tokenizer.load_native`) come before the preload,

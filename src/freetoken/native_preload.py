@@ -5,15 +5,16 @@
 static initializers: the CUDA kernels' registrations) from the import machinery, which keeps
 the GIL while it does, and the CUDA context is made later by the first tensor on the GPU, also
 under the GIL. Here both are done first through ctypes' foreign calls, which release the GIL:
-the libraries torch's import would open, in its order (`libtorch_global_deps` with
-RTLD_GLOBAL, as torch's `__init__` does, then `libtorch_cuda`/`libtorch`, which bring their
-CUDA libraries by their own run paths), by libc's `dlopen` called as a foreign function
+the libraries torch's import would open (`libtorch_global_deps` with RTLD_GLOBAL, as torch's
+`__init__` does, then `libtorch`, which brings libtorch_cpu, libtorch_cuda and their CUDA
+libraries by their own run paths), by libc's `dlopen` called as a foreign function
 (`ctypes.CDLL`'s own loading keeps the GIL: the main thread stood still for the 0.16 s of
 libtorch_cpu's load on the CPU machine), and the device's primary context through the driver
 (`cuInit`, `cuDevicePrimaryCtxRetain`), which the CUDA runtime, and so torch, then takes as it
 is.
-Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`); its
-`import torch` finds the libraries open (or waits for the loader's lock) and the context made.
+Meanwhile the main thread does work that needs no torch (`freetoken.tokenizer.preload`), begun
+once the thread is in libtorch's load (`wait_loading`); its `import torch` finds the libraries
+open (or waits for the loader's lock) and the context made.
 On that context the early read's expert pool is page-locked through the driver as soon as it is
 there (`lock_host`, from `weights/early_read.EarlyRead.lock_pool`), also beside the imports:
 19.3 GB in 0.38 s, which had kept the model's copy to the GPU waiting after them (a warm start
