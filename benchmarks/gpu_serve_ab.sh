@@ -27,11 +27,11 @@ for rep in $(seq "${REPS:-3}"); do
   done
 done | tee "$out/ab.txt"
 echo "warm starts done in $(( $(date +%s) - start )) s"
-tar czf "$out/logs.tgz" -C /tmp logs
+tar czf "$out/logs.tgz" -C /tmp logs  # (kept should the cold start run past the call's limit)
 if [ "${COLD:-1}" != 0 ]; then
   timeout 200 python3 benchmarks/serve_start.py --layers 16 --work /tmp/lt \
     --tokenizer "$tokenizer" --repeat 1 --page-cache cold --logs /tmp/logs/cold \
     --out "$out/cold.md" 2>&1 | tail -3
+  tar czf "$out/logs.tgz" -C /tmp logs
 fi
-tar czf "$out/logs.tgz" -C /tmp logs
 echo "done in $(( $(date +%s) - start )) s"

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from decode_offload import report
 
+from freetoken import native_preload
+
 CONDITIONS = ("alone", "libraries", "libraries+context", "read", "all", "all:late-lock")
 # `ft serve`'s early start with a part of it turned off
 VARIANTS = {"all:late-lock": {"FREETOKEN_EARLY_LOCK": "0"}}
@@ -91,7 +93,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if not os.path.exists("/dev/nvidiactl"):
+    if not native_preload.gpu_driver_present():
         args.conditions = [c for c in args.conditions if c in ("alone", "libraries")]
     # Bytecode kept between the children (a read-only environment compiles every module at
     # each start otherwise); the engine's early read and preload forced on for the children.

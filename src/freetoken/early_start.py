@@ -14,8 +14,8 @@ native libraries' loading need no GIL and run beside them).
 
 The early read's set-up and what of `tokenizers` asks the dynamic loader (its native module's
 import, its one-time seeding through dlsym: `tokenizer.load_native`) come before the preload,
-whose loads of torch's libraries hold the loader's lock for the whole of each load (else the
-tokenizer's load, holding the GIL, waits out libtorch_cpu's).
+whose load of torch's libraries holds the loader's lock for the whole of it (else the
+tokenizer's load, holding the GIL, waits that load out).
 
 Python's cyclic garbage collector is off from here until `started()`: a start makes about a
 million objects (torch's modules, the model) and little garbage, and the collector would walk
