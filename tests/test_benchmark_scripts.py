@@ -3,6 +3,7 @@ between the sessions that have a GPU to run them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -204,9 +205,12 @@ def test_serve_start_times_ft_serve_to_its_first_answer(tmp_path):
     rows = [line.split("|") for line in out.read_text().splitlines()
             if line.startswith(("| warm |", "| cold |"))]  # fmt: skip
     assert [r[1].strip() for r in rows] == ["warm", "cold"]
-    for r in rows:
-        floor, listening, answered = float(r[3]), float(r[4]), float(r[5])
-        assert floor > 0 and 0 < listening <= answered
+    # (the figures as measured, from its JSON lines: a tiny model's warm read can take under
+    # the 5 ms the table's two decimals show)
+    starts = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["page_cache"] for r in starts] == ["warm", "cold"]
+    for r in starts:
+        assert r["floor_s"] > 0 and 0 < r["listening_s"] <= r["answered_s"]
 
 
 def test_a_random_weight_directory_written_straight_loads_and_checks(tmp_path, monkeypatch):
