@@ -101,6 +101,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
              sliding_window=8),
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        # q/k/v biases; a window of 8 on the layers from max_window_layers up, which the tests'
+        # 40-token prompts cross
+        dict(intermediate_size=96, use_sliding_window=True, sliding_window=8,
+             max_window_layers=1),
+    ),
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
