@@ -28,6 +28,7 @@ from freetoken.weights.expert_format import (
     K_FAMILY,
     K_MIXED,
     K_QUANTS,
+    LEGACY,
     MIXED_K_TAG,
     MIXED_K_WIDTH,
     MXFP4,
@@ -318,6 +319,7 @@ FORMATS = {
     "q8_0": Q8_0,
     **K_QUANTS,
     "k_mixed": K_MIXED,  # (each expert of one K type, as fill_random_ draws them)
+    **LEGACY,
 }
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
@@ -332,7 +334,8 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
     parts = {}
     for name, (shape, _) in fmt.parts(rows, cols, torch.float32).items():
         shape = (pairs, *shape)
-        if fmt.name in K_FAMILY:  # any codes and sub-block scales; fp16 scales of ~5e-4
+        if fmt.name in K_FAMILY or fmt.name in LEGACY:  # any codes (and sub-block scales,
+            # fifth bits); fp16 scales of ~5e-4
             parts[name] = fill_random_(fmt, name, torch.empty(shape, dtype=torch.uint8), gen)
             continue
         if name == "w":
@@ -431,10 +434,12 @@ def test_quantized_experts_equal_their_dequantized_banks(name, dtype, shape, act
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_q4_k_m_files_formats_q4_k_and_k_mixed_make_one_job(dtype):
-    """Gate/up in one K-quant and down in mixed K-quants (a Q4_K_M file as the pool holds it)
-    are one job, equal to the job on their dequantized banks; a pair the kernel cannot take
-    together (fp4 beside a K-quant) is refused."""
+    """Gate/up in one K-quant or Q5_0 and down in mixed K-quants (a Q4_K_M file as the pool
+    holds it) are one job, equal to the job on their dequantized banks; a pair the kernel cannot
+    take together (fp4 beside a K-quant) is refused."""
     check_quantized_job(K_QUANTS["q4_k"], dtype, 512, 256, "silu", down=K_MIXED)
+    # (Qwen2.5's Q4_K_M files: gate and up Q5_0)
+    check_quantized_job(LEGACY["q5_0"], dtype, 512, 256, "silu", down=K_MIXED)
     w_gate_up, w_down = quantized_experts(MXFP4, 512, 256, down=K_MIXED)
     assert NativeCPUExperts.create(w_gate_up, w_down, "silu", 1, dtype=dtype) is None
 
@@ -487,6 +492,11 @@ def extreme_banks() -> list[QuantizedBank]:
             tags = s.view(2, 64, 2, MIXED_K_WIDTH)[..., MIXED_K_TAG]
             codes = torch.tensor([f.code for f in K_QUANTS.values()], dtype=torch.uint8)
             tags.copy_(codes.repeat(43)[: 2 * 64].view(2, 64, 1).expand(2, 64, 2))
+        out.append(QuantizedBank(fmt, w, s))
+    # the legacy types: every code byte, every byte of d, m and qh (d and m subnormal to NaN)
+    for fmt in LEGACY.values():
+        w = torch.randint(0, 256, (2, 64, 128), generator=gen, dtype=torch.uint8)
+        s = torch.randint(0, 256, (2, 64, 8 * fmt.scale_width), generator=gen, dtype=torch.uint8)
         out.append(QuantizedBank(fmt, w, s))
     return out
 
