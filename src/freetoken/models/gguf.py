@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from freetoken import paths
 from freetoken.errors import CheckpointError
+from freetoken.models import gguf_header
 from freetoken.weights import memory
 from freetoken.weights.quantized import K_QUANT_REST, LEGACY_REST
 
@@ -96,6 +97,7 @@ def checkpoint_of(path: str | Path, progress: bool | None = None) -> Path:
     dst = paths.cache_dir() / "gguf" / f"{path.stem}-{key}"
     if _converted(dst):
         return dst
+    gguf_header.check(path)  # (a file that cannot serve refused in ~0.1 s, not after a conversion)
     log.warning("converting %s once into %s (later starts read it from there)", path, dst)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
