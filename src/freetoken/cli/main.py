@@ -246,6 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
         "kept quantized, as the engine holds them)",
     )
     convert.set_defaults(func="freetoken.cli.checkpoint:convert")
+    moe = checkpoint_sub.add_parser(
+        "moe-from-dense",
+        help="make a dense GGUF model (llama, qwen2) into a qwen2moe one with the same output: "
+        "each MLP copied as the experts, in its own quantized types, behind a router fitted "
+        "to a real text",
+    )
+    moe.add_argument("src", type=Path, help="the dense GGUF file")
+    moe.add_argument("dst", type=Path, help="the MoE GGUF file to write")
+    moe.add_argument("--experts", type=int, default=8, help="experts a layer (default: 8)")
+    moe.add_argument("--top-k", type=int, default=2, help="experts a token (default: 2)")
+    moe.add_argument(
+        "--text",
+        type=Path,
+        help="the text the routers are fitted to (default: the source of Python's argparse)",
+    )
+    moe.set_defaults(func="freetoken.cli.checkpoint:moe_from_dense")
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")

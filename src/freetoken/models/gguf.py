@@ -39,6 +39,7 @@ gpt-oss (and others freetoken does not serve).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -125,7 +126,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     try:
         from gguf import GGUFReader
         from safetensors.torch import save_file
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as e:
         raise CheckpointError(
@@ -136,14 +137,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
             parsed = load_gguf_checkpoint(str(path), return_tensors=False)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         fields = dict(parsed["config"])
-        model_type = fields.pop("model_type")
-        arch = str(reader.fields["general.architecture"].contents())
-        for key, name in (("attention.key_length", "head_dim"),  # (Qwen3's: not in its map)
-                          ("expert_feed_forward_length", "moe_intermediate_size")):  # fmt: skip
-            field = reader.fields.get(f"{arch}.{key}")
-            if field is not None and name not in fields:
-                fields[name] = int(field.contents())
-        config = AutoConfig.for_model(model_type, **fields)
+        config, arch = transformers_config(reader, fields)
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
         # (the engine's dtype under "auto"; each tensor is stored as `_stored` says)
         dtype = torch.bfloat16 if quantized else torch.float32
@@ -168,6 +162,43 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     stored = {name: _stored(name, t) for name, t in tensors.items()}
     save_file({name: t.contiguous() for name, t in stored.items()},
               str(dst / "model.safetensors"))  # fmt: skip
+
+
+def transformers_config(reader, fields: dict):
+    """(transformers' config, llama.cpp's architecture name) of the GGUF file `reader` reads,
+    from `fields`, transformers' reading of its hyper-parameters, and the keys its map leaves
+    out: Qwen3's head_dim, qwen2moe's expert widths, and whether the top-k weights are
+    renormalised (which llama.cpp's qwen2moe never reads but models/moe_from_dense.py's files
+    state)."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    arch = str(reader.fields["general.architecture"].contents())
+    for key, name, kind in (("attention.key_length", "head_dim", int),
+                            ("expert_feed_forward_length", "moe_intermediate_size", int),
+                            ("expert_shared_feed_forward_length",
+                             "shared_expert_intermediate_size", int),
+                            ("expert_weights_norm", "norm_topk_prob", bool)):  # fmt: skip
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None and name not in fields:
+            fields[name] = kind(field.contents())
+    return AutoConfig.for_model(model_type, **fields), arch
+
+
+@contextmanager
+def _one_name_map():
+    """transformers' `get_gguf_hf_weights_map` builds the gguf package's name map afresh for
+    every module of the model it recurses into (397 for SmolLM2-135M: 12 s of a conversion);
+    while this is open, one per architecture and depth is built, and kept."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 @contextmanager
@@ -271,7 +302,8 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
     )
 
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    with _one_name_map():
+        names = get_gguf_hf_weights_map(skeleton, processor)
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
     out = parsed["tensors"]
     show = sys.stderr.isatty() if progress is None else progress
