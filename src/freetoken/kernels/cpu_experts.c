@@ -380,10 +380,21 @@ typedef struct {
     int bias, has_min;
 } legacy_t;
 
+/* fp16 bits -> fp32 for a block's scales: F16C's one instruction where the build has it (as
+ * q8_0's decoders read theirs; exact, NaNs kept NaN), else f16_to_f32 (whose ldexpf, twice a
+ * block of 32, took q4_1 and q5_1 to 60% of q4_0's and q5_0's speed). */
+static inline float f16_scale(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
 static inline legacy_t legacy_block(int fmt, const uint8_t *s) {
-    legacy_t b = {.d = f16_to_f32((uint16_t)(s[0] | s[1] << 8))};
+    legacy_t b = {.d = f16_scale((uint16_t)(s[0] | s[1] << 8))};
     b.has_min = fmt == FMT_Q4_1 || fmt == FMT_Q5_1;
-    if (b.has_min) b.m = f16_to_f32((uint16_t)(s[2] | s[3] << 8));
+    if (b.has_min) b.m = f16_scale((uint16_t)(s[2] | s[3] << 8));
     if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
         const uint8_t *h = s + (fmt == FMT_Q5_0 ? 2 : 4);
         b.qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;

@@ -240,16 +240,15 @@ def legacy_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.Te
     width = LEGACY_REST[fmt]
     c, r = _split_blocks(fmt, codes, rest, LEGACY_BLOCK, width)
     lead, k = codes.shape[:-1], codes.shape[-1] * 2
-    q = torch.cat([c & 0xF, c >> 4], dim=-1).to(torch.int32)  # [..., blocks, 32] in order
+    q = torch.cat([c & 0xF, c >> 4], dim=-1)  # uint8 [..., blocks, 32] in order
     d = r[..., 0:2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
-    if fmt in ("q5_0", "q5_1"):
-        qh = r[..., width - 4 :].to(torch.int32)
-        j = torch.arange(LEGACY_BLOCK, device=codes.device)
-        q = q | (((qh[..., j // 8] >> (j % 8)) & 1) << 4)
+    if fmt in ("q5_0", "q5_1"):  # qh's bytes' bits, the lowest first: values 0-31's fifth
+        shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+        q = q | (((r[..., width - 4 :].unsqueeze(-1) >> shifts) & 1).flatten(-2) << 4)
     if fmt in ("q4_1", "q5_1"):
         m = r[..., 2:4].contiguous().view(torch.float16).float()
         return (d * q.float() + m).reshape(*lead, k)
-    return (d * (q - (8 if fmt == "q4_0" else 16)).float()).reshape(*lead, k)
+    return (d * (q.float() - (8 if fmt == "q4_0" else 16))).reshape(*lead, k)
 
 
 @dataclass(frozen=True)
