@@ -1,4 +1,5 @@
-"""The built-in demo model: a tiny Qwen3-MoE checkpoint with random weights.
+"""The random demo: a tiny Qwen3-MoE checkpoint with random weights (the tests' model, and
+`--model random-demo`; the demo the CLI runs by default is a trained one, models/demo_model.py).
 
 It lets every code path (loading, expert routing, caching, generation, chat) run with
 no download: the architecture, tensor names, tokenizer and chat template are those of
