@@ -1,14 +1,17 @@
 """A real model's own tool calls come back as tool calls through all three APIs.
 
 Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, trained weights) is given a `get_weather(city)` tool
-and a question that calls for it, greedy. What it writes is its own `<tool_call>` JSON, not a
-script: it has to come back as an OpenAI chat tool call, an Anthropic `tool_use` block and a
-Responses `function_call` item, whole and streamed, with no markup leaking into the text; and
-the tool's result, sent back, has to reach the model, which answers from it.
+and a question that calls for it, greedy. What it writes is its own call, not a script: the
+call's JSON, `{"name": "get_weather", "arguments": {"city": "Paris"}}`, without the
+`<tool_call>` tags its template asks for (parsers/untagged.py). It has to come back as an
+OpenAI chat tool call, an Anthropic `tool_use` block and a Responses `function_call` item,
+whole and streamed, with no markup leaking into the text; and the tool's result, sent back,
+has to reach the model, which answers from it.
 
-One engine serves the module. Cost on the 2-core CPU machine: about 40 s the first time (the
-GGUF's conversion into the cache directory), then about 25 s (load and nine short greedy
-requests). Skipped, saying why, where the model file is missing.
+One engine serves the module. Cost on the 2-core CPU machine (shared with other work): 8-14 s
+to load the engine and 28-38 s for the seven short greedy requests; the first run on a machine
+adds the GGUF's conversion into the cache directory (about 36 s). Skipped, saying why, where
+the model file is missing.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Each client runs non-interactively through `ft launch`, pointed at a logging proxy
 (`logging_proxy.py`) in front of the server, in a scratch git directory, within a time limit
 (then its process group is ended: SIGTERM, SIGKILL 20 s later). Afterwards: whether the task
-was done (hello.py exists and `greet("World") == "Hello, World"`), and from the proxy's log,
-per model request: the API, the prompt tokens and the share the prefix cache held, the time to
-the first token (after a long prefill's keep-alives), decode tokens/s, the tool calls the model
-made (name and arguments, as the server returned them) and any text. The clients must be on
-PATH (`npm install @anthropic-ai/claude-code @openai/codex opencode-ai`). The table in
+was done (hello.py exists and `greet("World") == "Hello, World"`); from the proxy's log, per
+model request: the API, the prompt tokens and the share the prefix cache held, the time to the
+first token the client saw, decode tokens/s, the tool calls the model made (name and
+arguments, as the server returned them) and any text; from the server's /metrics, over the
+run: mean time to first token, decode tokens/s and prompt tokens reused. The clients must be
+on PATH (`npm install @anthropic-ai/claude-code @openai/codex opencode-ai`). The table in
 benchmarks/results/2026-12-04-real-model-agents.md comes from this script:
 
     ft serve --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --port 1931 &
@@ -143,12 +144,14 @@ def read_request(record: dict) -> dict:
     out |= outcome(path, stream, record["response"])
     arrivals = record.get("arrivals") or []
     if stream and arrivals:
-        first = next((end for end, e in sse_events(record["response"]) if is_token(path, e)), None)
-        when = [t for t, size in arrivals if first is not None and size >= first]
+        # The first token the client saw. An untagged tool call (parsers/untagged.py) is held
+        # to the end of the reply and arrives whole: no decode rate from such a reply.
+        tokens = [end for end, e in sse_events(record["response"]) if is_token(path, e)]
+        when = [t for t, size in arrivals if tokens and size >= tokens[0]]
         if when:
             out["ttft"] = when[0]
             span = arrivals[-1][0] - when[0]
-            if out.get("output", 0) > 1 and span > 0:
+            if len(tokens) > 2 and out.get("output", 0) > 1 and span > 0:
                 out["decode_tps"] = (out["output"] - 1) / span
     return out
 
@@ -160,6 +163,31 @@ def read_log(outdir: Path) -> list[dict]:
 
 
 # -- running one client -----------------------------------------------------------------
+
+
+def metrics(server: str) -> dict[str, float]:
+    """The server's Prometheus counters (name -> value), read straight from it."""
+    with urlopen(server + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    pairs = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
+    return {name: float(value) for name, value in pairs if "{" not in name}
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server measured over the run: mean time to first token (from the request's
+    arrival: queueing and prefill), decode tokens/s (tokens over the time between them), and
+    the prompt tokens the prefix cache held."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    out = {"requests": delta.get("freetoken_time_to_first_token_seconds_count", 0.0)}
+    if out["requests"]:
+        out["ttft_mean"] = delta["freetoken_time_to_first_token_seconds_sum"] / out["requests"]
+    if delta.get("freetoken_inter_token_latency_seconds_sum"):
+        out["decode_tps"] = (delta["freetoken_inter_token_latency_seconds_count"]
+                             / delta["freetoken_inter_token_latency_seconds_sum"])  # fmt: skip
+    reused = delta.get("freetoken_prompt_tokens_reused_total", 0.0)
+    total = reused + delta.get("freetoken_prompt_tokens_recomputed_total", 0.0)
+    out |= {"prompt_tokens": total, "reused_tokens": reused}
+    return out
 
 
 def free_port() -> int:
@@ -216,9 +244,12 @@ def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int)
         subprocess.run(["git", "init", "-q", str(workdir)], check=True)
         command = [sys.executable, "-m", "freetoken.cli.main", "launch", "--url", url,
                    "--max-output-tokens", str(cap), client, *ARGS[client]]  # fmt: skip
+        # OpenCode takes its working directory from $PWD, not from the process's own.
+        env = os.environ | {"PWD": str(workdir)}
+        before = metrics(server)
         start = time.time()
         with open(outdir / "client.log", "w") as log:
-            process = subprocess.Popen(command, cwd=workdir, stdout=log,
+            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)  # fmt: skip
             try:
@@ -228,13 +259,14 @@ def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int)
                 status = f"stopped after {timeout:.0f} s"
         seconds = time.time() - start
         time.sleep(1)  # the proxy writes a request's record as its response ends
+        measured = server_side(before, metrics(server))
     finally:
         proxy.terminate()
         proxy.wait(timeout=30)
     summary = {"client": client, "exit": status, "seconds": round(seconds, 1),
                "task": task_done(workdir), "workdir": str(workdir),
                "files": sorted(p.name for p in workdir.iterdir() if p.name != ".git"),
-               "requests": read_log(outdir)}  # fmt: skip
+               "server": measured, "requests": read_log(outdir)}  # fmt: skip
     (outdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -244,6 +276,12 @@ def show(summary: dict) -> None:
     print(f"{summary['client']}: {summary['task']}; exit {summary['exit']} in "
           f"{summary['seconds']:.0f} s; {len(reqs)} model requests; "
           f"files {summary['files']}")  # fmt: skip
+    measured = summary.get("server") or {}
+    if measured.get("requests"):
+        share = measured["reused_tokens"] / max(1.0, measured["prompt_tokens"])
+        print(f"  server: {measured['requests']:.0f} requests, mean TTFT "
+              f"{measured['ttft_mean']:.1f} s, decode {measured.get('decode_tps', 0):.2f} tok/s, "
+              f"prompt tokens {measured['prompt_tokens']:.0f} ({share:.1%} reused)")  # fmt: skip
     for r in reqs:
         if "error" in r:
             print(f"  #{r['n']} {r['api']} {r['status']}: {r['error'][:200]}")
