@@ -174,13 +174,10 @@ def metrics(server: str) -> dict[str, float]:
 
 
 def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server measured over the run: mean time to first token (from the request's
-    arrival: queueing and prefill), decode tokens/s (tokens over the time between them), and
-    the prompt tokens the prefix cache held."""
+    """What the server measured over the run: decode tokens/s (tokens over the time between
+    them) and the prompt tokens the prefix cache held."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    out = {"requests": delta.get("freetoken_time_to_first_token_seconds_count", 0.0)}
-    if out["requests"]:
-        out["ttft_mean"] = delta["freetoken_time_to_first_token_seconds_sum"] / out["requests"]
+    out = {"requests": delta.get("freetoken_request_duration_seconds_count", 0.0)}
     if delta.get("freetoken_inter_token_latency_seconds_sum"):
         out["decode_tps"] = (delta["freetoken_inter_token_latency_seconds_count"]
                              / delta["freetoken_inter_token_latency_seconds_sum"])  # fmt: skip
@@ -236,7 +233,8 @@ def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int)
     outdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     proxy = subprocess.Popen([sys.executable, str(HERE / "logging_proxy.py"), "--upstream",
-                              server, "--port", str(port), str(outdir)])  # fmt: skip
+                              server, "--port", str(port), str(outdir)],
+                             start_new_session=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(url + "/health")
@@ -261,8 +259,7 @@ def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int)
         time.sleep(1)  # the proxy writes a request's record as its response ends
         measured = server_side(before, metrics(server))
     finally:
-        proxy.terminate()
-        proxy.wait(timeout=30)
+        end_group(proxy, grace=10)  # it waits for open streams: a client killed mid-reply
     summary = {"client": client, "exit": status, "seconds": round(seconds, 1),
                "task": task_done(workdir), "workdir": str(workdir),
                "files": sorted(p.name for p in workdir.iterdir() if p.name != ".git"),
@@ -279,16 +276,21 @@ def show(summary: dict) -> None:
     measured = summary.get("server") or {}
     if measured.get("requests"):
         share = measured["reused_tokens"] / max(1.0, measured["prompt_tokens"])
-        print(f"  server: {measured['requests']:.0f} requests, mean TTFT "
-              f"{measured['ttft_mean']:.1f} s, decode {measured.get('decode_tps', 0):.2f} tok/s, "
-              f"prompt tokens {measured['prompt_tokens']:.0f} ({share:.1%} reused)")  # fmt: skip
+        print(f"  server: {measured['requests']:.0f} requests, decode "
+              f"{measured.get('decode_tps', 0):.2f} tok/s, prompt tokens "
+              f"{measured['prompt_tokens']:.0f} ({share:.1%} reused)")  # fmt: skip
     for r in reqs:
         if "error" in r:
             print(f"  #{r['n']} {r['api']} {r['status']}: {r['error'][:200]}")
             continue
         share = r["cached"] / r["prompt"] if r["prompt"] else 0.0
-        timing = f"ttft {r['ttft']:.1f} s" if "ttft" in r else f"{r['seconds']:.1f} s"
-        timing += f", {r['decode_tps']:.1f} tok/s" if "decode_tps" in r else ""
+        timing = f"{r['seconds']:.1f} s"
+        timing += f", first token seen at {r['ttft']:.1f} s" if "ttft" in r else ""
+        timing += f", {r['decode_tps']:.2f} tok/s" if "decode_tps" in r else ""
+        if measured.get("decode_tps"):
+            # what the reply's tokens took at the run's decode rate is not prefill (nor queueing)
+            first = r["seconds"] - max(0, r["output"] - 1) / measured["decode_tps"]
+            timing += f", first token at ~{first:.1f} s"
         print(f"  #{r['n']} {r['api']} tools={r['tools']} prompt {r['prompt']} (cached "
               f"{share:.1%}) out {r['output']} stop {r['stop']}; {timing}")  # fmt: skip
         for call in r["tool_calls"]:
