@@ -287,9 +287,11 @@ def show(summary: dict) -> None:
         timing = f"{r['seconds']:.1f} s"
         timing += f", first token seen at {r['ttft']:.1f} s" if "ttft" in r else ""
         timing += f", {r['decode_tps']:.2f} tok/s" if "decode_tps" in r else ""
-        if measured.get("decode_tps"):
-            # what the reply's tokens took at the run's decode rate is not prefill (nor queueing)
-            first = r["seconds"] - max(0, r["output"] - 1) / measured["decode_tps"]
+        if "decode_tps" not in r and r["output"] > 1 and measured.get("decode_tps"):
+            # A reply that came whole (a held call): what its tokens took at the run's decode
+            # rate was not prefill. (The run's rate is low where requests overlapped: a long
+            # prefill step stalls the other's decode.)
+            first = r["seconds"] - (r["output"] - 1) / measured["decode_tps"]
             timing += f", first token at ~{first:.1f} s"
         print(f"  #{r['n']} {r['api']} tools={r['tools']} prompt {r['prompt']} (cached "
               f"{share:.1%}) out {r['output']} stop {r['stop']}; {timing}")  # fmt: skip
