@@ -8,10 +8,10 @@ OpenAI chat tool call, an Anthropic `tool_use` block and a Responses `function_c
 whole and streamed, with no markup leaking into the text; and the tool's result, sent back,
 has to reach the model, which answers from it.
 
-One engine serves the module. Cost on the 2-core CPU machine (shared with other work): 8-14 s
-to load the engine and 28-38 s for the seven short greedy requests; the first run on a machine
-adds the GGUF's conversion into the cache directory (about 36 s). Skipped, saying why, where
-the model file is missing.
+One engine serves the module. Cost on the 2-core CPU machine: 8-14 s to load the engine and
+28-38 s for the seven short greedy requests at load average 2-4 (44 s and 280 s at load
+average 13, under nice 15); the first run on a machine adds the GGUF's conversion into the
+cache directory (about 36 s). Skipped, saying why, where the model file is missing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 
 from freetoken.config import EngineConfig
 from freetoken.engine.generate import LLMEngine
-from server_fixtures import MODEL, running_server
+from server_fixtures import MODEL, running_server, streamed_tool_calls
 
 QWEN_05B = Path("/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 
@@ -81,16 +81,11 @@ def test_openai_chat_tool_call(base):
     assert call.function.name == "get_weather"
     assert_paris(json.loads(call.function.arguments))
 
-    names, pieces, finish = [], [], None
-    for chunk in client.chat.completions.create(**request, stream=True):
-        for c in chunk.choices:
-            for d in c.delta.tool_calls or []:
-                names += [d.function.name] if d.function.name else []
-                pieces.append(d.function.arguments or "")
-            assert not c.delta.content  # no markup leaks into the text
-            finish = c.finish_reason or finish
+    names, arguments, finish = streamed_tool_calls(
+        client.chat.completions.create(**request, stream=True)
+    )
     assert names == ["get_weather"] and finish == "tool_calls"
-    assert json.loads("".join(pieces)) == json.loads(call.function.arguments)
+    assert json.loads(arguments) == json.loads(call.function.arguments)
 
     # The result goes back through the template, and the model answers from it.
     messages += [
