@@ -75,6 +75,20 @@ def scripted(engine, script: list[int]):
 MODEL = "test-model"
 
 
+def streamed_tool_calls(stream) -> tuple[list[str], str, str | None]:
+    """An OpenAI chat stream's tool call names, its arguments' pieces joined, and its finish
+    reason; no text may come beside the calls (no markup leaks into it)."""
+    names, pieces, finish = [], [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                pieces.append(d.function.arguments or "")
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    return names, "".join(pieces), finish
+
+
 def demo_with_template(dst, template: str, special: tuple[str, ...] = ()):
     """The demo model at `dst` (its weights linked, not copied) with another chat template
     and, where given, extra special tokens (in its vocabulary's unused rows); returns

@@ -81,6 +81,8 @@ def test_claude_code_gets_the_gateway_environment(served, fake_clients):
         assert got[name] == MODEL
     assert got["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(core.max_context)
     assert got["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "99"  # the user's own setting stays
+    # a first reply may take longer than Claude Code's 300 s stream watchdog on a CPU
+    assert got["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] == got["API_TIMEOUT_MS"] == "1800000"
     assert list(home.iterdir()) == []  # nothing written to the user's home
 
 

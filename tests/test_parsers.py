@@ -185,6 +185,33 @@ CASES: list[tuple[str, str, dict, list[tuple]]] = [
         [("text", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')],
     ),
 ]
+
+# Untagged calls (parsers/untagged.py): Qwen2.5-Coder's own replies to a get_weather question.
+OFFERED = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]}
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+PARIS = call(0, "get_weather", '{"city": "Paris"}')
+GREET = FENCED.replace("get_weather", "greet")
+CASES += [
+    ("untagged bare (0.5B)", BARE, OFFERED, PARIS),
+    ("untagged fenced (1.5B)", "\n" + FENCED + "\n", OFFERED, PARIS),
+    ("untagged plain fence", "```\n" + BARE + "\n```", OFFERED, PARIS),
+    ("untagged parameters", BARE.replace("arguments", "parameters"), OFFERED, PARIS),
+    (
+        "untagged list",
+        f"[{BARE}, {BARE.replace('Paris', 'Rome')}]",
+        OFFERED,
+        [*PARIS, *call(1, "get_weather", '{"city": "Rome"}')],
+    ),
+    ("untagged, no tools offered", BARE, {}, [("text", BARE)]),
+    ("untagged, a name not offered", GREET, OFFERED, [("text", GREET)]),
+    ("untagged, then text", BARE + "\nDone.", OFFERED, [("text", BARE + "\nDone.")]),
+    ("untagged, after text", "Sure: " + BARE, OFFERED, [("text", "Sure: " + BARE)]),
+    ("untagged, cut short", BARE[:30], OFFERED, [("text", BARE[:30])]),
+    ("another fence", "```python\nprint(1)\n```", OFFERED, [("text", "```python\nprint(1)\n```")]),
+    ("json, not a call", '{"city": "Paris"}', OFFERED, [("text", '{"city": "Paris"}')]),
+    ("tagged, tools offered", f"<tool_call>\n{BARE}\n</tool_call>", OFFERED, PARIS),
+]
 IDS = [case[0] for case in CASES]
 
 

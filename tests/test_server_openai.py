@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import MODEL, running_server, scripted
+from server_fixtures import MODEL, running_server, scripted, streamed_tool_calls
 
 
 @pytest.fixture()
@@ -247,17 +247,12 @@ def test_tool_call_round_trip(engine, client, monkeypatch):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
     # The same call streamed: name first, arguments in pieces that add up.
-    names, args, finish = [], [], None
-    for chunk in client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=100, stream=True
-    ):
-        for c in chunk.choices:
-            for d in c.delta.tool_calls or []:
-                names += [d.function.name] if d.function.name else []
-                args.append(d.function.arguments or "")
-            assert not c.delta.content  # no markup leaks into the text
-            finish = c.finish_reason or finish
-    assert names == ["get_weather"] and json.loads("".join(args)) == {"city": "Paris"}
+    names, args, finish = streamed_tool_calls(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=100, stream=True
+        )
+    )
+    assert names == ["get_weather"] and json.loads(args) == {"city": "Paris"}
     assert finish == "tool_calls"
 
     # The tool result goes back; the model answers in text.

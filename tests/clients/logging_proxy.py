@@ -1,8 +1,9 @@
 """A logging reverse proxy: put it between an agent client and `ft serve` to see the traffic.
 
 Every request is forwarded unchanged and written to OUTDIR/NNN.json (method, path, headers,
-JSON body, status and the response as it streamed back, cut to 200 kB), so the exact bodies
-real clients send can be read and turned into fixtures (`trim_capture.py`).
+JSON body, status and the response as it streamed back, cut to 200 kB, with when each piece
+of it arrived), so the exact bodies real clients send can be read and turned into fixtures
+(`trim_capture.py`), and a session's timings read back (`agent_task.py`).
 
     python tests/clients/logging_proxy.py --upstream http://127.0.0.1:1919 --port 2000 OUTDIR
 """
@@ -49,11 +50,16 @@ def make_app(upstream: str, outdir: Path) -> Starlette:
         response = await client.send(upstream_request, stream=True)
         record["status"] = response.status_code
         chunks: list[bytes] = []
+        # (seconds since the request, bytes of the response so far) per piece: which event
+        # came when, e.g. the first token after a long prefill's keep-alives
+        record["arrivals"] = arrivals = []
 
         async def relay():
             try:
                 async for chunk in response.aiter_raw():
                     chunks.append(chunk)
+                    size = (arrivals[-1][1] if arrivals else 0) + len(chunk)
+                    arrivals.append((round(time.time() - record["t"], 4), size))
                     yield chunk
             finally:
                 record["response"] = b"".join(chunks).decode(errors="replace")[:200_000]

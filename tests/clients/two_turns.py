@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -47,7 +48,9 @@ def main() -> None:
             command = ["ft", "launch", "--url", args.url, "--max-output-tokens", str(args.cap),
                        client, *client_args]  # fmt: skip
             start = time.time()
-            done = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
+            # OpenCode takes its working directory from $PWD, not from the process's own.
+            env = os.environ | {"PWD": workdir}
+            done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
             after = reuse(args.url)
             requests = after["recent"][len(after["recent"]) - (after["requests"] - seen) :]
             print(f"{client} turn {turn}: exit {done.returncode} in {time.time() - start:.0f} s,"

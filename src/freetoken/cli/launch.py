@@ -33,6 +33,11 @@ DEFAULT_URL = "http://127.0.0.1:1919"
 # The key a client sends when the server needs none (clients insist on having one).
 NO_KEY = "freetoken"
 STARTUP_TIMEOUT_S = 1800.0  # a large checkpoint can take minutes to load
+# How long Claude Code waits for a reply's first event (its stream watchdog; the keep-alives of
+# a long prefill do not count) and for a whole request. Its defaults, 300 s and 600 s, are cut
+# for a hosted API: Qwen2.5-Coder-1.5B's prefill of Claude Code's 19k-token first prompt took
+# longer than 300 s on a loaded 2-core CPU, and Claude Code gave up and asked again.
+CLAUDE_WAIT_MS = "1800000"
 
 
 class LaunchError(FreetokenError):
@@ -74,8 +79,9 @@ class ClientSetup:
 def claude_setup(server: Server) -> ClientSetup:
     """Claude Code: its documented gateway variables, every model alias mapped to the served
     model, the context window of the served model (its default for an unknown model is
-    Anthropic's 200k), and no traffic to Anthropic's services. ANTHROPIC_API_KEY is dropped for
-    the child so a cloud key is neither sent here nor in conflict with the token."""
+    Anthropic's 200k), no traffic to Anthropic's services, and time limits that a slow local
+    prefill fits in. ANTHROPIC_API_KEY is dropped for the child so a cloud key is neither sent
+    here nor in conflict with the token."""
     model = server.model
     env = {
         "ANTHROPIC_BASE_URL": server.url,
@@ -90,6 +96,8 @@ def claude_setup(server: Server) -> ClientSetup:
     defaults = {
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(server.max_output),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": CLAUDE_WAIT_MS,
+        "API_TIMEOUT_MS": CLAUDE_WAIT_MS,
     }
     return ClientSetup(
         "claude",

@@ -27,8 +27,9 @@ __all__ = [
 
 # name -> "module:Class"; the class is called with make_parser's keyword options.
 PARSERS: dict[str, str] = {
-    "qwen3": "freetoken.server.parsers.qwen:QwenParser",
-    "hermes": "freetoken.server.parsers.qwen:QwenParser",  # same <tool_call> JSON format
+    # Qwen2.5 / Qwen3 / Hermes `<tool_call>` JSON, and the same JSON untagged (Qwen2.5-Coder)
+    "qwen3": "freetoken.server.parsers.untagged:UntaggedQwenParser",
+    "hermes": "freetoken.server.parsers.untagged:UntaggedQwenParser",
     "harmony": "freetoken.server.parsers.harmony:HarmonyParser",  # gpt-oss
     "glm45": "freetoken.server.parsers.glm:GlmParser",  # GLM-4.5 / 4.6 / 4.7
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
