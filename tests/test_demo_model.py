@@ -63,7 +63,7 @@ def test_the_demo_answers_the_printed_example(demo_cache):
             assert line or server.poll() is None, "".join(lines)[-2000:]
             assert time.monotonic() < deadline, "".join(lines)[-2000:]
             lines.append(line)
-        example = next(line for line in lines if line.startswith("try: curl"))[len("try: "):]
+        example = next(line for line in lines if line.startswith("try: curl"))[len("try: ") :]
         assert "capital of France" in example
         base = f"http://127.0.0.1:{port}"
         while True:  # (the message comes just before the server listens)

@@ -19,9 +19,7 @@ def write(path, arch: str = "qwen2", endian: str = "LITTLE", tensors: int = 3):
     integer arrays, an array of arrays) and `tensors` tensors, F32 and Q8_0."""
     import gguf as gguf_package
 
-    w = gguf_package.GGUFWriter(
-        str(path), arch, endianess=getattr(gguf_package.GGUFEndian, endian)
-    )
+    w = gguf_package.GGUFWriter(str(path), arch, endianess=getattr(gguf_package.GGUFEndian, endian))
     w.add_name("tiny")
     w.add_block_count(2)
     w.add_token_list([f"tok{i}" * (i % 7) for i in range(500)])
@@ -57,9 +55,7 @@ def test_the_walk_reads_what_the_gguf_package_reads(tmp_path, endian):
     assert header.data_end <= header.file_size
 
 
-def test_an_unsupported_architecture_is_refused_at_once_without_converting(
-    tmp_path, monkeypatch
-):
+def test_an_unsupported_architecture_is_refused_at_once_without_converting(tmp_path, monkeypatch):
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(gguf, "_convert", lambda *a: pytest.fail("converted"))
     path = write(tmp_path / "mamba.gguf", arch="mamba")

@@ -25,8 +25,8 @@ import pytest
 
 from freetoken import packaged_models
 from freetoken.config import EngineConfig
-from freetoken.errors import RegistryError
 from freetoken.engine.generate import LLMEngine
+from freetoken.errors import RegistryError
 from server_fixtures import MODEL, running_server, streamed_tool_calls
 
 
