@@ -27,6 +27,8 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
     "mlp.gate.weight": "ffn_gate_inp.weight",  # (the router: F32, as llama.cpp keeps it)
 }
 MIXED_K = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # (write_qwen3_gguf's experts: their base type)
+# (write_qwen3_gguf's experts: Qwen2.5's Q4_K_M files, whose gate and up projections are Q5_0)
+GATE_UP_Q5_0 = {"Q5_0_Q4_K_M": "Q4_K_M"}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -148,7 +150,9 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
     are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
     the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
     else; Q4_K, Q5_K, Q6_K: random blocks, widths of 256s; Q4_K_M, Q5_K_M: Q4_K or Q5_K but
-    the down projections of even layers Q6_K, as llama.cpp gives some layers more bits)."""
+    the down projections of even layers Q6_K, as llama.cpp gives some layers more bits;
+    Q5_0_Q4_K_M: the gate and up projections Q5_0, the down ones as Q4_K_M's, as Qwen2.5's
+    Q4_K_M files)."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -164,6 +168,8 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
         value = value.astype(np.float32)
         gname = gguf_name(name)
         kind = (experts or quantize) if "_exps" in gname else quantize
+        if kind in GATE_UP_Q5_0:
+            kind = GATE_UP_Q5_0[kind] if "ffn_down" in gname else "Q5_0"
         if kind in MIXED_K:
             layer = int(gname.split(".")[1])
             kind = "Q6_K" if "ffn_down" in gname and layer % 2 == 0 else MIXED_K[kind]
