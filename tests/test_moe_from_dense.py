@@ -3,15 +3,15 @@ byte copies of its MLPs gives the dense model's logits (fp32, within 1e-4) and g
 under every strategy and cache size; its routers route consecutive tokens alike.
 
 Tiny dense Qwen2 and Llama files (Q8_0, a byte tokenizer: tests/tiny_gguf.py) run always:
-about 25 s on 2 cores. The real files (SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4_K_M) run where
-they are present and their experts' types are kept as stored (the exactness premise: Q4_1 and
-Q5_0 experts are dequantized to bf16 at load until models/gguf.py keeps them); their MoEs and
+35 s of CPU time on 2 cores. The real files (SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4_K_M,
+fetched by packaged_models.py; skipped where the registry cannot be reached) run where
+models/gguf.py keeps their experts' types as stored (the exactness premise: experts
+dequantized to bf16 would differ from the dense model's fp32 values); their MoEs and
 conversions are made once into the cache directory (FREETOKEN_CACHE_DIR)."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken import paths
+from freetoken import packaged_models, paths
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.errors import RegistryError
 from freetoken.models import gguf, moe_from_dense
 from freetoken.models.loading import load_model
 from test_moe_runtime import greedy_run
@@ -195,10 +196,9 @@ def test_the_command_writes_the_file_and_refuses_what_it_cannot_make(files, tmp_
     assert "--top-k" in capsys.readouterr().err
 
 
-# Real files: SmolLM2-135M-Instruct (llama, Q4_1) and Qwen2.5-Coder-0.5B-Instruct (qwen2,
-# Q5_0 gate/up, Q4_K/Q6_K down).
-MODELS = Path(os.environ.get("FREETOKEN_REAL_MODELS", "/work/models"))
-REAL = ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]
+# Real files (packaged_models.py): SmolLM2-135M-Instruct (llama, Q4_1) and
+# Qwen2.5-Coder-0.5B-Instruct (qwen2, Q5_0 gate/up, Q4_K/Q6_K down).
+REAL = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
            "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
            "<|im_start|>assistant\n"]  # fmt: skip
@@ -228,9 +228,10 @@ def tensor_table(file: Path):
 def real(request):
     """(dense file, its MoE, the tokenizer) of a real model, its MoE and both conversions in
     the cache directory."""
-    src = MODELS / request.param
-    if not src.is_file():
-        pytest.skip(f"{src} is not here (FREETOKEN_REAL_MODELS: the directory of the real files)")
+    try:
+        src = packaged_models.fetch(request.param)
+    except RegistryError as e:
+        pytest.skip(f"{request.param} cannot be fetched: {e}")
     start = time.perf_counter()
     moe = moe_from_dense.cached(src, EXPERTS, TOP_K)
     table = tensor_table(moe)
