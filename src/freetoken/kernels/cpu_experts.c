@@ -516,11 +516,11 @@ static inline __m512i q8_bf16(const uint8_t *w, float scale) {
     return bf16_rne32(lo, hi, 0);
 }
 
-/* Values 32 c .. 32 c + 31 of a K-quant block -> 32 bf16 values, each k_quant_blocks' value
- * (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale * (code
- * - 32); never subnormal: multiples of 2^-24 or zero). */
-static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
-                              const float *scale, const float *offset) {
+/* Values 32 c .. 32 c + 31 of a K-quant block in fp32 (lo: the first 16), each k_quant_blocks'
+ * value (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale *
+ * (code - 32)); never subnormal: multiples of 2^-24 or zero. */
+static inline void kq_f32(int fmt, const uint8_t *w, const uint8_t *s, int c, const float *scale,
+                          const float *offset, __m512 *lo, __m512 *hi) {
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256i code;
     if (fmt == FMT_Q6_K) { /* values 128 h + 32 j + l */
@@ -532,15 +532,13 @@ static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c
                                              _mm256_set1_epi8(3));
         code = _mm256_or_si256(code, _mm256_slli_epi16(top, 4));
         const __m512i bias = _mm512_set1_epi32(32);
-        const __m512 lo = _mm512_mul_ps(
-            _mm512_set1_ps(scale[2 * c]),
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), bias)));
-        const __m512 hi = _mm512_mul_ps(
-            _mm512_set1_ps(scale[2 * c + 1]),
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), bias)));
-        return bf16_rne32(lo, hi, 0);
+        *lo = _mm512_mul_ps(_mm512_set1_ps(scale[2 * c]),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                _mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), bias)));
+        *hi = _mm512_mul_ps(_mm512_set1_ps(scale[2 * c + 1]),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                _mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), bias)));
+        return;
     }
     const int g = c >> 1, half = c & 1; /* values 64 g + 32 half + l */
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
@@ -552,10 +550,17 @@ static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c
         code = _mm256_or_si256(code, _mm256_slli_epi16(bit, 4));
     }
     const __m512 vs = _mm512_set1_ps(scale[c]), vo = _mm512_set1_ps(offset[c]);
-    const __m512 lo = _mm512_fmsub_ps(
+    *lo = _mm512_fmsub_ps(
         vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(code))), vo);
-    const __m512 hi = _mm512_fmsub_ps(
+    *hi = _mm512_fmsub_ps(
         vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1))), vo);
+}
+
+/* The same 32 values in bf16. */
+static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
+                              const float *scale, const float *offset) {
+    __m512 lo, hi;
+    kq_f32(fmt, w, s, c, scale, offset, &lo, &hi);
     return bf16_rne32(lo, hi, 0);
 }
 
@@ -1088,7 +1093,6 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
 #endif
 
 static inline int qdot_takes(const qrow_t *q, int bf16) {
-    if (is_k_quant(q->fmt) && !bf16) return 0; /* (fp32 models: decoded into the buffer) */
 #if QDOT_BF16
     if (bf16) return q->fmt != FMT_FP8 || q->bk % 128 == 0;
 #endif
@@ -1418,6 +1422,21 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
             q8_f32(q->w + k, _cvtsh_ss(q->s16[k / 32]), &w0, &w1);
             q8_f32(q->w + k + 32, _cvtsh_ss(q->s16[k / 32 + 1]), &w2, &w3);
             QDOT_STEP(w0, w1, w2, w3);
+        }
+    } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: four steps each */
+        const int fmt = q->fmt;
+        while (k + 256 <= K) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * q->rest;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            PREFETCH(s + PREFETCH_BYTES / 2);
+            float scale[16], offset[8];
+            kq_scales(fmt, s, scale, offset);
+            for (int c = 0; c < 8; c += 2, k += 64) {
+                kq_f32(fmt, w, s, c, scale, offset, &w0, &w1);
+                kq_f32(fmt, w, s, c + 1, scale, offset, &w2, &w3);
+                QDOT_STEP(w0, w1, w2, w3);
+            }
         }
     } else { /* FMT_FP8, blocks of a multiple of 64 columns */
         for (int64_t b = 0; k + 64 <= K; b++) {
