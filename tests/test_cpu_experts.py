@@ -28,6 +28,7 @@ from freetoken.weights.expert_format import (
     K_FAMILY,
     K_MIXED,
     K_QUANTS,
+    LEGACY,
     MIXED_K_TAG,
     MIXED_K_WIDTH,
     MXFP4,
@@ -318,6 +319,7 @@ FORMATS = {
     "q8_0": Q8_0,
     **K_QUANTS,
     "k_mixed": K_MIXED,  # (each expert of one K type, as fill_random_ draws them)
+    **LEGACY,
 }
 # (hidden, intermediate): rows past the last whole 128- (bf16) or 64-value (fp32) step of the
 # in-register decoders, a last partial fp8 block, an odd count of nvfp4 blocks in a tail; work
@@ -325,6 +327,12 @@ FORMATS = {
 # last ones partial; 64 values past the last whole 128-value step (the fp8 tables' 64-value
 # tail)
 SHAPES = [(416, 160), (256, 176), (1056, 96), (448, 96), (512, 256)]
+# The legacy types share their decoders but for which of d's offset, m and the fifth bits each
+# has: two shapes of tails (a 32-value step, a partial 64-value one) each
+
+
+def shapes_of(name: str) -> list[tuple[int, int]]:
+    return [(416, 160), (448, 96)] if name in LEGACY else SHAPES
 
 
 def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
@@ -332,7 +340,8 @@ def quantized_bank(fmt, pairs: int, rows: int, cols: int, gen) -> QuantizedBank:
     parts = {}
     for name, (shape, _) in fmt.parts(rows, cols, torch.float32).items():
         shape = (pairs, *shape)
-        if fmt.name in K_FAMILY:  # any codes and sub-block scales; fp16 scales of ~5e-4
+        if fmt.name in K_FAMILY or fmt.name in LEGACY:  # any codes (and sub-block scales,
+            # fifth bits); fp16 scales of ~5e-4
             parts[name] = fill_random_(fmt, name, torch.empty(shape, dtype=torch.uint8), gen)
             continue
         if name == "w":
@@ -418,9 +427,8 @@ def test_down_rows_wait_for_their_own_groups_activations(name):
         assert torch.equal(team(xs[n % 2], rows, pairs, weights), want[n % 2]), n
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(("name", "shape"), [(n, s) for n in FORMATS for s in shapes_of(n)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 def test_quantized_experts_equal_their_dequantized_banks(name, dtype, shape, act):
     fmt = FORMATS[name]
@@ -431,10 +439,12 @@ def test_quantized_experts_equal_their_dequantized_banks(name, dtype, shape, act
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_q4_k_m_files_formats_q4_k_and_k_mixed_make_one_job(dtype):
-    """Gate/up in one K-quant and down in mixed K-quants (a Q4_K_M file as the pool holds it)
-    are one job, equal to the job on their dequantized banks; a pair the kernel cannot take
-    together (fp4 beside a K-quant) is refused."""
+    """Gate/up in one K-quant or Q5_0 and down in mixed K-quants (a Q4_K_M file as the pool
+    holds it) are one job, equal to the job on their dequantized banks; a pair the kernel cannot
+    take together (fp4 beside a K-quant) is refused."""
     check_quantized_job(K_QUANTS["q4_k"], dtype, 512, 256, "silu", down=K_MIXED)
+    # (Qwen2.5's Q4_K_M files: gate and up Q5_0)
+    check_quantized_job(LEGACY["q5_0"], dtype, 512, 256, "silu", down=K_MIXED)
     w_gate_up, w_down = quantized_experts(MXFP4, 512, 256, down=K_MIXED)
     assert NativeCPUExperts.create(w_gate_up, w_down, "silu", 1, dtype=dtype) is None
 
@@ -488,6 +498,11 @@ def extreme_banks() -> list[QuantizedBank]:
             codes = torch.tensor([f.code for f in K_QUANTS.values()], dtype=torch.uint8)
             tags.copy_(codes.repeat(43)[: 2 * 64].view(2, 64, 1).expand(2, 64, 2))
         out.append(QuantizedBank(fmt, w, s))
+    # the legacy types: every code byte, every byte of d, m and qh (d and m subnormal to NaN)
+    for fmt in LEGACY.values():
+        w = torch.randint(0, 256, (2, 64, 128), generator=gen, dtype=torch.uint8)
+        s = torch.randint(0, 256, (2, 64, 8 * fmt.scale_width), generator=gen, dtype=torch.uint8)
+        out.append(QuantizedBank(fmt, w, s))
     return out
 
 
@@ -534,9 +549,9 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
 def check_every_format() -> None:
     """The checks above over every format, model dtype and shape (run by the builds that
     -march=native does not pick here, in a subprocess)."""
-    for fmt in FORMATS.values():
+    for name, fmt in FORMATS.items():
         for dtype in (torch.float32, torch.bfloat16):
-            for shape in SHAPES:
+            for shape in shapes_of(name):
                 if fits(fmt, *shape):
                     check_quantized_job(fmt, dtype, *shape, "swiglu_oai")
             test_the_decoders_hold_the_definition_at_the_extremes(dtype)

@@ -10,6 +10,7 @@ import torch
 from freetoken.weights import quantized as q
 from freetoken.weights.expert_format import (
     DENSE,
+    LEGACY,
     MXFP4,
     NVFP4,
     Q8_0,
@@ -44,6 +45,15 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
         codes = torch.randint(-128, 128, (*lead, rows, cols), dtype=torch.int8, generator=GEN)
         scales = (torch.rand(*lead, rows, cols // 32, generator=GEN) * 1e-3).half()
         return q.QuantizedParts("q8_0", codes, scales), q.dequantize_q8_0(codes, scales)
+    if name in q.LEGACY_REST:  # (any codes and fifth bits; d and m of ~1e-3)
+        codes = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=GEN)
+        width = q.LEGACY_REST[name]
+        rest = torch.randint(0, 256, (*lead, rows, cols // 32, width), dtype=torch.uint8,
+                             generator=GEN)  # fmt: skip
+        halves = (torch.rand(*lead, rows, cols // 32, 2, generator=GEN) - 0.5) * 2e-3
+        rest[..., : min(width, 4)] = halves.half().view(torch.uint8)[..., :width]  # (d, m)
+        rest = rest.flatten(-2)
+        return q.QuantizedParts(name, codes, rest), q.legacy_values(name, codes, rest)
     packed = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=GEN)
     block = (torch.rand(*lead, rows, cols // 16, generator=GEN) * 4 + 0.1).to(torch.float8_e4m3fn)
     g = torch.tensor(0.37)
@@ -51,7 +61,7 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
     return parts, q.dequantize_nvfp4(packed, block, g)
 
 
-FORMATS = {"fp8": fp8_format((16, 24)), "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0}
+FORMATS = {"fp8": fp8_format((16, 24)), "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **LEGACY}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -93,6 +103,9 @@ def test_bytes_per_expert_follow_the_format():
     assert fp8.nbytes(1536, 2048, torch.bfloat16) == 1536 * 2048 + 12 * 16 * 4
     assert Q8_0.nbytes(rows, cols, torch.bfloat16) == rows * cols + rows * cols // 32 * 2
     assert dense / MXFP4.nbytes(rows, cols, torch.bfloat16) > 3.7  # 4.25 bits a weight
+    # GGUF's legacy types: 16 code bytes and 2, 4, 6, 8 other bytes a block of 32
+    for name, bits in (("q4_0", 4.5), ("q4_1", 5.0), ("q5_0", 5.5), ("q5_1", 6.0)):
+        assert LEGACY[name].nbytes(rows, cols, torch.bfloat16) * 8 == rows * cols * bits
 
 
 def test_shapes_the_blocks_cannot_lay_out_are_refused():
@@ -102,6 +115,8 @@ def test_shapes_the_blocks_cannot_lay_out_are_refused():
         NVFP4.check(64, 40)
     with pytest.raises(ValueError, match="multiple of 32"):
         Q8_0.check(64, 48)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        LEGACY["q5_0"].check(64, 48)
     fp8 = fp8_format((128, 128))
     fp8.check(64, 200)  # (partial blocks are fine for FP8)
     assert fp8.stacks(768) and not fp8.stacks(1408 + 64)

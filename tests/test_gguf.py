@@ -331,9 +331,14 @@ MOE_KINDS = {"Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
              # Q4_K_M / Q5_K_M-like: the down projections of even layers Q6_K
              **{f"{k}_M": ("Q8_0", f"{k}_M", (k.lower(), "k_mixed"),
                            (f"_{k.lower()}", f"_{k.lower()}_scales"))
-                for k in ("Q4_K", "Q5_K")}}  # fmt: skip
+                for k in ("Q4_K", "Q5_K")},
+             # SmolLM2's Q4_1 file's type; Qwen2.5's Q4_K_M files' (gate and up Q5_0)
+             "Q4_1_EXPERTS": ("Q8_0", "Q4_1", "q4_1", ("_q4_1", "_q4_1_scales")),
+             "Q5_0_Q4_K_M": ("Q8_0", "Q5_0_Q4_K_M", ("q5_0", "k_mixed"),
+                             ("_q5_0", "_q5_0_scales"))}  # fmt: skip
 # a kept expert tensor's suffixes (codes, scales) -> its format
-SUFFIXES = {"_q8_0": "q8_0", "_blocks": "mxfp4", "_q4_k": "q4_k", "_q5_k": "q5_k", "_q6_k": "q6_k"}
+SUFFIXES = {"_q8_0": "q8_0", "_blocks": "mxfp4", "_q4_k": "q4_k", "_q5_k": "q5_k", "_q6_k": "q6_k",
+            "_q4_0": "q4_0", "_q4_1": "q4_1", "_q5_0": "q5_0", "_q5_1": "q5_1"}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_KINDS))
@@ -343,7 +348,7 @@ def moe_file(request, tmp_path_factory):
     rest, experts, fmt, suffixes = MOE_KINDS[request.param]
     cache = tmp_path_factory.mktemp("moe-cache")
     # (K-quants: super-blocks of 256 values a row)
-    widths = dict(hidden_size=256, moe_intermediate_size=256) if "_k" in str(fmt) else {}
+    widths = dict(hidden_size=256, moe_intermediate_size=256) if "k" in str(fmt) else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(paths.CACHE_DIR_ENV, str(cache))
         path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
@@ -450,6 +455,22 @@ def test_the_kept_experts_are_the_files_values():
         codes, rest = gguf._PARTS[kind](data)
         got = K_QUANTS[kind.lower()].dequantize(torch.from_numpy(codes), torch.from_numpy(rest))
         assert torch.equal(got, torch.from_numpy(want)), kind
+    # the legacy types likewise, on the package's blocks and on any bytes (d and m from
+    # subnormal to infinite and NaN, every fifth bit): bit for bit but NaNs' payloads
+    from freetoken.weights.expert_format import LEGACY
+
+    for kind in gguf.LEGACY_TYPES:
+        qtype = getattr(gguf_package.GGMLQuantizationType, kind)
+        size = gguf_package.GGML_QUANT_SIZES[qtype][1]
+        quantized = gguf_package.quants.quantize(weights, qtype)
+        for data in (quantized, rng.integers(0, 256, (3, 5, 64 * size), dtype=np.uint8)):
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = torch.from_numpy(gguf_package.quants.dequantize(data, qtype))
+            codes, rest = map(torch.from_numpy, gguf._PARTS[kind](data))
+            got = LEGACY[kind.lower()].dequantize(codes, rest)
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan), kind
+            assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), kind
 
 
 def test_which_mixes_of_expert_types_are_kept_and_the_log_says_why_not(caplog):
@@ -475,6 +496,18 @@ def test_which_mixes_of_expert_types_are_kept_and_the_log_says_why_not(caplog):
     with caplog.at_level("WARNING"):
         assert kept([*mixed, tensor("blk.2.ffn_down_exps.weight", "Q8_0")]) == set()
     assert "several types (Q4_K/Q6_K/Q8_0)" in caplog.text
+    # gate and up of one type, the down projections of another or K-quants (Qwen2.5's Q4_K_M)
+    qwen = [tensor(f"blk.{i}.ffn_{p}_exps.weight", "Q5_0") for i in (0, 1) for p in ("gate", "up")]
+    qwen += [tensor("blk.0.ffn_down_exps.weight", "Q6_K"), tensor("blk.1.ffn_down_exps.weight",
+                                                                  "Q4_K")]  # fmt: skip
+    assert kept(qwen) == {t.name for t in qwen}
+    assert kept([*qwen[:4], tensor("blk.0.ffn_down_exps.weight", "Q8_0")])
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # (the gate/up projections of two types across layers)
+        assert kept([*qwen, tensor("blk.2.ffn_gate_exps.weight", "Q8_0")]) == set()
+        assert kept([*qwen[:4], tensor("blk.0.ffn_down_exps.weight", "MXFP4")]) == set()
+    assert "several types (Q4_K/Q5_0/Q6_K/Q8_0)" in caplog.text
+    assert "several types (MXFP4/Q5_0)" in caplog.text
 
 
 def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp_path):

@@ -29,6 +29,7 @@ from freetoken.weights.expert_format import (
     K_FAMILY,
     K_MIXED,
     K_QUANTS,
+    LEGACY,
     MIXED_K_TAG,
     MIXED_K_WIDTH,
     MXFP4,
@@ -114,7 +115,7 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
 
 QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
              "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4,
-             "q8_0": Q8_0, **K_QUANTS, "k_mixed": K_MIXED}  # fmt: skip
+             "q8_0": Q8_0, **K_QUANTS, "k_mixed": K_MIXED, **LEGACY}  # fmt: skip
 
 
 def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
@@ -143,6 +144,16 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
         d = torch.tensor([size / (40 if fmt.name == "q6_k" else 300)], dtype=torch.float16)
         for at in (80,) if fmt.name == "q6_k" else (0, 2):
             blocks[..., at : at + 2] = d.view(torch.uint8)
+        return QuantizedBank(fmt, w, s)
+    if fmt.name in LEGACY:  # any codes and fifth bits; d to values ~ size (|q - 8| ~ 4)
+        s = torch.randint(0, 256, s_shape, dtype=torch.uint8, generator=gen)
+        blocks = s.view(*s_shape[:-1], -1, fmt.scale_width)
+        d = ((torch.rand(blocks.shape[:-1], generator=gen) + 0.5) * size / 4).half()
+        blocks[..., 0:2] = d.unsqueeze(-1).view(torch.uint8)
+        if fmt.name in ("q4_1", "q5_1"):
+            blocks[..., 2:4] = (-8 * d).unsqueeze(-1).view(torch.uint8)
+        if fmt.name in ("q5_0", "q5_1"):  # (centred: q - 16)
+            blocks[..., 0:2] = (d.float() / 2).half().unsqueeze(-1).view(torch.uint8)
         return QuantizedBank(fmt, w, s)
     if fmt.name == "mxfp4":  # |e2m1| ~ 2.6 on average
         e = round(torch.tensor(size / 2.6).log2().item()) + 127
@@ -294,7 +305,7 @@ def test_argument_checks():
         reference_grouped_experts(x, slots, weights[:, :1], w_gate_up, w_down)
 
 
-@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4", "q8_0"])
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4", "q8_0", "q4_1", "q5_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_on_quantized_banks_is_the_dequantized_experts(name, dtype):
     """A quantized expert gives its dequantized copy's result: the same function, bit for bit
@@ -403,13 +414,18 @@ SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4
                 "DOWN_STAGES": 1}  # fmt: skip
 QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
                     "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS},
-                    "k_mixed": (256, 256), "q4_k+k_mixed": (256, 256)}  # fmt: skip
+                    "k_mixed": (256, 256), "q4_k+k_mixed": (256, 256),
+                    **{name: (96, 64) for name in LEGACY}}  # fmt: skip
 QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
                     ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16"), ("q8_0", "fp32"),
                     ("q8_0", "bf16"), ("q4_k", "fp32"), ("q5_k", "bf16"), ("q6_k", "fp32"),
                     ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
-                    ("q4_k+k_mixed", "bf16")]  # fmt: skip
+                    ("q4_k+k_mixed", "bf16"), ("q4_0", "fp32"), ("q4_1", "bf16"),
+                    ("q5_0", "bf16"), ("q5_1", "fp32")]  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# dequantize_slots' extreme bytes on two of the legacy types: together d's offset, m and the
+# fifth bits (the other two's tiles are checked against the dense kernels above)
+DQ_LEGACY = ("q4_0", "q5_1")
 
 
 def _quantized_interpreter_cases() -> dict[str, float]:
@@ -474,13 +490,15 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
     # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
     gen = torch.Generator().manual_seed(25)
-    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed"):
+    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed", *DQ_LEGACY):
         fmt = QUANTIZED[name]
-        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160}.get(fmt.name, 512)  # (K tails:
-        # nvfp4 2.5 chunks, q8_0 1.25 of the default tiles)
+        # (K tails: nvfp4 2.5 chunks, q8_0 and the legacy types 1.25 of the default tiles)
+        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160,
+             **dict.fromkeys(LEGACY, 160)}.get(fmt.name, 512)  # fmt: skip
         bank = quantized_bank(fmt, 4, 40, k, gen)
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
-        if fmt.name in K_FAMILY:  # every byte of the blocks' rest: fp16 scales to NaN
+        if fmt.name in K_FAMILY or fmt.name in LEGACY:  # every byte of the blocks' rest: fp16
+            # scales to NaN
             bank.s.view(-1)[: bank.s.shape[-1]] = torch.arange(bank.s.shape[-1]) % 256
             if fmt.name == "k_mixed":  # (a row's type as it was: a row is of one type)
                 tags = bank.s.view(*bank.s.shape[:-1], -1, MIXED_K_WIDTH)[..., MIXED_K_TAG]
@@ -540,10 +558,10 @@ for _case in QUANTIZED_INTERPRETER_CASES:
 QUANTIZED_INTERPRETER_CASES += [
     *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
     "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
-    *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed")),
+    *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed", *DQ_LEGACY)),
 ]  # fmt: skip
 for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
-              *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed"))):  # fmt: skip
+              *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed", *DQ_LEGACY))):  # fmt: skip
     INTERPRETER_TOLERANCE[_case] = -1.0
 
 
@@ -651,7 +669,7 @@ def test_cuda_edge_cases():
 # top-4; 2880 is no multiple of 128, so fp8's last scale blocks and the tiles' K steps are
 # partial) and Qwen3-30B-A3B (H 2048, I 768, top-8).
 MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8)}
-CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4", "q8_0", "q4_k", "q6_k", "k_mixed"]
+CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4", "q8_0", "q4_k", "q6_k", "k_mixed", "q4_1", "q5_0"]
 
 
 def skip_unless_it_fits(name: str, h: int, i: int) -> None:
@@ -661,7 +679,7 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
         pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
 
 
-COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed"]
+COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed", "q4_0", "q5_1", "q5_0+k_mixed"]
 
 
 def _compile_cases() -> dict[str, list[str] | str]:
@@ -773,7 +791,7 @@ def test_cuda_quantized_long_chunks_use_grouped_gemm(model, name):
 
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("name", ["fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *LEGACY])
 def test_cuda_dequantize_slots_is_the_definition(name):
     """Every code and extreme scales (subnormal results, overflow, NaN codes), each dtype: the
     kernel's values are torch's definition's, bit for bit."""

@@ -228,7 +228,8 @@ def test_sigterm_ends_the_process_within_the_shutdown_timeout(tmp_path):
     port, timeout = free_port(), 3.0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "freetoken.cli.main", "serve", "--device", "cpu", "--dtype",
+        [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "random-demo",
+         "--device", "cpu", "--dtype",
          "float32", "--port", str(port), "--kv-cache-tokens", "4096",
          "--shutdown-timeout", str(timeout), "--served-model-name", MODEL],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

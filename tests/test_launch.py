@@ -157,7 +157,8 @@ def test_a_server_is_started_when_none_answers_and_stopped_after(fake_clients):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    done = launch(env, "--url", url, "--kv-cache-tokens", "4096", "opencode", timeout=600)
+    done = launch(env, "--url", url, "--model", "random-demo", "--kv-cache-tokens", "4096",
+                  "--served-model-name", "freetoken-demo", "opencode", timeout=600)  # fmt: skip
     assert done.returncode == 7, done.stderr
     assert "starting ft serve" in done.stderr and "--kv-cache-tokens 4096" in done.stderr
     config = json.loads(json.loads(log.read_text())["env"]["OPENCODE_CONFIG_CONTENT"])

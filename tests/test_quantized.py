@@ -74,6 +74,29 @@ def test_q8_0_scales_each_32_int8_codes_by_an_fp16():
         q.dequantize_q8_0(codes, scales[:, :1])
 
 
+def test_gguf_legacy_blocks_hold_low_nibbles_then_high_ones_and_their_fifth_bits():
+    """Q4_0, Q4_1, Q5_0, Q5_1 (split as the GGUF conversion keeps them: 16 code bytes, the
+    other bytes): value j in byte j's low nibble and j + 16 in its high one, bit j of qh its
+    fifth bit; d * (q - 8), d * q + m, d * (q - 16), d * q + m."""
+    codes = torch.tensor([[0x10 * (15 - j) + j for j in range(16)]], dtype=torch.uint8)
+    low, high = list(range(16)), [15 - j for j in range(16)]  # values 0-15, 16-31
+    d = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8).tolist()
+    m = torch.tensor([-3.0], dtype=torch.float16).view(torch.uint8).tolist()
+    qh = [0b101, 0, 0, 0x80]  # fifth bits of values 0, 2 and 31
+    fifth = [16 if j in (0, 2, 31) else 0 for j in range(32)]
+    nibbles = [*low, *high]
+    for fmt, rest, want in (
+        ("q4_0", d, [0.5 * (c - 8) for c in nibbles]),
+        ("q4_1", d + m, [0.5 * c - 3.0 for c in nibbles]),
+        ("q5_0", d + qh, [0.5 * (c + f - 16) for c, f in zip(nibbles, fifth, strict=True)]),
+        ("q5_1", d + m + qh, [0.5 * (c + f) - 3.0 for c, f in zip(nibbles, fifth, strict=True)]),
+    ):
+        out = q.legacy_values(fmt, codes, torch.tensor([rest], dtype=torch.uint8))
+        assert out[0].tolist() == want, fmt
+    with pytest.raises(CheckpointError, match="need the rest of their blocks"):
+        q.legacy_values("q5_0", codes, torch.zeros(1, 4, dtype=torch.uint8))
+
+
 def test_nvfp4_scales_by_block_and_tensor():
     packed = torch.full((2, 16), 0x22, dtype=torch.uint8)  # every value 1.0, 32 a row
     scale = torch.tensor([[0.5, 2.0], [4.0, 0.25]]).to(torch.float8_e4m3fn)  # per 16 values

@@ -27,6 +27,8 @@ NAMES = {  # transformers' name (after model.layers.N.) -> llama.cpp's (after bl
     "mlp.gate.weight": "ffn_gate_inp.weight",  # (the router: F32, as llama.cpp keeps it)
 }
 MIXED_K = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # (write_qwen3_gguf's experts: their base type)
+# (write_qwen3_gguf's experts: Qwen2.5's Q4_K_M files, whose gate and up projections are Q5_0)
+GATE_UP_Q5_0 = {"Q5_0_Q4_K_M": "Q4_K_M"}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -46,17 +48,9 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_hyper_parameters(w, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(float(cfg["rope_theta"] if "rope_theta" in cfg else
-                               cfg["rope_parameters"]["rope_theta"]))  # fmt: skip
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if tokenizer is None:
         return w
     tok = json.loads((tokenizer / "tokenizer.json").read_text())
@@ -81,6 +75,52 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     w.add_add_bos_token(False)
     w.add_chat_template(tok_config["chat_template"])
     return w
+
+
+def add_hyper_parameters(w, cfg: dict) -> None:
+    """A decoder's shape from its config.json `cfg` on GGUF writer `w`, as llama.cpp names it."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg["rope_theta"] if "rope_theta" in cfg else
+                               cfg["rope_parameters"]["rope_theta"]))  # fmt: skip
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's name of transformers' tensor `name` (a weight or a bias)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+    if name.startswith("blk.") or name in top:
+        return top.get(name, name)
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    stem, kind = rest.rsplit(".", 1)  # (kind: weight | bias)
+    return f"blk.{layer}.{NAMES[stem + '.weight'].removesuffix('.weight')}.{kind}"
+
+
+def add_quantized(w, name: str, value: np.ndarray, kind: str) -> bool:
+    """Tensor `value` added to `w` in GGUF type `kind` where the gguf package writes it and its
+    rows are whole blocks; False (nothing added) where not."""
+    import gguf
+
+    if kind == "F32" or value.ndim < 2 or value.shape[-1] % 32:
+        return False
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    data = gguf.quants.quantize(value, qtype)
+    w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    return True
+
+
+def finish(w, out: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
 
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -110,7 +150,9 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
     are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
     the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
     else; Q4_K, Q5_K, Q6_K: random blocks, widths of 256s; Q4_K_M, Q5_K_M: Q4_K or Q5_K but
-    the down projections of even layers Q6_K, as llama.cpp gives some layers more bits)."""
+    the down projections of even layers Q6_K, as llama.cpp gives some layers more bits;
+    Q5_0_Q4_K_M: the gate and up projections Q5_0, the down ones as Q4_K_M's, as Qwen2.5's
+    Q4_K_M files)."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -124,18 +166,10 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
         weights[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([each[e] for e in sorted(each)])
     for name, value in weights.items():
         value = value.astype(np.float32)
-        if name.startswith("blk."):
-            gname = name
-        elif name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{NAMES[rest]}"
+        gname = gguf_name(name)
         kind = (experts or quantize) if "_exps" in gname else quantize
+        if kind in GATE_UP_Q5_0:
+            kind = GATE_UP_Q5_0[kind] if "ffn_down" in gname else "Q5_0"
         if kind in MIXED_K:
             layer = int(gname.split(".")[1])
             kind = "Q6_K" if "ffn_down" in gname and layer % 2 == 0 else MIXED_K[kind]
@@ -143,15 +177,69 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             data = random_k_blocks(kind, value.shape, np.random.default_rng(len(gname)))
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
-        elif (kind != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0
-                and "ffn_gate_inp" not in gname):  # fmt: skip
-            qtype = getattr(gguf.GGMLQuantizationType, kind)
-            data = gguf.quants.quantize(value, qtype)
-            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
-        else:
+        elif "ffn_gate_inp" in gname or not add_quantized(w, gname, value, kind):
             w.add_tensor(gname, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)
+
+
+# A byte-level vocabulary: 256 bytes, a few merges (indentation, two common pairs) and ChatML's
+# three control tokens: a real tokenizer for files whose tests convert them several times (a
+# 151k-token vocabulary costs the gguf package seconds a parse).
+BYTE_MERGES = (("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("s", "e"), ("i", "n"))
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BYTE_VOCAB = 256 + len(BYTE_MERGES) + len(BYTE_SPECIALS)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+          "<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+def add_byte_tokenizer(w) -> None:
+    """`BYTE_VOCAB` tokens' metadata on GGUF writer `w`, as llama.cpp stores a GPT-2 style
+    tokenizer."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    tokens = [spelling[b] for b in range(256)] + ["".join(m) for m in BYTE_MERGES]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens + list(BYTE_SPECIALS))
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens)
+                      + [gguf.TokenType.CONTROL] * len(BYTE_SPECIALS))  # fmt: skip
+    w.add_token_merges([" ".join(m) for m in BYTE_MERGES])
+    w.add_bos_token_id(len(tokens))
+    w.add_eos_token_id(len(tokens) + 2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+
+def llama_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of attn_q / attn_k as llama.cpp's converter writes a llama model's (for its
+    interleaved RoPE): each head's first- and second-half rows interleaved in pairs."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def write_dense_gguf(checkpoint: Path, out: Path, arch: str, quantize: str = "Q8_0") -> Path:
+    """`checkpoint`: a Qwen2ForCausalLM (`arch` "qwen2") or LlamaForCausalLM ("llama", attn_q
+    and attn_k rows permuted as llama.cpp stores them) directory of `BYTE_VOCAB` tokens, without
+    rope scaling or a sliding window, written as llama.cpp lays it out with the byte tokenizer;
+    weights whose rows are whole blocks in `quantize`, the rest (norms, biases) F32."""
+    import gguf
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{arch}")
+    add_hyper_parameters(w, cfg)
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    add_byte_tokenizer(w)
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    for name, value in load_file(str(checkpoint / "model.safetensors")).items():
+        value = value.astype(np.float32)
+        gname = gguf_name(name)
+        tensor = gname.split(".")[-2]
+        if arch == "llama" and tensor in heads:
+            value = llama_permuted(value, heads[tensor])
+        if not add_quantized(w, gname, np.ascontiguousarray(value), quantize):
+            w.add_tensor(gname, np.ascontiguousarray(value))
+    return finish(w, out)

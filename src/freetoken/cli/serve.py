@@ -11,6 +11,7 @@ import time
 from freetoken import early_start
 from freetoken.cli.common import load_engine
 from freetoken.config import ServerConfig
+from freetoken.models import demo_model
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if warning := exposure_warning(args.host, config.api_key):
         print(warning, file=sys.stderr)
     engine = load_engine(args)
-    name = args.served_model_name or (args.model.name if args.model else "freetoken-demo")
+    name = args.served_model_name or (args.model.name if args.model else demo_model.NAME)
     # (the start's garbage is freed once the engine first idles: a pass over everything, which
     # no request then waits on)
     scheduler = Scheduler(engine, max_queued=args.max_queued_requests,
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         f"freetoken serving {name} at {url}/v1 (OpenAI) and {url}/v1/messages (Anthropic)\n"
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
         f"""-d '{{"model": "{name}", "max_tokens": 64, """
-        f""""messages": [{{"role": "user", "content": "Hello"}}]}}'\n"""
+        f""""messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'\n"""
         f"context: {engine.max_context} tokens; coding agents: ft launch claude|codex|opencode",
         file=sys.stderr,
         flush=True,

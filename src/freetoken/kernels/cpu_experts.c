@@ -19,8 +19,9 @@
  * independent 16-wide accumulators so enough loads are in flight. torch's bf16 GEMV reached
  * 40 GB/s on the GPU host's CPU where a loop like this one reached 64.
  *
- * Experts kept quantized (fp8, mxfp4, nvfp4, q8_0: see "quantized experts" below) are decoded as
- * they are read, into the values their dequantized copy holds, and go through the same arithmetic.
+ * Experts kept quantized (fp8, mxfp4, nvfp4, GGUF's types: see "quantized experts" below) are
+ * decoded as they are read, into the values their dequantized copy holds, and go through the
+ * same arithmetic.
  *
  * Results follow the torch reference (kernels/grouped_experts.py) rounding step for step: for
  * bf16 banks the projections, the activation, its product with up, the down projection and the
@@ -49,7 +50,8 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 /* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
 #if !defined(FMT_DENSE) || !defined(FMT_FP8) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) \
     || !defined(FMT_Q8_0) || !defined(FMT_Q4_K) || !defined(FMT_Q5_K) || !defined(FMT_Q6_K) \
-    || !defined(FMT_K_MIXED) || !defined(MIXED_K_WIDTH) || !defined(MIXED_K_TAG)
+    || !defined(FMT_K_MIXED) || !defined(MIXED_K_WIDTH) || !defined(MIXED_K_TAG) \
+    || !defined(FMT_Q4_0) || !defined(FMT_Q4_1) || !defined(FMT_Q5_0) || !defined(FMT_Q5_1)
 #error "compile through freetoken.kernels.native, which defines the FMT_* codes"
 #endif
 
@@ -154,6 +156,8 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
  *          e2m1 * 2^(s - 127)
  *   nvfp4  w as mxfp4, s [P, N, K / 16] e4m3 bytes, g fp32 [P, N]: (e2m1 * fp8(s)) * g
  *   q8_0   w [P, N, K] int8, s [P, N, K / 32] fp16: int8 * f16(s) (exact in fp32)
+ *   q4_k, q5_k, q6_k, k_mixed: GGUF's K-quants (below)
+ *   q4_0, q4_1, q5_0, q5_1: GGUF's legacy blocks of 32 (below)
  *
  * The kernel computes with those values through the dense path's dot products (dot_bf16_bf16,
  * dot_f32), so a quantized job equals the dense job on the dequantized banks bit for bit, while
@@ -170,7 +174,7 @@ static float dot_bf16_bf16(const uint16_t *restrict w, const uint16_t *restrict 
  * reference. */
 
 typedef struct {
-    int fmt;        /* FMT_*: how it is stored (the two projections differ only as K-quants) */
+    int fmt;        /* FMT_*: how it is stored (the two projections may differ: see submit) */
     const void *w;  /* dense weights in the model's dtype, or the codes */
     const void *s;  /* the scales (above) */
     const float *g; /* nvfp4's per-row scales */
@@ -181,12 +185,12 @@ typedef struct {
 typedef struct {
     int fmt;
     const uint8_t *w;   /* its codes */
-    const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4; the K-quants' blocks' other bytes) */
+    const uint8_t *s8;  /* its scale bytes (mxfp4, nvfp4; the GGUF blocks' other bytes) */
     const uint16_t *s16; /* its fp16 scales (q8_0) */
     const float *s32;   /* its row of block scales (fp8) */
     float g;            /* its scale (nvfp4) */
     int64_t bk;         /* fp8's block columns */
-    int64_t rest;       /* the K-quants' bytes from one block's other bytes to the next's */
+    int64_t rest;       /* GGUF blocks: the bytes from one block's other bytes to the next's */
 } qrow_t;
 
 /* GGUF's K-quants: super-blocks of 256 values kept as their 128 bytes of low 4 bits (w) and
@@ -198,6 +202,17 @@ static inline int is_k_quant(int fmt) {
 }
 static inline int64_t k_quant_rest(int fmt) {
     return fmt == FMT_Q4_K ? 16 : fmt == FMT_Q5_K ? 48 : 82;
+}
+
+/* GGUF's legacy 4- and 5-bit types: blocks of 32 values kept as their 16 bytes of low 4 bits
+ * (w: value j in byte j's low nibble, j + 16 in its high one) and their other bytes (s:
+ * legacy_rest a block: an fp16 d, q4_1's and q5_1's fp16 m, q5_0's and q5_1's 4 bytes qh whose
+ * bit j is value j's fifth bit), as weights/quantized.py's legacy_values. */
+static inline int is_legacy(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1;
+}
+static inline int64_t legacy_rest(int fmt) {
+    return fmt == FMT_Q4_0 ? 2 : fmt == FMT_Q4_1 ? 4 : fmt == FMT_Q5_0 ? 6 : 8;
 }
 
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 packed bytes (ggml's
@@ -237,6 +252,10 @@ static inline qrow_t quantized_row(const proj_t *p, int64_t pair, int64_t N, int
         q.rest = k_quant_rest(fmt);
         q.w = (const uint8_t *)p->w + r * (K / 2);
         q.s8 = (const uint8_t *)p->s + r * (K / 256) * q.rest;
+    } else if (is_legacy(fmt)) {
+        q.rest = legacy_rest(fmt);
+        q.w = (const uint8_t *)p->w + r * (K / 2);
+        q.s8 = (const uint8_t *)p->s + r * (K / 32) * q.rest;
     } else {
         q.w = (const uint8_t *)p->w + r * (K / 2);
         q.s8 = (const uint8_t *)p->s + r * (K / (fmt == FMT_MXFP4 ? 32 : 16));
@@ -349,6 +368,57 @@ __attribute__((unused)) static void q8_0_blocks_scalar(const uint8_t *w, const u
         const float scale = f16_to_f32(s[b]);
         for (int64_t j = 0; j < 32; j++)
             put(out, 32 * b + j, (float)(int8_t)w[32 * b + j] * scale, bf16);
+    }
+}
+
+/* A legacy block's multipliers from its other bytes s: d, m (q4_1, q5_1), the fifth bits qh
+ * (q5_0, q5_1; else 0) and the codes' offset (q4_0 8, q5_0 16). Its value j: d * (q - bias),
+ * or d * q + m (the product exact in fp32, so an FMA rounds as the definition's two steps). */
+typedef struct {
+    float d, m;
+    uint32_t qh;
+    int bias, has_min;
+} legacy_t;
+
+/* fp16 bits -> fp32 for a block's scales: F16C's one instruction where the build has it (as
+ * q8_0's decoders read theirs; exact, NaNs kept NaN), else f16_to_f32 (whose ldexpf, twice a
+ * block of 32, took q4_1 and q5_1 to 60% of q4_0's and q5_0's speed). */
+static inline float f16_scale(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+static inline legacy_t legacy_block(int fmt, const uint8_t *s) {
+    legacy_t b = {.d = f16_scale((uint16_t)(s[0] | s[1] << 8))};
+    b.has_min = fmt == FMT_Q4_1 || fmt == FMT_Q5_1;
+    if (b.has_min) b.m = f16_scale((uint16_t)(s[2] | s[3] << 8));
+    if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
+        const uint8_t *h = s + (fmt == FMT_Q5_0 ? 2 : 4);
+        b.qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    }
+    b.bias = fmt == FMT_Q4_0 ? 8 : fmt == FMT_Q5_0 ? 16 : 0;
+    return b;
+}
+
+static inline float legacy_value(const legacy_t *b, int code) {
+    return b->has_min ? b->d * (float)code + b->m : b->d * (float)(code - b->bias);
+}
+
+__attribute__((unused)) static void legacy_blocks_scalar(int fmt, int64_t rest, const uint8_t *w,
+                                                         const uint8_t *s, int64_t blocks,
+                                                         int bf16, void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const legacy_t p = legacy_block(fmt, s + b * rest);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t byte = w[16 * b + j];
+            const int lo = (byte & 15) | ((p.qh >> j) & 1) << 4;
+            const int hi = (byte >> 4) | ((p.qh >> (j + 16)) & 1) << 4;
+            put(out, 32 * b + j, legacy_value(&p, lo), bf16);
+            put(out, 32 * b + 16 + j, legacy_value(&p, hi), bf16);
+        }
     }
 }
 
@@ -513,6 +583,38 @@ static inline void q8_f32(const uint8_t *w, float scale, __m512 *lo, __m512 *hi)
 static inline __m512i q8_bf16(const uint8_t *w, float scale) {
     __m512 lo, hi;
     q8_f32(w, scale, &lo, &hi);
+    return bf16_rne32(lo, hi, 0);
+}
+
+/* A legacy block (16 code bytes w, other bytes s) -> its 32 values in fp32 (lo: values 0-15,
+ * the low nibbles; hi: 16-31, the high ones), each legacy_value; never subnormal (multiples of
+ * 2^-24 or zero), so the bf16 conversion needs no check. */
+static inline void legacy_f32(int fmt, const uint8_t *w, const uint8_t *s, __m512 *lo,
+                              __m512 *hi) {
+    const legacy_t p = legacy_block(fmt, s);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    __m512i c0 = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+    __m512i c1 = _mm512_srli_epi32(bytes, 4);
+    if (p.qh) { /* each value's fifth bit: bit j of qh, a mask's lane j */
+        const __m512i fifth = _mm512_set1_epi32(16);
+        c0 = _mm512_mask_or_epi32(c0, (__mmask16)p.qh, c0, fifth);
+        c1 = _mm512_mask_or_epi32(c1, (__mmask16)(p.qh >> 16), c1, fifth);
+    }
+    const __m512 d = _mm512_set1_ps(p.d);
+    if (p.has_min) {
+        const __m512 m = _mm512_set1_ps(p.m);
+        *lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(c0), m);
+        *hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(c1), m);
+    } else {
+        const __m512i bias = _mm512_set1_epi32(p.bias);
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(c0, bias)));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(c1, bias)));
+    }
+}
+
+static inline __m512i legacy_bf16(int fmt, const uint8_t *w, const uint8_t *s) {
+    __m512 lo, hi;
+    legacy_f32(fmt, w, s, &lo, &hi);
     return bf16_rne32(lo, hi, 0);
 }
 
@@ -887,6 +989,23 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
     }
 }
 
+static void legacy_blocks(int fmt, int64_t rest, const uint8_t *w, const uint8_t *s,
+                          int64_t blocks, int bf16, void *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 16 * b + PREFETCH_BYTES);
+        PREFETCH(s + rest * b + PREFETCH_BYTES / 2); /* (its other bytes: up to half its codes') */
+        if (bf16) {
+            _mm512_storeu_si512((uint16_t *)out + 32 * b,
+                                legacy_bf16(fmt, w + 16 * b, s + rest * b));
+        } else {
+            __m512 lo, hi;
+            legacy_f32(fmt, w + 16 * b, s + rest * b, &lo, &hi);
+            _mm512_storeu_ps((float *)out + 32 * b, lo);
+            _mm512_storeu_ps((float *)out + 32 * b + 16, hi);
+        }
+    }
+}
+
 #elif FT_AVX2
 /* 8 floats -> bf16 bits (to nearest even, subnormals kept, NaN quiet). */
 static inline __m128i bf16_rne8(__m256 f) {
@@ -984,11 +1103,45 @@ static void q8_0_blocks(const uint8_t *w, const uint16_t *s, int64_t blocks, int
     }
 }
 
+/* Legacy blocks 8 values at a time: value 16 half + 8 e + i from nibble `half` of code byte
+ * 8 e + i, its fifth bit from bit 16 half + 8 e + i of qh. */
+static void legacy_blocks(int fmt, int64_t rest, const uint8_t *w, const uint8_t *s,
+                          int64_t blocks, int bf16, void *out) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        PREFETCH(w + 16 * b + PREFETCH_BYTES);
+        const legacy_t p = legacy_block(fmt, s + rest * b);
+        const __m256 d = _mm256_set1_ps(p.d), m = _mm256_set1_ps(p.m);
+        const __m256i bias = _mm256_set1_epi32(p.bias);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 16 * b));
+        for (int half = 0; half < 2; half++) {
+            const __m128i nibbles = _mm_and_si128(half ? _mm_srli_epi16(bytes, 4) : bytes,
+                                                  _mm_set1_epi8(15));
+            for (int e = 0; e < 2; e++) {
+                __m256i c = _mm256_cvtepu8_epi32(e ? _mm_srli_si128(nibbles, 8) : nibbles);
+                const int at = 16 * half + 8 * e;
+                if (p.qh) {
+                    const __m256i bits = _mm256_set1_epi32((int)((p.qh >> at) & 0xff));
+                    c = _mm256_or_si256(
+                        c, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, lanes), one),
+                                             4));
+                }
+                /* (d * q exact: the product rounds nothing, so mul then add is the FMA's) */
+                const __m256 v =
+                    p.has_min ? _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(c)), m)
+                              : _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(c, bias)));
+                emit8(out, 32 * b + at, v, bf16);
+            }
+        }
+    }
+}
+
 #else
 #define fp8_span fp8_span_scalar
 #define mxfp4_blocks mxfp4_blocks_scalar
 #define nvfp4_blocks nvfp4_blocks_scalar
 #define q8_0_blocks q8_0_blocks_scalar
+#define legacy_blocks legacy_blocks_scalar
 #endif
 
 /* A K-quant block's multipliers: q4_k, q5_k: d * scale and dmin * min of its 8 sub-blocks of
@@ -1051,7 +1204,8 @@ static void k_quant_blocks(int fmt, int64_t rest, const uint8_t *w, const uint8_
 }
 
 /* Values [k0, k1) of a quantized row into out (value k0 first), in the model's dtype. mxfp4,
- * nvfp4, q8_0 and the K-quants take whole blocks (k0 and k1 multiples of 32, 16, 32, 256). */
+ * nvfp4, q8_0, the K-quants and the legacy types take whole blocks (k0 and k1 multiples of 32,
+ * 16, 32, 256, 32). */
 static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void *out) {
     if (q->fmt == FMT_FP8) {
 #if FP8_TABLES
@@ -1078,6 +1232,9 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
     } else if (is_k_quant(q->fmt)) {
         k_quant_blocks(q->fmt, q->rest, q->w + k0 / 2, q->s8 + k0 / 256 * q->rest,
                        (k1 - k0) / 256, bf16, out);
+    } else if (is_legacy(q->fmt)) {
+        legacy_blocks(q->fmt, q->rest, q->w + k0 / 2, q->s8 + k0 / 32 * q->rest, (k1 - k0) / 32,
+                      bf16, out);
     } else { /* FMT_NVFP4 */
         nvfp4_blocks(q->w + k0 / 2, q->s8 + k0 / 16, (k1 - k0) / 16, q->g, bf16, out);
     }
@@ -1291,6 +1448,17 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
                       q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
         }
+    } else if (is_legacy(q->fmt)) {
+        const int fmt = q->fmt;
+        const int64_t rest = q->rest;
+        for (; k + 128 <= K; k += 128) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * rest;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(s + PREFETCH_BYTES / 2);
+            QDOT_STEP(legacy_bf16(fmt, w, s), legacy_bf16(fmt, w + 16, s + rest),
+                      legacy_bf16(fmt, w + 32, s + 2 * rest),
+                      legacy_bf16(fmt, w + 48, s + 3 * rest));
+        }
     } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: two steps each */
         const int fmt = q->fmt;
         const int64_t rest = q->rest;
@@ -1356,6 +1524,11 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
     } else if (q->fmt == FMT_Q8_0) {
         for (; k + 32 <= K; k += 32)
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)q8_bf16(q->w + k, _cvtsh_ss(q->s16[k / 32])),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+    } else if (is_legacy(q->fmt)) {
+        for (; k + 32 <= K; k += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)legacy_bf16(q->fmt, q->w + k / 2,
+                                                            q->s8 + k / 32 * q->rest),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
 #if FP8_TABLES
@@ -1437,6 +1610,15 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
                 kq_f32(fmt, w, s, c + 1, scale, offset, &w2, &w3);
                 QDOT_STEP(w0, w1, w2, w3);
             }
+        }
+    } else if (is_legacy(q->fmt)) {
+        for (; k + 64 <= K; k += 64) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * q->rest;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(s + PREFETCH_BYTES / 2);
+            legacy_f32(q->fmt, w, s, &w0, &w1);
+            legacy_f32(q->fmt, w + 16, s + q->rest, &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
         }
     } else { /* FMT_FP8, blocks of a multiple of 64 columns */
         for (int64_t b = 0; k + 64 <= K; b++) {
@@ -2315,7 +2497,8 @@ static uint64_t publish(const job_t *j, uint64_t gen, int64_t items) {
  * (bf16 when x_bf16, else fp32), into out [n_rows, H] (fp32, zeroed here). The experts: each
  * projection's weights w, scales s and per-row scales g and fp8's block (bn rows, bk columns)
  * as `fmt` (the down projection: `fmt_down`) stores them (FMT_DENSE: w only, in `dtype`; the
- * two differ only as K-quants, whose rows the same routes read), computed in `dtype`; the
+ * two differ only where neither is mxfp4 or nvfp4, whose split routes read x split for `fmt`),
+ * computed in `dtype`; the
  * gate/up biases b_gate_up [P, 2I] in `dtype`, or NULL. The routes and x are copied before
  * this returns; `out` must stay alive until the job is waited for. *experts receives the
  * number of distinct experts the job reads. Returns 0 if no thread can be started or the

@@ -19,7 +19,7 @@ import torch
 from freetoken.activations import activation_code, supported
 from freetoken.kernels.cpu_team import library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
-from freetoken.weights.expert_format import K_FAMILY, QuantizedBank
+from freetoken.weights.expert_format import SPLIT_FORMATS, QuantizedBank
 
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -82,9 +82,9 @@ class NativeCPUExperts:
         dtype: torch.dtype | None = None,
     ) -> NativeCPUExperts | None:
         """`w_gate_up` [P, 2I, H] and `w_down` [P, H, I]: dense banks, or both `QuantizedBank`s
-        of one format (or two K-quant formats: a Q4_K_M file's q4_k and k_mixed); `dtype`: the
-        model's, which the experts compute in (required with quantized banks; dense banks must
-        hold it). `spin_seconds`: how long the job handoff
+        of one format, or of two but for mxfp4 and nvfp4 (a Q4_K_M file's q4_k or q5_0 and
+        k_mixed); `dtype`: the model's, which the experts compute in (required with quantized
+        banks; dense banks must hold it). `spin_seconds`: how long the job handoff
         spins before sleeping (see the C source); for machines where these cores have nothing
         else to run. `b_gate_up`: the gate/up biases [P, 2I] (in `dtype`) of experts that have
         them (moe/store.py)."""
@@ -97,9 +97,9 @@ class NativeCPUExperts:
         if quantized != isinstance(w_down, QuantizedBank) or (
             quantized
             and w_gate_up.format.name != w_down.format.name
-            and not {w_gate_up.format.name, w_down.format.name} <= K_FAMILY
+            and {w_gate_up.format.name, w_down.format.name} & SPLIT_FORMATS
         ):
-            return None  # (one format for both projections, but for the K-quants' routes)
+            return None  # (the split routes read x split for the gate/up projection's format)
         if b_gate_up is not None and (
             b_gate_up.dtype != dtype
             or tuple(b_gate_up.shape) != tuple(w_gate_up.shape[:2])

@@ -26,12 +26,13 @@ Experts with biases (gpt-oss) pass `b_gate_up [S, 2I]`, a bank of gate/up biases
 same slot ids, added to the projections before the gated unit; `act` names the unit
 (activations.py: `act(gate) * up`, or gpt-oss's clamped `swiglu_oai`).
 
-Experts kept quantized (weights/expert_format.py: fp8 with block scales, mxfp4, nvfp4, q8_0)
-come as `QuantizedBank`s for both projections. The decode kernels read their bytes and
-dequantize tile by tile in registers (a quarter to a half of the bf16 bytes streamed), each
-weight computed as the format defines it and rounded to x.dtype, so the result is the dense
-kernels' on the dequantized banks. Long chunks dequantize the used slots a window at a time
-(`dequantize_slots`, one Triton launch on CUDA) and run the grouped GEMMs on them.
+Experts kept quantized (weights/expert_format.py: fp8 with block scales, mxfp4, nvfp4, GGUF's
+q8_0, K-quants and legacy 4- and 5-bit types) come as `QuantizedBank`s for both projections.
+The decode kernels read their bytes and dequantize tile by tile in registers (a quarter to a
+half of the bf16 bytes streamed), each weight computed as the format defines it and rounded to
+x.dtype, so the result is the dense kernels' on the dequantized banks. Long chunks dequantize
+the used slots a window at a time (`dequantize_slots`, one Triton launch on CUDA) and run the
+grouped GEMMs on them.
 
 `reference_grouped_experts` is the pure-torch definition of the result (used on CPU and as the
 test oracle). The kernels reproduce its dtype rounding steps: the gate/up projections, the
@@ -49,7 +50,7 @@ from torch import Tensor
 from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
 from freetoken.kernels import INTERPRETED
 from freetoken.weights.expert_format import MIXED_K_TAG, MIXED_K_WIDTH, QuantizedBank
-from freetoken.weights.quantized import K_QUANT_REST
+from freetoken.weights.quantized import K_QUANT_REST, LEGACY_REST
 
 Bank = Tensor | QuantizedBank  # a projection of S experts: dense [S, N, K], or kept quantized
 
@@ -99,8 +100,8 @@ LAUNCH_NAMES = (
 # stays at most the checkpoints' 128-column scale blocks (one scale per row and tile); fp4
 # BLOCK_K must be a multiple of 32.
 # q8_0's tiles (a byte a weight, as fp8's; BLOCK_K a multiple of its 32-value blocks), which the
-# K-quants take too (not measured on the GPU yet); each format gets a copy of its own, since
-# grouped_experts_bench.py sweeps a format's entries in place.
+# K-quants and the legacy types take too (not measured on the GPU yet); each format gets a copy
+# of its own, since grouped_experts_bench.py sweeps a format's entries in place.
 _BYTE_TILES = {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
                "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
                "DOWN_STAGES": 3}  # fmt: skip
@@ -114,7 +115,7 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
               "DOWN_STAGES": 3},
-    **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed")},
+    **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed", *LEGACY_REST)},
 }  # fmt: skip
 # Q4_K's gate/up from `grouped_experts_bench.py --sweep --format q4_k` on the H200 (2026-12-03,
 # Qwen3-30B-A3B's shape): 8 x 256 tiles on 4 warps took a layer from 45.5 to 42.0 us at batch 1
@@ -338,7 +339,8 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 # take a runtime scalar as a loop bound with numpy >= 2.4. Strides stay runtime values so the
 # banks may be views of a larger pool (any layout of the two outer dimensions).
 #
-# Quantized banks (FORMAT 1 fp8, 2 mxfp4, 3 nvfp4, 4 q8_0: `ExpertFormat.code`) are dequantized
+# Quantized banks (FORMAT 1 fp8, 2 mxfp4, 3 nvfp4, 4 q8_0, 5-8 the K-quants, 9-12 q4_0, q4_1,
+# q5_0, q5_1: `ExpertFormat.code`) are dequantized
 # inside the same kernels, tile by tile (`_weight_tile`): each weight is computed as its format
 # defines it in fp32 (weights/expert_format.py), rounded to x.dtype (W_ROUND; skipped where that
 # is exact: fp32, and mxfp4's e2m1 x 2^e values in bf16), and then goes through the SAME
@@ -348,7 +350,9 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 # fp32 rounding before the bf16 one). FP8 tiles take one scale per row where a scale block spans
 # the tile's columns (COL_BLOCK % BLOCK_K == 0: the checkpoints' 128 x 128 blocks with BLOCK_K <=
 # 128) and one per element otherwise; Q8_0 tiles are read as [BLOCK_N, BLOCK_K / 32, 32] int8
-# codes times one fp16 scale a block, the tile reshaped back (row order kept). FP4 tiles are read
+# codes times one fp16 scale a block, the tile reshaped back (row order kept); the K-quants and
+# the legacy types likewise as [BLOCK_N, BLOCK_K / 32, 32], each value gathered from its block's
+# bytes (`_k_quant_tile`, `_legacy_tile`). FP4 tiles are read
 # as [BLOCK_N, BLOCK_K / 32, 4] int32 words: chunks of 32 values, 16 bytes each, each word's 8
 # nibbles its 8 consecutive values (low nibble first, little-endian); each nibble is decoded with
 # three integer operations and a multiply (`_e2m1`), scaled (an mxfp4 chunk has one e8m0 scale,
@@ -477,6 +481,9 @@ if triton is not None:
             scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
             w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
             return _round_weight(w, dt, W_ROUND)
+        elif FORMAT >= 9:  # the legacy types: blocks of 32, their d (m, fifth bits) apart
+            w = _legacy_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_N, BLOCK_K)
+            return _round_weight(w, dt, W_ROUND)
         elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
             kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
             if kind == 7:
@@ -555,6 +562,38 @@ if triton is not None:
         scale = (_f16_at(s_at, mask) * sc.to(tl.float32))[:, :, None]
         offset = (_f16_at(s_at + 2, mask) * mn.to(tl.float32))[:, :, None]
         return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
+
+    @triton.jit
+    def _legacy_tile(
+        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of legacy rows (9 q4_0, 10 q4_1, 11
+        q5_0, 12 q5_1: weights/quantized.py's legacy_values, in its order of operations), as
+        [BLOCK_N, G, 32]: G blocks of 32 values (k0 and BLOCK_K multiples of 32), each block's
+        d (and m, fifth bits) read once, its codes a value (value l in byte l % 16's low nibble
+        for l < 16, its high nibble else; its fifth bit bit l of qh)."""
+        G: tl.constexpr = BLOCK_K // 32
+        REST: tl.constexpr = 2 * (FORMAT - 8)  # (2, 4, 6, 8 bytes besides the codes)
+        block = k0 // 32 + tl.arange(0, G)
+        lane = tl.arange(0, 32)[None, None, :]
+        mask = row_mask[:, None] & (block * 32 < KDIM)[None, :]  # [BLOCK_N, G]
+        mask3 = mask[:, :, None] & (lane < 32)
+        w_at = (w_rows[:, None] + (block * 16)[None, :])[:, :, None]
+        byte = tl.load(w_at + lane % 16, mask=mask3, other=0).to(tl.int32)
+        code = (byte >> (4 * (lane // 16))) & 0xF
+        s_at = s_rows[:, None] + (block * REST)[None, :]  # [BLOCK_N, G]
+        if FORMAT == 11 or FORMAT == 12:  # qh: the last 4 of the block's other bytes
+            qh = tl.load(s_at[:, :, None] + (REST - 4) + lane // 8, mask=mask3, other=0)
+            code = code | (((qh.to(tl.int32) >> (lane % 8)) & 1) << 4)
+        d = _f16_at(s_at, mask)[:, :, None]
+        if FORMAT == 10 or FORMAT == 12:
+            w = d * code.to(tl.float32) + _f16_at(s_at + 2, mask)[:, :, None]
+        elif FORMAT == 9:
+            w = d * (code - 8).to(tl.float32)
+        else:
+            w = d * (code - 16).to(tl.float32)
+        return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
     @triton.jit
     def _fp4_tile(
@@ -665,7 +704,7 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, K-quants: [BLOCK_N, BLOCK_K] tiles
+        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, GGUF's types: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -887,7 +926,7 @@ def _check_blocks(format_code: int, params: dict[str, int]) -> None:
     if format_code >= 2:
         for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
             if params[name] % 32:
-                raise ValueError(f"fp4 and q8_0 tiles take whole chunks of 32 values: {name} "
+                raise ValueError(f"fp4 and GGUF tiles take whole chunks of 32 values: {name} "
                                  f"{params[name]}")  # fmt: skip
 
 

@@ -4,14 +4,18 @@ directory in the cache, which the engine then loads as any other.
 The conversion is transformers' (its GGUF reader: the config from the file's hyper-parameters,
 the tokenizer and chat template from its metadata, each tensor dequantized by the `gguf`
 package and renamed to transformers' names), but for the routed experts: where every expert
-tensor of the file is of one type the kernels read, they are written as stored (exactly: the
-same values), and weights/quantized.py reads them; the host pool, the fills and the kernels
-keep them so:
+tensor of the file is of one type the kernels read (or the gate and up projections of one and
+the down projections of another), they are written as stored (exactly: the same values), and
+weights/quantized.py reads them; the host pool, the fills and the kernels keep them so:
 
     Q8_0    32 int8 codes and an fp16 scale a block   `X_q8_0`, `X_q8_0_scales` (8.5 bits)
     Q4_K,   super-blocks of 256: fp16 scales, 6- or   `X_q4_k` (the blocks' 128 bytes of low
     Q5_K,   8-bit sub-block scales, 4-6 bit codes     4 bits), `X_q4_k_scales` (their other
     Q6_K                                              bytes: 4.5, 5.5, 6.56 bits)
+    Q4_0,   blocks of 32: an fp16 scale (and an fp16    `X_q4_0` (the blocks' 16 bytes of low
+    Q4_1,   min: Q4_1, Q5_1), 4-bit codes (and their  4 bits), `X_q4_0_scales` (their other
+    Q5_0,   fifth bits: Q5_0, Q5_1)                   bytes: 4.5, 5.0, 5.5, 6.0 bits)
+    Q5_1
     MXFP4   32 e2m1 codes and an e8m0 scale a block   `X_blocks`, `X_scales`, as gpt-oss's
             (llama.cpp's MXFP4_MOE files)             release (its codes reordered: GGUF
                                                       packs values j and j + 16 in a byte,
@@ -19,7 +23,9 @@ keep them so:
 
 K-quant experts of several types (Q4_K_M and Q5_K_M files: some layers' down projections Q6_K)
 are kept too, each tensor in its own type; the host pool holds such a projection as k_mixed
-(weights/expert_format.py: every block's other bytes padded to Q6_K's, with its type).
+(weights/expert_format.py: every block's other bytes padded to Q6_K's, with its type). So are
+the gate and up projections of one type beside such down projections (Qwen2.5's Q4_K_M files:
+gate and up Q5_0).
 The dense layers' 2-D weights (attention q/k/v/o, dense MLPs and shared experts, the output
 head) of those types are kept as stored too, each as its parts beside its name (`_dense_parts`:
 `model.layers.0.mlp.down_proj.weight_q4_k`, ...; rows in the order transformers' processor gives
@@ -31,8 +37,8 @@ freetoken writes the rest as config.json, tokenizer files and safetensors, each 
 tensor in the narrowest of bf16, fp16 and fp32 that holds its values exactly (`_exact`), so an
 engine computing in fp32 computes with the very values the file's blocks define (a Q4_1 or Q8_0
 block's fp16 scale times its codes needs fp32: bf16 rounded 75% of a Q4_1 file's values and 97%
-of a Q8_0 one's). Routed experts of other GGUF types, or mixing a K-quant with another type,
-are dequantized to bf16 (the bulk of such a file, 2-4x its size in host memory and on disk as
+of a Q8_0 one's). Routed experts of other GGUF types, or of other mixes of types, are
+dequantized to bf16 (the bulk of such a file, 2-4x its size in host memory and on disk as
 it is; fp32 would double that; an fp32 engine reads them so rounded).
 Families transformers reads from GGUF: Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
 gpt-oss (and others freetoken does not serve).
@@ -40,6 +46,7 @@ gpt-oss (and others freetoken does not serve).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -56,8 +63,9 @@ from tqdm import tqdm
 
 from freetoken import paths
 from freetoken.errors import CheckpointError
+from freetoken.models import gguf_header
 from freetoken.weights import memory
-from freetoken.weights.quantized import K_QUANT_REST
+from freetoken.weights.quantized import K_QUANT_REST, LEGACY_REST
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +80,13 @@ EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 DENSE_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_shexp)?)\.weight"
                           r"|output\.weight")  # fmt: skip
 K_TYPES = tuple(name.upper() for name in K_QUANT_REST)  # Q4_K, Q5_K, Q6_K
+LEGACY_TYPES = tuple(name.upper() for name in LEGACY_REST)  # Q4_0, Q4_1, Q5_0, Q5_1
 # GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
 # scales), as weights/quantized.py recognises them
 KEPT_TYPES = {
     "Q8_0": ("_q8_0", "_q8_0_scales"),
     "MXFP4": ("_blocks", "_scales"),
-    **{k: (f"_{k.lower()}", f"_{k.lower()}_scales") for k in K_TYPES},
+    **{k: (f"_{k.lower()}", f"_{k.lower()}_scales") for k in (*K_TYPES, *LEGACY_TYPES)},
 }
 
 
@@ -100,6 +109,7 @@ def checkpoint_of(path: str | Path, progress: bool | None = None) -> Path:
     dst = paths.cache_dir() / "gguf" / f"{path.stem}-{key}"
     if _converted(dst):
         return dst
+    gguf_header.check(path)  # (a file that cannot serve refused in ~0.1 s, not after a conversion)
     log.warning("converting %s once into %s (later starts read it from there)", path, dst)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +137,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     try:
         from gguf import GGUFReader
         from safetensors.torch import save_file
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as e:
         raise CheckpointError(
@@ -138,14 +148,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
             parsed = load_gguf_checkpoint(str(path), return_tensors=False)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         fields = dict(parsed["config"])
-        model_type = fields.pop("model_type")
-        arch = str(reader.fields["general.architecture"].contents())
-        for key, name in (("attention.key_length", "head_dim"),  # (Qwen3's: not in its map)
-                          ("expert_feed_forward_length", "moe_intermediate_size")):  # fmt: skip
-            field = reader.fields.get(f"{arch}.{key}")
-            if field is not None and name not in fields:
-                fields[name] = int(field.contents())
-        config = AutoConfig.for_model(model_type, **fields)
+        config, arch = transformers_config(reader, fields)
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
         # (the engine's dtype under "auto"; each tensor is stored as `_stored` says)
         dtype = torch.bfloat16 if quantized else torch.float32
@@ -170,6 +173,43 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     stored = {name: _stored(name, t) for name, t in tensors.items()}
     save_file({name: t.contiguous() for name, t in stored.items()},
               str(dst / "model.safetensors"))  # fmt: skip
+
+
+def transformers_config(reader, fields: dict):
+    """(transformers' config, llama.cpp's architecture name) of the GGUF file `reader` reads,
+    from `fields`, transformers' reading of its hyper-parameters, and the keys its map leaves
+    out: Qwen3's head_dim, qwen2moe's expert widths, and whether the top-k weights are
+    renormalised (which llama.cpp's qwen2moe never reads but models/moe_from_dense.py's files
+    state)."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    arch = str(reader.fields["general.architecture"].contents())
+    for key, name, kind in (("attention.key_length", "head_dim", int),
+                            ("expert_feed_forward_length", "moe_intermediate_size", int),
+                            ("expert_shared_feed_forward_length",
+                             "shared_expert_intermediate_size", int),
+                            ("expert_weights_norm", "norm_topk_prob", bool)):  # fmt: skip
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None and name not in fields:
+            fields[name] = kind(field.contents())
+    return AutoConfig.for_model(model_type, **fields), arch
+
+
+@contextmanager
+def _one_name_map():
+    """transformers' `get_gguf_hf_weights_map` builds the gguf package's name map afresh for
+    every module of the model it recurses into (397 for SmolLM2-135M: 12 s of a conversion);
+    while this is open, one per architecture and depth is built, and kept."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 @contextmanager
@@ -228,29 +268,34 @@ _KEPT_SUFFIXES = tuple(suffix for suffixes in KEPT_TYPES.values() for suffix in 
 
 
 def _kept_experts(reader) -> set[str]:
-    """The names of the expert tensors kept as stored: all of them where all are of one type
-    the kernels read, or all K-quants with each layer's gate and up of one type (Q4_K_M and
-    Q5_K_M files: some layers' down projections Q6_K; the loader keeps such a projection as
-    k_mixed), else none (a mix would be dequantized at load anyway)."""
+    """The names of the expert tensors kept as stored: all of them where each projection's are
+    of one type the kernels read, or all K-quants (Q4_K_M and Q5_K_M files: some layers' down
+    projections Q6_K; the loader keeps such a projection as k_mixed), with each layer's gate
+    and up of one type (they are stacked in one bank row), and the two projections' types a
+    pair the kernels take together (MXFP4 beside no other); else none (a mix would be
+    dequantized at load anyway)."""
     experts = [t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name)]
     types = {t.tensor_type.name for t in experts}
-    if len(types) == 1 and types <= set(KEPT_TYPES):
-        return {t.name for t in experts}
     gate_up: dict[str, set[str]] = {}  # layer -> its gate's and up's types
+    by_projection: dict[str, set[str]] = {"gate_up": set(), "down": set()}
     for t in experts:
         m = EXPERT_TENSOR.fullmatch(t.name)
+        kind = t.tensor_type.name
+        by_projection["down" if m[2] == "down" else "gate_up"].add(kind)
         if m[2] != "down":
-            gate_up.setdefault(m[1], set()).add(t.tensor_type.name)
+            gate_up.setdefault(m[1], set()).add(kind)
     stackable = all(len(kinds) == 1 for kinds in gate_up.values())
-    if types <= set(K_TYPES) and stackable:
+    kept = all((len(kinds) == 1 and kinds <= set(KEPT_TYPES)) or kinds <= set(K_TYPES)
+               for kinds in by_projection.values())  # fmt: skip
+    if kept and stackable and (len(types) == 1 or "MXFP4" not in types):
         return {t.name for t in experts}
     if experts:
         kinds = "/".join(sorted(types))
-        why = (f"a layer's gate and up projections differ in type ({kinds})"
-               if types <= set(K_TYPES) else f"they are of several types ({kinds})"
-               if len(types) > 1 else f"the kernels do not take {kinds} as stored")  # fmt: skip
-        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: files whose "
-                    "experts are all of one of %s, or all K-quants)", why,
+        why = (f"a layer's gate and up projections differ in type ({kinds})" if not stackable
+               else f"they are of several types ({kinds})" if len(types) > 1
+               else f"the kernels do not take {kinds} as stored")  # fmt: skip
+        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: each "
+                    "projection's experts all of one of %s, or all K-quants)", why,
                     ", ".join(KEPT_TYPES))  # fmt: skip
     return set()
 
@@ -299,7 +344,8 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
     )
 
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    with _one_name_map():
+        names = get_gguf_hf_weights_map(skeleton, processor)
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
     out = parsed["tensors"]
     show = sys.stderr.isatty() if progress is None else progress
@@ -388,8 +434,25 @@ def _k_quant(kind: str):
     return split
 
 
+def _legacy(kind: str):
+    """Legacy blocks of 32 (bytes [..., K / 32 * B]: an fp16 d, Q4_1's and Q5_1's fp16 m, Q5_0's
+    and Q5_1's 4 bytes of fifth bits, then 16 bytes of low 4 bits) -> (their code bytes [...,
+    K / 2], their other bytes [..., K / 32 * (B - 16)]), as weights/quantized.py's
+    `legacy_values` reads them."""
+    rest = LEGACY_REST[kind.lower()]
+
+    def split(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks = data.reshape(*data.shape[:-1], -1, 16 + rest)
+        lead = data.shape[:-1]
+        return (np.ascontiguousarray(blocks[..., rest:]).reshape(*lead, -1),
+                np.ascontiguousarray(blocks[..., :rest]).reshape(*lead, -1))  # fmt: skip
+
+    return split
+
+
 # KEPT_TYPES' blocks -> (codes, scales)
-_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in K_TYPES}}
+_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in K_TYPES},
+          **{k: _legacy(k) for k in LEGACY_TYPES}}  # fmt: skip
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:

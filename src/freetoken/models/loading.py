@@ -32,6 +32,7 @@ from freetoken.weights.expert_format import (
     DENSE,
     K_MIXED,
     K_QUANTS,
+    SPLIT_FORMATS,
     ExpertFormat,
     QuantizedWeight,
     bank_parts,
@@ -179,9 +180,10 @@ def expert_storage(
 ) -> tuple[ExpertFormat, frozenset[str], ExpertFormat | None]:
     """How the host pool holds a checkpoint's routed experts: (format, the names of the
     quantized tensors kept so, the down projection's format where it differs). Kept where
-    every expert is stored in one format whose blocks the banks can lay out, or in K-quants
-    (a projection whose tensors differ in type kept as k_mixed: a Q4_K_M file's down
-    projections); dense (dequantized at load, said why) else."""
+    each projection's experts are stored in one format whose blocks the banks can lay out, or
+    in K-quants (a projection whose tensors differ in type kept as k_mixed: a Q4_K_M file's
+    down projections, beside gate and up in Q4_K or Q5_0); dense (dequantized at load, said
+    why) else."""
     quantized = ckpt.quantized
     if cfg.moe is None or not quantized.tensors:
         return DENSE, frozenset(), None
@@ -191,17 +193,21 @@ def expert_storage(
     plain = [n for n in ckpt.tensors
              if n not in quantized.parts and _is_expert(family.canonical_name(n))]  # fmt: skip
     formats = sorted({q.format for q in experts.values()})
+    by_projection: dict[str, set[str]] = {"gate_up": set(), "down": set()}
+    for name, q in experts.items():
+        by_projection[_projection(family.canonical_name(name))].add(q.format)
+    # a projection of several formats: K-quants only (k_mixed); the two projections may differ
+    # but for the formats whose CPU routes read x split for the gate/up one's
+    several = [kinds for kinds in by_projection.values()
+               if len(kinds) > 1 and not kinds <= set(K_QUANTS)]  # fmt: skip
     fmt, down, why = DENSE, None, None
     if dequantize:
         why = "asked to (--dequantize-experts)"
-    elif len(formats) > 1 and not set(formats) <= set(K_QUANTS):
+    elif several or (len(formats) > 1 and set(formats) & SPLIT_FORMATS):
         why = f"they are stored in several formats ({', '.join(formats)})"
     elif plain:
         why = f"some are not quantized ({plain[0]})"
     else:
-        by_projection: dict[str, set[str]] = {"gate_up": set(), "down": set()}
-        for name, q in experts.items():
-            by_projection[_projection(family.canonical_name(name))].add(q.format)
         fmt, down = (
             expert_format(kinds.pop(), quantized.fp8_block) if len(kinds) == 1 else K_MIXED
             for kinds in by_projection.values()

@@ -57,7 +57,8 @@ class ExpertShape:
     dtype: torch.dtype  # the model's (what quantized experts compute in)
     bias: bool = False  # a gate/up bias row too (gpt-oss)
     format: ExpertFormat = DENSE
-    # the down projection's where it differs (K-quants only: a Q4_K_M file's, k_mixed)
+    # the down projection's where it differs (a Q4_K_M file's k_mixed beside q4_k or q5_0;
+    # never beside mxfp4 or nvfp4: weights/expert_format.py's SPLIT_FORMATS)
     down_format: ExpertFormat | None = None
 
     @classmethod
@@ -177,8 +178,8 @@ class HostExpertStore(BanksByName):
 
     @property
     def format(self) -> ExpertFormat:
-        """The gate/up projections' format (the down projection's too but for mixed K-quants:
-        `formats`)."""
+        """The gate/up projections' format (the down projection's too where it does not
+        differ: `formats`)."""
         return self.shape.format
 
     @property

@@ -13,6 +13,10 @@ the formats differ in what that row is made of:
     q5_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 48]      -
     q6_k     low 4 bits (uint8), pack 2  bytes [N, K / 256 * 82]      -
     k_mixed  low 4 bits (uint8), pack 2  bytes [N, K / 256 * 84]      -
+    q4_0     low 4 bits (uint8), pack 2  bytes [N, K / 32 * 2]        -
+    q4_1     low 4 bits (uint8), pack 2  bytes [N, K / 32 * 4]        -
+    q5_0     low 4 bits (uint8), pack 2  bytes [N, K / 32 * 6]        -
+    q5_1     low 4 bits (uint8), pack 2  bytes [N, K / 32 * 8]        -
 
 (e2m1 pairs: two 4-bit codes a byte, the low nibble first, element 2j in the low nibble of byte
 j. NVFP4's per-tensor `weight_scale_2` is kept per row, since one bank row holds the gate's and
@@ -33,15 +37,21 @@ in this order:
              type, as the down projections of Q4_K_M and Q5_K_M files (Q6_K in some layers).
              A bank row (an expert's projection) is of one type, so kernels read the type
              once a row or a tile
+    q4_0 ..  GGUF's legacy blocks of 32 (weights/quantized.py's `legacy_values`: a block's
+    q5_1     16 code bytes in data, value j in byte j's low nibble and j + 16 in its high one;
+             its other bytes in scale: fp16 d, fp16 m, 4 bytes of fifth bits, as it has them):
+             d * (q - 8), d * q + m, d * (q - 16), d * q + m
 
 then rounded to the model's dtype: exactly the weight a checkpoint dequantized at load holds.
 Every expert kernel (the Triton decode kernels, the C kernel, the torch reference) computes with
 these values, so a quantized expert gives the same result as its dequantized copy on the same
 kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 4.25-4.5 bits a
-weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, mixed K-quants 6.63).
+weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, mixed K-quants 6.63, Q4_0 4.5,
+Q4_1 5.0, Q5_0 5.5, Q5_1 6.0).
 
-A store's two projections may differ in format where both are K-quants (a Q4_K_M file: gate
-and up Q4_K, down mixed): `formats` maps each projection to its own.
+A store's two projections may differ in format (a Q4_K_M file: gate and up Q4_K or Q5_0, down
+mixed K-quants): `formats` maps each projection to its own. Not where one is mxfp4 or nvfp4,
+whose CPU routes read x split for the gate/up projection's format (`SPLIT_FORMATS`).
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ from freetoken.config import EXPERT_FORMATS
 from freetoken.weights.quantized import (
     FP8_BLOCK,
     K_QUANT_REST,
+    LEGACY_BLOCK,
+    LEGACY_REST,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
     Q8_0_BLOCK,
@@ -65,6 +77,7 @@ from freetoken.weights.quantized import (
     dequantize_nvfp4,
     dequantize_q8_0,
     k_quant_values,
+    legacy_values,
 )
 
 # the kernels' codes (the C source's FMT_* macros, passed as -D defines by kernels/native.py)
@@ -78,6 +91,10 @@ KERNEL_CODES = {
     "FMT_Q5_K": 6,
     "FMT_Q6_K": 7,
     "FMT_K_MIXED": 8,
+    "FMT_Q4_0": 9,
+    "FMT_Q4_1": 10,
+    "FMT_Q5_0": 11,
+    "FMT_Q5_1": 12,
 }
 # k_mixed: each block's other bytes padded to this width, its type's kernel code at MIXED_K_TAG
 MIXED_K_WIDTH, MIXED_K_TAG = 84, 82
@@ -87,7 +104,7 @@ MIXED_K_WIDTH, MIXED_K_TAG = 84, 82
 class ExpertFormat:
     """A way of storing an expert projection's weights (see the module's docstring)."""
 
-    name: str  # "dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k"
+    name: str  # "dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", ..., "k_mixed", "q4_0", ...
     pack: int = 1  # values per stored element along K
     col_block: int = 0  # K values per scale (0: no scales)
     row_block: int = 1  # N rows per scale
@@ -152,6 +169,8 @@ class ExpertFormat:
             return dequantize_q8_0(w, s)
         if self.name in K_QUANT_REST:
             return k_quant_values(self.name, w, s)
+        if self.name in LEGACY_REST:
+            return legacy_values(self.name, w, s)
         if self.name == "k_mixed":
             return k_mixed_values(w, s)
         if self.name == "mxfp4":
@@ -178,6 +197,14 @@ K_MIXED = ExpertFormat(
     "k_mixed", pack=2, col_block=QK_K, scale_dtype=torch.uint8, scale_width=MIXED_K_WIDTH
 )
 K_FAMILY = frozenset((*K_QUANTS, K_MIXED.name))  # formats a row of which the K decoders read
+LEGACY = {
+    name: ExpertFormat(name, pack=2, col_block=LEGACY_BLOCK, scale_dtype=torch.uint8,
+                       scale_width=width)
+    for name, width in LEGACY_REST.items()
+}  # fmt: skip
+# Formats whose CPU routes read x split for them (kernels/cpu_experts.c's split_x): a store's
+# two projections are of one format where either is one of these
+SPLIT_FORMATS = frozenset(("mxfp4", "nvfp4"))
 
 
 def k_mixed_rest(kind: str, rest: Tensor) -> Tensor:
@@ -228,7 +255,7 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
         return fp8_format(fp8_block)
     try:
         return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **K_QUANTS,
-                "k_mixed": K_MIXED}[name]  # fmt: skip
+                "k_mixed": K_MIXED, **LEGACY}[name]  # fmt: skip
     except KeyError:
         raise ValueError(
             f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
@@ -245,7 +272,7 @@ def bank_parts(stored: QuantizedParts, bank: ExpertFormat | None = None) -> dict
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.float()}
     if stored.format == "q8_0":
         return {"w": stored.data.view(torch.uint8), "s": stored.scale.to(torch.float16)}
-    if stored.format in K_QUANTS:
+    if stored.format in K_QUANTS or stored.format in LEGACY:
         return {"w": stored.data, "s": stored.scale}
     scale = stored.scale
     if scale.dtype != torch.uint8:  # (e8m0 or e4m3 scales stored as such: their bits)
@@ -412,6 +439,16 @@ def fill_random_(fmt: ExpertFormat, part: str, bank: Tensor, generator=None) -> 
                     blocks[expert, ..., at : at + 2] = scale
                 if fmt.name == "k_mixed":
                     blocks[expert, ..., MIXED_K_TAG] = K_QUANTS[kind].code
+        return bank
+    if fmt.name in LEGACY:  # any codes and fifth bits; fp16 d of 2^-11 .. 2^-9, m of -16 d .. 0
+        bank.random_(0, 256, generator=generator)
+        if part == "s":
+            blocks = bank.view(*bank.shape[:-1], -1, fmt.scale_width)
+            d = torch.empty(blocks.shape[:-1]).uniform_(2.0**-11, 2.0**-9, generator=generator)
+            blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
+            if fmt.name in ("q4_1", "q5_1"):
+                m = -d * torch.empty_like(d).uniform_(0, 16, generator=generator)
+                blocks[..., 2:4] = m.half().unsqueeze(-1).view(torch.uint8)
         return bank
     if part == "w":
         if fmt.name == "fp8":  # any e4m3 but the NaNs (0x7f, 0xff)

@@ -24,6 +24,11 @@ Three weight formats of the releases people run, each recognised by its companio
                             the block (its fp16 scales, packed sub-block scales, and Q5_K's and
                             Q6_K's high bits: S = 16, 48, 82 bytes), as the GGUF conversion
                             keeps them (`k_quant_values` below is the definition)
+    Q4_0, Q4_1, Q5_0, Q5_1  `X_q4_0` uint8 [..., K / 2] and `X_q4_0_scales` uint8 [..., K / 32 *
+                            S]: GGUF's legacy blocks of 32 values split likewise, their 16 bytes
+                            of low 4 bits and their other bytes (fp16 d, Q4_1's and Q5_1's fp16
+                            m, Q5_0's and Q5_1's 4 bytes of fifth bits: S = 2, 4, 6, 8), as the
+                            GGUF conversion keeps them (`legacy_values` is the definition)
 
 Routed experts stored so are kept quantized (`keep`): their parts go into the host pool's banks
 as they are (weights/expert_format.py lays them out; the kernels dequantize as they compute).
@@ -49,11 +54,17 @@ FP8_BLOCK = (128, 128)
 MXFP4_BLOCK = 32
 NVFP4_BLOCK = 16
 Q8_0_BLOCK = 32
-SUPPORTED = "fp8 (128x128 block scales), mxfp4, modelopt NVFP4, GGUF Q8_0, Q4_K, Q5_K, Q6_K"
+SUPPORTED = (
+    "fp8 (128x128 block scales), mxfp4, modelopt NVFP4, GGUF Q8_0, Q4_K, Q5_K, Q6_K, "
+    "Q4_0, Q4_1, Q5_0, Q5_1"
+)
 QK_K = 256  # values a K-quant super-block
 # A K-quant super-block's bytes other than its 128 of low 4-bit codes (`k_quant_values`)
 K_QUANT_REST = {"q4_k": 16, "q5_k": 48, "q6_k": 82}
-GGUF_KEPT = ("q8_0", *K_QUANT_REST)  # GGUF types a conversion keeps as they are stored
+LEGACY_BLOCK = 32  # values a block of GGUF's legacy 4- and 5-bit types
+# Their blocks' bytes other than their 16 of low 4-bit codes (`legacy_values`)
+LEGACY_REST = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}
+GGUF_KEPT = ("q8_0", *K_QUANT_REST, *LEGACY_REST)  # GGUF types a conversion keeps as stored
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -149,6 +160,22 @@ def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales, mins
 
 
+def _split_blocks(
+    fmt: str, codes: torch.Tensor, rest: torch.Tensor, size: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks of `size` values kept as their low-4-bit code bytes [..., K / 2] and their
+    `width` other bytes each [..., K / size * width] -> [..., blocks, size / 2] and [...,
+    blocks, width], or a clear error where the two do not match."""
+    lead, k = codes.shape[:-1], codes.shape[-1] * 2
+    blocks = k // size
+    if k % size or tuple(rest.shape) != (*lead, blocks * width):
+        raise CheckpointError(
+            f"{fmt.upper()} codes of shape {tuple(codes.shape)} need the rest of their blocks "
+            f"of shape {(*lead, blocks * width)}, not {tuple(rest.shape)}"
+        )
+    return codes.reshape(*lead, blocks, size // 2), rest.reshape(*lead, blocks, width)
+
+
 def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     """GGUF K-quant super-blocks as kept (`codes` uint8 [..., K / 2]: each block's 128 bytes of
     low 4 bits, `rest` uint8 [..., K / 256 * S]: its other bytes in the block's order) -> fp32
@@ -163,15 +190,9 @@ def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.T
     nibble) in q4_k and q5_k; in q6_k, bytes 64 h + l and 64 h + 32 + l hold values 128 h + l,
     + 32 (low nibbles) and + 64, + 96 (high)."""
     width = K_QUANT_REST[fmt]
+    c, r = _split_blocks(fmt, codes, rest, QK_K, width)
+    c = c.to(torch.int32)
     lead, k = codes.shape[:-1], codes.shape[-1] * 2
-    blocks = k // QK_K
-    if k % QK_K or tuple(rest.shape) != (*lead, blocks * width):
-        raise CheckpointError(
-            f"{fmt.upper()} codes of shape {tuple(codes.shape)} need the rest of their blocks "
-            f"of shape {(*lead, blocks * width)}, not {tuple(rest.shape)}"
-        )
-    c = codes.reshape(*lead, blocks, QK_K // 2).to(torch.int32)
-    r = rest.reshape(*lead, blocks, width)
 
     def f16(at: int) -> torch.Tensor:
         return r[..., at : at + 2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
@@ -205,6 +226,31 @@ def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.T
     return (scale * q - offset).reshape(*lead, k)
 
 
+def legacy_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """GGUF's legacy blocks of 32 values as kept (`codes` uint8 [..., K / 2]: each block's 16
+    bytes of low 4 bits, value j in byte j's low nibble and value j + 16 in its high one;
+    `rest` uint8 [..., K / 32 * S]: its other bytes in the block's order, an fp16 d, then an
+    fp16 m (q4_1, q5_1), then 4 bytes qh whose bit j (little-endian) is value j's fifth bit
+    (q5_0, q5_1)) -> fp32 [..., K], as ggml defines them, in fp32:
+
+        q4_0   d * (q - 8)        q4_1   d * q + m        (q 4 bits)
+        q5_0   d * (q - 16)       q5_1   d * q + m        (q 5 bits)
+
+    (the products are exact in fp32, so q4_1's and q5_1's one rounding is the addition's)."""
+    width = LEGACY_REST[fmt]
+    c, r = _split_blocks(fmt, codes, rest, LEGACY_BLOCK, width)
+    lead, k = codes.shape[:-1], codes.shape[-1] * 2
+    q = torch.cat([c & 0xF, c >> 4], dim=-1)  # uint8 [..., blocks, 32] in order
+    d = r[..., 0:2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
+    if fmt in ("q5_0", "q5_1"):  # qh's bytes' bits, the lowest first: values 0-31's fifth
+        shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+        q = q | (((r[..., width - 4 :].unsqueeze(-1) >> shifts) & 1).flatten(-2) << 4)
+    if fmt in ("q4_1", "q5_1"):
+        m = r[..., 2:4].contiguous().view(torch.float16).float()
+        return (d * q.float() + m).reshape(*lead, k)
+    return (d * (q.float() - (8 if fmt == "q4_0" else 16))).reshape(*lead, k)
+
+
 @dataclass(frozen=True)
 class QuantizedParts:
     """A quantized tensor as stored, for a bank that keeps it so: the data and its scales in
@@ -222,7 +268,7 @@ class QuantizedTensor:
     checkpoint tensors it is made of (data first), and the shape it dequantizes to."""
 
     name: str
-    format: str  # "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k"
+    format: str  # "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q4_0", ...
     parts: tuple[str, ...]
     shape: tuple[int, ...]
 
@@ -348,4 +394,5 @@ _DEQUANTIZE = {
     "nvfp4": lambda d, w, s, g: dequantize_nvfp4(w, s, g),
     "q8_0": lambda d, w, s: dequantize_q8_0(w, s),
     **{fmt: (lambda d, w, s, fmt=fmt: k_quant_values(fmt, w, s)) for fmt in K_QUANT_REST},
+    **{fmt: (lambda d, w, s, fmt=fmt: legacy_values(fmt, w, s)) for fmt in LEGACY_REST},
 }

