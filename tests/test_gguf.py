@@ -111,7 +111,7 @@ def test_a_gguf_file_serves_its_weights(source, q8_0_file, tmp_path, monkeypatch
         stored = load_file(str(converted / "model.safetensors"))
         name = "model.layers.0.self_attn.q_proj.weight"
         assert (name not in stored) == (kind in gguf.KEPT_TYPES)
-        assert name in stored or stored[name + "_" + kind.lower()].dtype == torch.int8
+        assert name in stored or name + "_" + kind.lower() + "_scales" in stored
         assert name not in stored or stored[name].dtype == torch.float32
         # either way the values the file defines
         weights = {n: t.float() for n, t, _ in CheckpointDir(converted).iter_weights()}
@@ -185,14 +185,15 @@ def test_exact_storage_takes_the_narrowest_type_holding_every_value():
 
 
 def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path, monkeypatch):
-    """Experts of a type the kernels do not keep (Q4_0) are the bulk of a file: bf16, as the
-    engine holds them; the attention's Q4_0 matrices are stored as the file defines them."""
+    """Experts of a type the kernels do not keep (F16 here: every quantized type the gguf
+    package writes is kept since Q4_0-Q5_1 were added) are the bulk of a file: bf16, as the
+    engine holds them; the attention's Q4_0 matrices as the file's blocks."""
     import gguf as gguf_package
     from safetensors.torch import load_file
 
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
     path, _ = build_chat_model("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
-    file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0")
+    file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0", experts="F16")
     stored = load_file(str(gguf.checkpoint_of(file) / "model.safetensors"))
     tensors = {t.name: t for t in gguf_package.GGUFReader(str(file)).tensors}
 
@@ -207,8 +208,13 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
     gate, up = values("blk.1.ffn_gate_exps.weight"), values("blk.1.ffn_up_exps.weight")
     assert gate_up.dtype == torch.bfloat16
     assert torch.equal(gate_up, torch.cat([gate, up], dim=1).to(torch.bfloat16))
-    q = stored["model.layers.1.self_attn.q_proj.weight"]
-    assert q.dtype == torch.float32 and torch.equal(q, values("blk.1.attn_q.weight"))
+    # (the attention's Q4_0 matrices: kept as their blocks, which read as the file's values)
+    from freetoken.weights.safetensors_dir import CheckpointDir
+
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert name not in stored and name + "_q4_0" in stored
+    q = next(t for n, t, _ in CheckpointDir(gguf.checkpoint_of(file)).iter_weights() if n == name)
+    assert torch.equal(q, values("blk.1.attn_q.weight"))
 
 
 def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):

@@ -136,12 +136,15 @@ def load_model(
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     fmt, kept, down = expert_storage(ckpt, family, cfg, dequantize_experts)
     dense = frozenset() if dequantize_dense else dense_storage(ckpt, family, cfg, dtype, device)
-    kept |= dense
-    need = ckpt.nbytes(dtype, kept)
+    need = ckpt.nbytes(dtype, kept | dense)
     if down is not None:  # (k_mixed pads its blocks: the pool is larger than the file's experts)
         parts = [p for n in kept for p in ckpt.quantized.tensors[n].parts]
         stored = sum(ckpt.tensors[p].stored_bytes for p in parts)
         need += _pool_bytes(cfg, dtype, fmt, down) - stored
+    # (a tied embedding kept for the head: its table is dequantized beside it)
+    need += sum(ckpt.quantized.tensors[n].numel * dtype.itemsize for n in dense
+                if family.canonical_name(n) == "embed.weight")  # fmt: skip
+    kept |= dense
     _admit(ckpt.path, need, dtype)
     if ckpt.quantized.tensors:
         log.info(
