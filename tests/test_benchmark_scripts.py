@@ -313,3 +313,15 @@ def test_a_gguf_f32_copy_holds_the_files_values_and_metadata(tmp_path, monkeypat
     assert names == {n for n in after.fields if not n.startswith("GGUF.")}
     for name in names:
         assert before.fields[name].contents() == after.fields[name].contents(), name
+
+
+def test_dense_quantized_kernel_table(tmp_path):
+    """dense_quantized.py --kernel: a row per format and dtype (and layer), with its speeds."""
+    out = run("dense_quantized.py", "--kernel", "--formats", "q8_0", "q4_k", "--repeats", "1",
+              tmp_path=tmp_path)  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| q")]
+    assert {(r[0].strip(), r[3].strip()) for r in rows} == {
+        (f, d) for f in ("q8_0", "q4_k") for d in ("bfloat16", "float32")
+    }
+    # (numbers: their size is the machine's load, which a test cannot judge)
+    assert all(float(cell) >= 0 for r in rows for cell in r[4:])

@@ -38,6 +38,13 @@ def f32_file(source, tmp_path_factory):
     return write_qwen3_gguf(source[0], out / "tiny.gguf"), out / "cache"
 
 
+@pytest.fixture(scope="module")
+def q8_0_file(source, tmp_path_factory):
+    """The source as one Q8_0 GGUF file, and the cache directory it converts into once."""
+    out = tmp_path_factory.mktemp("q8_0")
+    return write_qwen3_gguf(source[0], out / "tiny-Q8_0.gguf", "Q8_0"), out
+
+
 def logits(path) -> torch.Tensor:
     runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=128, page_size=8)
     return runner.forward([runner.new_sequence()], [IDS], all_logits=True)
@@ -79,12 +86,15 @@ def test_every_type_converts_to_its_dequantized_values(source, tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0"])
-def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
+def test_a_gguf_file_serves_its_weights(source, q8_0_file, tmp_path, monkeypatch, kind):
     path, hf, _ = source
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    file = write_qwen3_gguf(path, tmp_path / f"tiny-{kind}.gguf", kind)
+    if kind == "Q8_0":
+        file, cache = q8_0_file
+    else:
+        file, cache = write_qwen3_gguf(path, tmp_path / f"tiny-{kind}.gguf", kind), tmp_path
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache / "cache"))
     converted = gguf.checkpoint_of(file)
-    assert converted.parent == tmp_path / "cache" / "gguf" and (converted / gguf.DONE).is_file()
+    assert converted.parent == cache / "cache" / "gguf" and (converted / gguf.DONE).is_file()
     ours = logits(converted)
     if kind == "F32":  # the very weights: the source model's logits
         with torch.no_grad():
@@ -94,29 +104,73 @@ def test_a_gguf_file_serves_its_weights(source, tmp_path, monkeypatch, kind):
         import gguf as gguf_package
         from safetensors.torch import load_file
 
-        weights = load_file(str(converted / "model.safetensors"))
-        state = hf.state_dict()
-        q = weights["model.layers.0.self_attn.q_proj.weight"]
-        source_q = state["model.layers.0.self_attn.q_proj.weight"]
+        from freetoken.weights.safetensors_dir import CheckpointDir
+
+        # a dense layer's weight is kept as its blocks where the kernels read its type, else
+        # stored dequantized, exactly (fp32: bf16 would round most of a block's values)
+        stored = load_file(str(converted / "model.safetensors"))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert (name not in stored) == (kind in gguf.KEPT_TYPES)
+        assert name in stored or name + "_" + kind.lower() + "_scales" in stored
+        assert name not in stored or stored[name].dtype == torch.float32
+        # either way the values the file defines
+        weights = {n: t.float() for n, t, _ in CheckpointDir(converted).iter_weights()}
+        q, source_q = weights[name], hf.state_dict()[name]
         step = {"Q8_0": 0.01}.get(kind, 0.2)  # (of the largest)
-        assert 0 < (q.float() - source_q).abs().max() < step * source_q.abs().max()
-        # stored as the file defines them (fp32: bf16 would round most of a block's values)
+        assert 0 < (q - source_q).abs().max() < step * source_q.abs().max()
         t = next(t for t in gguf_package.GGUFReader(str(file)).tensors
                  if t.name == "blk.0.attn_q.weight")  # fmt: skip
         want = torch.from_numpy(gguf_package.quants.dequantize(t.data, t.tensor_type))
-        assert q.dtype == torch.float32 and torch.equal(q, want)
+        assert torch.equal(q, want)
         assert json.loads((converted / "config.json").read_text())["dtype"] == "bfloat16"
         hf_q = type(hf)(hf.config).eval()  # the same model holding the dequantized weights
-        result = hf_q.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        result = hf_q.load_state_dict(weights, strict=False)
         assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
         hf_q.tie_weights()
         with torch.no_grad():
             ref = hf_q(torch.tensor([IDS])).logits[0].float()
-        ours_bf16 = ModelRunner(load_model(converted, dtype="float32"), kv_cache_tokens=128,
-                                page_size=8)  # fmt: skip
-        got = ours_bf16.forward([ours_bf16.new_sequence()], [IDS], all_logits=True)
-        assert (got - ref).abs().max().item() < 1e-4
+        assert (ours - ref).abs().max().item() < 1e-4
     assert gguf.checkpoint_of(file) == converted  # a second start converts nothing
+
+
+def test_a_gguf_files_dense_layers_load_quantized_and_match_its_dequantized_model(
+    q8_0_file, monkeypatch
+):
+    """A Q8_0 file: its attention and MLP weights, and the tied output head (from the
+    embedding's blocks; the table dequantized for lookups), load as quantized weights on the
+    CPU, and the model's fp32 logits over a prompt (its rows: the weights dequantized per call)
+    and paged decode steps (one row: the native kernel on the blocks) are those of the same
+    file's model loaded dequantized, within 1e-4."""
+    from freetoken.layers.linear import Linear
+    from freetoken.weights.expert_format import QuantizedWeight
+
+    file, cache = q8_0_file
+    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache / "cache"))
+    converted = gguf.checkpoint_of(file)
+    quantized = load_model(converted, dtype="float32")
+    model = quantized.model
+    for layer in model.layers:
+        for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
+                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):  # fmt: skip
+            assert proj.weight is None and proj.quantized.format.name == "q8_0"
+    head = model.lm_head_weight()
+    assert isinstance(head, QuantizedWeight) and model.config.tie_word_embeddings
+    assert torch.equal(model.embed.weight, head.dequantize(torch.float32))
+    dense = load_model(converted, dtype="float32", dequantize_dense=True)
+    assert not any(isinstance(m, Linear) and m.quantized is not None
+                   for m in dense.model.modules())  # fmt: skip
+
+    def run(loaded) -> torch.Tensor:
+        runner = ModelRunner(loaded, kv_cache_tokens=128, page_size=8)
+        seq = runner.new_sequence()
+        out = [runner.forward([seq], [IDS], all_logits=True)]
+        for token in (5, 17, 3, 11):
+            out.append(runner.forward([seq], [[token]]))
+        return torch.cat(out)
+
+    got, ref = run(quantized), run(dense)
+    assert got.shape == (len(IDS) + 4, model.config.vocab_size)
+    assert (got - ref).abs().max().item() < 1e-4
 
 
 def test_exact_storage_takes_the_narrowest_type_holding_every_value():
@@ -131,14 +185,15 @@ def test_exact_storage_takes_the_narrowest_type_holding_every_value():
 
 
 def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path, monkeypatch):
-    """Experts of a type the kernels do not keep (Q4_0) are the bulk of a file: bf16, as the
-    engine holds them; the attention's Q4_0 matrices are stored as the file defines them."""
+    """Experts of a type the kernels do not keep (F16 here: every quantized type the gguf
+    package writes is kept since Q4_0-Q5_1 were added) are the bulk of a file: bf16, as the
+    engine holds them; the attention's Q4_0 matrices as the file's blocks."""
     import gguf as gguf_package
     from safetensors.torch import load_file
 
     monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
     path, _ = build_chat_model("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
-    file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0")
+    file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0", experts="F16")
     stored = load_file(str(gguf.checkpoint_of(file) / "model.safetensors"))
     tensors = {t.name: t for t in gguf_package.GGUFReader(str(file)).tensors}
 
@@ -153,8 +208,13 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
     gate, up = values("blk.1.ffn_gate_exps.weight"), values("blk.1.ffn_up_exps.weight")
     assert gate_up.dtype == torch.bfloat16
     assert torch.equal(gate_up, torch.cat([gate, up], dim=1).to(torch.bfloat16))
-    q = stored["model.layers.1.self_attn.q_proj.weight"]
-    assert q.dtype == torch.float32 and torch.equal(q, values("blk.1.attn_q.weight"))
+    # (the attention's Q4_0 matrices: kept as their blocks, which read as the file's values)
+    from freetoken.weights.safetensors_dir import CheckpointDir
+
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert name not in stored and name + "_q4_0" in stored
+    q = next(t for n, t, _ in CheckpointDir(gguf.checkpoint_of(file)).iter_weights() if n == name)
+    assert torch.equal(q, values("blk.1.attn_q.weight"))
 
 
 def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
@@ -358,9 +418,9 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
     kept = (*SUFFIXES, *(s.replace("_blocks", "") + "_scales" for s in SUFFIXES))
     state = {k: v.float() for k, v in stored.items() if not k.endswith(kept)}
-    for layer in range(hf.config.num_hidden_layers):
-        for proj in ("gate_up_proj", "down_proj"):
-            name = f"model.layers.{layer}.mlp.experts.{proj}"
+    for part in stored:  # (the experts', and the dense layers' kept Q8_0)
+        if part.endswith(tuple(SUFFIXES)):
+            name = part.removesuffix(next(s for s in SUFFIXES if part.endswith(s)))
             state[name] = dequantized(name)
     result = hf.load_state_dict(state, strict=False)
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
@@ -467,7 +527,9 @@ def test_gguf_experts_convert_to_a_weight_directory_kept_quantized(moe_file, tmp
     assert WeightDir(dst).meta.get("expert_format_down", fmt) == down
     experts = load_model(dst, dtype="float32").experts
     assert experts.format.name == fmt and experts.formats["down"].name == down
-    assert torch.equal(moe_logits(dst), moe_logits(converted))
+    # (the directory holds the dense layers as the model's dtype, as a load that dequantizes
+    # them: the same values, and the same kernels)
+    assert torch.equal(moe_logits(dst), moe_logits(converted, dequantize_dense=True))
 
 
 def test_a_k_mixed_bank_holds_each_tensors_own_values():

@@ -618,11 +618,11 @@ static inline __m512i legacy_bf16(int fmt, const uint8_t *w, const uint8_t *s) {
     return bf16_rne32(lo, hi, 0);
 }
 
-/* Values 32 c .. 32 c + 31 of a K-quant block -> 32 bf16 values, each k_quant_blocks' value
- * (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale * (code
- * - 32); never subnormal: multiples of 2^-24 or zero). */
-static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
-                              const float *scale, const float *offset) {
+/* Values 32 c .. 32 c + 31 of a K-quant block in fp32 (lo: the first 16), each k_quant_blocks'
+ * value (q4_k, q5_k: scale * code - offset by one FMA, the product being exact; q6_k: scale *
+ * (code - 32)); never subnormal: multiples of 2^-24 or zero. */
+static inline void kq_f32(int fmt, const uint8_t *w, const uint8_t *s, int c, const float *scale,
+                          const float *offset, __m512 *lo, __m512 *hi) {
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256i code;
     if (fmt == FMT_Q6_K) { /* values 128 h + 32 j + l */
@@ -634,15 +634,13 @@ static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c
                                              _mm256_set1_epi8(3));
         code = _mm256_or_si256(code, _mm256_slli_epi16(top, 4));
         const __m512i bias = _mm512_set1_epi32(32);
-        const __m512 lo = _mm512_mul_ps(
-            _mm512_set1_ps(scale[2 * c]),
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), bias)));
-        const __m512 hi = _mm512_mul_ps(
-            _mm512_set1_ps(scale[2 * c + 1]),
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), bias)));
-        return bf16_rne32(lo, hi, 0);
+        *lo = _mm512_mul_ps(_mm512_set1_ps(scale[2 * c]),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                _mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), bias)));
+        *hi = _mm512_mul_ps(_mm512_set1_ps(scale[2 * c + 1]),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                _mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), bias)));
+        return;
     }
     const int g = c >> 1, half = c & 1; /* values 64 g + 32 half + l */
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
@@ -654,10 +652,17 @@ static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c
         code = _mm256_or_si256(code, _mm256_slli_epi16(bit, 4));
     }
     const __m512 vs = _mm512_set1_ps(scale[c]), vo = _mm512_set1_ps(offset[c]);
-    const __m512 lo = _mm512_fmsub_ps(
+    *lo = _mm512_fmsub_ps(
         vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(code))), vo);
-    const __m512 hi = _mm512_fmsub_ps(
+    *hi = _mm512_fmsub_ps(
         vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1))), vo);
+}
+
+/* The same 32 values in bf16. */
+static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
+                              const float *scale, const float *offset) {
+    __m512 lo, hi;
+    kq_f32(fmt, w, s, c, scale, offset, &lo, &hi);
     return bf16_rne32(lo, hi, 0);
 }
 
@@ -1245,7 +1250,6 @@ static void decode_range(const qrow_t *q, int64_t k0, int64_t k1, int bf16, void
 #endif
 
 static inline int qdot_takes(const qrow_t *q, int bf16) {
-    if (is_k_quant(q->fmt) && !bf16) return 0; /* (fp32 models: decoded into the buffer) */
 #if QDOT_BF16
     if (bf16) return q->fmt != FMT_FP8 || q->bk % 128 == 0;
 #endif
@@ -1592,6 +1596,21 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
             q8_f32(q->w + k + 32, _cvtsh_ss(q->s16[k / 32 + 1]), &w2, &w3);
             QDOT_STEP(w0, w1, w2, w3);
         }
+    } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: four steps each */
+        const int fmt = q->fmt;
+        while (k + 256 <= K) {
+            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * q->rest;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            PREFETCH(s + PREFETCH_BYTES / 2);
+            float scale[16], offset[8];
+            kq_scales(fmt, s, scale, offset);
+            for (int c = 0; c < 8; c += 2, k += 64) {
+                kq_f32(fmt, w, s, c, scale, offset, &w0, &w1);
+                kq_f32(fmt, w, s, c + 1, scale, offset, &w2, &w3);
+                QDOT_STEP(w0, w1, w2, w3);
+            }
+        }
     } else if (is_legacy(q->fmt)) {
         for (; k + 64 <= K; k += 64) {
             const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * q->rest;
@@ -1714,7 +1733,7 @@ static inline float activate(float g, int act) {
  * torch would multiply, each already rounded to bf16), for dot_bf16_bf16. A group's down rows
  * wait for its own gate/up items only (group_done), not for every group's: a thread out of
  * gate/up items starts on the down rows of the groups done first. */
-enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2 };
+enum { JOB_EXPERTS = 0, JOB_LINEAR = 1, JOB_ATTENTION = 2, JOB_QLINEAR = 3, JOB_DEQUANTIZE = 4 };
 
 typedef struct {
     int dtype, act, workers;
@@ -1734,10 +1753,15 @@ typedef struct {
     int64_t gate_rows, down_rows;   /* weight rows per gate item, output columns per down item */
     int64_t gate_blocks;            /* gate items per group: ceil(I / gate_rows) */
     /* A dense layer (JOB_LINEAR): out [T, N] = x [T, H] . w [N, H]^T + bias, each output
-     * rounded as torch rounds it; its items are ROW_BLOCK rows of w, for every row of x. */
+     * rounded as torch rounds it; its items are ROW_BLOCK rows of w, for every row of x. A
+     * dense layer kept quantized (JOB_QLINEAR): w is gate_up's projection (P = 1) in `fmt`, its
+     * items gate_rows rows; xs: x split by split_x where qdot_split says so (T = 1), else NULL.
+     * Such a weight dequantized (JOB_DEQUANTIZE): its rows decoded into dense [N, H]. */
     int kind;
     const void *w, *bias;
     const uint16_t *x16; /* with bf16 weights: x in bf16 (else x, fp32) */
+    const float *xs;
+    void *dense;
     int64_t N, T;
     /* Decode attention over the paged KV cache (JOB_ATTENTION): phase 1 items are (sequence,
      * KV head, split of its keys), each an online softmax over its keys for the KV head's
@@ -1861,6 +1885,42 @@ static void linear_item(const job_t *j, int64_t item) {
                            : dot_f32((const float *)j->w + n * j->H, j->x + t * j->H, j->H);
             j->out[t * j->N + n] = rnd(y + b, bf16);
         }
+    }
+}
+
+/* Quantized linear item: gate_rows rows of the weight, each read once from its blocks for all T
+ * rows of x: decoded in registers into the dot product where T = 1 (qdot_*), else decoded once
+ * into this thread's scratch and dotted from there with each row of x, as the experts' rows read
+ * by one route and by several are (weight_row). Each output is the dense layer's on the
+ * dequantized weight (linear_item's). */
+static void qlinear_item(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t K = j->H, n0 = item * j->gate_rows;
+    const int64_t n1 = n0 + j->gate_rows < j->N ? n0 + j->gate_rows : j->N;
+    void *buf = thread_scratch((bf16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)K);
+    const void *x = bf16 ? (const void *)j->x16 : (const void *)j->x;
+    const size_t x_row = (bf16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)K;
+    for (int64_t n = n0; n < n1; n++) {
+        wrow_t w;
+        weight_row(j, &j->gate_up, 0, j->N, K, n, j->T, buf, &w);
+        float b = 0.0f;
+        if (j->bias)
+            b = bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[n]) : ((const float *)j->bias)[n];
+        for (int64_t t = 0; t < j->T; t++) {
+            const float y = row_dot(j, &w, K, (const char *)x + t * x_row, j->xs, buf);
+            j->out[t * j->N + n] = rnd(y + b, bf16);
+        }
+    }
+}
+
+/* Dequantize item: gate_rows rows of the weight decoded into j->dense in the job's dtype. */
+static void dequantize_item(const job_t *j, int64_t item) {
+    const int bf16 = j->dtype == DT_BF16;
+    const int64_t n0 = item * j->gate_rows;
+    const int64_t n1 = n0 + j->gate_rows < j->N ? n0 + j->gate_rows : j->N;
+    for (int64_t n = n0; n < n1; n++) {
+        const qrow_t q = quantized_row(&j->gate_up, 0, j->N, j->H, n);
+        decode_range(&q, 0, j->H, bf16, at(j->dense, n * j->H, bf16));
     }
 }
 
@@ -2186,6 +2246,10 @@ static void run_items(const job_t *j, uint64_t gen) {
         ITEM_CLOCK(t0);
         if (j->kind == JOB_LINEAR) {
             linear_item(j, item);
+        } else if (j->kind == JOB_QLINEAR) {
+            qlinear_item(j, item);
+        } else if (j->kind == JOB_DEQUANTIZE) {
+            dequantize_item(j, item);
         } else if (item < j->gate_items) {
             if (j->kind == JOB_ATTENTION)
                 attention_partial(j, item);
@@ -2492,6 +2556,74 @@ uint64_t ft_cpu_linear_submit(int dtype, const void *w, const void *bias, int64_
     j.out = out;
     j.gate_items = (N + ROW_BLOCK - 1) / ROW_BLOCK; /* (the count run_items reads) */
     j.down_items = 0;
+    return publish(&j, gen, j.gate_items);
+}
+
+/* A job over the rows of one quantized weight [N, K] (JOB_QLINEAR, JOB_DEQUANTIZE): its items
+ * gate_rows rows each. */
+static job_t weight_job(int kind, int dtype, int fmt, const void *w, const void *s, const float *g,
+                        int64_t bn, int64_t bk, int64_t N, int64_t K, int threads) {
+    job_t j = {dtype, 0, threads};
+    j.kind = kind;
+    j.fmt = fmt;
+    j.gate_up = (proj_t){fmt, w, s, g, bn, bk};
+    j.N = N;
+    j.H = K;
+    j.gate_rows = item_rows(&j, N);
+    j.gate_items = (N + j.gate_rows - 1) / j.gate_rows;
+    j.down_items = 0;
+    return j;
+}
+
+/* Starts a dense layer kept quantized on the team: out [T, N] (fp32, each value rounded to
+ * `dtype`) = x [T, H] . W [N, H]^T + bias, W stored as `fmt` (w, s, g and fp8's block: bn rows,
+ * bk columns, as ft_cpu_experts_submit takes one expert's projection), bias [N] in `dtype` or
+ * NULL, x in `dtype` (bf16 when x_bf16). Each value is the dense layer's on W dequantized to
+ * `dtype` (ft_cpu_linear_submit's). x is copied before this returns; wait with
+ * ft_cpu_experts_wait. Returns 0 if no thread can be started or memory runs out. */
+uint64_t ft_cpu_qlinear_submit(int dtype, int fmt, const void *w, const void *s, const float *g,
+                               int64_t bn, int64_t bk, const void *bias, int64_t N, int64_t H,
+                               const void *x, int x_bf16, int64_t T, float *out, int threads) {
+    pthread_once(&tables_once, init_tables);
+    uint64_t gen = begin_job(threads);
+    if (!gen) return 0;
+    const int bf16 = dtype == DT_BF16;
+    const size_t item = bf16 ? sizeof(uint16_t) : sizeof(float);
+    buf_t *b = scratch[gen & 1];
+    void *xc = grow(&b[B_X], item * T * H);
+    const int split = T == 1 && qdot_split(fmt, bf16);
+    float *xs = split ? grow(&b[B_A_SPLIT], sizeof(float) * H) : NULL;
+    if (!xc || (split && !xs) || bf16 != (x_bf16 != 0) || fmt == FMT_DENSE) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    memcpy(xc, x, item * T * H);
+    if (split) split_x(fmt, xc, H, xs);
+    job_t j = weight_job(JOB_QLINEAR, dtype, fmt, w, s, g, bn, bk, N, H, threads);
+    j.bias = bias;
+    j.T = T;
+    j.x = xc;
+    j.x16 = xc;
+    j.xs = xs;
+    j.out = out;
+    return publish(&j, gen, j.gate_items);
+}
+
+/* Starts the dequantizing of a weight stored as `fmt` (as ft_cpu_qlinear_submit takes it) on the
+ * team: dense [N, K] in `dtype`, each value as the jobs decode it. Wait with
+ * ft_cpu_experts_wait; 0 if no thread can be started. */
+uint64_t ft_cpu_dequantize_submit(int dtype, int fmt, const void *w, const void *s,
+                                  const float *g, int64_t bn, int64_t bk, int64_t N, int64_t K,
+                                  void *dense, int threads) {
+    pthread_once(&tables_once, init_tables);
+    uint64_t gen = begin_job(threads);
+    if (!gen) return 0;
+    if (fmt == FMT_DENSE) {
+        pthread_mutex_unlock(&team_mutex);
+        return 0;
+    }
+    job_t j = weight_job(JOB_DEQUANTIZE, dtype, fmt, w, s, g, bn, bk, N, K, threads);
+    j.dense = dense;
     return publish(&j, gen, j.gate_items);
 }
 

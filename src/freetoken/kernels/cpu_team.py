@@ -1,7 +1,7 @@
 """The native CPU library (cpu_experts.c) and its team of threads, shared by every CPU kernel:
-routed experts (cpu_experts.py), dense layers (cpu_linear.py), decode attention
-(paged_attention.py) and the device's doorbell (moe/doorbell.py). One place loads it and
-declares its functions."""
+routed experts (cpu_experts.py), dense layers, stored or kept quantized (cpu_linear.py), decode
+attention (paged_attention.py) and the device's doorbell (moe/doorbell.py). One place loads it
+and declares its functions."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ SIGNATURES = {
     ),
     # dtype, w, bias, N, H, x, x_bf16, T, out, threads
     "ft_cpu_linear_submit": ([_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _INT], _U64),
+    # dtype, fmt, w, s, g, block rows, block cols, bias, N, H, x, x_bf16, T, out, threads: a
+    # dense layer kept quantized
+    "ft_cpu_qlinear_submit": (
+        [_INT, _INT, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _P, _INT, _I64, _P, _INT],
+        _U64,
+    ),
+    # dtype, fmt, w, s, g, block rows, block cols, N, K, out, threads: such a layer's weight
+    # dequantized
+    "ft_cpu_dequantize_submit": (
+        [_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT],
+        _U64,
+    ),
     # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
     # window, scale, sinks, out, threads
     "ft_cpu_attention_submit": (

@@ -1,5 +1,13 @@
 """The dense layer every module uses: torch's, except decode-sized batches on the CPU, which go
-through the native kernel's thread team (kernels/cpu_linear.py says why)."""
+through the native kernel's thread team (kernels/cpu_linear.py says why).
+
+A layer's weight may be kept quantized (a GGUF file's blocks, weights/expert_format.py's
+QuantizedWeight: the loader keeps it so on the CPU). Decode-sized batches on the CPU then read
+the blocks (`native_qlinear`); anything else (a prompt's rows, another device) dequantizes the
+weight to x's dtype for that call (on the CPU by the native decoders, on the team) and
+multiplies with torch: a prompt is a GEMM, which torch's kernels do far better than dot
+products.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +15,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.kernels.cpu_linear import native_linear, takes
+from freetoken.kernels.cpu_linear import (
+    dequantized,
+    native_linear,
+    native_qlinear,
+    takes,
+    takes_quantized,
+)
+from freetoken.weights.expert_format import QuantizedWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., H] . weight [N, H]^T + bias."""
+    if isinstance(weight, QuantizedWeight):
+        rows = x.reshape(-1, x.shape[-1])
+        if takes_quantized(rows, weight):
+            return native_qlinear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, dequantized(weight, x.dtype).to(x.device), bias)
     if takes(x, weight):
         return native_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the same parameters, so checkpoints load the same), computed by `linear`."""
+    """nn.Linear (the same parameters, so checkpoints load the same), computed by `linear`; or,
+    once given one (`keep_quantized`), from a quantized weight in place of its `weight`."""
+
+    quantized: QuantizedWeight | None = None
 
     def reset_parameters(self) -> None:
         # Models are built on the meta device and their weights loaded: nothing to draw there
@@ -27,5 +52,25 @@ class Linear(nn.Linear):
         if not self.weight.is_meta:
             super().reset_parameters()
 
+    def keep_quantized(self, weight: QuantizedWeight) -> None:
+        """Compute from `weight` (its blocks) from now on; the dense `weight` parameter goes."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a quantized weight of shape {weight.shape} for a layer of "
+                f"{(self.out_features, self.in_features)}"
+            )
+        self.weight = None  # (nn.Module: the parameter's entry becomes None, its memory freed)
+        self.quantized = weight
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) and the like move the quantized parts too, but never cast them: their
+        # dtypes are the format's (fn is given an empty tensor to learn where it goes)
+        super()._apply(fn, recurse)
+        if self.quantized is not None:
+            device = fn(torch.empty(0, device=self.quantized.device)).device
+            if device != self.quantized.device:
+                self.quantized = self.quantized.to(device)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.quantized if self.quantized is not None else self.weight, self.bias)

@@ -18,6 +18,7 @@ from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import RotaryEmbedding
 from freetoken.model_config import ModelConfig
+from freetoken.weights.expert_format import QuantizedWeight
 
 
 class DecoderLayer(nn.Module):
@@ -117,8 +118,18 @@ class DecoderModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:
+        head = getattr(self, "lm_head", None)
+        if head is None:  # (tied)
+            return self.embed.weight
+        return head.quantized if head.quantized is not None else head.weight
+
+    def head_from(self, weight: QuantizedWeight) -> None:
+        """A tied model's output head computed from the embedding's quantized blocks (`weight`,
+        the table's values) rather than the table (layers/linear.py)."""
+        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                              device="meta")  # fmt: skip
+        self.lm_head.keep_quantized(weight)
 
     @torch.inference_mode()
     def forward(

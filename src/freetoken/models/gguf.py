@@ -26,6 +26,13 @@ are kept too, each tensor in its own type; the host pool holds such a projection
 (weights/expert_format.py: every block's other bytes padded to Q6_K's, with its type). So are
 the gate and up projections of one type beside such down projections (Qwen2.5's Q4_K_M files:
 gate and up Q5_0).
+The dense layers' 2-D weights (attention q/k/v/o, dense MLPs and shared experts, the output
+head) of those types are kept as stored too, each as its parts beside its name (`_dense_parts`:
+`model.layers.0.mlp.down_proj.weight_q4_k`, ...; rows in the order transformers' processor gives
+them), and so is the token embedding of a model whose head is tied to it (no `output.weight`);
+the loader keeps them so on the CPU, where a Linear computes from the blocks (a decode step then
+streams the file's bytes, not 2-4x as many of bf16), and dequantizes them elsewhere (and the
+embedding's table). The embedding of a model with its own head stays a dequantized table.
 freetoken writes the rest as config.json, tokenizer files and safetensors, each dequantized
 tensor in the narrowest of bf16, fp16 and fp32 that holds its values exactly (`_exact`), so an
 engine computing in fp32 computes with the very values the file's blocks define (a Q4_1 or Q8_0
@@ -65,9 +72,13 @@ log = logging.getLogger(__name__)
 SUFFIX = ".gguf"
 DONE = "freetoken-gguf.json"  # written last: a directory without it is incomplete
 # The conversion's layout: a directory of another (an earlier release's) is converted again.
-FORMAT = 2  # 2: dequantized tensors stored exactly (1: rounded to bf16)
+FORMAT = 3  # 3: dense layers kept as stored (2: dequantized, stored exactly; 1: in bf16)
 # A layer's routed experts as llama.cpp stores them: [experts, rows, columns] each.
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# Dense layers' weights a Linear computes from the blocks (attention, dense MLPs, shared experts,
+# the output head)
+DENSE_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_shexp)?)\.weight"
+                          r"|output\.weight")  # fmt: skip
 K_TYPES = tuple(name.upper() for name in K_QUANT_REST)  # Q4_K, Q5_K, Q6_K
 LEGACY_TYPES = tuple(name.upper() for name in LEGACY_REST)  # Q4_0, Q4_1, Q5_0, Q5_1
 # GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
@@ -141,7 +152,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
         quantized = any(t.tensor_type.name != "F32" for t in reader.tensors)
         # (the engine's dtype under "auto"; each tensor is stored as `_stored` says)
         dtype = torch.bfloat16 if quantized else torch.float32
-        kept = _kept_experts(reader)
+        kept = _kept_experts(reader) | _kept_dense(reader)
         _check_room(path, dst, sum(_stored_bytes(t, kept) for t in reader.tensors))
         with torch.device("meta"):  # (the structure names the tensors; nothing allocated)
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -289,6 +300,37 @@ def _kept_experts(reader) -> set[str]:
     return set()
 
 
+def _kept_dense(reader) -> set[str]:
+    """The names of the dense layers' 2-D weights kept as stored: those of a type the kernels
+    read (KEPT_TYPES), and, where the file has no output head (the model ties it to the
+    embedding), the token embedding for the head (the loader dequantizes the table from it)."""
+    names = {t.name for t in reader.tensors}
+    return {t.name for t in reader.tensors
+            if (DENSE_TENSOR.fullmatch(t.name)
+                or (t.name == "token_embd.weight" and "output.weight" not in names))
+            and len(t.shape) == 2 and t.tensor_type.name in KEPT_TYPES}  # fmt: skip
+
+
+def _dense_parts(t, processor, names: dict[str, str], out: dict) -> bool:
+    """A dense layer's weight of a kept type as its parts under transformers' name, its rows in
+    the order the architecture's processor gives them (Llama's q and k projections: permuted
+    back from llama.cpp's rotary layout; a block spans columns, so rows move whole). False,
+    with nothing written, where the processor does more than order the rows (then dequantized)."""
+    rows = t.data.shape[0]
+    index = np.arange(rows, dtype=np.float64)[:, None]  # (each row's number, through it)
+    probe = processor.process(weights=index, name=t.name, tensor_key_mapping=names,
+                              parsed_parameters={"tensors": {}})  # fmt: skip
+    order = np.asarray(probe.weights).reshape(-1)
+    if (probe.name not in names or order.shape != (rows,)
+            or not np.array_equal(np.sort(order), np.arange(rows))):  # fmt: skip
+        return False
+    order = order.astype(np.int64)
+    kind = t.tensor_type.name
+    for suffix, value in zip(KEPT_TYPES[kind], _PARTS[kind](t.data), strict=True):
+        out[names[probe.name] + suffix] = torch.from_numpy(np.ascontiguousarray(value[order]))
+    return True
+
+
 def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
              progress: bool | None = None) -> dict:  # fmt: skip
     """Every tensor of the file under transformers' names: dequantized and laid out by
@@ -310,9 +352,9 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
     with tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), unit="B", unit_scale=True,
               desc="Converting", disable=not show) as bar:  # fmt: skip
         for t in reader.tensors:
-            if t.name in kept:
+            if t.name in kept and EXPERT_TENSOR.fullmatch(t.name):
                 _expert_parts(t, names, out)
-            else:
+            elif not (t.name in kept and _dense_parts(t, processor, names, out)):
                 _dequantized(t, processor, names, parsed, dequantize)
             bar.update(int(t.n_bytes))
     return out

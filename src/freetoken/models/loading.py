@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from freetoken import native_preload
 from freetoken.errors import CheckpointError, InsufficientMemoryError
-from freetoken.kernels import triton_start
+from freetoken.kernels import cpu_team, triton_start
 from freetoken.model_config import ModelConfig
 from freetoken.models import gguf
 from freetoken.models.decoder import DecoderModel
@@ -34,6 +34,7 @@ from freetoken.weights.expert_format import (
     K_QUANTS,
     SPLIT_FORMATS,
     ExpertFormat,
+    QuantizedWeight,
     bank_parts,
     expert_format,
 )
@@ -120,11 +121,13 @@ def load_model(
     progress: bool | None = None,
     verify: bool = False,
     dequantize_experts: bool = False,
+    dequantize_dense: bool = False,
 ) -> LoadedModel:
     """`verify`: a weight directory's expert banks are checked against their checksums
     before this returns (else on a background thread, `LoadedModel.integrity`); the dense
     tensors always are. A safetensors checkpoint has no checksums. Routed experts a checkpoint
-    stores quantized stay so (`expert_storage`) unless `dequantize_experts`."""
+    stores quantized stay so (`expert_storage`) unless `dequantize_experts`; dense layers a GGUF
+    conversion kept quantized stay so on the CPU (`dense_storage`) unless `dequantize_dense`."""
     _start_device_in_background(torch.device(device))
     if wd.is_weight_dir(path):
         return _load_weight_dir(Path(path), dtype, device, progress, verify, dequantize_experts)
@@ -132,19 +135,25 @@ def load_model(
     family, cfg = _parse(ckpt.config, ckpt.path)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     fmt, kept, down = expert_storage(ckpt, family, cfg, dequantize_experts)
-    need = ckpt.nbytes(dtype, kept)
+    dense = frozenset() if dequantize_dense else dense_storage(ckpt, family, cfg, dtype, device)
+    need = ckpt.nbytes(dtype, kept | dense)
     if down is not None:  # (k_mixed pads its blocks: the pool is larger than the file's experts)
         parts = [p for n in kept for p in ckpt.quantized.tensors[n].parts]
         stored = sum(ckpt.tensors[p].stored_bytes for p in parts)
         need += _pool_bytes(cfg, dtype, fmt, down) - stored
+    # (a tied embedding kept for the head: its table is dequantized beside it)
+    need += sum(ckpt.quantized.tensors[n].numel * dtype.itemsize for n in dense
+                if family.canonical_name(n) == "embed.weight")  # fmt: skip
+    kept |= dense
     _admit(ckpt.path, need, dtype)
     if ckpt.quantized.tensors:
         log.info(
-            "%s: %d tensors stored %s, %d of them routed experts kept so; the others are "
-            "dequantized to %s as they load: the model takes %s of host memory (%s on disk)",
-            ckpt.path.name, len(ckpt.quantized.tensors), ckpt.quantized.method, len(kept),
-            str(dtype).removeprefix("torch."), memory.gib(ckpt.nbytes(dtype, kept)),
-            memory.gib(ckpt.nbytes()),
+            "%s: %d tensors stored %s, %d of them routed experts and %d dense layers kept so; "
+            "the others are dequantized to %s as they load: the model takes %s of host memory "
+            "(%s on disk)",
+            ckpt.path.name, len(ckpt.quantized.tensors), ckpt.quantized.method,
+            len(kept) - len(dense), len(dense), str(dtype).removeprefix("torch."),
+            memory.gib(ckpt.nbytes(dtype, kept)), memory.gib(ckpt.nbytes()),
         )  # fmt: skip
     model, store = _empty_model(cfg, dtype, fmt, down)
     _fill(model, store, ckpt, family, progress, kept)
@@ -223,6 +232,40 @@ def expert_storage(
     return fmt, frozenset(experts), None if down == fmt else down
 
 
+# Dense layers whose Linear may compute from a quantized weight (layers/linear.py): attention,
+# dense MLPs, shared experts, the output head (not MLA's kv_b_proj, whose weight MLA reads)
+_DENSE_LINEAR = re.compile(
+    r"^(layers\.\d+\.(attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|moe\.shared\.(gate|up|down)_proj)"
+    r"|lm_head)\.weight$"
+)
+
+
+def dense_storage(ckpt: CheckpointDir, family, cfg: ModelConfig, dtype: torch.dtype,
+                  device: str | torch.device) -> frozenset[str]:  # fmt: skip
+    """The quantized tensors of dense layers kept as stored (their Linear computes from them):
+    a GGUF conversion's (models/gguf.py), on the CPU with the native kernel there, in a dtype
+    it computes (bf16, fp32), in a format it reads, for a family that lays its tensors out as
+    stored (no `to_layout`); a tied model's embedding too, for its output head (the table is
+    dequantized from it). Elsewhere they are dequantized at load: dense weights on a GPU are
+    best as bf16 today (no kernel there reads the blocks, and the memory is there)."""
+    if (ckpt.quantized.method != "gguf" or torch.device(device).type != "cpu"
+            or dtype not in (torch.bfloat16, torch.float32) or family.to_layout is not None
+            or cpu_team.library() is None):  # fmt: skip
+        return frozenset()
+    kept = set()
+    for name, q in ckpt.quantized.tensors.items():
+        canonical = family.canonical_name(name)
+        head = canonical == "embed.weight" and cfg.tie_word_embeddings
+        if canonical is None or not (head or _DENSE_LINEAR.match(canonical)) or len(q.shape) != 2:
+            continue
+        try:
+            expert_format(q.format).check(*q.shape)
+        except ValueError:
+            continue
+        kept.add(name)
+    return frozenset(kept)
+
+
 def _projection(name: str) -> str:
     """The bank ("gate_up" or "down") a canonical expert tensor's name goes to."""
     return "down" if name.endswith(("down_proj", "down_proj.weight")) else "gate_up"
@@ -278,7 +321,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
         raise CheckpointError(f"{src} is a weight directory already")
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
-    loaded = load_model(src, dtype, "cpu", progress, dequantize_experts=dequantize_experts)
+    # (dense layers dequantized: the directory holds every parameter as the model's dtype)
+    loaded = load_model(src, dtype, "cpu", progress, dequantize_experts=dequantize_experts,
+                        dequantize_dense=True)  # fmt: skip
     copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
     write_weight_dir(loaded, dst, copy, progress)
     return dst
@@ -559,6 +604,10 @@ def _fill(
                 unused.append(stored)
                 continue
             key = target[0]
+            if isinstance(tensor, QuantizedParts) and not _is_expert(name):
+                _keep_dense(model, name, tensor, stored)
+                filled.add(key)
+                continue
             # a tensor kept quantized fills a bank per part (codes, scales), each as stored
             if isinstance(tensor, QuantizedParts):
                 parts = bank_parts(tensor, store.formats[_projection(name)])
@@ -589,6 +638,23 @@ def _fill(
         log.warning(
             "ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0]
         )
+
+
+def _keep_dense(model: DecoderModel, name: str, stored: QuantizedParts, what: str) -> None:
+    """A dense layer's quantized tensor (`dense_storage`) given to its Linear; a tied model's
+    embedding dequantized into the table and given to a new output head."""
+    try:
+        weight = QuantizedWeight.of(stored)
+        if name == "embed.weight":
+            table = model.embed.weight
+            if tuple(table.shape) != weight.shape:
+                raise ValueError(f"the embedding is {tuple(table.shape)}")
+            table.copy_(weight.dequantize(table.dtype))
+            model.head_from(weight)
+        else:
+            model.get_submodule(name.removesuffix(".weight")).keep_quantized(weight)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {what} ({stored.format}): {e}") from e
 
 
 def _target(

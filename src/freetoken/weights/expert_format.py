@@ -284,21 +284,18 @@ def bank_parts(stored: QuantizedParts, bank: ExpertFormat | None = None) -> dict
     return {"w": stored.data, "s": scale, "g": row_scale}
 
 
-@dataclass(frozen=True)
-class QuantizedBank:
-    """One projection of many experts, kept quantized: parts indexed by slot (or flat id) in
-    their first dimension. Passed to the expert kernels where a dense bank [S, N, K] would go;
-    `shape` is the dense bank's."""
+class _Parts:
+    """What a quantized bank and a quantized weight share: a format and its parts w, s, g."""
 
     format: ExpertFormat
-    w: Tensor  # [S, N, K / pack]
-    s: Tensor  # [S, ...] the scales
-    g: Tensor | None = None  # [S, N] per-row scales (nvfp4)
+    w: Tensor
+    s: Tensor
+    g: Tensor | None
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        s, n, packed = self.w.shape
-        return s, n, packed * self.format.pack
+    def shape(self) -> tuple[int, ...]:
+        """The dense shape: w's, its last dimension in values."""
+        return (*self.w.shape[:-1], self.w.shape[-1] * self.format.pack)
 
     @property
     def device(self) -> torch.device:
@@ -307,6 +304,18 @@ class QuantizedBank:
     @property
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.w, self.s) if self.g is None else (self.w, self.s, self.g)
+
+
+@dataclass(frozen=True)
+class QuantizedBank(_Parts):
+    """One projection of many experts, kept quantized: parts indexed by slot (or flat id) in
+    their first dimension. Passed to the expert kernels where a dense bank [S, N, K] would go;
+    `shape` is the dense bank's."""
+
+    format: ExpertFormat
+    w: Tensor  # [S, N, K / pack]
+    s: Tensor  # [S, ...] the scales
+    g: Tensor | None = None  # [S, N] per-row scales (nvfp4)
 
     def mismatch(self, dtype: torch.dtype) -> str | None:
         """What keeps the parts from being this format's for a model of `dtype` (a shape or
@@ -337,6 +346,42 @@ class QuantizedBank:
     def select(self, index) -> QuantizedBank:
         """The bank of experts `index` only (a slice or an index tensor)."""
         return QuantizedBank(self.format, *(t[index] for t in self.tensors))
+
+
+@dataclass(frozen=True)
+class QuantizedWeight(_Parts):
+    """A dense layer's weight [N, K] kept as its checkpoint stores it (a GGUF file's attention,
+    dense MLP and output head: models/gguf.py), in one of these formats: the parts of one bank
+    row (w [N, K / pack], s, g), which the CPU kernel reads as it reads an expert's projection
+    (layers/linear.py). Its values are the format's definition, as an expert's are."""
+
+    format: ExpertFormat
+    w: Tensor  # [N, K / pack]
+    s: Tensor
+    g: Tensor | None = None
+
+    @classmethod
+    def of(cls, stored: QuantizedParts, fp8_block: tuple[int, int] = FP8_BLOCK) -> QuantizedWeight:
+        """A checkpoint's quantized 2-D tensor as kept (ValueError where its format is not one
+        of these or its parts do not lay out as the format's)."""
+        fmt = expert_format(stored.format, fp8_block)
+        weight = cls(fmt, *bank_parts(stored).values())
+        as_bank = QuantizedBank(fmt, *(t.unsqueeze(0) for t in weight.tensors))  # (one row)
+        why = as_bank.mismatch(torch.float32)
+        if why is not None:
+            raise ValueError(why)
+        return weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(self.format, *(t.to(device) for t in self.tensors))
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        """The dense weight [N, K] in `dtype`: what a checkpoint dequantized at load holds."""
+        return self.format.dequantize(self.w, self.s, self.g).to(dtype)
 
 
 @dataclass(frozen=True)

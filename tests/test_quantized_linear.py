@@ -1,0 +1,96 @@
+"""Dense layers kept quantized (a GGUF file's blocks): the native quantized linear against the
+dense layer on the dequantized weight, for every format the kernel reads, and the Linear that
+holds such a weight (test_gguf.py loads a GGUF file's so). About 3 s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken.config import EXPERT_FORMATS
+from freetoken.kernels import native
+from freetoken.kernels.cpu_linear import (
+    dequantized,
+    native_linear,
+    native_qlinear,
+    takes_quantized,
+)
+from freetoken.layers.linear import Linear, linear
+from freetoken.weights.expert_format import QuantizedWeight, expert_format, fill_random_
+
+needs_native = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
+# every format a dense layer's weight may be kept in (k_mixed: a bank's, whose rows differ)
+FORMATS = [f for f in EXPERT_FORMATS if f not in ("dense", "k_mixed")]
+
+
+def random_weight(name: str, rows: int, seed: int = 0) -> QuantizedWeight:
+    """A weight [rows, K] of random blocks, K a few blocks and a part of a 128-value step (so
+    the decoders' tails run) where the format's blocks allow it."""
+    fmt = expert_format(name)
+    cols = 3 * 256 + (fmt.col_block if fmt.col_block < 256 else 0)
+    gen = torch.Generator().manual_seed(seed)
+    parts = {}
+    for part, (shape, dtype) in fmt.parts(rows, cols, torch.float32).items():
+        bank = torch.empty(1, *shape, dtype=dtype)
+        if part == "g":  # (nvfp4's per-row scale: one per tensor)
+            bank.fill_(2.0**-7)
+        else:
+            fill_random_(fmt, part, bank, gen)
+        parts[part] = bank[0]
+    return QuantizedWeight(fmt, parts["w"], parts["s"], parts.get("g"))
+
+
+@needs_native
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_quantized_linear_is_the_dense_layer_on_the_dequantized_weight(name):
+    """Bit for bit the native dense layer's on the dequantized weight (the same dot products,
+    the weight decoded into them; but nvfp4's block route in bf16, one row of x: the same
+    products summed in another order), and torch's F.linear within the order of the sums."""
+    for rows in (37, 333):  # (odd; one work item, several)
+        weight = random_weight(name, rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            dense = weight.dequantize(dtype)
+            assert torch.equal(dequantized(weight, dtype), dense)  # (the native decoders')
+            for tokens in (1, 3, 16):
+                gen = torch.Generator().manual_seed(tokens)
+                x = torch.randn(tokens, weight.shape[1], generator=gen).to(dtype)
+                for bias in (None, torch.randn(rows, generator=gen).to(dtype)):
+                    with torch.no_grad():
+                        assert takes_quantized(x, weight)
+                        got = native_qlinear(x, weight, bias)
+                        same = native_linear(x, dense, bias)
+                        ref = F.linear(x.float(), dense.float(), None if bias is None
+                                       else bias.float())  # fmt: skip
+                    assert got.dtype == dtype and got.shape == (tokens, rows)
+                    what = (name, rows, dtype, tokens, bias is not None)
+                    if name == "nvfp4" and dtype == torch.bfloat16 and tokens == 1:
+                        assert torch.allclose(got.float(), same.float(), rtol=2**-7, atol=1e-6)
+                    else:
+                        assert torch.equal(got, same), what
+                    step = 1e-5 if dtype == torch.float32 else 2**-7  # (of the largest)
+                    err = (got.float() - ref).abs().max().item()
+                    assert err <= step * ref.abs().max().item(), what
+
+
+@needs_native
+def test_a_linear_keeps_a_quantized_weight_and_dequantizes_it_for_prompts():
+    """A Linear given a quantized weight drops its dense one; decode-sized batches go to the
+    native kernel, longer ones (and 3-D inputs) through the dequantized weight, equal within the
+    order of the sums; a cast or a move leaves the parts' dtypes as the format's."""
+    weight = random_weight("q8_0", 40)
+    layer = Linear(weight.shape[1], 40, bias=True, device="meta").to(torch.float32)
+    layer.bias = torch.nn.Parameter(torch.randn(40))
+    layer.keep_quantized(weight)
+    assert layer.weight is None and dict(layer.named_parameters()).keys() == {"bias"}
+    layer.to(torch.bfloat16).to(torch.float32)
+    assert layer.quantized.s.dtype == torch.float16 and layer.quantized.w.dtype == torch.uint8
+    dense = weight.dequantize(torch.float32)
+    with torch.no_grad():
+        for shape in ((1, 800), (40, 800), (2, 3, 800)):
+            x = torch.randn(*shape)
+            ref = F.linear(x, dense, layer.bias)
+            assert torch.allclose(layer(x), ref, atol=1e-5, rtol=1e-5), shape
+            assert torch.allclose(linear(x, weight, layer.bias), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        Linear(800, 41, device="meta").keep_quantized(weight)
