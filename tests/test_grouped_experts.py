@@ -338,6 +338,20 @@ def test_quantized_and_dense_banks_do_not_mix():
         reference_grouped_experts(*quantized[:4], dense[4])
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["q5_0", "k_mixed"])
+def test_word_tiles_below_their_minimum_rows_are_refused(name, monkeypatch):
+    """The word-read formats' tiles of fewer rows than WORD_MIN_BLOCK_N (which computed wrong
+    sums on the GPU) are refused before any launch, naming the parameter; each projection's
+    kernel takes its own format's parameters."""
+    import freetoken.kernels.grouped_experts as ge
+
+    quantized, _ = quantized_case(f"q5_0+{name}", 1, 2, 256, 256, 3)
+    monkeypatch.setitem(ge.QUANTIZED_LAUNCH, name, dict(ge.QUANTIZED_LAUNCH[name], DOWN_BLOCK_N=8))
+    with pytest.raises(ValueError, match="DOWN_BLOCK_N >= 16"):
+        ge.triton_grouped_expert_forward(*quantized)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels under the CPU interpreter
 # ---------------------------------------------------------------------------------------------

@@ -99,9 +99,9 @@ LAUNCH_NAMES = (
 # scales), or x and the scales cross shared memory every step, behind a barrier. FP8 BLOCK_K
 # stays at most the checkpoints' 128-column scale blocks (one scale per row and tile); fp4
 # BLOCK_K must be a multiple of 32.
-# q8_0's tiles (a byte a weight, as fp8's; BLOCK_K a multiple of its 32-value blocks), which the
-# K-quants and the legacy types take too (not measured on the GPU yet); each format gets a copy
-# of its own, since grouped_experts_bench.py sweeps a format's entries in place.
+# q8_0's tiles (a byte a weight, as fp8's; BLOCK_K a multiple of its 32-value blocks), the
+# starting point of the K-quants' and the legacy types' (their own below); each format gets a
+# copy of its own, since grouped_experts_bench.py sweeps a format's entries in place.
 _BYTE_TILES = {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
                "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
                "DOWN_STAGES": 3}  # fmt: skip
@@ -117,11 +117,20 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
               "DOWN_STAGES": 3},
     **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed", *LEGACY_REST)},
 }  # fmt: skip
-# Q4_K's gate/up from `grouped_experts_bench.py --sweep --format q4_k` on the H200 (2026-12-03,
-# Qwen3-30B-A3B's shape): 8 x 256 tiles on 4 warps took a layer from 45.5 to 42.0 us at batch 1
-# and 152.4 to 131.2 us at batch 4 (bf16: 25.6 and 74.4); its down kernel's defaults were within
-# 1% of the sweep's best. The other K-quants keep q8_0's tiles (not swept).
-QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=8, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4)
+# The legacy types and the K-quants but q6_k are read as int32 words (`_word_tile`). Their tiles
+# from `benchmarks/legacy_tiles_bench.py --sweep` on the H200 (2026-12-04; GPU us per call, 1
+# token x 2 routes): Qwen2.5-0.5B's Q5_0 gate/up [2 x 4864, 896] 16 x 128 on 4 warps 13.4 (byte
+# tiles before: 32.4), its k_mixed down [896, 4864] 16 x 256 on 4 warps 29.7 (80.4); SmolLM2's
+# Q4_1 down [576, 1536] 16 x 512 on 8 warps 4.3 (12.6); Qwen3-30B-A3B's Q4_K gate/up 16 x 256
+# on 4 warps. Word tiles of BLOCK_N < 16 gave wrong sums on the GPU (not under the interpreter:
+# Triton 3.6's code for them, cause not found), so `_check_blocks` refuses them.
+for _name in LEGACY_REST:
+    QUANTIZED_LAUNCH[_name].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=128, GATE_UP_WARPS=4,
+                                   DOWN_BLOCK_N=16, DOWN_BLOCK_K=512, DOWN_WARPS=8)  # fmt: skip
+QUANTIZED_LAUNCH["k_mixed"].update(DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)
+QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4,
+                                DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)  # fmt: skip
+WORD_MIN_BLOCK_N = 16
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
 DEQUANTIZE_BLOCK_K = 128  # (a multiple of 32: whole fp4 chunks; fp8: at most its 128 blocks)
@@ -350,9 +359,13 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 # fp32 rounding before the bf16 one). FP8 tiles take one scale per row where a scale block spans
 # the tile's columns (COL_BLOCK % BLOCK_K == 0: the checkpoints' 128 x 128 blocks with BLOCK_K <=
 # 128) and one per element otherwise; Q8_0 tiles are read as [BLOCK_N, BLOCK_K / 32, 32] int8
-# codes times one fp16 scale a block, the tile reshaped back (row order kept); the K-quants and
-# the legacy types likewise as [BLOCK_N, BLOCK_K / 32, 32], each value gathered from its block's
-# bytes (`_k_quant_tile`, `_legacy_tile`). FP4 tiles are read
+# codes times one fp16 scale a block, the tile reshaped back (row order kept). The decode
+# kernels read the legacy types and the K-quants (but q6_k, whose 82-byte blocks are not
+# word-aligned) as int32 words (`_word_tile`: 16-byte loads of codes, fp16 d read as halves,
+# high bits as words), decoded with shifts into [BLOCK_N, BLOCK_K / 32, 4, 8] (legacy: value
+# order permuted, x read to match and the sum taken in value order) or [BLOCK_N, BLOCK_K / 32,
+# 8, 4] tiles; gathering them a byte a value (`_k_quant_tile`, `_legacy_tile`, still q6_k's and
+# dequantize_slots') left the decode kernels 3-10x slower than their bytes. FP4 tiles are read
 # as [BLOCK_N, BLOCK_K / 32, 4] int32 words: chunks of 32 values, 16 bytes each, each word's 8
 # nibbles its 8 consecutive values (low nibble first, little-endian); each nibble is decoded with
 # three integer operations and a multiply (`_e2m1`), scaled (an mxfp4 chunk has one e8m0 scale,
@@ -515,6 +528,20 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _k_scale_min(s_at, sub, mask):
+        """q4_k's and q5_k's chunk scales d * sc and offsets dmin * mn [BLOCK_N, G] (fp32) of
+        chunks `sub` [G] of their super-blocks, whose other bytes start at s_at [BLOCK_N, G]:
+        the 6-bit scale and min from the 12 bytes at 4 (ggml's get_scale_min_k4)."""
+        low = sub < 4
+        at = s_at + 4
+        a = tl.load(at + tl.where(low, sub, sub + 4)[None, :], mask=mask, other=0).to(tl.int32)
+        b = tl.load(at + tl.where(low, sub + 4, sub - 4)[None, :], mask=mask, other=0)
+        c = tl.load(at + tl.where(low, sub + 4, sub)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low[None, :], a & 63, (a & 0xF) | ((b.to(tl.int32) >> 6) << 4))
+        mn = tl.where(low[None, :], c & 63, (a >> 4) | ((c >> 6) << 4))
+        return _f16_at(s_at, mask) * sc.to(tl.float32), _f16_at(s_at + 2, mask) * mn.to(tl.float32)
+
+    @triton.jit
     def _k_quant_tile(
         w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
         REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -551,16 +578,8 @@ if triton is not None:
         if FORMAT == 6:
             qh = tl.load(s_at[:, :, None] + 16 + lane, mask=mask3, other=0).to(tl.int32)
             code = code | (((qh >> sub[None, :, None]) & 1) << 4)
-        # the chunk's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 bytes at 4
-        low = sub < 4
-        at = s_at + 4
-        a = tl.load(at + tl.where(low, sub, sub + 4)[None, :], mask=mask, other=0).to(tl.int32)
-        b = tl.load(at + tl.where(low, sub + 4, sub - 4)[None, :], mask=mask, other=0)
-        c = tl.load(at + tl.where(low, sub + 4, sub)[None, :], mask=mask, other=0).to(tl.int32)
-        sc = tl.where(low[None, :], a & 63, (a & 0xF) | ((b.to(tl.int32) >> 6) << 4))
-        mn = tl.where(low[None, :], c & 63, (a >> 4) | ((c >> 6) << 4))
-        scale = (_f16_at(s_at, mask) * sc.to(tl.float32))[:, :, None]
-        offset = (_f16_at(s_at + 2, mask) * mn.to(tl.float32))[:, :, None]
+        scale, offset = _k_scale_min(s_at, sub, mask)
+        scale, offset = scale[:, :, None], offset[:, :, None]
         return tl.reshape(scale * code.to(tl.float32) - offset, [BLOCK_N, BLOCK_K])
 
     @triton.jit
@@ -594,6 +613,169 @@ if triton is not None:
         else:
             w = d * (code - 16).to(tl.float32)
         return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+    # -- word tiles: the legacy types and the K-quants read as int32 words (decode) ------------
+
+    @triton.jit
+    def _planes(w, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+                S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
+                MASK: tl.constexpr):  # fmt: skip
+        """[A, B, C, 8]: plane n of int32 words w [A, B, C] is (w >> Sn) & MASK (joined in
+        registers, as `_e2m1`'s nibbles: each join adds a faster index)."""
+        p0, p1, p2, p3 = (w >> S0) & MASK, (w >> S1) & MASK, (w >> S2) & MASK, (w >> S3) & MASK
+        p4, p5, p6, p7 = (w >> S4) & MASK, (w >> S5) & MASK, (w >> S6) & MASK, (w >> S7) & MASK
+        bits = tl.join(
+            tl.join(tl.join(p0, p4), tl.join(p2, p6)),
+            tl.join(tl.join(p1, p5), tl.join(p3, p7)),
+        )
+        return tl.reshape(bits, [w.shape[0], w.shape[1], w.shape[2], 8])
+
+    @triton.jit
+    def _bytes4(w, MASK: tl.constexpr):
+        """[A, B, C, 4]: byte j of int32 words w [A, B, C] (little-endian), & MASK."""
+        bits = tl.join(
+            tl.join(w & MASK, (w >> 16) & MASK), tl.join((w >> 8) & MASK, (w >> 24) & MASK)
+        )
+        return tl.reshape(bits, [w.shape[0], w.shape[1], w.shape[2], 4])
+
+    @triton.jit
+    def _legacy_words(
+        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """`_legacy_tile`'s values as [BLOCK_N, G, 4, 8]: a block's 16 code bytes read as 4
+        int32 words (one 16-byte load a row and block), plane n = 4 h + j of word q holding
+        value 16 h + 4 q + j of the block (byte 4 q + j's low nibble for h = 0, its high one
+        for h = 1); `_word_x` reads x in this order and `_legacy_sum` puts it back. d (m,
+        the fifth bits) are read as 16-bit halves (a block's other bytes are 2-aligned)."""
+        G: tl.constexpr = BLOCK_K // 32
+        REST: tl.constexpr = FORMAT - 8  # (halves besides the codes: 1, 2, 3, 4)
+        block = k0 // 32 + tl.arange(0, G)
+        quad = tl.arange(0, 4)
+        mask = row_mask[:, None] & (block * 32 < KDIM)[None, :]  # [BLOCK_N, G]
+        w_words = w_rows.to(tl.pointer_type(tl.int32))  # (rows of whole words: checked)
+        words = tl.load(w_words[:, None, None] + (block * 4)[None, :, None] + quad[None, None, :],
+                        mask=mask[:, :, None], other=0)  # fmt: skip
+        code = _planes(words, 0, 8, 16, 24, 4, 12, 20, 28, 0xF)
+        halves = s_rows.to(tl.pointer_type(tl.int16))[:, None] + (block * REST)[None, :]
+        d = tl.load(halves, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        if FORMAT == 11 or FORMAT == 12:  # qh: value l's fifth bit is bit l
+            lo = tl.load(halves + (REST - 2), mask=mask, other=0).to(tl.int32) & 0xFFFF
+            hi = tl.load(halves + (REST - 1), mask=mask, other=0).to(tl.int32)
+            qh = (lo | (hi << 16))[:, :, None] >> (quad * 4)[None, None, :]
+            code = code | (_planes(qh, 0, 1, 2, 3, 16, 17, 18, 19, 1) << 4)
+        d = d[:, :, None, None]
+        if FORMAT == 10 or FORMAT == 12:
+            m = tl.load(halves + 1, mask=mask, other=0).to(tl.float16, bitcast=True)
+            return d * code.to(tl.float32) + m.to(tl.float32)[:, :, None, None]
+        elif FORMAT == 9:
+            return d * (code - 8).to(tl.float32)
+        else:
+            return d * (code - 16).to(tl.float32)
+
+    @triton.jit
+    def _legacy_sum(acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Row sums of a [BLOCK_N, G, 4, 8] accumulator of `_legacy_words`' order, summed in
+        value order (as the dense kernels' [BLOCK_N, BLOCK_K] tile)."""
+        G: tl.constexpr = BLOCK_K // 32
+        acc = tl.permute(tl.reshape(acc, [BLOCK_N, G, 4, 2, 4]), (0, 1, 3, 2, 4))
+        return tl.sum(tl.reshape(acc, [BLOCK_N, BLOCK_K]), axis=1)
+
+    @triton.jit
+    def _k_words(
+        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """`_k_quant_tile`'s values as [BLOCK_N, G, 8, 4] (value order): a chunk's 32 values
+        from 8 int32 words of codes (two 16-byte loads a row and chunk; a byte's other nibble
+        is the neighbouring chunk's, read again from L1), q5_k's fifth and q6_k's high bits
+        from 8 words of its other bytes (REST a multiple of 4: word-aligned blocks)."""
+        G: tl.constexpr = BLOCK_K // 32
+        chunk = k0 // 32 + tl.arange(0, G)
+        sub = chunk % 8
+        word = tl.arange(0, 8)[None, None, :]
+        mask = row_mask[:, None] & (chunk * 32 < KDIM)[None, :]  # [BLOCK_N, G]
+        mask3 = mask[:, :, None]
+        w_words = w_rows.to(tl.pointer_type(tl.int32))  # (rows of whole words: checked)
+        w_at = w_words[:, None] + ((chunk // 8) * 32)[None, :]  # [BLOCK_N, G]
+        s_at = s_rows[:, None] + ((chunk // 8) * REST)[None, :]
+        s_words = (
+            s_rows.to(tl.pointer_type(tl.int32))[:, None] + ((chunk // 8) * (REST // 4))[None, :]
+        )
+        if FORMAT == 7:  # q6_k: chunk 4 h + j holds values 128 h + 32 j + l
+            h, j = sub // 4, sub % 4
+            lo = tl.load(w_at[:, :, None] + (16 * h + 8 * (j % 2))[None, :, None] + word,
+                         mask=mask3, other=0)  # fmt: skip
+            lo = lo >> (4 * (j // 2))[None, :, None]
+            hi = tl.load(s_words[:, :, None] + (8 * h)[None, :, None] + word, mask=mask3,
+                         other=0)  # fmt: skip
+            hi = hi >> (2 * j)[None, :, None]
+            code = _bytes4(lo, 0xF) | (_bytes4(hi, 3) << 4)
+            # one int8 scale a 16 values: words 0-3 and 4-7 of the chunk
+            sc = tl.load(s_at[:, :, None] + 64 + 2 * sub[None, :, None] + word // 4,
+                         mask=mask3, other=0)  # fmt: skip
+            d = _f16_at(s_at + 80, mask)[:, :, None]
+            scale = (d * sc.to(tl.int8, bitcast=True).to(tl.float32))[:, :, :, None]
+            return scale * (code - 32).to(tl.float32)
+        # q4_k, q5_k: chunk 2 g + half holds values 64 g + 32 half + l
+        g, half = sub // 2, sub % 2
+        byte = tl.load(w_at[:, :, None] + (8 * g)[None, :, None] + word, mask=mask3, other=0)
+        code = _bytes4(byte >> (4 * half)[None, :, None], 0xF)
+        if FORMAT == 6:
+            qh = tl.load(s_words[:, :, None] + 4 + word, mask=mask3, other=0)
+            code = code | (_bytes4(qh >> sub[None, :, None], 1) << 4)
+        scale, offset = _k_scale_min(s_at, sub, mask)
+        scale, offset = scale[:, :, None, None], offset[:, :, None, None]
+        return scale * code.to(tl.float32) - offset
+
+    @triton.jit
+    def _word_tile(
+        w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """The decode kernels' tiles of the word-read formats (`_reads_words`), rounded to
+        dt: the legacy types' [BLOCK_N, G, 4, 8] (`_legacy_words`), the K-quants' [BLOCK_N,
+        G, 8, 4] (`_k_words`; k_mixed: the tile's rows are of one type, one expert's)."""
+        if FORMAT >= 9:
+            w = _legacy_words(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_N, BLOCK_K)
+        elif FORMAT == 8:
+            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
+            if kind == 7:
+                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N,
+                             BLOCK_K)  # fmt: skip
+            elif kind == 6:
+                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N,
+                             BLOCK_K)  # fmt: skip
+            else:
+                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N,
+                             BLOCK_K)  # fmt: skip
+        else:
+            REST: tl.constexpr = 16 if FORMAT == 5 else 48
+            w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
+        return _round_weight(w, dt, W_ROUND)
+
+    @triton.jit
+    def _word_x(x_row, k0, valid, KDIM: tl.constexpr, FORMAT: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+        """x (fp32) in `_word_tile`'s order: [G, 4, 8] for the legacy types, [G, 8, 4]."""
+        G: tl.constexpr = BLOCK_K // 32
+        if FORMAT >= 9:  # (one return: the two shapes differ)
+            n = tl.arange(0, 8)[None, None, :]
+            offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 4
+                    + (n // 4) * 16 + n % 4)  # fmt: skip
+        else:
+            offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4
+                    + tl.arange(0, 4)[None, None, :])  # fmt: skip
+        return tl.load(x_row + k0 + offs, mask=((k0 + offs) < KDIM) & valid, other=0.0).to(
+            tl.float32
+        )
+
+    @triton.jit
+    def _word_sum(acc, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Row sums of a `_word_tile` accumulator, in value order."""
+        if FORMAT >= 9:
+            return _legacy_sum(acc, BLOCK_N, BLOCK_K)
+        return tl.sum(tl.reshape(acc, [BLOCK_N, BLOCK_K]), axis=1)
 
     @triton.jit
     def _fp4_tile(
@@ -704,7 +886,23 @@ if triton is not None:
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
         s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
                                  stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT >= 4:  # dense, fp8, GGUF's types: [BLOCK_N, BLOCK_K] tiles
+        if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
+            WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (the tile's words a block, and
+            WB: tl.constexpr = 8 if FORMAT >= 9 else 4  # values a word)
+            acc_gw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
+            acc_uw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                # (the weights' loads first: x's may cross shared memory behind a barrier)
+                wg = _word_tile(gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND,
+                                BLOCK_N, BLOCK_K)  # fmt: skip
+                wu = _word_tile(up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND,
+                                BLOCK_N, BLOCK_K)  # fmt: skip
+                xw = _word_x(x_row, k0, valid, HIDDEN, FORMAT, BLOCK_K)
+                acc_gw += wg * xw[None, :, :, :]
+                acc_uw += wu * xw[None, :, :, :]
+            gate = _word_sum(acc_gw, FORMAT, BLOCK_N, BLOCK_K)
+            up = _word_sum(acc_uw, FORMAT, BLOCK_N, BLOCK_K)
+        elif FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, q6_k: [BLOCK_N, BLOCK_K] tiles
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -784,7 +982,17 @@ if triton is not None:
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
                                      stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        if FORMAT < 2 or FORMAT >= 4:
+        if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
+            WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (as in the gate/up kernel)
+            WB: tl.constexpr = 8 if FORMAT >= 9 else 4
+            accw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                wd = _word_tile(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND,
+                                BLOCK_N, BLOCK_K)  # fmt: skip
+                aw = _word_x(a_row, k0, valid, INTER, FORMAT, BLOCK_K)
+                accw += wd * aw[None, :, :, :]
+            y = _word_sum(accw, FORMAT, BLOCK_N, BLOCK_K)
+        elif FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 k_ok = (k0 + cols) < INTER
@@ -915,6 +1123,10 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
         raise ValueError(why)
     if fmt.pack == 2 and (w.data_ptr() % 4 or w.stride(0) % 4 or w.stride(1) % 4):
         raise ValueError("fp4 codes are read as 4-byte words: rows must start 4-byte aligned")
+    align = _SCALE_ALIGN.get(fmt.name, 1)
+    if s.data_ptr() % align or s.stride(0) % align or s.stride(1) % align:
+        raise ValueError(f"{fmt.name} scales are read {align} bytes at a time: their rows must "
+                         f"start {align}-byte aligned")  # fmt: skip
     args = [w, s, w if g is None else g, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
             0 if g is None else g.stride(0)]  # fmt: skip
     consts = dict(FORMAT=fmt.code, ROW_BLOCK=fmt.row_block, COL_BLOCK=fmt.col_block,
@@ -922,12 +1134,21 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
     return args, consts
 
 
-def _check_blocks(format_code: int, params: dict[str, int]) -> None:
-    if format_code >= 2:
-        for name in ("GATE_UP_BLOCK_K", "DOWN_BLOCK_K"):
-            if params[name] % 32:
-                raise ValueError(f"fp4 and GGUF tiles take whole chunks of 32 values: {name} "
-                                 f"{params[name]}")  # fmt: skip
+# Formats whose other bytes the decode kernels read as wider words (`_word_tile`): the legacy
+# types' fp16 halves, q5_k's and k_mixed's high-bit words.
+_SCALE_ALIGN = {"q5_k": 4, "k_mixed": 4, **dict.fromkeys(LEGACY_REST, 2)}
+
+
+def _check_blocks(format_code: int, params: dict[str, int], proj: str) -> None:
+    """Refuse tiles a format's kernel cannot take (`proj`: "GATE_UP" or "DOWN")."""
+    if format_code >= 2 and params[f"{proj}_BLOCK_K"] % 32:
+        raise ValueError(f"fp4 and GGUF tiles take whole chunks of 32 values: {proj}_BLOCK_K "
+                         f"{params[f'{proj}_BLOCK_K']}")  # fmt: skip
+    if format_code >= 5 and format_code != 7 and params[f"{proj}_BLOCK_N"] < WORD_MIN_BLOCK_N:
+        raise ValueError(
+            f"word tiles need {proj}_BLOCK_N >= {WORD_MIN_BLOCK_N} (smaller ones "
+            f"computed wrong sums on the GPU), got {params[f'{proj}_BLOCK_N']}"
+        )
 
 
 def triton_grouped_expert_forward(
@@ -955,8 +1176,13 @@ def triton_grouped_expert_forward(
     routes = t * k
     if routes == 0:
         return torch.zeros_like(x)
-    p = launch_params("dense" if isinstance(w_gate_up, Tensor) else w_gate_up.format.name)
-    _check_blocks(gu_consts["FORMAT"], p)
+    # each projection's kernel launched with its own format's parameters (a Q4_K_M file's
+    # gate/up Q5_0 and down k_mixed)
+    dense = isinstance(w_gate_up, Tensor)
+    p = launch_params("dense" if dense else w_gate_up.format.name)
+    p_down = launch_params("dense" if dense else w_down.format.name)
+    _check_blocks(gu_consts["FORMAT"], p, "GATE_UP")
+    _check_blocks(d_consts["FORMAT"], p_down, "DOWN")
     x = x.contiguous()
     slots = slots.contiguous()
     weights = weights.contiguous()
@@ -994,7 +1220,7 @@ def triton_grouped_expert_forward(
     )
     c = torch.empty(routes, h, dtype=x.dtype, device=x.device)
     w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = d_args
-    _down_kernel[(routes, triton.cdiv(h, p["DOWN_BLOCK_N"]))](
+    _down_kernel[(routes, triton.cdiv(h, p_down["DOWN_BLOCK_N"]))](
         a,
         slots,
         weights,
@@ -1012,10 +1238,10 @@ def triton_grouped_expert_forward(
         HIDDEN=h,
         INTER=i,
         INTERPRETED=INTERPRETED,
-        BLOCK_N=p["DOWN_BLOCK_N"],
-        BLOCK_K=p["DOWN_BLOCK_K"],
-        num_warps=p["DOWN_WARPS"],
-        num_stages=p["DOWN_STAGES"],
+        BLOCK_N=p_down["DOWN_BLOCK_N"],
+        BLOCK_K=p_down["DOWN_BLOCK_K"],
+        num_warps=p_down["DOWN_WARPS"],
+        num_stages=p_down["DOWN_STAGES"],
         **d_consts,
     )
     _sum_routes_kernel[(t, triton.cdiv(h, REDUCE_BLOCK))](
