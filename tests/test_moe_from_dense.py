@@ -137,9 +137,10 @@ def test_moe_logits_equal_the_dense_models(files):
 
 
 def strategies(experts_total: int) -> list[MoEOptions]:
-    """fused and cpu, then offload, hybrid, static and auto at three cache sizes: an eighth, a
-    quarter and a half of all experts (the cache tier lives on the CPU here)."""
-    sizes = [max(1, experts_total * n // 8) for n in (1, 2, 4)]
+    """fused and cpu, then offload, hybrid, static and auto at three cache sizes: a quarter, a
+    half and three quarters of all experts (the cache tier lives on the CPU here; offload at an
+    eighth took SmolLM2's MoE 129 s for 10 steps on the 2-core machine, at a quarter 35 s)."""
+    sizes = [max(1, experts_total * n // 4) for n in (1, 2, 3)]
     return [MoEOptions(strategy="fused"), MoEOptions(strategy="cpu")] + [
         MoEOptions(strategy=s, cache_size=str(n))
         for s in ("offload", "hybrid", "static", "auto") for n in sizes
