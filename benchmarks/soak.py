@@ -139,7 +139,7 @@ def main() -> int:
     p.add_argument("--cancel", type=float, default=0.2, help="share of streams cut short")
     p.add_argument("--warmup-s", type=float, default=30.0)
     p.add_argument("--sample-s", type=float, default=5.0)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="random-demo", help="default: the random demo (offline)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
