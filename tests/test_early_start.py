@@ -299,7 +299,8 @@ def test_the_cli_turns_the_collector_off_for_a_start_and_on_after_the_engine():
         "common.load_engine = checked\n"
         "import freetoken.cli.generate as g\n"
         "g.load_engine = checked\n"
-        "main.main(['generate', '--prompt', 'hi', '--max-tokens', '1'])\n"],
+        "main.main(['generate', '--model', 'random-demo', '--prompt', 'hi',\n"
+        "           '--max-tokens', '1'])\n"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     ).stdout  # fmt: skip
     assert "loading, collector on: False" in seen
