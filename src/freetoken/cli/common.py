@@ -16,10 +16,14 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
     config = engine_config(args)
     if config.model is None:
+        from freetoken.errors import FetchError
         from freetoken.models import demo_model
 
         print(f"Using {demo_model.DESCRIPTION}.", file=sys.stderr)
-        config = dataclasses.replace(config, model=demo_model.demo_model(config.progress))
+        try:
+            config = dataclasses.replace(config, model=demo_model.demo_model(config.progress))
+        except FetchError as e:  # (offline: say what runs without the registry)
+            raise FetchError(f"{e}; `--model random-demo` runs a tiny random model offline") from e
     engine = LLMEngine.from_config(config)
     early_start.started()
     return engine
