@@ -24,7 +24,9 @@ EXPERTS, TOP_K = 8, 2
 # Greedy unless a request says otherwise (a GGUF file carries no sampling settings): sampled,
 # even at the model card's temperature 0.2, this 135M model in Q4_1 began "The capital of France
 # is ..." with "L'Étoile" in two of three tries; greedy, it says Paris.
-SAMPLING = {"do_sample": False}
+# A 135M model's greedy reply can also repeat itself: a request without an output limit stops
+# at 512 tokens rather than at the end of its context.
+SAMPLING = {"do_sample": False, "max_new_tokens": 512}
 DESCRIPTION = (f"the built-in demo model: {SOURCE} made into an MoE of {EXPERTS} experts a layer "
                f"(top {TOP_K}; fetched once from the package registry)")  # fmt: skip
 
