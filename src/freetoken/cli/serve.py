@@ -109,10 +109,12 @@ def run(args: argparse.Namespace) -> int:
     log.debug("app made")
     url = f"http://{args.host}:{args.port}"
     auth = ' -H "Authorization: Bearer $FREETOKEN_API_KEY"' if config.api_key else ""
+    # (the example is greedy: the APIs sample a request without a temperature at 1.0, their
+    # documented default, which a small model answers with noise more often than not)
     print(
         f"freetoken serving {name} at {url}/v1 (OpenAI) and {url}/v1/messages (Anthropic)\n"
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-        f"""-d '{{"model": "{name}", "max_tokens": 64, """
+        f"""-d '{{"model": "{name}", "max_tokens": 64, "temperature": 0, """
         f""""messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'\n"""
         f"context: {engine.max_context} tokens; coding agents: ft launch claude|codex|opencode",
         file=sys.stderr,

@@ -21,7 +21,8 @@ from freetoken import packaged_models
 SOURCE = "smollm2-135m-instruct"
 NAME = "freetoken-demo"  # the name it is served under
 EXPERTS, TOP_K = 8, 2
-# Greedy unless a request says otherwise (a GGUF file carries no sampling settings): sampled,
+# Greedy for `ft shell` / `ft generate`, which follow the checkpoint's settings (a GGUF file
+# carries none; the APIs take their own default, temperature 1, where a request sets none): sampled,
 # even at the model card's temperature 0.2, this 135M model in Q4_1 began "The capital of France
 # is ..." with "L'Étoile" in two of three tries; greedy, it says Paris.
 # A 135M model's greedy reply can also repeat itself: a request without an output limit stops
