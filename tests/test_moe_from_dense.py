@@ -261,8 +261,12 @@ def test_real_moe_greedy_tokens_equal_the_dense_models(real):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     want, _, _ = greedy_run(load_model(dense_dir, dtype="float32"), MoEOptions(), prompts)
     model = load_model(moe_dir, dtype="float32")
-    small = model.config.hidden_size < 768  # (SmolLM2: every size; Qwen2.5-0.5B: offload at 3/4)
-    for options in strategies(model.config.num_layers * EXPERTS, 3 if small else 1):
+    # SmolLM2: every strategy at every size; Qwen2.5-0.5B: fused and cpu only (its other
+    # strategies' CPU-tier runs took over 8 minutes together on the 2-core machine: its experts'
+    # exactness at every size is the tiny files' test's and test_moe_runtime's)
+    small = model.config.hidden_size < 768
+    settings = strategies(model.config.num_layers * EXPERTS) if small else strategies(0)[:2]
+    for options in settings:
         assert torch.equal(greedy_run(model, options, prompts)[0], want), options
 
 
