@@ -316,7 +316,10 @@ def test_a_quantized_checkpoint_converts_to_a_weight_directory_of_its_quantized_
     # the quantized experts compute with their defined values: the model dequantized at load
     # exactly (and the test's own decoding of the weights within rounding: it multiplies
     # NVFP4's two scales first)
-    assert torch.equal(logits(converted), logits(quantized, dequantize_experts=True))
+    # (within rounding, not bit for bit: since the dense quantized layers (ft_cpu_qlinear) the
+    # q8_0 rows' fp32 dot products may sum in another order than the dense job's)
+    kept, dequantized = logits(converted), logits(quantized, dequantize_experts=True)
+    assert (kept - dequantized).abs().max().item() < 1e-5
     assert (logits(converted) - logits(plain)).abs().max().item() < 1e-5
 
 
@@ -346,7 +349,9 @@ def test_loading_says_what_was_kept_quantized_and_what_it_takes(source, tmp_path
     names = load_file(source[0] / "model.safetensors")
     count = len([n for n in names if n.endswith("_proj.weight")])
     experts = len([n for n in names if ".experts." in n])
-    assert f"{count} tensors stored fp8, {experts} of them routed experts kept so" in line
+    kept = (f"{count} tensors stored fp8, {experts} of them routed experts and 0 dense layers "
+            "kept so")
+    assert kept in line
     assert "dequantized to bfloat16" in line
 
 
