@@ -349,8 +349,9 @@ def test_loading_says_what_was_kept_quantized_and_what_it_takes(source, tmp_path
     names = load_file(source[0] / "model.safetensors")
     count = len([n for n in names if n.endswith("_proj.weight")])
     experts = len([n for n in names if ".experts." in n])
-    kept = (f"{count} tensors stored fp8, {experts} of them routed experts and 0 dense layers "
-            "kept so")
+    kept = (
+        f"{count} tensors stored fp8, {experts} of them routed experts and 0 dense layers kept so"
+    )
     assert kept in line
     assert "dequantized to bfloat16" in line
 
