@@ -34,7 +34,7 @@ from pathlib import Path
 from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
-from freetoken.models import gguf
+from freetoken.models import gguf, gguf_header
 
 QUESTION = (
     "Write a Python function that checks whether a string is a palindrome, with a "
@@ -106,19 +106,14 @@ def llama_bench(binary: str, path: Path, device: str, threads: int, prompt_token
 
 def moe_layers(path: Path) -> int:
     """The number of layers with routed experts in a GGUF file (0 for a dense one)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return len({t.name.split(".")[1] for t in reader.tensors if "_exps." in t.name})
+    types = gguf_header.read(path).tensor_types
+    return len({name.split(".")[1] for name in types if "_exps." in name})
 
 
 def experts(path: Path) -> int:
     """Routed experts per layer of a GGUF file."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    return int(reader.fields[f"{arch}.expert_count"].contents())
+    header = gguf_header.read(path)
+    return int(header.metadata[f"{header.architecture}.expert_count"])
 
 
 def main() -> None:

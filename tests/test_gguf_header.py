@@ -50,7 +50,8 @@ def test_the_walk_reads_what_the_gguf_package_reads(tmp_path, endian):
     header = gguf_header.read(path)
     reader = gguf_package.GGUFReader(str(path))
     assert header.architecture == "qwen2" and header.metadata["general.name"] == "tiny"
-    assert header.tensors == len(reader.tensors) == 3
+    assert header.tensor_types == {t.name: int(t.tensor_type) for t in reader.tensors}
+    assert len(header.tensor_types) == 3
     assert header.data_end == max(t.data_offset + t.n_bytes for t in reader.tensors)
     assert header.data_end <= header.file_size
 

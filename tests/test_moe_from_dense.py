@@ -27,7 +27,7 @@ from freetoken import packaged_models, paths
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.errors import RegistryError
-from freetoken.models import gguf, moe_from_dense
+from freetoken.models import gguf, gguf_header, moe_from_dense
 from freetoken.models.loading import load_model
 from test_moe_runtime import greedy_run
 from tiny_gguf import BYTE_VOCAB, llama_permuted, write_dense_gguf
@@ -214,21 +214,15 @@ PPL_TOKENS = 2000
 
 
 def tensor_table(file: Path):
-    """The names and types of a GGUF file's tensors, as `gguf.GGUFReader` has them, read by
-    transformers' metadata reader where it has one (the gguf package's parses a 151k-token
-    vocabulary for seconds, minutes on a busy machine)."""
+    """A GGUF file's tensor names and types as `gguf.GGUFReader` has them (what
+    `gguf._kept_experts` reads), from the header walk (the gguf package's reader parses a
+    151k-token vocabulary for seconds, minutes on a busy machine)."""
     import gguf as gguf_package
 
-    try:
-        from transformers.integrations.gguf import reader
-    except ImportError:
-        return gguf_package.GGUFReader(str(file))
-    blob = reader._mapped(str(file))
-    _, count, pos = reader._read_metadata(blob, str(file))
-    entries, _ = reader._read_tensor_table(blob, count, pos)
+    types = gguf_header.read(file).tensor_types
     return SimpleNamespace(tensors=[
         SimpleNamespace(name=name, tensor_type=gguf_package.GGMLQuantizationType(kind))
-        for name, _, kind, _ in entries
+        for name, kind in types.items()
     ])  # fmt: skip
 
 

@@ -50,15 +50,21 @@ def native_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
 ) -> torch.Tensor:
     """x [T, H] . weight [N, H]^T + bias, in x's dtype (check `takes` first)."""
+    return _run(library().ft_cpu_linear_submit, (_DTYPES[weight.dtype], weight.data_ptr()),
+                x, weight.shape[0], bias, threads)  # fmt: skip
+
+
+def _run(submit, weight_args: tuple, x: torch.Tensor, n: int, bias: torch.Tensor | None,
+         threads: int | None) -> torch.Tensor:  # fmt: skip
+    """One linear job on the team: `submit(*weight_args, bias, N, K, x, x is bf16, T, out,
+    threads)`, waited for; the result in x's dtype."""
     x = x.contiguous()
-    t, h = x.shape
-    n = weight.shape[0]
+    t, k = x.shape
     out = torch.empty(t, n, dtype=torch.float32)
-    bias = bias.contiguous() if bias is not None else None  # held until the job is done
-    ticket = library().ft_cpu_linear_submit(
-        _DTYPES[weight.dtype], weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-        n, h, x.data_ptr(), x.dtype == torch.bfloat16, t, out.data_ptr(),
-        threads or team_threads(),
+    bias = bias.to(x.dtype).contiguous() if bias is not None else None  # (held until done)
+    ticket = submit(
+        *weight_args, bias.data_ptr() if bias is not None else None, n, k, x.data_ptr(),
+        x.dtype == torch.bfloat16, t, out.data_ptr(), threads or team_threads(),
     )  # fmt: skip
     if ticket == 0:
         raise RuntimeError("could not start a CPU linear job (threads or memory)")
@@ -84,7 +90,6 @@ def takes_quantized(x: torch.Tensor, weight: QuantizedWeight) -> bool:
         and x.dtype in _DTYPES
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
-        and all(t.is_contiguous() for t in weight.tensors)
         and not torch.is_grad_enabled()
         and library() is not None
     )
@@ -98,19 +103,8 @@ def native_qlinear(
 ) -> torch.Tensor:
     """x [T, K] . weight [N, K]^T + bias, in x's dtype (check `takes_quantized` first): the
     dense layer's on weight.dequantize(x.dtype)."""
-    x = x.contiguous()
-    t, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(t, n, dtype=torch.float32)
-    bias = bias.to(x.dtype).contiguous() if bias is not None else None  # (held until done)
-    ticket = library().ft_cpu_qlinear_submit(
-        _DTYPES[x.dtype], *_parts(weight), bias.data_ptr() if bias is not None else None, n, k,
-        x.data_ptr(), x.dtype == torch.bfloat16, t, out.data_ptr(), threads or team_threads(),
-    )  # fmt: skip
-    if ticket == 0:
-        raise RuntimeError("could not start a CPU linear job (threads or memory)")
-    wait(ticket)
-    return out.to(x.dtype)  # exact: every value is already rounded to x's dtype
+    return _run(library().ft_cpu_qlinear_submit, (_DTYPES[x.dtype], *_parts(weight)), x,
+                weight.shape[0], bias, threads)  # fmt: skip
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -72,5 +72,10 @@ class Linear(nn.Linear):
                 self.quantized = self.quantized.to(device)
         return self
 
+    @property
+    def computed_weight(self) -> torch.Tensor | QuantizedWeight:
+        """What `forward` multiplies by: the quantized weight once kept, else `weight`."""
+        return self.quantized if self.quantized is not None else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.quantized if self.quantized is not None else self.weight, self.bias)
+        return linear(x, self.computed_weight, self.bias)

@@ -120,9 +120,7 @@ class DecoderModel(nn.Module):
 
     def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:
         head = getattr(self, "lm_head", None)
-        if head is None:  # (tied)
-            return self.embed.weight
-        return head.quantized if head.quantized is not None else head.weight
+        return self.embed.weight if head is None else head.computed_weight  # (None: tied)
 
     def head_from(self, weight: QuantizedWeight) -> None:
         """A tied model's output head computed from the embedding's quantized blocks (`weight`,

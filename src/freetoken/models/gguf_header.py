@@ -27,7 +27,6 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # (those the gguf package reads)
 _STRING, _ARRAY = 8, 9
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_WANTED = ("general.architecture", "general.name", "general.alignment")
 # GGUF architectures transformers converts (modeling_gguf_pytorch_utils: its config mapping's
 # keys, "qwen2moe", "qwen3moe" and "gpt-oss" renamed) -> the class it makes of them; those whose
 # class a family of freetoken reads are served (`served`; "mistral" would need a Mistral family).
@@ -45,8 +44,8 @@ CONVERTED = {
 @dataclass(frozen=True)
 class Header:
     version: int
-    metadata: dict[str, object]  # the values of _WANTED that the file has
-    tensors: int
+    metadata: dict[str, object]  # its single values (arrays, the vocabulary's, stepped over)
+    tensor_types: dict[str, int]  # each tensor's GGML type (gguf.GGMLQuantizationType's values)
     data_end: int  # the offset in the file where the last tensor's data ends
     file_size: int
 
@@ -170,14 +169,16 @@ class _Walk:
         metadata: dict[str, object] = {}
         for _ in range(pairs):
             key, kind = self._string(), self._take("I")
-            if key in _WANTED:
+            if kind != _ARRAY:
                 metadata[key] = self._value(kind)
             else:
                 self._skip(kind)
-        end = self._tensor_data_end(tensors, int(metadata.get("general.alignment") or 32))
-        return Header(version, metadata, tensors, end, size)
+        types: dict[str, int] = {}
+        end = self._tensor_data_end(tensors, int(metadata.get("general.alignment") or 32), types)
+        return Header(version, metadata, types, end, size)
 
-    def _tensor_data_end(self, count: int, alignment: int) -> int:
+    def _tensor_data_end(self, count: int, alignment: int, types: dict[str, int]) -> int:
+        """Where the tensors' data ends; each tensor's type recorded in `types`."""
         from gguf.constants import GGML_QUANT_SIZES  # (block and byte sizes of each type)
 
         sizes = {int(kind): v for kind, v in GGML_QUANT_SIZES.items()}
@@ -186,6 +187,7 @@ class _Walk:
             name = self._string()
             dims = [self._take("Q") for _ in range(self._take("I"))]
             kind, offset = self._take("I"), self._take("Q")
+            types[name] = kind
             if kind not in sizes:
                 raise CheckpointError(
                     f"{self.path.name}: tensor {name} has GGUF type {kind}, which this gguf "

@@ -360,6 +360,13 @@ class QuantizedWeight(_Parts):
     s: Tensor
     g: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # (contiguous once here, so the decode step's native call needs no check of its own)
+        for name in ("w", "s", "g"):
+            part = getattr(self, name)
+            if part is not None and not part.is_contiguous():
+                object.__setattr__(self, name, part.contiguous())
+
     @classmethod
     def of(cls, stored: QuantizedParts, fp8_block: tuple[int, int] = FP8_BLOCK) -> QuantizedWeight:
         """A checkpoint's quantized 2-D tensor as kept (ValueError where its format is not one
