@@ -3,8 +3,21 @@ modules are imported inside the fixtures, so tests that need no server run where
 dependencies are not installed (the GPU machine)."""
 
 import ctypes
+import shutil
 
 import pytest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_temp_dirs_removed(tmp_path_factory):
+    """What a module's tests write under pytest's base temp directory (checkpoints, conversions,
+    caches: hundreds of MB a module) goes when the module ends: kept, a full run filled CI's
+    disk ("No space left on device"). No session-scoped fixture writes there."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    for path in set(base.iterdir()) - before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

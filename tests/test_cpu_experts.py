@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from freetoken.activations import glu
 from freetoken.kernels import native
+from freetoken.kernels.cpu_banks import decode_expert
 from freetoken.kernels.cpu_experts import (
     NativeCPUExperts,
-    decode_expert,
     row_dots,
     torch_cpu_experts,
 )

@@ -153,6 +153,8 @@ def test_a_gguf_files_dense_layers_load_quantized_and_match_its_dequantized_mode
         for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
                      layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):  # fmt: skip
             assert proj.weight is None and proj.quantized.format.name == "q8_0"
+        # (stacked on the CPU: q, k and v one weight, the MLP one job of the experts' kernel)
+        assert layer.attn.qkv_proj is not None and layer.mlp.native is not None
     head = model.lm_head_weight()
     assert isinstance(head, QuantizedWeight) and model.config.tie_word_embeddings
     assert torch.equal(model.embed.weight, head.dequantize(torch.float32))

@@ -16,7 +16,8 @@ from freetoken.kernels.cpu_linear import (
     native_qlinear,
     takes_quantized,
 )
-from freetoken.layers.linear import Linear, linear
+from freetoken.layers.linear import Linear, linear, stacked
+from freetoken.layers.mlp import GatedMLP
 from freetoken.weights.expert_format import QuantizedWeight, expert_format, fill_random_
 
 needs_native = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
@@ -94,3 +95,68 @@ def test_a_linear_keeps_a_quantized_weight_and_dequantizes_it_for_prompts():
             assert torch.allclose(linear(x, weight, layer.bias), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="shape"):
         Linear(800, 41, device="meta").keep_quantized(weight)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["q5_0", "q4_k", "q8_0", "fp8"])
+def test_stacked_projections_compute_what_each_computes_alone(name):
+    """q, k and v (with biases) stacked into one weight give each projection's output bit for
+    bit, and each layer's weight becomes a view of the stacked rows (no second copy)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = [256, 128, 128]  # (fp8's row blocks of 128 split between them)
+    layers = []
+    for i, n in enumerate(rows):
+        weight = random_weight(name, n, seed=i)
+        layer = Linear(weight.shape[1], n, bias=True, device="meta")
+        layer.keep_quantized(weight)
+        layer.bias = torch.nn.Parameter(torch.randn(n, generator=gen), requires_grad=False)
+        layers.append(layer)
+    alone = [layer.quantized for layer in layers]
+    qkv = stacked(*layers)
+    assert qkv is not None and qkv.out_features == sum(rows)
+    for layer, weight in zip(layers, alone, strict=True):
+        assert torch.equal(layer.quantized.w, weight.w) and torch.equal(layer.quantized.s, weight.s)
+        assert layer.quantized.w.untyped_storage().data_ptr() == qkv.quantized.w.data_ptr() or (
+            layer.quantized.w.data_ptr() > qkv.quantized.w.data_ptr()
+        )
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens in (1, 5, 40):  # (the native job; a prompt's rows, dequantized)
+            x = torch.randn(tokens, layers[0].in_features, generator=gen).to(dtype)
+            with torch.no_grad():
+                parts = qkv.to(dtype)(x).split(rows, dim=-1)
+                for part, layer in zip(parts, layers, strict=True):
+                    assert torch.equal(part, layer.to(dtype)(x)), (dtype, tokens)
+
+
+def test_weights_of_other_formats_are_not_stacked():
+    a, b = Linear(800, 64, bias=False, device="meta"), Linear(800, 64, bias=False, device="meta")
+    a.keep_quantized(random_weight("q8_0", 64))
+    b.keep_quantized(random_weight("q4_0", 64))
+    assert stacked(a, b) is None
+    dense = Linear(800, 64, bias=False)
+    assert stacked(a, dense) is None
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stacked_mlp_is_one_native_job_giving_the_mlp_s_output(dtype):
+    """A dense MLP kept quantized (Q5_0 gate/up, Q4_K down, as the 0.5B Qwen's) computes a
+    decode step as one job of the experts' kernel: the three layers' output, bit for bit in
+    bf16 (every value rounded where torch rounds it), in fp32 within the order of the sums."""
+    gate, up = random_weight("q5_0", 768, seed=10), random_weight("q5_0", 768, seed=11)
+    down = random_weight("q4_k", 800, seed=12)  # [800, 768]: gate/up are [768, 800]
+    mlp = GatedMLP(800, 768, "silu").to(device="meta")
+    for layer, weight in ((mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, down)):
+        layer.keep_quantized(weight)
+    x = torch.randn(3, 800, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.stack_projections(dtype)
+        assert mlp.native is not None and mlp.gate_up_proj is not None
+        for got, ref in ((mlp(x), want), (mlp(x[:1]), want[:1])):
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, ref)
+            else:
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        mlp.native = None  # the stacked gate/up alone (a prompt's path, or no native MLP)
+        torch.testing.assert_close(mlp(x), want, rtol=0, atol=0)

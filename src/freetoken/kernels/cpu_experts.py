@@ -17,33 +17,10 @@ import numpy as np
 import torch
 
 from freetoken.activations import activation_code, supported
+from freetoken.kernels.cpu_banks import DTYPES, projection, ptr
 from freetoken.kernels.cpu_team import library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
 from freetoken.weights.expert_format import SPLIT_FORMATS, QuantizedBank
-
-_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
-
-
-def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
-    if a is None:
-        return None
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
-
-
-def _projection(bank, rows: int, cols: int, dtype: torch.dtype) -> tuple | None:
-    """A projection's (weights, scales, per-row scales, block rows, block cols) for the kernel,
-    or None where it cannot take the bank (a layout, dtype or device it does not read)."""
-    if isinstance(bank, torch.Tensor):
-        if bank.dtype != dtype or tuple(bank.shape[1:]) != (rows, cols):
-            return None
-        parts, blocks = (bank, None, None), (0, 0)
-    else:
-        if tuple(bank.shape[1:]) != (rows, cols) or bank.mismatch(dtype) is not None:
-            return None
-        parts, blocks = (bank.w, bank.s, bank.g), (bank.format.row_block, bank.format.col_block)
-    if not all(p is None or (p.is_contiguous() and p.device.type == "cpu") for p in parts):
-        return None
-    return (*parts, *blocks)
 
 
 def _format_code(bank) -> int:
@@ -59,7 +36,7 @@ class NativeCPUExperts:
         self.lib = lib
         self.w_gate_up, self.w_down, self.b_gate_up = w_gate_up, w_down, b_gate_up
         self.dtype = dtype  # the model's: what the experts compute in
-        self.dtype_code = _DTYPES[dtype]
+        self.dtype_code = DTYPES[dtype]
         self.act_code = activation_code(act)
         self.threads = threads
         self.hidden = w_gate_up.shape[2]
@@ -67,8 +44,8 @@ class NativeCPUExperts:
         # What both entry points take for the experts (see the C source).
         args = [_format_code(w_gate_up), _format_code(w_down)]
         for w, s, g, block_rows, block_cols in projections:
-            args += [_ptr(w), _ptr(s), _ptr(g), block_rows, block_cols]
-        self.expert_args = (*args, _ptr(b_gate_up))
+            args += [ptr(w), ptr(s), ptr(g), block_rows, block_cols]
+        self.expert_args = (*args, ptr(b_gate_up))
 
     @classmethod
     def create(
@@ -77,7 +54,7 @@ class NativeCPUExperts:
         w_down,
         act: str,
         threads: int,
-        spin_seconds: float = 0.0,
+        spin_seconds: float | None = None,
         b_gate_up=None,
         dtype: torch.dtype | None = None,
     ) -> NativeCPUExperts | None:
@@ -85,14 +62,14 @@ class NativeCPUExperts:
         of one format, or of two but for mxfp4 and nvfp4 (a Q4_K_M file's q4_k or q5_0 and
         k_mixed); `dtype`: the model's, which the experts compute in (required with quantized
         banks; dense banks must hold it). `spin_seconds`: how long the job handoff
-        spins before sleeping (see the C source); for machines where these cores have nothing
-        else to run. `b_gate_up`: the gate/up biases [P, 2I] (in `dtype`) of experts that have
-        them (moe/store.py)."""
+        spins before sleeping (see the C source; the library's one setting, left as it is when
+        None); for machines where these cores have nothing else to run. `b_gate_up`: the
+        gate/up biases [P, 2I] (in `dtype`) of experts that have them (moe/store.py)."""
         quantized = isinstance(w_gate_up, QuantizedBank)
         if quantized and dtype is None:
             raise ValueError("quantized experts need the model's dtype (dtype=)")
         dtype = dtype or w_gate_up.dtype
-        if dtype not in _DTYPES or not supported(act):
+        if dtype not in DTYPES or not supported(act):
             return None
         if quantized != isinstance(w_down, QuantizedBank) or (
             quantized
@@ -108,13 +85,14 @@ class NativeCPUExperts:
         ):
             return None
         h, i = w_gate_up.shape[2], w_down.shape[2]
-        projections = (_projection(w_gate_up, 2 * i, h, dtype), _projection(w_down, h, i, dtype))
+        projections = (projection(w_gate_up, 2 * i, h, dtype), projection(w_down, h, i, dtype))
         if None in projections:
             return None
         lib = library()
         if lib is None:
             return None
-        lib.ft_cpu_experts_set_spin(spin_seconds)
+        if spin_seconds is not None:
+            lib.ft_cpu_experts_set_spin(spin_seconds)
         return cls(lib, w_gate_up, w_down, act, threads, b_gate_up, dtype, projections)
 
     def __call__(
@@ -136,7 +114,7 @@ class NativeCPUExperts:
         """Start the job on the library's threads and return at once; `.result()` waits for
         it. `rows`, `pairs` and `weights` are numpy arrays or CPU tensors; the library copies
         them and x before this returns."""
-        if x.dtype not in _DTYPES:
+        if x.dtype not in DTYPES:
             x = x.float()
         x = x.contiguous()
         rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -148,29 +126,12 @@ class NativeCPUExperts:
         experts = np.zeros(1, np.int64)
         ticket = self.lib.ft_cpu_experts_submit(
             self.dtype_code, *self.expert_args, self.hidden, self.intermediate, x.data_ptr(),
-            x.dtype == torch.bfloat16, x.shape[0], len(rows), _ptr(rows), _ptr(pairs),
-            _ptr(weights), _ptr(out), self.act_code, self.threads, _ptr(experts),
+            x.dtype == torch.bfloat16, x.shape[0], len(rows), ptr(rows), ptr(pairs),
+            ptr(weights), ptr(out), self.act_code, self.threads, ptr(experts),
         )  # fmt: skip
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
         return PendingJob(self.lib, ticket, out, int(experts[0]))
-
-
-def decode_expert(bank: QuantizedBank, pair: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert `pair` of a quantized bank as the native kernel decodes it, [N, K] in `dtype` (for
-    tests against `bank.dequantize`, the definition)."""
-    _, rows, cols = bank.shape
-    parts = _projection(bank, rows, cols, dtype)
-    lib = library()
-    if parts is None or lib is None or dtype not in _DTYPES:
-        raise ValueError("the native kernel cannot decode this bank here")
-    w, s, g, block_rows, block_cols = parts
-    out = torch.empty(rows, cols, dtype=dtype)
-    lib.ft_cpu_experts_decode(
-        _DTYPES[dtype], bank.format.code, _ptr(w), _ptr(s), _ptr(g), block_rows, block_cols, pair,
-        rows, cols, out.data_ptr(),
-    )  # fmt: skip
-    return out
 
 
 def row_dots(
@@ -181,7 +142,7 @@ def row_dots(
     `other` by the split route two at a time (nvfp4's block route), in fp32 before any rounding
     (for tests that the routes agree)."""
     _, rows, cols = bank.shape
-    parts = _projection(bank, rows, cols, torch.bfloat16)
+    parts = projection(bank, rows, cols, torch.bfloat16)
     lib = library()
     if parts is None or lib is None:
         raise ValueError("the native kernel cannot decode this bank here")
@@ -189,8 +150,8 @@ def row_dots(
     x = x.to(torch.bfloat16).contiguous()
     out = np.zeros(5, np.float32)
     lib.ft_cpu_experts_row_dots(
-        bank.format.code, _ptr(w), _ptr(s), _ptr(g), block_rows, block_cols, pair, rows, cols,
-        row, other, x.data_ptr(), _ptr(out),
+        bank.format.code, ptr(w), ptr(s), ptr(g), block_rows, block_cols, pair, rows, cols,
+        row, other, x.data_ptr(), ptr(out),
     )  # fmt: skip
     return out.tolist()
 

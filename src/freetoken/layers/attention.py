@@ -10,7 +10,7 @@ from torch import nn
 from freetoken.kernels.paged_attention import paged_attention
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
 from freetoken.model_config import ModelConfig
@@ -46,6 +46,12 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window if sliding else None
         self.scale = cfg.head_dim**-0.5
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
+        self.qkv_proj: Linear | None = None  # q, k and v as one, once stacked
+
+    def stack_projections(self) -> None:
+        """q, k and v kept quantized in one format are computed as one weight from now on
+        (layers/linear.py's `stacked`)."""
+        self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -55,7 +61,11 @@ class Attention(nn.Module):
         kv: PagedKVCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is not None:
+            kv_dim = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.q_proj.out_features, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if self.output_gate:
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

@@ -79,3 +79,26 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.computed_weight, self.bias)
+
+
+def stacked(*layers: Linear) -> Linear | None:
+    """One Linear computing `layers` at once, their outputs side by side (q, k and v; gate and
+    up: one native job a decode step where there were several, each a handoff to the thread
+    team), or None unless all keep quantized weights of one format (`QuantizedWeight.stacked`)
+    with biases alike. Each layer's weight becomes a view of the stacked one's rows: the memory
+    is not doubled, and each still computes alone (a prompt's rows, the tests)."""
+    weights = [layer.quantized for layer in layers]
+    if None in weights or len({layer.bias is None for layer in layers}) != 1:
+        return None
+    weight = QuantizedWeight.stacked(weights)
+    if weight is None:
+        return None
+    rows = [w.shape[0] for w in weights]
+    biased = layers[0].bias is not None
+    out = Linear(weights[0].shape[1], sum(rows), bias=biased, device="meta")
+    out.keep_quantized(weight)
+    if biased:
+        out.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
+    for layer, view in zip(layers, weight.split_rows(rows), strict=True):
+        layer.quantized = view
+    return out

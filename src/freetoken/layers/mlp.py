@@ -1,8 +1,13 @@
+import numpy as np
 import torch
 from torch import nn
 
 from freetoken.activations import activation
-from freetoken.layers.linear import Linear
+from freetoken.kernels.cpu_experts import NativeCPUExperts
+from freetoken.kernels.cpu_linear import MAX_ROWS
+from freetoken.kernels.cpu_team import team_threads
+from freetoken.layers.linear import Linear, stacked
+from freetoken.weights.expert_format import QuantizedBank, QuantizedWeight
 
 
 class GatedMLP(nn.Module):
@@ -13,7 +18,48 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act_name = act
         self.act = activation(act)
+        self.gate_up_proj: Linear | None = None  # gate and up as one, once stacked
+        self.native: NativeCPUExperts | None = None  # the whole MLP as one CPU job
+        self._routes: dict[int, tuple] = {}
+
+    def stack_projections(self, dtype: torch.dtype) -> None:
+        """Gate and up kept quantized in one format are computed as one weight from now on
+        (layers/linear.py's `stacked`); with down kept quantized too, a decode step's MLP on
+        the CPU is one job of the routed experts' kernel (cpu_experts.c): a single expert,
+        gate/up, activation and down, with a weight of 1. That kernel rounds where torch does
+        (each projection, the activation, the product), so its output is this module's, and
+        the step hands the thread team one job where it handed three and ran two torch ops."""
+        self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
+        down = self.down_proj.quantized
+        if self.gate_up_proj is None or down is None or self.gate_proj.bias is not None:
+            return
+        self.native = NativeCPUExperts.create(
+            _bank(self.gate_up_proj.quantized), _bank(down), self.act_name, team_threads(),
+            dtype=dtype,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        rows = x.reshape(-1, x.shape[-1])
+        native = self.native
+        if (native is not None and x.device.type == "cpu" and x.dtype == native.dtype
+                and 0 < rows.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()):  # fmt: skip
+            return native(rows, *self._single_expert(rows.shape[0])).to(x.dtype).view(x.shape)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+    def _single_expert(self, n: int) -> tuple:
+        """The routes of n rows to the one expert: (rows, pairs, weights), made once per n."""
+        if n not in self._routes:
+            self._routes[n] = (np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+                               np.ones(n, dtype=np.float32))  # fmt: skip
+        return self._routes[n]
+
+
+def _bank(weight: QuantizedWeight) -> QuantizedBank:
+    """A weight as a bank of one expert."""
+    return QuantizedBank(weight.format, *(t.unsqueeze(0) for t in weight.tensors))

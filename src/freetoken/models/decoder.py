@@ -129,6 +129,17 @@ class DecoderModel(nn.Module):
                               device="meta")  # fmt: skip
         self.lm_head.keep_quantized(weight)
 
+    def stack_projections(self) -> None:
+        """Projections of one input kept quantized in one format (each attention's q, k and v;
+        each MLP's gate and up) are computed as one weight from now on, and a dense MLP kept
+        quantized as one CPU job (layers/attention.py, layers/mlp.py): for a model on the CPU,
+        where each native call is a handoff to the thread team."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.stack_projections()
+            elif isinstance(module, GatedMLP):
+                module.stack_projections(self.dtype)
+
     @torch.inference_mode()
     def forward(
         self,

@@ -390,6 +390,35 @@ class QuantizedWeight(_Parts):
         """The dense weight [N, K] in `dtype`: what a checkpoint dequantized at load holds."""
         return self.format.dequantize(self.w, self.s, self.g).to(dtype)
 
+    @classmethod
+    def stacked(cls, weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The rows of `weights` one after another as one weight (q, k and v; gate and up: one
+        kernel call where there were several), or None where they cannot be: formats that
+        differ, or row-blocked scales (fp8's) that a weight's rows would split."""
+        fmt, first = weights[0].format, weights[0]
+        if any(
+            w.format != fmt
+            or w.device != first.device
+            or w.shape[1:] != first.shape[1:]
+            or w.shape[0] % fmt.row_block
+            for w in weights
+        ):
+            return None
+        parts = [None if getattr(first, name) is None else
+                 torch.cat([getattr(w, name) for w in weights])
+                 for name in ("w", "s", "g")]  # fmt: skip
+        return cls(fmt, *parts)
+
+    def split_rows(self, rows: list[int]) -> list[QuantizedWeight]:
+        """Views of consecutive row ranges of `rows` rows each (a `stacked` weight's parts)."""
+        block = self.format.row_block
+        pieces = [
+            [None] * len(rows) if t is None else t.split([n // block if name == "s" else n
+                                                          for n in rows])
+            for name, t in (("w", self.w), ("s", self.s), ("g", self.g))
+        ]  # fmt: skip
+        return [QuantizedWeight(self.format, *p) for p in zip(*pieces, strict=True)]
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
