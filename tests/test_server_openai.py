@@ -385,3 +385,36 @@ def test_tool_choice_forces_a_call(engine, client, monkeypatch):
         client.chat.completions.create(
             model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="sometimes"
         )
+
+
+def test_unset_sampling_settings_are_the_checkpoints_recommendation(server, client):
+    """A request that sets no temperature (top-p, top-k, ...) samples as the checkpoint's
+    generation_config.json recommends (the demo's: 0.7, top-p 0.8, top-k 20), as `ft generate`
+    does; what it sets wins; a greedy recommendation (do_sample false) makes any seed give the
+    greedy answer, through each API."""
+    from freetoken.server.errors import ApiError
+
+    core = server[1]
+    unset = core.sampling_params(max_new_tokens=4, temperature=None, top_k=None, top_p=None)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.7, 0.8, 20)
+    assert unset.min_p == 0.0 and unset.repetition_penalty == 1.0  # (the APIs' own defaults)
+    given = core.sampling_params(max_new_tokens=4, temperature=1.3, top_k=0, top_p=None)
+    assert (given.temperature, given.top_k, given.top_p) == (1.3, 0, 0.8)
+    with pytest.raises(ApiError) as bad:
+        core.sampling_params(max_new_tokens=4, temperature=-1.0)
+    assert bad.value.status == 400
+
+    messages = [{"role": "user", "content": "Hi"}]
+    want = client.chat.completions.create(messages=messages, **greedy()).choices[0]
+    saved = core.sampling_defaults
+    core.sampling_defaults = {"temperature": 0.0}  # (a checkpoint published for greedy decoding)
+    try:
+        for seed in (1, 2, 3):
+            got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 seed=seed)  # fmt: skip
+            assert got.choices[0].message.content == want.message.content
+        reply = httpx.post(server[0] + "/v1/messages", json={
+            "model": MODEL, "max_tokens": 6, "messages": messages}, timeout=60)  # fmt: skip
+        assert reply.json()["content"][0]["text"] == want.message.content
+    finally:
+        core.sampling_defaults = saved

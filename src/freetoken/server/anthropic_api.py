@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
 from freetoken.server.core import (
     REQUIRED,
@@ -192,16 +191,13 @@ def prepare_messages(core: GenerationCore, body: MessagesRequest) -> Prepared:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
     if body.max_tokens < 1:
         raise bad_request("max_tokens: must be at least 1")
-    try:
-        params = SamplingParams(
-            max_new_tokens=core.output_budget(prompt, body.max_tokens),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            stop=stop_list(body.stop_sequences),
-        )
-    except ValueError as e:
-        raise bad_request(str(e)) from e
+    params = core.sampling_params(
+        max_new_tokens=core.output_budget(prompt, body.max_tokens),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=stop_list(body.stop_sequences),
+    )
     return Prepared(GenerationRequest(prompt, params, tools=tools, forced=forced), model,
                     bool(body.stream))  # fmt: skip
 

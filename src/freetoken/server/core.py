@@ -60,6 +60,11 @@ def shutdown_reserve(timeout: float) -> float:
     return min(2.0, timeout / 3)
 
 
+# What the APIs sample with where neither the request nor the checkpoint says
+API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                         "repetition_penalty": 1.0}  # fmt: skip
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -83,6 +88,8 @@ class GenerationCore:
         # A request that sets no output limit gets the checkpoint's own (generation_config's
         # max_new_tokens), else whatever the context leaves.
         self.default_max_tokens = tokenizer.default_max_new_tokens
+        # ... and the checkpoint's recommended sampling for what it leaves unset
+        self.sampling_defaults = tokenizer.sampling_defaults()
         self.parser_name = None
         self.template_source = ""
         # the parser reads special tokens (Harmony's): requests it parses decode with them kept
@@ -226,6 +233,21 @@ class GenerationCore:
             )
         forced_ids = self.tokenizer.encode(text)
         return prompt_ids + forced_ids, ForcedOutput(text, len(forced_ids))
+
+    def sampling_params(self, **settings) -> SamplingParams:
+        """A request's SamplingParams from its settings (SamplingParams' fields): each sampling
+        setting it leaves unset (None) is the checkpoint's recommendation (generation_config.json,
+        as `ft generate` and vLLM take it: a model published for greedy decoding gets it), else
+        the APIs' own default (temperature 1, no top-p/top-k/min-p cut, no penalty). A value
+        SamplingParams refuses is the API's 400."""
+        given = {k: v for k, v in settings.items() if v is not None}
+        for name in API_SAMPLING_DEFAULTS:
+            if name not in given:
+                given[name] = self.sampling_defaults.get(name, API_SAMPLING_DEFAULTS[name])
+        try:
+            return SamplingParams(**given)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
 
     def output_budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """How many tokens the reply may have: what the client asked for (or the checkpoint's

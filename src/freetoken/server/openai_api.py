@@ -67,22 +67,19 @@ def sampling(
 ) -> SamplingParams:
     if max_tokens is not None and max_tokens < 1:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
-    try:
-        return SamplingParams(
-            max_new_tokens=core.output_budget(prompt_ids, max_tokens),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            logit_bias=logit_bias(core, body.logit_bias),
-            seed=body.seed,
-            stop=stop_list(body.stop),
-        )
-    except ValueError as e:
-        raise bad_request(str(e)) from e
+    return core.sampling_params(
+        max_new_tokens=core.output_budget(prompt_ids, max_tokens),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logit_bias=logit_bias(core, body.logit_bias),
+        seed=body.seed,
+        stop=stop_list(body.stop),
+    )
 
 
 def logit_bias(core: GenerationCore, bias: dict[str, float] | None) -> dict[int, float]:

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.engine.sampling import SamplingParams
 from freetoken.server import events as ev
 from freetoken.server.core import (
     REQUIRED,
@@ -423,17 +422,14 @@ def prepare_responses(core: GenerationCore, body: ResponsesRequest) -> Prepared:
         prompt, forced = core.force_tool_call(prompt, tools, tool)
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request("max_output_tokens must be at least 1", param="max_output_tokens")
-    try:
-        params = SamplingParams(
-            max_new_tokens=core.output_budget(prompt, body.max_output_tokens),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        )
-    except ValueError as e:
-        raise bad_request(str(e)) from e
+    params = core.sampling_params(
+        max_new_tokens=core.output_budget(prompt, body.max_output_tokens),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+    )
     request = GenerationRequest(prompt, params, tools=tools, forced=forced)
     return Prepared(request, model, bool(body.stream), body.model_dump(exclude_unset=True), names)
 
