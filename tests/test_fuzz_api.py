@@ -229,17 +229,20 @@ count_tokens_bodies = body_of(
     anthropic_fields,
     {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]},
 )
+# (each item's type sometimes of another JSON type: a list or object one was a 500 or a reset)
 responses_item = st.one_of(
     st.fixed_dictionaries(
         {
-            "type": st.just("message"),
+            "type": maybe(st.just("message")),
             "role": maybe(st.sampled_from(["user", "assistant", "developer"])),
             "content": maybe(
                 short_text
                 | st.lists(
                     st.fixed_dictionaries(
                         {
-                            "type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                            "type": maybe(
+                                st.sampled_from(["input_text", "output_text", "input_image"])
+                            ),
                             "text": maybe(short_text),
                         }
                     ),
@@ -250,17 +253,21 @@ responses_item = st.one_of(
     ),
     st.fixed_dictionaries(
         {
-            "type": st.sampled_from(["function_call", "custom_tool_call"]),
+            "type": maybe(st.sampled_from(["function_call", "custom_tool_call"])),
             "name": maybe(short_text),
             "call_id": short_text,
             "arguments": maybe(short_text),
         }
     ),
     st.fixed_dictionaries(
-        {"type": st.just("function_call_output"), "call_id": short_text, "output": json_value}
+        {
+            "type": maybe(st.just("function_call_output")),
+            "call_id": short_text,
+            "output": json_value,
+        }
     ),
     st.fixed_dictionaries(
-        {"type": st.sampled_from(["reasoning", "web_search_call"]), "summary": json_value}
+        {"type": maybe(st.sampled_from(["reasoning", "web_search_call"])), "summary": json_value}
     ),
 )
 responses_tool = st.one_of(

@@ -409,6 +409,22 @@ def test_options_that_would_change_the_answer_are_refused_by_name(server, path, 
         ("/v1/responses", {"reasoning": "high"}, "reasoning"),
         ("/v1/responses", {"metadata": "m"}, "metadata"),
         (CHAT, {"metadata": 1}, "metadata"),
+        # an input item's type a list (was a 500) or an object (was a reset connection)
+        (
+            "/v1/responses",
+            {"input": [{"type": ["message"], "role": "user", "content": "x"}]},
+            "input[0].type",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"type": {"a": 1}, "role": "user", "content": "x"}]},
+            "input[0].type",
+        ),
+        (
+            "/v1/responses",
+            {"stream": True, "input": [{"type": {}, "content": "x"}]},
+            "input[0].type",
+        ),
     ],
 )
 def test_wrong_types_and_unsupported_formats_are_400s_naming_the_field(
