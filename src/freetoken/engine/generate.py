@@ -28,6 +28,7 @@ from freetoken.devices import resolve_device
 from freetoken.engine.memory_watch import DeviceMemoryWatch
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
+from freetoken.engine.speculative import DraftState, PromptLookup, drafter_for
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
@@ -61,6 +62,8 @@ class Request:
     preemptions: int = 0  # times its KV was taken back for an older request
     prefix: list = field(default_factory=list)  # radix nodes locked for this request
     anchors: list = field(default_factory=list)  # anchor checkpoints saved, not yet attached
+    drafting: DraftState | None = None  # prompt lookup's index of its tokens (speculative)
+    draft: list[int] = field(default_factory=list)  # this step's drafted tokens
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 
@@ -95,7 +98,8 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class StepTokens:
-    """What one engine step computed: prompt (and recomputed) tokens, and decoded tokens."""
+    """What one engine step computed: prompt (and recomputed) tokens, and decoded tokens (a
+    request's verified draft gives several)."""
 
     prefill: int = 0
     decode: int = 0
@@ -117,8 +121,13 @@ class LLMEngine:
         max_batch_size: int = 4,
         max_prefill_chunk: int = 8192,
         prefix_cache: bool = True,
+        drafter: PromptLookup | None = None,
     ):
+        """`drafter`: speculative decoding's source of drafts (engine/speculative.py), or
+        None for one token a step."""
         self.runner = runner
+        self.drafter = drafter
+        self.drafted = self.accepted = 0  # draft tokens verified and kept, in total
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_chunk = max_prefill_chunk
@@ -186,6 +195,7 @@ class LLMEngine:
                 config.max_batch_size,
                 config.max_prefill_chunk,
                 config.prefix_cache,
+                drafter_for(config.speculative, device.type, loaded.config.has_recurrent_state),
             )
         return engine
 
@@ -367,10 +377,14 @@ class LLMEngine:
             done = [i for i, r in enumerate(prefill) if r.seq.length == r.num_tokens]
             if done:
                 outputs += self._sample([prefill[i] for i in done], logits[done])
-        if decoding:
+        decoded: list[StepOutput] = []
+        if decoding and any(r.draft for r in decoding):
+            decoded = self._verify(decoding)
+        elif decoding:
             logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding])
-            outputs += self._sample(decoding, logits)
-        self.last_step = StepTokens(sum(map(len, chunks)), len(decoding))
+            decoded = self._sample(decoding, logits)
+        outputs += decoded
+        self.last_step = StepTokens(sum(map(len, chunks)), len(decoded))
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
         return outputs
@@ -387,7 +401,8 @@ class LLMEngine:
                 continue  # preempted for an older request
             pending = req.num_tokens - req.seq.length
             decode = bool(req.output_ids) and pending == 1
-            n = 1 if decode else min(pending, budget)
+            req.draft = self._draft(req) if decode else []
+            n = 1 + len(req.draft) if decode else min(pending, budget)
             if n <= 0 or not self._reserve(req, n):
                 continue
             if decode:
@@ -413,12 +428,14 @@ class LLMEngine:
                 if victim is req:
                     return False
 
-    def _forward(self, group: list[Request], chunks: list[list[int]]) -> torch.Tensor:
+    def _forward(
+        self, group: list[Request], chunks: list[list[int]], all_logits: bool = False
+    ) -> torch.Tensor:
         """One forward over the group; with anchors, it also saves the recurrent state at the
         boundaries among the tokens it feeds (kept by each request until it ends)."""
         seqs = [r.seq for r in group]
         if self.anchors is None:
-            return self.runner.forward(seqs, chunks)
+            return self.runner.forward(seqs, chunks, all_logits=all_logits)
         planned, captures = [], []
         for r, chunk in zip(group, chunks, strict=True):
             start, saved = r.seq.length, {a.position for a in r.anchors}
@@ -430,7 +447,7 @@ class LLMEngine:
             planned.append(self.anchors.reserve(positions, r.anchors))
             captures.append([(a.position - start, a.slot) for a in planned[-1]])
         try:
-            logits = self.runner.forward(seqs, chunks, captures=captures)
+            logits = self.runner.forward(seqs, chunks, all_logits, captures=captures)
         except BaseException:
             for anchors in planned:
                 self.anchors.discard(anchors)
@@ -438,6 +455,54 @@ class LLMEngine:
         for r, anchors in zip(group, planned, strict=True):
             r.anchors += anchors
         return logits
+
+    def _draft(self, req: Request) -> list[int]:
+        """Tokens to verify after the request's last one this step (speculative decoding):
+        greedy requests only, never past its output limit or the context."""
+        if self.drafter is None or not req.params.greedy:
+            return []
+        if req.drafting is None:  # (indexed at its first decode step, not at admission)
+            req.drafting = self.drafter.start(req.tokens(0, req.num_tokens))
+        room = min(req.params.max_new_tokens - len(req.output_ids),
+                   self.max_context - req.num_tokens) - 1  # fmt: skip
+        return self.drafter.draft(req.drafting, room) if room > 0 else []
+
+    def _verify(self, group: list[Request]) -> list[StepOutput]:
+        """One forward over each request's last token and its draft; each request keeps the
+        model's tokens while its draft matches them, and its KV up to the last one kept."""
+        chunks = [r.output_ids[-1:] + r.draft for r in group]
+        starts = [r.seq.length for r in group]
+        logits = self._forward(group, chunks, all_logits=True)
+        outputs, row = [], 0
+        for req, chunk, start in zip(group, chunks, starts, strict=True):
+            outputs += self._keep_verified(req, logits[row : row + len(chunk)], start)
+            row += len(chunk)
+        return outputs
+
+    def _keep_verified(self, req: Request, logits: torch.Tensor, start: int) -> list[StepOutput]:
+        """The model's token at each fed position (as `_sample` would pick it, penalties
+        counting the draft before it), emitted while the draft agrees; the KV holds the fed
+        tokens that were kept (the last emitted token is fed by the next step)."""
+        draft, n = req.draft, len(req.draft) + 1
+        outs = [req.output_ids + draft[:i] for i in range(n)]
+        history = None
+        if req.params.repetition_penalty != 1.0:
+            history = [req.prompt_ids + out for out in outs]
+        tokens = self.sampler.sample(logits, [req.params] * n, [req.generator] * n, history,
+                                     outs).tolist()  # fmt: skip
+        emitted: list[StepOutput] = []
+        for i, token in enumerate(tokens):
+            emitted.append(self._accept(req, token))
+            if req.finished or i == len(draft) or draft[i] != token:
+                break
+        accepted = sum(d == t for d, t in zip(draft, tokens[: len(emitted)], strict=False))
+        req.seq.length = start + len(emitted)
+        if req.drafting is not None:
+            self.drafter.record(req.drafting, len(draft), accepted)
+        self.drafted += len(draft)
+        self.accepted += accepted
+        req.draft = []
+        return emitted
 
     def _sample(self, group: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         # The whole history only where a repetition penalty reads it: copying it every step
@@ -491,6 +556,8 @@ class LLMEngine:
     def _accept(self, req: Request, token: int) -> StepOutput:
         params = req.params
         req.output_ids.append(token)
+        if req.drafting is not None:
+            self.drafter.observe(req.drafting, token)
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             req.finish_reason, req.stop_reason = "stop", token
             return StepOutput(req, token, req.text.flush())

@@ -63,6 +63,12 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
             "p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] if ttft else 0.0,
         },
         "kv_pages": kv_pages(engine),
+        # Speculative decoding (engine/speculative.py): draft tokens verified and kept.
+        "speculative": {
+            "on": engine.drafter is not None,
+            "drafted": engine.drafted,
+            "accepted": engine.accepted,
+        },
         # Per request: prompt tokens, reused from the prefix cache, recomputed, anchor used.
         "prefix_reuse": engine.reuse.snapshot(),
         "anchors": None if engine.anchors is None else engine.anchors.snapshot(),
@@ -143,6 +149,10 @@ class _SnapshotCollector:
             ("prompt_tokens_recomputed", "Prompt tokens computed.", reuse["recomputed_tokens"]),
             ("anchor_restores", "Requests resumed from an anchor checkpoint.",
              reuse["anchor_restores"]),
+            ("draft_tokens", "Drafted tokens verified (speculative decoding).",
+             s["speculative"]["drafted"]),
+            ("draft_tokens_accepted", "Drafted tokens the model's own choices confirmed.",
+             s["speculative"]["accepted"]),
         ]  # fmt: skip
         if s["prefill_streaming"] is not None:
             p = s["prefill_streaming"]

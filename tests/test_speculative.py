@@ -1,0 +1,179 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py): the n-gram index, the
+drafter's pauses, and the engine's greedy tokens with drafts equal to its tokens without them,
+for every family without recurrent state (fp32 on the CPU), with drafts forced right and forced
+wrong, with penalties, in a batch, through prefix reuse and through preemption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from freetoken.config import MoEOptions
+from freetoken.engine.generate import LLMEngine
+from freetoken.engine.runner import ModelRunner
+from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.speculative import NgramIndex, PromptLookup, drafter_for
+from freetoken.models.loading import load_model
+from tiny_models import FAMILIES, build
+
+# Families whose layers keep no recurrent state (those never draft: drafter_for)
+ATTENTION_ONLY = [f for f in FAMILIES if f not in ("qwen3_next", "qwen3_5_moe")]
+NEW_TOKENS = 24
+
+
+def test_the_index_finds_the_longest_suffix_s_latest_earlier_occurrence():
+    index = NgramIndex(min_n=1, max_n=3)
+    index.extend([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6])
+    # suffix (5, 6): latest earlier occurrence ends at position 6 -> then 7, 1, 2, 5
+    assert index.draft(4) == [7, 1, 2, 5]
+    index.extend([7])  # suffix (5, 6, 7): the occurrence at 5-7 beats the one at 0-2
+    assert index.draft(3) == [1, 2, 5]
+    index.extend([42])  # never seen: nothing to draft
+    assert index.draft(4) == []
+    short = NgramIndex(min_n=2, max_n=4)
+    short.extend([1, 2, 3, 2])  # (2,) occurred, but n-grams of one token are below min_n
+    assert short.draft(4) == []
+    assert NgramIndex().draft(4) == []
+
+
+def test_drafting_pauses_after_fruitless_steps_and_resumes():
+    lookup = PromptLookup(max_draft=2, max_misses=2, pause=3)
+    state = lookup.start([1, 2, 3, 1, 2])
+    assert lookup.draft(state, room=10) == [3, 1]
+    lookup.record(state, 2, 0)
+    lookup.record(state, 2, 0)  # two in a row without a token: a pause of 3 steps
+    assert [lookup.draft(state, 10) for _ in range(3)] == [[], [], []]
+    assert lookup.draft(state, 10) == [3, 1]
+    assert lookup.draft(state, 1) == [3]  # never past the room left
+    assert (state.drafted, state.accepted) == (4, 0)
+
+
+def test_modes_choose_a_drafter():
+    assert isinstance(drafter_for("ngram", "cuda", False), PromptLookup)
+    assert isinstance(drafter_for("auto", "cpu", False), PromptLookup)
+    assert drafter_for("auto", "cuda", False) is None  # (no graph for the verify step yet)
+    assert drafter_for("ngram", "cpu", True) is None  # recurrent state: no rewinding
+    assert drafter_for("off", "cpu", False) is None
+    with pytest.raises(ValueError, match="auto, ngram, off"):
+        drafter_for("eagle", "cpu", False)
+
+
+class Tokens:
+    """The least of a tokenizer the engine needs: ids as text."""
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@dataclass
+class Forced:
+    """A drafter that drafts each request's known continuation (`shift` 0: every draft
+    right) or that continuation shifted by one id (every draft wrong)."""
+
+    expected: dict[tuple[int, ...], list[int]]  # prompt -> prompt + its greedy output
+    vocab: int
+    shift: int = 0
+    max_draft: int = 3
+
+    @dataclass
+    class State:
+        tokens: list[int]
+        reference: list[int] = field(default_factory=list)
+
+    def start(self, tokens):
+        reference = next(v for k, v in self.expected.items() if tuple(tokens[: len(k)]) == k)
+        return self.State(list(tokens), reference)
+
+    def draft(self, state, room):
+        n = len(state.tokens)
+        ahead = state.reference[n : n + min(room, self.max_draft)]
+        return [(t + self.shift) % self.vocab for t in ahead]
+
+    def observe(self, state, token):
+        state.tokens.append(token)
+
+    def record(self, state, drafted, accepted):
+        pass
+
+
+def engine_for(path, drafter, kv_tokens=1024, batch=2, moe=None) -> LLMEngine:
+    loaded = load_model(path, dtype="float32")
+    runner = ModelRunner(loaded, kv_tokens, page_size=8, moe=moe, max_sequences=batch)
+    return LLMEngine(runner, Tokens(loaded.config.vocab_size), batch, drafter=drafter)
+
+
+def repetitive_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat a span, so prompt lookup finds something to draft."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (12, 9))
+    return [a + b + a + b[:3], b + a + b + a[:2]]
+
+
+@pytest.fixture(scope="module", params=ATTENTION_ONLY)
+def family_path(request, tmp_path_factory):
+    return build(request.param, tmp_path_factory.mktemp(request.param) / "m")[0]
+
+
+def test_drafts_never_change_the_greedy_tokens(family_path):
+    """Prompt lookup, drafts forced right (all kept) and forced wrong (none kept): the
+    tokens of one token a step, in a batch of two."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    off = engine_for(family_path, None)
+    prompts = repetitive_prompts(off.runner.config.vocab_size)
+    want = [c.output_ids for c in off.generate(prompts, params)]
+    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
+    vocab = off.runner.config.vocab_size
+    for drafter in (PromptLookup(), Forced(expected, vocab), Forced(expected, vocab, shift=1)):
+        engine = engine_for(family_path, drafter)
+        got = [c.output_ids for c in engine.generate(prompts, params)]
+        assert got == want, type(drafter).__name__
+        if isinstance(drafter, Forced):
+            assert engine.drafted > 0
+            assert engine.accepted == (engine.drafted if drafter.shift == 0 else 0)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return build("qwen3_moe", tmp_path_factory.mktemp("spec-moe") / "m")[0]
+
+
+def test_penalties_count_the_draft_before_each_position(moe_path):
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.4)  # fmt: skip
+    off = engine_for(moe_path, None)
+    prompts = repetitive_prompts(off.runner.config.vocab_size)
+    want = [c.output_ids for c in off.generate(prompts, params)]
+    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
+    engine = engine_for(moe_path, Forced(expected, off.runner.config.vocab_size))
+    assert [c.output_ids for c in engine.generate(prompts, params)] == want
+    assert engine.accepted == engine.drafted > 0
+
+
+def test_drafts_through_prefix_reuse_preemption_and_the_offload_strategies(moe_path):
+    """A second request reusing the first's prefix, a KV pool so small the newer request is
+    preempted and resumes, and the cache strategies (their tier on the CPU): the same tokens."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    off = engine_for(moe_path, None)
+    prompts = repetitive_prompts(off.runner.config.vocab_size)
+    want = [c.output_ids for c in off.generate(prompts, params)]
+    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
+    vocab = off.runner.config.vocab_size
+    engine = engine_for(moe_path, Forced(expected, vocab))
+    for _ in range(2):  # (the second time from the prefix cache)
+        assert [c.output_ids for c in engine.generate(prompts, params)] == want
+    assert engine.reuse.snapshot()["reused_tokens"] > 0
+    # room for about one request's tokens: the newer one is preempted as both grow
+    tight = engine_for(moe_path, Forced(expected, vocab), kv_tokens=72)
+    assert [c.output_ids for c in tight.generate(prompts, params)] == want
+    assert tight.preemptions > 0
+    for strategy, size in (("offload", "3"), ("hybrid", "3"), ("cpu", None)):
+        moe = MoEOptions(strategy=strategy, cache_size=size)
+        engine = engine_for(moe_path, Forced(expected, vocab, shift=strategy == "hybrid"),
+                            moe=moe)  # fmt: skip
+        assert [c.output_ids for c in engine.generate(prompts, params)] == want, strategy
