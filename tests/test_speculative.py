@@ -115,6 +115,15 @@ def repetitive_prompts(vocab: int) -> list[list[int]]:
     return [a + b + a + b[:3], b + a + b + a[:2]]
 
 
+def reference(path, params: SamplingParams):
+    """(prompts, their tokens without drafts, prompt -> prompt + tokens, the vocabulary)."""
+    off = engine_for(path, None)
+    vocab = off.runner.config.vocab_size
+    prompts = repetitive_prompts(vocab)
+    want = [c.output_ids for c in off.generate(prompts, params)]
+    return prompts, want, {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}, vocab
+
+
 @pytest.fixture(scope="module", params=ATTENTION_ONLY)
 def family_path(request, tmp_path_factory):
     return build(request.param, tmp_path_factory.mktemp(request.param) / "m")[0]
@@ -124,11 +133,7 @@ def test_drafts_never_change_the_greedy_tokens(family_path):
     """Prompt lookup, drafts forced right (all kept) and forced wrong (none kept): the
     tokens of one token a step, in a batch of two."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    off = engine_for(family_path, None)
-    prompts = repetitive_prompts(off.runner.config.vocab_size)
-    want = [c.output_ids for c in off.generate(prompts, params)]
-    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
-    vocab = off.runner.config.vocab_size
+    prompts, want, expected, vocab = reference(family_path, params)
     for drafter in (PromptLookup(), Forced(expected, vocab), Forced(expected, vocab, shift=1)):
         engine = engine_for(family_path, drafter)
         got = [c.output_ids for c in engine.generate(prompts, params)]
@@ -146,11 +151,8 @@ def moe_path(tmp_path_factory):
 def test_penalties_count_the_draft_before_each_position(moe_path):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             repetition_penalty=1.3, frequency_penalty=0.4)  # fmt: skip
-    off = engine_for(moe_path, None)
-    prompts = repetitive_prompts(off.runner.config.vocab_size)
-    want = [c.output_ids for c in off.generate(prompts, params)]
-    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
-    engine = engine_for(moe_path, Forced(expected, off.runner.config.vocab_size))
+    prompts, want, expected, vocab = reference(moe_path, params)
+    engine = engine_for(moe_path, Forced(expected, vocab))
     assert [c.output_ids for c in engine.generate(prompts, params)] == want
     assert engine.accepted == engine.drafted > 0
 
@@ -159,11 +161,7 @@ def test_drafts_through_prefix_reuse_preemption_and_the_offload_strategies(moe_p
     """A second request reusing the first's prefix, a KV pool so small the newer request is
     preempted and resumes, and the cache strategies (their tier on the CPU): the same tokens."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    off = engine_for(moe_path, None)
-    prompts = repetitive_prompts(off.runner.config.vocab_size)
-    want = [c.output_ids for c in off.generate(prompts, params)]
-    expected = {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}
-    vocab = off.runner.config.vocab_size
+    prompts, want, expected, vocab = reference(moe_path, params)
     engine = engine_for(moe_path, Forced(expected, vocab))
     for _ in range(2):  # (the second time from the prefix cache)
         assert [c.output_ids for c in engine.generate(prompts, params)] == want
