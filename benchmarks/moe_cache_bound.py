@@ -136,7 +136,25 @@ def route_held_out(args) -> Trace:
     inputs = moe_from_dense.layer_inputs(model, ids)
     experts = np.stack([(x @ r.T).topk(args.top_k, dim=-1).indices.numpy()
                         for x, r in zip(inputs, routing.routers, strict=True)], axis=1)  # fmt: skip
+    prefetch_coverage(inputs, routing)
     return Trace(len(inputs), args.experts, args.top_k, (experts.astype(np.int64),))
+
+
+def prefetch_coverage(inputs, routing) -> None:
+    """How many of layer l's routes a prefetch issued one or two layers early could catch: the
+    share of its top-k found in the top n of its router applied to layer l - 1's (l - 2's) MLP
+    input, which the GPU has that much earlier."""
+    k = routing.top_k
+    for ahead in (1, 2):
+        for n in (k, k + 1, k + 2):
+            hit = total = 0
+            for layer in range(ahead, len(inputs)):
+                true = (inputs[layer] @ routing.routers[layer].T).topk(k, -1).indices
+                guess = (inputs[layer - ahead] @ routing.routers[layer].T).topk(n, -1).indices
+                hit += int((true[:, :, None] == guess[:, None, :]).any(-1).sum())
+                total += true.numel()
+            print(f"prefetch {ahead} layer(s) ahead, top-{n} of the guess: "
+                  f"{hit / total:.3f} of the routes")  # fmt: skip
 
 
 def report(args, trace: Trace) -> None:
