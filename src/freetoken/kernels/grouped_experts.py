@@ -11,8 +11,10 @@ how many experts are used (no Python loop over experts, no host sync):
 1. gate/up + gated unit, grid (routes, I / GATE_UP_BLOCK_N): each program reads the gate block
    n and the up block n of its route's slot (and their biases), so `a = glu(gate, up)` is fused
    and only `a` ([R, I], tiny) goes back to memory;
-2. down, grid (routes, H / DOWN_BLOCK_N): `c[r] = weight[r] * (W_d[slot] @ a[r])`;
-3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order.
+2. down, grid (routes, H / DOWN_BLOCK_N, splits): `c[r] = weight[r] * (W_d[slot] @ a[r])`, or
+   where a format splits the columns (`down_split`), each split's fp32 partial of the product;
+3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order (the
+   partials of a split route added in split order first).
 
 Decode is a batch of matrix-vector products, so the cost is streaming expert weights from HBM
 (9.4 MB per Qwen3-30B-A3B expert in bf16); the kernels are plain GEMVs laid out so that every
