@@ -38,6 +38,10 @@ SWEEP = {
     "DOWN": [(16, 256, 4), (8, 256, 2), (8, 512, 4), (16, 512, 8), (4, 512, 4), (16, 128, 4),
              (32, 256, 8), (8, 128, 2)],
 }  # fmt: skip
+# the down kernel's split-K (DOWN_SPLIT_STEPS: BLOCK_K steps a split, 0 unsplit) at its default
+# tiles, and at 16 x 128 tiles (twice the steps, half the registers)
+SPLIT_SWEEP = [(0, None), (2, None), (3, None), (4, None), (6, None), (8, None),
+               (4, (16, 128, 4)), (8, (16, 128, 4))]  # fmt: skip
 
 
 def bank(fmt_name: str, n: int, k: int, gen: torch.Generator) -> QuantizedBank:
@@ -130,10 +134,16 @@ def main() -> None:
             if args.sweep:
                 configs += [("GATE_UP", c) for c in SWEEP["GATE_UP"]]
                 configs += [("DOWN", c) for c in SWEEP["DOWN"]]
+                configs += [("DOWN_SPLIT", c) for c in SPLIT_SWEEP]
             saved = dict(gu_p), dict(d_p)
             for cfg in configs:
-                if cfg is not None:
-                    proj, (bn, bk, warps) = cfg
+                if cfg is not None and cfg[0] == "DOWN_SPLIT":
+                    steps, tiles = cfg[1]
+                    d_p["DOWN_SPLIT_STEPS"] = steps
+                    if tiles is not None:
+                        cfg = ("DOWN", tiles, steps)
+                if cfg is not None and cfg[0] != "DOWN_SPLIT":
+                    proj, (bn, bk, warps) = cfg[:2]
                     (gu_p if proj == "GATE_UP" else d_p).update(
                         {f"{proj}_BLOCK_N": bn, f"{proj}_BLOCK_K": bk, f"{proj}_WARPS": warps}
                     )
@@ -154,13 +164,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"{'model':14} {'T':>2} {'what':44} {'gate_up':>8} {'down':>8} {'floor gu':>8} "
-          f"{'floor dn':>8} {'rel_err':>8}")  # fmt: skip
+    print(f"{'model':14} {'T':>2} {'what':44} {'gate_up':>8} {'down':>8} {'reduce':>8} "
+          f"{'floor gu':>8} {'floor dn':>8} {'rel_err':>8}")  # fmt: skip
     for r in results:
+        reduce = r.get("_sum_routes_kernel", float("nan"))
         print(
             f"{r['model']:14} {r['tokens']:>2} {r['what'][:44]:44} "
             f"{r.get('_gate_up_act_kernel', float('nan')):8.1f} "
-            f"{r.get('_down_kernel', float('nan')):8.1f} {r['floor_gate_up_us']:8.1f} "
+            f"{r.get('_down_kernel', float('nan')):8.1f} {reduce:8.1f} "
+            f"{r['floor_gate_up_us']:8.1f} "
             f"{r['floor_down_us']:8.1f} {r['rel_err']:8.1e} {r.get('error', '')}"
         )
 

@@ -423,9 +423,11 @@ def _interpreter_cases() -> dict[str, float]:
 
 # Tiles for the interpreter (its time grows with the number of programs and K steps more than
 # with tile sizes): several K steps and partial tiles on every dimension at the shapes below.
+# The down kernel's split-K at 2 steps: the K-quant cases' 256 columns in 4 splits, the others
+# (2 steps or fewer) unsplit.
 SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4,
                 "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
-                "DOWN_STAGES": 1}  # fmt: skip
+                "DOWN_STAGES": 1, "DOWN_SPLIT_STEPS": 2}  # fmt: skip
 QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
                     "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS},
                     "k_mixed": (256, 256), "q4_k+k_mixed": (256, 256),
@@ -484,8 +486,10 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     slots32 = quantized[1].int()
     compare(((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
             "q_int32_slots")  # fmt: skip
+    # (k_mixed: 5 steps of its 256-column tiles, split 3 + 2)
     for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48),
-                         "q8_0": (160, 64), "q4_k": (512, 256)}.items():  # fmt: skip
+                         "q8_0": (160, 64), "q4_k": (512, 256),
+                         "k_mixed": (256, 1280)}.items():  # fmt: skip
         fmt = QUANTIZED[name].name
         compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
                 params=ge.launch_params(fmt))  # fmt: skip
@@ -563,7 +567,7 @@ INTERPRETER_TOLERANCE = {
 QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
     "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
-    "q_q8_0_defaults", "q_q4_k_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
+    "q_q8_0_defaults", "q_q4_k_defaults", "q_k_mixed_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
     "q_fp8_fp32_bias_swiglu_oai",
 ]  # fmt: skip
 for _case in QUANTIZED_INTERPRETER_CASES:
@@ -682,7 +686,9 @@ def test_cuda_edge_cases():
 # Quantized banks on CUDA, at the shapes of the models that ship them: gpt-oss-20b (H = I = 2880,
 # top-4; 2880 is no multiple of 128, so fp8's last scale blocks and the tiles' K steps are
 # partial) and Qwen3-30B-A3B (H 2048, I 768, top-8).
-MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8)}
+# (Qwen2.5-0.5B made into an MoE: its down kernel split, 4864 columns in 4-step splits)
+MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8),
+                "qwen2.5-0.5b": (896, 4864, 8, 2)}  # fmt: skip
 CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4", "q8_0", "q4_k", "q6_k", "k_mixed", "q4_1", "q5_0"]
 
 
@@ -693,7 +699,8 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
         pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
 
 
-COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed", "q4_0", "q5_1", "q5_0+k_mixed"]
+COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed", "q4_0", "q5_1", "q5_0+k_mixed",
+                    "q5_0+k_mixed@qwen2.5-0.5b"]  # fmt: skip
 
 
 def _compile_cases() -> dict[str, list[str] | str]:
@@ -703,9 +710,10 @@ def _compile_cases() -> dict[str, list[str] | str]:
     import compiled
     import freetoken.kernels.grouped_experts as ge
 
-    h, i, _, k = MODEL_SHAPES["qwen3"]
     res: dict[str, list[str] | str] = {}
-    for name in COMPILED_FORMATS:
+    for case in COMPILED_FORMATS:
+        name, _, model = case.partition("@")
+        h, i, _, k = MODEL_SHAPES[model or "qwen3"]
         before = len(compiled.COMPILED)
         try:
             if name == "dense":
@@ -717,9 +725,9 @@ def _compile_cases() -> dict[str, list[str] | str]:
                 ge.triton_grouped_expert_forward(*quantized)
                 ge.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
         except Exception as e:  # (the test names it)
-            res[name] = f"{type(e).__name__}: {str(e)[-600:]}"
+            res[case] = f"{type(e).__name__}: {str(e)[-600:]}"
             continue
-        res[name] = [c["name"] for c in compiled.COMPILED[before:]]
+        res[case] = [c["name"] for c in compiled.COMPILED[before:]]
     return res
 
 
@@ -733,7 +741,8 @@ def compiled_results() -> dict[str, list[str] | str]:
 def test_the_decode_kernels_compile_for_the_gpu(compiled_results, case):
     """Triton's code generator and ptxas take every format's kernels as launched on an H200
     (which the interpreter's tests do not check): the gate/up, down and sum kernels (and a
-    quantized format's dequantize kernel) each compiled once."""
+    quantized format's dequantize kernel) each compiled once (at Qwen2.5-0.5B's shape, the down
+    kernel's columns split)."""
     kernels = compiled_results[case]
     assert isinstance(kernels, list), kernels
     expected = ["_gate_up_act_kernel", "_down_kernel", "_sum_routes_kernel"]

@@ -40,6 +40,13 @@ def _cases(device: str) -> dict[str, float]:
                 ref = norm.reference(x)
                 key = f"norm/{dtype}/{shape}/{zero_centered}/{scale_fp32}"
                 res[key] = (ours.float() - ref.float()).abs().max().item()
+                # the residual add joined to the norm: the sum as torch adds, then its norm
+                delta = torch.randn(shape, device=device).to(dtype)
+                total, ours = norm_rope.add_rms_norm(x, delta, norm.weight, norm.eps,
+                                                     zero_centered, scale_fp32)  # fmt: skip
+                res["add" + key + "/sum"] = (total.float() - (x + delta).float()).abs().max().item()
+                ref = norm.reference(x + delta)
+                res["add" + key] = (ours.float() - ref.float()).abs().max().item()
         for head_dim, partial in ((16, 1.0), (32, 0.5), (128, 1.0)):
             rope = RotaryEmbedding(RopeConfig(theta=1e4, partial_rotary_factor=partial), head_dim)
             positions = torch.arange(7, device=device) * 37
@@ -87,10 +94,11 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 18
-    # fp32: the norm's sum of squares in another order (a few ulp), the rotation bit for bit,
-    # the routing's choice exactly and its weights to a few ulp.
-    assert max(v for k, v in results.items() if k.startswith("norm")) < 1e-5
+    assert len(results) == 36
+    # fp32: the norm's sum of squares in another order (a few ulp), the residual sum and the
+    # rotation bit for bit, the routing's choice exactly and its weights to a few ulp.
+    assert max(v for k, v in results.items() if k.startswith(("norm", "addnorm"))) < 1e-5
+    assert max(v for k, v in results.items() if k.endswith("/sum")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("rope")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("route") and "ids" not in k) < 1e-6
     assert sum(v for k, v in results.items() if k.endswith("/ids")) == 0
@@ -102,5 +110,5 @@ def test_kernels_match_the_torch_code_on_cuda():
     results = _cases("cuda")
     for key, value in results.items():
         # bf16: at most one step of a bf16 value near the norm's output scale (2^-7 of ~2).
-        limit = 0 if key.endswith("/ids") else 2**-6 if "bfloat16" in key else 1e-5
+        limit = 0 if key.endswith(("/ids", "/sum")) else 2**-6 if "bfloat16" in key else 1e-5
         assert value <= limit, (key, value)

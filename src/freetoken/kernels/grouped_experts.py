@@ -11,8 +11,10 @@ how many experts are used (no Python loop over experts, no host sync):
 1. gate/up + gated unit, grid (routes, I / GATE_UP_BLOCK_N): each program reads the gate block
    n and the up block n of its route's slot (and their biases), so `a = glu(gate, up)` is fused
    and only `a` ([R, I], tiny) goes back to memory;
-2. down, grid (routes, H / DOWN_BLOCK_N): `c[r] = weight[r] * (W_d[slot] @ a[r])`;
-3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order.
+2. down, grid (routes, H / DOWN_BLOCK_N, splits): `c[r] = weight[r] * (W_d[slot] @ a[r])`, or
+   where a format splits the columns (`down_split`), each split's fp32 partial of the product;
+3. reduce, grid (T, H / REDUCE_BLOCK): `out[t] = sum_j c[t * k + j]` in route order (the
+   partials of a split route added in split order first).
 
 Decode is a batch of matrix-vector products, so the cost is streaming expert weights from HBM
 (9.4 MB per Qwen3-30B-A3B expert in bf16); the kernels are plain GEMVs laid out so that every
@@ -83,11 +85,22 @@ DOWN_BLOCK_N = 32
 DOWN_BLOCK_K = 128
 DOWN_WARPS = 8
 DOWN_STAGES = 3
+DOWN_SPLIT_STEPS = 0  # (not split: see `down_split`)
 REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
 LAUNCH_NAMES = (
     "GATE_UP_BLOCK_N", "GATE_UP_BLOCK_K", "GATE_UP_WARPS", "GATE_UP_STAGES",
-    "DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_WARPS", "DOWN_STAGES",
+    "DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_WARPS", "DOWN_STAGES", "DOWN_SPLIT_STEPS",
 )  # fmt: skip
+# Split-K of the down projection. A decode GEMV's time is the dependent steps each program
+# walks (a load's latency each) when its programs do not fill the chip: Qwen2.5-0.5B's k_mixed
+# down [896, 4864] in 16 x 256 tiles is 56 row blocks x 2 routes = 112 programs for 132 SMs,
+# each 19 steps, 29.7 us for 6 MB that HBM streams in ~2 (2026-12-04-legacy-tiles-h200.md).
+# With DOWN_SPLIT_STEPS (a format's launch parameter; 0: never) a program walks at most that
+# many steps of one split of the columns and writes an fp32 partial; the route reduce adds the
+# splits in a fixed order (deterministic, as the unsplit kernels). The grid stays under this
+# many programs (16 per SM of an H100/H200: a few waves of short programs), so batches that
+# already fill the chip split less.
+DOWN_SPLIT_MAX_PROGRAMS = 16 * 132
 # Quantized banks: the same kernels, launched with their own parameters (a weight is 1 byte in
 # fp8 and half a byte in fp4, and decoding costs ALU work per weight: about 8 instructions a
 # weight in the fp4 loops, 9 in fp8's, against 7 for bf16, from the sm_90 SASS). Chosen from
@@ -105,17 +118,17 @@ LAUNCH_NAMES = (
 # copy of its own, since grouped_experts_bench.py sweeps a format's entries in place.
 _BYTE_TILES = {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
                "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-               "DOWN_STAGES": 3}  # fmt: skip
+               "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0}  # fmt: skip
 QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
     "fp8": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
             "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-            "DOWN_STAGES": 3},
+            "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
     "mxfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-              "DOWN_STAGES": 3},
+              "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
     "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-              "DOWN_STAGES": 3},
+              "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
     **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed", *LEGACY_REST)},
 }  # fmt: skip
 # The legacy types and the K-quants but q6_k are read as int32 words (`_word_tile`). Their tiles
@@ -129,6 +142,11 @@ for _name in LEGACY_REST:
     QUANTIZED_LAUNCH[_name].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=128, GATE_UP_WARPS=4,
                                    DOWN_BLOCK_N=16, DOWN_BLOCK_K=512, DOWN_WARPS=8)  # fmt: skip
 QUANTIZED_LAUNCH["k_mixed"].update(DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)
+# Word-tile formats split the down kernel's columns at 4 steps (Qwen2.5-0.5B's k_mixed down: 5
+# splits of 4, 4, 4, 4, 3 steps, 560 programs at batch 1); chosen from the step count, not yet
+# swept on the GPU (legacy_tiles_bench.py --sweep times others).
+for _name in (*LEGACY_REST, "k_mixed", "q4_k", "q5_k"):
+    QUANTIZED_LAUNCH[_name]["DOWN_SPLIT_STEPS"] = 4
 QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4,
                                 DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)  # fmt: skip
 WORD_MIN_BLOCK_N = 16
@@ -836,6 +854,22 @@ if triton is not None:
             g_rows = tl.load(g_ptr + slot * stride_gs + rows, mask=row_mask, other=0.0)
         return s_rows, g_rows
 
+    @triton.jit
+    def _split_columns(sp, step, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_STEPS: tl.constexpr):  # fmt: skip
+        """(k0, live) of step `step` of split `sp` (SPLIT_STEPS 0: the one split of all KDIM
+        columns, every step live). The last split of an uneven division has steps past KDIM:
+        they read the last real step's columns again (in bounds: a tile past its row could
+        read a scale beyond the bank) against x masked to 0, adding exact zeros (finite
+        weights)."""
+        k0 = (sp * SPLIT_STEPS + step) * BLOCK_K
+        if SPLIT_STEPS > 0:
+            live = k0 < KDIM
+            k0 = tl.minimum(k0, ((KDIM - 1) // BLOCK_K) * BLOCK_K)
+        else:
+            live = k0 >= 0
+        return k0, live
+
     # -- the expert kernels --------------------------------------------------------------------
 
     @triton.jit
@@ -961,6 +995,7 @@ if triton is not None:
         stride_sn,
         stride_gs,
         stride_cr,
+        stride_cs,
         HIDDEN: tl.constexpr,
         INTER: tl.constexpr,
         FORMAT: tl.constexpr,
@@ -970,11 +1005,19 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SPLIT_STEPS: tl.constexpr,
     ):
-        """c[r, n] = (route_w[r] * (W_d[s, n] @ a[r])).to(x.dtype) for one block of n."""
+        """c[r, n] = (route_w[r] * (W_d[s, n] @ a[r])).to(x.dtype) for one block of n; or,
+        with SPLIT_STEPS > 0, split sp's fp32 partial sum of W_d[s, n] @ a[r] over its
+        SPLIT_STEPS x BLOCK_K columns into c[sp, r, n] (`_sum_routes_kernel` adds the splits
+        in order, weighs and rounds)."""
         r = tl.program_id(0)
         nb = tl.program_id(1)
-        dt = c_ptr.dtype.element_ty
+        sp = tl.program_id(2)
+        # the steps this program walks: all of INTER, or its split's SPLIT_STEPS (a constant
+        # trip count: the interpreter takes no run-time loop bounds)
+        STEPS: tl.constexpr = SPLIT_STEPS if SPLIT_STEPS > 0 else (INTER + BLOCK_K - 1) // BLOCK_K
+        dt = a_ptr.dtype.element_ty  # (x.dtype: c is fp32 when split)
         slot = tl.load(slots_ptr + r).to(tl.int64)
         valid = slot >= 0
         slot = tl.maximum(slot, 0)
@@ -990,49 +1033,63 @@ if triton is not None:
             WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (as in the gate/up kernel)
             WB: tl.constexpr = 8 if FORMAT >= 9 else 4
             accw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
+            for step in range(0, STEPS):
+                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
                 wd = _word_tile(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND,
                                 BLOCK_N, BLOCK_K)  # fmt: skip
-                aw = _word_x(a_row, k0, valid, INTER, FORMAT, BLOCK_K)
+                aw = _word_x(a_row, k0, valid & live, INTER, FORMAT, BLOCK_K)
                 accw += wd * aw[None, :, :, :]
             y = _word_sum(accw, FORMAT, BLOCK_N, BLOCK_K)
         elif FORMAT < 2 or FORMAT >= 4:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
+            for step in range(0, STEPS):
+                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
                 k_ok = (k0 + cols) < INTER
-                av = tl.load(a_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
+                av = tl.load(a_row + k0 + cols, mask=k_ok & valid & live, other=0.0).to(tl.float32)
                 wd = _weight_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
                                   COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc += wd * av[None, :]
             y = tl.sum(acc, axis=1)
         else:
             acc4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                av = _fp4_x(a_row, k0, valid, INTER, BLOCK_K)
+            for step in range(0, STEPS):
+                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
+                av = _fp4_x(a_row, k0, valid & live, INTER, BLOCK_K)
                 wd = _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
                                W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc4 += wd * av[None, :, :, :]
             y = tl.sum(tl.reshape(acc4, [BLOCK_N, BLOCK_K]), axis=1)
-        y = y.to(dt).to(tl.float32)
-        # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
-        # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
-        # skipped route contributes exactly 0 whatever its weight (even inf or nan).
-        route_w = tl.load(route_w_ptr + r).to(tl.float32)
-        c = tl.where(valid, y * route_w, 0.0)
-        tl.store(c_ptr + r.to(tl.int64) * stride_cr + rows, c.to(dt), mask=row_ok)
+        if SPLIT_STEPS > 0:  # (c is the fp32 partials then; a skipped route's are 0)
+            part = c_ptr + sp.to(tl.int64) * stride_cs + r.to(tl.int64) * stride_cr
+            tl.store(part + rows, y, mask=row_ok)
+        else:
+            y = y.to(dt).to(tl.float32)
+            # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
+            # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
+            # skipped route contributes exactly 0 whatever its weight (even inf or nan).
+            route_w = tl.load(route_w_ptr + r).to(tl.float32)
+            c = tl.where(valid, y * route_w, 0.0)
+            tl.store(c_ptr + r.to(tl.int64) * stride_cr + rows, c.to(dt), mask=row_ok)
 
     @triton.jit
     def _sum_routes_kernel(
         c_ptr,
+        slots_ptr,
+        route_w_ptr,
         out_ptr,
+        stride_cs,
         stride_cr,
         stride_ot,
         HIDDEN: tl.constexpr,
         K: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """out[t] = c[t*K] + c[t*K + 1] + ... in order, rounding to x.dtype after each add
-        exactly like the reference's `out[t] += contribution` on an x.dtype tensor."""
+        exactly like the reference's `out[t] += contribution` on an x.dtype tensor. With
+        SPLIT > 0, c holds the split down kernel's fp32 partials [SPLIT, routes, H]: a route's
+        contribution is then made here as the unsplit down kernel makes it, from the partials
+        added in split order."""
         t = tl.program_id(0)
         hb = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
@@ -1041,7 +1098,17 @@ if triton is not None:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         first = t.to(tl.int64) * K
         for j in range(0, K):
-            cv = tl.load(c_ptr + (first + j) * stride_cr + offs, mask=ok, other=0.0)
+            r = first + j
+            if SPLIT > 0:
+                y = tl.zeros([BLOCK], dtype=tl.float32)
+                for sp in range(0, SPLIT):
+                    y += tl.load(c_ptr + sp * stride_cs + r * stride_cr + offs, mask=ok, other=0.0)
+                y = y.to(dt).to(tl.float32)
+                valid = tl.load(slots_ptr + r) >= 0
+                route_w = tl.load(route_w_ptr + r).to(tl.float32)
+                cv = tl.where(valid, y * route_w, 0.0).to(dt)
+            else:
+                cv = tl.load(c_ptr + r * stride_cr + offs, mask=ok, other=0.0)
             acc = (acc + cv.to(tl.float32)).to(dt).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(dt), mask=ok)
 
@@ -1222,9 +1289,14 @@ def triton_grouped_expert_forward(
         num_stages=p["GATE_UP_STAGES"],
         **gu_consts,
     )
-    c = torch.empty(routes, h, dtype=x.dtype, device=x.device)
+    row_blocks = triton.cdiv(h, p_down["DOWN_BLOCK_N"])
+    split, split_steps = down_split(routes * row_blocks, i, p_down)
+    if split > 1:  # fp32 partials [split, routes, H]
+        c = torch.empty(split, routes, h, dtype=torch.float32, device=x.device)
+    else:
+        c = torch.empty(1, routes, h, dtype=x.dtype, device=x.device)
     w, s, g, stride_ws, stride_wn, stride_ss, stride_sn, stride_gs = d_args
-    _down_kernel[(routes, triton.cdiv(h, p_down["DOWN_BLOCK_N"]))](
+    _down_kernel[(routes, row_blocks, split)](
         a,
         slots,
         weights,
@@ -1238,20 +1310,39 @@ def triton_grouped_expert_forward(
         stride_ss,
         stride_sn,
         stride_gs,
+        c.stride(1),
         c.stride(0),
         HIDDEN=h,
         INTER=i,
         INTERPRETED=INTERPRETED,
         BLOCK_N=p_down["DOWN_BLOCK_N"],
         BLOCK_K=p_down["DOWN_BLOCK_K"],
+        SPLIT_STEPS=split_steps,
         num_warps=p_down["DOWN_WARPS"],
         num_stages=p_down["DOWN_STAGES"],
         **d_consts,
     )
     _sum_routes_kernel[(t, triton.cdiv(h, REDUCE_BLOCK))](
-        c, out, c.stride(0), out.stride(0), HIDDEN=h, K=k, BLOCK=REDUCE_BLOCK, num_warps=4
-    )
+        c, slots, weights, out, c.stride(0), c.stride(1), out.stride(0), HIDDEN=h, K=k,
+        SPLIT=split if split > 1 else 0, BLOCK=REDUCE_BLOCK, num_warps=4,
+    )  # fmt: skip
     return out
+
+
+def down_split(programs: int, inter: int, params: dict[str, int]) -> tuple[int, int]:
+    """(splits, BLOCK_K steps a split) of the down kernel's columns: (1, 0) keeps each
+    program walking all INTER columns. A format's DOWN_SPLIT_STEPS > 0 splits a call whose
+    programs walk more steps than that, while the grid stays under DOWN_SPLIT_MAX_PROGRAMS,
+    the splits as even as whole steps allow (19 steps at 4: 4, 4, 4, 4, 3)."""
+    steps = -(-inter // params["DOWN_BLOCK_K"])
+    most = params["DOWN_SPLIT_STEPS"]
+    if most <= 0 or steps <= most:
+        return 1, 0
+    split = min(-(-steps // most), max(1, DOWN_SPLIT_MAX_PROGRAMS // max(programs, 1)))
+    if split <= 1:
+        return 1, 0
+    per = -(-steps // split)
+    return -(-steps // per), per
 
 
 def triton_dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> Tensor:

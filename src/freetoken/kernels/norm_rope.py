@@ -29,17 +29,38 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, scale_fp32: bool
 ):
     """RMSNorm over the last dimension of x (any leading shape), as layers/norm.py computes it."""
+    return _norm(x, None, weight, eps, zero_centered, scale_fp32)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    scale_fp32: bool,
+):
+    """(s, RMSNorm(s)) for s = x + delta rounded to x.dtype, as torch's add then the norm: a
+    decoder's residual add joined to the norm that reads it, one launch where they were two
+    (at batch 1 the add is a whole kernel's latency for a few KB)."""
+    return _norm(x, delta, weight, eps, zero_centered, scale_fp32)
+
+
+def _norm(x, delta, weight, eps, zero_centered, scale_fp32):
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, shape[-1]).contiguous()  # (a view when x is contiguous)
     out = torch.empty_like(rows)
+    if delta is None:
+        deltas = total = rows  # (not read nor written)
+    else:
+        deltas = delta.reshape(-1, shape[-1]).contiguous()
+        total = torch.empty_like(rows)
     n = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), ZERO_CENTERED=zero_centered,
-        SCALE_FP32=scale_fp32,
+        rows, deltas, total, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
+        ZERO_CENTERED=zero_centered, SCALE_FP32=scale_fp32, HAS_DELTA=delta is not None,
     )  # fmt: skip
-    return out.view(shape)
+    return total.view(shape), out.view(shape)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,13 +119,18 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        X, W, OUT, n, eps, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-        SCALE_FP32: tl.constexpr,
+        X, D, S, W, OUT, n, eps, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+        SCALE_FP32: tl.constexpr, HAS_DELTA: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(X + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_DELTA:  # s = x + delta, rounded to the dtype as torch's add, then normed
+            d = tl.load(D + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+            x = (x + d).to(OUT.dtype.element_ty)
+            tl.store(S + row * n + cols, x, mask=ok)
+            x = x.to(tl.float32)
         h = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         if ZERO_CENTERED:  # (constexpr branches: compiled out)

@@ -26,6 +26,17 @@ class RMSNorm(nn.Module):
             return norm_rope.rms_norm(x, self.weight, self.eps, self.zero_centered, self.scale_fp32)
         return self.reference(x)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None):
+        """(s, norm(s)) for the residual sum s = x + delta (x itself where delta is None): on
+        the GPU the add and the norm in one launch."""
+        if delta is None:
+            return x, self(x)
+        if norm_rope.available(x):
+            return norm_rope.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centered,
+                                          self.scale_fp32)  # fmt: skip
+        s = x + delta
+        return s, self.reference(s)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()

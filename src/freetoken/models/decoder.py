@@ -47,14 +47,18 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         kv: PagedKVCache,
         states: RecurrentStatePool | None,
-    ) -> torch.Tensor:
-        h = self.attn_norm(x)
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP or MoE output): the stream is x + delta (the
+        previous layer's output, None for the first), and the output is added by the next
+        norm that reads it, so every residual add rides in a norm's launch (`add_forward`)."""
+        x, h = self.attn_norm.add_forward(x, delta)
         if hasattr(self, "linear_attn"):
-            x = x + self.linear_attn(h, batch, states)
+            a = self.linear_attn(h, batch, states)
         else:
-            x = x + self.attn(h, cos_sin, batch, kv)
-        h = self.mlp_norm(x)
-        return x + (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+            a = self.attn(h, cos_sin, batch, kv)
+        x, h = self.mlp_norm.add_forward(x, a)
+        return x, (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
 
 
 class DecoderModel(nn.Module):
@@ -153,8 +157,10 @@ class DecoderModel(nn.Module):
         layers (read and advanced in place)."""
         x = self.embed(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos_sin, batch, kv, states)
+            x, delta = layer(x, cos_sin, batch, kv, states, delta)
         if not all_logits:
             x = x[batch.last_index]
-        return linear(self.norm(x), self.lm_head_weight()).float()
+            delta = None if delta is None else delta[batch.last_index]
+        return linear(self.norm.add_forward(x, delta)[1], self.lm_head_weight()).float()
