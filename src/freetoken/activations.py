@@ -27,6 +27,11 @@ SWIGLU_OAI = "swiglu_oai"
 SWIGLU_OAI_CODE = 4
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
+# DeepSeek-V4's experts and shared expert: `silu(min(gate, L)) * clamp(up, -L, L)` with the
+# released `swiglu_limit` L = 10 (its family refuses others). Torch only so far: the kernels
+# have no code for it, so the expert strategies that run them refuse it (activation_code).
+SWIGLU_CLAMP = "swiglu_clamp"
+SWIGLU_CLAMP_LIMIT = 10.0
 # The kernels' names for the codes (the C source's ACT_* macros).
 KERNEL_CODES = {
     "ACT_SILU": 0,
@@ -45,7 +50,19 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's clamped SwiGLU, op by op as transformers computes it."""
+    gate = gate.clamp(max=SWIGLU_CLAMP_LIMIT)
+    up = up.clamp(-SWIGLU_CLAMP_LIMIT, SWIGLU_CLAMP_LIMIT)
+    return F.silu(gate) * up
+
+
 def _entry(name: str):
+    if name == SWIGLU_CLAMP:
+        raise ValueError(
+            f"{SWIGLU_CLAMP!r} (DeepSeek-V4) has no kernel code yet: run its experts with "
+            "--moe-strategy fused (torch)"
+        )
     if name == SWIGLU_OAI:
         raise ValueError(f"{SWIGLU_OAI!r} is a gated unit of two inputs: use glu({name!r})")
     try:
@@ -64,6 +81,8 @@ def glu(name: str):
     projection reads."""
     if name == SWIGLU_OAI:
         return swiglu_oai
+    if name == SWIGLU_CLAMP:
+        return swiglu_clamp
     act = activation(name)
     return lambda gate, up: act(gate) * up
 
@@ -74,4 +93,5 @@ def activation_code(name: str) -> int:
 
 
 def supported(name: str) -> bool:
+    """Whether the kernels compute this unit (not yet DeepSeek-V4's swiglu_clamp: torch)."""
     return name in _TABLE or name == SWIGLU_OAI
