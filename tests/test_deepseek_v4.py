@@ -1,0 +1,130 @@
+"""DeepSeek-V4 beyond the common exactness test: chunked prefill and prefix reuse are exact
+(every compressor's state lives in the cache's rows), the Lightning Indexer's choice matters,
+the released checkpoint's tensor names map, unsupported configs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.errors import UnsupportedModelError
+from freetoken.models.families import family_for
+from freetoken.models.loading import load_model
+from tiny_models import build
+
+PROMPT = 45  # crosses the window (8), 11 CSA windows (4; the indexer keeps 3), 5 HCA ones (8)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    path, hf = build("deepseek_v4", tmp_path_factory.mktemp("v4") / "m")
+    return load_model(path, dtype="float32"), hf
+
+
+def prompt(n=PROMPT, seed=3):
+    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_chunked_prefill_matches_one_pass(v4):
+    loaded, hf = v4
+    ids = prompt()
+    whole = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+    ref = whole.forward([whole.new_sequence()], [ids], all_logits=True)
+    with torch.no_grad():
+        assert (ref - hf(torch.tensor([ids])).logits[0]).abs().max().item() < 1e-4
+    for chunk in (1, 3, 7, 16):
+        runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+        seq = runner.new_sequence()
+        parts = [runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
+                 for i in range(0, len(ids), chunk)]  # fmt: skip
+        assert (torch.cat(parts) - ref).abs().max().item() < 1e-5, chunk
+
+
+def test_prefix_reuse_is_exact(v4):
+    """A sequence continuing from another's cached pages (as the radix cache hands them over,
+    whole pages) decodes as a cold run: the windows straddling the shared boundary pool from
+    the shared rows."""
+    loaded, _ = v4
+    page = 8
+    first, second = prompt(), prompt()[:29] + prompt(20, seed=4)
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=page)
+    a = runner.new_sequence()
+    runner.forward([a], [first])
+    b = runner.new_sequence()
+    shared = 3  # pages: 24 tokens, in the middle of an HCA window and after a CSA one
+    b.pages, b.length = list(a.pages[:shared]), shared * page
+    resumed = runner.forward([b], [second[shared * page :]], all_logits=True)
+    cold_runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=page)
+    cold = cold_runner.forward([cold_runner.new_sequence()], [second], all_logits=True)
+    assert (resumed - cold[shared * page :]).abs().max().item() < 1e-5
+
+
+def test_indexer_choice_matters(v4):
+    """With more windows closed than the indexer keeps, keeping them all changes the logits:
+    the sparse selection is really exercised by the tests' prompts."""
+    loaded, _ = v4
+    ids = prompt()
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+    sparse = runner.forward([runner.new_sequence()], [ids], all_logits=True)
+    indexers = [layer.attn.indexer for layer in loaded.model.layers
+                if hasattr(layer.attn, "indexer")]  # fmt: skip
+    assert indexers and all(ix.topk < PROMPT // 4 for ix in indexers)
+    try:
+        for ix in indexers:
+            ix.topk = 1000
+        dense = runner.forward([runner.new_sequence()], [ids], all_logits=True)
+    finally:
+        for ix in indexers:
+            ix.topk = 3
+    assert (dense - sparse).abs().max().item() > 1e-3
+
+
+def test_released_tensor_names():
+    family = family_for({"architectures": ["DeepseekV4ForCausalLM"]})
+    names = {
+        "embed.weight": "embed.weight",
+        "head.weight": "lm_head.weight",
+        "norm.weight": "norm.weight",
+        "hc_head_fn": "hc_head.fn",
+        "layers.0.attn_norm.weight": "layers.0.attn_norm.weight",
+        "layers.0.ffn_norm.weight": "layers.0.mlp_norm.weight",
+        "layers.0.hc_attn_fn": "layers.0.attn_hc.fn",
+        "layers.0.hc_ffn_scale": "layers.0.ffn_hc.scale",
+        "layers.0.attn.attn_sink": "layers.0.attn.sinks",
+        "layers.0.attn.q_norm.weight": "layers.0.attn.q_a_norm.weight",
+        "layers.0.attn.norm.weight": "layers.0.attn.kv_norm.weight",
+        "layers.0.attn.wo_a.weight": "layers.0.attn.wo_a.weight",
+        "layers.2.attn.compressor.ape": "layers.2.attn.compressor.ape",
+        "layers.2.attn.compressor.norm.weight": "layers.2.attn.compressor.norm.weight",
+        "layers.2.attn.indexer.compressor.wgate.weight": "layers.2.attn.indexer.wgate.weight",
+        "layers.2.attn.indexer.wq_b.weight": "layers.2.attn.indexer.wq_b.weight",
+        "layers.0.ffn.gate.tid2eid": "layers.0.moe.tid2eid",
+        "layers.5.ffn.gate.bias": "layers.5.moe.correction_bias",
+        "layers.5.ffn.gate.weight": "layers.5.moe.router.weight",
+        "layers.5.ffn.experts.7.w1.weight": "layers.5.moe.experts.7.gate_proj.weight",
+        "layers.5.ffn.experts.7.w2.weight": "layers.5.moe.experts.7.down_proj.weight",
+        "layers.5.ffn.shared_experts.w3.weight": "layers.5.moe.shared.up_proj.weight",
+        # (transformers' save_pretrained keeps a `model.` prefix)
+        "model.layers.1.attn.wq_a.weight": "layers.1.attn.wq_a.weight",
+        "model.embed_tokens.weight": "embed.weight",
+        "model.hc_head.hc_base": "hc_head.base",
+    }
+    for stored, ours in names.items():
+        assert family.canonical_name(stored) == ours, stored
+    assert family.canonical_name("mtp.0.attn.wq_a.weight") is None  # (not read)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [({"scoring_func": "softmax"}, "scoring_func"), ({"swiglu_limit": 7.0}, "swiglu_limit"),
+     ({"layer_types": ["full_attention"]}, "layer_types")],
+)  # fmt: skip
+def test_unsupported_configs_are_refused(change, message):
+    raw = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 1,
+           "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 160,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           **change}  # fmt: skip
+    family = family_for(raw)
+    with pytest.raises(UnsupportedModelError, match=message):
+        family.parse_config(raw)
