@@ -21,8 +21,12 @@ the radix cache), there is no per-sequence state beside the pages, and chunked p
 prefix reuse are exact by construction. Each step pools one candidate entry per new token (the
 window ending there), the same work whether or not it closes a window.
 
-Reading is per sequence in torch for now: the context's rows are gathered (as the MLA prefill
-does), so a decode step's work grows with the context and the layer is not in CUDA graphs.
+All in torch for now. A prompt is read per sequence, its context's rows gathered (as the MLA
+prefill does). A decode step reads every sequence at once in shapes fixed by the page table's
+width (the window's rows, and the closing rows of every window the table can hold, masked past
+each sequence's length), so the host's work does not grow with the context and nothing in it
+waits on the device; its device work is that of the longest sequence the table holds, whatever
+the context (no kernel yet). The runner does not capture it in CUDA graphs yet (untried).
 """
 
 from __future__ import annotations
@@ -64,6 +68,14 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _rows_at(pool, batch: ForwardBatch, rows_of, positions) -> torch.Tensor:
+    """The cache rows [..., W] of positions [N, S] (>= 0) of the sequences on page-table rows
+    `rows_of` [N]."""
+    ps = batch.page_size
+    slots = batch.page_table[rows_of[:, None], positions // ps] * ps + positions % ps
+    return pool[slots.flatten(), 0].view(*slots.shape, -1)
 
 
 class Compressor(nn.Module):
@@ -177,12 +189,15 @@ class CompressedAttention(nn.Module):
         if self.kind != "sliding_attention":
             self._pool_entries(pool, batch, compress)
 
-        out = q.new_empty(t, heads, d)
-        for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
-            rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
-            span = slice(start, start + count)
-            out[span] = self._attend(q[span], rows, batch.positions[span], x[span],
-                                     q_latent[span], compress)  # fmt: skip
+        if batch.is_decode:
+            out = self._decode(q, pool, batch, x, q_latent, compress)
+        else:
+            out = q.new_empty(t, heads, d)
+            for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+                rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
+                span = slice(start, start + count)
+                out[span] = self._attend(q[span], rows, batch.positions[span], x[span],
+                                         q_latent[span], compress)  # fmt: skip
         out = rope_tail(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
@@ -197,12 +212,12 @@ class CompressedAttention(nn.Module):
         positions = batch.positions[:, None] + span  # [T, S]
         valid = positions >= 0
         at = positions.clamp(min=0)
-        rows_of = batch.rows.repeat_interleave(
-            torch.tensor(batch.counts, device=pool.device), output_size=batch.num_tokens
-        )
-        ps = batch.page_size
-        slots = batch.page_table[rows_of[:, None], at // ps] * ps + at % ps
-        rows = pool[slots.flatten(), 0].view(*slots.shape, -1)  # [T, S, W]
+        if batch.is_decode:
+            rows_of = batch.rows
+        else:
+            counts = torch.tensor(batch.counts, device=pool.device)
+            rows_of = batch.rows.repeat_interleave(counts, output_size=batch.num_tokens)
+        rows = _rows_at(pool, batch, rows_of, at)  # [T, S, W]
         entry = self.compressor.pool(rows, valid, lay["ckv"], lay["cgate"], batch.positions,
                                      rotary)  # fmt: skip
         pool[batch.write_slots, 0, lay["centry"]] = entry
@@ -210,6 +225,34 @@ class CompressedAttention(nn.Module):
             entry = self.indexer.pool(rows, valid, lay["ikv"], lay["igate"], batch.positions,
                                       rotary)  # fmt: skip
             pool[batch.write_slots, 0, lay["ientry"]] = entry
+
+    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, rotary) -> torch.Tensor:
+        """One new token a sequence, all sequences at once, in shapes that do not depend on
+        the context (a CUDA graph can hold it; the host does the same work at any length): the
+        window's rows, and the rows of every window the page table's width can hold, those
+        not closed yet masked."""
+        lay, r, p = self.layout, self.ratio, batch.positions[:, None]
+        back = torch.arange(self.window - 1, -1, -1, device=q.device)
+        at = p - back  # [B, window]
+        rows = _rows_at(pool, batch, batch.rows, at.clamp(min=0))
+        keys = rows[..., lay["kv"]]
+        bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(at < 0, float("-inf"))
+        if r:
+            capacity = batch.page_table.shape[1] * batch.page_size // r
+            w = torch.arange(capacity, device=q.device)
+            closed = _rows_at(
+                pool, batch, batch.rows, ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
+            )
+            keys = torch.cat([keys, closed[..., lay["centry"]]], dim=1)
+            ready = (batch.positions + 1) // r
+            seen = w[None] < ready[:, None]  # [B, capacity]
+            if self.kind == CSA:
+                seen = self._chosen(closed[..., lay["ientry"]], seen, ready, batch.positions,
+                                    x, q_latent, rotary)  # fmt: skip
+            extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
+            bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
+        return self._softmax_attend(q, keys, bias, "bhd,bkd->bhk", "bhk,bkd->bhd")
 
     def _attend(self, q, rows, positions, x, q_latent, rotary) -> torch.Tensor:
         """One sequence's new queries q [n, heads, d] at `positions` over its context's rows
@@ -235,12 +278,17 @@ class CompressedAttention(nn.Module):
                                     q_latent, rotary)  # fmt: skip
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * self.scale + bias[:, None]
+        return self._softmax_attend(q, keys, bias, "nhd,kd->nhk", "nhk,kd->nhd")
+
+    def _softmax_attend(self, q, keys, bias, scores: str, mix: str) -> torch.Tensor:
+        """Attention of q [n, heads, d] over keys = values with an additive bias [n, K] and
+        the per-head sinks (a logit each, in the softmax, attending nothing)."""
+        logits = torch.einsum(scores, q, keys) * self.scale + bias[:, None]
         sinks = self.sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.einsum("nhk,kd->nhd", probs, keys)
+        return torch.einsum(mix, probs, keys)
 
     def _chosen(self, entries, seen, ready, positions, x, q_latent, rotary) -> torch.Tensor:
         """The Lightning Indexer: which closed windows each query attends, [n, E]."""
@@ -249,7 +297,8 @@ class CompressedAttention(nn.Module):
         iq = ix.wq_b(q_latent).view(n, ix.heads, ix.dim)
         cos, sin = half_cos_sin(rotary, positions, iq.dtype)
         iq = rope_tail(iq, cos, sin)
-        scores = torch.einsum("nhd,ed->nhe", iq.float(), entries.float())
+        spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
+        scores = torch.einsum(spec, iq.float(), entries.float())
         scores = F.relu(scores) * ix.dim**-0.5
         weights = ix.weights_proj(x).float() * ix.heads**-0.5
         scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
