@@ -118,7 +118,8 @@ def test_released_tensor_names():
 @pytest.mark.parametrize(
     "change, message",
     [({"scoring_func": "softmax"}, "scoring_func"), ({"swiglu_limit": 7.0}, "swiglu_limit"),
-     ({"layer_types": ["full_attention"]}, "layer_types")],
+     ({"layer_types": ["full_attention"]}, "layer_types"),
+     ({"quantization_config": {"quant_method": "fp8"}}, "quantized releases")],
 )  # fmt: skip
 def test_unsupported_configs_are_refused(change, message):
     raw = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 1,

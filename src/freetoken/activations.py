@@ -28,10 +28,10 @@ SWIGLU_OAI_CODE = 4
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 # DeepSeek-V4's experts and shared expert: `silu(min(gate, L)) * clamp(up, -L, L)` with the
-# released `swiglu_limit` L = 10 (its family refuses others). Torch only so far: the kernels
-# have no code for it, so the expert strategies that run them refuse it (activation_code).
+# released `swiglu_limit` L = 10 (its family refuses others; the kernels hold it as a constant).
 SWIGLU_CLAMP = "swiglu_clamp"
-SWIGLU_CLAMP_LIMIT = 10.0
+SWIGLU_CLAMP_CODE = 5
+SWIGLU_CLAMP_LIMIT = 10
 # The kernels' names for the codes (the C source's ACT_* macros).
 KERNEL_CODES = {
     "ACT_SILU": 0,
@@ -39,6 +39,8 @@ KERNEL_CODES = {
     "ACT_GELU_TANH": 2,
     "ACT_RELU": 3,
     "ACT_SWIGLU_OAI": SWIGLU_OAI_CODE,
+    "ACT_SWIGLU_CLAMP": SWIGLU_CLAMP_CODE,
+    "SWIGLU_CLAMP_LIMIT": SWIGLU_CLAMP_LIMIT,
 }
 
 
@@ -58,12 +60,7 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _entry(name: str):
-    if name == SWIGLU_CLAMP:
-        raise ValueError(
-            f"{SWIGLU_CLAMP!r} (DeepSeek-V4) has no kernel code yet: run its experts with "
-            "--moe-strategy fused (torch)"
-        )
-    if name == SWIGLU_OAI:
+    if name in (SWIGLU_OAI, SWIGLU_CLAMP):
         raise ValueError(f"{SWIGLU_OAI!r} is a gated unit of two inputs: use glu({name!r})")
     try:
         return _TABLE[name]
@@ -89,9 +86,10 @@ def glu(name: str):
 
 def activation_code(name: str) -> int:
     """The kernels' code for an activation name (of a gated unit: see the module's note)."""
+    if name == SWIGLU_CLAMP:
+        return SWIGLU_CLAMP_CODE
     return SWIGLU_OAI_CODE if name == SWIGLU_OAI else _entry(name)[0]
 
 
 def supported(name: str) -> bool:
-    """Whether the kernels compute this unit (not yet DeepSeek-V4's swiglu_clamp: torch)."""
-    return name in _TABLE or name == SWIGLU_OAI
+    return name in _TABLE or name in (SWIGLU_OAI, SWIGLU_CLAMP)
