@@ -149,3 +149,35 @@ def test_batched_decode_matches_transformers(v4):
             ref = torch.cat([hf(torch.tensor([s])).logits[0, -1:] for s in ids])
         worst = max(worst, (logits - ref).abs().max().item())
     assert worst < 1e-4
+
+
+def test_engine_reuses_a_prefix_and_chunks_prompts_exactly(tmp_path, monkeypatch):
+    """Through the engine: turn 2 of a conversation resumes from turn 1's cached pages (the
+    radix cache), in prefill chunks of 24 tokens, and answers as a cold, unchunked run."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine.generate import LLMEngine
+    from freetoken.engine.sampling import SamplingParams
+    from tiny_models import build_chat_model
+
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = build_chat_model("deepseek_v4", tmp_path / "m")
+
+    def engine(chunk):
+        return LLMEngine.from_config(EngineConfig(model=path, device="cpu", dtype="float32",
+                                                  kv_cache_tokens=2048, page_size=4,
+                                                  max_prefill_chunk=chunk))  # fmt: skip
+
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    warm = engine(24)
+    tok = warm.tokenizer
+    first = [{"role": "user", "content": "Tell me a story about a compressor " * 4}]
+    [one] = warm.generate([tok.encode(tok.render_chat(first))], greedy)
+    history = [*first, {"role": "assistant", "content": one.text},
+               {"role": "user", "content": "And then?"}]  # fmt: skip
+    turn2 = tok.encode(tok.render_chat(history))
+    req = warm.add_request(turn2, greedy)
+    while not req.finished:
+        warm.step()
+    assert req.cached_tokens > 20
+    [cold] = engine(8192).generate([turn2], greedy)
+    assert req.output_ids == cold.output_ids
