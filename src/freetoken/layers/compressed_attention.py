@@ -22,11 +22,11 @@ prefix reuse are exact by construction. Each step pools one candidate entry per 
 window ending there), the same work whether or not it closes a window.
 
 All in torch for now. A prompt is read per sequence, its context's rows gathered (as the MLA
-prefill does). A decode step reads every sequence at once in shapes fixed by the page table's
-width (the window's rows, and the closing rows of every window the table can hold, masked past
-each sequence's length), so the host's work does not grow with the context and nothing in it
-waits on the device; its device work is that of the longest sequence the table holds, whatever
-the context (no kernel yet). The runner does not capture it in CUDA graphs yet (untried).
+prefill does). A decode step reads every sequence at once: the window's rows and the closing
+rows of the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every
+window the page table can hold while a CUDA graph is captured, so shapes are then fixed),
+masked past each sequence's length; the host's work does not grow with the context and nothing
+waits on the device. The runner does not capture V4 in CUDA graphs yet (untried: no GPU).
 """
 
 from __future__ import annotations
@@ -70,12 +70,26 @@ def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def _rows_at(pool, batch: ForwardBatch, rows_of, positions) -> torch.Tensor:
-    """The cache rows [..., W] of positions [N, S] (>= 0) of the sequences on page-table rows
-    `rows_of` [N]."""
+# A decode step reads the closing rows of this many windows a sequence at a time: enough for
+# the batch's longest sequence, rounded up (so shapes change every so many windows), or, while a
+# CUDA graph is captured, every window the page table can hold (shapes fixed for any context).
+WINDOW_BUCKET = 64
+
+
+def _rows_at(pool, batch: ForwardBatch, rows_of, positions, cols=slice(None)) -> torch.Tensor:
+    """Columns `cols` of the cache rows [N, S, ...] of positions [N, S] (>= 0) of the sequences
+    on page-table rows `rows_of` [N] (only those columns are read)."""
     ps = batch.page_size
     slots = batch.page_table[rows_of[:, None], positions // ps] * ps + positions % ps
-    return pool[slots.flatten(), 0].view(*slots.shape, -1)
+    return pool[:, 0, cols][slots]
+
+
+def _windows_read(batch: ForwardBatch, ratio: int, capturing: bool) -> int:
+    most = batch.page_table.shape[1] * batch.page_size // ratio
+    if capturing:
+        return most
+    closed = max(batch.seq_lens) // ratio
+    return min(most, -(-(closed + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
 
 
 class Compressor(nn.Module):
@@ -227,29 +241,28 @@ class CompressedAttention(nn.Module):
             pool[batch.write_slots, 0, lay["ientry"]] = entry
 
     def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, rotary) -> torch.Tensor:
-        """One new token a sequence, all sequences at once, in shapes that do not depend on
-        the context (a CUDA graph can hold it; the host does the same work at any length): the
-        window's rows, and the rows of every window the page table's width can hold, those
-        not closed yet masked."""
+        """One new token a sequence, all sequences at once, with no host work that grows with
+        the context and nothing that waits on the device: the window's rows, and the closing
+        rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
+        captured, of every window the page table can hold: shapes fixed for any context)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
         back = torch.arange(self.window - 1, -1, -1, device=q.device)
         at = p - back  # [B, window]
-        rows = _rows_at(pool, batch, batch.rows, at.clamp(min=0))
-        keys = rows[..., lay["kv"]]
+        keys = _rows_at(pool, batch, batch.rows, at.clamp(min=0), lay["kv"])
         bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(at < 0, float("-inf"))
         if r:
-            capacity = batch.page_table.shape[1] * batch.page_size // r
-            w = torch.arange(capacity, device=q.device)
-            closed = _rows_at(
-                pool, batch, batch.rows, ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
-            )
-            keys = torch.cat([keys, closed[..., lay["centry"]]], dim=1)
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            w = torch.arange(_windows_read(batch, r, capturing), device=q.device)
+            last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
+            entries = _rows_at(pool, batch, batch.rows, last, lay["centry"])
+            keys = torch.cat([keys, entries], dim=1)
             ready = (batch.positions + 1) // r
-            seen = w[None] < ready[:, None]  # [B, capacity]
+            seen = w[None] < ready[:, None]  # [B, windows]
             if self.kind == CSA:
-                seen = self._chosen(closed[..., lay["ientry"]], seen, ready, batch.positions,
-                                    x, q_latent, rotary)  # fmt: skip
+                index_keys = _rows_at(pool, batch, batch.rows, last, lay["ientry"])
+                seen = self._chosen(index_keys, seen, ready, batch.positions, x, q_latent,
+                                    rotary)  # fmt: skip
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
         return self._softmax_attend(q, keys, bias, "bhd,bkd->bhk", "bhk,bkd->bhd")

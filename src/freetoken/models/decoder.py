@@ -101,8 +101,11 @@ class DecoderModel(nn.Module):
         """The model in `dtype`, but for what stays fp32 in any dtype, as transformers keeps
         it: a sigmoid router's weight and correction bias (MoEConfig.scoring)."""
         self.to(dtype)
-        for module in self.modules():  # (DeepSeek-V4's hyper-connections, sinks, `ape`)
-            if isinstance(module, (HyperConnection, HyperHead)):
+        v4 = self.config.compressed is not None
+        for module in self.modules():  # (DeepSeek-V4's hyper-connections, norms, sinks, `ape`)
+            if isinstance(module, (HyperConnection, HyperHead)) or (
+                v4 and isinstance(module, RMSNorm)
+            ):
                 module.float()
             if isinstance(module, CompressedAttention):
                 module.sinks.data = module.sinks.data.float()
