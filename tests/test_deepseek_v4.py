@@ -181,3 +181,19 @@ def test_engine_reuses_a_prefix_and_chunks_prompts_exactly(tmp_path, monkeypatch
     assert req.cached_tokens > 20
     [cold] = engine(8192).generate([turn2], greedy)
     assert req.output_ids == cold.output_ids
+
+
+def test_the_next_token_prediction_layer_is_skipped_with_a_note(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = build("deepseek_v4", tmp_path / "m")
+    plain = load_model(path, dtype="float32")
+    tensors = load_file(path / "model.safetensors")
+    tensors["mtp.0.attn.wq_a.weight"] = torch.ones(24, 64)  # (as the release stores it)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        with_mtp = load_model(path, dtype="float32")
+    assert "mtp.0.attn.wq_a.weight" in caplog.text
+    ids = prompt(12)
+    a, b = (ModelRunner(m, kv_cache_tokens=64, page_size=8) for m in (plain, with_mtp))
+    assert torch.equal(a.forward([a.new_sequence()], [ids]), b.forward([b.new_sequence()], [ids]))
