@@ -16,11 +16,21 @@ KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed
 RATIO_KINDS = {0: KINDS[0], 4: KINDS[1], 128: KINDS[2]}
 
 
+# transformers' defaults (configuration_deepseek_v4.py: V4-Flash's sizes) for keys a config omits
+DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
+                num_hidden_layers=43, num_attention_heads=64, head_dim=512,
+                n_routed_experts=256, num_experts_per_tok=6, max_position_embeddings=1048576,
+                rms_norm_eps=1e-6, sliding_window=128, bos_token_id=0, eos_token_id=1)  # fmt: skip
+
+
 def parse_config(raw: dict):
-    # Missing keys take transformers' defaults (configuration_deepseek_v4.py), its legacy
-    # spellings (compress_ratios, compress_rate_csa/hca, num_hash_layers, qk_rope_head_dim)
-    # folded in as it folds them.
-    n = int(raw.get("num_hidden_layers", 43))
+    # Missing keys take transformers' defaults, its legacy spellings (compress_ratios,
+    # compress_rate_csa/hca, num_hash_layers, qk_rope_head_dim) folded in as it folds them. The
+    # one shared expert is `moe_intermediate_size` wide whatever n_shared_experts says (as
+    # transformers builds it).
+    raw = {**DEFAULTS, **raw}
+    raw["shared_expert_intermediate_size"] = raw["moe_intermediate_size"]
+    n = int(raw["num_hidden_layers"])
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
     rates.update(raw.get("compress_rates") or {})
     if raw.get("compress_rate_csa") is not None:
@@ -39,7 +49,7 @@ def parse_config(raw: dict):
     if mlp_kinds is None:
         hashed = int(raw.get("num_hash_layers", 3))
         mlp_kinds = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
-    head_dim = int(raw.get("head_dim", 512))
+    head_dim = int(raw["head_dim"])
     partial = raw.get("partial_rotary_factor")
     if partial is None:
         partial = int(raw.get("qk_rope_head_dim", 64)) / head_dim
@@ -93,7 +103,6 @@ def parse_config(raw: dict):
         hc_eps=float(raw.get("hc_eps", 1e-6)),
         hash_layers=tuple(k == "hash_moe" for k in mlp_kinds[:n]),
     )
-    raw = {**raw, "sliding_window": raw.get("sliding_window", 128)}
     return decoder_config(
         raw,
         "deepseek_v4",
