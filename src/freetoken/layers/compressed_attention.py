@@ -295,10 +295,11 @@ class CompressedAttention(nn.Module):
 
     def _softmax_attend(self, q, keys, bias, scores: str, mix: str) -> torch.Tensor:
         """Attention of q [n, heads, d] over keys = values with an additive bias [n, K] and
-        the per-head sinks (a logit each, in the softmax, attending nothing)."""
+        the per-head sinks (a logit each, in the softmax, attending nothing): the softmax in
+        fp32, where transformers' concatenation with its fp32 sinks puts it."""
         logits = torch.einsum(scores, q, keys) * self.scale + bias[:, None]
-        sinks = self.sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        combined = torch.cat([logits.float(), sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum(mix, probs, keys)

@@ -62,9 +62,10 @@ def route_sqrtsoftplus(
     router_logits: torch.Tensor, correction_bias: torch.Tensor, moe, ids: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4's routing: scores sqrt(softplus(logits)); experts chosen by score plus the
-    correction bias, or given (`ids`: a hash layer's `tid2eid[token]`); their scores
-    normalised and times `routed_scaling`. -> (fp32 weights [T, k], ids [T, k])."""
-    scores = F.softplus(router_logits.float()).sqrt()
+    (fp32) correction bias, or given (`ids`: a hash layer's `tid2eid[token]`); their scores
+    normalised and times `routed_scaling`, in the logits' dtype as transformers computes them.
+    -> (weights [T, k], ids [T, k])."""
+    scores = F.softplus(router_logits).sqrt()
     if ids is None:
         ids = torch.topk(scores + correction_bias, k=moe.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)

@@ -109,7 +109,6 @@ def parse_config(raw: dict):
         moe=routed_experts(
             raw,
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            fp32_gate_weights=True,
             scoring="sqrtsoftplus",
             routed_scaling=float(raw.get("routed_scaling_factor", 1.5)),
             hash_layers=compressed.hash_layers,
