@@ -240,3 +240,18 @@ def test_configs_read_as_transformers_reads_them(raw):
                        (RotaryEmbedding(c.compress_rope, cfg.head_dim), "compress")):  # fmt: skip
         torch.testing.assert_close(ours.inv_freq, getattr(theirs, f"{kind}_inv_freq"))
         assert ours.scaling == getattr(theirs, f"{kind}_attention_scaling")
+
+
+def test_bf16_prefill_rounds_as_transformers(tmp_path):
+    """In bf16 on the CPU our logits are transformers' bf16 logits (equal here; the bound is a
+    thousandth of the two runs' distance from the fp32 truth, ~0.7)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    path, _ = build("deepseek_v4", tmp_path / "m", dtype=torch.bfloat16)
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    runner = ModelRunner(load_model(path, dtype="bfloat16"), kv_cache_tokens=256, page_size=8)
+    ids = prompt()
+    ours = runner.forward([runner.new_sequence()], [ids], all_logits=True).float()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    assert (ours - theirs).abs().max().item() < 1e-3
