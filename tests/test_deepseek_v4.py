@@ -255,3 +255,25 @@ def test_bf16_prefill_rounds_as_transformers(tmp_path):
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].float()
     assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_decode_in_capture_shapes_is_exact(v4, monkeypatch):
+    """The decode step as a CUDA graph would capture it (every window the page table can hold,
+    128 CSA windows here, whatever the length) gives the eager step's logits (the batch's
+    longest sequence's windows, in steps of 64)."""
+    from freetoken.layers import compressed_attention
+
+    loaded, _ = v4
+    prompts = [prompt(n, seed=n) for n in (6, 45)]
+
+    def decode(capturing):
+        monkeypatch.setattr(compressed_attention, "_capturing", lambda x: capturing)
+        runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
+        seqs = [runner.new_sequence() for _ in prompts]
+        logits, steps = runner.forward(seqs, prompts), []
+        for _ in range(6):
+            logits = runner.forward(seqs, [[int(t)] for t in logits.argmax(-1)])
+            steps.append(logits)
+        return torch.stack(steps)
+
+    assert (decode(True) - decode(False)).abs().max().item() < 1e-5

@@ -84,6 +84,10 @@ def _rows_at(pool, batch: ForwardBatch, rows_of, positions, cols=slice(None)) ->
     return pool[:, 0, cols][slots]
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _windows_read(batch: ForwardBatch, ratio: int, capturing: bool) -> int:
     most = batch.page_table.shape[1] * batch.page_size // ratio
     if capturing:
@@ -252,8 +256,7 @@ class CompressedAttention(nn.Module):
         bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(at < 0, float("-inf"))
         if r:
-            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-            w = torch.arange(_windows_read(batch, r, capturing), device=q.device)
+            w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
             last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
             entries = _rows_at(pool, batch, batch.rows, last, lay["centry"])
             keys = torch.cat([keys, entries], dim=1)
