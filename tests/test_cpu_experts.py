@@ -123,6 +123,24 @@ def test_biased_experts_with_the_clamped_swiglu(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_v4s_clamped_swiglu(dtype):
+    """DeepSeek-V4's unit, silu(min(gate, 10)) * clamp(up, -10, 10), against plain torch in the
+    banks' dtype, with weights large enough that gate and up pass the clamp both ways."""
+    w_gate_up, w_down = banks(torch.float32)
+    w_gate_up, w_down = (w_gate_up * 16).to(dtype), w_down.to(dtype)
+    x, rows, pairs, weights = job(dtype=dtype)
+    h = torch.einsum("th,pnh->tpn", x.float(), w_gate_up.float())
+    assert h.max() > 12 and h.min() < -12
+    kernel = NativeCPUExperts.create(w_gate_up, w_down, "swiglu_clamp", 2)
+    got = kernel(x, rows, pairs, weights)
+    want = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, act="swiglu_clamp")
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * scale
+    silu = plain_experts(x, rows, pairs, weights, w_gate_up, w_down, act="silu")
+    assert (silu - want).abs().max().item() > 0.1 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_torch_fallback_takes_the_bias_bank_too(dtype):
     w_gate_up, w_down, b_gate_up = biased_banks(dtype)
     x, rows, pairs, weights = job(dtype=dtype)

@@ -417,6 +417,9 @@ def _interpreter_cases() -> dict[str, float]:
                                  "swiglu_oai", False)  # fmt: skip
     res["bf16_bias_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=11, **bf16)),
                                       "swiglu_oai")  # fmt: skip
+    # DeepSeek-V4: silu's unit over gate and up clamped at 10 (the weights reach past it)
+    res["swiglu_clamp_clamped"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=12), scale=8.0),
+                                      "swiglu_clamp", False)  # fmt: skip
     res.update(_quantized_interpreter_cases())
     return res
 
@@ -559,6 +562,7 @@ def _quantized_interpreter_cases() -> dict[str, float]:
 # is off by 40% or more).
 INTERPRETER_TOLERANCE = {
     "bf16": 5e-2, "bias_swiglu_oai": 1e-5, "bias_silu": 1e-5, "swiglu_oai_clamped": 1e-5,
+    "swiglu_clamp_clamped": 1e-5,
     "bf16_swiglu_oai": 5e-2, "bf16_bias_swiglu_oai": 5e-2,
 }  # fmt: skip
 # Quantized cases: equal to the dense kernels bit for bit (-1.0), and within the dense kernels'
@@ -591,7 +595,7 @@ def interpreter_results() -> dict[str, float]:
 INTERPRETER_CASES = [
     "basic", "int32_slots", "odd_shapes", "long_rows", "gelu", "gelu_pytorch_tanh", "relu",
     "strided_banks", "all_skipped", "empty", "bf16", "bias_swiglu_oai", "bias_silu", "swiglu_oai",
-    "swiglu_oai_clamped", "bf16_swiglu_oai", "bf16_bias_swiglu_oai",
+    "swiglu_oai_clamped", "bf16_swiglu_oai", "bf16_bias_swiglu_oai", "swiglu_clamp_clamped",
     *QUANTIZED_INTERPRETER_CASES,
 ]  # fmt: skip
 

@@ -93,6 +93,25 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
         ),
     ),
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        # every attention kind; the window of 8, CSA's windows of 4 with its indexer keeping 3,
+        # HCA's windows of 8 (the smallest the config allows is any): the tests' 40-token
+        # prompts cross them all; a hash-routed layer first; YaRN on the compressed branches
+        dict(
+            num_hidden_layers=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+            q_lora_rank=24, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
+            index_topk=3, sliding_window=8, hc_mult=4, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=2,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            layer_types=["sliding_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention", "compressed_sparse_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            rope_parameters=dict(rope_type="yarn", factor=4.0,
+                                 original_max_position_embeddings=64),
+        ),
+    ),
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
@@ -153,6 +172,9 @@ def build(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # (zeros at init: give it a say)
                 b.copy_(torch.randn_like(b) * 0.1)
+            if name.endswith("tid2eid"):  # (DeepSeek-V4's hash routing: distinct experts)
+                experts = config.num_local_experts
+                b.copy_(torch.stack([torch.randperm(experts)[: b.shape[1]] for _ in b]))
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

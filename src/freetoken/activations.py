@@ -27,6 +27,11 @@ SWIGLU_OAI = "swiglu_oai"
 SWIGLU_OAI_CODE = 4
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
+# DeepSeek-V4's experts and shared expert: `silu(min(gate, L)) * clamp(up, -L, L)` with the
+# released `swiglu_limit` L = 10 (its family refuses others; the kernels hold it as a constant).
+SWIGLU_CLAMP = "swiglu_clamp"
+SWIGLU_CLAMP_CODE = 5
+SWIGLU_CLAMP_LIMIT = 10
 # The kernels' names for the codes (the C source's ACT_* macros).
 KERNEL_CODES = {
     "ACT_SILU": 0,
@@ -34,6 +39,8 @@ KERNEL_CODES = {
     "ACT_GELU_TANH": 2,
     "ACT_RELU": 3,
     "ACT_SWIGLU_OAI": SWIGLU_OAI_CODE,
+    "ACT_SWIGLU_CLAMP": SWIGLU_CLAMP_CODE,
+    "SWIGLU_CLAMP_LIMIT": SWIGLU_CLAMP_LIMIT,
 }
 
 
@@ -45,8 +52,15 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's clamped SwiGLU, op by op as transformers computes it."""
+    gate = gate.clamp(max=SWIGLU_CLAMP_LIMIT)
+    up = up.clamp(-SWIGLU_CLAMP_LIMIT, SWIGLU_CLAMP_LIMIT)
+    return F.silu(gate) * up
+
+
 def _entry(name: str):
-    if name == SWIGLU_OAI:
+    if name in (SWIGLU_OAI, SWIGLU_CLAMP):
         raise ValueError(f"{SWIGLU_OAI!r} is a gated unit of two inputs: use glu({name!r})")
     try:
         return _TABLE[name]
@@ -64,14 +78,18 @@ def glu(name: str):
     projection reads."""
     if name == SWIGLU_OAI:
         return swiglu_oai
+    if name == SWIGLU_CLAMP:
+        return swiglu_clamp
     act = activation(name)
     return lambda gate, up: act(gate) * up
 
 
 def activation_code(name: str) -> int:
     """The kernels' code for an activation name (of a gated unit: see the module's note)."""
+    if name == SWIGLU_CLAMP:
+        return SWIGLU_CLAMP_CODE
     return SWIGLU_OAI_CODE if name == SWIGLU_OAI else _entry(name)[0]
 
 
 def supported(name: str) -> bool:
-    return name in _TABLE or name == SWIGLU_OAI
+    return name in _TABLE or name in (SWIGLU_OAI, SWIGLU_CLAMP)

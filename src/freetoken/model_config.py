@@ -61,6 +61,9 @@ class MoEConfig:
     # router has a bias too.
     expert_bias: bool = False
     router_bias: bool = False
+    # DeepSeek-V4: "sqrtsoftplus" scoring (layers/moe.py), and per MoE layer whether it routes
+    # by the token's id (`tid2eid`) instead of by score
+    hash_layers: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,58 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class CompressedAttentionConfig:
+    """DeepSeek-V4's attention (layers/compressed_attention.py): per layer one of
+    "sliding_attention", "compressed_sparse_attention" (a compressor pooling every `csa_ratio`
+    tokens, its Lightning Indexer choosing `index_topk` pooled entries a query) or
+    "heavily_compressed_attention" (pooling every `hca_ratio`), each beside a sliding window of
+    `ModelConfig.sliding_window` tokens; one shared K=V head of `head_dim`, RoPE on its last
+    `rope_dim` values, interleaved; a grouped output projection; `hc_mult` residual streams
+    mixed by Manifold-Constrained Hyper-Connections; hash-routed MoE layers (`hash_layers`)."""
+
+    layer_kinds: tuple[str, ...]
+    csa_ratio: int
+    hca_ratio: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope: RopeConfig
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hash_layers: tuple[bool, ...]
+
+    def ratio(self, layer: int) -> int:
+        """Tokens pooled into one compressed entry in `layer` (0: sliding only)."""
+        kind = self.layer_kinds[layer]
+        if kind == "compressed_sparse_attention":
+            return self.csa_ratio
+        return self.hca_ratio if kind == "heavily_compressed_attention" else 0
+
+    def row_layout(self, layer: int, head_dim: int) -> dict[str, slice]:
+        """What one token's row of the layer's cache pool holds, by name (see
+        layers/compressed_attention.py): its K=V, and for a compressing layer its pooled
+        projections, gate logits and the entry of the window it closes (and the indexer's)."""
+        kind, parts = self.layer_kinds[layer], [("kv", head_dim)]
+        if kind != "sliding_attention":
+            overlap = 2 if kind == "compressed_sparse_attention" else 1
+            parts += [("ckv", overlap * head_dim), ("cgate", overlap * head_dim),
+                      ("centry", head_dim)]  # fmt: skip
+            if kind == "compressed_sparse_attention":
+                d = self.index_head_dim
+                parts += [("ikv", 2 * d), ("igate", 2 * d), ("ientry", d)]
+        out, at = {}, 0
+        for name, width in parts:
+            out[name] = slice(at, at + width)
+            at += width
+        return out
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -145,6 +200,7 @@ class ModelConfig:
     # gpt-oss scales its RMSNorms in fp32 before the cast back (Llama: after); matters in bf16
     norm_scale_fp32: bool = False
     mla: MLAConfig | None = None  # attention is multi-head latent attention (DeepSeek)
+    compressed: CompressedAttentionConfig | None = None  # DeepSeek-V4's attention
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -172,11 +228,25 @@ class ModelConfig:
     @property
     def kv_cache_heads(self) -> int:
         """Heads of K (and V) the paged cache keeps per token and layer."""
-        return 1 if self.mla else self.num_kv_heads
+        return 1 if self.mla or self.compressed else self.num_kv_heads
+
+    @property
+    def kv_layer_dims(self) -> tuple[int, ...] | None:
+        """Per layer, the width of a token's row of its cache pool, where layers differ
+        (DeepSeek-V4: CompressedAttentionConfig.row_layout); None: kv_cache_dim for all."""
+        c = self.compressed
+        if c is None:
+            return None
+        return tuple(
+            max(s.stop for s in c.row_layout(i, self.head_dim).values())
+            for i in range(self.num_layers)
+        )
 
     @property
     def kv_cache_dim(self) -> int:
         """Values per cached head: the latent and the RoPE key part under MLA."""
+        if self.compressed:
+            return max(self.kv_layer_dims or (0,))
         return self.mla.cache_dim if self.mla else self.head_dim
 
     @property

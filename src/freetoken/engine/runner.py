@@ -31,6 +31,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """K and V of one token in every attention layer (under MLA its latent, once)."""
     layers = sum(config.attention_layers)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if config.kv_layer_dims is not None:  # (DeepSeek-V4: one row a token and layer, K=V)
+        return sum(config.kv_layer_dims) * itemsize
     pools = 1 if config.mla else 2
     return pools * layers * config.kv_cache_heads * config.kv_cache_dim * itemsize
 
@@ -101,7 +103,8 @@ class ModelRunner:
             device=self.model.device,
             kv_layers=cfg.attention_layers,
             max_seq_tokens=self.max_model_len,
-            values_are_keys=cfg.mla is not None,
+            values_are_keys=cfg.mla is not None or cfg.compressed is not None,
+            layer_dims=cfg.kv_layer_dims,
         )
         # Pinned buffers for each forward's packed copy of its per-step values.
         self.staging = PinnedStaging() if self.model.device.type == "cuda" else None
@@ -128,6 +131,7 @@ class ModelRunner:
         if (
             cuda_graphs
             and self.device.type == "cuda"
+            and cfg.compressed is None  # (DeepSeek-V4's attention: torch, not yet captured)
             and paged_attention.triton_decode_width(
                 cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
             )

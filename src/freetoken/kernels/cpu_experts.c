@@ -44,7 +44,7 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 /* Activation codes: freetoken/activations.py holds the one table, passed as -D defines by
  * kernels/native.py when it compiles this file. */
 #if !defined(ACT_SILU) || !defined(ACT_GELU) || !defined(ACT_GELU_TANH) || !defined(ACT_RELU) \
-    || !defined(ACT_SWIGLU_OAI)
+    || !defined(ACT_SWIGLU_OAI) || !defined(ACT_SWIGLU_CLAMP) || !defined(SWIGLU_CLAMP_LIMIT)
 #error "compile through freetoken.kernels.native, which defines the ACT_* codes"
 #endif
 /* Expert formats: weights/expert_format.py's KERNEL_CODES, passed the same way. */
@@ -2087,10 +2087,18 @@ static void gate_item(const job_t *j, int64_t item) {
                 gate = rnd(gate + bias_at(j, pair * 2 * I + n), bf16);
                 up = rnd(up + bias_at(j, pair * 2 * I + I + n), bf16);
             }
-            /* swiglu_oai rounded once (torch rounds it op by op: a rounding apart in bf16) */
+            /* swiglu_oai rounded once (torch rounds it op by op: a rounding apart in bf16);
+             * swiglu_clamp (DeepSeek-V4): silu of the clamped gate times the clamped up, the
+             * clamps exact, so rounded as torch rounds it */
+            if (j->act == ACT_SWIGLU_CLAMP) {
+                const float lim = (float)SWIGLU_CLAMP_LIMIT;
+                gate = fminf(gate, lim);
+                up = fmaxf(fminf(up, lim), -lim);
+            }
+            const int act = j->act == ACT_SWIGLU_CLAMP ? ACT_SILU : j->act;
             a_item[(r - first) * block + n - n0] =
-                j->act == ACT_SWIGLU_OAI ? rnd(swiglu_oai(gate, up), bf16)
-                                         : rnd(rnd(activate(gate, j->act), bf16) * up, bf16);
+                act == ACT_SWIGLU_OAI ? rnd(swiglu_oai(gate, up), bf16)
+                                      : rnd(rnd(activate(gate, act), bf16) * up, bf16);
         }
     }
     for (int64_t r = first; r < last; r++)

@@ -49,7 +49,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_code, glu
+from freetoken.activations import (
+    SWIGLU_CLAMP_LIMIT,
+    SWIGLU_OAI_ALPHA,
+    SWIGLU_OAI_LIMIT,
+    activation_code,
+    glu,
+)
 from freetoken.kernels import INTERPRETED
 from freetoken.kernels.cpu_banks import decode_expert, decodes
 from freetoken.weights.expert_format import MIXED_K_TAG, MIXED_K_WIDTH, QuantizedBank
@@ -398,6 +404,7 @@ def dequantize_slots(bank: QuantizedBank, slots: Tensor, dtype: torch.dtype) -> 
 if triton is not None:
     _OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # (a jit function reads only constexpr globals)
     _OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
+    _CLAMP_LIMIT = tl.constexpr(float(SWIGLU_CLAMP_LIMIT))
     _TWO_POW_126 = tl.constexpr(2.0**126)
     _MIXED_K_WIDTH = tl.constexpr(MIXED_K_WIDTH)
     _MIXED_K_TAG = tl.constexpr(MIXED_K_TAG)
@@ -419,11 +426,16 @@ if triton is not None:
     def _glu(gate, up, dt, ACT: tl.constexpr):
         """The gated unit (fp32 in and out). The plain activations round act(gate) to dt
         before the product, as torch does; swiglu_oai (code 4) is computed in fp32 and
-        rounded once, where torch rounds op by op (bf16 results may differ by a rounding)."""
+        rounded once, where torch rounds op by op (bf16 results may differ by a rounding);
+        swiglu_clamp (code 5, DeepSeek-V4) is silu's unit over the clamped gate and up."""
         if ACT == 4:
             g = tl.minimum(gate, _OAI_LIMIT)
             u = tl.minimum(tl.maximum(up, -_OAI_LIMIT), _OAI_LIMIT)
             return (u + 1.0) * (g / (1.0 + tl.exp(-_OAI_ALPHA * g)))
+        elif ACT == 5:
+            g = tl.minimum(gate, _CLAMP_LIMIT)
+            u = tl.minimum(tl.maximum(up, -_CLAMP_LIMIT), _CLAMP_LIMIT)
+            return _activation(g, 0).to(dt).to(tl.float32) * u
         else:
             return _activation(gate, ACT).to(dt).to(tl.float32) * up
 

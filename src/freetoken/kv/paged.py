@@ -99,11 +99,15 @@ class PagedKVCache:
         kv_layers: tuple[bool, ...] | None = None,
         max_seq_tokens: int | None = None,
         values_are_keys: bool = False,
+        layer_dims: tuple[int, ...] | None = None,
     ):
         """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do.
         `max_seq_tokens`: the longest sequence (default: the whole pool), which sizes the
         device page table's rows. `values_are_keys`: each layer keeps one pool, read as both
-        keys and values (multi-head latent attention caches its latent only: `v` is `k`)."""
+        keys and values (multi-head latent attention caches its latent only: `v` is `k`).
+        `layer_dims`: per layer, the width of its pool's rows where layers differ (DeepSeek-V4:
+        a token's row holds its K=V and its compressors' state, by layer kind), instead of
+        `head_dim`."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         # the longest sequence's pages (unbounded without max_seq_tokens: the pool's)
@@ -119,11 +123,13 @@ class PagedKVCache:
         if kv_layers is None:
             kv_layers = (True,) * num_layers
 
-        def pool(held: bool) -> torch.Tensor:
-            return torch.zeros(shape if held else (0,), dtype=dtype, device=device)
+        def pool(held: bool, dim: int | None = None) -> torch.Tensor:
+            size = shape if dim is None else (shape[0], num_kv_heads, dim)
+            return torch.zeros(size if held else (0,), dtype=dtype, device=device)
 
         self.values_are_keys = values_are_keys
-        self.k = [pool(held) for held in kv_layers]
+        dims = layer_dims or (None,) * num_layers
+        self.k = [pool(held, dim) for held, dim in zip(kv_layers, dims, strict=True)]
         self.v = self.k if values_are_keys else [pool(held) for held in kv_layers]
 
     def _pools(self) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from freetoken.activations import activation
+from freetoken.activations import glu
 from freetoken.kernels.cpu_experts import NativeCPUExperts
 from freetoken.kernels.cpu_linear import MAX_ROWS
 from freetoken.kernels.cpu_team import team_threads
@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act_name = act
-        self.act = activation(act)
+        self.unit = glu(act)  # (gate, up) -> what down reads
         self.gate_up_proj: Linear | None = None  # gate and up as one, once stacked
         self.native: NativeCPUExperts | None = None  # the whole MLP as one CPU job
         self._routes: dict[int, tuple] = {}
@@ -50,7 +50,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.unit(gate, up))
 
     def _single_expert(self, n: int) -> tuple:
         """The routes of n rows to the one expert: (rows, pairs, weights), made once per n."""

@@ -58,6 +58,21 @@ def route_sigmoid(
     return weights * moe.routed_scaling, ids
 
 
+def route_sqrtsoftplus(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor, moe, ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's routing: scores sqrt(softplus(logits)); experts chosen by score plus the
+    (fp32) correction bias, or given (`ids`: a hash layer's `tid2eid[token]`); their scores
+    normalised and times `routed_scaling`, in the logits' dtype as transformers computes them.
+    -> (weights [T, k], ids [T, k])."""
+    scores = F.softplus(router_logits).sqrt()
+    if ids is None:
+        ids = torch.topk(scores + correction_bias, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
+
+
 class ExpertExecutor(Protocol):
     def __call__(
         self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -84,7 +99,12 @@ class MoEBlock(nn.Module):
         if moe.expert_bias:
             self.down_proj_bias = nn.Parameter(torch.zeros(moe.num_experts, h), requires_grad=False)
         self.correction_bias = None
-        if moe.scoring == "sigmoid":
+        self.tid2eid = None
+        if moe.hash_layers and moe.hash_layers[moe_layer]:  # (DeepSeek-V4: experts by token)
+            self.tid2eid = nn.Parameter(
+                torch.zeros(cfg.vocab_size, moe.top_k, dtype=torch.long), requires_grad=False
+            )
+        elif moe.scoring in ("sigmoid", "sqrtsoftplus"):
             self.correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
             # (both kept fp32 in any model dtype: DecoderModel.cast)
         self.shared = None
@@ -95,8 +115,12 @@ class MoEBlock(nn.Module):
                 self.shared_gate = Linear(h, 1, bias=False)
         self.executor: ExpertExecutor = _not_installed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.correction_bias is not None:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.moe.scoring == "sqrtsoftplus":
+            ids = None if self.tid2eid is None else self.tid2eid[input_ids]
+            bias = None if self.correction_bias is None else self.correction_bias.float()
+            weights, ids = route_sqrtsoftplus(self.router(x), bias, self.moe, ids)
+        elif self.correction_bias is not None:
             logits = self.router(x.float()).float()  # (its weight is fp32: DecoderModel.cast)
             weights, ids = route_sigmoid(logits, self.correction_bias.float(), self.moe)
             if not self.fp32_gate_weights:

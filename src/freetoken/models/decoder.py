@@ -10,7 +10,9 @@ from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
+from freetoken.layers.compressed_attention import CompressedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
+from freetoken.layers.hyper_connections import HyperConnection, HyperHead
 from freetoken.layers.linear import Linear, linear
 from freetoken.layers.mla import LatentAttention
 from freetoken.layers.mlp import GatedMLP
@@ -26,8 +28,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         zc, fp32 = cfg.zero_centered_norm, cfg.norm_scale_fp32
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc, fp32)
+        self.hyper = cfg.compressed is not None
+        if self.hyper:  # (DeepSeek-V4: hyper-connected streams around each block)
+            self.attn_hc = HyperConnection(cfg.compressed, cfg.hidden_size, cfg.rms_norm_eps)
+            self.ffn_hc = HyperConnection(cfg.compressed, cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.linear_layers and cfg.linear_layers[layer]:
             self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layer_ids.index(layer))
+        elif cfg.compressed is not None:
+            self.attn = CompressedAttention(cfg, layer)
         elif cfg.mla is not None:
             self.attn = LatentAttention(cfg, layer)
         else:
@@ -48,10 +56,13 @@ class DecoderLayer(nn.Module):
         kv: PagedKVCache,
         states: RecurrentStatePool | None,
         delta: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(residual stream, this layer's MLP or MoE output): the stream is x + delta (the
         previous layer's output, None for the first), and the output is added by the next
-        norm that reads it, so every residual add rides in a norm's launch (`add_forward`)."""
+        norm that reads it, so every residual add rides in a norm's launch (`add_forward`).
+        Hyper-connected layers (DeepSeek-V4) take and give their streams whole (delta None)."""
+        if self.hyper:
+            return self._hyper_forward(x, cos_sin, batch, kv), None
         x, h = self.attn_norm.add_forward(x, delta)
         if hasattr(self, "linear_attn"):
             a = self.linear_attn(h, batch, states)
@@ -59,6 +70,16 @@ class DecoderLayer(nn.Module):
             a = self.attn(h, cos_sin, batch, kv)
         x, h = self.mlp_norm.add_forward(x, a)
         return x, (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+
+    def _hyper_forward(self, streams, rotaries, batch: ForwardBatch, kv: PagedKVCache):
+        """The layer over hyper-connected streams [T, hc_mult, H] (layers/hyper_connections.py)."""
+        post, comb, h = self.attn_hc(streams)
+        out = self.attn(self.attn_norm(h), rotaries, batch, kv)
+        streams = HyperConnection.merge(streams, post, comb, out)
+        post, comb, h = self.ffn_hc(streams)
+        h = self.mlp_norm(h)
+        out = self.moe(h, batch.input_ids) if hasattr(self, "moe") else self.mlp(h)
+        return HyperConnection.merge(streams, post, comb, out)
 
 
 class DecoderModel(nn.Module):
@@ -75,6 +96,9 @@ class DecoderModel(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_head_dim)
+        if cfg.compressed is not None:  # (DeepSeek-V4: the compressed branches' own RoPE)
+            self.compress_rotary = RotaryEmbedding(cfg.compressed.compress_rope, cfg.head_dim)
+            self.hc_head = HyperHead(cfg.compressed, cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -82,10 +106,21 @@ class DecoderModel(nn.Module):
         """The model in `dtype`, but for what stays fp32 in any dtype, as transformers keeps
         it: a sigmoid router's weight and correction bias (MoEConfig.scoring)."""
         self.to(dtype)
+        v4 = self.config.compressed is not None
+        for module in self.modules():  # (DeepSeek-V4's hyper-connections, norms, sinks, `ape`)
+            if isinstance(module, (HyperConnection, HyperHead)) or (
+                v4 and isinstance(module, RMSNorm)
+            ):
+                module.float()
+            if isinstance(module, CompressedAttention):
+                module.sinks.data = module.sinks.data.float()
+            if hasattr(module, "ape"):
+                module.ape.data = module.ape.data.float()
         for layer in self.layers:
             moe = getattr(layer, "moe", None)
             if moe is not None and moe.correction_bias is not None:
-                moe.router.float()
+                if moe.moe.scoring == "sigmoid":  # (V4's sqrtsoftplus router: model dtype)
+                    moe.router.float()
                 moe.correction_bias.data = moe.correction_bias.data.float()
         return self
 
@@ -113,6 +148,9 @@ class DecoderModel(nn.Module):
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `empty`, or a dtype cast, clobbered it)."""
         self.rotary = RotaryEmbedding(self.config.rope, self.config.rope_head_dim).to(self.device)
+        if self.config.compressed is not None:
+            rope = self.config.compressed.compress_rope
+            self.compress_rotary = RotaryEmbedding(rope, self.config.head_dim).to(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -156,10 +194,16 @@ class DecoderModel(nn.Module):
         token when `all_logits`. `states` holds the recurrent state of linear-attention
         layers (read and advanced in place)."""
         x = self.embed(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        if self.config.compressed is not None:  # (each layer turns what it needs)
+            cos_sin = (self.rotary, self.compress_rotary)
+            x = x.unsqueeze(1).expand(-1, self.config.compressed.hc_mult, -1).contiguous()
+        else:
+            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, cos_sin, batch, kv, states, delta)
+        if self.config.compressed is not None:
+            x = self.hc_head(x)
         if not all_logits:
             x = x[batch.last_index]
             delta = None if delta is None else delta[batch.last_index]

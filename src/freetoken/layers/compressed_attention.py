@@ -1,0 +1,328 @@
+"""DeepSeek-V4's attention over the paged KV cache: a sliding window beside compressed entries.
+
+Every layer attends with one shared K=V head (`wkv`, normed, RoPE on its last `rope_dim`
+values, interleaved) to the last `sliding_window` tokens, plus learned per-head sinks. A
+compressing layer also attends to pooled entries: its compressor turns each window of `ratio`
+tokens into one entry, a softmax-gated sum of their projections (`wkv`, `wgate` plus a learned
+bias per place in the window `ape`), normed and turned by RoPE at the window's first position.
+"heavily_compressed_attention" pools every `hca_ratio` tokens and a query sees every closed
+window before it; "compressed_sparse_attention" pools every `csa_ratio` over two series (a
+window's entry mixes its own tokens' second series with the previous window's first), and its
+Lightning Indexer (a second, narrower compressor and query) scores the closed windows per query
+and keeps the `index_topk` best. The output has the queries' RoPE turned back, then goes through
+the grouped output projection (`wo_a` per head group, `wo_b`).
+
+All of it lives in the paged cache, one row a token and layer (`PagedKVCache(layer_dims=...)`,
+`CompressedAttentionConfig.row_layout`): the token's K=V, its compressor projections and gate
+logits (without `ape`), and the entry of the window the token closes (written at the window's
+last token; the rows of other tokens hold an entry nobody reads). So a window is pooled from
+its tokens' rows wherever they were written (an earlier prefill chunk, a prefix shared from
+the radix cache), there is no per-sequence state beside the pages, and chunked prefill and
+prefix reuse are exact by construction. Each step pools one candidate entry per new token (the
+window ending there), the same work whether or not it closes a window.
+
+All in torch for now. A prompt is read per sequence, its context's rows gathered (as the MLA
+prefill does). A decode step reads every sequence at once: the window's rows and the closing
+rows of the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every
+window the page table can hold while a CUDA graph is captured, so shapes are then fixed),
+masked past each sequence's length; the host's work does not grow with the context and nothing
+waits on the device. The runner does not capture V4 in CUDA graphs yet (untried: no GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.kernels.paged_attention import sequence_slots
+from freetoken.kv.batch import ForwardBatch
+from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.linear import Linear
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rope import RotaryEmbedding
+from freetoken.model_config import ModelConfig
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def half_cos_sin(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [T, rope_dim / 2] (one per interleaved pair), in `dtype` as transformers
+    hands them over."""
+    freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
+    return (freqs.cos() * rotary.scaling).to(dtype), (freqs.sin() * rotary.scaling).to(dtype)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """V4's RoPE on the last 2 * cos.shape[-1] values of x [T, ..., D], pairs interleaved
+    (x0, x1), (x2, x3)...; cos, sin [T, rope_dim / 2]; computed in fp32."""
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    rd = cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + turned.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# A decode step reads the closing rows of this many windows a sequence at a time: enough for
+# the batch's longest sequence, rounded up (so shapes change every so many windows), or, while a
+# CUDA graph is captured, every window the page table can hold (shapes fixed for any context).
+WINDOW_BUCKET = 64
+
+
+def _rows_at(pool, batch: ForwardBatch, rows_of, positions, cols=slice(None)) -> torch.Tensor:
+    """Columns `cols` of the cache rows [N, S, ...] of positions [N, S] (>= 0) of the sequences
+    on page-table rows `rows_of` [N] (only those columns are read)."""
+    ps = batch.page_size
+    slots = batch.page_table[rows_of[:, None], positions // ps] * ps + positions % ps
+    return pool[:, 0, cols][slots]
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _windows_read(batch: ForwardBatch, ratio: int, capturing: bool) -> int:
+    most = batch.page_table.shape[1] * batch.page_size // ratio
+    if capturing:
+        return most
+    closed = max(batch.seq_lens) // ratio
+    return min(most, -(-(closed + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
+
+
+class Compressor(nn.Module):
+    """Pools `ratio` tokens' projections into one entry of `dim` values; `overlap` (CSA): two
+    series, a window's entry taking its own tokens' second and the previous window's first."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        series = 2 if overlap else 1
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.wkv = Linear(hidden, series * dim, bias=False)
+        self.wgate = Linear(hidden, series * dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, series * dim))  # (kept fp32)
+        self.norm = RMSNorm(dim, eps, scale_fp32=True)
+
+    def pool(
+        self,
+        rows: torch.Tensor,
+        valid: torch.Tensor,
+        kv_cols: slice,
+        gate_cols: slice,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """The entry of the window ending at each of `positions` [T]: `rows` [T, S, W] are the
+        cache rows of the S = (2 if overlap else 1) * ratio tokens up to it, `valid` [T, S]
+        which of them exist (a first window has no previous one)."""
+        r, d = self.ratio, self.dim
+        kv, gate = rows[..., kv_cols], rows[..., gate_cols].float()
+        if self.overlap:
+            ape = self.ape.float()
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            gate = torch.cat([gate[:, :r, :d] + ape[:, :d], gate[:, r:, d:] + ape[:, d:]], dim=1)
+        else:
+            gate = gate + self.ape.float()
+        ok = valid[..., None]
+        kv = torch.where(ok, kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+        gate = torch.where(ok, gate, float("-inf"))
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+        pooled = self.norm(pooled)
+        cos, sin = half_cos_sin(rotary, positions + 1 - r, pooled.dtype)
+        return rope_tail(pooled, cos, sin)
+
+
+class Indexer(Compressor):
+    """The Lightning Indexer of a CSA layer: its own compressor at `index_head_dim`, queries
+    from the attention's q latent (`wq_b`) and per-head weights (`weights_proj`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        c = cfg.compressed
+        super().__init__(cfg.hidden_size, c.index_head_dim, c.csa_ratio, True, cfg.rms_norm_eps)
+        self.heads, self.topk = c.index_heads, c.index_topk
+        self.wq_b = Linear(c.q_lora_rank, c.index_heads * c.index_head_dim, bias=False)
+        self.weights_proj = Linear(cfg.hidden_size, c.index_heads, bias=False)
+
+
+class CompressedAttention(nn.Module):
+    """Parameter names follow the released checkpoint (DeepSeek's own spelling)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        c = cfg.compressed
+        assert c is not None
+        self.layer, self.kind = layer, c.layer_kinds[layer]
+        h, heads, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.heads, self.dim, self.window, self.eps = heads, d, cfg.sliding_window, cfg.rms_norm_eps
+        self.groups = c.o_groups
+        self.layout = c.row_layout(layer, d)
+        self.wq_a = Linear(h, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, cfg.rms_norm_eps, scale_fp32=True)
+        self.wq_b = Linear(c.q_lora_rank, heads * d, bias=False)
+        self.wkv = Linear(h, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, scale_fp32=True)
+        self.wo_a = Linear(heads * d // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, h, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(heads))  # (kept fp32)
+        self.scale = d**-0.5
+        self.ratio = c.ratio(layer)
+        if self.kind != "sliding_attention":
+            self.compressor = Compressor(h, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotaries: tuple[RotaryEmbedding, RotaryEmbedding],
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+    ) -> torch.Tensor:
+        t, heads, d = x.shape[0], self.heads, self.dim
+        main, compress = rotaries
+        rotary = main if self.kind == "sliding_attention" else compress
+        cos, sin = half_cos_sin(rotary, batch.positions, x.dtype)
+        q_latent = self.q_a_norm(self.wq_a(x))
+        q = unweighted_rms(self.wq_b(q_latent).view(t, heads, d), self.eps)
+        q = rope_tail(q, cos, sin)
+        k = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)
+
+        pool = kv.k[self.layer]  # [slots, 1, W]
+        lay = self.layout
+        new = pool.new_zeros(t, pool.shape[-1])
+        new[:, lay["kv"]] = k
+        if self.kind != "sliding_attention":
+            new[:, lay["ckv"]] = self.compressor.wkv(x)
+            new[:, lay["cgate"]] = self.compressor.wgate(x)
+        if self.kind == CSA:
+            new[:, lay["ikv"]] = self.indexer.wkv(x)
+            new[:, lay["igate"]] = self.indexer.wgate(x)
+        pool.index_copy_(0, batch.write_slots, new[:, None])
+        if self.kind != "sliding_attention":
+            self._pool_entries(pool, batch, compress)
+
+        if batch.is_decode:
+            out = self._decode(q, pool, batch, x, q_latent, compress)
+        else:
+            out = q.new_empty(t, heads, d)
+            for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+                rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
+                span = slice(start, start + count)
+                out[span] = self._attend(q[span], rows, batch.positions[span], x[span],
+                                         q_latent[span], compress)  # fmt: skip
+        out = rope_tail(out, cos, -sin)
+        grouped = out.reshape(t, self.groups, -1)
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
+
+    def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, rotary) -> None:
+        """Write, at each new token's row, the entry (and the indexer's) of the window ending
+        at that token, pooled from the cache rows of the window's tokens."""
+        lay, r = self.layout, self.ratio
+        series = 2 if self.kind == CSA else 1
+        span = torch.arange(series * r, device=pool.device) - (series * r - 1)
+        positions = batch.positions[:, None] + span  # [T, S]
+        valid = positions >= 0
+        at = positions.clamp(min=0)
+        if batch.is_decode:
+            rows_of = batch.rows
+        else:
+            counts = torch.tensor(batch.counts, device=pool.device)
+            rows_of = batch.rows.repeat_interleave(counts, output_size=batch.num_tokens)
+        rows = _rows_at(pool, batch, rows_of, at)  # [T, S, W]
+        entry = self.compressor.pool(rows, valid, lay["ckv"], lay["cgate"], batch.positions,
+                                     rotary)  # fmt: skip
+        pool[batch.write_slots, 0, lay["centry"]] = entry
+        if self.kind == CSA:
+            entry = self.indexer.pool(rows, valid, lay["ikv"], lay["igate"], batch.positions,
+                                      rotary)  # fmt: skip
+            pool[batch.write_slots, 0, lay["ientry"]] = entry
+
+    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, rotary) -> torch.Tensor:
+        """One new token a sequence, all sequences at once, with no host work that grows with
+        the context and nothing that waits on the device: the window's rows, and the closing
+        rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
+        captured, of every window the page table can hold: shapes fixed for any context)."""
+        lay, r, p = self.layout, self.ratio, batch.positions[:, None]
+        back = torch.arange(self.window - 1, -1, -1, device=q.device)
+        at = p - back  # [B, window]
+        keys = _rows_at(pool, batch, batch.rows, at.clamp(min=0), lay["kv"])
+        bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(at < 0, float("-inf"))
+        if r:
+            w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
+            last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
+            entries = _rows_at(pool, batch, batch.rows, last, lay["centry"])
+            keys = torch.cat([keys, entries], dim=1)
+            ready = (batch.positions + 1) // r
+            seen = w[None] < ready[:, None]  # [B, windows]
+            if self.kind == CSA:
+                index_keys = _rows_at(pool, batch, batch.rows, last, lay["ientry"])
+                seen = self._chosen(index_keys, seen, ready, batch.positions, x, q_latent,
+                                    rotary)  # fmt: skip
+            extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
+            bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
+        return self._softmax_attend(q, keys, bias, "bhd,bkd->bhk", "bhk,bkd->bhd")
+
+    def _attend(self, q, rows, positions, x, q_latent, rotary) -> torch.Tensor:
+        """One sequence's new queries q [n, heads, d] at `positions` over its context's rows
+        [L, W]: the sliding window, the closed windows' entries (all, or the indexer's top-k),
+        the sinks."""
+        lay, length = self.layout, rows.shape[0]
+        keys = rows[:, lay["kv"]]
+        j = torch.arange(length, device=q.device)
+        p = positions[:, None]
+        visible = (j[None] <= p) & (j[None] > p - self.window)  # [n, L]
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~visible, float("-inf"))
+        if self.ratio:
+            r = self.ratio
+            count = length // r
+            closed = rows[r - 1 : count * r : r]  # the rows of each window's last token
+            keys = torch.cat([keys, closed[:, lay["centry"]]])
+            ready = (positions + 1) // r  # windows closed at each query
+            w = torch.arange(count, device=q.device)
+            seen = w[None] < ready[:, None]  # [n, E]
+            if self.kind == CSA and count:
+                seen = self._chosen(closed[:, lay["ientry"]], seen, ready, positions, x,
+                                    q_latent, rotary)  # fmt: skip
+            extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
+            bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
+        return self._softmax_attend(q, keys, bias, "nhd,kd->nhk", "nhk,kd->nhd")
+
+    def _softmax_attend(self, q, keys, bias, scores: str, mix: str) -> torch.Tensor:
+        """Attention of q [n, heads, d] over keys = values with an additive bias [n, K] and
+        the per-head sinks (a logit each, in the softmax, attending nothing): the softmax in
+        fp32, where transformers' concatenation with its fp32 sinks puts it."""
+        logits = torch.einsum(scores, q, keys) * self.scale + bias[:, None]
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        combined = torch.cat([logits.float(), sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+        return torch.einsum(mix, probs, keys)
+
+    def _chosen(self, entries, seen, ready, positions, x, q_latent, rotary) -> torch.Tensor:
+        """The Lightning Indexer: which closed windows each query attends, [n, E]."""
+        ix = self.indexer
+        n = q_latent.shape[0]
+        iq = ix.wq_b(q_latent).view(n, ix.heads, ix.dim)
+        cos, sin = half_cos_sin(rotary, positions, iq.dtype)
+        iq = rope_tail(iq, cos, sin)
+        spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
+        scores = torch.einsum(spec, iq.float(), entries.float())
+        scores = F.relu(scores) * ix.dim**-0.5
+        weights = ix.weights_proj(x).float() * ix.heads**-0.5
+        scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        top = scores.topk(min(ix.topk, scores.shape[1]), dim=-1).indices
+        keep = top < ready[:, None]
+        count = seen.shape[1]
+        chosen = seen.new_zeros(n, count + 1)  # (a last column for the picks not kept)
+        chosen.scatter_(1, torch.where(keep, top, count), True)
+        return chosen[:, :count] & seen

@@ -1,0 +1,68 @@
+"""Manifold-Constrained Hyper-Connections (DeepSeek-V4): the residual is `hc_mult` streams
+[T, n, H]. Before each attention and MoE block a projection of the normed streams gives `pre`
+(how the streams collapse into the block's input), `post` (how the block's output spreads back)
+and `comb` (how the streams mix), `comb` made doubly stochastic by Sinkhorn-Knopp; after the last
+layer the hyper head collapses the streams once more. All in fp32, as transformers does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.model_config import CompressedAttentionConfig
+
+
+def _normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
+    flat = streams.reshape(streams.shape[0], -1).float()
+    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, c: CompressedAttentionConfig, hidden: int, eps: float):
+        super().__init__()
+        n = c.hc_mult
+        self.n, self.iters, self.hc_eps, self.eps = n, c.hc_sinkhorn_iters, c.hc_eps, eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.zeros(3))
+
+    def forward(self, streams: torch.Tensor):
+        """streams [T, n, H] -> (post [T, n], comb [T, n, n], the block's input [T, H])."""
+        n = self.n
+        mixes = F.linear(_normed(streams, self.eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
+        comb = torch.softmax(comb, dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams, post, comb, out) -> torch.Tensor:
+        """The streams after a block: its output spread by `post`, plus the streams mixed by
+        `comb` (transposed: stream k takes sum_j comb[j, k] streams[j])."""
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    def __init__(self, c: CompressedAttentionConfig, hidden: int, eps: float):
+        super().__init__()
+        self.hc_eps, self.eps = c.hc_eps, eps
+        self.fn = nn.Parameter(torch.zeros(c.hc_mult, c.hc_mult * hidden))
+        self.base = nn.Parameter(torch.zeros(c.hc_mult))
+        self.scale = nn.Parameter(torch.zeros(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(_normed(streams, self.eps), self.fn.float())
+        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
