@@ -100,6 +100,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
              sliding_window=8),
     ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        # q/k norms over all heads, RoPE on half of each head (the release's `rotary_dim`)
+        dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+             rotary_dim=8),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "qwen2": (
         "Qwen2Config",
