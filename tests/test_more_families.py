@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from freetoken.engine.runner import ModelRunner
+from freetoken.errors import UnsupportedModelError
 from freetoken.models.families import family_for
 from freetoken.models.loading import expert_storage, load_model
 from freetoken.weights.safetensors_dir import CheckpointDir
@@ -75,3 +77,32 @@ def test_minimax_m2_fp8_experts_stay_fp8(tmp_path):
     fmt, kept, _ = expert_storage(ckpt, family, family.parse_config(ckpt.config))
     assert fmt.name == "fp8" and len(kept) == 3 * 3 * 8  # layers x projections x experts
     assert (logits(tmp_path / "fp8") - logits(tmp_path / "plain")).abs().max() < 1e-4
+
+
+def test_kimi_k25_reads_its_text_model_under_language_model():
+    raw = dict(architectures=["KimiK25ForConditionalGeneration"], text_config=dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", hidden_size=64,
+        num_attention_heads=4, num_hidden_layers=2, vocab_size=160, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+        topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
+        tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32), tie_word_embeddings=True)  # fmt: skip
+    family = family_for(raw)
+    cfg = family.parse_config(raw)
+    assert cfg.family == "kimi_k25" and cfg.mla is not None and not cfg.tie_word_embeddings
+    assert cfg.moe.routed_scaling == 2.827 and cfg.moe.num_groups == 1
+    assert cfg.architecture == "KimiK25ForConditionalGeneration"
+    for stored, ours in (
+        ("language_model.model.layers.1.mlp.experts.5.up_proj.weight",
+         "layers.1.moe.experts.5.up_proj.weight"),
+        ("language_model.lm_head.weight", "lm_head.weight"),
+        ("language_model.model.embed_tokens.weight", "embed.weight"),
+        ("vision_tower.encoder.blocks.0.wqkv.weight", None),
+        ("mm_projector.proj.0.weight", None),
+    ):  # fmt: skip
+        assert family.canonical_name(stored) == ours
+    # the release's INT4 experts (compressed-tensors, in text_config): refused, saying so
+    raw["text_config"]["quantization_config"] = dict(quant_method="compressed-tensors")
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors"):
+        family.parse_config(raw)
