@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from freetoken.engine.runner import ModelRunner
 from freetoken.models.loading import load_model
@@ -51,17 +52,16 @@ def logits_fed(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> tor
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     path, _ = build(family, tmp_path / family, dtype=torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    reference = getattr(transformers, FAMILIES[family][1])  # (an image-text model's own class)
+    hf = reference.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     runner = ModelRunner(load_model(path, dtype="bfloat16", device=device), kv_cache_tokens=256)
     prompt = torch.randint(
-        0, hf.config.vocab_size, (32,), generator=torch.Generator().manual_seed(3)
+        0, hf.config.get_text_config().vocab_size, (32,), generator=torch.Generator().manual_seed(3)
     )
     tokens, theirs = greedy_reference(hf, prompt.tolist(), STEPS)
     ours = logits_fed(runner, prompt.tolist(), tokens).to(theirs.device)
-    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    hf32 = reference.from_pretrained(path, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
         fed = torch.tensor([prompt.tolist() + tokens], device=device)
         truth = hf32(fed).logits[0, len(prompt) - 1 : -1].float()
@@ -90,7 +90,8 @@ def test_fp32_logits_match_transformers_on_cuda(family, tmp_path):
     path, hf = build(family, tmp_path / family)
     hf = hf.cuda()
     runner = ModelRunner(load_model(path, dtype="float32", device="cuda"), kv_cache_tokens=256)
-    ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    vocab = hf.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(4))
     ours = runner.forward([runner.new_sequence()], [ids.tolist()], all_logits=True)
     with torch.no_grad():
         ref = hf(ids.view(1, -1).cuda()).logits[0].float()

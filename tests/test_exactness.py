@@ -22,7 +22,8 @@ def test_prefill_and_decode_match_transformers(family, tmp_path):
     path, hf = build(family, tmp_path / family)
     runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=256, page_size=8)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
+    vocab = hf.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
 
     seq = runner.new_sequence()
     ours = runner.forward([seq], [prompt], all_logits=True)

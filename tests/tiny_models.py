@@ -119,6 +119,30 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
              sliding_window=8),
     ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        # q/k norms over all heads, RoPE on half of each head (the release's `rotary_dim`)
+        dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+             rotary_dim=8),
+    ),
+    "kimi_k25": (
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        # DeepSeek-V3's text model (as above) in `text_config`, beside a vision tower
+        dict(
+            text_config=dict(
+                num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                routed_scaling_factor=2.827, q_lora_rank=24, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
+            ),
+            vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                               num_attention_heads=2, pos_emb_height=4, pos_emb_width=4),
+            projection_hidden_size=32,
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "qwen2": (
         "Qwen2Config",
@@ -156,7 +180,12 @@ def build(
 ) -> tuple[Path, torch.nn.Module]:
     """Save a tiny random checkpoint of `family` and return (dir, the transformers model)."""
     cfg_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **overrides})
+    fields = {**COMMON, **extra, **overrides}
+    if "text_config" in extra:  # (an image-text model: the text model's fields there)
+        text = {**COMMON, **extra["text_config"], **overrides}
+        tie = text.setdefault("tie_word_embeddings", False)
+        fields = {**extra, "text_config": text, "tie_word_embeddings": tie}
+    config = getattr(transformers, cfg_cls)(**fields)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     # Random init has tiny std: scale everything up so the logits and the routing are far
@@ -178,7 +207,22 @@ def build(
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
+    if family == "kimi_k25":
+        release_layout(out_dir)
     return out_dir, model
+
+
+def release_layout(out_dir: Path) -> None:
+    """Kimi-K2.x's text layers as its release names them: transformers 5.25 saves them as
+    `blocks` (reversing its load-time rename of the vision tower's `blocks` to `layers`)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in out_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k.replace(".model.blocks.", ".model.layers."): v for k, v in tensors.items()},
+                  f, metadata={"format": "pt"})  # fmt: skip
+    for index in out_dir.glob("*.index.json"):
+        index.write_text(index.read_text().replace(".model.blocks.", ".model.layers."))
 
 
 def build_chat_model(family: str, out_dir: Path, **overrides) -> tuple[Path, torch.nn.Module]:

@@ -370,7 +370,9 @@ def _method(config: dict) -> str | None:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
-        if qc.get("fmt", "e4m3") != "e4m3" or not qc.get("weight_block_size"):
+        fmt, block = qc.get("fmt", "e4m3"), qc.get("weight_block_size")
+        # (DeepSeek's releases spell the format "e4m3", MiniMax-M2's "float8_e4m3fn")
+        if fmt not in ("e4m3", "float8_e4m3fn") or not block:
             raise CheckpointError(
                 f"only FP8 e4m3 with block scales (`weight_block_size`) is supported, not {qc!r}"
             )

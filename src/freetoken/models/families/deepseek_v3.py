@@ -8,7 +8,7 @@ from freetoken.model_config import (
 from freetoken.models.family import Family
 
 
-def parse_config(raw: dict):
+def parse_config(raw: dict, family: str = "deepseek_v3"):
     # DeepSeek-V3 (V3.1, R1, and Kimi-K2, which reuse its architecture): multi-head latent
     # attention, sigmoid routing with a correction bias within the best `topk_group` of
     # `n_group` groups, scaled by `routed_scaling_factor`, fp32 gate weights, ungated shared
@@ -30,7 +30,7 @@ def parse_config(raw: dict):
     )
     return decoder_config(
         raw,
-        "deepseek_v3",
+        family,
         moe=sigmoid_routed_experts(raw, groups=8, topk_groups=4, scaling=2.5),
         moe_layers=leading_dense_pattern(raw, default=3),
         mla=mla,

@@ -1,0 +1,108 @@
+"""What the exactness tests do not cover of the families of issue 45 (MiniMax-M2, Kimi-K2.6,
+Gemma-4): configs as the releases spell them, their tensor names and formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.errors import UnsupportedModelError
+from freetoken.models.families import family_for
+from freetoken.models.loading import expert_storage, load_model
+from freetoken.weights.safetensors_dir import CheckpointDir
+from test_quantized import fp8_blocks
+from tiny_models import build
+
+# config.json of MiniMaxAI/MiniMax-M2 as released (its keys that the model reads)
+MINIMAX_M2 = dict(
+    architectures=["MiniMaxM2ForCausalLM"], head_dim=128, hidden_size=3072,
+    intermediate_size=1536, num_attention_heads=48, num_key_value_heads=8,
+    num_hidden_layers=62, num_local_experts=256, num_experts_per_tok=8, rotary_dim=64,
+    rope_theta=5000000, vocab_size=200064, rms_norm_eps=1e-6, scoring_func="sigmoid",
+    use_routing_bias=True, qk_norm_type="per_layer", max_position_embeddings=196608,
+)  # fmt: skip
+
+
+def logits(path) -> torch.Tensor:
+    runner = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=128, page_size=8)
+    seq = runner.new_sequence()
+    out = [runner.forward([seq], [list(range(3, 30))], all_logits=True)]
+    for token in (5, 17, 40):
+        out.append(runner.forward([seq], [[token]], all_logits=True))
+    return torch.cat(out)
+
+
+def test_minimax_m2_reads_its_released_config():
+    family = family_for(MINIMAX_M2)
+    cfg = family.parse_config(MINIMAX_M2)
+    assert cfg.rope.partial_rotary_factor == 0.5 and cfg.rope.theta == 5e6  # (`rotary_dim`)
+    assert cfg.qk_norm == "full" and cfg.intermediate_size == 0 and all(cfg.moe_layers)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (256, 8, 1536)
+    assert moe.scoring == "sigmoid" and moe.norm_topk_prob and moe.routed_scaling == 1.0
+    assert moe.num_groups == 1 and moe.shared_expert_intermediate_size == 0
+    name = family.canonical_name("model.layers.7.block_sparse_moe.e_score_correction_bias")
+    assert name == "layers.7.moe.correction_bias"
+    assert family.canonical_name("model.layers.7.block_sparse_moe.experts.3.w3.weight") == (
+        "layers.7.moe.experts.3.up_proj.weight"
+    )
+
+
+def test_minimax_m2_fp8_experts_stay_fp8(tmp_path):
+    """The release's layout: FP8 experts (Mixtral's w1/w2/w3) with block scales, the router
+    and its correction bias unquantized; experts are kept fp8 and give the logits of their
+    dequantized weights."""
+    src, _ = build("minimax_m2", tmp_path / "src")
+    stored, plain = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(("w1.weight", "w2.weight", "w3.weight", "_proj.weight")):
+            parts, plain[name] = fp8_blocks(t, (16, 16))
+            stored.update({name.removesuffix(".weight") + s: p for s, p in parts.items()})
+        else:
+            stored[name] = plain[name] = t
+    config = json.loads((src / "config.json").read_text())
+    quant = dict(quant_method="fp8", fmt="float8_e4m3fn", weight_block_size=[16, 16],
+                 modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])  # fmt: skip
+    variants = (("fp8", stored, {"quantization_config": quant}), ("plain", plain, {}))
+    for label, weights, extra in variants:
+        (tmp_path / label).mkdir()
+        save_file(weights, tmp_path / label / "model.safetensors")
+        (tmp_path / label / "config.json").write_text(json.dumps({**config, **extra}))
+    ckpt = CheckpointDir(tmp_path / "fp8")
+    family = family_for(ckpt.config)
+    fmt, kept, _ = expert_storage(ckpt, family, family.parse_config(ckpt.config))
+    assert fmt.name == "fp8" and len(kept) == 3 * 3 * 8  # layers x projections x experts
+    assert (logits(tmp_path / "fp8") - logits(tmp_path / "plain")).abs().max() < 1e-4
+
+
+def test_kimi_k25_reads_its_text_model_under_language_model():
+    raw = dict(architectures=["KimiK25ForConditionalGeneration"], text_config=dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", hidden_size=64,
+        num_attention_heads=4, num_hidden_layers=2, vocab_size=160, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+        topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
+        tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32), tie_word_embeddings=True)  # fmt: skip
+    family = family_for(raw)
+    cfg = family.parse_config(raw)
+    assert cfg.family == "kimi_k25" and cfg.mla is not None and not cfg.tie_word_embeddings
+    assert cfg.moe.routed_scaling == 2.827 and cfg.moe.num_groups == 1
+    assert cfg.architecture == "KimiK25ForConditionalGeneration"
+    for stored, ours in (
+        ("language_model.model.layers.1.mlp.experts.5.up_proj.weight",
+         "layers.1.moe.experts.5.up_proj.weight"),
+        ("language_model.lm_head.weight", "lm_head.weight"),
+        ("language_model.model.embed_tokens.weight", "embed.weight"),
+        ("vision_tower.encoder.blocks.0.wqkv.weight", None),
+        ("mm_projector.proj.0.weight", None),
+    ):  # fmt: skip
+        assert family.canonical_name(stored) == ours
+    # the release's INT4 experts (compressed-tensors, in text_config): refused, saying so
+    raw["text_config"]["quantization_config"] = dict(quant_method="compressed-tensors")
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors"):
+        family.parse_config(raw)
