@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument(
         "--dequantize-experts",
         action="store_true",
-        help="--model: profile its experts dequantized, as `--dequantize-experts` serves them",
+        help="--model: profile its experts dequantized, as `--dequantize-experts` serves them "
+        "(default: as stored)",
     )
     bw.add_argument("--device", type=check.device, help=DEVICE_HELP)
     bw.add_argument(
