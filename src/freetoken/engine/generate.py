@@ -187,6 +187,10 @@ class LLMEngine:
                 config.max_prefill_chunk,
                 config.prefix_cache,
             )
+        if device.type == "cpu":  # (after the load, whose conversions use every core)
+            from freetoken.kernels.cpu_team import size_torch_threads
+
+            log.debug("torch intra-op threads: %d", size_torch_threads())
         return engine
 
     # -- requests -------------------------------------------------------------------------
