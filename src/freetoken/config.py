@@ -5,6 +5,7 @@ This module imports nothing heavy (no torch): `ft --help` and the CLI's parser r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,23 @@ STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
 # How routed experts may be stored (weights/expert_format.py defines each).
 EXPERT_FORMATS = ("dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "k_mixed",
                   "q4_0", "q4_1", "q5_0", "q5_1")  # fmt: skip
+# The expert cache's eviction policies (moe/policy.py's POLICIES, by name); the first is the
+# default.
+POLICIES = ("reuse-density", "lru", "expected-next-use", "markov-density")
+# The dtypes a model runs in (`--dtype`; auto: the checkpoint's).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}  # fmt: skip
+
+
+def parse_size(value: str) -> tuple[float, bool]:
+    """A count ("300") or a byte size ("8GiB", "512MB"): (the number, whether it is bytes).
+    ValueError for anything else."""
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"cannot read {value!r}: give a count (300) or a size (8GiB, 512MB)")
+    return (float(m[1]) * _UNITS[m[2].lower()], True) if m[2] else (float(m[1]), False)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from freetoken.devices import resolve_device
 from freetoken.models.loading import expert_storage, resolve_dtype
 from freetoken.moe.bandwidth import measure, save_profile
 from freetoken.moe.store import ExpertShape
+from freetoken.progress import waiting
 from freetoken.weights.expert_format import expert_format
 
 
@@ -43,10 +44,11 @@ def gbps(value: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     shape = expert_shape(args)
-    profile = measure(
-        shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,
-        threads=args.cpu_threads, spin_us=args.cpu_spin_us,
-    )  # fmt: skip
+    with waiting("measuring bandwidths (B_P, B_H, both together)"):
+        profile = measure(
+            shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,
+            threads=args.cpu_threads, spin_us=args.cpu_spin_us,
+        )  # fmt: skip
     path = save_profile(profile)
     if args.json:
         print(json.dumps({**asdict(profile), "fill_fraction": profile.fill_fraction}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -43,12 +44,18 @@ def sampling_params(args: argparse.Namespace, engine: LLMEngine) -> SamplingPara
         raise SystemExit(f"error: {e}") from None
 
 
-def stream_to(out, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> str:
-    """Stream a completion to `out` as it is generated; return the whole text."""
+def stream_to(
+    out, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, stop=None
+) -> str:
+    """Stream a completion to `out` as it is generated; return the whole text. `stop`: an
+    event that ends it early, between two tokens (the request is aborted)."""
     pieces = []
-    for step in engine.stream(prompt_ids, params):
-        if step.text:
-            out.write(step.text)
-            out.flush()
-            pieces.append(step.text)
+    with contextlib.closing(engine.stream(prompt_ids, params)) as steps:
+        for step in steps:
+            if step.text:
+                out.write(step.text)
+                out.flush()
+                pieces.append(step.text)
+            if stop is not None and stop.is_set():
+                break
     return "".join(pieces)

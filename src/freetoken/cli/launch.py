@@ -26,6 +26,7 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import urlparse
 from urllib.request import Request, urlopen
 
+from freetoken.cli.args import integer
 from freetoken.errors import FreetokenError
 from freetoken.paths import cache_dir
 
@@ -307,17 +308,31 @@ def add_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], list]) 
         usage="ft launch [OPTIONS] {claude,codex,opencode} [CLIENT ARGS...]",
     )
     p.add_argument("client", choices=sorted(CLIENTS), help="the coding agent to run")
-    p.add_argument("client_args", nargs=argparse.REMAINDER, help="passed to the client")
+    rest = p.add_argument(
+        "client_args", nargs=argparse.REMAINDER, help="passed to the client (default: none)"
+    )
+    rest.required = False  # (argparse would name it among the missing with the client)
     p.add_argument("--url", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
-    p.add_argument("--api-key", help="the server's key (default: $FREETOKEN_API_KEY)")
-    p.add_argument("--served-model-name", help="a started server's model name")
+    p.add_argument("--api-key", help="the server's key (default: $FREETOKEN_API_KEY, if set)")
+    p.add_argument(
+        "--served-model-name",
+        help="a started server's model name (default: the checkpoint directory's name)",
+    )
     p.add_argument(
         "--max-output-tokens",
-        type=int,
+        type=integer(1),
         help="the output limit the client asks for (default: a quarter of the context, at most "
         "32000; the demo model's noise never ends a reply)",
     )
-    p.add_argument("--print", action="store_true", help="print the client's settings, run nothing")
-    p.add_argument("--keep-server", action="store_true", help="leave a server started here running")
+    p.add_argument(
+        "--print",
+        action="store_true",
+        help="print the client's settings, run nothing (default: run)",
+    )
+    p.add_argument(
+        "--keep-server",
+        action="store_true",
+        help="leave a server started here running (default: stopped when the client exits)",
+    )
     # The engine options are those of `ft serve`, for a server this command starts.
     p.set_defaults(func="freetoken.cli.launch:run", engine_actions=add_engine_args(p))

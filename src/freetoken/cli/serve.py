@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 
 from freetoken import early_start
 from freetoken.cli.common import load_engine
+from freetoken.cli.listen import bind
 from freetoken.config import ServerConfig
 from freetoken.models import demo_model
 
@@ -41,6 +43,16 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
         return None
     return (f"warning: serving on {host} without an API key: anyone who can reach this port "
             f"can use the model (set --api-key or ${API_KEY_ENV})")  # fmt: skip
+
+
+def show_access_log() -> None:
+    """Each request's line (server/access_log.py) on stderr, timestamped, at any verbosity."""
+    access = logging.getLogger("freetoken.server.access_log")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
 
 
 def make_server(app, core, host: str, port: int, config: ServerConfig):
@@ -95,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     if warning := exposure_warning(args.host, config.api_key):
         print(warning, file=sys.stderr)
+    # (bound by `ft`'s main before the imports; here for callers that came another way)
+    sock = getattr(args, "socket", None) or bind(args.host, args.port)
     engine = load_engine(args)
     name = args.served_model_name or (args.model.name if args.model else demo_model.NAME)
     # (the start's garbage is freed once the engine first idles: a pass over everything, which
@@ -108,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(core, config)
     log.debug("app made")
     url = f"http://{args.host}:{args.port}"
-    auth = ' -H "Authorization: Bearer $FREETOKEN_API_KEY"' if config.api_key else ""
+    auth = ""
+    if config.api_key:  # (the key as it was given: the example works as printed)
+        header = f"Authorization: Bearer {args.api_key}" if args.api_key is not None else None
+        auth = (f" -H {shlex.quote(header)}" if header
+                else f' -H "Authorization: Bearer ${API_KEY_ENV}"')  # fmt: skip
     # (the example is greedy: the APIs sample a request without a temperature at 1.0, their
     # documented default, which a small model answers with noise more often than not)
     print(
@@ -120,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    show_access_log()
     try:
-        make_server(app, core, args.host, args.port, config).run()
+        make_server(app, core, args.host, args.port, config).run(sockets=[sock])
     finally:
         # Within the shutdown deadline when there is one (the engine thread is a daemon: a
         # step still running past it does not hold the exit).

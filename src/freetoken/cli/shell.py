@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from freetoken.cli.common import load_engine, sampling_params, stream_to
 
-HELP = "Commands: /reset clears the conversation, /exit quits (so does Ctrl-D)."
+HELP = (
+    "Commands: /reset clears the conversation, /exit quits (so do Ctrl-D and Ctrl-C at the "
+    "prompt); Ctrl-C during a reply stops it."
+)
+STOPPED = "(stopped)"
+
+
+def reply(engine, prompt: list[int], params) -> str:
+    """Stream one reply to stdout; Ctrl-C (SIGINT) stops it after the token in hand, with the
+    conversation kept (the engine is never interrupted inside a step). Returns what was said."""
+    stop = threading.Event()
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    except ValueError:  # (not the main thread: no handler of ours)
+        previous = None
+    try:
+        text = stream_to(sys.stdout, engine, prompt, params, stop=stop)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
+        print(f" {STOPPED}", end="")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,9 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         print(HELP)
     while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:  # (Ctrl-C at the prompt leaves)
+            print()
+            break
         if not line:
             break
         line = line.strip()
@@ -35,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         prompt = engine.tokenizer.encode(engine.tokenizer.render_chat(messages))
-        reply = stream_to(sys.stdout, engine, prompt, params)
+        text = reply(engine, prompt, params)
         print(flush=True)
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": text})
     return 0

@@ -197,6 +197,10 @@ class LLMEngine:
                 config.prefix_cache,
                 drafter_for(config.speculative, device.type, loaded.config.has_recurrent_state),
             )
+        if device.type == "cpu":  # (after the load, whose conversions use every core)
+            from freetoken.kernels.cpu_team import size_torch_threads
+
+            log.debug("torch intra-op threads: %d", size_torch_threads())
         return engine
 
     # -- requests -------------------------------------------------------------------------

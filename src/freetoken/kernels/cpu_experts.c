@@ -2029,6 +2029,28 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+/* A thread of a job that waits for another's item (a group's gate/up rows, attention's first
+ * phase) spins this long, then naps: an item takes microseconds, but one whose thread was
+ * preempted (another process wants the core: an oversubscribed machine) comes back only when
+ * the scheduler runs it again, milliseconds later. Spinning meanwhile kept this core busy, so
+ * the preempted thread could not move here; napping leaves the core idle, and it does. */
+#define ITEM_WAIT_SPIN_SECONDS 50e-6
+#define ITEM_WAIT_NAP_NS 20000
+
+static void wait_at_least(const int64_t *value, int64_t target) {
+    if (LOAD(value) >= target) return;
+    const double until = now() + ITEM_WAIT_SPIN_SECONDS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (LOAD(value) >= target) return;
+            cpu_relax();
+        }
+        if (now() >= until) break;
+    }
+    const struct timespec nap = {0, ITEM_WAIT_NAP_NS};
+    while (LOAD(value) < target) nanosleep(&nap, NULL);
+}
+
 /* With -DITEM_TIMES (a profiling build: FREETOKEN_NATIVE_FLAGS), the team's thread-seconds in
  * phase 1 items, in phase 2 items and waiting between the two, summed over jobs until read by
  * ft_cpu_experts_item_seconds: where a job's time goes besides the items' own work. */
@@ -2159,7 +2181,7 @@ static void down_item(const job_t *j, int64_t item) {
         if (g + 1 < j->n_groups) prefetch_rows(j, &j->down, j->group_pair[g + 1], H, I, n0);
         if (LOAD(&j->group_done[g]) <= j->gate_blocks) { /* its last gate/up items still run */
             ITEM_CLOCK(t0);
-            while (LOAD(&j->group_done[g]) <= j->gate_blocks) cpu_relax();
+            wait_at_least(&j->group_done[g], j->gate_blocks + 1);
             ITEM_TIME(2, t0);
             ITEM_ADD(1, t0 - now()); /* (run_items counts the whole item) */
         }
@@ -2267,8 +2289,8 @@ static void run_items(const job_t *j, uint64_t gen) {
             ADD(&gate_done, 1); /* (read by attention's phase 2) */
         } else if (j->kind == JOB_ATTENTION) {
             /* Phase 2 items read every phase 1 item's output; all are taken by now, and each
-             * takes microseconds. */
-            while (LOAD(&gate_done) < j->gate_items) cpu_relax();
+             * takes microseconds (unless its thread was preempted: see wait_at_least). */
+            wait_at_least(&gate_done, j->gate_items);
             ITEM_TIME(2, t0);
             ITEM_CLOCK(t1);
             attention_merge(j, item - j->gate_items);

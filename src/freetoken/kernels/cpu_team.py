@@ -6,6 +6,7 @@ and declares its functions."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 from freetoken.kernels import native
@@ -82,10 +83,70 @@ def library() -> ctypes.CDLL | None:
     return _lib or None
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"):
+    """The CPUs this process's cgroups let it run on at once (a container's `--cpus`: quota /
+    period, the tightest of its cgroup and those above it), or None where none is set."""
+    limits = []
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.strip()]
+    except OSError:
+        entries = []
+    for _, controllers, path in entries:
+        if controllers == "":  # cgroup v2: cpu.max holds "quota period" or "max period"
+            parts = [p for p in path.strip("/").split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                folder = os.path.join(root, *parts[:depth])
+                try:
+                    with open(os.path.join(folder, "cpu.max")) as f:
+                        quota, period = f.read().split()[:2]
+                except (OSError, ValueError):
+                    continue
+                if quota != "max" and int(period) > 0:
+                    limits.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for folder in (os.path.join(root, "cpu,cpuacct"), os.path.join(root, "cpu")):
+                try:
+                    with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                        quota = int(f.read())
+                    with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                        period = int(f.read())
+                except (OSError, ValueError):
+                    continue
+                if quota > 0 and period > 0:
+                    limits.append(quota / period)
+                break
+    return min(limits) if limits else None
+
+
+def usable_cores() -> int:
+    """The cores this process may actually use: its CPU affinity, within its cgroup's quota
+    (rounded up: 1.5 CPUs keep two threads busy half the time each)."""
+    cores = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    return cores
+
+
 def team_threads() -> int:
     """The team's default size: one thread per usable core but one (the caller that waits for
     a job works on it too)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, usable_cores() - 1)
+
+
+def size_torch_threads() -> int:
+    """A CPU engine's torch intra-op pool: one thread where this library computes the model's
+    heavy work (its team sizes itself), else one per usable core (torch's default counts the
+    machine's cores, not a container's quota); OMP_NUM_THREADS, where set, is left to rule.
+    torch's OpenMP team splits each op evenly and spins at its barriers: with one core of two
+    taken by another process, `ft generate` fell from 37 to 10 tok/s beside the native team
+    (benchmarks/results/2026-12-05-busy-core-cpu.md). Returns the count."""
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1 if library() is not None else usable_cores())
+    return torch.get_num_threads()
 
 
 def wait(ticket: int) -> float:

@@ -64,6 +64,7 @@ from tqdm import tqdm
 from freetoken import paths
 from freetoken.errors import CheckpointError
 from freetoken.models import gguf_header
+from freetoken.progress import waiting
 from freetoken.weights import memory
 from freetoken.weights.quantized import K_QUANT_REST, LEGACY_REST
 
@@ -110,12 +111,13 @@ def checkpoint_of(path: str | Path, progress: bool | None = None) -> Path:
     if _converted(dst):
         return dst
     gguf_header.check(path)  # (a file that cannot serve refused in ~0.1 s, not after a conversion)
-    log.warning("converting %s once into %s (later starts read it from there)", path, dst)
+    log.info("converting %s once into %s (later starts read it from there)", path, dst)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _convert(path, tmp, progress)
+        with waiting(f"converting {path.name} once (later starts read the conversion)"):
+            _convert(path, tmp, progress)
         (tmp / DONE).write_text(json.dumps({"source": str(path), "size": stat.st_size,
                                             "format": FORMAT}))  # fmt: skip
         shutil.rmtree(dst, ignore_errors=True)

@@ -5,6 +5,7 @@ from one."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from freetoken.models import gguf
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
+from freetoken.progress import waiting
 from freetoken.weights import early_read, memory
 from freetoken.weights import weight_dir as wd
 from freetoken.weights.expert_format import (
@@ -594,7 +596,9 @@ def _fill(
     bar = tqdm(
         total=ckpt.nbytes(), unit="B", unit_scale=True, desc="Loading weights", disable=not show
     )
-    with torch.no_grad(), bar:
+    # (off a terminal: a line now and every few seconds, for a log)
+    said = contextlib.nullcontext() if show else waiting("loading weights")
+    with torch.no_grad(), bar, said:
 
         def wanted(stored: str) -> bool:  # (what the model has: no dequantizing the rest)
             name = family.canonical_name(stored)

@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from freetoken import paths
 from freetoken.errors import CheckpointError
+from freetoken.progress import waiting
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +149,14 @@ def cached(src: str | Path, experts: int = 8, top_k: int = 2,
 def mlp_inputs(src: Path, text: str, tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """The first `tokens` tokens of `text` under `src`'s tokenizer, and each layer's MLP inputs
     over them ([T, H] fp32 each), from transformers' fp32 run of the dense GGUF model."""
-    log.warning("running %s over %d tokens to fit the routers", src.name, tokens)
-    model, tokenizer = reference_model(src)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-    if len(ids) < 64:
-        raise CheckpointError(f"the fitting text has {len(ids)} tokens; give one of at least 64")
-    return ids, layer_inputs(model, ids)
+    with waiting(f"running {src.name} over {tokens} tokens to fit the routers"):
+        model, tokenizer = reference_model(src)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+        if len(ids) < 64:
+            raise CheckpointError(
+                f"the fitting text has {len(ids)} tokens; give one of at least 64"
+            )
+        return ids, layer_inputs(model, ids)
 
 
 def reference_model(src: Path):

@@ -68,10 +68,6 @@ class CPUExpertExecutor:
         cpu_spin_us and cpu_prepare_us say why)."""
         self.store = store
         self.act = act
-        # torch's intra-op pool defaults to one thread per physical core; only an explicit
-        # count changes it (process-wide, so not on every job).
-        if threads:
-            torch.set_num_threads(threads)
         self.native = None
         if native:
             # The waiting caller joins the team, so one core fewer: on the 2-core CPU machine
@@ -90,6 +86,10 @@ class CPUExpertExecutor:
                 b_gate_up=w.bias,
                 dtype=store.shape.dtype,
             )
+        # torch's intra-op pool computes the fallback: an explicit count sizes it (process-wide,
+        # so not on every job). Beside the native team it stays as the engine set it.
+        if threads and self.native is None:
+            torch.set_num_threads(threads)
         self.prepare_seconds = prepare_us * 1e-6
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 

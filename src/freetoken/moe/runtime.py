@@ -30,14 +30,13 @@ rest always on the CPU: llama.cpp's and KTransformers' placement, kept as a base
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from freetoken.config import MoEOptions
+from freetoken.config import MoEOptions, parse_size
 from freetoken.kernels import cache_control
 from freetoken.kernels.expert_fill import HostRows, fill_experts, fill_table
 from freetoken.kernels.grouped_experts import GROUPED_GEMM_FROM_ROUTES, grouped_expert_forward
@@ -79,19 +78,16 @@ IDLE_GAP_SECONDS = 3e-3
 # the pinned PCIe gen4/5 copy and torch's CPU GEMV measured on the GPU host, with both running.
 DEFAULT_FILL_BANDWIDTH = 50e9
 DEFAULT_CPU_BANDWIDTH = 34e9
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}  # fmt: skip
 
 
 def parse_cache_size(value: str, expert_bytes: int) -> int:
     """`--moe-cache-size`: a slot count ("300") or a byte size ("8GiB", "512MB")."""
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ValueError(f"cannot read cache size {value!r}: use a slot count or e.g. 8GiB")
-    if m[2] is None:
-        return int(float(m[1]))
-    return int(float(m[1]) * _UNITS[m[2].lower()]) // expert_bytes
+    try:
+        number, is_bytes = parse_size(value)
+    except ValueError:
+        msg = f"cannot read cache size {value!r}: use a slot count or e.g. 8GiB"
+        raise ValueError(msg) from None
+    return int(number) // expert_bytes if is_bytes else int(number)
 
 
 @dataclass

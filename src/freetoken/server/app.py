@@ -27,6 +27,7 @@ from starlette.routing import Route
 from freetoken.config import ServerConfig
 from freetoken.engine.scheduler import QueueFullError
 from freetoken.server import anthropic_api, openai_api, responses_api
+from freetoken.server.access_log import AccessLog
 from freetoken.server.core import GenerationCore
 from freetoken.server.errors import ApiError, shown
 from freetoken.server.schemas import SCHEMAS, Body, schema_error
@@ -231,4 +232,5 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
     )
     if config.api_key:
         app.add_middleware(RequireKey, key=config.api_key)
+    app.add_middleware(AccessLog)  # (outermost: a request refused for its key is logged too)
     return app

@@ -20,6 +20,7 @@ from typing import Any
 from freetoken.engine.generate import StepOutput
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.scheduler import Scheduler, ShutdownError
+from freetoken.server import access_log
 from freetoken.server import events as ev
 from freetoken.server.errors import ApiError, bad_request, shown
 from freetoken.server.sandbox import TemplateTimeout
@@ -164,6 +165,18 @@ class GenerationCore:
             raise ApiError(400, "invalid_request_error", "messages must not be empty")
         if not self.tokenizer.has_chat_template:
             raise ApiError(400, "invalid_request_error", "this model has no chat template")
+        if tools and self.parser_name is None:
+            # Whatever the tool_choice: the template would leave the tools out of the prompt
+            # and no parser would read a call from the reply (docs/api.md).
+            raise ApiError(
+                400,
+                "invalid_request_error",
+                "tools were offered, but this model's chat template has no tool-call format: "
+                "the model can neither see them nor call them. Send no tools (or tool_choice "
+                "none), or serve a model whose template has tool calls (e.g. "
+                "qwen2.5-coder-0.5b-instruct)",
+                param="tools",
+            )
         try:
             text = self._render(messages, tools, template_kwargs)
         except TemplateTimeout as e:
@@ -343,6 +356,7 @@ class GenerationCore:
                         self.metrics.duration.observe(now - started)
                     return
         finally:
+            access_log.note(len(req.prompt_ids), completion_tokens)
             if not (ticket.request is not None and ticket.request.finished):
                 self.scheduler.cancel(ticket)
 
