@@ -76,13 +76,17 @@ class DecoderModel(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> DecoderModel:
         """The model in `dtype`, but for what stays fp32 in any dtype, as transformers keeps
-        it: a sigmoid router's weight and correction bias (MoEConfig.scoring)."""
+        it: a sigmoid router's weight and correction bias (MoEConfig.scoring), a sparse
+        attention indexer's head weights (`indexer.weights_proj`)."""
         self.to(dtype)
         for layer in self.layers:
             moe = getattr(layer, "moe", None)
             if moe is not None and moe.correction_bias is not None:
                 moe.router.float()
                 moe.correction_bias.data = moe.correction_bias.data.float()
+            indexer = getattr(getattr(layer, "attn", None), "indexer", None)
+            if indexer is not None:
+                indexer.weights_proj.float()
         return self
 
     @classmethod
