@@ -13,7 +13,7 @@ from freetoken.moe.runtime import parse_cache_size
 from tiny_models import build
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe",
-                "deepseek_v3", "gpt_oss"]  # fmt: skip
+                "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "gpt_oss"]  # fmt: skip
 PROMPT, STEPS = 24, 10
 
 

@@ -15,7 +15,8 @@ from tiny_models import build
 PROMPT = 40
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])  # (gpt-oss: a bias bank)
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "glm_moe_dsa"])  # (gpt-oss: a bias
+# bank; GLM-5: sparse attention, chunks of one token taking its decode path)
 def loaded(request, tmp_path_factory):
     path, _ = build(request.param, tmp_path_factory.mktemp("m") / "m")
     return load_model(path, dtype="float32")

@@ -94,7 +94,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     # DeepSeek Sparse Attention: an indexer top-k of 8, which the tests' 40-token prompts
-    # exceed, so each query reads only some of its earlier tokens
+    # exceed, so each query reads only some of its earlier tokens. (32 index heads: a token
+    # whose every head's ReLU'd score is 0 ties with the others so, and a tie at the k-th
+    # place falls either way, in transformers' topk as in ours; with 8 heads, one in a few
+    # hundred queries met one)
     "deepseek_v32": (
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
@@ -104,7 +107,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
             routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=12, index_topk=8, index_head_dim=16,
-            index_n_heads=8,
+            index_n_heads=32,
         ),
     ),
     # (GLM-5: full and shared indexer layers; MLA's own norms keep eps 1e-6 beside the 1e-5)
@@ -117,7 +120,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
             routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=12, index_topk=8, index_head_dim=16,
-            index_n_heads=8, rms_norm_eps=1e-5,
+            index_n_heads=32, rms_norm_eps=1e-5,
             indexer_types=["full", "shared", "full", "shared"],
         ),
     ),
