@@ -123,3 +123,16 @@ def test_the_selection_is_exercised(model):
 
 def test_the_families_are_registered():
     assert set(DSA_FAMILIES) <= set(FAMILIES)
+
+
+def test_an_fp8_release_layout_equals_its_dequantized_copy(model, tmp_path):
+    """FP8 with block scales (V3.2's and GLM-5's FP8 releases), the indexer's projections
+    quantized too: the same logits as the dequantized weights, the experts kept fp8. (NVFP4,
+    GLM-5's other release, needs inputs in multiples of 16, which q_lora_rank 24 is not.)"""
+    fmt = "fp8"
+    from test_quantized import logits, quantized_pair
+
+    quantized, plain = quantized_pair(model[0].path, tmp_path, fmt)
+    store = load_model(quantized, dtype="float32").experts
+    assert store.format.name == fmt  # (the experts kept as stored)
+    assert (logits(quantized) - logits(plain)).abs().max().item() < 1e-5
