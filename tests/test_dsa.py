@@ -136,3 +136,26 @@ def test_an_fp8_release_layout_equals_its_dequantized_copy(model, tmp_path):
     store = load_model(quantized, dtype="float32").experts
     assert store.format.name == fmt  # (the experts kept as stored)
     assert (logits(quantized) - logits(plain)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"index_topk_freq": 3},
+        {"index_topk_freq": 4, "index_skip_topk_offset": 5},
+        {"index_topk_pattern": "FSSFFS"},
+    ],
+)
+def test_glm_indexer_layers_as_transformers_derives_them(keys):
+    """GLM-5's full and shared layers from `index_topk_freq` / `index_skip_topk_offset` or a
+    pattern, as GlmMoeDsaConfig derives `indexer_types`."""
+    import transformers
+
+    from freetoken.models.families.glm_moe_dsa import indexer_layers
+
+    theirs = transformers.GlmMoeDsaConfig(num_hidden_layers=6, **keys).indexer_types
+    assert indexer_layers({"num_hidden_layers": 6, **keys}) == tuple(t == "full" for t in theirs)
+    assert indexer_layers({"num_hidden_layers": 6, "indexer_types": theirs}) == tuple(
+        t == "full" for t in theirs
+    )
