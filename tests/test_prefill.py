@@ -15,8 +15,10 @@ from tiny_models import build
 PROMPT = 40
 
 
-# (gpt-oss: a bias bank; MiniMax-M2: sigmoid routing; Kimi-K2.6: MLA, leading dense layers)
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "minimax_m2", "kimi_k25"])
+# (gpt-oss: a bias bank; MiniMax-M2: sigmoid routing; Kimi-K2.6: MLA, leading dense layers;
+# GLM-5: sparse attention, chunks of one token taking its decode path)
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "minimax_m2", "kimi_k25",
+                                        "glm_moe_dsa"])  # fmt: skip
 def loaded(request, tmp_path_factory):
     path, _ = build(request.param, tmp_path_factory.mktemp("m") / "m")
     return load_model(path, dtype="float32")

@@ -18,6 +18,15 @@ COMMON = dict(
     rms_norm_eps=1e-6,
 )
 
+# DeepSeek-V3's layout (multi-head latent attention, sigmoid group routing), and with DSA
+_DEEPSEEK = dict(
+    num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+    topk_group=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+)  # fmt: skip
+_DSA = dict(_DEEPSEEK, index_topk=8, index_head_dim=16, index_n_heads=32)
+
 # family -> (config class, model class, extra config fields)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": (
@@ -82,16 +91,21 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
         ),
     ),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        dict(
-            num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
-            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-            routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
-        ),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(_DEEPSEEK, num_hidden_layers=4, head_dim=8)),
+    # DeepSeek Sparse Attention: an indexer top-k of 8, which the tests' 40-token prompts
+    # exceed, so each query reads only some of its earlier tokens. (32 index heads: a token
+    # whose every head's ReLU'd score is 0 ties with the others so, and a tie at the k-th
+    # place falls either way, in transformers' topk as in ours; with 8 heads, one in a few
+    # hundred queries met one)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                     dict(_DSA, num_hidden_layers=3)),
+    # (GLM-5: full and shared indexer layers; MLA's own norms keep eps 1e-6 beside the 1e-5)
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(_DSA, num_hidden_layers=4, rms_norm_eps=1e-5,
+             indexer_types=["full", "shared", "full", "shared"]),
     ),
     "deepseek_v4": (
         "DeepseekV4Config",

@@ -93,6 +93,22 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a Lightning Indexer scores every
+    cached token for each query (`n_heads` ReLU'd dot products of `head_dim` wide heads,
+    weighted per query) and attention reads only the `topk` best. Its key, one `head_dim`
+    vector a token, lives in the paged cache after the latent (layers/mla.py). `full[i]`:
+    layer i runs its own indexer; False ("shared", GLM-5): it reuses the last full layer's
+    selection."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_interleave: bool  # the indexer's RoPE dims in pairs (GLM-5) or halves (V3.2)
+    full: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3): K and V come from a shared latent of
     `kv_lora_rank` values per token (and a `qk_rope_head_dim` key part that carries RoPE);
@@ -104,10 +120,18 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj -> norm -> q_b_proj
     rope_interleave: bool = True  # the rope dims in pairs (x0, x1), (x2, x3), ...
+    indexer: IndexerConfig | None = None  # sparse attention (DSA)
+
+    @property
+    def latent_dim(self) -> int:
+        """kv_a_proj_with_mqa's output: the latent and the RoPE key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        """Values a token and layer in the cache: the latent, the RoPE key part and, under
+        DSA, the indexer's key."""
+        return self.latent_dim + (self.indexer.head_dim if self.indexer else 0)
 
 
 @dataclass(frozen=True)

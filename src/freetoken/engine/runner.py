@@ -128,10 +128,13 @@ class ModelRunner:
         # Not for heads the device's decode kernel does not take (their torch path reads
         # lengths on the host). Linear-attention layers read their sequences' state slots from
         # the batch's packed buffer, which a replay copies in.
+        # Nor yet for sparse attention (DSA), whose decode gathers each sequence's pages in
+        # torch (graph-safe, but a captured step would read the whole page table).
         if (
             cuda_graphs
             and self.device.type == "cuda"
             and cfg.compressed is None  # (DeepSeek-V4's attention: torch, not yet captured)
+            and not (cfg.mla is not None and cfg.mla.indexer is not None)
             and paged_attention.triton_decode_width(
                 cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
             )

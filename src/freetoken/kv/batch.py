@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,6 +80,9 @@ class ForwardBatch:
     # Per sequence: (k, slot) = copy the recurrent state after its first k new tokens into
     # pool slot `slot` (an anchor checkpoint, kv/anchors.py); k ascending, 0 <= k <= count.
     captures: list[list[tuple[int, int]]] | None = None
+    # DeepSeek Sparse Attention: the last indexer layer's choice of keys in this forward, for
+    # the layers that share it (layers/mla.py sets and reads it)
+    index_selection: Any = None
 
     @property
     def is_decode(self) -> bool:

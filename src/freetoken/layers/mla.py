@@ -19,6 +19,15 @@ expanded once into per-head keys [W_UK c, k_pe] and values W_UV c, then ordinary
 attention of d_nope + d_rope wide heads, a third of the absorbed form's arithmetic for
 DeepSeek-V3 (192 + 128 against 576 + 512 values a query and key) over queries that outnumber
 the cached tokens they expand.
+
+DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: `MLAConfig.indexer`) adds a Lightning Indexer:
+its own key per token (`wk`, LayerNorm, RoPE on the first d_rope values), `head_dim` wide, kept
+in the same page slot after [c, k_pe]; per query, n_heads ReLU'd dot products against every
+cached token's index key, weighted per head by `weights_proj(x)`, pick the `topk` best earlier
+tokens, and attention reads only those (a prompt: the expanded form under that mask; decode:
+the absorbed form over the top-k slots gathered from the pages). A "shared" layer (GLM-5) has
+no indexer and reuses the last full layer's choice, which the forward's batch carries
+(`ForwardBatch.index_selection`).
 """
 
 from __future__ import annotations
@@ -38,7 +47,10 @@ from freetoken.kv.paged import PagedKVCache
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
-from freetoken.model_config import ModelConfig
+from freetoken.model_config import IndexerConfig, ModelConfig
+
+# transformers builds MLA's q_a and kv_a RMSNorms with their default eps, not the config's
+MLA_NORM_EPS = 1e-6
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -49,6 +61,52 @@ def softmax_scale(cfg: ModelConfig) -> float:
     if rope.type == "yarn" and rope.mscale_all_dim and rope.factor > 1:
         scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
     return scale
+
+
+def _pairs_first(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """The first `dims` values of x laid out as (evens, odds): DeepSeek's interleaved RoPE
+    pairs (x0, x1), (x2, x3), ... become the rotate-half form's (i, i + dims/2)."""
+    rot = x[..., :dims]
+    return torch.cat([rot[..., 0::2], rot[..., 1::2], x[..., dims:]], dim=-1)
+
+
+class Indexer(nn.Module):
+    """DSA's Lightning Indexer (parameter names as the checkpoints store them)."""
+
+    def __init__(self, cfg: ModelConfig, idx: IndexerConfig):
+        super().__init__()
+        mla = cfg.mla
+        assert mla is not None and mla.q_lora_rank is not None, "the indexer reads q_a's output"
+        self.idx, self.rope_dim = idx, mla.qk_rope_head_dim
+        self.wq_b = Linear(mla.q_lora_rank, idx.n_heads * idx.head_dim, bias=False)
+        self.wk = Linear(cfg.hidden_size, idx.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(idx.head_dim, eps=1e-6)
+        self.weights_proj = Linear(cfg.hidden_size, idx.n_heads, bias=False)  # kept fp32
+
+    def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        if self.idx.rope_interleave:
+            x = _pairs_first(x, self.rope_dim)
+        return apply_rotary(x, cos, sin)
+
+    def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Each new token's index key: x [T, hidden] -> [T, head_dim], as cached."""
+        k = self.k_norm(self.wk(x))
+        return self._rope(k[:, None], cos, sin)[:, 0]
+
+    def queries(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, n_heads, head_dim] in fp32, and each head's weight [T, n_heads] (fp32, times
+        n_heads^-0.5 and the dot products' scale head_dim^-0.5, which ReLU lets in after)."""
+        t, idx = x.shape[0], self.idx
+        q = self._rope(self.wq_b(q_resid).view(t, idx.n_heads, idx.head_dim), cos, sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        return q.float(), w * idx.n_heads**-0.5
+
+    def scores(self, q, w, keys) -> torch.Tensor:
+        """q [..., n, heads, d], w [..., n, heads], keys [..., L, d] -> [..., n, L] (fp32)."""
+        s = torch.relu(
+            torch.einsum("...nhd,...ld->...nhl", q, keys.float()) * self.idx.head_dim**-0.5
+        )
+        return torch.einsum("...nh,...nhl->...nl", w, s)
 
 
 class LatentAttention(nn.Module):
@@ -65,15 +123,18 @@ class LatentAttention(nn.Module):
             self.q_proj = Linear(h, q_dim, bias=False)
         else:
             self.q_a_proj = Linear(h, mla.q_lora_rank, bias=cfg.qkv_bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, MLA_NORM_EPS)
             self.q_b_proj = Linear(mla.q_lora_rank, q_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(h, mla.cache_dim, bias=cfg.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_proj_with_mqa = Linear(h, mla.latent_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, MLA_NORM_EPS)
         self.kv_b_proj = Linear(
             mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
         self.o_proj = Linear(heads * mla.v_head_dim, h, bias=cfg.o_bias)
         self.scale = softmax_scale(cfg)
+        idx = mla.indexer
+        if idx is not None and idx.full[layer]:
+            self.indexer = Indexer(cfg, idx)
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         # DeepSeek pairs the rope dims as (x0, x1), (x2, x3), ...: laid out as (evens, odds)
@@ -93,9 +154,10 @@ class LatentAttention(nn.Module):
         t, heads, mla = x.shape[0], self.num_heads, self.mla
         nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
         if mla.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, q_resid = self.q_proj(x), None
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(t, heads, nope + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([nope, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, mla.qk_rope_head_dim], dim=-1)
@@ -105,9 +167,25 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(heads, nope + mla.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]
+        indexer = getattr(self, "indexer", None)
+        if mla.indexer is not None:  # the index key after them (zeros where none is kept)
+            index_k = (indexer.keys(x, cos, sin) if indexer is not None
+                       else x.new_zeros(t, mla.indexer.head_dim))  # fmt: skip
+            cached = torch.cat([cached, index_k.view(t, 1, -1)], dim=-1)
         kv.write(self.layer, batch.write_slots, cached, None)
         pool = kv.k[self.layer]
-        if batch.is_decode:
+        if indexer is not None:
+            batch.index_selection = self._select(indexer, x, q_resid, cos, sin, pool, batch)
+        if mla.indexer is not None:
+            if batch.index_selection is None:
+                raise ValueError(f"layer {self.layer} shares the top-k of no earlier layer")
+            if batch.is_decode:
+                out = self._sparse_decode(torch.cat([q_nope, q_pe], dim=-1), pool, batch,
+                                          w_uk, w_uv)  # fmt: skip
+            else:
+                out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv,
+                                     batch.index_selection)  # fmt: skip
+        elif batch.is_decode:
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch,
                                   self.scale, values=r)  # fmt: skip
@@ -116,18 +194,74 @@ class LatentAttention(nn.Module):
             out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv)
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
 
-    def _expanded(self, q, pool, batch: ForwardBatch, w_uk, w_uv) -> torch.Tensor:
+    def _select(self, indexer: Indexer, x, q_resid, cos, sin, pool, batch: ForwardBatch):
+        """The indexer's choice for the batch's queries. A prompt: per sequence, a mask
+        [n, L] of the keys each of its n queries reads (its top-k earlier tokens). Decode:
+        (slots [B, k], valid [B, k]), each sequence's top-k slots, `valid` False where it has
+        fewer than k tokens. The scores are read from the index keys in the pages."""
+        q, w = indexer.queries(x, q_resid, cos, sin)
+        first, topk = self.mla.latent_dim, indexer.idx.topk
+        if not batch.is_decode:
+            masks = []
+            for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+                keys = pool.index_select(0, sequence_slots(batch, b))[:, 0, first:]  # [L, d]
+                length = keys.shape[0]
+                scores = indexer.scores(q[start : start + count], w[start : start + count], keys)
+                causal = torch.ones(count, length, dtype=torch.bool, device=x.device).tril(
+                    length - count
+                )
+                top = scores.masked_fill(~causal, float("-inf")).topk(min(topk, length)).indices
+                masks.append(torch.zeros_like(causal).scatter_(1, top, True) & causal)
+            return masks
+        slots, valid = self._context_slots(batch)  # [B, W]
+        keys = pool[slots, 0, first:]  # [B, W, d]
+        scores = indexer.scores(q[:, None], w[:, None], keys)[:, 0]  # [B, W]
+        top = scores.masked_fill(~valid, float("-inf")).topk(min(topk, slots.shape[1])).indices
+        return slots.gather(1, top), valid.gather(1, top)
+
+    @staticmethod
+    def _context_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoding sequence's slots [B, W] from its page-table row (and which hold its
+        tokens), read on the device from the rows and lengths: W covers the longest sequence's
+        pages, or the whole table while a CUDA graph is captured (so a replay reads any
+        length)."""
+        ps = batch.page_size
+        pages = batch.page_table.shape[1]
+        if not (batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+            pages = min(pages, -(-max(batch.seq_lens) // ps))
+        table = batch.page_table[batch.rows, :pages]  # [B, P]
+        offsets = torch.arange(ps, device=table.device)
+        slots = (table[:, :, None] * ps + offsets).flatten(1)  # [B, P * ps]
+        positions = torch.arange(slots.shape[1], device=table.device)
+        return slots, positions[None] < batch.lengths[:, None]
+
+    def _sparse_decode(self, q, pool, batch: ForwardBatch, w_uk, w_uv) -> torch.Tensor:
+        """Decode over the top-k slots only, in the absorbed form: q [B, heads, d_nope + d_rope]
+        -> [B, heads, d_v]."""
+        r, nope = self.mla.kv_lora_rank, self.mla.qk_nope_head_dim
+        slots, valid = batch.index_selection
+        chosen = pool[slots, 0, : self.mla.latent_dim]  # [B, k, r + d_rope]
+        q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk)
+        q_full = torch.cat([q_lat, q[..., nope:]], dim=-1)
+        scores = torch.einsum("bhc,bkc->bhk", q_full.float(), chosen.float()) * self.scale
+        probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+        out = torch.einsum("bhk,bkr->bhr", probs.to(chosen.dtype), chosen[..., :r])
+        return torch.einsum("bhr,hvr->bhv", out, w_uv)
+
+    def _expanded(self, q, pool, batch: ForwardBatch, w_uk, w_uv, masks=None) -> torch.Tensor:
         """Prefill: each sequence's cached context (its new tokens written already) expanded
-        into per-head keys and values; q [T, heads, d_nope + d_rope] -> [T, heads, d_v]."""
+        into per-head keys and values; q [T, heads, d_nope + d_rope] -> [T, heads, d_v].
+        `masks`: per sequence, the keys [n, L] each query reads (DSA), else causal."""
         r = self.mla.kv_lora_rank
         out = q.new_empty(q.shape[0], self.num_heads, self.mla.v_head_dim)
         for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
             context = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, r + d_rope]
-            latent, k_pe = context[:, :r], context[:, r:]
+            latent, k_pe = context[:, :r], context[:, r : self.mla.latent_dim]
             keys = torch.cat([torch.einsum("lr,hnr->hln", latent, w_uk),
                               k_pe[None].expand(self.num_heads, -1, -1)], dim=-1)  # fmt: skip
             values = torch.einsum("lr,hvr->hlv", latent, w_uv)
             queries = q[start : start + count].transpose(0, 1)  # [heads, n, d]
-            o = causal_attention(queries[None], keys[None], values[None], self.scale)
+            mask = None if masks is None else masks[b]
+            o = causal_attention(queries[None], keys[None], values[None], self.scale, mask)
             out[start : start + count] = o[0].transpose(0, 1)
         return out

@@ -104,7 +104,8 @@ class DecoderModel(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> DecoderModel:
         """The model in `dtype`, but for what stays fp32 in any dtype, as transformers keeps
-        it: a sigmoid router's weight and correction bias (MoEConfig.scoring)."""
+        it: a sigmoid router's weight and correction bias (MoEConfig.scoring), a sparse
+        attention indexer's head weights (`indexer.weights_proj`)."""
         self.to(dtype)
         v4 = self.config.compressed is not None
         for module in self.modules():  # (DeepSeek-V4's hyper-connections, norms, sinks, `ape`)
@@ -122,6 +123,9 @@ class DecoderModel(nn.Module):
                 if moe.moe.scoring == "sigmoid":  # (V4's sqrtsoftplus router: model dtype)
                     moe.router.float()
                 moe.correction_bias.data = moe.correction_bias.data.float()
+            indexer = getattr(getattr(layer, "attn", None), "indexer", None)
+            if indexer is not None:
+                indexer.weights_proj.float()
         return self
 
     @classmethod
