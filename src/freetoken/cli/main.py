@@ -23,6 +23,7 @@ from freetoken.config import (
     MoEOptions,
     ServerConfig,
 )
+from freetoken.engine.speculative import SPECULATIVE_MODES
 from freetoken.models import demo_model
 
 # The distribution's name on PyPI (`freetoken` there is another project's).
@@ -105,6 +106,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs (default: "
         "graphs on a GPU)",
+    )
+    option(
+        g,
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default=EngineConfig.speculative,
+        help="draft tokens from the request's own context and verify them in one step, greedy "
+        "requests only: ngram always, auto where a verify step costs about one (the CPU), off "
+        "(default: %(default)s)",
     )
     m = p.add_argument_group("expert placement (MoE models)")
     option(
@@ -513,6 +523,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         state_anchors=args.state_anchors,
         cuda_graphs=not args.no_cuda_graphs,
+        speculative=args.speculative,
         verify_weights=args.verify,
         dequantize_experts=args.dequantize_experts,
         moe=moe,
