@@ -66,6 +66,18 @@ def test_chunked_prefill_and_decode_match_transformers(model, chunk):
     assert decode(runner, seq, ids, logits, hf) < TOL
 
 
+def test_a_prompt_scored_a_few_queries_at_a_time_matches_transformers(model, monkeypatch):
+    """A long chunk's index scores go a block of queries at a time (`SCORE_ELEMENTS`)."""
+    import freetoken.layers.mla as mla
+
+    loaded, hf = model
+    monkeypatch.setattr(mla, "SCORE_ELEMENTS", 32 * 45 * 3)  # blocks of 3 queries or fewer
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
+    ids = prompt(45, 9)
+    logits = runner.forward([runner.new_sequence()], [ids], all_logits=True)
+    assert (logits - reference_logits(hf, ids)).abs().max().item() < TOL
+
+
 def test_a_reused_prefix_matches_transformers(model):
     """A second sequence starts on the first one's full pages (as the radix prefix cache
     hands them over) and prefills only its own suffix, whose queries choose among the shared

@@ -51,6 +51,8 @@ from freetoken.model_config import IndexerConfig, ModelConfig
 
 # transformers builds MLA's q_a and kv_a RMSNorms with their default eps, not the config's
 MLA_NORM_EPS = 1e-6
+# The most fp32 index scores a prompt chunk holds at once ([queries, heads, keys]): 256 MiB
+SCORE_ELEMENTS = 1 << 26
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -176,22 +178,20 @@ class LatentAttention(nn.Module):
         pool = kv.k[self.layer]
         if indexer is not None:
             batch.index_selection = self._select(indexer, x, q_resid, cos, sin, pool, batch)
-        if mla.indexer is not None:
-            if batch.index_selection is None:
-                raise ValueError(f"layer {self.layer} shares the top-k of no earlier layer")
-            if batch.is_decode:
-                out = self._sparse_decode(torch.cat([q_nope, q_pe], dim=-1), pool, batch,
-                                          w_uk, w_uv)  # fmt: skip
-            else:
-                out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv,
-                                     batch.index_selection)  # fmt: skip
+        selection = None if mla.indexer is None else batch.index_selection
+        if mla.indexer is not None and selection is None:
+            raise ValueError(f"layer {self.layer} shares the top-k of no earlier layer")
+        if batch.is_decode and selection is not None:
+            out = self._sparse_decode(torch.cat([q_nope, q_pe], dim=-1), pool, selection,
+                                      w_uk, w_uv)  # fmt: skip
         elif batch.is_decode:
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch,
                                   self.scale, values=r)  # fmt: skip
             out = torch.einsum("thr,hvr->thv", out[..., :r], w_uv)
         else:
-            out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv)
+            out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv,
+                                 selection)  # fmt: skip
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
 
     def _select(self, indexer: Indexer, x, q_resid, cos, sin, pool, batch: ForwardBatch):
@@ -206,12 +206,18 @@ class LatentAttention(nn.Module):
             for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
                 keys = pool.index_select(0, sequence_slots(batch, b))[:, 0, first:]  # [L, d]
                 length = keys.shape[0]
-                scores = indexer.scores(q[start : start + count], w[start : start + count], keys)
-                causal = torch.ones(count, length, dtype=torch.bool, device=x.device).tril(
+                mask = torch.ones(count, length, dtype=torch.bool, device=x.device).tril(
                     length - count
-                )
-                top = scores.masked_fill(~causal, float("-inf")).topk(min(topk, length)).indices
-                masks.append(torch.zeros_like(causal).scatter_(1, top, True) & causal)
+                )  # causal, then the top-k of each row
+                # (queries a block at a time: the scores take [block, heads, L] in fp32)
+                block = max(1, SCORE_ELEMENTS // (indexer.idx.n_heads * length))
+                for i in range(0, count, block):
+                    rows = slice(start + i, start + min(i + block, count))
+                    causal = mask[i : i + block]
+                    scores = indexer.scores(q[rows], w[rows], keys)
+                    top = scores.masked_fill(~causal, float("-inf")).topk(min(topk, length))
+                    causal &= torch.zeros_like(causal).scatter_(1, top.indices, True)
+                masks.append(mask)
             return masks
         slots, valid = self._context_slots(batch)  # [B, W]
         keys = pool[slots, 0, first:]  # [B, W, d]
@@ -235,11 +241,11 @@ class LatentAttention(nn.Module):
         positions = torch.arange(slots.shape[1], device=table.device)
         return slots, positions[None] < batch.lengths[:, None]
 
-    def _sparse_decode(self, q, pool, batch: ForwardBatch, w_uk, w_uv) -> torch.Tensor:
+    def _sparse_decode(self, q, pool, selection, w_uk, w_uv) -> torch.Tensor:
         """Decode over the top-k slots only, in the absorbed form: q [B, heads, d_nope + d_rope]
         -> [B, heads, d_v]."""
         r, nope = self.mla.kv_lora_rank, self.mla.qk_nope_head_dim
-        slots, valid = batch.index_selection
+        slots, valid = selection
         chosen = pool[slots, 0, : self.mla.latent_dim]  # [B, k, r + d_rope]
         q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk)
         q_full = torch.cat([q_lat, q[..., nope:]], dim=-1)
