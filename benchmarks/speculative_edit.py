@@ -30,8 +30,10 @@ def main() -> None:
         model=args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=8192,
         max_model_len=8192, speculative="off"))  # fmt: skip
     tok = engine.tokenizer
-    ask = ("Here is a file:\n```python\n" + FILE.read_text()[:3000] + "\n```\nRewrite it "
-           "exactly, but rename the class NgramIndex to SuffixIndex. Output the whole file.")  # fmt: skip
+    ask = (
+        "Here is a file:\n```python\n" + FILE.read_text()[:3000] + "\n```\nRewrite it exactly, "
+        "but rename the class NgramIndex to SuffixIndex. Output the whole file."
+    )
     ids = tok.encode(tok.render_chat([{"role": "user", "content": ask}]))
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0)
     outputs = {}
