@@ -699,7 +699,7 @@ def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node,
         load_model(converted)
 
 
-def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch):
+def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch, tmp_path):
     from freetoken.cli import main as cli
     from freetoken.errors import FreetokenError
     from freetoken.weights import early_read
@@ -711,9 +711,10 @@ def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch):
         raise FreetokenError("stop here")  # (main reports it: no engine is built)
 
     monkeypatch.setattr(early_read, "start", start)
-    assert cli.main(["serve", "--model", "/m", "--device", "cuda"]) == 2
-    assert cli.main(["generate", "--model", "/m", "--prompt", "hello"]) == 2
-    assert asked == [("/m", "cuda"), ("/m", None)]
+    model = str(tmp_path)  # (a --model that is not there is refused while parsing)
+    assert cli.main(["serve", "--model", model, "--device", "cpu"]) == 2
+    assert cli.main(["generate", "--model", model, "--prompt", "hello"]) == 2
+    assert asked == [(model, "cpu"), (model, None)]
     assert gc.isenabled()  # (the start turned the collector off; its failure turns it back on)
 
 

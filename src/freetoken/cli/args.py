@@ -93,6 +93,11 @@ def size(value: str) -> str:
     return value
 
 
+def size_or_zero(value: str) -> str:
+    """`size`, or 0 (`ft ctl cache --experts 0`: no expert cache, every expert from the CPU)."""
+    return value if value.strip() == "0" else size(value)
+
+
 def cuda_problem() -> str | None:
     """Why `--device cuda` cannot run here (asked without importing torch), or None."""
     spec = importlib.util.find_spec("torch")

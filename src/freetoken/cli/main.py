@@ -350,12 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resize.add_argument(
         "--experts",
-        type=check.size,
+        type=check.size_or_zero,
         help="the expert cache: slots (300) or a size (8GiB) (default: left as it is)",
     )
     resize.add_argument(
         "--kv",
-        type=check.size,
+        type=check.size_or_zero,
         help="the KV pool: tokens (65536) or a size (4GiB) (default: left as it is)",
     )
     resize.add_argument(

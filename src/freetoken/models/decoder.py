@@ -124,7 +124,7 @@ class DecoderModel(nn.Module):
                     moe.router.float()
                 moe.correction_bias.data = moe.correction_bias.data.float()
             indexer = getattr(getattr(layer, "attn", None), "indexer", None)
-            if indexer is not None:
+            if indexer is not None and self.config.mla is not None:  # (DSA's; not V4's)
                 indexer.weights_proj.float()
         return self
 
