@@ -487,10 +487,13 @@ class LLMEngine:
         """The model's token at each fed position (as `_sample` would pick it, penalties
         counting the draft before it), emitted while the draft agrees; the KV holds the fed
         tokens that were kept (the last emitted token is fed by the next step)."""
-        draft, n = req.draft, len(req.draft) + 1
-        outs = [req.output_ids + draft[:i] for i in range(n)]
+        draft, n, p = req.draft, len(req.draft) + 1, req.params
+        # Each position's output so far, copied only where a penalty reads it (a copy of the
+        # whole output per position would be host work growing with the reply, every step)
+        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        outs = [req.output_ids + draft[:i] for i in range(n)] if penalized else None
         history = None
-        if req.params.repetition_penalty != 1.0:
+        if p.repetition_penalty != 1.0:
             history = [req.prompt_ids + out for out in outs]
         tokens = self.sampler.sample(logits, [req.params] * n, [req.generator] * n, history,
                                      outs).tolist()  # fmt: skip
