@@ -48,14 +48,31 @@ def test_no_cgroup_file_means_no_limit(tmp_path):
 
 
 def test_usable_cores_within_the_quota(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(cpu_team, "cgroup_cpu_limit", lambda: 2.5)
-    assert cpu_team.usable_cores() == 3 and cpu_team.team_threads() == 2
-    monkeypatch.setattr(cpu_team, "cgroup_cpu_limit", lambda: None)
-    assert cpu_team.usable_cores() == 16
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(cpu_team, "cgroup_cpu_limit", lambda: 8.0)
-    assert cpu_team.usable_cores() == 2 and cpu_team.team_threads() == 1
+    def cores(affinity, limit):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: affinity)
+        monkeypatch.setattr(cpu_team, "cgroup_cpu_limit", lambda: limit)
+        cpu_team.usable_cores.cache_clear()
+        return cpu_team.usable_cores(), cpu_team.team_threads()
+
+    try:
+        assert cores(set(range(16)), 2.5) == (3, 2)
+        assert cores(set(range(16)), None) == (16, 15)
+        assert cores({0, 1}, 8.0) == (2, 1)
+    finally:
+        cpu_team.usable_cores.cache_clear()
+
+
+def test_usable_cores_read_once_a_process(monkeypatch):
+    """Every native job asks for the team's size: the cgroup files are read once, not a job."""
+    reads = []
+    monkeypatch.setattr(cpu_team, "cgroup_cpu_limit", lambda: reads.append(1))
+    cpu_team.usable_cores.cache_clear()
+    try:
+        for _ in range(5):
+            cpu_team.team_threads()
+        assert len(reads) == 1
+    finally:
+        cpu_team.usable_cores.cache_clear()
 
 
 def test_torch_keeps_one_thread_beside_the_native_team(monkeypatch):
