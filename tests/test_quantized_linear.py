@@ -23,6 +23,8 @@ from freetoken.weights.expert_format import QuantizedWeight, expert_format, fill
 needs_native = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
 # every format a dense layer's weight may be kept in (k_mixed: a bank's, whose rows differ)
 FORMATS = [f for f in EXPERT_FORMATS if f not in ("dense", "k_mixed")]
+# GGUF's blocks, which bf16 layers multiply by the file's values (not their bf16 roundings)
+SCALED_CODES = {"q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"}
 
 
 def random_weight(name: str, rows: int, seed: int = 0) -> QuantizedWeight:
@@ -47,7 +49,9 @@ def random_weight(name: str, rows: int, seed: int = 0) -> QuantizedWeight:
 def test_the_quantized_linear_is_the_dense_layer_on_the_dequantized_weight(name):
     """Bit for bit the native dense layer's on the dequantized weight (the same dot products,
     the weight decoded into them; but nvfp4's block route in bf16, one row of x: the same
-    products summed in another order), and torch's F.linear within the order of the sums."""
+    products summed in another order; and GGUF's blocks in bf16: the exact sum over the file's
+    values rounded once, but where fp32's order moves a tie), and torch's F.linear within the
+    order of the sums."""
     for rows in (37, 333):  # (odd; one work item, several)
         weight = random_weight(name, rows)
         for dtype in (torch.float32, torch.bfloat16):
@@ -67,6 +71,12 @@ def test_the_quantized_linear_is_the_dense_layer_on_the_dequantized_weight(name)
                     what = (name, rows, dtype, tokens, bias is not None)
                     if name == "nvfp4" and dtype == torch.bfloat16 and tokens == 1:
                         assert torch.allclose(got.float(), same.float(), rtol=2**-7, atol=1e-6)
+                    elif name in SCALED_CODES and dtype == torch.bfloat16:
+                        # the file's values (the fp32 dequantization), the sum rounded once
+                        exact = F.linear(x.double(), weight.dequantize(torch.float32).double(),
+                                         None if bias is None else bias.double())  # fmt: skip
+                        hits = got.double() == exact.to(dtype).double()
+                        assert hits.float().mean() >= 0.97, what
                     else:
                         assert torch.equal(got, same), what
                     step = 1e-5 if dtype == torch.float32 else 2**-7  # (of the largest)

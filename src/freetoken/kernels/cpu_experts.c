@@ -278,6 +278,10 @@ static float E2M1[16] __attribute__((aligned(64))); /* e2m1 code -> value */
 static float MX_F32[256][16] __attribute__((aligned(64)));
 static uint16_t MX_BF16[256][32] __attribute__((aligned(64)));
 static float MX_BF16_F32[256][16] __attribute__((aligned(64))); /* MX_BF16's values in fp32 */
+/* The scaled-codes route's codes as exact bf16 integers (see scaled_dot): CODES[i] = i - 32 for
+ * i < 64 (Q6_K's six bits), the others' tables are slices of it (unsigned codes from 32, q5_0's
+ * from 16, q4_0's from 24), and a bf16 1.0 for a block's sum of x. */
+static uint16_t CODES[96] __attribute__((aligned(64)));
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 /* fp32 -> bf16 bits, to nearest even (torch's conversion; subnormals kept, NaN quiet). */
@@ -295,6 +299,7 @@ static void init_tables(void) {
         if ((b & 0x7f) == 0x7f) v = NAN;
         E4M3[b] = b & 0x80 ? -v : v;
     }
+    for (int i = 0; i < 96; i++) CODES[i] = bf16_round_bits((float)(i - 32)); /* (exact) */
     static const float fp4[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     for (int c = 0; c < 16; c++) E2M1[c] = c & 8 ? -fp4[c & 7] : fp4[c];
     for (int s = 0; s < 256; s++) {
@@ -658,13 +663,6 @@ static inline void kq_f32(int fmt, const uint8_t *w, const uint8_t *s, int c, co
         vs, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1))), vo);
 }
 
-/* The same 32 values in bf16. */
-static inline __m512i kq_bf16(int fmt, const uint8_t *w, const uint8_t *s, int c,
-                              const float *scale, const float *offset) {
-    __m512 lo, hi;
-    kq_f32(fmt, w, s, c, scale, offset, &lo, &hi);
-    return bf16_rne32(lo, hi, 0);
-}
 
 /* An mxfp4 block (16 bytes) -> 32 bf16 values: one 32-bit lane per byte, whose low word indexes
  * the low nibble's value (by 5 bits: the table holds the 16 twice) and high word the high
@@ -1367,6 +1365,245 @@ static inline __attribute__((always_inline)) void nv_block_dots(const qrow_t *a,
         out[1] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3)));
 }
 
+/* ---- scaled codes: GGUF's block formats in bf16 jobs ----------------------------------------
+ *
+ * A legacy or K-quant value is a small integer code times its block's scale, plus its block's
+ * minimum where the format has one: d (q - bias), d q + m, d sc q - dmin m, d sc (q - 32). A bf16
+ * job takes each block as those codes, exact in bf16 (at most six bits), multiplied with x by
+ * AVX512-BF16's pair dot product (each product exact in fp32), then scales the block's 16 lane
+ * sums by its scale in fp32, and adds its minimum times the block's sum of x (the same
+ * instruction against ones): the file's values, as an fp32 model computes them, not their
+ * bf16 roundings (those are what a dequantized bf16 layer holds: prefill's GEMMs, the GPU's
+ * tiles; the two differ by a bf16 rounding of the weights). Rounding each value first, as the
+ * other formats do, cost ~14 vector instructions per 32 values against ~8 here: the 0.5B
+ * Qwen's Q5_0 rows went from 21.6 to 34.6 G values/s on one Zen 5 core.
+ *
+ * A row read by one route is decoded in registers (scaled_dot); one read by several is decoded
+ * once into the thread's buffer as its codes and each block's multipliers (scaled_decode), then
+ * dotted with each route (scaled_buffer_dot) by the same instructions in the same order: the
+ * two ways are equal bit for bit. Blocks go into four accumulators by their index mod 4, as
+ * the dense dot product's steps do. */
+static inline int scaled_format(int fmt) { return is_legacy(fmt) || is_k_quant(fmt); }
+
+/* Whether the format's values add a minimum (q4_1, q5_1, q4_k, q5_k). */
+static inline int scaled_has_min(int fmt) {
+    return fmt == FMT_Q4_1 || fmt == FMT_Q5_1 || fmt == FMT_Q4_K || fmt == FMT_Q5_K;
+}
+
+/* One block of 32 values into acc: its codes' dot products with x [32] scaled by sv (per lane:
+ * q6_k's two sub-blocks of 16 have a scale each), plus mn times the sum of x where has_min. */
+static inline __attribute__((always_inline)) __m512 scaled_block(__m512 acc, __m512i codes, __m512 sv, float mn, int has_min,
+                                  const uint16_t *x) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x);
+    acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes, xv), sv, acc);
+    if (has_min) {
+        const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+        acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), ones, xv),
+                              _mm512_set1_ps(mn), acc);
+    }
+    return acc;
+}
+
+/* q6_k's scale vector: lanes 0-7 (values 0-15 of the block) a, lanes 8-15 b. */
+static inline __m512 scale_pair(float a, float b) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+
+/* A legacy block's 32 codes (values 0-15: the low nibbles, 16-31: the high ones) as bf16
+ * integers, less the format's offset (q4_0 8, q5_0 16). */
+static inline __attribute__((always_inline)) __m512i legacy_codes(int fmt, const uint8_t *w, const legacy_t *p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
+    __m512i c = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+        _mm256_srli_epi16(b, 4), 1);
+    if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) /* the fifth bits: bit j of qh, lane j's */
+        c = _mm512_mask_add_epi16(c, (__mmask32)p->qh, c, _mm512_set1_epi16(16));
+    const uint16_t *table = fmt == FMT_Q4_0 ? CODES + 24 : fmt == FMT_Q5_0 ? CODES + 16 : CODES + 32;
+    return _mm512_permutexvar_epi16(c, _mm512_loadu_si512(table));
+}
+
+/* A K-quant block's values 64 g .. 64 g + 63 (q4_k, q5_k: two sub-blocks of 32, the low and the
+ * high nibbles of 32 bytes) as bf16 codes, in lo and hi. */
+static inline __attribute__((always_inline)) void kq_codes_pair(int fmt, const uint8_t *w, const uint8_t *s, int g, __m512i *lo,
+                                 __m512i *hi) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * g)));
+    __m512i c0 = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+    __m512i c1 = _mm512_srli_epi16(bytes, 4);
+    if (fmt == FMT_Q5_K) { /* bit 2 g (+ 1) of byte l of qh: value l's fifth bit */
+        const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(s + 16)));
+        const __m512i one = _mm512_set1_epi16(1);
+        c0 = _mm512_or_si512(c0, _mm512_slli_epi16(
+                                     _mm512_and_si512(_mm512_srli_epi16(qh, 2 * g), one), 4));
+        c1 = _mm512_or_si512(c1, _mm512_slli_epi16(
+                                     _mm512_and_si512(_mm512_srli_epi16(qh, 2 * g + 1), one), 4));
+    }
+    const __m512i table = _mm512_load_si512(CODES + 32);
+    *lo = _mm512_permutexvar_epi16(c0, table);
+    *hi = _mm512_permutexvar_epi16(c1, table);
+}
+
+/* q6_k's values 32 c .. 32 c + 31 (128 h + 32 j + l) as bf16 codes less 32. */
+static inline __attribute__((always_inline)) __m512i q6k_codes(const uint8_t *w, const uint8_t *s, int c) {
+    const int h = c >> 2, j = c & 3;
+    const __m256i low = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (j & 1)));
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(s + 32 * h));
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    __m256i code = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (j >> 1))), nibble);
+    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * j)),
+                                         _mm256_set1_epi8(3));
+    code = _mm256_or_si256(code, _mm256_slli_epi16(top, 4));
+    return _mm512_permutex2var_epi16(_mm512_load_si512(CODES), _mm512_cvtepu8_epi16(code),
+                                     _mm512_load_si512(CODES + 32));
+}
+
+static inline float scaled_sum(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* Rows' dot products with one x (K: whole blocks), decoded in registers: ROWS rows of format
+ * fmt into out, each by its own accumulators. Built once per format (scaled_dot), whose
+ * constant lets the compiler drop the other formats' branches (a third of a row's time while it
+ * tested them). (Two rows at a time, x's loads shared, made the 0.5B Qwen's decode step 20%
+ * slower on the 2-core machine: one row it is.) */
+static inline __attribute__((always_inline)) void scaled_rows_of(const int fmt, const int ROWS,
+                                                                 const qrow_t *const *q, int64_t K,
+                                                                 const uint16_t *x, float *out) {
+    __m512 acc[2][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    const int has_min = scaled_has_min(fmt);
+    if (is_legacy(fmt)) {
+        const int64_t rest = q[0]->rest, blocks = K / 32;
+        /* (block b into accumulator b % 4, by constant indices: a computed one put them in
+         * memory) */
+#define LEGACY_BLOCK(i, b)                                                                      \
+    for (int r = 0; r < ROWS; r++) {                                                            \
+        const legacy_t p = legacy_block(fmt, q[r]->s8 + (b) * rest);                            \
+        acc[r][i] = scaled_block(acc[r][i], legacy_codes(fmt, q[r]->w + 16 * (b), &p),          \
+                                 _mm512_set1_ps(p.d), p.m, has_min, x + 32 * (b));              \
+    }
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4) {
+            for (int r = 0; r < ROWS; r++) {
+                PREFETCH(q[r]->w + 16 * b + PREFETCH_BYTES);
+                PREFETCH(q[r]->s8 + b * rest + PREFETCH_BYTES / 2);
+            }
+            LEGACY_BLOCK(0, b)
+            LEGACY_BLOCK(1, b + 1)
+            LEGACY_BLOCK(2, b + 2)
+            LEGACY_BLOCK(3, b + 3)
+        }
+        if (b < blocks) LEGACY_BLOCK(0, b)
+        if (b + 1 < blocks) LEGACY_BLOCK(1, b + 1)
+        if (b + 2 < blocks) LEGACY_BLOCK(2, b + 2)
+#undef LEGACY_BLOCK
+    } else {
+        for (int64_t k = 0; k + 256 <= K; k += 256) { /* K-quants: super-blocks of 256 */
+            const uint16_t *xk = x + k;
+            for (int r = 0; r < ROWS; r++) {
+                const uint8_t *w = q[r]->w + k / 2, *s = q[r]->s8 + k / 256 * q[r]->rest;
+                PREFETCH(w + PREFETCH_BYTES);
+                PREFETCH(w + PREFETCH_BYTES + 64);
+                PREFETCH(s + PREFETCH_BYTES / 2);
+                float scale[16], offset[8];
+                kq_scales(fmt, s, scale, offset);
+                if (fmt == FMT_Q6_K) {
+                    for (int c = 0; c < 8; c++)
+                        acc[r][c & 3] = scaled_block(acc[r][c & 3], q6k_codes(w, s, c),
+                                                     scale_pair(scale[2 * c], scale[2 * c + 1]),
+                                                     0.0f, 0, xk + 32 * c);
+                    continue;
+                }
+                for (int g = 0; g < 4; g++) {
+                    __m512i lo, hi;
+                    kq_codes_pair(fmt, w, s, g, &lo, &hi);
+                    const int c = 2 * g;
+                    acc[r][c & 3] = scaled_block(acc[r][c & 3], lo, _mm512_set1_ps(scale[c]),
+                                                 -offset[c], has_min, xk + 32 * c);
+                    acc[r][(c + 1) & 3] =
+                        scaled_block(acc[r][(c + 1) & 3], hi, _mm512_set1_ps(scale[c + 1]),
+                                     -offset[c + 1], has_min, xk + 32 * c + 32);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) out[r] = scaled_sum(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+#define SCALED_FORMATS(ROWS)                                                                    \
+    switch (q[0]->fmt) {                                                                        \
+    case FMT_Q4_0: scaled_rows_of(FMT_Q4_0, ROWS, q, K, x, out); break;                        \
+    case FMT_Q4_1: scaled_rows_of(FMT_Q4_1, ROWS, q, K, x, out); break;                        \
+    case FMT_Q5_0: scaled_rows_of(FMT_Q5_0, ROWS, q, K, x, out); break;                        \
+    case FMT_Q5_1: scaled_rows_of(FMT_Q5_1, ROWS, q, K, x, out); break;                        \
+    case FMT_Q4_K: scaled_rows_of(FMT_Q4_K, ROWS, q, K, x, out); break;                        \
+    case FMT_Q5_K: scaled_rows_of(FMT_Q5_K, ROWS, q, K, x, out); break;                        \
+    default: scaled_rows_of(FMT_Q6_K, ROWS, q, K, x, out); break;                              \
+    }
+
+static float scaled_dot(const qrow_t *row, int64_t K, const uint16_t *x) {
+    const qrow_t *const q[1] = {row};
+    float out[1];
+    SCALED_FORMATS(1)
+    return out[0];
+}
+#undef SCALED_FORMATS
+
+/* The row decoded for scaled_buffer_dot into buf: its codes (K bf16), then for each block of 32
+ * its two scales (lanes 0-7's and 8-15's) and its minimum, fp32. Needs 2.375 K bytes. */
+static void scaled_decode(const qrow_t *q, int64_t K, void *buf) {
+    uint16_t *codes = buf;
+    float *m = (float *)(codes + K); /* (K is a multiple of 32: aligned) */
+    const int fmt = q->fmt;
+    if (is_legacy(fmt)) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            const legacy_t p = legacy_block(fmt, q->s8 + b * q->rest);
+            _mm512_storeu_si512(codes + 32 * b, legacy_codes(fmt, q->w + 16 * b, &p));
+            m[3 * b] = m[3 * b + 1] = p.d;
+            m[3 * b + 2] = p.m;
+        }
+        return;
+    }
+    for (int64_t k = 0; k + 256 <= K; k += 256) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * q->rest;
+        float scale[16], offset[8];
+        kq_scales(fmt, s, scale, offset);
+        float *mb = m + 3 * (k / 32);
+        for (int c = 0; c < 8; c++) {
+            if (fmt == FMT_Q6_K) {
+                _mm512_storeu_si512(codes + k + 32 * c, q6k_codes(w, s, c));
+                mb[3 * c] = scale[2 * c];
+                mb[3 * c + 1] = scale[2 * c + 1];
+                mb[3 * c + 2] = 0.0f;
+            } else if (c % 2 == 0) {
+                __m512i lo, hi;
+                kq_codes_pair(fmt, w, s, c / 2, &lo, &hi);
+                _mm512_storeu_si512(codes + k + 32 * c, lo);
+                _mm512_storeu_si512(codes + k + 32 * c + 32, hi);
+                for (int i = c; i < c + 2; i++) {
+                    mb[3 * i] = mb[3 * i + 1] = scale[i];
+                    mb[3 * i + 2] = -offset[i];
+                }
+            }
+        }
+    }
+}
+
+/* scaled_dot's sum from a row scaled_decode wrote, bit for bit. */
+static float scaled_buffer_dot(int fmt, const void *buf, int64_t K, const uint16_t *x) {
+    const uint16_t *codes = buf;
+    const float *m = (const float *)(codes + K);
+    const int has_min = scaled_has_min(fmt), pair = fmt == FMT_Q6_K;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 sv = pair ? scale_pair(m[3 * b], m[3 * b + 1]) : _mm512_set1_ps(m[3 * b]);
+        acc[b & 3] = scaled_block(acc[b & 3], _mm512_loadu_si512(codes + 32 * b), sv,
+                                  m[3 * b + 2], has_min, x + 32 * b);
+    }
+    return scaled_sum(acc[0], acc[1], acc[2], acc[3]);
+}
+
 /* dot_bf16_bf16 of the decoded row with x: 128 values a step into its four accumulators, the
  * values past the last whole step through `tail` (K values' room) and its scalar loop. With
  * xs (x split by split_x) mxfp4 takes the pairs route: each 32 values' odd products, then
@@ -1376,6 +1613,7 @@ static inline __attribute__((always_inline)) void nv_block_dots(const qrow_t *a,
  * block route (nv_block: equal within fp32 rounding). */
 static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const float *xs,
                        uint16_t *tail) {
+    if (scaled_format(q->fmt)) return scaled_dot(q, K, x);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
 #if FP8_TABLES /* (the row's, for its steps and its tail) */
@@ -1448,33 +1686,6 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
             QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
                       q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
         }
-    } else if (is_legacy(q->fmt)) {
-        const int fmt = q->fmt;
-        const int64_t rest = q->rest;
-        for (; k + 128 <= K; k += 128) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * rest;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 2);
-            QDOT_STEP(legacy_bf16(fmt, w, s), legacy_bf16(fmt, w + 16, s + rest),
-                      legacy_bf16(fmt, w + 32, s + 2 * rest),
-                      legacy_bf16(fmt, w + 48, s + 3 * rest));
-        }
-    } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: two steps each */
-        const int fmt = q->fmt;
-        const int64_t rest = q->rest;
-        for (; k + 256 <= K; k += 128) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * rest;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(w + PREFETCH_BYTES + 64);
-            PREFETCH(s + PREFETCH_BYTES / 2);
-            float scale[16], offset[8];
-            kq_scales(fmt, s, scale, offset);
-            QDOT_STEP(kq_bf16(fmt, w, s, 0, scale, offset), kq_bf16(fmt, w, s, 1, scale, offset),
-                      kq_bf16(fmt, w, s, 2, scale, offset), kq_bf16(fmt, w, s, 3, scale, offset));
-            k += 128;
-            QDOT_STEP(kq_bf16(fmt, w, s, 4, scale, offset), kq_bf16(fmt, w, s, 5, scale, offset),
-                      kq_bf16(fmt, w, s, 6, scale, offset), kq_bf16(fmt, w, s, 7, scale, offset));
-        }
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
 #if FP8_TABLES
         const fp8_table_t *t = tables;
@@ -1524,11 +1735,6 @@ static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const floa
     } else if (q->fmt == FMT_Q8_0) {
         for (; k + 32 <= K; k += 32)
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)q8_bf16(q->w + k, _cvtsh_ss(q->s16[k / 32])),
-                                  (__m512bh)_mm512_loadu_si512(x + k));
-    } else if (is_legacy(q->fmt)) {
-        for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)legacy_bf16(q->fmt, q->w + k / 2,
-                                                            q->s8 + k / 32 * q->rest),
                                   (__m512bh)_mm512_loadu_si512(x + k));
     } else {
 #if FP8_TABLES
@@ -1789,6 +1995,7 @@ typedef struct {
     const void *p;
     qrow_t q;
     int direct;
+    int scaled; /* p holds scaled_decode's codes and multipliers (a bf16 job's GGUF blocks) */
 } wrow_t;
 
 /* Row `row` of expert `pair`'s projection p [N, K], for `routes` dot products, into *w: decoded
@@ -1798,6 +2005,7 @@ typedef struct {
 static inline void weight_row(const job_t *j, const proj_t *p, int64_t pair, int64_t N, int64_t K,
                               int64_t row, int64_t routes, void *buf, wrow_t *w) {
     const int bf16 = j->dtype == DT_BF16;
+    w->scaled = 0;
     if (j->fmt == FMT_DENSE) {
         const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
         w->p = (const char *)p->w + (pair * N + row) * K * size;
@@ -1807,6 +2015,14 @@ static inline void weight_row(const job_t *j, const proj_t *p, int64_t pair, int
     w->q = quantized_row(p, pair, N, K, row);
     w->direct = routes == 1 && qdot_takes(&w->q, bf16);
     if (!w->direct) {
+#if QDOT_BF16
+        if (bf16 && scaled_format(w->q.fmt)) {
+            scaled_decode(&w->q, K, buf);
+            w->p = buf;
+            w->scaled = 1;
+            return;
+        }
+#endif
         decode_range(&w->q, 0, K, bf16, buf);
         w->p = buf;
     }
@@ -1816,8 +2032,12 @@ static inline void weight_row(const job_t *j, const proj_t *p, int64_t pair, int
  * equal on the quantized row (buf: room for its tail; xs: x split by split_x, or NULL). */
 static inline float row_dot(const job_t *j, const wrow_t *w, int64_t K, const void *x,
                             const float *xs, void *buf) {
-    if (j->dtype == DT_BF16)
+    if (j->dtype == DT_BF16) {
+#if QDOT_BF16
+        if (w->scaled) return scaled_buffer_dot(w->q.fmt, w->p, K, x);
+#endif
         return w->direct ? qdot_bf16(&w->q, K, x, xs, buf) : dot_bf16_bf16(w->p, x, K);
+    }
     return w->direct ? qdot_f32(&w->q, K, x, buf) : dot_f32(w->p, x, K);
 }
 
@@ -1851,11 +2071,20 @@ void ft_cpu_experts_row_dots(int fmt, const void *w, const void *s, const float 
     const proj_t p = {fmt, w, s, g, bn, bk};
     const qrow_t q = quantized_row(&p, pair, N, K, row);
     const qrow_t q2 = quantized_row(&p, pair, N, K, other);
-    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)K);
     float *xs = malloc(sizeof(float) * (size_t)K);
-    if (!buf || !xs) abort();
-    decode_range(&q, 0, K, 1, buf);
-    out[2] = dot_bf16_bf16(buf, x, K);
+    if (!xs) abort();
+    uint16_t *buf = malloc(sizeof(float) * (size_t)K); /* (room for scaled_decode) */
+    if (!buf) abort();
+#if QDOT_BF16
+    if (scaled_format(q.fmt)) {
+        scaled_decode(&q, K, buf);
+        out[2] = scaled_buffer_dot(q.fmt, buf, K, x);
+    } else
+#endif
+    {
+        decode_range(&q, 0, K, 1, buf);
+        out[2] = dot_bf16_bf16(buf, x, K);
+    }
     out[0] = qdot_takes(&q, 1) ? qdot_bf16(&q, K, x, NULL, buf) : out[2];
     split_x(fmt, x, K, xs);
     out[1] = qdot_split(fmt, 1) ? qdot_bf16(&q, K, x, xs, buf) : out[0];
@@ -1893,19 +2122,23 @@ static void linear_item(const job_t *j, int64_t item) {
  * into this thread's scratch and dotted from there with each row of x, as the experts' rows read
  * by one route and by several are (weight_row). Each output is the dense layer's on the
  * dequantized weight (linear_item's). */
+static inline float qlinear_bias(const job_t *j, int64_t n) {
+    if (!j->bias) return 0.0f;
+    return j->dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)j->bias)[n])
+                               : ((const float *)j->bias)[n];
+}
+
 static void qlinear_item(const job_t *j, int64_t item) {
     const int bf16 = j->dtype == DT_BF16;
     const int64_t K = j->H, n0 = item * j->gate_rows;
     const int64_t n1 = n0 + j->gate_rows < j->N ? n0 + j->gate_rows : j->N;
-    void *buf = thread_scratch((bf16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)K);
+    void *buf = thread_scratch(sizeof(float) * (size_t)K); /* (scaled_decode's 2.375 K bytes) */
     const void *x = bf16 ? (const void *)j->x16 : (const void *)j->x;
     const size_t x_row = (bf16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)K;
     for (int64_t n = n0; n < n1; n++) {
         wrow_t w;
         weight_row(j, &j->gate_up, 0, j->N, K, n, j->T, buf, &w);
-        float b = 0.0f;
-        if (j->bias)
-            b = bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[n]) : ((const float *)j->bias)[n];
+        const float b = qlinear_bias(j, n);
         for (int64_t t = 0; t < j->T; t++) {
             const float y = row_dot(j, &w, K, (const char *)x + t * x_row, j->xs, buf);
             j->out[t * j->N + n] = rnd(y + b, bf16);
