@@ -575,7 +575,9 @@ def test_a_rows_dot_products_are_the_same_by_every_route():
             assert abs(dots[1] - exact) <= bound and abs(dots[2] - exact) <= bound, (row, dots)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "k_mixed"])
+@pytest.mark.parametrize(
+    "name", ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "k_mixed"]
+)
 def test_bf16_jobs_compute_gguf_blocks_with_the_files_values(name):
     """A bf16 layer kept in GGUF's blocks multiplies x by the file's values (codes times scales,
     never rounded to bf16): each output is the exact product rounded once to bf16 (but where the
