@@ -58,6 +58,9 @@ def engine_for(path, device: str, dtype: str, strategy: str, cache: str | None):
         prefix_cache=False,
         max_batch_size=1,
         moe=MoEOptions(strategy=strategy, cache_size=cache),
+        # llama-bench's decode drafts nothing: compare one token a step (issue 46 measures
+        # drafting on its own workloads)
+        speculative="off",
     )
     return LLMEngine.from_config(config)
 

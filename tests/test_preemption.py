@@ -86,7 +86,7 @@ def submit_and_wait(scheduler, jobs, timeout=300):
                 done.set()
                 return
             counts[i] += 1
-            if out.request.finished:
+            if out.finished:
                 results[i] = (out.request.finish_reason, counts[i], list(counts))
                 if len(results) == len(jobs):
                     done.set()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import native
 from freetoken.kernels.cpu_linear import (
+    MAX_ROWS,
     dequantized,
     native_linear,
     native_qlinear,
@@ -110,8 +111,10 @@ def test_a_linear_keeps_a_quantized_weight_and_dequantizes_it_for_prompts():
 @needs_native
 @pytest.mark.parametrize("name", ["q5_0", "q4_k", "q8_0", "fp8"])
 def test_stacked_projections_compute_what_each_computes_alone(name):
-    """q, k and v (with biases) stacked into one weight give each projection's output bit for
-    bit, and each layer's weight becomes a view of the stacked rows (no second copy)."""
+    """q, k and v (with biases) stacked into one weight give each projection's output (bit for
+    bit at decode, in the native job; a prompt's rows are torch's GEMMs, whose sums BLAS may
+    block by the matrix's width: within rounding), and each layer's weight becomes a view of
+    the stacked rows (no second copy)."""
     gen = torch.Generator().manual_seed(1)
     rows = [256, 128, 128]  # (fp8's row blocks of 128 split between them)
     layers = []
@@ -135,7 +138,11 @@ def test_stacked_projections_compute_what_each_computes_alone(name):
             with torch.no_grad():
                 parts = qkv.to(dtype)(x).split(rows, dim=-1)
                 for part, layer in zip(parts, layers, strict=True):
-                    assert torch.equal(part, layer.to(dtype)(x)), (dtype, tokens)
+                    if tokens <= MAX_ROWS:
+                        assert torch.equal(part, layer.to(dtype)(x)), (dtype, tokens)
+                    else:
+                        tol = 1e-5 if dtype == torch.float32 else 1e-2
+                        torch.testing.assert_close(part, layer.to(dtype)(x), rtol=tol, atol=tol)
 
 
 def test_weights_of_other_formats_are_not_stacked():

@@ -38,7 +38,7 @@ def test_requests_wait_for_kv_pages(small_engine):
         def callback(out, error):
             if error is not None:
                 errors.append(error)
-            elif out.request.finished:
+            elif out.finished:
                 results[i].append(out.request.finish_reason)
                 if all(results.values()):
                     done.set()
@@ -92,7 +92,7 @@ def test_the_idle_chore_runs_once_when_the_engine_first_has_nothing_to_do(engine
 
         def on_output(out, error):
             outputs.append((out, error))
-            if error is not None or out.request.finished:
+            if error is not None or out.finished:
                 done.set()
 
         sched.submit([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0), on_output)

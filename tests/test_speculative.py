@@ -5,6 +5,7 @@ wrong, with penalties, in a batch, through prefix reuse and through preemption."
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,6 +15,7 @@ from freetoken.config import MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.speculative import NgramIndex, PromptLookup, drafter_for
 from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
@@ -175,3 +177,69 @@ def test_drafts_through_prefix_reuse_preemption_and_the_offload_strategies(moe_p
         engine = engine_for(moe_path, Forced(expected, vocab, shift=strategy == "hybrid"),
                             moe=moe)  # fmt: skip
         assert [c.output_ids for c in engine.generate(prompts, params)] == want, strategy
+
+
+def test_a_step_that_ends_a_request_on_a_draft_delivers_every_token(moe_path):
+    """A verified draft gives a request several outputs in one step, the last of which ends
+    it: each output says whether it is the last, and the scheduler hands every one to the
+    client (reading `request.finished` instead dropped the tokens after the first of them)."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts, want, expected, vocab = reference(moe_path, params)
+    engine = engine_for(moe_path, Forced(expected, vocab))
+    req = engine.add_request(prompts[0], params)
+    outputs = []
+    while not req.finished:
+        outputs += engine.step()
+    assert [o.token_id for o in outputs] == want[0]
+    assert [o.finished for o in outputs] == [False] * (NEW_TOKENS - 1) + [True]
+    assert len([o for o in outputs[-4:] if o.request.finished]) > 1  # several in one step
+
+    engine = engine_for(moe_path, Forced(expected, vocab))
+    scheduler = Scheduler(engine, max_running=2)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    done = threading.Event()
+
+    def collect(i):
+        def on_output(out, error):
+            assert error is None
+            got[i].append(out.token_id)
+            if out.finished and all(len(v) == NEW_TOKENS for v in got.values()):
+                done.set()
+
+        return on_output
+
+    try:
+        for i, prompt in enumerate(prompts):
+            scheduler.submit(prompt, params, collect(i))
+        assert done.wait(timeout=120)
+    finally:
+        scheduler.shutdown()
+    assert [got[0], got[1]] == want
+
+
+def test_a_draft_without_free_pages_is_dropped_not_paid_for_by_a_preemption(moe_path):
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts, want, expected, vocab = reference(moe_path, params)
+    # drafts forced wrong: each step moves one token, so every room in a page comes by
+    engine = engine_for(moe_path, Forced(expected, vocab, shift=1))
+    reqs = [engine.add_request(p, params) for p in prompts]
+    kv = engine.runner.kv
+
+    def room(r):  # positions its pages hold past its length
+        return len(r.seq.pages) * kv.page_size - r.seq.length
+
+    for _ in range(NEW_TOKENS):  # until the oldest's token fits its pages but a draft would not
+        if reqs[0].output_ids and 1 <= room(reqs[0]) <= 3 and room(reqs[1]) >= 1:
+            break
+        engine.step()
+    else:
+        pytest.fail("no step with room for one token but not for a draft")
+    hog = kv.allocator.alloc(kv.allocator.num_free)  # nothing free for a draft's pages
+    before = (len(reqs[0].output_ids), engine.preemptions)
+    engine.step()
+    assert engine.preemptions == before[1]
+    assert len(reqs[0].output_ids) == before[0] + 1  # the step decoded its one token
+    kv.allocator.free(hog)
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert [r.output_ids for r in reqs] == want

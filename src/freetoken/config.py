@@ -114,9 +114,8 @@ class EngineConfig:
     state_anchors: int = 16
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     # Drafted tokens verified in one step (engine/speculative.py): "ngram" (prompt lookup),
-    # "auto" (n-gram drafts where a verify step costs about one: the CPU), "off". Off by
-    # default until a preemption test and a Responses usage test pass with drafts on.
-    speculative: str = "off"
+    # "auto" (n-gram drafts where a verify step costs about one: the CPU), "off".
+    speculative: str = "auto"
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     # A weight directory's expert banks checked against their checksums before serving (else
     # on a background thread while serving starts; a mismatch stops the engine either way).

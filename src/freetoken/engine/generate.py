@@ -94,6 +94,10 @@ class StepOutput:
     request: Request
     token_id: int
     text: str  # text that became final with this token (may be empty)
+    # Whether this token ends the request. A verified draft gives a request several outputs in
+    # one step, so by the time a consumer reads the first, `request.finished` may already tell
+    # of the last: consumers ask this, not the request.
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -406,6 +410,8 @@ class LLMEngine:
             pending = req.num_tokens - req.seq.length
             decode = bool(req.output_ids) and pending == 1
             req.draft = self._draft(req) if decode else []
+            if req.draft and not self._reserve_draft(req):
+                req.draft = []  # no pages for it: the step decodes one token
             n = 1 + len(req.draft) if decode else min(pending, budget)
             if n <= 0 or not self._reserve(req, n):
                 continue
@@ -416,6 +422,15 @@ class LLMEngine:
                 chunks.append(req.tokens(req.seq.length, req.seq.length + n))
                 budget -= n
         return prefill, chunks, decoding
+
+    def _reserve_draft(self, req: Request) -> bool:
+        """Take pages for the request's token and its draft if they are free: a draft is never
+        worth preempting another request (nor, alone, failing for want of pages)."""
+        try:
+            self.runner.kv.reserve(req.seq, 1 + len(req.draft))
+            return True
+        except OutOfPagesError:
+            return False
 
     def _reserve(self, req: Request, n: int) -> bool:
         """Take pages for `n` more tokens of `req`, preempting the newest running requests
@@ -567,7 +582,7 @@ class LLMEngine:
             self.drafter.observe(req.drafting, token)
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             req.finish_reason, req.stop_reason = "stop", token
-            return StepOutput(req, token, req.text.flush())
+            return StepOutput(req, token, req.text.flush(), finished=True)
         text = req.text.push(token)
         if req.text.stopped:
             req.finish_reason, req.stop_reason = "stop", req.text.stop_reason
@@ -577,7 +592,7 @@ class LLMEngine:
         ):
             req.finish_reason = "length"
             text += req.text.flush()
-        return StepOutput(req, token, text)
+        return StepOutput(req, token, text, finished=req.finished)
 
     # -- conveniences ---------------------------------------------------------------------
 
@@ -612,7 +627,7 @@ class LLMEngine:
             for out in self.step():
                 r = out.request
                 texts.setdefault(r.id, []).append(out.text)
-                if r.finished:
+                if out.finished:
                     results[index_of[r.id]] = Completion(
                         r.prompt_ids, r.output_ids, "".join(texts[r.id]), r.finish_reason
                     )

@@ -294,7 +294,7 @@ class Scheduler:
                 if ticket.first_token is None:
                     ticket.first_token = now
                     self._ttft.append(now - ticket.submitted)
-                if out.request.finished:
+                if out.finished:
                     self._active.pop(out.request.id, None)
                 self._deliver(ticket, out, None)
 

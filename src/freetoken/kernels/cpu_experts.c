@@ -2956,6 +2956,96 @@ uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
     return publish(&j, gen, j.gate_items + j.down_items);
 }
 
+/* ---- a decode step's row operations ---------------------------------------------------
+ *
+ * RMSNorm (with the residual add before it) and the rotary embedding of a few rows, on the
+ * calling thread: at decode each is a few thousand values, so torch's half-dozen ops a norm
+ * and a rotation (each a dispatch of several microseconds on a CPU) cost more than the
+ * arithmetic; these take one call each. Each rounds as the reference does (layers/norm.py,
+ * layers/rope.py), like the GPU's kernels (kernels/norm_rope.py): only the norm's sum of
+ * squares may differ in its last fp32 bit (its order). */
+
+static inline float load_value(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_value(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_bits(round_bf16(v));
+    else
+        ((float *)p)[i] = v;
+}
+
+enum { NORM_LLAMA = 0, NORM_SCALE_FP32 = 1, NORM_ZERO_CENTERED = 2 };
+
+/* T rows of H: with delta (else NULL), s = x + delta rounded to the dtype, written to `sum`,
+ * then out = RMSNorm(s) (of x where delta is NULL). x, delta, weight, sum and out all in the
+ * dtype; out may not alias x. mode: NORM_LLAMA (the normalised row rounded, then scaled),
+ * NORM_SCALE_FP32 (scaled in fp32, then rounded), NORM_ZERO_CENTERED (by 1 + weight, fp32). */
+void ft_cpu_rms_norm(int dtype, const void *x, const void *delta, const void *weight, int64_t T,
+                     int64_t H, float eps, int mode, void *sum, void *out) {
+    const int bf16 = dtype == DT_BF16;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t base = t * H;
+        const void *row = x;
+        if (delta) {
+            for (int64_t i = 0; i < H; i++)
+                store_value(sum, base + i,
+                            load_value(x, base + i, bf16) + load_value(delta, base + i, bf16),
+                            bf16);
+            row = sum;
+        }
+        float acc[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16)
+            for (int l = 0; l < 16; l++) {
+                const float v = load_value(row, base + i + l, bf16);
+                acc[l] += v * v;
+            }
+        for (; i < H; i++) {
+            const float v = load_value(row, base + i, bf16);
+            acc[0] += v * v;
+        }
+        float squares = 0.0f;
+        for (int l = 0; l < 16; l++) squares += acc[l];
+        const float inv = 1.0f / sqrtf(squares / (float)H + eps);
+        for (i = 0; i < H; i++) {
+            const float h = load_value(row, base + i, bf16) * inv, w = load_value(weight, i, bf16);
+            const float y = mode == NORM_ZERO_CENTERED ? h * (1.0f + w)
+                            : mode == NORM_SCALE_FP32  ? w * h
+                                                       : w * rnd(h, bf16);
+            store_value(out, base + i, y, bf16);
+        }
+    }
+}
+
+/* out [T, heads, D] (contiguous) = x rotated by cos, sin [T, rot] (rows `c_stride` apart):
+ * x * cos + rotate_half(x) * sin over the first rot dimensions, each product and the sum
+ * rounded to the dtype as torch rounds them; the rest copied. x's rows and heads lie
+ * `x_stride` and `h_stride` values apart (a view of a stacked q/k/v projection). */
+void ft_cpu_rotary(int dtype, const void *x, int64_t x_stride, int64_t h_stride, int64_t T,
+                   int64_t heads, int64_t D, const void *cos, const void *sin, int64_t c_stride,
+                   int64_t rot, void *out) {
+    const int bf16 = dtype == DT_BF16;
+    const int64_t half = rot / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = t * x_stride + h * h_stride, at = (t * heads + h) * D;
+            const int64_t c = t * c_stride;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = load_value(x, in + i, bf16), x2 = load_value(x, in + half + i, bf16);
+                const float c1 = load_value(cos, c + i, bf16), c2 = load_value(cos, c + half + i, bf16);
+                const float s1 = load_value(sin, c + i, bf16), s2 = load_value(sin, c + half + i, bf16);
+                const float a1 = rnd(x1 * c1, bf16), b1 = rnd(-x2 * s1, bf16);
+                const float a2 = rnd(x2 * c2, bf16), b2 = rnd(x1 * s2, bf16);
+                store_value(out, at + i, a1 + b1, bf16);
+                store_value(out, at + half + i, a2 + b2, bf16);
+            }
+            for (int64_t i = rot; i < D; i++)
+                store_value(out, at + i, load_value(x, in + i, bf16), bf16);
+        }
+}
+
 /* ---- the device's doorbell ---------------------------------------------------------------
  *
  * A decode step captured in one CUDA graph hands each MoE layer's CPU share to this library

@@ -59,6 +59,10 @@ SIGNATURES = {
         [_INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _INT],
         _U64,
     ),
+    # dtype, x, delta, weight, T, H, eps, mode, sum, out: a decode step's RMSNorm
+    "ft_cpu_rms_norm": ([_INT, _P, _P, _P, _I64, _I64, _F, _INT, _P, _P], None),
+    # dtype, x, row stride, head stride, T, heads, D, cos, sin, cos row stride, rot, out
+    "ft_cpu_rotary": ([_INT, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P], None),
     "ft_listener_start": (LISTENER_ARGS, _P),
     "ft_listener_stop": ([_P], None),
     "ft_cpu_experts_wait": ([_U64], _D),

@@ -1,4 +1,5 @@
-"""RMSNorm, rotary embeddings and softmax top-k routing in one kernel launch each, on the GPU.
+"""RMSNorm, rotary embeddings and softmax top-k routing in one kernel launch each, on the GPU;
+RMSNorm and rotary embeddings of a decode step's rows in one native call each, on the CPU.
 
 At batch 1 a decode step's kernels are tiny and their count sets the time: torch's RMSNorm is
 six launches (to fp32, square, mean, rsqrt, scale, cast and weight) and a rotation five, four
@@ -7,12 +8,21 @@ experts took 2.16 ms a step, most of it in such launches; routing (softmax, top-
 cast) is five more per MoE layer. Each kernel here does a row's whole
 computation, in the reference's order of roundings (layers/norm.py, layers/rope.py), so it
 gives the same values (the norm's sum of squares and the softmax's sum may differ in their last
-fp32 bit: their order is a tree here). The torch code stays the CPU path and the reference.
+fp32 bit: their order is a tree here). The torch code stays the reference, and the CPU path for
+prompts.
+
+On the CPU the same holds at decode for another reason: each torch op is a dispatch of several
+microseconds, and a norm or a rotation of one row is a few thousand values. The native library
+(cpu_experts.c, `ft_cpu_rms_norm`, `ft_cpu_rotary`) does each in one call on the calling thread,
+in the same order of roundings: a 0.5B Qwen's decode step on a 2-core Intel machine went from
+47.7 to 44.8 ms (benchmarks/results/2026-12-05-cpu-row-ops-and-drafts.md).
 """
 
 from __future__ import annotations
 
 import torch
+
+from freetoken.kernels import cpu_team
 
 try:
     import triton
@@ -23,6 +33,60 @@ except ImportError:  # CPU-only installs
 
 def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
+
+
+_CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+CPU_MAX_ROWS = 16  # a decode batch's; a prompt's rows are torch's, which vectorises across rows
+_NORM_MODES = {(False, False): 0, (False, True): 1, (True, True): 2}  # (zero_centered, fp32)
+
+
+def native_takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the native library computes x's rows on the CPU: a decode step's few rows in bf16
+    or fp32, with `others` (weights, deltas, cos and sin) on the CPU in x's dtype."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _CPU_DTYPES
+        and x.dim() >= 2
+        and x.numel() <= CPU_MAX_ROWS * x.shape[-1] * (x.shape[-2] if x.dim() == 3 else 1)
+        and all(o.device.type == "cpu" and o.dtype == x.dtype for o in others)
+        and not torch.is_grad_enabled()
+        and cpu_team.library() is not None
+    )
+
+
+def cpu_rms_norm(x, delta, weight, eps, zero_centered: bool, scale_fp32: bool):
+    """(s, RMSNorm(s)) for s = x + delta (x itself where delta is None) on the CPU, as
+    layers/norm.py computes it (check `native_takes` first)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    total = rows
+    if delta is not None:
+        delta = delta.reshape(-1, shape[-1]).contiguous()
+        total = torch.empty_like(rows)
+    weight = weight.contiguous()
+    cpu_team.library().ft_cpu_rms_norm(
+        _CPU_DTYPES[x.dtype], rows.data_ptr(), delta.data_ptr() if delta is not None else None,
+        weight.data_ptr(), rows.shape[0], rows.shape[1], eps,
+        _NORM_MODES[zero_centered, scale_fp32 or zero_centered], total.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return total.view(shape), out.view(shape)
+
+
+def cpu_apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated on the CPU, as layers/rope.py does (check `native_takes`
+    first); x may be a view with any row and head strides whose last dimension is contiguous."""
+    t, heads, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(t, heads, d, dtype=x.dtype)
+    cpu_team.library().ft_cpu_rotary(
+        _CPU_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), t, heads, d,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[-1], out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def rms_norm(

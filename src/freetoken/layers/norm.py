@@ -24,6 +24,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
             return norm_rope.rms_norm(x, self.weight, self.eps, self.zero_centered, self.scale_fp32)
+        if norm_rope.native_takes(x, self.weight):  # one call on the CPU at decode
+            return norm_rope.cpu_rms_norm(
+                x, None, self.weight, self.eps, self.zero_centered, self.scale_fp32
+            )[1]
         return self.reference(x)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None):
@@ -34,6 +38,10 @@ class RMSNorm(nn.Module):
         if norm_rope.available(x):
             return norm_rope.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centered,
                                           self.scale_fp32)  # fmt: skip
+        if norm_rope.native_takes(x, delta, self.weight):
+            return norm_rope.cpu_rms_norm(
+                x, delta, self.weight, self.eps, self.zero_centered, self.scale_fp32
+            )
         s = x + delta
         return s, self.reference(s)
 

@@ -104,6 +104,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [T, heads, head_dim]; with partial rotary only the first dims turn."""
     if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
         return norm_rope.apply_rotary(x, cos, sin)
+    if (
+        x.dim() == 3
+        and cos.dim() == 2
+        and cos.shape[0] == x.shape[0]
+        and norm_rope.native_takes(x, cos, sin)
+    ):  # one call on the CPU at decode
+        return norm_rope.cpu_apply_rotary(x, cos, sin)
     return rotary_reference(x, cos, sin)
 
 

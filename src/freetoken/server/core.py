@@ -344,7 +344,7 @@ class GenerationCore:
                 if out.text:
                     for event in parser.feed(out.text) if parser else [ev.TextDelta(out.text)]:
                         yield event
-                if out.request.finished:
+                if out.finished:
                     if parser:
                         for event in parser.finish():
                             yield event
