@@ -43,13 +43,31 @@ def test_the_index_finds_the_longest_suffix_s_latest_earlier_occurrence():
 def test_drafting_pauses_after_fruitless_steps_and_resumes():
     lookup = PromptLookup(max_draft=2, max_misses=2, pause=3)
     state = lookup.start([1, 2, 3, 1, 2])
+    state.length = 2
     assert lookup.draft(state, room=10) == [3, 1]
     lookup.record(state, 2, 0)
     lookup.record(state, 2, 0)  # two in a row without a token: a pause of 3 steps
     assert [lookup.draft(state, 10) for _ in range(3)] == [[], [], []]
-    assert lookup.draft(state, 10) == [3, 1]
+    assert lookup.draft(state, 10) == [3]  # (rejected drafts halved the length)
+    state.length = 2
     assert lookup.draft(state, 1) == [3]  # never past the room left
     assert (state.drafted, state.accepted) == (4, 0)
+
+
+def test_a_draft_grows_while_kept_whole_and_shrinks_when_rejected():
+    lookup = PromptLookup(max_draft=4)
+    state = lookup.start([1, 2, 3, 4, 5, 6, 1, 2])
+    assert lookup.draft(state, room=10) == [3]  # one token first
+    lookup.record(state, 1, 1)
+    assert lookup.draft(state, 10) == [3, 4]
+    lookup.record(state, 2, 2)
+    assert lookup.draft(state, 10) == [3, 4, 5, 6]
+    lookup.record(state, 4, 4)
+    assert state.length == 4  # at most max_draft
+    lookup.record(state, 4, 1)  # most of it rejected: half as long
+    assert state.length == 2
+    lookup.record(state, 2, 0)
+    assert state.length == 1
 
 
 def test_modes_choose_a_drafter():
