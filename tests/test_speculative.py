@@ -14,7 +14,7 @@ import torch
 from freetoken.config import MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.speculative import NgramIndex, PromptLookup, drafter_for
 from freetoken.models.loading import load_model
@@ -261,3 +261,86 @@ def test_a_draft_without_free_pages_is_dropped_not_paid_for_by_a_preemption(moe_
     while not all(r.finished for r in reqs):
         engine.step()
     assert [r.output_ids for r in reqs] == want
+
+
+# Chi-square critical values at the 0.999 quantile (a test that fails once in a thousand runs
+# by chance, with fixed seeds: never, unless the rule is wrong)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("draft_token", [0, 3, 7])  # likely, middling, filtered out by top_k
+def test_the_sampled_verify_rule_keeps_the_models_distribution(draft_token):
+    """Sampler.verify on a draft of two: the first token emitted is distributed as p_0 (the
+    draft token kept with p_0(d), else a draw from the rest), and the second, given the first
+    was the draft, as p_1: chi-square over 8,000 draws on a vocabulary of 8."""
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.8, top_k=7)
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 8, generator=gen) * 2
+    logits[0, 7] = -30.0  # below top_k's cut at the first position
+    probs = sampler.filter_logits(logits, [params] * 3).softmax(dim=-1)
+    first, second = torch.zeros(8), torch.zeros(8)
+    draft = [draft_token, 5]
+    for _ in range(8000):
+        tokens = sampler.verify(logits, params, gen, draft)
+        assert 1 <= len(tokens) <= 3 and (len(tokens) == 1 or tokens[0] == draft_token)
+        first[tokens[0]] += 1
+        if tokens[0] == draft_token and len(tokens) > 1:
+            second[tokens[1]] += 1
+    dof = int((probs[0] > 0).sum()) - 1
+    assert chi_square(first, probs[0]) < CHI2_999[dof]
+    if second.sum() > 500:
+        assert chi_square(second, probs[1]) < CHI2_999[int((probs[1] > 0).sum()) - 1]
+
+
+def test_the_greedy_verify_rule_keeps_the_draft_while_it_agrees():
+    sampler, params = Sampler(), SamplingParams(temperature=0.0)
+    logits = torch.full((4, 6), -5.0)
+    for row, best in enumerate([2, 4, 1, 0]):
+        logits[row, best] = 5.0
+    assert sampler.verify(logits, params, None, [2, 4, 1]) == [2, 4, 1, 0]  # all kept + one
+    assert sampler.verify(logits, params, None, [2, 3, 1]) == [2, 4]  # the model's at a miss
+    assert sampler.verify(logits[:1], params, None, []) == [2]
+    with pytest.raises(ValueError, match="rows"):
+        sampler.verify(logits, params, None, [2])
+
+
+def test_sampled_requests_draw_alike_with_drafts_and_without(moe_path):
+    """The engine end to end: the third token of a sampled request (top_k 4), over 400 seeds,
+    with drafts forced right (kept by the rule with the model's probability) and without:
+    the two samples are homogeneous (chi-square, 3 degrees of freedom per context)."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts, _, expected, vocab = reference(moe_path, params)
+    prompt = prompts[0]
+    counts = {}
+    for name, drafter in (("off", None), ("on", Forced(expected, vocab))):
+        engine = engine_for(moe_path, drafter, batch=1)
+        tally: dict[tuple[int, int], dict[int, int]] = {}
+        for seed in range(400):
+            sampled = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, seed=seed,
+                                     ignore_eos=True)  # fmt: skip
+            out = engine.generate([prompt], sampled)[0].output_ids
+            row = tally.setdefault((out[0], out[1]), {})
+            row[out[2]] = row.get(out[2], 0) + 1
+        counts[name] = tally
+        if drafter is not None:
+            assert engine.drafted > 0 and 0 < engine.accepted < engine.drafted
+    # Homogeneity of the third token's distribution in the two commonest contexts
+    common = sorted(counts["off"], key=lambda c: -sum(counts["off"][c].values()))[:2]
+    for context in common:
+        a, b = counts["off"][context], counts["on"].get(context, {})
+        tokens = sorted(set(a) | set(b))
+        table = torch.tensor([[a.get(t, 0) for t in tokens], [b.get(t, 0) for t in tokens]],
+                             dtype=torch.float64)  # fmt: skip
+        if table.sum(dim=1).min() < 40:
+            continue
+        expected_table = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+        stat = float(((table - expected_table) ** 2 / expected_table).sum())
+        assert stat < CHI2_999.get(len(tokens) - 1, 30.0), (context, table)

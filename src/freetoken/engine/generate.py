@@ -477,8 +477,8 @@ class LLMEngine:
 
     def _draft(self, req: Request) -> list[int]:
         """Tokens to verify after the request's last one this step (speculative decoding):
-        greedy requests only, never past its output limit or the context."""
-        if self.drafter is None or not req.params.greedy:
+        never past its output limit or the context."""
+        if self.drafter is None:
             return []
         if req.drafting is None:  # (indexed at its first decode step, not at admission)
             req.drafting = self.drafter.start(req.tokens(0, req.num_tokens))
@@ -499,9 +499,10 @@ class LLMEngine:
         return outputs
 
     def _keep_verified(self, req: Request, logits: torch.Tensor, start: int) -> list[StepOutput]:
-        """The model's token at each fed position (as `_sample` would pick it, penalties
-        counting the draft before it), emitted while the draft agrees; the KV holds the fed
-        tokens that were kept (the last emitted token is fed by the next step)."""
+        """The tokens the sampler's verify rule emits from the fed positions (penalties
+        counting the draft before each): greedy, the model's tokens while the draft agrees;
+        sampled, the speculative sampling rule, which keeps the distribution. The KV holds
+        the fed tokens that were kept (the last emitted token is fed by the next step)."""
         draft, n, p = req.draft, len(req.draft) + 1, req.params
         # Each position's output so far, copied only where a penalty reads it (a copy of the
         # whole output per position would be host work growing with the reply, every step)
@@ -510,12 +511,11 @@ class LLMEngine:
         history = None
         if p.repetition_penalty != 1.0:
             history = [req.prompt_ids + out for out in outs]
-        tokens = self.sampler.sample(logits, [req.params] * n, [req.generator] * n, history,
-                                     outs).tolist()  # fmt: skip
+        tokens = self.sampler.verify(logits, p, req.generator, draft, history, outs)
         emitted: list[StepOutput] = []
-        for i, token in enumerate(tokens):
+        for token in tokens:
             emitted.append(self._accept(req, token))
-            if req.finished or i == len(draft) or draft[i] != token:
+            if req.finished:
                 break
         accepted = sum(d == t for d, t in zip(draft, tokens[: len(emitted)], strict=False))
         req.seq.length = start + len(emitted)

@@ -142,6 +142,44 @@ class Sampler:
         tokens[index] = _draw(probs, [generators[i] for i in rows])
         return tokens
 
+    def verify(
+        self,
+        logits: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        draft: Sequence[int],
+        history: Sequence[Sequence[int]] | None = None,
+        outputs: Sequence[Sequence[int]] | None = None,
+    ) -> list[int]:
+        """The tokens one request emits from a verify step: `logits` [len(draft) + 1, V] at
+        the positions fed (its last token, then the draft), `history` and `outputs` per row as
+        `sample` takes them. Greedy: the model's token at each position while the draft agrees,
+        and the first that does not. Sampled, the speculative sampling rule for a draft that
+        is certain (prompt lookup's): draft token d at position i is kept with probability
+        p_i(d), else the token is drawn from p_i without d and the step ends; a draft kept
+        whole adds a draw from the last row. Each emitted token is then distributed as
+        sampling token by token would draw it: P(d) = p(d), P(x) = (1 - p(d)) p(x) / (1 - p(d))."""
+        n = len(draft) + 1
+        if logits.shape[0] != n:
+            raise ValueError(f"{logits.shape[0]} rows of logits for a draft of {len(draft)}")
+        rows = [params] * n
+        if params.greedy:
+            tokens = self.sample(logits, rows, [generator] * n, history, outputs).tolist()
+            pairs = enumerate(zip(draft, tokens[:-1], strict=True))
+            kept = next((i for i, (d, t) in pairs if d != t), n - 1)
+            return tokens[: kept + 1]
+        probs = self.filter_logits(logits, rows, history, outputs).softmax(dim=-1)
+        emitted: list[int] = []
+        for i, token in enumerate(draft):
+            u = torch.rand((), generator=generator, device=probs.device)
+            if bool(u < probs[i, token]):
+                emitted.append(token)
+                continue
+            residual = probs[i : i + 1].clone()
+            residual[0, token] = 0.0  # (the race draws in proportion: no renormalising)
+            return emitted + _draw(residual, [generator]).tolist()
+        return emitted + _draw(probs[n - 1 :].clone(), [generator]).tolist()
+
     def filter_logits(
         self,
         logits: Tensor,

@@ -7,7 +7,9 @@ comes next. A request's step feeds its last token and up to `max_draft` drafted 
 the logits at each position give the model's token there (chosen as the sampler chooses it,
 penalties counting the tokens before that position), and drafts are kept while they equal those
 tokens: the output is the one decoding token by token gives (up to the sums' rounding between a
-one-token and a several-token forward), and one step yields 1 to max_draft + 1 tokens.
+one-token and a several-token forward), and one step yields 1 to max_draft + 1 tokens. A sampled
+request keeps each drafted token with the model's probability of it there, else draws from the
+rest: the same distribution as sampling token by token, not the same draws.
 
 Where it pays: a step's weights are read once for all its rows, so on the CPU (and wherever a
 step is bound by weight bytes) verifying a few tokens costs about what one costs; a draft whose
@@ -17,9 +19,9 @@ acceptance: a draft starts one token long, doubles while drafts are kept whole a
 most of one is rejected; after `max_misses` steps in a row without an accepted token it pauses
 for `pause` steps. (The 0.5B Qwen on the 2-core Intel machine: a fresh chat answer, where few
 drafts hold, decodes at 0.99x of no drafting, a reply that repeats its context at 1.5x;
-fixed drafts of four cost the fresh answer 6%.) Greedy
-requests only: a sampled one would need the accept/reject rule to keep its distribution (not
-built yet); models with recurrent state (linear attention) do not draft, since a rejected
+fixed drafts of four cost the fresh answer 6%.) Sampled
+requests keep their distribution by the speculative sampling rule (engine/sampling.py,
+`Sampler.verify`); models with recurrent state (linear attention) do not draft, since a rejected
 token's state update cannot be taken back without a checkpoint.
 """
 
