@@ -112,9 +112,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         "--speculative",
         choices=SPECULATIVE_MODES,
         default=EngineConfig.speculative,
-        help="draft tokens from the request's own context and verify them in one step, greedy "
-        "requests only: ngram always, auto where a verify step costs about one (the CPU), off "
-        "(default: %(default)s)",
+        help="draft tokens from the request's own context and verify them in one step (greedy "
+        "requests keep their tokens, sampled ones their distribution): ngram always, auto where "
+        "a verify step costs about one (the CPU), off (default: %(default)s)",
     )
     m = p.add_argument_group("expert placement (MoE models)")
     option(
