@@ -148,6 +148,11 @@ ERRORS = [
     ),
     (json.dumps({"model": MODEL, "messages": []}), 400, "must not be empty"),
     (
+        json.dumps({**greedy(speculative="yes"), "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "'speculative'",
+    ),
+    (
         json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}),
         400,
         "maximum context length is",
@@ -418,3 +423,20 @@ def test_unset_sampling_settings_are_the_checkpoints_recommendation(server, clie
         assert reply.json()["content"][0]["text"] == want.message.content
     finally:
         core.sampling_defaults = saved
+
+
+def test_a_request_can_turn_drafting_off_for_itself(server, client):
+    """`speculative: false` (an extension field) keeps the engine's drafter off this request;
+    left out, a reply that repeats its context is drafted (counted in /v1/stats)."""
+
+    def drafted():
+        return httpx.get(server[0] + "/v1/stats").json()["speculative"]["drafted"]
+
+    messages = [{"role": "user", "content": "one two one two one two one two one two"}]
+    before = drafted()
+    off = client.chat.completions.create(messages=messages, extra_body={"speculative": False},
+                                         **greedy(max_tokens=24))  # fmt: skip
+    assert drafted() == before
+    on = client.chat.completions.create(messages=messages, **greedy(max_tokens=24))
+    assert drafted() > before
+    assert on.choices[0].message.content == off.choices[0].message.content  # greedy: the same

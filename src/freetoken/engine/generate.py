@@ -478,7 +478,7 @@ class LLMEngine:
     def _draft(self, req: Request) -> list[int]:
         """Tokens to verify after the request's last one this step (speculative decoding):
         never past its output limit or the context."""
-        if self.drafter is None:
+        if self.drafter is None or not req.params.speculative:
             return []
         if req.drafting is None:  # (indexed at its first decode step, not at admission)
             req.drafting = self.drafter.start(req.tokens(0, req.num_tokens))

@@ -35,6 +35,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Keep special tokens in the output text (output formats written in them: Harmony's).
     keep_special_tokens: bool = False
+    # Whether this request may draft where the engine drafts (engine/speculative.py); False
+    # turns drafting off for it alone (the APIs' `speculative` extension field).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Requests often arrive as JSON: accept lists (and a bare stop string, as the OpenAI API
@@ -82,6 +85,8 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:

@@ -197,6 +197,7 @@ def prepare_messages(core: GenerationCore, body: MessagesRequest) -> Prepared:
         top_p=body.top_p,
         top_k=body.top_k,
         stop=stop_list(body.stop_sequences),
+        speculative=body.speculative,
     )
     return Prepared(GenerationRequest(prompt, params, tools=tools, forced=forced), model,
                     bool(body.stream))  # fmt: skip

@@ -79,6 +79,7 @@ def sampling(
         logit_bias=logit_bias(core, body.logit_bias),
         seed=body.seed,
         stop=stop_list(body.stop),
+        speculative=body.speculative,
     )
 
 

@@ -432,6 +432,7 @@ def prepare_responses(core: GenerationCore, body: ResponsesRequest) -> Prepared:
         top_k=body.top_k,
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
+        speculative=body.speculative,
     )
     request = GenerationRequest(prompt, params, tools=tools, forced=forced)
     return Prepared(request, model, bool(body.stream), body.model_dump(exclude_unset=True), names)

@@ -97,6 +97,7 @@ class Sampling(Body):
     top_k: int | None = None  # extension
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
+    speculative: bool | None = None  # extension: false turns drafting off for this request
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -169,6 +170,7 @@ class ResponsesRequest(Body):
     top_k: int | None = None  # extension
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
+    speculative: bool | None = None  # extension
     chat_template_kwargs: JSONObject | None = None  # extension
     stream: bool | None = None
     stream_options: JSONObject | None = None
@@ -245,6 +247,7 @@ class MessagesRequest(MessagesBase):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    speculative: bool | None = None  # extension
     chat_template_kwargs: JSONObject | None = None  # extension
     # Accepted and ignored.
     metadata: JSONObject | None = None
