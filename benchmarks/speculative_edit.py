@@ -40,14 +40,20 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in ("off", "ngram"):
             engine.drafter = PromptLookup() if mode == "ngram" else None
-            engine.drafted = engine.accepted = 0
+            engine.drafted = engine.accepted = engine.verified = 0
             start = time.perf_counter()
             out = engine.generate([ids], params)[0]
             seconds = time.perf_counter() - start
             outputs.setdefault(mode, []).append(out.output_ids)
+            per_step = (
+                f"{(engine.accepted + engine.verified) / engine.verified:.2f} tokens each"
+                if engine.verified
+                else "-"
+            )
             print(f"{mode:5s} {len(out.output_ids)} tokens in {seconds:.2f} s "
                   f"({len(out.output_ids) / seconds:.1f} tok/s, prefill of {len(ids)} included), "
-                  f"drafted {engine.drafted}, accepted {engine.accepted}")  # fmt: skip
+                  f"drafted {engine.drafted}, accepted {engine.accepted}, verify steps "
+                  f"{engine.verified} ({per_step})")  # fmt: skip
     same = all(o == outputs["off"][0] for runs in outputs.values() for o in runs)
     print("same tokens with and without drafts:", same)
 

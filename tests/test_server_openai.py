@@ -439,4 +439,8 @@ def test_a_request_can_turn_drafting_off_for_itself(server, client):
     assert drafted() == before
     on = client.chat.completions.create(messages=messages, **greedy(max_tokens=24))
     assert drafted() > before
+    stats = httpx.get(server[0] + "/v1/stats").json()["speculative"]
+    assert 0 < stats["verify_steps"] <= stats["drafted"]
+    metrics = httpx.get(server[0] + "/metrics").text
+    assert f"freetoken_draft_verify_steps_total {float(stats['verify_steps'])}" in metrics
     assert on.choices[0].message.content == off.choices[0].message.content  # greedy: the same

@@ -132,6 +132,7 @@ class LLMEngine:
         self.runner = runner
         self.drafter = drafter
         self.drafted = self.accepted = 0  # draft tokens verified and kept, in total
+        self.verified = 0  # requests' steps that verified a draft, in total
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_chunk = max_prefill_chunk
@@ -523,6 +524,7 @@ class LLMEngine:
             self.drafter.record(req.drafting, len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted
+        self.verified += 1
         req.draft = []
         return emitted
 

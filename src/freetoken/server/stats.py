@@ -68,6 +68,7 @@ def stats_json(core: GenerationCore) -> dict[str, Any]:
             "on": engine.drafter is not None,
             "drafted": engine.drafted,
             "accepted": engine.accepted,
+            "verify_steps": engine.verified,  # a request's step verifying a draft
         },
         # Per request: prompt tokens, reused from the prefix cache, recomputed, anchor used.
         "prefix_reuse": engine.reuse.snapshot(),
@@ -153,6 +154,8 @@ class _SnapshotCollector:
              s["speculative"]["drafted"]),
             ("draft_tokens_accepted", "Drafted tokens the model's own choices confirmed.",
              s["speculative"]["accepted"]),
+            ("draft_verify_steps", "Requests' steps that verified a draft.",
+             s["speculative"]["verify_steps"]),
         ]  # fmt: skip
         if s["prefill_streaming"] is not None:
             p = s["prefill_streaming"]
