@@ -118,8 +118,7 @@ def test_released_tensor_names():
 @pytest.mark.parametrize(
     "change, message",
     [({"scoring_func": "softmax"}, "scoring_func"), ({"swiglu_limit": 7.0}, "swiglu_limit"),
-     ({"layer_types": ["full_attention"]}, "layer_types"),
-     ({"quantization_config": {"quant_method": "fp8"}}, "quantized releases")],
+     ({"layer_types": ["full_attention"]}, "layer_types")],
 )  # fmt: skip
 def test_unsupported_configs_are_refused(change, message):
     raw = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 1, **change}
@@ -277,3 +276,59 @@ def test_decode_in_capture_shapes_is_exact(v4, monkeypatch):
         return torch.stack(steps)
 
     assert (decode(True) - decode(False)).abs().max().item() < 1e-5
+
+
+def test_the_quantized_release_layout_computes_as_its_dequantized_copy(tmp_path):
+    """DeepSeek-V4's release as published: FP8 attention and shared experts in e8m0-scaled
+    blocks and FP4 routed experts with an e8m0 scale per 32 values, under DeepSeek's `X.scale`
+    names: the routed experts stay quantized (MXFP4's values), and every strategy computes what
+    the dequantized copy computes, over a prompt and paged decode."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from freetoken.config import MoEOptions
+    from test_quantized import fp4_rows, fp8_e8m0_blocks
+
+    path, _ = build("deepseek_v4", tmp_path / "src")
+    tensors = load_file(path / "model.safetensors")
+    stored, plain = {}, {}
+    for name, t in tensors.items():
+        routed = ".ffn.experts." in name and name.endswith(".weight")
+        fp8 = name.endswith(".weight") and (".attn.w" in name or ".shared_experts." in name)
+        if routed or fp8:
+            parts, ref = (fp4_rows if routed else fp8_e8m0_blocks)(t)
+            for suffix, part in parts.items():
+                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
+            plain[name] = ref
+        else:
+            stored[name] = plain[name] = t
+    config = json.loads((path / "config.json").read_text())
+    release = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+               "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+               "activation_scheme": "dynamic"}, "expert_dtype": "fp4"}  # fmt: skip
+    dirs = {}
+    for label, weights, extra in (("quantized", stored, release), ("plain", plain, {})):
+        d = dirs[label] = tmp_path / label
+        d.mkdir()
+        for f in path.iterdir():
+            if f.suffix != ".safetensors" and f.name != "config.json":
+                (d / f.name).write_bytes(f.read_bytes())
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+
+    def run(label, moe=None):
+        loaded = load_model(dirs[label], dtype="float32")
+        runner = ModelRunner(loaded, kv_cache_tokens=128, page_size=8, moe=moe)
+        seq = runner.new_sequence()
+        out = [runner.forward([seq], [prompt(20)], all_logits=True)]
+        for token in (5, 17, 40):
+            out.append(runner.forward([seq], [[token]]))
+        return loaded, torch.cat(out)
+
+    loaded, got = run("quantized")
+    assert loaded.experts.format.name == "mxfp4"
+    _, want = run("plain")
+    assert (got - want).abs().max().item() < 1e-5
+    for moe in (MoEOptions("cpu"), MoEOptions("hybrid", "5")):
+        assert (run("quantized", moe)[1] - want).abs().max().item() < 1e-5, moe

@@ -487,3 +487,60 @@ def test_quantized_experts_on_cuda_match_the_dequantized_model(fmt, source, tmp_
     for moe in (MoEOptions("fused"), MoEOptions("hybrid", "5")):
         got = cuda_logits(quantized, moe, "bfloat16")
         assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), (fmt, moe)
+
+
+def fp8_e8m0_blocks(w, block=(128, 128)):
+    """FP8 in blocks with power-of-two scales stored as e8m0, under DeepSeek's own name
+    `X.scale` (DeepSeek-V4's releases: `scale_fmt` "ue8m0")."""
+    bn, bk = block
+    n, k = w.shape
+    exponent = torch.empty(-(-n // bn), -(-k // bk))
+    data = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    ref = torch.empty(n, k)
+    for i in range(exponent.shape[0]):
+        for j in range(exponent.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            e = torch.ceil(torch.log2(w[rows, cols].abs().max() / 448.0))
+            exponent[i, j] = e
+            codes = (w[rows, cols] / torch.exp2(e)).to(torch.float8_e4m3fn)
+            data[rows, cols] = codes
+            ref[rows, cols] = codes.float() * torch.exp2(e)
+    scale = (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return {".weight": data, ".scale": scale}, ref
+
+
+def fp4_rows(w):
+    """DeepSeek-V4's FP4 experts: e2m1 pairs as int8 [N, K / 2] (the low nibble first) and an
+    e8m0 scale per 32 values of a row [N, K / 32], under `X.weight` and `X.scale`."""
+    parts, ref = mxfp4(w)
+    n, k = w.shape
+    data = parts[".weight_blocks"].reshape(n, k // 2).view(torch.int8)
+    return {".weight": data, ".scale": parts[".weight_scales"].view(torch.float8_e8m0fnu)}, ref
+
+
+def test_deepseek_v4_release_layout_fp8_attention_and_fp4_experts(source, tmp_path):
+    """A checkpoint in DeepSeek-V4's release layout (FP8 e4m3 attention with e8m0 block scales,
+    FP4 experts with e8m0 scales per 32 values of a row, each under `X.scale`): its experts
+    are kept as MXFP4 (the same values), the rest dequantized, and it computes what its
+    dequantized copy computes, on every strategy."""
+    tensors = load_file(source[0] / "model.safetensors")
+    stored, plain = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            parts, ref = (fp4_rows if ".experts." in name else fp8_e8m0_blocks)(t)
+            for suffix, part in parts.items():
+                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
+            plain[name] = ref
+        else:
+            stored[name] = plain[name] = t
+    config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+              "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+              "activation_scheme": "dynamic"}, "expert_dtype": "fp4"}  # fmt: skip
+    quantized, plain_dir = write_variants(source[0], tmp_path, {
+        "quantized": (stored, config), "plain": (plain, {})})  # fmt: skip
+    loaded = load_model(quantized, dtype="float32")
+    assert loaded.experts.format.name == "mxfp4" and loaded.experts.w_gate_up.dtype == torch.uint8
+    want = logits(plain_dir)
+    for moe in (None, MoEOptions("hybrid", "3"), MoEOptions("cpu"), MoEOptions("offload", "2")):
+        got = logits(quantized, moe)
+        assert (got - want).abs().max().item() < 1e-5, moe

@@ -15,6 +15,12 @@ Three weight formats of the releases people run, each recognised by its companio
                             (one per tensor): W = fp4 * weight_scale * weight_scale_2 (ModelOpt
                             checkpoints: quant_method "modelopt", quant_algo "NVFP4";
                             `X.input_scale`, for activations, is not used)
+    DeepSeek's own names    `X.weight` with `X.scale` (DeepSeek-V4's releases; transformers
+                            renames it `weight_scale_inv`): FP8 in 128 x 128 blocks as above
+                            (the scales e8m0 where `scale_fmt` is "ue8m0"), or, where the scale
+                            has one entry per 32 values of a row, `X.weight` int8 [N, K / 2] of
+                            e2m1 pairs (the low nibble first) and e8m0 scales [N, K / 32]:
+                            MXFP4's values (V4's experts, `expert_dtype` "fp4"), read as MXFP4
     Q8_0                    `X_q8_0` int8 [..., K] and `X_q8_0_scales` fp16 [..., K / 32]: W =
                             code * scale of its 32-value block (GGUF's Q8_0, kept so by the
                             GGUF conversion, models/gguf.py: quant_method "gguf")
@@ -271,6 +277,9 @@ class QuantizedTensor:
     format: str  # "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q4_0", ...
     parts: tuple[str, ...]
     shape: tuple[int, ...]
+    # MXFP4's values stored as rows of pairs with per-row scales (DeepSeek-V4's experts): read
+    # as MXFP4's blocks and scales by views
+    packed_rows: bool = False
 
     @property
     def numel(self) -> int:
@@ -307,6 +316,14 @@ class Dequantizer:
             base = name.removesuffix("_scale_inv")
             if base in shapes:
                 return QuantizedTensor(base, "fp8", (base, name), tuple(shapes[base]))
+        if name.endswith(".scale"):  # DeepSeek's own name for either
+            base = name.removesuffix(".scale") + ".weight"
+            if base in shapes:
+                data, scale = tuple(shapes[base]), tuple(shapes[name])
+                if scale[:-1] == data[:-1] and scale[-1] * (MXFP4_BLOCK // 2) == data[-1]:
+                    shape = (*data[:-1], 2 * data[-1])
+                    return QuantizedTensor(base, "mxfp4", (base, name), shape, packed_rows=True)
+                return QuantizedTensor(base, "fp8", (base, name), data)
         if name.endswith("_scales"):
             base = name.removesuffix("_scales")
             blocks = base + "_blocks"
@@ -358,6 +375,10 @@ class Dequantizer:
                 yield q.name, tensor
                 continue
             parts = [tensor] + [get(p) for p in q.parts[1:]]
+            if q.packed_rows:  # as MXFP4's blocks [..., G, 16] and scales [..., G]
+                data, scale = parts
+                blocks = data.view(torch.uint8).reshape(*scale.shape, MXFP4_BLOCK // 2)
+                parts = [blocks, scale.view(torch.uint8)]
             if keep is not None and keep(q.name):
                 yield q.name, QuantizedParts(q.format, *parts)
             else:
