@@ -544,3 +544,38 @@ def test_deepseek_v4_release_layout_fp8_attention_and_fp4_experts(source, tmp_pa
     for moe in (None, MoEOptions("hybrid", "3"), MoEOptions("cpu"), MoEOptions("offload", "2")):
         got = logits(quantized, moe)
         assert (got - want).abs().max().item() < 1e-5, moe
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    return build("glm_moe_dsa", tmp_path_factory.mktemp("glm5") / "glm_moe_dsa")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_glm5_fp8_and_nvfp4_releases_compute_as_their_dequantized_copies(fmt, glm5, tmp_path):
+    """GLM-5.x's releases come in FP8 (128 x 128 blocks) and NVFP4 (ModelOpt): read as the
+    other families' are, its sparse attention's projections among them."""
+    quant_config, encode = FORMATS[fmt]
+    stored, weights = {}, {}
+    for name, t in load_file(glm5[0] / "model.safetensors").items():
+        # (a tiny model's narrow low-rank projections, 24 wide, stay plain: NVFP4 needs 16s)
+        if name.endswith("_proj.weight") and t.shape[-1] % 32 == 0:
+            parts, ref = encode(t)
+            for suffix, part in parts.items():
+                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
+            weights[name] = ref
+        else:
+            stored[name] = weights[name] = t
+    variants = {"quantized": (stored, {"quantization_config": quant_config}),
+                "plain": (weights, {})}  # fmt: skip
+    quantized, plain = write_variants(glm5[0], tmp_path, variants)
+    assert any(".experts." in n and n.endswith(FORMATS_SUFFIX[fmt]) for n in stored)
+    assert any("indexer" in n and n.endswith(FORMATS_SUFFIX[fmt]) for n in stored)
+    loaded = load_model(quantized, dtype="float32")
+    assert loaded.experts.format.name == fmt
+    want = logits(plain)
+    for moe in (None, MoEOptions("cpu"), MoEOptions("hybrid", "4")):
+        assert (logits(quantized, moe) - want).abs().max().item() < 1e-5, moe
+
+
+FORMATS_SUFFIX = {"fp8": ".weight_scale_inv", "nvfp4": ".weight_scale_2"}
