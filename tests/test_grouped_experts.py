@@ -589,7 +589,7 @@ for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, float]:
-    return run_interpreted("test_grouped_experts", "_interpreter_cases", timeout=300)
+    return run_interpreted("test_grouped_experts", "_interpreter_cases", timeout=900)
 
 
 INTERPRETER_CASES = [

@@ -250,7 +250,9 @@ def real(request):
 
 def test_real_moe_greedy_tokens_equal_the_dense_models(real):
     dense_dir, moe_dir, tokenizer = real
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    # Two of the prompts, a code one and a chat one, in one batch: fourteen runs of the 0.5B
+    # model in fp32 with its cache tier on the CPU took 224 s with all four (CI's slowest test)
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[3])]
     want, _, _ = greedy_run(load_model(dense_dir, dtype="float32"), MoEOptions(), prompts)
     model = load_model(moe_dir, dtype="float32")
     for options in strategies(model.config.num_layers * EXPERTS):
