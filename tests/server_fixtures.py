@@ -64,7 +64,10 @@ def demo_engine(**changes) -> LLMEngine:
 
 def scripted(engine, script: list[int]):
     """Replace sampling with a fixed token script (the n-th generated token is script[n]):
-    drives the tool-call parser and the SDK round trips with a model whose outputs are noise."""
+    drives the tool-call parser and the SDK round trips with a model whose outputs are noise.
+    Drafting goes off for the engine (a verify step takes the model's tokens, not the
+    script's: a script's repeated markup would be drafted)."""
+    engine.drafter = None
 
     def sample(group, logits):
         return [engine._accept(r, script[min(len(r.output_ids), len(script) - 1)]) for r in group]

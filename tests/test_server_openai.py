@@ -425,9 +425,12 @@ def test_unset_sampling_settings_are_the_checkpoints_recommendation(server, clie
         core.sampling_defaults = saved
 
 
-def test_a_request_can_turn_drafting_off_for_itself(server, client):
+def test_a_request_can_turn_drafting_off_for_itself(engine, server, client, monkeypatch):
     """`speculative: false` (an extension field) keeps the engine's drafter off this request;
     left out, a reply that repeats its context is drafted (counted in /v1/stats)."""
+    from freetoken.engine.speculative import PromptLookup
+
+    monkeypatch.setattr(engine, "drafter", PromptLookup())  # (as --speculative auto on a CPU)
 
     def drafted():
         return httpx.get(server[0] + "/v1/stats").json()["speculative"]["drafted"]

@@ -524,7 +524,7 @@ class LLMEngine:
             self.drafter.record(req.drafting, len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted
-        self.verified += 1
+        self.verified += bool(draft)  # (a request without a draft rides in the same step)
         req.draft = []
         return emitted
 
