@@ -122,7 +122,9 @@ def decode_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.tensor([e2m1(c) for c in range(16)])[codes.long()]
 
 
-def fp8_blocks(w, block):
+def fp8_blocks(w, block, power_of_two=False):
+    """FP8 e4m3 in blocks, each scaled by its largest value over 448 (rounded up to a power of
+    two where asked: e8m0 scales)."""
     bn, bk = block
     n, k = w.shape
     scale_inv = torch.empty(-(-n // bn), -(-k // bk))
@@ -132,6 +134,8 @@ def fp8_blocks(w, block):
         for j in range(scale_inv.shape[1]):
             tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
             s = tile.abs().max() / 448.0
+            if power_of_two:
+                s = torch.exp2(torch.ceil(torch.log2(s)))
             scale_inv[i, j] = s
             codes = (tile / s).to(torch.float8_e4m3fn)
             data[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = codes
@@ -492,21 +496,9 @@ def test_quantized_experts_on_cuda_match_the_dequantized_model(fmt, source, tmp_
 def fp8_e8m0_blocks(w, block=(128, 128)):
     """FP8 in blocks with power-of-two scales stored as e8m0, under DeepSeek's own name
     `X.scale` (DeepSeek-V4's releases: `scale_fmt` "ue8m0")."""
-    bn, bk = block
-    n, k = w.shape
-    exponent = torch.empty(-(-n // bn), -(-k // bk))
-    data = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    ref = torch.empty(n, k)
-    for i in range(exponent.shape[0]):
-        for j in range(exponent.shape[1]):
-            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-            e = torch.ceil(torch.log2(w[rows, cols].abs().max() / 448.0))
-            exponent[i, j] = e
-            codes = (w[rows, cols] / torch.exp2(e)).to(torch.float8_e4m3fn)
-            data[rows, cols] = codes
-            ref[rows, cols] = codes.float() * torch.exp2(e)
-    scale = (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-    return {".weight": data, ".scale": scale}, ref
+    parts, ref = fp8_blocks(w, block, power_of_two=True)
+    scale = (torch.log2(parts[".weight_scale_inv"]) + 127).to(torch.uint8)
+    return {".weight": parts[".weight"], ".scale": scale.view(torch.float8_e8m0fnu)}, ref
 
 
 def fp4_rows(w):

@@ -2969,13 +2969,6 @@ static inline float load_value(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void store_value(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = bf16_bits(round_bf16(v));
-    else
-        ((float *)p)[i] = v;
-}
-
 enum { NORM_LLAMA = 0, NORM_SCALE_FP32 = 1, NORM_ZERO_CENTERED = 2 };
 
 /* T rows of H: with delta (else NULL), s = x + delta rounded to the dtype, written to `sum`,
@@ -2990,7 +2983,7 @@ void ft_cpu_rms_norm(int dtype, const void *x, const void *delta, const void *we
         const void *row = x;
         if (delta) {
             for (int64_t i = 0; i < H; i++)
-                store_value(sum, base + i,
+                put(sum, base + i,
                             load_value(x, base + i, bf16) + load_value(delta, base + i, bf16),
                             bf16);
             row = sum;
@@ -3014,7 +3007,7 @@ void ft_cpu_rms_norm(int dtype, const void *x, const void *delta, const void *we
             const float y = mode == NORM_ZERO_CENTERED ? h * (1.0f + w)
                             : mode == NORM_SCALE_FP32  ? w * h
                                                        : w * rnd(h, bf16);
-            store_value(out, base + i, y, bf16);
+            put(out, base + i, y, bf16);
         }
     }
 }
@@ -3038,11 +3031,11 @@ void ft_cpu_rotary(int dtype, const void *x, int64_t x_stride, int64_t h_stride,
                 const float s1 = load_value(sin, c + i, bf16), s2 = load_value(sin, c + half + i, bf16);
                 const float a1 = rnd(x1 * c1, bf16), b1 = rnd(-x2 * s1, bf16);
                 const float a2 = rnd(x2 * c2, bf16), b2 = rnd(x1 * s2, bf16);
-                store_value(out, at + i, a1 + b1, bf16);
-                store_value(out, at + half + i, a2 + b2, bf16);
+                put(out, at + i, a1 + b1, bf16);
+                put(out, at + half + i, a2 + b2, bf16);
             }
             for (int64_t i = rot; i < D; i++)
-                store_value(out, at + i, load_value(x, in + i, bf16), bf16);
+                put(out, at + i, load_value(x, in + i, bf16), bf16);
         }
 }
 
