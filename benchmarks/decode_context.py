@@ -37,9 +37,11 @@ from decode_offload import (
     use_uniform_routing,
 )
 
+from freetoken.config import EXPERT_FORMATS
 from freetoken.engine.runner import ModelRunner
 from freetoken.models import gguf
 from freetoken.models.loading import load_model
+from freetoken.weights.expert_format import expert_format
 
 
 def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device,
@@ -166,6 +168,12 @@ def main() -> int:
         default=0,
         help="also time one prompt of this many tokens (llama-bench: -p)",
     )
+    ap.add_argument(
+        "--expert-format",
+        default="dense",
+        choices=EXPERT_FORMATS,
+        help="how the random model's experts are stored (dense: bf16; or kept quantized)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -181,7 +189,7 @@ def main() -> int:
         # Contexts beyond the model's 40k: the shape is what is measured, not its training.
         raw["max_position_embeddings"] = max(raw["max_position_embeddings"],
                                              max(args.contexts) + 1024)  # fmt: skip
-        loaded = random_model(raw, device)
+        loaded = random_model(raw, device, expert_format(args.expert_format))
     rows = []
     for strategy in strategies:
         offloaded = strategy not in ("fused", "cpu")

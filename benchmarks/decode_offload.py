@@ -140,7 +140,25 @@ def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
     return {**qwen3_5_35b_a3b(layers), "layer_types": ["full_attention"] * layers}
 
 
-SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
+def deepseek_v4_flash(layers: int) -> dict:
+    """DeepSeek-V4-Flash's shapes (transformers' DeepseekV4Config defaults are the release's):
+    256 experts of 24 MiB in bf16 (13 MiB as the release's MXFP4: `--expert-format mxfp4`),
+    top-6, a shared expert, hidden 4096, one 512-wide K=V head for 64 query heads, hyper-
+    connections of 4 streams; the first `layers` of its 43 layer kinds (hash-routed MoE in the
+    first three; HCA, then CSA and HCA in turn)."""
+    kinds = ["heavily_compressed_attention"] * 3 + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+        for i in range(3, 43)
+    ]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "num_hidden_layers": layers, "layer_types": kinds[:layers],
+        "mlp_layer_types": (["hash_moe"] * 3 + ["moe"] * 40)[:layers],
+        "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "deepseek-v4-flash": deepseek_v4_flash, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
           "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
           "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
           "qwen3-next-80b-a3b": qwen3_next_80b_a3b}  # fmt: skip
@@ -180,7 +198,9 @@ def random_model(raw: dict, device: torch.device, fmt: ExpertFormat = DENSE) -> 
     model = DecoderModel.empty(cfg, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # unit scale: 1, or 0 where the norm applies 1 + w
+            if not p.is_floating_point():  # (DeepSeek-V4's hash layers: experts by token id)
+                p.random_(0, cfg.moe.num_experts)
+            elif "norm" in name:  # unit scale: 1, or 0 where the norm applies 1 + w
                 p.fill_(0.0 if cfg.zero_centered_norm else 1.0)
             else:
                 p.normal_(0, 0.02)

@@ -152,3 +152,20 @@ def test_latent_attention_models_decode_in_graphs(tmp_path):
     graphed, runner = decode_logits(loaded, prompts, 10, cuda_graphs=True)
     assert runner.graphs is not None and runner.graphs.replays >= 8
     assert (eager - graphed).abs().max().item() < 1e-4
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [MoEOptions("fused"), MoEOptions("hybrid", "6")],
+                         ids=lambda o: o.strategy)  # fmt: skip
+def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
+    """DeepSeek-V4's attention reads every window the page table holds while captured (its
+    shapes fixed, masked past each length), its hyper-connections and hash-routed layer run
+    inside the graph: the replayed steps give the eager logits as the sequences cross
+    sliding windows and compression boundaries (windows of 4 and 8 here)."""
+    path, _ = build("deepseek_v4", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 23, 11])
+    eager, _ = decode_logits(loaded, prompts, 12, moe=options, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 12, moe=options, cuda_graphs=True)
+    assert runner.graphs is not None and runner.graphs.replays >= 10
+    assert (eager - graphed).abs().max().item() < 1e-4

@@ -130,13 +130,18 @@ class ModelRunner:
         # the batch's packed buffer, which a replay copies in.
         # Nor yet for sparse attention (DSA), whose decode gathers each sequence's pages in
         # torch (graph-safe, but a captured step would read the whole page table).
+        # DeepSeek-V4's compressed attention is torch too, but written for capture: its
+        # shapes are fixed by the page table's width, every window it can hold read and
+        # masked past each length (layers/compressed_attention.py).
         if (
             cuda_graphs
             and self.device.type == "cuda"
-            and cfg.compressed is None  # (DeepSeek-V4's attention: torch, not yet captured)
             and not (cfg.mla is not None and cfg.mla.indexer is not None)
-            and paged_attention.triton_decode_width(
-                cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+            and (
+                cfg.compressed is not None
+                or paged_attention.triton_decode_width(
+                    cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+                )
             )
         ):
             self.graphs = DecodeGraphs(self.model, self.kv, self.states)
