@@ -158,7 +158,8 @@ def deepseek_v4_flash(layers: int) -> dict:
     }  # fmt: skip
 
 
-SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "deepseek-v4-flash": deepseek_v4_flash, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
+SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
+          "deepseek-v4-flash": deepseek_v4_flash,
           "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
           "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
           "qwen3-next-80b-a3b": qwen3_next_80b_a3b}  # fmt: skip
