@@ -177,10 +177,13 @@ def test_load_time_starts_from_both_formats(tmp_path):
 
 def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_path):
     out = tmp_path / "imports.md"
+    # An empty PYTHONPYCACHEPREFIX is no prefix: the bytecode pip compiled at install is used
+    # (the script's own prefix would compile torch and transformers from source first: two
+    # minutes of a CI run on a 2-core machine).
     result = subprocess.run(
         [sys.executable, "import_profile.py", "--repeat", "1", "--top", "5", "--out", str(out)],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")},
+        env={**os.environ, "PYTHONPYCACHEPREFIX": ""},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     table = out.read_text()
@@ -188,7 +191,6 @@ def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_p
     alone_wall, alone_cpu, beside_wall = (float(c) for c in row.split("|")[2:5])
     assert 0 < alone_cpu <= alone_wall * 1.05 and beside_wall > 0
     assert "| torch |" in table or "| torch._C |" in table  # (among the slowest modules)
-    assert any((tmp_path / "pycache").rglob("*.pyc"))  # (its bytecode kept)
 
 
 def test_serve_start_times_ft_serve_to_its_first_answer(tmp_path):
