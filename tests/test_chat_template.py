@@ -271,3 +271,121 @@ def test_a_tokenizer_json_of_another_model_kind_goes_through_transformers(tmp_pa
     ours = Tokenizer(tmp_path)
     assert ours.uses_transformers
     assert ours.encode("hello world again") == [1, 2, 0]
+
+
+def test_from_json_reads_json_text() -> None:
+    assert render("""{{ ('{"a": [1, null], "b": "é"}' | from_json).a | tojson }}""") == "[1, null]"
+    with pytest.raises(jinja2.TemplateError, match="from_json"):
+        render("{{ 'not json' | from_json }}")
+
+
+# ------------------------------------------------------------ real templates (tests/data/templates)
+
+RECORDED = Path(__file__).parent / "data" / "templates"
+BOS = "<｜begin▁of▁sentence｜>"
+TOOL_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather",
+                                          "arguments": {"city": "Paris", "days": 3}}},
+        {"type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+    {"role": "tool", "content": "12:00"},
+]  # fmt: skip
+
+
+def with_text_arguments(messages: list[dict]) -> list[dict]:
+    """The chat with its calls' arguments as JSON text, as OpenAI clients send them."""
+    out = json.loads(json.dumps(messages))
+    for message in out:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    return out
+
+
+@pytest.mark.parametrize("name", [
+    "deepseek-ai-DeepSeek-V4.jinja", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
+    "deepseek-ai-DeepSeek-V3.2.jinja", "GLM-4.7-Flash.jinja",
+])  # fmt: skip
+@pytest.mark.parametrize("thinking", [True, False])
+def test_recorded_templates_render_as_transformers_renders_them(name: str, thinking: bool) -> None:
+    """The real templates against transformers' own renderer (arguments as objects, which it
+    takes), and arguments as JSON text the same where the template parses them (DeepSeek's,
+    through from_json, which transformers lacks)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = (RECORDED / name).read_text(encoding="utf-8")
+    options = dict(add_generation_prompt=True, bos_token=BOS, enable_thinking=thinking,
+                   reasoning_effort="max")  # fmt: skip
+    theirs = render_jinja_template([TOOL_CHAT], tools=[WEATHER], chat_template=source, **options)
+    theirs = theirs[0][0]  # (one conversation's text, beside its assistant masks)
+    ours = chat_template.render(source, TOOL_CHAT, [WEATHER], True, {"bos_token": BOS},
+                                enable_thinking=thinking, reasoning_effort="max")  # fmt: skip
+    assert ours == theirs
+    assert "get_weather" in ours and "12:00" in ours
+    if "DeepSeek" in name:
+        text_arguments = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER],
+                                              True, {"bos_token": BOS}, enable_thinking=thinking,
+                                              reasoning_effort="max")  # fmt: skip
+        assert text_arguments == ours
+
+
+def test_deepseek_v4_renders_a_tool_conversation() -> None:
+    """What DeepSeek-V4's template writes, read off the template: the system prompt, then the
+    tools' section, the turns, the call in DSML (a string parameter as is, others as JSON; a
+    call without arguments an empty line), the tool results in one user turn, and `<think>`
+    opened for the reply."""
+    source = (RECORDED / "deepseek-ai-DeepSeek-V4.jinja").read_text(encoding="utf-8")
+    text = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER], True,
+                                {"bos_token": BOS}, enable_thinking=True)  # fmt: skip
+    assert text.startswith(f"{BOS}Be brief.\n\n## Tools\n\nYou have access to a set of tools")
+    assert "\n\n### Available Tool Schemas\n\n" + json.dumps(WEATHER["function"]) + "\n" in text
+    assert text.endswith(
+        "You MUST strictly follow the above defined tool name and parameter schemas to invoke "
+        "tool calls.\n"
+        "<｜User｜>Weather in Paris?<｜Assistant｜><think>Need the tool.</think>\n\n"
+        "<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        '<｜DSML｜invoke name="get_time">\n'
+        "\n"
+        "</｜DSML｜invoke>\n"
+        "</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+        '<｜User｜><tool_result>{"sky": "sunny"}</tool_result>\n\n'
+        "<tool_result>12:00</tool_result><｜Assistant｜><think>"
+    )
+    # thinking off: past reasoning dropped where no tools keep it, `</think>` closes the prompt
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello",
+              "reasoning_content": "greet"}, {"role": "user", "content": "Bye"}]  # fmt: skip
+    assert chat_template.render(source, plain, None, True, {"bos_token": BOS}) == (
+        f"{BOS}<｜User｜>Hi<｜Assistant｜></think>Hello<｜end▁of▁sentence｜>"
+        "<｜User｜>Bye<｜Assistant｜></think>"
+    )
+
+
+def test_deepseek_v3_2_renders_a_tool_conversation() -> None:
+    """V3.2's: calls in `function_calls`, results in `<function_results>` after the call's
+    turn, and the reply's `<think>` opened after them (no assistant tag again)."""
+    source = (RECORDED / "deepseek-ai-DeepSeek-V3.2.jinja").read_text(encoding="utf-8")
+    text = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER], True,
+                                {"bos_token": BOS}, enable_thinking=True)  # fmt: skip
+    assert text.startswith(f"{BOS}Be brief.\n\n## Tools\n\n")
+    assert "<functions>\n" + json.dumps(WEATHER["function"]) + "\n</functions>\n" in text
+    assert text.endswith(
+        "<｜User｜>Weather in Paris?<｜Assistant｜><think>Need the tool.</think>\n\n"
+        "<｜DSML｜function_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        '<｜DSML｜invoke name="get_time">\n'
+        "</｜DSML｜invoke>\n"
+        "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n"
+        "<function_results>\n"
+        '<result>{"sky": "sunny"}</result>\n'
+        "<result>12:00</result>\n"
+        "</function_results>\n\n<think>"
+    )

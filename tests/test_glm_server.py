@@ -6,6 +6,7 @@ request's schema (whole and streamed), and the tool result goes back through the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,36 @@ def test_a_forced_tool_choice_opens_the_call_as_glm_writes_it(engine, server, mo
     rest = "<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call><|im_end|>"
     tool_call = forced_tool_call(engine, server[0], monkeypatch, WEATHER, rest, "Rome?")
     assert json.loads(tool_call.function.arguments) == {"city": "Rome"}
+
+
+# GLM-4.7-Flash's real template (GLM-5.x writes the same format): no newlines in a call, and
+# the generation prompt opens <think> unless thinking is turned off
+RECORDED = Path(__file__).parent / "data" / "templates" / "GLM-4.7-Flash.jinja"
+
+
+@pytest.fixture(scope="module")
+def glm47_engine(tmp_path_factory):
+    template = RECORDED.read_text(encoding="utf-8")
+    return cpu_engine(demo_with_template(tmp_path_factory.mktemp("glm47"), template)[0])
+
+
+def test_the_recorded_glm_4_7_template_picks_glm45_and_round_trips_a_call(glm47_engine,
+                                                                          monkeypatch):  # fmt: skip
+    call = (
+        f"{WEATHER_THOUGHT}</think><tool_call>get_weather<arg_key>city</arg_key>"
+        "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value>"
+        "</tool_call><|im_end|>"
+    )
+    answer = f"</think>{WEATHER_ANSWER}<|im_end|>"
+    with running_server(glm47_engine) as (base, core):
+        assert core.parser_name == "glm45"
+        prompts = tool_use_round_trip(glm47_engine, base, monkeypatch, WEATHER, call,
+                                      {"city": "Paris", "days": 3}, answer)  # fmt: skip
+    assert prompts[0].endswith("<|user|>Weather in Paris?<|assistant|><think>")
+    # the call (with its reasoning, the turn after the last user message) and the result
+    assert prompts[-1].endswith(
+        f"<|assistant|><think>{WEATHER_THOUGHT}</think><tool_call>get_weather"
+        "<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+        '<arg_value>3</arg_value></tool_call><|observation|><tool_response>{"sky": "sunny"}'
+        "</tool_response><|assistant|><think>"
+    )

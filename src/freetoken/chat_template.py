@@ -5,10 +5,12 @@ A template is a Jinja program run in Jinja's immutable sandbox with what transfo
 `trim_blocks` and `lstrip_blocks`, the loop controls, a `tojson` that leaves non-ASCII and HTML
 characters alone, `raise_exception`, `strftime_now`, a `{% generation %}` block that renders its
 body, and the special tokens (`bos_token`, `eos_token`, ...) beside the messages, the tools and
-`add_generation_prompt`. Messages are normalised first, as transformers 5 does: keys whose value
-is None are dropped (templates print "None" or fail on them), and a message's reasoning is
-offered under each name templates read it by (`reasoning_content`: Qwen's; `thinking`:
-gpt-oss's).
+`add_generation_prompt`. One filter transformers lacks is added: `from_json`, tojson's inverse
+(JSON text -> its value; not JSON text is the template's error), with which the DeepSeek-V3.2 and
+V4 templates recorded in llama.cpp read a past call's arguments given as JSON text. Messages are
+normalised first, as transformers 5 does: keys whose value is None are dropped (templates print
+"None" or fail on them), and a message's reasoning is offered under each name templates read it
+by (`reasoning_content`: Qwen's; `thinking`: gpt-oss's).
 """
 
 from __future__ import annotations
@@ -168,10 +170,17 @@ def _compiled(source: str):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
                           separators=separators, sort_keys=sort_keys)  # fmt: skip
 
+    def from_json(text):
+        try:
+            return json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise jinja2.exceptions.TemplateError(f"from_json: not JSON text: {e}") from e
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
     )
     env.filters["tojson"] = tojson
+    env.filters["from_json"] = from_json
     env.globals.update(
         raise_exception=raise_exception,
         strftime_now=lambda fmt: datetime.now().strftime(fmt),

@@ -31,7 +31,10 @@ PARSERS: dict[str, str] = {
     "qwen3": "freetoken.server.parsers.untagged:UntaggedQwenParser",
     "hermes": "freetoken.server.parsers.untagged:UntaggedQwenParser",
     "harmony": "freetoken.server.parsers.harmony:HarmonyParser",  # gpt-oss
-    "glm45": "freetoken.server.parsers.glm:GlmParser",  # GLM-4.5 / 4.6 / 4.7
+    "glm45": "freetoken.server.parsers.glm:GlmParser",  # GLM-4.5 / 4.6 / 4.7, GLM-5.x
+    # DeepSeek's `<｜DSML｜...>` calls and `<think>`: V4 (`tool_calls`), V3.2 (`function_calls`)
+    "dsml": "freetoken.server.parsers.dsml:DsmlParser",
+    "dsml_v32": "freetoken.server.parsers.dsml:DsmlV32Parser",
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
 }
 
@@ -73,8 +76,8 @@ def make_parser(name: str, tools: list | None = None, **options: object) -> Outp
 
 
 def keeps_special_tokens(name: str) -> bool:
-    """Whether parser `name` reads markup the tokenizer holds as special tokens (Harmony's),
-    which the detokeniser must then keep in the text."""
+    """Whether parser `name` reads markup the tokenizer holds as special tokens (Harmony's;
+    DeepSeek's end of turn), which the detokeniser must then keep in the text."""
     return bool(getattr(_parser_class(name), "keeps_special_tokens", False))
 
 
@@ -91,13 +94,16 @@ def parser_for_template(chat_template: str | None) -> str | None:
 
     Templates that write tool calls as `<tool_call>` JSON (Qwen2.5/Qwen3, Hermes) or that
     mention `<think>` blocks get the Qwen parser (its tool call detection is harmless for a
-    model that never writes `<tool_call>`); Harmony's channels (gpt-oss) and GLM-4.5's
-    `<arg_key>` / `<arg_value>` calls their own.
+    model that never writes `<tool_call>`); Harmony's channels (gpt-oss), GLM-4.5's
+    `<arg_key>` / `<arg_value>` calls and DeepSeek's DSML calls (V4's `tool_calls` block,
+    V3.2's `function_calls`) their own.
     """
     if not chat_template:
         return None
     if "<|channel|>" in chat_template:
         return "harmony"
+    if "｜DSML｜" in chat_template:
+        return "dsml_v32" if "function_calls>" in chat_template else "dsml"
     if "<arg_key>" in chat_template:
         return "glm45"
     if "<tool_call>" in chat_template or "<think>" in chat_template:

@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any
 
-from freetoken.server.parsers.json_stream import WHITESPACE, partial_tag_len
+from freetoken.server.parsers.json_stream import WHITESPACE, json_or_text, partial_tag_len
 from freetoken.server.parsers.qwen import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, QwenParser
 
 KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE = (
@@ -71,17 +71,6 @@ def string_parameters(tools: list[dict[str, Any]] | None) -> dict[str, set[str]]
     return out
 
 
-def _value(text: str) -> Any:
-    """A value GLM wrote without a schema saying it is a string: its JSON value where it reads
-    as strict JSON (no NaN or infinities, which strict clients refuse), else the text."""
-    try:
-        value = json.loads(text)
-        json.dumps(value, allow_nan=False)
-    except ValueError:
-        return text
-    return value
-
-
 def parse_glm_call(body: str, strings: dict[str, set[str]]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a whole call body, or None if it is not one."""
     start = body.find(KEY_OPEN)
@@ -96,7 +85,7 @@ def parse_glm_call(body: str, strings: dict[str, set[str]]) -> tuple[str, str] |
         if m is None:
             return None  # text outside the pairs, or a key without its value
         key, value = m[1].strip(WHITESPACE), m[2]
-        args[key] = value if key in strings.get(name, ()) else _value(value)
+        args[key] = value if key in strings.get(name, ()) else json_or_text(value)
         pos = m.end()
     return name, json.dumps(args, ensure_ascii=False)
 

@@ -4,8 +4,10 @@ arrive and a truncated value can still be closed into valid JSON)."""
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from typing import Any
 
 WHITESPACE = " \t\r\n"
 
@@ -13,6 +15,18 @@ WHITESPACE = " \t\r\n"
 def new_call_id() -> str:
     """A fresh tool call id: "call_" and 24 random hex digits."""
     return "call_" + secrets.token_hex(12)
+
+
+def json_or_text(text: str) -> Any:
+    """A value written as text that should be JSON (GLM's non-string arguments, DSML's
+    string="false" parameters): its JSON value where it reads as strict JSON (no NaN or
+    infinities, which strict clients refuse), else the text itself."""
+    try:
+        value = json.loads(text)
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return text
+    return value
 
 
 def partial_tag_len(text: str, tags: tuple[str, ...]) -> int:

@@ -284,10 +284,7 @@ class QwenParser:
         if hit != -1:
             self._text(buf[:hit].rstrip(WHITESPACE))
             self._buf = buf[hit + len(tag) :]
-            if tag == THINK_OPEN:
-                self._state, self._lstrip = _THINK, "\n"
-            else:
-                self._state, self._body = _HEADER, ""
+            self._opened(tag)
             return True
         if final:
             self._text(buf)
@@ -298,6 +295,14 @@ class QwenParser:
         self._text(head)
         self._buf = buf[len(head) :]
         return False
+
+    def _opened(self, tag: str) -> None:
+        """One of `self._tags` was found in answer text (and taken from it): what it opens.
+        Formats with other tags (parsers/dsml.py) decide theirs here."""
+        if tag == THINK_OPEN:
+            self._state, self._lstrip = _THINK, "\n"
+        else:
+            self._state, self._body = _HEADER, ""
 
     def _in_think(self, final: bool) -> bool:
         self._strip_leading()
