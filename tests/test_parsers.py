@@ -40,15 +40,16 @@ def parse(chunks: list[str], **options) -> list:
     return events
 
 
-def collapse(events: list) -> list[tuple]:
-    """Consecutive deltas of one kind merged; ids checked and replaced by the call index."""
+def collapse(events: list, ids: re.Pattern = ID) -> list[tuple]:
+    """Consecutive deltas of one kind merged; ids checked (against `ids`) and replaced by the
+    call index."""
     out: list[tuple] = []
     for ev in events:
         if isinstance(ev, TextDelta | ReasoningDelta):
             assert ev.text, "empty delta"
             item = ("text" if isinstance(ev, TextDelta) else "think", ev.text)
         elif isinstance(ev, ToolCallStart):
-            assert ID.fullmatch(ev.id), ev.id
+            assert ids.fullmatch(ev.id), ev.id
             item = ("start", ev.index, ev.name)
         elif isinstance(ev, ToolCallArgsDelta):
             assert ev.text, "empty delta"

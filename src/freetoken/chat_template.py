@@ -1,7 +1,7 @@
 """Chat templates: found in a checkpoint's files and rendered as transformers renders them,
 without importing transformers (its import is seconds of a start on a slow file system).
 
-A template is a Jinja program run in Jinja's immutable sandbox with what transformers gives it:
+A template is a Jinja program run in Jinja's sandbox with what transformers gives it:
 `trim_blocks` and `lstrip_blocks`, the loop controls, a `tojson` that leaves non-ASCII and HTML
 characters alone, `raise_exception`, `strftime_now`, a `{% generation %}` block that renders its
 body, and the special tokens (`bos_token`, `eos_token`, ...) beside the messages, the tools and
@@ -11,6 +11,14 @@ V4 templates recorded in llama.cpp read a past call's arguments given as JSON te
 normalised first, as transformers 5 does: keys whose value is None are dropped (templates print
 "None" or fail on them), and a message's reasoning is offered under each name templates read it
 by (`reasoning_content`: Qwen's; `thinking`: gpt-oss's).
+
+One difference: a template may change the lists and dicts it holds (`append`, `pop`, ...).
+transformers runs templates in Jinja's immutable sandbox, which refuses that; llama.cpp's
+template engine allows it, and Kimi-K2's templates (Instruct, Thinking) need it: they queue the
+ids of the calls they write with `ids.append(...)` and take them back for the tool results with
+`ids.pop(0)` (transformers 5 fails on them). A template that renders under transformers renders
+the same here. What a template is given is a copy (`_copied`), so the caller's messages, tools
+and arguments are never changed whatever it does.
 """
 
 from __future__ import annotations
@@ -84,8 +92,20 @@ def normalise(messages: list[Any]) -> list[dict[str, Any]]:
         reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
+        out.append(_copied(message))
     return out
+
+
+def _copied(value: Any) -> Any:
+    """`value` with its dicts and lists (at any depth) copied: a template may change its own
+    (see the module docstring), never the caller's."""
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copied(v) for v in value)
+    return value
 
 
 def render(
@@ -100,10 +120,10 @@ def render(
     reasoning_effort, ...) override the special tokens where both name one."""
     if kwargs.pop("continue_final_message", False):
         raise ValueError("continue_final_message is not supported")
-    variables = {**(special_tokens or {}), **kwargs}
+    variables = _copied({**(special_tokens or {}), **kwargs})
     return _compiled(source).render(
         messages=normalise(messages),
-        tools=tools,
+        tools=_copied(tools),
         documents=variables.pop("documents", None),
         add_generation_prompt=add_generation_prompt,
         **variables,
@@ -125,7 +145,7 @@ class _Dict:
 def _compiled(source: str):
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import SandboxedEnvironment
 
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens for
@@ -176,7 +196,7 @@ def _compiled(source: str):
         except (TypeError, ValueError) as e:
             raise jinja2.exceptions.TemplateError(f"from_json: not JSON text: {e}") from e
 
-    env = ImmutableSandboxedEnvironment(
+    env = SandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
     )
     env.filters["tojson"] = tojson

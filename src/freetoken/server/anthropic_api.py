@@ -6,6 +6,7 @@ As in openai_api.py, each endpoint is `prepare_*` (off the event loop) then `ans
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -40,6 +41,16 @@ STOP_REASON = {
     "tool_calls": "tool_use",
     "stop_sequence": "stop_sequence",
 }
+_NOT_IN_TOOL_USE_IDS = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+def _tool_use_block(start: ev.ToolCallStart) -> dict[str, Any]:
+    """A call's tool_use block, its input still empty. The call's id as Anthropic's API has
+    them (`^[a-zA-Z0-9_-]+$`; its servers refuse any other in a conversation a client replays
+    there): other characters become `_`, as Kimi's `functions.get_weather:0` becomes
+    `functions_get_weather_0` (parsers/kimi.py)."""
+    call_id = _NOT_IN_TOOL_USE_IDS.sub("_", start.id)
+    return {"type": "tool_use", "id": call_id, "name": start.name, "input": {}}
 
 
 # Claude Code opens its system prompt with a billing header for Anthropic's servers, which read
@@ -227,7 +238,7 @@ async def _whole(events, mid: str, model: str) -> dict[str, Any]:
                 )
             content[-1][key] += e.text
         elif isinstance(e, ev.ToolCallStart):
-            content.append({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+            content.append(_tool_use_block(e))
             args[len(content) - 1] = []
         elif isinstance(e, ev.ToolCallArgsDelta):
             args[max(args)].append(e.text)
@@ -330,7 +341,7 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
                 "content_block_start",
                 {
                     "index": index,
-                    "content_block": {"type": "tool_use", "id": e.id, "name": e.name, "input": {}},
+                    "content_block": _tool_use_block(e),
                 },
             )
         elif isinstance(e, ev.ToolCallArgsDelta):

@@ -3,7 +3,7 @@
 A chat template is a program: one with a loop of millions of steps froze every endpoint of
 the server, /health included, while it rendered. Client templates are refused unless the
 operator allows them (`--allow-request-chat-template`); then each renders in a worker process
-(Jinja's immutable sandbox, as for the checkpoint's own template: chat_template.py) that is
+(Jinja's sandbox, as for the checkpoint's own template: chat_template.py) that is
 killed when it takes longer than `timeout` seconds, and the next one starts afresh.
 """
 

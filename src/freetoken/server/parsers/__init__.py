@@ -35,6 +35,8 @@ PARSERS: dict[str, str] = {
     # DeepSeek's `<｜DSML｜...>` calls and `<think>`: V4 (`tool_calls`), V3.2 (`function_calls`)
     "dsml": "freetoken.server.parsers.dsml:DsmlParser",
     "dsml_v32": "freetoken.server.parsers.dsml:DsmlV32Parser",
+    "kimi_k2": "freetoken.server.parsers.kimi:KimiParser",  # Kimi-K2 / K2.5 / K2.6
+    "minimax_m2": "freetoken.server.parsers.minimax:MiniMaxParser",  # MiniMax-M2 / M2.1
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
 }
 
@@ -106,6 +108,10 @@ def parser_for_template(chat_template: str | None) -> str | None:
         return "dsml_v32" if "function_calls>" in chat_template else "dsml"
     if "<arg_key>" in chat_template:
         return "glm45"
+    if "<|tool_calls_section_begin|>" in chat_template:  # (before <think>: K2-Thinking has it)
+        return "kimi_k2"
+    if "<minimax:tool_call>" in chat_template:  # (before <think>: M2 has it)
+        return "minimax_m2"
     if "<tool_call>" in chat_template or "<think>" in chat_template:
         return "qwen3"
     return None

@@ -41,6 +41,12 @@ Rules (each decided from the text alone, so the events never depend on how it wa
   dropped, so whitespace between calls never becomes text.
 * A chunk that ends with what may be the start of a tag (`<to`, `</th`) or with whitespace
   is held until the next chunk decides; `finish()` releases what is held.
+
+Formats with the same reasoning rules and other call markup subclass QwenParser (glm.py,
+kimi.py, minimax.py): they name their own tags around a call (`call_open`, `call_close`), the
+markup that only groups calls (`grouping_tags`: dropped where it stands), the tags that end
+reasoning when the model leaves `</think>` out (`reasoning_ends`), and read a call's header
+their own way (`_in_header`).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+ARGS_START = '{["-0123456789tfn'  # the characters a JSON value can begin with
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +132,7 @@ def _match_header(s: str) -> tuple[str, int] | str:
     pos = _skip_ws(s, pos)
     if pos == len(s):
         return _NEED
-    if s[pos] not in '{["-0123456789tfn':
+    if s[pos] not in ARGS_START:
         return _FAIL
     return name, pos
 
@@ -171,8 +178,15 @@ _SIMPLE_ESCAPES = {
 class QwenParser:
     """Streaming parser for Qwen3 / Hermes output (see the module docstring for the rules)."""
 
+    # What a subclass's format changes (see the module docstring)
+    call_open, call_close = CALL_OPEN, CALL_CLOSE
+    grouping_tags: tuple[str, ...] = ()
+    reasoning_ends: tuple[str, ...] = ()
+
     def __init__(self, *, starts_in_reasoning: bool = False, tool_calls: bool = True) -> None:
-        self._tags = (THINK_OPEN, CALL_OPEN) if tool_calls else (THINK_OPEN,)
+        self._tags = (
+            (THINK_OPEN, self.call_open, *self.grouping_tags) if tool_calls else (THINK_OPEN,)
+        )
         self._state = _THINK if starts_in_reasoning else _TEXT
         self._lstrip = "\n" if starts_in_reasoning else ""  # chars to drop at the next text
         self._buf = ""  # text not yet handled
@@ -264,9 +278,10 @@ class QwenParser:
         self._lstrip = WHITESPACE if after_call else ""
         return True
 
-    def _start_call(self, name: str) -> None:
-        call_id = new_call_id()
-        while call_id in self._ids:
+    def _start_call(self, name: str, call_id: str | None = None) -> None:
+        """ToolCallStart, with the id the model wrote for the call (Kimi's) where it is not one
+        this reply used already, else a fresh one."""
+        while call_id is None or call_id in self._ids:
             call_id = new_call_id()
         self._ids.add(call_id)
         self._emit(ToolCallStart(self._n_calls, call_id, name))
@@ -301,13 +316,16 @@ class QwenParser:
         Formats with other tags (parsers/dsml.py) decide theirs here."""
         if tag == THINK_OPEN:
             self._state, self._lstrip = _THINK, "\n"
+        elif tag in self.grouping_tags:
+            self._lstrip = WHITESPACE  # (only markup: the text goes on after it)
         else:
             self._state, self._body = _HEADER, ""
 
     def _in_think(self, final: bool) -> bool:
         self._strip_leading()
         buf = self._buf
-        hit = buf.find(THINK_CLOSE)
+        ends = (THINK_CLOSE, *self.reasoning_ends)
+        hit, tag = find_first(buf, ends)
         if hit != -1 or final:
             text = buf[:hit] if hit != -1 else buf
             if text := text.rstrip("\n"):
@@ -315,10 +333,11 @@ class QwenParser:
             if hit == -1:
                 self._buf = ""
                 return False
-            self._buf = buf[hit + len(THINK_CLOSE) :]
+            # (a tag other than </think> stays, for the answer text to read: a call's opening)
+            self._buf = buf[hit + len(THINK_CLOSE) :] if tag == THINK_CLOSE else buf[hit:]
             self._state, self._lstrip = _TEXT, "\n"
             return True
-        cut = len(buf) - partial_tag_len(buf, (THINK_CLOSE,))
+        cut = len(buf) - partial_tag_len(buf, ends)
         head = buf[:cut].rstrip("\n")
         if head:
             self._emit(ReasoningDelta(head))
@@ -332,17 +351,22 @@ class QwenParser:
         if match == _NEED:
             if not final:
                 return False
-            self._text(CALL_OPEN + self._body)
+            self._text(self.call_open + self._body)
             return self._to_text("")
         if match == _FAIL:
             self._state, self._slow_pos, self._slow_in_str, self._slow_esc = _SLOW, 0, False, False
             return True
         name, pos = match
-        self._start_call(name)
+        return self._begin_args(name, self._body[pos:])
+
+    def _begin_args(self, name: str, args: str, call_id: str | None = None) -> bool:
+        """ToolCallStart, then the arguments stream from `args` (the call's text from their
+        first character, one of ARGS_START)."""
+        self._start_call(name, call_id)
         self._json = JsonStream()
-        self._in_string = self._body[pos] == '"'
+        self._in_string = args[0] == '"'
         self._esc, self._high = None, None
-        self._buf = self._body[pos + 1 if self._in_string else pos :]
+        self._buf = args[1:] if self._in_string else args
         self._body = ""
         self._state = _ARGS
         return True
@@ -366,31 +390,35 @@ class QwenParser:
             elif c == '"':
                 self._slow_in_str = True
             elif c == "<":
-                if body.startswith(CALL_CLOSE, i):
-                    end, rest, closer = i, body[i + len(CALL_CLOSE) :], CALL_CLOSE
+                if body.startswith(self.call_close, i):
+                    end, rest, closer = i, body[i + len(self.call_close) :], self.call_close
                     break
-                if body.startswith(CALL_OPEN, i):
+                if body.startswith(self.call_open, i):
                     end, rest = i, body[i:]
                     break
-                if partial_tag_len(body[i:], (CALL_OPEN, CALL_CLOSE)) == len(body) - i:
+                if partial_tag_len(body[i:], (self.call_open, self.call_close)) == len(body) - i:
                     break  # maybe a tag: wait for more
             i += 1
         self._slow_pos = i
         if end == -1 and not final:
             return False
         text = body[:end] if end != -1 else body
-        return self._whole_call(_parse_whole_call(text), text, closer, rest)
+        call = _parse_whole_call(text)
+        return self._whole_call(None if call is None else [call], text, closer, rest)
 
-    def _whole_call(self, call: tuple[str, str] | None, body: str, closer: str, rest: str) -> bool:
-        """A call body parsed whole: `call` (name, arguments JSON) as one call's events, or,
-        where it is None, the body given back as text with its tags; then `rest` as text."""
-        if call is not None:
-            self._start_call(call[0])
-            self._args(call[1])
-            self._end_call()
+    def _whole_call(
+        self, calls: list[tuple[str, str]] | None, body: str, closer: str, rest: str
+    ) -> bool:
+        """A call body parsed whole: `calls` (name, arguments JSON) as their events, or, where
+        it is None, the body given back as text with its tags; then `rest` as text."""
+        if calls is not None:
+            for name, arguments in calls:
+                self._start_call(name)
+                self._args(arguments)
+                self._end_call()
         else:
-            self._text(CALL_OPEN + body + closer)
-        return self._to_text(rest, after_call=call is not None)
+            self._text(self.call_open + body + closer)
+        return self._to_text(rest, after_call=calls is not None)
 
     def _in_args(self, final: bool) -> bool:
         buf, js = self._buf, self._json
@@ -414,6 +442,12 @@ class QwenParser:
             self._state, self._body = _TAIL, ""
         else:
             self._abandon_args(js.held_raw())
+        return True
+
+    def _not_a_call(self) -> bool:
+        """The call's text so far (`_body`) is not a call: it goes back as answer text, its
+        opening tag included, up to its closing tag."""
+        self._state, self._body = _JUNK, self.call_open + self._body
         return True
 
     def _abandon_args(self, junk: str) -> None:
@@ -480,16 +514,16 @@ class QwenParser:
         return r
 
     def _in_tail(self, final: bool) -> bool:
-        """After the arguments: expect `}` and `</tool_call>`."""
+        """After the arguments: expect `}` and `</tool_call>` (a next call's opening, or
+        markup that groups calls, ends the call too and stays, for the text to read)."""
         self._body += self._buf
         self._buf = ""
-        hit, tag = find_first(self._body, (CALL_CLOSE, CALL_OPEN))
+        hit, tag = find_first(self._body, (self.call_close, self.call_open, *self.grouping_tags))
         if hit == -1 and not final:
             return False
         tail = self._body[:hit] if hit != -1 else self._body
-        rest = (
-            "" if hit == -1 else self._body[hit + len(CALL_CLOSE) if tag == CALL_CLOSE else hit :]
-        )
+        skip = len(tag) if tag == self.call_close else 0
+        rest = "" if hit == -1 else self._body[hit + skip :]
         self._end_call()
         if tail.strip(WHITESPACE) not in ("", "}"):
             self._text(tail)
@@ -498,9 +532,9 @@ class QwenParser:
     def _in_junk(self, final: bool) -> bool:
         self._body += self._buf
         self._buf = ""
-        hit = self._body.find(CALL_CLOSE)
+        hit = self._body.find(self.call_close)
         if hit == -1 and not final:
             return False
-        end = hit + len(CALL_CLOSE) if hit != -1 else len(self._body)
+        end = hit + len(self.call_close) if hit != -1 else len(self._body)
         self._text(self._body[:end])
         return self._to_text(self._body[end:], after_call=False)
