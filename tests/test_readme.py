@@ -14,7 +14,10 @@ def readme_commands() -> list[str]:
 def test_readme_starts_with_run_and_test_commands():
     run, test = readme_commands()
     assert run.endswith("ft serve") and "pip install -e ." in run
-    assert test.endswith("pytest") and "'.[dev]'" in test
+    assert "'.[dev]'" in test and "ruff format --check" in test
+    # the suite in one process per core, a file's tests in one of them (its module fixtures
+    # built once)
+    assert test.endswith("pytest -n auto --dist loadfile")
 
 
 def test_ci_runs_the_readme_test_command():
