@@ -1,4 +1,11 @@
-"""Runs forward passes of a loaded model over sequences held in the paged KV cache."""
+"""Runs forward passes of a loaded model over sequences held in the paged KV cache.
+
+`ModelRunner` owns what a forward needs beyond the weights: the KV pool (sized here: without
+`kv_cache_tokens`, one sequence of `max_model_len` within a quarter of free memory), the
+recurrent state pool and its anchor slots (hybrid models), the MoE runtime (its expert cache
+takes the device memory the KV pool leaves) installed as every MoE block's executor, and the
+decode graphs. Re-sizes of the cache or the pool go through here, since the graphs read both:
+they are dropped first and captured again after."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ prefill does). A decode step reads every sequence at once: the window's rows and
 rows of the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every
 window the page table can hold while a CUDA graph is captured, so shapes are then fixed),
 masked past each sequence's length; the host's work does not grow with the context and nothing
-waits on the device. The runner does not capture V4 in CUDA graphs yet (untried: no GPU).
+waits on the device. So the runner captures V4's decode step in CUDA graphs like any other
+(no GPU run is recorded yet).
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """Load a local checkpoint into the shared decoder: a Hugging Face safetensors directory, or
 freetoken's own weight directory (weights/weight_dir.py), which `convert_checkpoint` writes
-from one."""
+from one.
+
+Before reading any weight, the load refuses a model free host memory cannot hold (sized from
+the headers). The model is made empty (`DecoderModel.empty`: no random init), then filled
+tensor by tensor under the family's names; per-expert tensors are stacked into the host pool's
+banks (moe/store.py), kept quantized where the checkpoint stores them in a format the kernels
+read (`expert_storage`); missing tensors are named."""
 
 from __future__ import annotations
 
