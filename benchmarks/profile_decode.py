@@ -3,7 +3,8 @@ time with the routed experts skipped (what the rest of the model costs).
 
     python benchmarks/profile_decode.py --layers 16 --strategy fused --strategy offload --out DIR
 
-Uses the random Qwen3-30B-A3B-shaped model and uniform routing of decode_offload.py.
+Uses a random model of decode_offload.py's shapes (Qwen3-30B-A3B's by default) and its
+uniform routing.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import time
 from pathlib import Path
 
 import torch
-from decode_offload import qwen3_30b_a3b, random_model, tiny, use_uniform_routing
+from decode_offload import SHAPES, random_model, tiny, use_uniform_routing
 from torch.profiler import ProfilerActivity, profile
 
-from freetoken.config import MoEOptions
+from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.weights.expert_format import expert_format
 
 
 def steps(runner, seqs, n, vocab, gen):
@@ -57,12 +59,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--expert-format", choices=EXPERT_FORMATS, default="dense")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     device = torch.device(args.device)
-    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
-    loaded = random_model(raw, device)
+    raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
+    loaded = random_model(raw, device, expert_format(args.expert_format))
     use_uniform_routing(loaded)
     vocab = loaded.config.vocab_size
     args.out.mkdir(parents=True, exist_ok=True)
