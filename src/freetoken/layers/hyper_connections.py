@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels.hyper_mix import hc_mix
 from freetoken.model_config import CompressedAttentionConfig
 
 
@@ -29,19 +30,9 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor):
         """streams [T, n, H] -> (post [T, n], comb [T, n, n], the block's input [T, H])."""
-        n = self.n
         mixes = F.linear(_normed(streams, self.eps), self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
-        comb = torch.softmax(comb, dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        # (one launch on a GPU for what torch needs ~120: kernels/hyper_mix.py)
+        pre, post, comb = hc_mix(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 

@@ -1,0 +1,89 @@
+"""DeepSeek-V4's hyper-connection mixes in one launch: from the projection of the normed streams,
+`pre` (sigmoid), `post` (2 x sigmoid) and `comb` (softmax, then Sinkhorn-Knopp to a doubly
+stochastic matrix) for every token.
+
+In torch that is about 120 launches a block (each Sinkhorn iteration sums and divides rows,
+then columns, of a 4 x 4 matrix), twice a layer: half of a decode step's kernels, each a
+microsecond or two of a GPU that has nothing else to do at batch 1. Here one program per token
+holds its n x n matrix in registers through every iteration. `hc_mix_reference` is the torch
+definition (and the CPU path); the kernel computes the same operations in the same order, in
+fp32, so the two agree to float rounding (fused multiply-adds aside).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only installs (and CI) take the torch path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+
+def hc_mix_reference(mixes, base, scale, n: int, iters: int, hc_eps: float):
+    """mixes [T, (2 + n) n] fp32, base [(2 + n) n], scale [3] -> pre [T, n], post [T, n],
+    comb [T, n, n] (each row of comb, and each column, summing to ~1)."""
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def kernel_takes(mixes: torch.Tensor, n: int) -> bool:
+    """Whether the kernel runs these mixes: on CUDA, with Triton, n a power of two."""
+    return triton is not None and mixes.is_cuda and n >= 1 and n & (n - 1) == 0
+
+
+def hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):
+    """`hc_mix_reference`'s results, in one launch where `kernel_takes`."""
+    if not kernel_takes(mixes, n):
+        return hc_mix_reference(mixes, base, scale, n, iters, hc_eps)
+    return launch_hc_mix(mixes, base, scale, n, iters, hc_eps)
+
+
+def launch_hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):
+    """The kernel on any tensors Triton can run (CPU ones under its interpreter: the tests)."""
+    mixes = mixes.float().contiguous()
+    t = mixes.shape[0]
+    pre = mixes.new_empty(t, n)
+    post = mixes.new_empty(t, n)
+    comb = mixes.new_empty(t, n, n)
+    if t:
+        _hc_mix_kernel[(t,)](
+            mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
+            hc_eps, N=n, ITERS=iters,
+        )  # fmt: skip
+    return pre, post, comb
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hc_mix_kernel(mixes, base, scale, pre_out, post_out, comb_out, hc_eps,
+                       N: tl.constexpr, ITERS: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        row = mixes + t * (2 + N) * N
+        i = tl.arange(0, N)
+        cells = i[:, None] * N + i[None, :]  # [row, column] of the n x n matrix
+        pre = tl.sigmoid(tl.load(row + i) * tl.load(scale) + tl.load(base + i)) + hc_eps
+        post = 2 * tl.sigmoid(tl.load(row + N + i) * tl.load(scale + 1) + tl.load(base + N + i))
+        comb = tl.load(row + 2 * N + cells) * tl.load(scale + 2) + tl.load(base + 2 * N + cells)
+        e = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in tl.static_range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(pre_out + t * N + i, pre)
+        tl.store(post_out + t * N + i, post)
+        tl.store(comb_out + t * N * N + cells, comb)
