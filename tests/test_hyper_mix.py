@@ -29,7 +29,8 @@ def _largest_errors(device: str = "cpu") -> list[list[float]]:
         mixes, base, scale = _inputs(n, tokens, device)
         ours = hyper_mix.launch_hc_mix(mixes, base, scale, n, iters, 1e-6)
         ref = hyper_mix.hc_mix_reference(mixes, base, scale, n, iters, 1e-6)
-        errors = [(a - b).abs().max().item() if a.numel() else 0.0 for a, b in zip(ours, ref)]
+        pairs = zip(ours, ref, strict=True)
+        errors = [(a - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs]
         columns = (ours[2].sum(-2) - 1).abs().max().item() if tokens else 0.0
         out.append([*errors, columns])
     return out
@@ -38,7 +39,7 @@ def _largest_errors(device: str = "cpu") -> list[list[float]]:
 @needs_triton
 def test_the_kernel_computes_the_reference_under_the_interpreter():
     for (n, iters, _), (pre, post, comb, columns) in zip(
-        CASES, run_interpreted("test_hyper_mix", "_largest_errors", timeout=300)
+        CASES, run_interpreted("test_hyper_mix", "_largest_errors", timeout=300), strict=True
     ):
         assert max(pre, post, comb) < 1e-5, (n, iters, pre, post, comb)
         assert columns < 1e-3  # (Sinkhorn ends on a column normalisation)
@@ -56,4 +57,4 @@ def test_the_cpu_takes_the_reference_path(monkeypatch):
     monkeypatch.setattr(hyper_mix, "launch_hc_mix", lambda *a: pytest.fail("kernel launched"))
     ours = hyper_mix.hc_mix(mixes, base, scale, 4, 20, 1e-6)
     ref = hyper_mix.hc_mix_reference(mixes, base, scale, 4, 20, 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
