@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from freetoken import __version__, packaged_models
+from freetoken import __version__, packaged_models, settings
 from freetoken.cli import args as check
 from freetoken.cli import launch
 from freetoken.cli.args import RANDOM_DEMO
@@ -28,6 +28,7 @@ from freetoken.models import demo_model
 
 # The distribution's name on PyPI (`freetoken` there is another project's).
 DISTRIBUTION = "freetoken-moe"
+KEY_HELP = f"its key (default: ${settings.API_KEY.name}, if set)"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key", help="require this key on every endpoint but /health (default: "
-        "$FREETOKEN_API_KEY if set, else none)"
+        f"${settings.API_KEY.name} if set, else none)"
     )  # fmt: skip
     serve.add_argument(
         "--served-model-name",
@@ -340,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--url", default="http://127.0.0.1:1919", help="the server (default: %(default)s)"
     )
-    status.add_argument("--api-key", help="its key (default: $FREETOKEN_API_KEY, if set)")
+    status.add_argument("--api-key", help=KEY_HELP)
     status.add_argument(
         "--json", action="store_true", help="print /v1/stats as it came (default: a summary)"
     )
@@ -361,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument(
         "--url", default="http://127.0.0.1:1919", help="the server (default: %(default)s)"
     )
-    resize.add_argument("--api-key", help="its key (default: $FREETOKEN_API_KEY, if set)")
+    resize.add_argument("--api-key", help=KEY_HELP)
     resize.set_defaults(func="freetoken.cli.ctl:cache")
 
     checkpoint = sub.add_parser("checkpoint", help="prepare a checkpoint for fast starts")
