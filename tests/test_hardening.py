@@ -331,7 +331,7 @@ def test_serving_other_machines_without_a_key_warns():
 
 
 def test_serve_flags_reach_the_engine_config_before_it_is_built():
-    from freetoken.cli.main import engine_config
+    from freetoken.cli.options import engine_config
 
     config = engine_config(
         serve_args(**{"--max-running-requests": "8", "--max-prefill-chunk": "512",

@@ -28,6 +28,7 @@ from urllib.request import Request, urlopen
 
 from freetoken import settings
 from freetoken.cli.args import integer
+from freetoken.cli.options import add_engine_args
 from freetoken.errors import FreetokenError
 from freetoken.paths import cache_dir
 
@@ -300,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
             stop(process)
 
 
-def add_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], list]) -> None:
+def add_parser(sub) -> None:
+    """`ft launch`."""
     p = sub.add_parser(
         "launch",
         help="run Claude Code, Codex or OpenCode against a local freetoken server",
