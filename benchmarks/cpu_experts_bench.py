@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freetoken import settings
 from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import native
 from freetoken.kernels.cpu_experts import NativeCPUExperts
@@ -174,7 +175,7 @@ def split_table(args) -> list[str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for kernel in ("native", "torch"):
-        os.environ[native.DISABLE_ENV] = "1" if kernel == "native" else "0"
+        os.environ[settings.NATIVE.name] = "1" if kernel == "native" else "0"
         native._loaded.clear()
         # (the torch fallback dequantizes expert by expert: dense experts only)
         for name in args.formats if kernel == "native" else ["dense"]:
@@ -188,7 +189,7 @@ def split_table(args) -> list[str]:
                 )
                 print(row, flush=True)
                 rows.append(row)
-    os.environ[native.DISABLE_ENV] = "1"
+    os.environ[settings.NATIVE.name] = "1"
     native._loaded.clear()
     return [
         "## Through the CPU executor, alone and beside copies (bf16 model)",

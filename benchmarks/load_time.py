@@ -27,9 +27,8 @@ from pathlib import Path
 from checkpoint import write_random_checkpoint, write_random_weight_dir
 from decode_offload import qwen3_30b_a3b, report, tiny
 
-from freetoken import native_preload
+from freetoken import settings
 from freetoken.models.loading import convert_checkpoint
-from freetoken.weights import early_read
 from freetoken.weights.weight_dir import is_weight_dir
 
 START = """
@@ -127,13 +126,13 @@ def start_once(model: Path, strategy: str, cache: str, profile: Path | None = No
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
-        early_read.ENV: "1" if early else "0",
-        native_preload.ENV: "1" if preload else "0",
-        early_read.MAP_ENV: "1" if mapping else "0",
-        early_read.LOCK_ENV: "1" if lock else "0",
+        settings.EARLY_READ.name: "1" if early else "0",
+        settings.PRELOAD.name: "1" if preload else "0",
+        settings.EARLY_MAP.name: "1" if mapping else "0",
+        settings.EARLY_LOCK.name: "1" if lock else "0",
     }
     if readers is not None:  # (beside the imports)
-        env[early_read.READERS_ENV] = str(readers)
+        env[settings.EARLY_READERS.name] = str(readers)
     if profile is not None:  # the main thread's calls by cumulative time (cProfile)
         env["LOAD_TIME_PROFILE"] = str(profile)
     if log is not None:

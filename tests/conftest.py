@@ -69,14 +69,14 @@ class FakeDriver:
 def driver(monkeypatch, tmp_path):
     """A machine with a GPU's driver node and a fake libcuda (other libraries open for real)
     for the native preload (native_preload.py)."""
-    from freetoken import native_preload
+    from freetoken import native_preload, settings
 
     fake, real = FakeDriver(), ctypes.CDLL
     node = tmp_path / "nvidiactl"
     node.touch()
     monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(node))
     monkeypatch.setattr(native_preload, "_started", None)
-    monkeypatch.delenv(native_preload.ENV, raising=False)
+    monkeypatch.delenv(settings.PRELOAD.name, raising=False)
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     monkeypatch.setattr(
         ctypes,

@@ -14,7 +14,7 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from freetoken import chat_template, paths
+from freetoken import chat_template, settings
 from freetoken.errors import CheckpointError
 from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
@@ -51,7 +51,7 @@ TEXTS = [
 def qwen_dir(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        mp.setenv(settings.CACHE_DIR.name, str(cache))
         return write_qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
 
 

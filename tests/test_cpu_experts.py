@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from freetoken import settings
 from freetoken.activations import glu
 from freetoken.kernels import native
 from freetoken.kernels.cpu_banks import decode_expert
@@ -311,7 +312,7 @@ def test_build_is_cached_and_failure_falls_back(tmp_path, monkeypatch, caplog):
     assert "could not compile cpu_experts" in caplog.text
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.delenv("CC")
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(settings.NATIVE.name, "0")
     assert native.load("cpu_experts") is None
 
 
@@ -648,7 +649,7 @@ def test_the_avx2_and_scalar_decoders_too(flags, tmp_path):
 def with_native_flags(flags: str, code: str) -> str:
     """Runs `code` (with this module as t) in a new process whose native library is built with
     `flags` (FREETOKEN_NATIVE_FLAGS); returns its output, having checked that it succeeded."""
-    env = dict(os.environ, **{native.FLAGS_ENV: flags})
+    env = dict(os.environ, **{settings.NATIVE_FLAGS.name: flags})
     prelude = "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
     result = subprocess.run(
         [sys.executable, "-c", prelude + code, str(Path(__file__).parent)],

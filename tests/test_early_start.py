@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from freetoken import early_start, native_preload, tokenizer
+from freetoken import early_start, native_preload, settings, tokenizer
 from freetoken.errors import CheckpointError
 
 
@@ -107,9 +107,9 @@ def test_a_failing_driver_stops_only_the_preload(driver):
 
 def test_the_preload_begins_only_for_a_gpu_start(driver, monkeypatch, tmp_path):
     assert native_preload.start("cpu") is None
-    monkeypatch.setenv(native_preload.ENV, "0")
+    monkeypatch.setenv(settings.PRELOAD.name, "0")
     assert native_preload.start("cuda") is None
-    monkeypatch.delenv(native_preload.ENV)
+    monkeypatch.delenv(settings.PRELOAD.name)
     monkeypatch.setattr(native_preload, "NVIDIA_NODE", str(tmp_path / "none"))
     assert native_preload.start("cuda") is None
     assert native_preload.started() is None

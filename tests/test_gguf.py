@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from freetoken import paths
+from freetoken import settings
 from freetoken.engine.runner import ModelRunner
 from freetoken.errors import CheckpointError
 from freetoken.models import gguf
@@ -25,7 +25,7 @@ IDS = list(range(3, 40))
 def source(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        mp.setenv(settings.CACHE_DIR.name, str(cache))
         path, hf = build_chat_model("qwen3", tmp_path_factory.mktemp("qwen3") / "src")
     return path, hf, cache
 
@@ -92,7 +92,7 @@ def test_a_gguf_file_serves_its_weights(source, q8_0_file, tmp_path, monkeypatch
         file, cache = q8_0_file
     else:
         file, cache = write_qwen3_gguf(path, tmp_path / f"tiny-{kind}.gguf", kind), tmp_path
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(cache / "cache"))
     converted = gguf.checkpoint_of(file)
     assert converted.parent == cache / "cache" / "gguf" and (converted / gguf.DONE).is_file()
     ours = logits(converted)
@@ -145,7 +145,7 @@ def test_a_gguf_files_dense_layers_load_quantized_and_match_its_dequantized_mode
     from freetoken.weights.expert_format import QuantizedWeight
 
     file, cache = q8_0_file
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(cache / "cache"))
     converted = gguf.checkpoint_of(file)
     quantized = load_model(converted, dtype="float32")
     model = quantized.model
@@ -193,7 +193,7 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
     import gguf as gguf_package
     from safetensors.torch import load_file
 
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     path, _ = build_chat_model("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
     file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0", experts="F16")
     stored = load_file(str(gguf.checkpoint_of(file) / "model.safetensors"))
@@ -221,7 +221,7 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
 
 def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
     file, cache = f32_file
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(cache))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(cache))
     converted = gguf.checkpoint_of(file)
     done = json.loads((converted / gguf.DONE).read_text())
     assert done["format"] == gguf.FORMAT
@@ -234,7 +234,7 @@ def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
 
 def test_its_tokenizer_and_template_are_the_source_checkpoints(source, f32_file, monkeypatch):
     path, _, _ = source
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(f32_file[1]))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(f32_file[1]))
     converted = gguf.checkpoint_of(f32_file[0])
     ours, theirs = Tokenizer(converted), Tokenizer(path)
     assert not ours.uses_transformers  # (transformers saved it as a tokenizer.json to take)
@@ -260,7 +260,7 @@ def test_a_conversion_parses_the_files_metadata_once(f32_file, tmp_path, monkeyp
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     converted = gguf.checkpoint_of(f32_file[0], progress=True)
     assert (converted / "tokenizer.json").is_file() and (converted / "config.json").is_file()
     assert parses == [str(f32_file[0].resolve())]
@@ -275,7 +275,7 @@ def test_an_engine_starts_from_a_gguf_file(source, f32_file, monkeypatch):
     from freetoken.engine.sampling import SamplingParams
 
     path, _, _ = source
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(f32_file[1]))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(f32_file[1]))
     file = f32_file[0]
     outputs = []
     for model in (file, path):
@@ -298,7 +298,7 @@ def test_an_engine_starts_from_a_gguf_file(source, f32_file, monkeypatch):
 
 
 def test_a_file_that_is_not_gguf_is_refused_clearly(tmp_path, monkeypatch):
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match=r"bad\.gguf"):
@@ -310,7 +310,7 @@ def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path,
     from freetoken.weights import memory
 
     path, _, _ = source
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     file = write_qwen3_gguf(path, tmp_path / "big.gguf")
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
     with pytest.raises(CheckpointError, match=r"converts to .* free in host memory"):
@@ -321,7 +321,7 @@ def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path,
 def test_a_gguf_file_converts_to_a_weight_directory(f32_file, tmp_path, monkeypatch):
     from freetoken.models.loading import convert_checkpoint
 
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(f32_file[1]))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(f32_file[1]))
     file = f32_file[0]
     dst = convert_checkpoint(file, tmp_path / "weights", progress=False)
     assert torch.equal(logits(dst), logits(gguf.checkpoint_of(file)))
@@ -358,7 +358,7 @@ def moe_file(request, tmp_path_factory):
     # (K-quants: super-blocks of 256 values a row)
     widths = dict(hidden_size=256, moe_intermediate_size=256) if "k" in str(fmt) else {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        mp.setenv(settings.CACHE_DIR.name, str(cache))
         path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
                                    mlp_only_layers=[], **widths)  # fmt: skip
         out = tmp_path_factory.mktemp("moe-gguf") / f"{request.param}.gguf"

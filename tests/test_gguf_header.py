@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from freetoken import paths
+from freetoken import settings
 from freetoken.errors import CheckpointError, UnsupportedModelError
 from freetoken.models import gguf, gguf_header
 
@@ -57,7 +57,7 @@ def test_the_walk_reads_what_the_gguf_package_reads(tmp_path, endian):
 
 
 def test_an_unsupported_architecture_is_refused_at_once_without_converting(tmp_path, monkeypatch):
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     monkeypatch.setattr(gguf, "_convert", lambda *a: pytest.fail("converted"))
     path = write(tmp_path / "mamba.gguf", arch="mamba")
     begun = time.perf_counter()
@@ -81,7 +81,7 @@ def test_the_architectures_served_are_those_transformers_converts():
 
 
 def test_a_file_cut_short_in_its_tensors_is_truncated(tmp_path, monkeypatch):
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     path = write(tmp_path / "cut.gguf")
     end = gguf_header.read(path).data_end
     with open(path, "r+b") as f:
@@ -112,7 +112,7 @@ def test_a_file_that_is_not_gguf_says_how_it_begins(tmp_path):
 def test_the_cli_refuses_an_unsupported_gguf_in_one_line(tmp_path, monkeypatch, capsys):
     from freetoken.cli.main import main
 
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     path = write(tmp_path / "bad.gguf", arch="mamba")
     code = main(["generate", "--model", str(path), "--prompt", "hi", "--device", "cpu"])
     err = capsys.readouterr().err

@@ -306,15 +306,17 @@ def serve_args(**changes) -> Namespace:
 
 
 def test_an_empty_api_key_is_an_error_not_auth_off(monkeypatch):
-    from freetoken.cli.serve import API_KEY_ENV, server_config
+    from freetoken import settings
+    from freetoken.cli.serve import server_config
 
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    key = settings.API_KEY.name
+    monkeypatch.delenv(key, raising=False)
     with pytest.raises(SystemExit, match="--api-key is empty"):
         server_config(serve_args(**{"--api-key": ""}))
-    monkeypatch.setenv(API_KEY_ENV, " ")
-    with pytest.raises(SystemExit, match=API_KEY_ENV):
+    monkeypatch.setenv(key, " ")
+    with pytest.raises(SystemExit, match=key):
         server_config(serve_args())
-    monkeypatch.setenv(API_KEY_ENV, "k")
+    monkeypatch.setenv(key, "k")
     assert server_config(serve_args()).api_key == "k"
 
 
@@ -329,7 +331,7 @@ def test_serving_other_machines_without_a_key_warns():
 
 
 def test_serve_flags_reach_the_engine_config_before_it_is_built():
-    from freetoken.cli.main import engine_config
+    from freetoken.cli.options import engine_config
 
     config = engine_config(
         serve_args(**{"--max-running-requests": "8", "--max-prefill-chunk": "512",

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken import packaged_models, paths
+from freetoken import packaged_models, settings
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.errors import RegistryError
@@ -48,7 +48,7 @@ def files(request, tmp_path_factory):
              dict(attention_bias=False, rope_scaling=None, tie_word_embeddings=True))  # fmt: skip
     path, hf = build(arch, root / "src", vocab_size=BYTE_VOCAB, **extra)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(paths.CACHE_DIR_ENV, str(root / "cache"))
+        mp.setenv(settings.CACHE_DIR.name, str(root / "cache"))
         dense = write_dense_gguf(path, root / "dense.gguf", arch)
         moe = moe_from_dense.convert(dense, root / "moe.gguf", EXPERTS, TOP_K, fit_tokens=256)
         yield dense, moe, hf

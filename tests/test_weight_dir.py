@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from freetoken import settings
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
 from freetoken.errors import CheckpointError
@@ -447,7 +448,7 @@ def test_an_early_read_takes_more_readers_when_claimed(converted, gpu_node, monk
     I/O threads once the loader claims it; chunks taken by any reader land where they belong."""
     monkeypatch.setattr(wd, "CHUNK", 1 << 16)  # (many chunks over several readers)
     monkeypatch.setattr(wd, "io_threads", lambda: 5)
-    monkeypatch.setenv(gpu_node.READERS_ENV, "2")
+    monkeypatch.setenv(settings.EARLY_READERS.name, "2")
     read = gpu_node.start(converted, None)
     assert read.readers == 2
     assert gpu_node.claim(converted) is read and read.readers == 5
@@ -471,7 +472,7 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(
     from freetoken.moe import store as store_module
 
     if not mapping:
-        monkeypatch.setenv(gpu_node.MAP_ENV, "0")
+        monkeypatch.setenv(settings.EARLY_MAP.name, "0")
 
     calls = []
 
@@ -670,12 +671,12 @@ def test_an_early_read_starts_only_where_it_helps(converted, gpu_node, monkeypat
     monkeypatch.setattr(gpu_node.memory, "available_host_bytes", lambda: 2 * 2**30)
     assert gpu_node.start(converted, None) is None
     monkeypatch.undo()
-    monkeypatch.setenv(gpu_node.ENV, "0")
+    monkeypatch.setenv(settings.EARLY_READ.name, "0")
     assert gpu_node.start(converted, None) is None
     monkeypatch.setattr(gpu_node.native_preload, "NVIDIA_NODE", str(tmp_path / "absent"))
-    monkeypatch.delenv(gpu_node.ENV)
+    monkeypatch.delenv(settings.EARLY_READ.name)
     assert gpu_node.start(converted, None) is None
-    monkeypatch.setenv(gpu_node.ENV, "1")  # (asked for: a CPU start too)
+    monkeypatch.setenv(settings.EARLY_READ.name, "1")  # (asked for: a CPU start too)
     assert gpu_node.claim(converted) is None and gpu_node.start(converted, "cpu") is not None
     assert gpu_node.claim(converted) is not None
 
@@ -690,7 +691,7 @@ def test_a_failed_early_read_fails_the_load_with_its_reason(converted, gpu_node,
 
     monkeypatch.setattr(wd, "CHUNK", 1 << 16)  # (several chunks: the second one fails)
     monkeypatch.setattr(os, "preadv", failing)
-    monkeypatch.setenv(gpu_node.MAP_ENV, "0")  # (read, not mapped)
+    monkeypatch.setenv(settings.EARLY_MAP.name, "0")  # (read, not mapped)
     read = gpu_node.start(converted, None)
     with pytest.raises(OSError, match="Input/output error"):
         read.wait("experts.bin")

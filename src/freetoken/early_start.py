@@ -7,7 +7,7 @@ native libraries' loading need no GIL and run beside them).
 2. native_preload: a thread opens torch's native libraries and makes the GPU's CUDA context
    through ctypes' foreign calls (GIL-free), work `import torch` and the first tensor on the
    GPU would do holding the GIL; the expert pool is page-locked on its context as soon as
-   both are there (FREETOKEN_EARLY_LOCK=0: by the loader, after the imports);
+   both are there (settings.EARLY_LOCK=0: by the loader, after the imports);
 3. meanwhile the main thread loads the tokenizer (GIL work that needs no torch, all of it
    holding the GIL: begun once the preload is inside its libraries' one foreign call, which
    it would otherwise hold at its return), then imports the engine, torch with it.
@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from pathlib import Path
 
-from freetoken import native_preload, tokenizer
+from freetoken import native_preload, settings, tokenizer
 from freetoken.weights import early_read
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
     preload = native_preload.start(device)
     log.debug("early start: native preload %s, early read %s", "begun" if preload else "none",
               "begun" if read else "none")  # fmt: skip
-    if read is not None and preload is not None and os.environ.get(early_read.LOCK_ENV) != "0":
+    if read is not None and preload is not None and settings.early_lock():
         read.lock_pool(preload)
     if preload is not None and model is not None:  # (while the preload opens the libraries)
         preload.wait_loading()

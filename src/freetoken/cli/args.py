@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
-from freetoken import native_preload, packaged_models
+from freetoken import native_preload, packaged_models, settings
 from freetoken.config import parse_size
 
 # What --model names besides paths and the packaged models: the random tiny Qwen3-MoE of
@@ -114,8 +113,8 @@ def cuda_problem() -> str | None:
         return f"this PyTorch ({v}) is a CPU build; install its CUDA build to use a GPU"
     if not native_preload.gpu_driver_present():
         return "no NVIDIA GPU driver is here"
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return "CUDA_VISIBLE_DEVICES hides every GPU"
+    if settings.gpus_hidden():
+        return f"{settings.CUDA_VISIBLE_DEVICES.name} hides every GPU"
     return None
 
 

@@ -8,13 +8,12 @@ import dataclasses
 import sys
 
 from freetoken import early_start
+from freetoken.cli.options import engine_config
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
-    from freetoken.cli.main import engine_config
-
     config = engine_config(args)
     if config.model is None:
         from freetoken.errors import FetchError

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 
+from freetoken import settings
 from freetoken.errors import FreetokenError
 from freetoken.weights.memory import gib
 
 
 def call(url: str, api_key: str | None, path: str, body: dict | None = None) -> dict:
     """GET (or with `body`, POST) `path` of the server; its JSON answer."""
-    key = api_key or os.environ.get("FREETOKEN_API_KEY")
+    key = api_key or settings.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = None
     if body is not None:
@@ -27,7 +27,7 @@ def call(url: str, api_key: str | None, path: str, body: dict | None = None) -> 
             return json.load(response)
     except urllib.error.HTTPError as e:
         if e.code == 401:
-            wanted = f"{url} wants an API key: --api-key or $FREETOKEN_API_KEY"
+            wanted = f"{url} wants an API key: --api-key or ${settings.API_KEY.name}"
             raise FreetokenError(wanted) from None
         try:
             message = json.load(e)["error"]["message"]

@@ -26,7 +26,9 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import urlparse
 from urllib.request import Request, urlopen
 
+from freetoken import settings
 from freetoken.cli.args import integer
+from freetoken.cli.options import add_engine_args
 from freetoken.errors import FreetokenError
 from freetoken.paths import cache_dir
 
@@ -116,8 +118,8 @@ def codex_setup(server: Server) -> ClientSetup:
     provider = {"name": "freetoken", "base_url": server.url + "/v1", "wire_api": "responses"}
     env = {}
     if server.api_key:
-        provider["env_key"] = "FREETOKEN_API_KEY"
-        env["FREETOKEN_API_KEY"] = server.api_key
+        provider["env_key"] = settings.API_KEY.name
+        env[settings.API_KEY.name] = server.api_key
     table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in provider.items())
     overrides = {
         "model_providers.freetoken": "{" + table + "}",
@@ -183,7 +185,7 @@ def probe(url: str, api_key: str | None, timeout: float = 2.0) -> Server | None:
     except HTTPError as e:
         if e.code == 401:
             raise LaunchError(f"the server at {url} needs an API key: pass --api-key or set "
-                              "FREETOKEN_API_KEY") from e  # fmt: skip
+                              f"{settings.API_KEY.name}") from e  # fmt: skip
         return None
     except (URLError, OSError, ValueError):
         return None  # nothing there (yet), or not a freetoken server
@@ -263,7 +265,7 @@ def describe(setup: ClientSetup, server: Server, client_args: list[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     args.url = args.url.rstrip("/").removesuffix("/v1")
-    args.api_key = args.api_key or os.environ.get("FREETOKEN_API_KEY")
+    args.api_key = args.api_key or settings.api_key()
     make = CLIENTS[args.client]
     process = None
     server = probe(args.url, args.api_key)
@@ -282,8 +284,7 @@ def run(args: argparse.Namespace) -> int:
         if process is not None:
             stop(process)
         raise LaunchError(f"{setup.executable} is not on PATH; install it with: {setup.install}")
-    env = setup.defaults | {k: v for k, v in os.environ.items() if k not in setup.unset}
-    env |= setup.env
+    env = setup.defaults | settings.for_child(drop=setup.unset) | setup.env
     argv = [executable, *setup.args, *args.client_args]
     if process is None:
         os.execvpe(executable, argv, env)  # nothing of ours to clean up afterwards
@@ -300,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
             stop(process)
 
 
-def add_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], list]) -> None:
+def add_parser(sub) -> None:
+    """`ft launch`."""
     p = sub.add_parser(
         "launch",
         help="run Claude Code, Codex or OpenCode against a local freetoken server",
@@ -313,7 +315,9 @@ def add_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], list]) 
     )
     rest.required = False  # (argparse would name it among the missing with the client)
     p.add_argument("--url", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
-    p.add_argument("--api-key", help="the server's key (default: $FREETOKEN_API_KEY, if set)")
+    p.add_argument(
+        "--api-key", help=f"the server's key (default: ${settings.API_KEY.name}, if set)"
+    )
     p.add_argument(
         "--served-model-name",
         help="a started server's model name (default: the checkpoint directory's name)",

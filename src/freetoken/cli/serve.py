@@ -9,22 +9,21 @@ import shlex
 import sys
 import time
 
-from freetoken import early_start
+from freetoken import early_start, settings
 from freetoken.cli.common import load_engine
 from freetoken.cli.listen import bind
 from freetoken.config import ServerConfig
 from freetoken.models import demo_model
 
-API_KEY_ENV = "FREETOKEN_API_KEY"
 log = logging.getLogger(__name__)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The server's settings from its flags; refuses an empty key, which would read as "no
     auth" where the operator meant to set one."""
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    api_key = args.api_key if args.api_key is not None else settings.api_key()
     if api_key is not None and not api_key.strip():
-        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        source = "--api-key" if args.api_key is not None else f"${settings.API_KEY.name}"
         raise SystemExit(f"error: {source} is empty; give a key, or leave it out to serve "
                          "without one")  # fmt: skip
     return ServerConfig(
@@ -42,7 +41,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     if loopback or api_key:
         return None
     return (f"warning: serving on {host} without an API key: anyone who can reach this port "
-            f"can use the model (set --api-key or ${API_KEY_ENV})")  # fmt: skip
+            f"can use the model (set --api-key or ${settings.API_KEY.name})")  # fmt: skip
 
 
 def show_access_log() -> None:
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if config.api_key:  # (the key as it was given: the example works as printed)
         header = f"Authorization: Bearer {args.api_key}" if args.api_key is not None else None
         auth = (f" -H {shlex.quote(header)}" if header
-                else f' -H "Authorization: Bearer ${API_KEY_ENV}"')  # fmt: skip
+                else f' -H "Authorization: Bearer ${settings.API_KEY.name}"')  # fmt: skip
     # (the example is greedy: the APIs sample a request without a temperature at 1.0, their
     # documented default, which a small model answers with noise more often than not)
     print(

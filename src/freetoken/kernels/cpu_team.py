@@ -10,6 +10,7 @@ import functools
 import math
 import os
 
+from freetoken import settings
 from freetoken.kernels import native
 
 _P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -152,7 +153,7 @@ def size_torch_threads() -> int:
     (benchmarks/results/2026-12-05-busy-core-cpu.md). Returns the count."""
     import torch
 
-    if not os.environ.get("OMP_NUM_THREADS"):
+    if not settings.omp_threads_set():
         torch.set_num_threads(1 if library() is not None else usable_cores())
     return torch.get_num_threads()
 

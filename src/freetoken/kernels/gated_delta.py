@@ -20,16 +20,17 @@ Prompts (`chunked`): fla-core's `chunk_gated_delta_rule` (optional: `pip install
 for half-precision models on CUDA: the UT-transform chunks the torch rule computes as batched
 matmuls and a Python loop over chunks, fused into Triton kernels that keep the inputs' dtype
 where the torch rule works in fp32 (fp32 models keep the torch rule, the reference).
-FREETOKEN_FLA=0 turns it off.
+settings.FLA (=0) turns it off.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
+
+from freetoken import settings
 
 try:
     import triton
@@ -42,9 +43,6 @@ L2_EPS = 1e-6  # (layers/gated_deltanet.py's _l2norm)
 SOFTPLUS_THRESHOLD = 20.0  # torch's: softplus(x) = x above it
 
 
-FLA_ENV = "FREETOKEN_FLA"
-
-
 def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
@@ -53,7 +51,7 @@ def available(x: torch.Tensor) -> bool:
 def _fla_chunk():
     """fla's chunked rule, or None where fla-core is not installed or is turned off (imported
     on first use: it is seconds of imports a start that serves no prompt yet need not pay)."""
-    if os.environ.get(FLA_ENV, "1") == "0" or importlib.util.find_spec("fla") is None:
+    if not settings.fla() or importlib.util.find_spec("fla") is None:
         return None
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

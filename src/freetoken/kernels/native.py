@@ -4,7 +4,7 @@ The sources ship with the package (`kernels/*.c`) and are compiled at first use 
 `-O3 -march=native`, so they use the vector units of the machine they run on (a wheel
 built elsewhere could not), into the cache directory keyed by the source, the flags and the
 CPU. Loading goes through ctypes, whose calls release the GIL. Without a C compiler the caller
-falls back to torch; `FREETOKEN_NATIVE=0` forces that fallback. `FREETOKEN_NATIVE_FLAGS` adds
+falls back to torch; `settings.NATIVE=0` forces that fallback. `settings.NATIVE_FLAGS` adds
 compiler flags after those (part of the cache key): `-mno-avx512f` builds the AVX2 code paths on
 an AVX-512 machine, `-mno-avx` the scalar ones (the tests run both so).
 """
@@ -16,13 +16,13 @@ import hashlib
 import logging
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
+from freetoken import settings
 from freetoken.activations import KERNEL_CODES as ACTIVATION_CODES
 from freetoken.paths import cache_dir
 from freetoken.weights.expert_format import KERNEL_CODES as FORMAT_CODES
@@ -40,8 +40,6 @@ DEFINES: dict[str, dict[str, int]] = {
         "MIXED_K_TAG": MIXED_K_TAG,
     }
 }
-DISABLE_ENV = "FREETOKEN_NATIVE"
-FLAGS_ENV = "FREETOKEN_NATIVE_FLAGS"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -57,7 +55,7 @@ def _cpu_signature() -> str:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return settings.compiler() or shutil.which("cc") or shutil.which("gcc")
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -76,12 +74,12 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 def extra_flags() -> list[str]:
-    """Flags added after FLAGS, from FREETOKEN_NATIVE_FLAGS."""
-    return shlex.split(os.environ.get(FLAGS_ENV, ""))
+    """Flags added after FLAGS, from settings.NATIVE_FLAGS."""
+    return settings.native_flags()
 
 
 def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not settings.native():
         return None
     source = Path(__file__).with_name(f"{name}.c")
     cc = _compiler()

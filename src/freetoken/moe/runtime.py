@@ -58,7 +58,7 @@ from freetoken.moe.split import (
     split_parameters,
 )
 from freetoken.moe.store import HostExpertStore
-from freetoken.moe.strategies import STRATEGIES
+from freetoken.moe.strategies import KINDS
 from freetoken.telemetry import MoETelemetry
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class MoERuntime:
         """`control`: decode calls decided on the device; with a split (hybrid's), whose CPU
         share runs through `doorbell` on CUDA and on the executor at once on the CPU tier."""
         self.store, self.device, self.strategy = store, device, strategy
-        self.kind = STRATEGIES[strategy]  # what the strategy does (moe/strategies.py)
+        self.kind = KINDS[strategy]  # what the strategy does (moe/strategies.py)
         self.cpu, self.options, self.act = cpu, options, act
         self.tracker = tracker or BandwidthTracker(DEFAULT_FILL_BANDWIDTH, DEFAULT_CPU_BANDWIDTH)
         self._telemetry = MoETelemetry.for_layers(store.num_layers)
@@ -726,11 +726,11 @@ def build_runtime(
     slots = cache_slots_for(options, device, store, reserve_bytes + stream_bytes)
     profile = load_profile(device, store.shape)
     strategy = resolve_strategy(options, device, store, slots, profile)
-    kind = STRATEGIES[strategy]
+    kind = KINDS[strategy]
     if not kind.resident and (
         not slots or (kind.cached and device.type == "cuda" and not store.pin())
     ):
-        kind = STRATEGIES["cpu"]  # no cache, or no pinned pool to fill it from
+        kind = KINDS["cpu"]  # no cache, or no pinned pool to fill it from
     cache = _cache_for(kind, store, slots, device, options)
     log.debug("expert cache made")
     cpu = None

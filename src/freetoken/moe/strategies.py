@@ -6,7 +6,8 @@
     static   a placement fixed at load; every miss on the CPU (llama.cpp's --n-cpu-moe)
     cpu      no device cache; every route on the CPU
 
-`auto` is not one of them: it resolves to one at load (moe/runtime.py `resolve_strategy`).
+The names are config.py's STRATEGIES (the one list of them, which the CLI offers); `auto` is
+not one of these: it resolves to one at load (moe/runtime.py `resolve_strategy`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class Strategy:
     on_device: bool = False  # decode calls can be decided on the device (device control)
 
 
-STRATEGIES = {
+# What each of config.STRATEGIES but `auto` does, by name.
+KINDS = {
     s.name: s
     for s in (
         Strategy("fused", resident=True),

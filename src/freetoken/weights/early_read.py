@@ -12,8 +12,8 @@ holds `experts.bin` whole (a warm start), it is not read but mapped, shared and 
 (`memory.file_region`): the pool is the page cache's own pages, nothing is copied, faulted in
 or zeroed beside the imports (which such copies slowed from 1.6 to 3.5 s on one H200 machine),
 and CUDA page-locks them read-only (`memory.READ_ONLY`: 8 GiB in 0.28 s there, as long as
-memory of the pool's own; `benchmarks/mapped_pool_probe.py`); FREETOKEN_EARLY_MAP=0 reads it
-instead. The regions read into are advised MADV_HUGEPAGE: the reads fault in fresh memory, and
+memory of the pool's own; `benchmarks/mapped_pool_probe.py`); settings.EARLY_MAP (=0) reads
+it instead. The regions read into are advised MADV_HUGEPAGE: the reads fault in fresh memory, and
 2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB pages took one per 4 KiB. The
 loader `claim`s the read (models/loading.py): the pool's banks and the dense parameters become
 views of its memory, and the loader waits for each file where it would have read it. Nothing
@@ -21,7 +21,7 @@ here imports torch.
 
 Not started (the loader reads as before) where the index cannot be read, where host memory
 (cgroup limits included) lacks room for the files beside a margin, or on `--device cpu`.
-FREETOKEN_EARLY_READ=0 turns it off; =1 starts it without a GPU too (CPU starts, benchmarks).
+settings.EARLY_READ: 0 turns it off; 1 starts it without a GPU too (CPU starts, benchmarks).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from freetoken import native_preload
+from freetoken import native_preload, settings
 from freetoken.errors import FreetokenError
 from freetoken.weights import memory
 from freetoken.weights import weight_dir as wd
@@ -43,11 +43,7 @@ log = logging.getLogger(__name__)
 # they are checked and copied to the GPU while the banks are still read), then the expert pool.
 FILES = (wd.DENSE_FILE, wd.EXPERTS_FILE)
 MARGIN = 2 * 2**30  # host memory left beside the files for the rest of the model and Python
-ENV = "FREETOKEN_EARLY_READ"
-MAP_ENV = "FREETOKEN_EARLY_MAP"
-LOCK_ENV = "FREETOKEN_EARLY_LOCK"  # =0: the pool is page-locked after the imports (`lock_pool`)
 MAPPABLE = (wd.EXPERTS_FILE,)  # (read-only: the dense parameters are copied to the GPU, cast)
-READERS_ENV = "FREETOKEN_EARLY_READERS"  # readers while the imports run (benchmarks)
 # Readers beside the imports. Each slows them (memory copies and page faults on other cores):
 # on the H200 machine, imports of 1.8-2.1 s alone took 2.1-2.6 s beside one reader, 2.5-2.9 s
 # beside two, 3.0-3.3 s beside four and 3.3-3.7 s beside eight (`early_read_imports.py`), and a
@@ -63,9 +59,9 @@ def reader_threads() -> int:
     """Readers while Python imports torch: few, so that the imports (seconds of work on one
     core) are not slowed by the copies (see IMPORT_READERS); the loader adds the rest of the I/O
     threads when it claims the read (`add_readers`)."""
-    wanted = os.environ.get(READERS_ENV)
-    if wanted:
-        return max(1, int(wanted))
+    wanted = settings.early_readers()  # (benchmarks)
+    if wanted is not None:
+        return max(1, wanted)
     return max(1, min(IMPORT_READERS, wd.io_threads(), (os.cpu_count() or 1) - 2))
 
 
@@ -196,10 +192,10 @@ class EarlyRead:
 def start(model: str | Path | None, device: str | None = None) -> EarlyRead | None:
     """Begin reading `model`'s files if it is a weight directory a GPU start will read (see the
     module's docstring); the loader then `claim`s it."""
-    wanted = os.environ.get(ENV)
-    if wanted == "0" or model is None:
+    wanted = settings.early_read()
+    if wanted is False or model is None:
         return None
-    if wanted != "1" and (device == "cpu" or not native_preload.gpu_driver_present()):
+    if wanted is None and (device == "cpu" or not native_preload.gpu_driver_present()):
         return None
     path = Path(model)
     if not wd.is_weight_dir(path):
@@ -225,8 +221,8 @@ def start(model: str | Path | None, device: str | None = None) -> EarlyRead | No
 def _maps(file: Path) -> bool:
     """Whether `file` is mapped rather than read: the page cache holds all of it (a mapping
     of a file it lacks would read it at the page cache's pace, where direct reads run at the
-    disk's), unless FREETOKEN_EARLY_MAP=0."""
-    return os.environ.get(MAP_ENV) != "0" and wd.resident_fraction(file) >= 1.0
+    disk's), unless settings.EARLY_MAP is 0."""
+    return settings.early_map() and wd.resident_fraction(file) >= 1.0
 
 
 def claim(path: str | Path) -> EarlyRead | None:
