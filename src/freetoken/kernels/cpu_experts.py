@@ -1,5 +1,5 @@
-"""Routed experts on the CPU from the host pool: the native kernel (`cpu_experts.c`) behind a
-thin wrapper, with the torch reference as the fallback.
+"""Routed experts on the CPU from the host pool: the native kernel (`cpu_experts.c`, a part of
+the native library) behind a thin wrapper, with the torch reference as the fallback.
 
 A job is a list of routes (row of x, flat expert id, gate weight). The library groups them by
 expert (so each expert's weights stream from DRAM once however many tokens use it) and converts

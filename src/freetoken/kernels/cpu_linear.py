@@ -4,7 +4,7 @@ A decode step multiplies a few rows of activations by each weight matrix: a matr
 product bound by how fast the weights stream from memory. torch's bf16 GEMV streamed them at
 about 8 GB/s on the 2-core test machine, a third of its memory bandwidth; the lm_head alone
 (152k x 2048 in bf16, 622 MB on Qwen3-30B-A3B) then took most of a step. The native kernel
-(cpu_experts.c, `ft_cpu_linear_submit`) reads each weight row once for all rows of x, on the
+(cpu_layers.c, `ft_cpu_linear_submit`) reads each weight row once for all rows of x, on the
 same team of threads as the CPU experts. Results follow torch's: a dot product in fp32, the
 bias added, one rounding to the layer's dtype (only the order of the sums differs).
 

@@ -1,7 +1,8 @@
-"""The native CPU library (cpu_experts.c) and its team of threads, shared by every CPU kernel:
-routed experts (cpu_experts.py), dense layers, stored or kept quantized (cpu_linear.py), decode
-attention (paged_attention.py) and the device's doorbell (moe/doorbell.py). One place loads it
-and declares its functions."""
+"""The native CPU library (cpu_native.c and the parts it includes) and its team of threads
+(cpu_team.c), shared by every CPU kernel: routed experts (cpu_experts.py), dense layers, stored
+or kept quantized (cpu_linear.py), decode attention (paged_attention.py), a decode step's row
+operations (norm_rope.py) and the device's doorbell (moe/doorbell.py). One place loads it and
+declares its functions."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled library with its functions declared, or None where it cannot be built."""
     global _lib
     if _lib is None:
-        lib = native.load("cpu_experts")
+        lib = native.load("cpu_native")
         if lib is not None:
             for name, (args, result) in SIGNATURES.items():
                 fn = getattr(lib, name)

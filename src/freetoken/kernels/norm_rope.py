@@ -13,7 +13,7 @@ prompts.
 
 On the CPU the same holds at decode for another reason: each torch op is a dispatch of several
 microseconds, and a norm or a rotation of one row is a few thousand values. The native library
-(cpu_experts.c, `ft_cpu_rms_norm`, `ft_cpu_rotary`) does each in one call on the calling thread,
+(cpu_layers.c, `ft_cpu_rms_norm`, `ft_cpu_rotary`) does each in one call on the calling thread,
 in the same order of roundings: a 0.5B Qwen's decode step on a 2-core Intel machine went from
 47.7 to 44.8 ms (benchmarks/results/2026-12-05-cpu-row-ops-and-drafts.md).
 """

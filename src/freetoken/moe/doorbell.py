@@ -17,7 +17,7 @@ Per layer step of T tokens (R = T x k routes), in the graph's stream order:
                                           number, then GPU output += the fp32 partial read
                                           from `out` in host memory, in the layer's dtype
 
-The listener (a native thread of kernels/cpu_experts.c) watches `seq`, runs the job on the
+The listener (a native thread of kernels/cpu_listener.c) watches `seq`, runs the job on the
 team and answers by writing the number to `done`. Each word is written by one side only and
 never cleared (a store from the SMs to a word the CPU writes can sit in the GPU's L2 where the
 device then reads it instead of the CPU's answer). A layer step with nothing for the CPU (every
