@@ -345,6 +345,31 @@ def test_a_change_to_any_part_of_the_library_rebuilds_it(tmp_path):
         key = changed
 
 
+def test_each_exported_function_is_declared_as_the_header_prototypes_it():
+    """Every function cpu_native.h exports is declared by the module that calls it (at its
+    import), with as many arguments as its prototype; one that no module declared is not on the
+    library (rather than called by ctypes with guessed argument types)."""
+    import re
+
+    import freetoken.kernels.cpu_linear
+    import freetoken.kernels.norm_rope
+    import freetoken.kernels.paged_attention
+    import freetoken.moe.doorbell  # noqa: F401
+    from freetoken.kernels import cpu_team
+
+    header = (Path(native.__file__).parent / "cpu_native.h").read_text()
+    prototypes = {
+        name: 0 if params.strip() == "void" else params.count(",") + 1
+        for name, params in re.findall(r"\b(ft_\w+)\(([^)]*)\);", header)
+    }
+    assert len(prototypes) == 16
+    declared = {name: len(args) for name, (args, _) in cpu_team._declared.items()}
+    assert declared == prototypes
+    lib = library()
+    assert all(hasattr(lib, name) for name in prototypes)
+    assert hasattr(lib.cdll, "ft_cpu_experts_submit") and not hasattr(lib, "ft_not_declared")
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantized experts: decoded in the kernel into exactly the dequantized banks' values
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,33 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.cpu_team import library, team_threads, wait
+from freetoken.kernels.cpu_team import (
+    I64,
+    INT,
+    U64,
+    P,
+    Signatures,
+    declare,
+    library,
+    team_threads,
+    wait,
+)
 from freetoken.weights.expert_format import QuantizedWeight
 
+SIGNATURES: Signatures = {  # the dense layers' (cpu_layers.c)
+    # dtype, w, bias, N, H, x, x_bf16, T, out, threads
+    "ft_cpu_linear_submit": ([INT, P, P, I64, I64, P, INT, I64, P, INT], U64),
+    # dtype, fmt, w, s, g, block rows, block cols, bias, N, H, x, x_bf16, T, out, threads: a
+    # dense layer kept quantized
+    "ft_cpu_qlinear_submit": (
+        [INT, INT, P, P, P, I64, I64, P, I64, I64, P, INT, I64, P, INT],
+        U64,
+    ),
+    # dtype, fmt, w, s, g, block rows, block cols, N, K, out, threads: such a layer's weight
+    # dequantized
+    "ft_cpu_dequantize_submit": ([INT, INT, P, P, P, I64, I64, I64, I64, P, INT], U64),
+}
+declare(SIGNATURES)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 # Below this many weight bytes torch's own call, which costs no handoff to the team, is as
 # fast (a router of 128 x 2048 in bf16, 512 KiB, still gained).

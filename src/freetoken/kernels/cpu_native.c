@@ -33,8 +33,8 @@
  * by expert id and then in the caller's route order.
  *
  * The parts, by concern, in the order they are included (none compiles alone), each with the
- * Python module that calls its exported functions (kernels/cpu_team.py declares their ctypes
- * signatures).
+ * Python module that binds it: declares the ctypes signatures of its exported functions (through
+ * kernels/cpu_team.py's `declare`) and calls them.
  *
  *   cpu_native.h    the build's switches, the types the parts share (a projection, a quantized
  *                   row, a job), bf16 helpers, atomics, the team's items, the exported functions

@@ -192,8 +192,8 @@ static void attention_merge(const job_t *j, int64_t item);
 
 /* ---- the exported functions (the library's ABI) -----------------------------------------------
  *
- * Each documented where it is defined, and called by the Python module named; its ctypes
- * signature (kernels/cpu_team.py) must match the prototype here. */
+ * Each documented where it is defined; the Python module named declares its ctypes signature
+ * (kernels/cpu_team.py's `declare`), which must match the prototype here. */
 
 /* cpu_decoders.c (kernels/cpu_banks.py) */
 int ft_cpu_experts_decoder_bits(void);

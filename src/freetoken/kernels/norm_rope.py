@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.kernels import cpu_team
+from freetoken.kernels.cpu_team import I64, INT, F, P, Signatures, declare
 
 try:
     import triton
@@ -38,6 +39,13 @@ def available(x: torch.Tensor) -> bool:
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 CPU_MAX_ROWS = 16  # a decode batch's; a prompt's rows are torch's, which vectorises across rows
 _NORM_MODES = {(False, False): 0, (False, True): 1, (True, True): 2}  # (zero_centered, fp32)
+SIGNATURES: Signatures = {  # the row operations' (cpu_layers.c)
+    # dtype, x, delta, weight, T, H, eps, mode, sum, out: a decode step's RMSNorm
+    "ft_cpu_rms_norm": ([INT, P, P, P, I64, I64, F, INT, P, P], None),
+    # dtype, x, row stride, head stride, T, heads, D, cos, sin, cos row stride, rot, out
+    "ft_cpu_rotary": ([INT, P, I64, I64, I64, I64, I64, P, P, I64, I64, P], None),
+}
+declare(SIGNATURES)
 
 
 def native_takes(x: torch.Tensor, *others: torch.Tensor) -> bool:

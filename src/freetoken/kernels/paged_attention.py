@@ -86,6 +86,17 @@ def paged_attention(
 # ---------------------------------------------------------------------------------------------
 
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_P, _I64 = cpu_team.P, cpu_team.I64
+SIGNATURES: cpu_team.Signatures = {  # decode attention's (cpu_layers.c)
+    # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
+    # window, scale, sinks, out, threads
+    "ft_cpu_attention_submit": (
+        [cpu_team.INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+         cpu_team.F, _P, _P, cpu_team.INT],
+        cpu_team.U64,
+    ),
+}  # fmt: skip
+cpu_team.declare(SIGNATURES)
 
 
 def _widths(d: int, values_are_keys: bool) -> tuple[int, int] | None:
