@@ -1,5 +1,6 @@
-"""The native CPU expert kernel (kernels/cpu_experts.c) against the torch reference, its build
-cache, and the fallback to torch when it cannot be built."""
+"""The native CPU expert kernel (kernels/cpu_experts.c, a part of the native library
+cpu_native.c) against the torch reference, the library's build cache, and the fallback to torch
+when it cannot be built."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from freetoken.weights.expert_format import (
     fp8_format,
 )
 
-pytestmark = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(native.load("cpu_native") is None, reason="no C compiler")
 
 
 def banks(dtype, pairs=12, hidden=200, inter=72, seed=0):
@@ -301,19 +302,19 @@ def test_unsupported_dtype_has_no_native_kernel():
 def test_build_is_cached_and_failure_falls_back(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_loaded", {})
-    assert native.load("cpu_experts") is not None
-    built = list((tmp_path / "native").glob("cpu_experts-*.so"))
+    assert native.load("cpu_native") is not None
+    built = list((tmp_path / "native").glob("cpu_native-*.so"))
     assert len(built) == 1
     # A compiler that fails (a different CC also changes the cache key): torch, with a warning.
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", "false")
     with caplog.at_level(logging.WARNING):
-        assert native.load("cpu_experts") is None
-    assert "could not compile cpu_experts" in caplog.text
+        assert native.load("cpu_native") is None
+    assert "could not compile cpu_native" in caplog.text
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv(settings.NATIVE.name, "0")
-    assert native.load("cpu_experts") is None
+    assert native.load("cpu_native") is None
 
 
 def test_unwritable_cache_falls_back(tmp_path, monkeypatch, caplog):
@@ -322,8 +323,52 @@ def test_unwritable_cache_falls_back(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(blocked / "cache"))
     monkeypatch.setattr(native, "_loaded", {})
     with caplog.at_level(logging.WARNING):
-        assert native.load("cpu_experts") is None
-    assert "cannot build or load cpu_experts" in caplog.text
+        assert native.load("cpu_native") is None
+    assert "cannot build or load cpu_native" in caplog.text
+
+
+def test_a_change_to_any_part_of_the_library_rebuilds_it(tmp_path):
+    """The library is one translation unit of several files (cpu_native.c includes its parts):
+    its cache key hashes each of them, so a change to the header or to any part builds it anew
+    (and every cpu_*.c beside it is a part)."""
+    kernels = Path(native.__file__).parent
+    parts = native.sources(kernels / "cpu_native.c")
+    assert {p.name for p in parts} == {p.name for p in kernels.glob("cpu_*.c")} | {"cpu_native.h"}
+    for part in parts:
+        (tmp_path / part.name).write_text(part.read_text())
+    main = tmp_path / "cpu_native.c"
+    key = native.cache_key(main, "cc", ["-O3"])
+    assert native.cache_key(main, "cc", ["-O3"]) == key
+    for name in ("cpu_native.h", "cpu_team.c", "cpu_listener.c"):
+        (tmp_path / name).write_text((tmp_path / name).read_text() + "/* changed */\n")
+        changed = native.cache_key(main, "cc", ["-O3"])
+        assert changed != key
+        key = changed
+
+
+def test_each_exported_function_is_declared_as_the_header_prototypes_it():
+    """Every function cpu_native.h exports is declared by the module that calls it (at its
+    import), with as many arguments as its prototype; one that no module declared is not on the
+    library (rather than called by ctypes with guessed argument types)."""
+    import re
+
+    import freetoken.kernels.cpu_linear
+    import freetoken.kernels.norm_rope
+    import freetoken.kernels.paged_attention
+    import freetoken.moe.doorbell  # noqa: F401
+    from freetoken.kernels import cpu_team
+
+    header = (Path(native.__file__).parent / "cpu_native.h").read_text()
+    prototypes = {
+        name: 0 if params.strip() == "void" else params.count(",") + 1
+        for name, params in re.findall(r"\b(ft_\w+)\(([^)]*)\);", header)
+    }
+    assert len(prototypes) == 16
+    declared = {name: len(args) for name, (args, _) in cpu_team._declared.items()}
+    assert declared == prototypes
+    lib = library()
+    assert all(hasattr(lib, name) for name in prototypes)
+    assert hasattr(lib.cdll, "ft_cpu_experts_submit") and not hasattr(lib, "ft_not_declared")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The native RMSNorm and rotary embedding of a decode step's rows on the CPU (kernels/norm_rope.py,
-cpu_experts.c) against the torch reference they replace (layers/norm.py, layers/rope.py)."""
+cpu_layers.c) against the torch reference they replace (layers/norm.py, layers/rope.py)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The doorbell's listener (moe/doorbell.py, kernels/cpu_experts.c) driven by hand from the
+"""The doorbell's listener (moe/doorbell.py, kernels/cpu_listener.c) driven by hand from the
 host, as the plan and the merge drive it on CUDA: each new number in `seq` is answered in `done`
 once the fp32 partial of the routes marked for the CPU is in `out`; a shape it cannot serve
 is counted and still answered, so a merge waiting on it never hangs; nothing is answered

@@ -21,7 +21,7 @@ from freetoken.layers.linear import Linear, linear, stacked
 from freetoken.layers.mlp import GatedMLP
 from freetoken.weights.expert_format import QuantizedWeight, expert_format, fill_random_
 
-needs_native = pytest.mark.skipif(native.load("cpu_experts") is None, reason="no C compiler")
+needs_native = pytest.mark.skipif(native.load("cpu_native") is None, reason="no C compiler")
 # every format a dense layer's weight may be kept in (k_mixed: a bank's, whose rows differ)
 FORMATS = [f for f in EXPERT_FORMATS if f not in ("dense", "k_mixed")]
 # GGUF's blocks, which bf16 layers multiply by the file's values (not their bf16 roundings)

@@ -1,17 +1,24 @@
-"""A weight bank as the native CPU kernels (cpu_experts.c) read it: its parts' pointers and block
-shape, and one expert of it decoded by the kernel's decoders. Below both the experts' wrapper
-(cpu_experts.py) and the torch executor of cached experts (grouped_experts.py), which decodes
-a quantized slot here on the CPU."""
+"""A weight bank as the native CPU kernels read it (cpu_native.h's proj_t; the formats:
+cpu_formats.c): its parts' pointers and block shape, and one expert of it decoded by the
+library's decoders (cpu_decoders.c). Below both the experts' wrapper (cpu_experts.py) and the
+torch executor of cached experts (grouped_experts.py), which decodes a quantized slot here on
+the CPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from freetoken.kernels.cpu_team import library
+from freetoken.kernels.cpu_team import I64, INT, P, Signatures, declare, library
 from freetoken.weights.expert_format import QuantizedBank
 
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}  # the kernels' dtype codes
+SIGNATURES: Signatures = {  # the decoders' (cpu_decoders.c)
+    # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert's rows decoded
+    "ft_cpu_experts_decode": ([INT, INT, P, P, P, I64, I64, I64, I64, I64, P], None),
+    "ft_cpu_experts_decoder_bits": ([], INT),  # the decoders' vector width (tests)
+}
+declare(SIGNATURES)
 
 
 def ptr(a: np.ndarray | torch.Tensor | None) -> int | None:

@@ -1,5 +1,5 @@
-"""Routed experts on the CPU from the host pool: the native kernel (`cpu_experts.c`) behind a
-thin wrapper, with the torch reference as the fallback.
+"""Routed experts on the CPU from the host pool: the native kernel (`cpu_experts.c`, a part of
+the native library) behind a thin wrapper, with the torch reference as the fallback.
 
 A job is a list of routes (row of x, flat expert id, gate weight). The library groups them by
 expert (so each expert's weights stream from DRAM once however many tokens use it) and converts
@@ -18,9 +18,30 @@ import torch
 
 from freetoken.activations import activation_code, supported
 from freetoken.kernels.cpu_banks import DTYPES, projection, ptr
-from freetoken.kernels.cpu_team import library
+from freetoken.kernels.cpu_team import I64, INT, U64, P, Signatures, declare, library
 from freetoken.kernels.grouped_experts import reference_grouped_experts
 from freetoken.weights.expert_format import SPLIT_FORMATS, QuantizedBank
+
+# The experts' arguments of the entry points that take them (ft_cpu_experts_submit, and
+# ft_listener_start: moe/doorbell.py): the gate/up and down projections' formats
+# (weights/expert_format.py's kernel codes), then per projection (gate_up, down) its weights,
+# scales, per-row scales and fp8 block (rows, cols), then the gate/up bias bank (or NULL).
+EXPERT_ARGS = [INT, INT, *[P, P, P, I64, I64] * 2, P]
+SIGNATURES: Signatures = {  # the experts' (cpu_experts.c)
+    # dtype, experts, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w, out,
+    # act, threads, experts (out)
+    "ft_cpu_experts_submit": (
+        [INT, *EXPERT_ARGS, I64, I64, P, INT, I64, I64, P, P, P, P, INT, INT, P],
+        U64,
+    ),
+    # fmt, w, s, g, block rows, block cols, pair, N, K, row, other row, x (bf16), out [5]: one
+    # row's dot products by each route, and two rows' at a time (tests)
+    "ft_cpu_experts_row_dots": (
+        [INT, P, P, P, I64, I64, I64, I64, I64, I64, I64, P, P],
+        None,
+    ),
+}
+declare(SIGNATURES)
 
 
 def _format_code(bank) -> int:

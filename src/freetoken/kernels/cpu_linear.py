@@ -4,7 +4,7 @@ A decode step multiplies a few rows of activations by each weight matrix: a matr
 product bound by how fast the weights stream from memory. torch's bf16 GEMV streamed them at
 about 8 GB/s on the 2-core test machine, a third of its memory bandwidth; the lm_head alone
 (152k x 2048 in bf16, 622 MB on Qwen3-30B-A3B) then took most of a step. The native kernel
-(cpu_experts.c, `ft_cpu_linear_submit`) reads each weight row once for all rows of x, on the
+(cpu_layers.c, `ft_cpu_linear_submit`) reads each weight row once for all rows of x, on the
 same team of threads as the CPU experts. Results follow torch's: a dot product in fp32, the
 bias added, one rounding to the layer's dtype (only the order of the sums differs).
 
@@ -19,9 +19,33 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.cpu_team import library, team_threads, wait
+from freetoken.kernels.cpu_team import (
+    I64,
+    INT,
+    U64,
+    P,
+    Signatures,
+    declare,
+    library,
+    team_threads,
+    wait,
+)
 from freetoken.weights.expert_format import QuantizedWeight
 
+SIGNATURES: Signatures = {  # the dense layers' (cpu_layers.c)
+    # dtype, w, bias, N, H, x, x_bf16, T, out, threads
+    "ft_cpu_linear_submit": ([INT, P, P, I64, I64, P, INT, I64, P, INT], U64),
+    # dtype, fmt, w, s, g, block rows, block cols, bias, N, H, x, x_bf16, T, out, threads: a
+    # dense layer kept quantized
+    "ft_cpu_qlinear_submit": (
+        [INT, INT, P, P, P, I64, I64, P, I64, I64, P, INT, I64, P, INT],
+        U64,
+    ),
+    # dtype, fmt, w, s, g, block rows, block cols, N, K, out, threads: such a layer's weight
+    # dequantized
+    "ft_cpu_dequantize_submit": ([INT, INT, P, P, P, I64, I64, I64, I64, P, INT], U64),
+}
+declare(SIGNATURES)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 # Below this many weight bytes torch's own call, which costs no handoff to the team, is as
 # fast (a router of 128 x 2048 in bf16, 512 KiB, still gained).

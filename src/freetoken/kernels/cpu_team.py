@@ -1,7 +1,9 @@
-"""The native CPU library (cpu_experts.c) and its team of threads, shared by every CPU kernel:
-routed experts (cpu_experts.py), dense layers, stored or kept quantized (cpu_linear.py), decode
-attention (paged_attention.py) and the device's doorbell (moe/doorbell.py). One place loads it
-and declares its functions."""
+"""The native CPU library (cpu_native.c and the parts it includes) and its team of threads
+(cpu_team.c), shared by every CPU kernel: routed experts (cpu_experts.py), dense layers, stored
+or kept quantized (cpu_linear.py), decode attention (paged_attention.py), a decode step's row
+operations (norm_rope.py) and the device's doorbell (moe/doorbell.py). One place loads it; each
+of those modules declares the functions it calls (`declare`), beside the code that calls them,
+and this one the team's."""
 
 from __future__ import annotations
 
@@ -13,79 +15,60 @@ import os
 from freetoken import settings
 from freetoken.kernels import native
 
-_P, _I64, _INT, _F, _D, _U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
-                               ctypes.c_double, ctypes.c_uint64)  # fmt: skip
-# The experts' arguments of the entry points that take them: the gate/up and down projections'
-# formats (weights/expert_format.py's kernel codes), then per projection (gate_up, down) its
-# weights, scales, per-row scales and fp8 block (rows, cols), then the gate/up bias bank (or
-# NULL).
-EXPERT_ARGS = [_INT, _INT, *[_P, _P, _P, _I64, _I64] * 2, _P]
-# seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
-# threads, stats, layers, idle_spin, prepare
-LISTENER_ARGS = [_P, _P, _P, _P, _P, _P, _INT, _P, _I64, _INT, *EXPERT_ARGS, _I64, _I64, _INT,
-                 _INT, _P, _I64, _D, _D]  # fmt: skip
-SIGNATURES = {
-    # dtype, experts, H, I, x, x_bf16, n_rows, n_routes, route_row, route_pair, route_w, out,
-    # act, threads, experts (out)
-    "ft_cpu_experts_submit": (
-        [_INT, *EXPERT_ARGS, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _P],
-        _U64,
-    ),
-    # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert row decoded
-    "ft_cpu_experts_decode": ([_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P], None),
-    "ft_cpu_experts_decoder_bits": ([], _INT),  # the decoders' vector width (tests)
-    # fmt, w, s, g, block rows, block cols, pair, N, K, row, other row, x (bf16), out [5]: one
-    # row's dot products by each route, and two rows' at a time (tests)
-    "ft_cpu_experts_row_dots": (
-        [_INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P],
-        None,
-    ),
-    # dtype, w, bias, N, H, x, x_bf16, T, out, threads
-    "ft_cpu_linear_submit": ([_INT, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _INT], _U64),
-    # dtype, fmt, w, s, g, block rows, block cols, bias, N, H, x, x_bf16, T, out, threads: a
-    # dense layer kept quantized
-    "ft_cpu_qlinear_submit": (
-        [_INT, _INT, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _P, _INT, _I64, _P, _INT],
-        _U64,
-    ),
-    # dtype, fmt, w, s, g, block rows, block cols, N, K, out, threads: such a layer's weight
-    # dequantized
-    "ft_cpu_dequantize_submit": (
-        [_INT, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT],
-        _U64,
-    ),
-    # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
-    # window, scale, sinks, out, threads
-    "ft_cpu_attention_submit": (
-        [_INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _INT],
-        _U64,
-    ),
-    # dtype, x, delta, weight, T, H, eps, mode, sum, out: a decode step's RMSNorm
-    "ft_cpu_rms_norm": ([_INT, _P, _P, _P, _I64, _I64, _F, _INT, _P, _P], None),
-    # dtype, x, row stride, head stride, T, heads, D, cos, sin, cos row stride, rot, out
-    "ft_cpu_rotary": ([_INT, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P], None),
-    "ft_listener_start": (LISTENER_ARGS, _P),
-    "ft_listener_stop": ([_P], None),
-    "ft_cpu_experts_wait": ([_U64], _D),
-    "ft_cpu_experts_set_spin": ([_D], None),
-    "ft_cpu_experts_prepare": ([_D], None),
+# The C types of the signatures: a pointer, int64_t, int, float, double, uint64_t.
+P, I64, INT, F, D, U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                          ctypes.c_double, ctypes.c_uint64)  # fmt: skip
+Signatures = dict[str, tuple[list, object]]  # a function's name: (argument types, result type)
+
+
+class Library:
+    """The loaded library's declared functions, as attributes (its ctypes functions, called as
+    they would be on the CDLL): one that no imported module declared is not there, where ctypes
+    would call it with argument types guessed from the values."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        self.cdll = cdll
+
+    def declare(self, signatures: Signatures) -> None:
+        for name, (args, result) in signatures.items():
+            fn = getattr(self.cdll, name)
+            fn.argtypes, fn.restype = args, result
+            setattr(self, name, fn)
+
+
+_declared: Signatures = {}
+_lib: Library | bool | None = None
+
+
+def declare(signatures: Signatures) -> None:
+    """Declares functions of the library, as cpu_native.h prototypes them: each module declares
+    those it calls when it is imported, and they are set on the library whenever it loads."""
+    _declared.update(signatures)
+    if _lib:
+        _lib.declare(signatures)
+
+
+SIGNATURES: Signatures = {  # the team's (cpu_team.c)
+    # ticket: this thread works on the job until it is done; its seconds
+    "ft_cpu_experts_wait": ([U64], D),
+    "ft_cpu_experts_set_spin": ([D], None),
+    "ft_cpu_experts_prepare": ([D], None),
     # out [3]: thread-seconds in phase 1 items, phase 2 items, between them, since the last
     # call; 1 in a build with -DITEM_TIMES (else 0 and zeros)
-    "ft_cpu_experts_item_seconds": ([_P], _INT),
+    "ft_cpu_experts_item_seconds": ([P], INT),
 }
-_lib: ctypes.CDLL | bool | None = None
+declare(SIGNATURES)
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled library with its functions declared, or None where it cannot be built."""
+def library() -> Library | None:
+    """The compiled library with the functions modules declared, or None where it cannot be
+    built."""
     global _lib
     if _lib is None:
-        lib = native.load("cpu_experts")
-        if lib is not None:
-            for name, (args, result) in SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, result
-        _lib = lib or False
+        cdll = native.load("cpu_native")
+        _lib = Library(cdll) if cdll is not None else False
+        if _lib:
+            _lib.declare(_declared)
     return _lib or None
 
 

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 # Constants a source takes from Python's one definition of them, as -D macros.
 DEFINES: dict[str, dict[str, int]] = {
-    "cpu_experts": {
+    "cpu_native": {
         **ACTIVATION_CODES,
         **FORMAT_CODES,
         "MIXED_K_WIDTH": MIXED_K_WIDTH,
@@ -42,6 +43,8 @@ DEFINES: dict[str, dict[str, int]] = {
 }
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+# A quoted include: a file of the library's own (a part of its one translation unit, a header).
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 def _cpu_signature() -> str:
@@ -52,6 +55,32 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))
+
+
+def sources(source: Path) -> list[Path]:
+    """`source` and every file it includes by a quoted `#include`, and those theirs (each found
+    beside the file that includes it, as the compiler finds it), once each in the order first
+    included: everything a build of `source` reads from the package, which its cache key
+    hashes. (An include inside `#if` counts whether or not it is taken: a build may take it.)"""
+    found: list[Path] = []
+
+    def visit(path: Path) -> None:
+        found.append(path)
+        for name in _INCLUDE.findall(path.read_text()):
+            part = (path.parent / name).resolve()
+            if part not in found and part.is_file():
+                visit(part)
+
+    visit(source.resolve())
+    return found
+
+
+def cache_key(source: Path, cc: str, flags: list[str]) -> str:
+    """What names `source`'s build in the cache: a hash of its `sources` (a change to any file
+    of it builds it anew), the compiler, the flags and the CPU (-march=native's)."""
+    texts = [path.read_text() for path in sources(source)]
+    digest = hashlib.sha256("\n".join([*texts, cc, *flags, _cpu_signature()]).encode())
+    return digest.hexdigest()[:16]
 
 
 def _compiler() -> str | None:
@@ -87,9 +116,7 @@ def _build_and_load(name: str, defines: list[str]) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s runs on torch instead (slower)", name)
         return None
     flags = [*FLAGS, *extra_flags()]
-    key = hashlib.sha256(
-        "\n".join([source.read_text(), cc, *flags, *defines, _cpu_signature()]).encode()
-    ).hexdigest()[:16]
+    key = cache_key(source, cc, [*flags, *defines])
     target = cache_dir() / "native" / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ prompts.
 
 On the CPU the same holds at decode for another reason: each torch op is a dispatch of several
 microseconds, and a norm or a rotation of one row is a few thousand values. The native library
-(cpu_experts.c, `ft_cpu_rms_norm`, `ft_cpu_rotary`) does each in one call on the calling thread,
+(cpu_layers.c, `ft_cpu_rms_norm`, `ft_cpu_rotary`) does each in one call on the calling thread,
 in the same order of roundings: a 0.5B Qwen's decode step on a 2-core Intel machine went from
 47.7 to 44.8 ms (benchmarks/results/2026-12-05-cpu-row-ops-and-drafts.md).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.kernels import cpu_team
+from freetoken.kernels.cpu_team import I64, INT, F, P, Signatures, declare
 
 try:
     import triton
@@ -38,6 +39,13 @@ def available(x: torch.Tensor) -> bool:
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 CPU_MAX_ROWS = 16  # a decode batch's; a prompt's rows are torch's, which vectorises across rows
 _NORM_MODES = {(False, False): 0, (False, True): 1, (True, True): 2}  # (zero_centered, fp32)
+SIGNATURES: Signatures = {  # the row operations' (cpu_layers.c)
+    # dtype, x, delta, weight, T, H, eps, mode, sum, out: a decode step's RMSNorm
+    "ft_cpu_rms_norm": ([INT, P, P, P, I64, I64, F, INT, P, P], None),
+    # dtype, x, row stride, head stride, T, heads, D, cos, sin, cos row stride, rot, out
+    "ft_cpu_rotary": ([INT, P, I64, I64, I64, I64, I64, P, P, I64, I64, P], None),
+}
+declare(SIGNATURES)
 
 
 def native_takes(x: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ Three implementations of that one contract:
   the pool read as both) take it too: the RoPE part's scores added, the latent read once as
   key and value, the output the latent's width, 16 query heads a program.
 - `paged_decode_cpu`: one new token per sequence on the CPU, through the native library's
-  thread team (cpu_experts.c, `ft_cpu_attention_submit`): the same splits and online softmax,
+  thread team (cpu_layers.c, `ft_cpu_attention_submit`): the same splits and online softmax,
   reading bf16 keys and values in place with AVX512-BF16 dot products where the CPU has them.
 - `paged_attention_torch`: any batch, any device, the reference and the CPU path: per sequence,
   its keys gathered on the device from the table (no host work per key), then SDPA (a fused
@@ -86,6 +86,17 @@ def paged_attention(
 # ---------------------------------------------------------------------------------------------
 
 _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_P, _I64 = cpu_team.P, cpu_team.I64
+SIGNATURES: cpu_team.Signatures = {  # decode attention's (cpu_layers.c)
+    # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
+    # window, scale, sinks, out, threads
+    "ft_cpu_attention_submit": (
+        [cpu_team.INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+         cpu_team.F, _P, _P, cpu_team.INT],
+        cpu_team.U64,
+    ),
+}  # fmt: skip
+cpu_team.declare(SIGNATURES)
 
 
 def _widths(d: int, values_are_keys: bool) -> tuple[int, int] | None:

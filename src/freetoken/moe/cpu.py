@@ -1,10 +1,10 @@
 """CPU expert execution: compute routes from the host pool where the weights already lie.
 
 Jobs run off the thread that drives the GPU, so it keeps issuing copies and kernels while the
-CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, built for this CPU at
-first use), which runs each job on its own team of threads, no GIL involved, and the thread
-that waits for a job works on it too; or, where it cannot be built, the torch reference on a
-Python thread and torch's intra-op pool.
+CPU computes. The math is the native kernel (`kernels/cpu_experts.c`, a part of the native
+library `kernels/cpu_native.c`, built for this CPU at first use), which runs each job on its own
+team of threads, no GIL involved, and the thread that waits for a job works on it too; or, where
+it cannot be built, the torch reference on a Python thread and torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class CPUResult:
 
 
 class NativeJob:
-    """A job on the native kernel's own worker thread (kernels/cpu_experts.c)."""
+    """A job on the native kernel's own team of threads (kernels/cpu_team.c)."""
 
     def __init__(self, pending, expert_bytes: int):
         self._pending, self._expert_bytes = pending, expert_bytes

@@ -17,7 +17,7 @@ Per layer step of T tokens (R = T x k routes), in the graph's stream order:
                                           number, then GPU output += the fp32 partial read
                                           from `out` in host memory, in the layer's dtype
 
-The listener (a native thread of kernels/cpu_experts.c) watches `seq`, runs the job on the
+The listener (a native thread of kernels/cpu_listener.c) watches `seq`, runs the job on the
 team and answers by writing the number to `done`. Each word is written by one side only and
 never cleared (a store from the SMs to a word the CPU writes can sit in the GPU's L2 where the
 device then reads it instead of the CPU's answer). A layer step with nothing for the CPU (every
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from freetoken.kernels.cache_control import SEQ_WORD, SHAPE_WORD
-from freetoken.kernels.cpu_experts import NativeCPUExperts
+from freetoken.kernels.cpu_experts import EXPERT_ARGS, NativeCPUExperts
+from freetoken.kernels.cpu_team import I64, INT, D, P, Signatures, declare
 from freetoken.kernels.expert_fill import HostRows
 from freetoken.kernels.host_partial import add_host_partial_
 
@@ -47,6 +48,14 @@ JOBS, ROUTES, SECONDS, EXPERTS = range(4)  # the listener's counters per layer
 # How long the listener spins after a job before it polls every 20 us: decode steps come
 # back to back, and a step's first layer should not wait for a sleeping thread.
 IDLE_SPIN_SECONDS = 0.05
+# seq, shape, done, pairs, weights, x, x_bf16, out, max_routes, dtype, experts, H, I, act,
+# threads, stats, layers, idle_spin, prepare
+LISTENER_ARGS = [P, P, P, P, P, P, INT, P, I64, INT, *EXPERT_ARGS, I64, I64, INT, INT, P, I64, D, D]
+SIGNATURES: Signatures = {  # the listener's (cpu_listener.c)
+    "ft_listener_start": (LISTENER_ARGS, P),
+    "ft_listener_stop": ([P], None),
+}
+declare(SIGNATURES)
 
 
 class CPUDoorbell:

@@ -205,7 +205,7 @@ LEGACY = {
                        scale_width=width)
     for name, width in LEGACY_REST.items()
 }  # fmt: skip
-# Formats whose CPU routes read x split for them (kernels/cpu_experts.c's split_x): a store's
+# Formats whose CPU routes read x split for them (kernels/cpu_dots.c's split_x): a store's
 # two projections are of one format where either is one of these
 SPLIT_FORMATS = frozenset(("mxfp4", "nvfp4"))
 
