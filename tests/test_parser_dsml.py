@@ -22,7 +22,7 @@ from freetoken.server.parsers import (
     parser_for_template,
     prompt_opens_reasoning,
 )
-from test_parsers import collapse
+from test_parsers import calls, parsed
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 V4, V32 = "deepseek-ai-DeepSeek-V4.jinja", "deepseek-ai-DeepSeek-V3.2.jinja"
@@ -30,21 +30,7 @@ EOS = "<｜end▁of▁sentence｜>"
 
 
 def parse(chunks, name="dsml", **options):
-    parser = make_parser(name, None, **options)
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return collapse(events + parser.finish()), parser
-
-
-def calls(events):
-    """(name, arguments as an object) of each call, from the collapsed events."""
-    out = []
-    for i, ev in enumerate(events):
-        if ev[0] == "start":
-            assert events[i + 1][0] == "args" and events[i + 2] == ("end", ev[1])
-            out.append((ev[2], json.loads(events[i + 1][2])))
-    return out
+    return parsed(name, chunks, None, **options)
 
 
 def block(wrapper, *invokes):

@@ -5,14 +5,13 @@ types from the request's tool schemas."""
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.server.parsers import forced_tool_call, make_parser, parser_for_template
-from test_parsers import collapse
+from freetoken.server.parsers import forced_tool_call, parser_for_template
+from test_parsers import calls, parsed
 
 
 def tool(name: str, **types: str) -> dict:
@@ -28,21 +27,7 @@ TOOLS = [
 
 
 def parse(chunks, tools=TOOLS, **options):
-    parser = make_parser("glm45", tools, **options)
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return collapse(events + parser.finish()), parser
-
-
-def calls(events):
-    """(name, arguments as an object) of each call, from the collapsed events."""
-    out = []
-    for i, ev in enumerate(events):
-        if ev[0] == "start":
-            assert events[i + 1][0] == "args" and events[i + 2] == ("end", ev[1])
-            out.append((ev[2], json.loads(events[i + 1][2])))
-    return out
+    return parsed("glm45", chunks, tools, **options)
 
 
 WEATHER = (

@@ -17,10 +17,9 @@ from freetoken import chat_template
 from freetoken.server.parsers import (
     forced_tool_call,
     keeps_special_tokens,
-    make_parser,
     parser_for_template,
 )
-from test_parsers import collapse
+from test_parsers import calls, parsed
 
 TEMPLATE = (Path(__file__).parent / "data" / "templates" / "MiniMax-M2.jinja").read_text()
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -38,21 +37,7 @@ TOOLS = [tool("get_weather", city="string", days="integer", zip="string", tags="
 
 def parse(chunks, tools=TOOLS, **options):
     """(collapsed events, the parser)."""
-    parser = make_parser("minimax_m2", tools, **options)
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return collapse(events + parser.finish()), parser
-
-
-def calls(events):
-    """(name, arguments as an object) of each call, from the collapsed events."""
-    out = []
-    for i, ev in enumerate(events):
-        if ev[0] == "start":
-            assert events[i + 1][0] == "args" and events[i + 2] == ("end", ev[1])
-            out.append((ev[2], json.loads(events[i + 1][2])))
-    return out
+    return parsed("minimax_m2", chunks, tools, **options)
 
 
 def assistant_turn(message: dict) -> str:

@@ -40,6 +40,25 @@ def parse(chunks: list[str], **options) -> list:
     return events
 
 
+def parsed(name: str, chunks, tools=None, **options) -> tuple[list[tuple], object]:
+    """(the collapsed events, the parser) of parser `name` fed `chunks` then finished."""
+    parser = make_parser(name, tools, **options)
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    return collapse(events + parser.finish()), parser
+
+
+def calls(events: list[tuple]) -> list[tuple]:
+    """(name, arguments as an object) of each call, from the collapsed events."""
+    out = []
+    for i, ev in enumerate(events):
+        if ev[0] == "start":
+            assert events[i + 1][0] == "args" and events[i + 2] == ("end", ev[1])
+            out.append((ev[2], json.loads(events[i + 1][2])))
+    return out
+
+
 def collapse(events: list, ids: re.Pattern = ID) -> list[tuple]:
     """Consecutive deltas of one kind merged; ids checked (against `ids`) and replaced by the
     call index."""
