@@ -1,6 +1,8 @@
-"""DeepSeek-V4's hyper-connection mixes in one launch: from the projection of the normed streams,
-`pre` (sigmoid), `post` (2 x sigmoid) and `comb` (softmax, then Sinkhorn-Knopp to a doubly
-stochastic matrix) for every token.
+"""DeepSeek-V4's hyper-connections in a few launches: the mixes in one (from the projection of
+the normed streams, `pre` (sigmoid), `post` (2 x sigmoid) and `comb` (softmax, then
+Sinkhorn-Knopp to a doubly stochastic matrix) for every token), and one each for the streams'
+norm, their collapse by `pre` and their merge with a block's output (layers/hyper_connections.py
+is the torch definition of those three, and the CPU path; about 25 launches a layer there).
 
 In torch that is about 120 launches a block (each Sinkhorn iteration sums and divides rows,
 then columns, of a 4 x 4 matrix), twice a layer: half of a decode step's kernels, each a
@@ -44,6 +46,11 @@ def kernel_takes(mixes: torch.Tensor, n: int) -> bool:
     return triton is not None and mixes.is_cuda and n >= 1 and n & (n - 1) == 0
 
 
+def streams_kernel_takes(streams: torch.Tensor) -> bool:
+    """Whether the norm, collapse and merge kernels run on these streams: on CUDA, with Triton."""
+    return triton is not None and streams.is_cuda
+
+
 def hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):
     """`hc_mix_reference`'s results, in one launch where `kernel_takes`."""
     if not kernel_takes(mixes, n):
@@ -64,6 +71,51 @@ def launch_hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):
             hc_eps, N=n, ITERS=iters,
         )  # fmt: skip
     return pre, post, comb
+
+
+_BLOCK = 1024  # hidden values a program of collapse and merge takes
+
+
+def hc_normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [T, n, H] flattened to [T, n H] in fp32 and normed without a weight."""
+    t = streams.shape[0]
+    flat = streams.reshape(t, -1)
+    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    if t:
+        _normed_kernel[(t,)](flat.contiguous(), out, eps, WIDTH=flat.shape[1], BLOCK=_BLOCK * 4)
+    return out
+
+
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_j pre[t, j] streams[t, j] in fp32, cast to the streams' dtype: [T, H]."""
+    t, n, hidden = streams.shape
+    out = torch.empty(t, hidden, dtype=streams.dtype, device=streams.device)
+    if t:
+        grid = (t, triton.cdiv(hidden, _BLOCK))
+        _collapse_kernel[grid](
+            pre.float().contiguous(), streams.contiguous(), out, hidden, N=n, BLOCK=_BLOCK
+        )
+    return out
+
+
+def hc_merge(streams, post, comb, out) -> torch.Tensor:
+    """`HyperConnection.merge`: post[t, k] out[t] + sum_j comb[t, j, k] streams[t, j], with
+    post and comb cast to the streams' dtype and each result rounded as torch rounds it."""
+    t, n, hidden = streams.shape
+    merged = torch.empty_like(streams)
+    if t:
+        grid = (t, triton.cdiv(hidden, _BLOCK))
+        _merge_kernel[grid](
+            streams.contiguous(),
+            post.float().contiguous(),
+            comb.float().contiguous(),
+            out.contiguous(),
+            merged,
+            hidden,
+            N=n,
+            BLOCK=_BLOCK,
+        )
+    return merged
 
 
 if triton is not None:
@@ -87,3 +139,45 @@ if triton is not None:
         tl.store(pre_out + t * N + i, pre)
         tl.store(post_out + t * N + i, post)
         tl.store(comb_out + t * N * N + cells, comb)
+
+    @triton.jit
+    def _normed_kernel(X, OUT, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], tl.float32)
+        for c0 in tl.static_range(0, WIDTH, BLOCK):
+            x = tl.load(X + t * WIDTH + c0 + i, mask=c0 + i < WIDTH, other=0.0).to(tl.float32)
+            total += x * x
+        r = tl.rsqrt(tl.sum(total, 0) / WIDTH + eps)
+        for c0 in tl.static_range(0, WIDTH, BLOCK):
+            ok = c0 + i < WIDTH
+            x = tl.load(X + t * WIDTH + c0 + i, mask=ok, other=0.0).to(tl.float32)
+            tl.store(OUT + t * WIDTH + c0 + i, x * r, mask=ok)
+
+    @triton.jit
+    def _collapse_kernel(PRE, S, OUT, hidden, N: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = h < hidden
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(N):
+            s = tl.load(S + (t * N + j) * hidden + h, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.load(PRE + t * N + j) * s
+        tl.store(OUT + t * hidden + h, acc.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _merge_kernel(S, POST, COMB, X, OUT, hidden, N: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = h < hidden
+        dt = OUT.dtype.element_ty
+        x = tl.load(X + t * hidden + h, mask=ok, other=0.0).to(tl.float32)
+        for k in tl.static_range(N):
+            mixed = tl.zeros([BLOCK], tl.float32)
+            for j in tl.static_range(N):
+                c = tl.load(COMB + (t * N + j) * N + k).to(dt).to(tl.float32)
+                s = tl.load(S + (t * N + j) * hidden + h, mask=ok, other=0.0).to(tl.float32)
+                mixed += c * s
+            spread = (tl.load(POST + t * N + k).to(dt).to(tl.float32) * x).to(dt).to(tl.float32)
+            value = spread + mixed.to(dt).to(tl.float32)
+            tl.store(OUT + (t * N + k) * hidden + h, value.to(dt), mask=ok)

@@ -21,13 +21,16 @@ the radix cache), there is no per-sequence state beside the pages, and chunked p
 prefix reuse are exact by construction. Each step pools one candidate entry per new token (the
 window ending there), the same work whether or not it closes a window.
 
-All in torch for now. A prompt is read per sequence, its context's rows gathered (as the MLA
-prefill does). A decode step reads every sequence at once: the window's rows and the closing
-rows of the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every
-window the page table can hold while a CUDA graph is captured, so shapes are then fixed),
-masked past each sequence's length; the host's work does not grow with the context and nothing
-waits on the device. So the runner captures V4's decode step in CUDA graphs like any other
-(no GPU run is recorded yet).
+The torch code here is the definition and the CPU path. On a GPU the rotations, the pooling and
+a decode step's attention are kernels/compressed_decode.py's (one launch each where torch
+needs tens), and the cos and sin of a step's positions are computed once for all its layers
+(`StepAngles`). A prompt is read per sequence, its context's rows gathered (as the MLA prefill
+does). A decode step reads every sequence at once: the window's rows and the closing rows of
+the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every window
+the page table can hold while a CUDA graph is captured, so shapes are then fixed), masked past
+each sequence's length (the kernel reads only the entries the indexer chose); the host's work
+does not grow with the context and nothing waits on the device, so the runner captures V4's
+decode step in CUDA graphs like any other.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels import compressed_decode as kernels
 from freetoken.kernels.paged_attention import sequence_slots
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
@@ -69,6 +73,31 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def turn(x: torch.Tensor, cos, sin, rms_eps: float | None = None) -> torch.Tensor:
+    """rope_tail(x) (of unweighted_rms(x) with `rms_eps`): one launch on a GPU."""
+    if kernels.kernel_takes(x):
+        return kernels.rope_tail(x, cos, sin, rms_eps)
+    return rope_tail(x if rms_eps is None else unweighted_rms(x, rms_eps), cos, sin)
+
+
+class StepAngles:
+    """The cos and sin a forward's layers turn by, each computed at its first use and kept for
+    the forward's other layers (the positions are the same in every layer): the main RoPE's
+    at the new tokens' positions, the compressed branches' at them and at the first positions
+    of the windows they close (`offset` 1 - ratio)."""
+
+    def __init__(self, main: RotaryEmbedding, compress: RotaryEmbedding, positions, dtype):
+        self.rotaries, self.positions, self.dtype = (main, compress), positions, dtype
+        self.kept: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, compressed: bool, offset: int = 0):
+        key = (compressed, offset)
+        if key not in self.kept:
+            rotary = self.rotaries[compressed]
+            self.kept[key] = half_cos_sin(rotary, self.positions + offset, self.dtype)
+        return self.kept[key]
 
 
 # A decode step reads the closing rows of this many windows a sequence at a time: enough for
@@ -116,12 +145,12 @@ class Compressor(nn.Module):
         valid: torch.Tensor,
         kv_cols: slice,
         gate_cols: slice,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """The entry of the window ending at each of `positions` [T]: `rows` [T, S, W] are the
-        cache rows of the S = (2 if overlap else 1) * ratio tokens up to it, `valid` [T, S]
-        which of them exist (a first window has no previous one)."""
+        """The entry of the window ending at each new token: `rows` [T, S, W] are the cache
+        rows of the S = (2 if overlap else 1) * ratio tokens up to it, `valid` [T, S] which of
+        them exist (a first window has no previous one); `cos_sin` at the window's first
+        position."""
         r, d = self.ratio, self.dim
         kv, gate = rows[..., kv_cols], rows[..., gate_cols].float()
         if self.overlap:
@@ -134,9 +163,7 @@ class Compressor(nn.Module):
         kv = torch.where(ok, kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
         gate = torch.where(ok, gate, float("-inf"))
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
-        pooled = self.norm(pooled)
-        cos, sin = half_cos_sin(rotary, positions + 1 - r, pooled.dtype)
-        return rope_tail(pooled, cos, sin)
+        return rope_tail(self.norm(pooled), *cos_sin)
 
 
 class Indexer(Compressor):
@@ -179,20 +206,13 @@ class CompressedAttention(nn.Module):
             self.indexer = Indexer(cfg)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rotaries: tuple[RotaryEmbedding, RotaryEmbedding],
-        batch: ForwardBatch,
-        kv: PagedKVCache,
+        self, x: torch.Tensor, angles: StepAngles, batch: ForwardBatch, kv: PagedKVCache
     ) -> torch.Tensor:
         t, heads, d = x.shape[0], self.heads, self.dim
-        main, compress = rotaries
-        rotary = main if self.kind == "sliding_attention" else compress
-        cos, sin = half_cos_sin(rotary, batch.positions, x.dtype)
+        cos, sin = angles.get(self.kind != "sliding_attention")
         q_latent = self.q_a_norm(self.wq_a(x))
-        q = unweighted_rms(self.wq_b(q_latent).view(t, heads, d), self.eps)
-        q = rope_tail(q, cos, sin)
-        k = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
+        k = turn(self.kv_norm(self.wkv(x)), cos, sin)
 
         pool = kv.k[self.layer]  # [slots, 1, W]
         lay = self.layout
@@ -206,72 +226,112 @@ class CompressedAttention(nn.Module):
             new[:, lay["igate"]] = self.indexer.wgate(x)
         pool.index_copy_(0, batch.write_slots, new[:, None])
         if self.kind != "sliding_attention":
-            self._pool_entries(pool, batch, compress)
+            self._pool_entries(pool, batch, angles)
 
         if batch.is_decode:
-            out = self._decode(q, pool, batch, x, q_latent, compress)
+            out = self._decode(q, pool, batch, x, q_latent, angles.get(True))
         else:
             out = q.new_empty(t, heads, d)
             for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
                 rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
                 span = slice(start, start + count)
+                compressed = tuple(a[span] for a in angles.get(True))
                 out[span] = self._attend(q[span], rows, batch.positions[span], x[span],
-                                         q_latent[span], compress)  # fmt: skip
-        out = rope_tail(out, cos, -sin)
+                                         q_latent[span], compressed)  # fmt: skip
+        out = turn(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
 
-    def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, rotary) -> None:
+    def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, angles: StepAngles) -> None:
         """Write, at each new token's row, the entry (and the indexer's) of the window ending
         at that token, pooled from the cache rows of the window's tokens."""
         lay, r = self.layout, self.ratio
-        series = 2 if self.kind == CSA else 1
-        span = torch.arange(series * r, device=pool.device) - (series * r - 1)
-        positions = batch.positions[:, None] + span  # [T, S]
-        valid = positions >= 0
-        at = positions.clamp(min=0)
         if batch.is_decode:
             rows_of = batch.rows
         else:
             counts = torch.tensor(batch.counts, device=pool.device)
             rows_of = batch.rows.repeat_interleave(counts, output_size=batch.num_tokens)
-        rows = _rows_at(pool, batch, rows_of, at)  # [T, S, W]
-        entry = self.compressor.pool(rows, valid, lay["ckv"], lay["cgate"], batch.positions,
-                                     rotary)  # fmt: skip
-        pool[batch.write_slots, 0, lay["centry"]] = entry
+        compressors = [(self.compressor, "ckv", "cgate", "centry")]
         if self.kind == CSA:
-            entry = self.indexer.pool(rows, valid, lay["ikv"], lay["igate"], batch.positions,
-                                      rotary)  # fmt: skip
-            pool[batch.write_slots, 0, lay["ientry"]] = entry
+            compressors.append((self.indexer, "ikv", "igate", "ientry"))
+        cos_sin = angles.get(True, 1 - r)
+        if kernels.kernel_takes(pool):
+            for c, kv_cols, gate_cols, entry_cols in compressors:
+                cols = (lay[kv_cols].start, lay[gate_cols].start, lay[entry_cols].start, c.dim)
+                kernels.pool_entries(
+                    pool,
+                    batch.page_table,
+                    rows_of,
+                    batch.positions,
+                    batch.write_slots,
+                    batch.page_size,
+                    r,
+                    c.overlap,
+                    cols,
+                    c.ape,
+                    c.norm.weight,
+                    c.norm.eps,
+                    *cos_sin,
+                )
+            return
+        series = 2 if self.kind == CSA else 1
+        span = torch.arange(series * r, device=pool.device) - (series * r - 1)
+        positions = batch.positions[:, None] + span  # [T, S]
+        rows = _rows_at(pool, batch, rows_of, positions.clamp(min=0))  # [T, S, W]
+        for c, kv_cols, gate_cols, entry_cols in compressors:
+            entry = c.pool(rows, positions >= 0, lay[kv_cols], lay[gate_cols], cos_sin)
+            pool[batch.write_slots, 0, lay[entry_cols]] = entry
 
-    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, rotary) -> torch.Tensor:
+    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, cos_sin) -> torch.Tensor:
         """One new token a sequence, all sequences at once, with no host work that grows with
         the context and nothing that waits on the device: the window's rows, and the closing
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
         captured, of every window the page table can hold: shapes fixed for any context)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
+        if r:
+            w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
+            last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
+            ready = (batch.positions + 1) // r
+            seen = w[None] < ready[:, None]  # [B, windows]
+            top = None
+            if self.kind == CSA:
+                index_keys = _rows_at(pool, batch, batch.rows, last, lay["ientry"])
+                top = self._top_windows(index_keys, seen, ready, x, q_latent, cos_sin)
+        if kernels.kernel_takes(q):
+            ids = None
+            if r:  # the windows each sequence reads (-1: none), only the chosen ones
+                ids = torch.where(seen, w[None], -1) if top is None else top
+            return kernels.attend(
+                q,
+                pool,
+                batch.page_table,
+                batch.rows,
+                batch.positions,
+                batch.page_size,
+                self.window,
+                lay["kv"].start,
+                ids,
+                r,
+                lay["centry"].start if r else 0,
+                self.sinks,
+                self.scale,
+            )
         back = torch.arange(self.window - 1, -1, -1, device=q.device)
         at = p - back  # [B, window]
         keys = _rows_at(pool, batch, batch.rows, at.clamp(min=0), lay["kv"])
         bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(at < 0, float("-inf"))
         if r:
-            w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
-            last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
             entries = _rows_at(pool, batch, batch.rows, last, lay["centry"])
             keys = torch.cat([keys, entries], dim=1)
-            ready = (batch.positions + 1) // r
-            seen = w[None] < ready[:, None]  # [B, windows]
-            if self.kind == CSA:
-                index_keys = _rows_at(pool, batch, batch.rows, last, lay["ientry"])
-                seen = self._chosen(index_keys, seen, ready, batch.positions, x, q_latent,
-                                    rotary)  # fmt: skip
+            if top is not None:
+                seen = _chosen_mask(top, seen)
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
         return self._softmax_attend(q, keys, bias, "bhd,bkd->bhk", "bhk,bkd->bhd")
 
-    def _attend(self, q, rows, positions, x, q_latent, rotary) -> torch.Tensor:
+    def _attend(self, q, rows, positions, x, q_latent, cos_sin) -> torch.Tensor:
         """One sequence's new queries q [n, heads, d] at `positions` over its context's rows
         [L, W]: the sliding window, the closed windows' entries (all, or the indexer's top-k),
         the sinks."""
@@ -291,8 +351,8 @@ class CompressedAttention(nn.Module):
             w = torch.arange(count, device=q.device)
             seen = w[None] < ready[:, None]  # [n, E]
             if self.kind == CSA and count:
-                seen = self._chosen(closed[:, lay["ientry"]], seen, ready, positions, x,
-                                    q_latent, rotary)  # fmt: skip
+                top = self._top_windows(closed[:, lay["ientry"]], seen, ready, x, q_latent, cos_sin)
+                seen = _chosen_mask(top, seen)
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
         return self._softmax_attend(q, keys, bias, "nhd,kd->nhk", "nhk,kd->nhd")
@@ -308,13 +368,12 @@ class CompressedAttention(nn.Module):
         probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum(mix, probs, keys)
 
-    def _chosen(self, entries, seen, ready, positions, x, q_latent, rotary) -> torch.Tensor:
-        """The Lightning Indexer: which closed windows each query attends, [n, E]."""
+    def _top_windows(self, entries, seen, ready, x, q_latent, cos_sin) -> torch.Tensor:
+        """The Lightning Indexer: the closed windows each query attends, [n, min(topk, E)]
+        (-1 for a pick past the closed ones, when fewer are closed than it keeps)."""
         ix = self.indexer
         n = q_latent.shape[0]
-        iq = ix.wq_b(q_latent).view(n, ix.heads, ix.dim)
-        cos, sin = half_cos_sin(rotary, positions, iq.dtype)
-        iq = rope_tail(iq, cos, sin)
+        iq = turn(ix.wq_b(q_latent).view(n, ix.heads, ix.dim), *cos_sin)
         spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
         scores = torch.einsum(spec, iq.float(), entries.float())
         scores = F.relu(scores) * ix.dim**-0.5
@@ -322,8 +381,12 @@ class CompressedAttention(nn.Module):
         scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
         scores = scores.masked_fill(~seen, float("-inf"))
         top = scores.topk(min(ix.topk, scores.shape[1]), dim=-1).indices
-        keep = top < ready[:, None]
-        count = seen.shape[1]
-        chosen = seen.new_zeros(n, count + 1)  # (a last column for the picks not kept)
-        chosen.scatter_(1, torch.where(keep, top, count), True)
-        return chosen[:, :count] & seen
+        return torch.where(top < ready[:, None], top, -1)
+
+
+def _chosen_mask(top: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """The windows `top` [n, k] names (-1: none) as a mask [n, E], within `seen`."""
+    n, count = seen.shape
+    chosen = seen.new_zeros(n, count + 1)  # (a last column for the picks not kept)
+    chosen.scatter_(1, torch.where(top >= 0, top, count), True)
+    return chosen[:, :count] & seen

@@ -10,13 +10,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels import hyper_mix
 from freetoken.kernels.hyper_mix import hc_mix
 from freetoken.model_config import CompressedAttentionConfig
 
 
 def _normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
+    if hyper_mix.streams_kernel_takes(streams):  # (one launch on a GPU, five in torch)
+        return hyper_mix.hc_normed(streams, eps)
     flat = streams.reshape(streams.shape[0], -1).float()
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+def _collapsed(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    if hyper_mix.streams_kernel_takes(streams):
+        return hyper_mix.hc_collapse(pre, streams)
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -33,13 +42,14 @@ class HyperConnection(nn.Module):
         mixes = F.linear(_normed(streams, self.eps), self.fn.float())
         # (one launch on a GPU for what torch needs ~120: kernels/hyper_mix.py)
         pre, post, comb = hc_mix(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, _collapsed(pre, streams)
 
     @staticmethod
     def merge(streams, post, comb, out) -> torch.Tensor:
         """The streams after a block: its output spread by `post`, plus the streams mixed by
         `comb` (transposed: stream k takes sum_j comb[j, k] streams[j])."""
+        if hyper_mix.streams_kernel_takes(streams):
+            return hyper_mix.hc_merge(streams, post, comb, out)
         dtype = streams.dtype
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
@@ -56,4 +66,4 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(_normed(streams, self.eps), self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return _collapsed(pre, streams)

@@ -10,7 +10,7 @@ from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
-from freetoken.layers.compressed_attention import CompressedAttention
+from freetoken.layers.compressed_attention import CompressedAttention, StepAngles
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.hyper_connections import HyperConnection, HyperHead
 from freetoken.layers.linear import Linear, linear
@@ -71,10 +71,10 @@ class DecoderLayer(nn.Module):
         x, h = self.mlp_norm.add_forward(x, a)
         return x, (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
 
-    def _hyper_forward(self, streams, rotaries, batch: ForwardBatch, kv: PagedKVCache):
+    def _hyper_forward(self, streams, angles, batch: ForwardBatch, kv: PagedKVCache):
         """The layer over hyper-connected streams [T, hc_mult, H] (layers/hyper_connections.py)."""
         post, comb, h = self.attn_hc(streams)
-        out = self.attn(self.attn_norm(h), rotaries, batch, kv)
+        out = self.attn(self.attn_norm(h), angles, batch, kv)
         streams = HyperConnection.merge(streams, post, comb, out)
         post, comb, h = self.ffn_hc(streams)
         h = self.mlp_norm(h)
@@ -199,7 +199,7 @@ class DecoderModel(nn.Module):
         layers (read and advanced in place)."""
         x = self.embed(batch.input_ids)
         if self.config.compressed is not None:  # (each layer turns what it needs)
-            cos_sin = (self.rotary, self.compress_rotary)
+            cos_sin = StepAngles(self.rotary, self.compress_rotary, batch.positions, x.dtype)
             x = x.unsqueeze(1).expand(-1, self.config.compressed.hc_mult, -1).contiguous()
         else:
             cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)

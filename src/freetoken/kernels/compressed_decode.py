@@ -1,0 +1,447 @@
+"""DeepSeek-V4's compressed attention (layers/compressed_attention.py) in a few launches on the
+GPU: the RoPE of its last `rope_dim` values (with the queries' unweighted RMSNorm before it),
+the pooling of a window's rows into one entry, and a decode step's attention over the sliding
+window, the chosen entries and the sinks.
+
+Why: in torch a V4 layer's decode step was ~240 kernels (a rotation alone is a dozen: the
+interleave, the halves, the stack, the casts), each one or two microseconds of a GPU with
+nothing else to do at batch 1, so the non-expert step cost more than the experts' transfer
+(benchmarks/results/2026-12-06-deepseek-v4-flash-shape.md). Each kernel here computes what its
+torch definition in layers/compressed_attention.py computes (which stays the CPU path and the
+reference), in the same order of roundings where the dtype rounds, so the two agree to fp32
+rounding (fused multiply-adds and the order of a sum aside).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only installs (and CI) take the torch path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+
+# Rows a pooling program reads at a time, keys an attention program takes at a time (the tests
+# make them small, so that their prompts cross blocks).
+POOL_ROWS, KEYS = 16, 32
+
+
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether these kernels run on x: on CUDA, with Triton."""
+    return triton is not None and x.is_cuda
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rms_eps: float | None = None):
+    """x [T, D] or [T, H, D] (last dimension contiguous) with V4's interleaved RoPE on its last
+    2 * cos.shape[-1] values (cos, sin [T, rope_dim / 2] in x's dtype), as
+    `compressed_attention.rope_tail`; with `rms_eps`, x first normed without a weight, as
+    `compressed_attention.unweighted_rms`. A new contiguous tensor."""
+    flat = x.dim() == 2
+    x3 = x[:, None] if flat else x
+    t, heads, d = x3.shape
+    half = cos.shape[-1]
+    out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
+    if t and heads:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _rope_tail_kernel[(t, heads)](
+            x3,
+            cos,
+            sin,
+            out,
+            x3.stride(0),
+            x3.stride(1),
+            d,
+            half,
+            0.0 if rms_eps is None else rms_eps,
+            NORM=rms_eps is not None,
+            BLOCK=_pow2(d - 2 * half),
+            HALF=_pow2(half),
+        )
+    return out[:, 0] if flat else out
+
+
+def pool_entries(
+    pool,
+    page_table,
+    rows_of,
+    positions,
+    write_slots,
+    page_size: int,
+    ratio: int,
+    overlap: bool,
+    cols: tuple[int, int, int, int],
+    ape,
+    norm_weight,
+    eps: float,
+    cos,
+    sin,
+) -> None:
+    """Write into `pool` [slots, 1, W], at each new token's row (`write_slots` [T], column
+    `cols[2]`, `cols[3]` values wide), the entry of the window ending at that token, as
+    `Compressor.pool` computes it from the rows of the window's tokens (columns `cols[0]`
+    (projections) and `cols[1]` (gate logits), found through `page_table` from `rows_of` [T]
+    and `positions` [T]), normed by `norm_weight` (fp32) and turned by cos, sin [T, half]."""
+    t, d = positions.shape[0], cols[3]
+    if not t:
+        return
+    series = 2 if overlap else 1
+    _pool_kernel[(t,)](
+        pool,
+        page_table,
+        rows_of,
+        positions,
+        write_slots,
+        ape,
+        norm_weight,
+        cos.contiguous(),
+        sin.contiguous(),
+        pool.stride(0),
+        page_table.stride(0),
+        page_size,
+        cols[0],
+        cols[1],
+        cols[2],
+        eps,
+        cos.shape[-1],
+        R=ratio,
+        SERIES=series,
+        D=d,
+        D_BLOCK=_pow2(d),
+        S_BLOCK=min(_pow2(series * ratio), POOL_ROWS),
+        HALF=_pow2(cos.shape[-1]),
+        num_warps=8,
+    )
+
+
+def attend(
+    q,
+    pool,
+    page_table,
+    rows,
+    positions,
+    page_size: int,
+    window: int,
+    kv_col: int,
+    entry_ids,
+    ratio: int,
+    entry_col: int,
+    sinks,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention, as `CompressedAttention._softmax_attend` over `_decode`'s
+    keys: each sequence's queries q [B, H, D] over the K=V rows of its last `window` tokens
+    (column `kv_col`) and the entries (column `entry_col`) of the windows `entry_ids` [B, E]
+    names (-1: none; the window w's entry sits in the row of its last token, (w + 1) * ratio -
+    1), with the per-head `sinks` (fp32) in the softmax. Rows are found through `page_table`
+    from `rows` [B] and `positions` [B] (the new token's)."""
+    b, heads, d = q.shape
+    out = torch.empty_like(q)
+    if not b:
+        return out
+    q = q.contiguous()
+    n_entries = entry_ids.shape[1] if entry_ids is not None else 0
+    ids = entry_ids.contiguous() if entry_ids is not None else positions
+    hb = 16
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (fp32 tests: no TF32)
+    _attend_kernel[(b, triton.cdiv(heads, hb))](
+        q,
+        pool,
+        page_table,
+        rows,
+        positions,
+        ids,
+        sinks,
+        out,
+        pool.stride(0),
+        page_table.stride(0),
+        page_size,
+        window,
+        kv_col,
+        n_entries,
+        max(ratio, 1),
+        entry_col,
+        heads,
+        scale,
+        D=d,
+        D_BLOCK=max(_pow2(d), 16),
+        HB=hb,
+        KB=KEYS,
+        PRECISION=precision,
+        num_warps=8,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _turn(even, odd, cos, sin, dt):
+        """V4's RoPE of interleaved pairs (even, odd) in fp32: (e c - o s, o c + e s), rounded."""
+        return (even * cos - odd * sin).to(dt), (odd * cos + even * sin).to(dt)
+
+    @triton.jit
+    def _rope_tail_kernel(
+        X,
+        COS,
+        SIN,
+        OUT,
+        stride_t,
+        stride_h,
+        d,
+        half,
+        eps,
+        NORM: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        dt = OUT.dtype.element_ty
+        src = X + t * stride_t + head * stride_h
+        dst = OUT + (t * tl.num_programs(1) + head) * d
+        nope = d - 2 * half
+        i = tl.arange(0, BLOCK)
+        j = tl.arange(0, HALF)
+        ok, pair = i < nope, j < half
+        x = tl.load(src + i, mask=ok, other=0.0)
+        even = tl.load(src + nope + 2 * j, mask=pair, other=0.0)
+        odd = tl.load(src + nope + 2 * j + 1, mask=pair, other=0.0)
+        if NORM:  # x * rsqrt(mean(x^2) + eps), the factor rounded to the dtype first
+            xf, ef, of = x.to(tl.float32), even.to(tl.float32), odd.to(tl.float32)
+            total = tl.sum(xf * xf, 0) + tl.sum(ef * ef, 0) + tl.sum(of * of, 0)
+            r = tl.rsqrt(total / d + eps).to(dt).to(tl.float32)
+            x = (xf * r).to(dt)
+            even, odd = (ef * r).to(dt), (of * r).to(dt)
+        tl.store(dst + i, x, mask=ok)
+        c = tl.load(COS + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        e2, o2 = _turn(even.to(tl.float32), odd.to(tl.float32), c, s, dt)
+        tl.store(dst + nope + 2 * j, e2, mask=pair)
+        tl.store(dst + nope + 2 * j + 1, o2, mask=pair)
+
+    @triton.jit
+    def _slot(PT, pt_stride, row, position, page_size):
+        """The cache slot of `position` of the sequence on page-table row `row`."""
+        page = tl.load(PT + row * pt_stride + position // page_size).to(tl.int64)
+        return page * page_size + position % page_size
+
+    @triton.jit
+    def _pool_kernel(
+        POOL,
+        PT,
+        ROWS_OF,
+        POS,
+        WRITE,
+        APE,
+        NW,
+        COS,
+        SIN,
+        row_w,
+        pt_stride,
+        page_size,
+        kv_col,
+        gate_col,
+        entry_col,
+        eps,
+        half,
+        R: tl.constexpr,
+        SERIES: tl.constexpr,
+        D: tl.constexpr,
+        D_BLOCK: tl.constexpr,
+        S_BLOCK: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        dt = POOL.dtype.element_ty
+        row = tl.load(ROWS_OF + t).to(tl.int64)
+        p = tl.load(POS + t).to(tl.int64)
+        c = tl.arange(0, D_BLOCK)
+        c_ok = c < D
+        S: tl.constexpr = SERIES * R
+        # Pass 1: each channel's largest gate logit and its softmax sum over the window's rows.
+        # (finite: a block whose rows all precede the sequence's start leaves it as it was)
+        m = tl.full([D_BLOCK], -1e30, tl.float32)
+        total = tl.zeros([D_BLOCK], tl.float32)
+        for s0 in range(0, S, S_BLOCK):
+            s = s0 + tl.arange(0, S_BLOCK)
+            at = p - S + 1 + s
+            ok = (s < S) & (at >= 0)
+            slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
+            # (CSA: a window's own tokens take the second series, the previous window's the first)
+            part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
+            col = part[:, None] * D + c[None, :]
+            both = ok[:, None] & c_ok[None, :]
+            g = tl.load(POOL + slot[:, None] * row_w + gate_col + col, mask=both, other=0.0)
+            a = tl.load(APE + (s % R)[:, None] * (SERIES * D) + col, mask=both, other=0.0)
+            g = tl.where(both, g.to(tl.float32) + a, float("-inf"))
+            m_new = tl.maximum(m, tl.max(g, 0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(g - m_new[None, :]), 0)
+            m = m_new
+        # Pass 2: the weights rounded to the dtype, each product rounded, summed in fp32.
+        acc = tl.zeros([D_BLOCK], tl.float32)
+        for s0 in range(0, S, S_BLOCK):
+            s = s0 + tl.arange(0, S_BLOCK)
+            at = p - S + 1 + s
+            ok = (s < S) & (at >= 0)
+            slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
+            part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
+            col = part[:, None] * D + c[None, :]
+            both = ok[:, None] & c_ok[None, :]
+            g = tl.load(POOL + slot[:, None] * row_w + gate_col + col, mask=both, other=0.0)
+            a = tl.load(APE + (s % R)[:, None] * (SERIES * D) + col, mask=both, other=0.0)
+            w = (tl.exp(g.to(tl.float32) + a - m[None, :]) / total[None, :]).to(dt)
+            kv = tl.load(POOL + slot[:, None] * row_w + kv_col + col, mask=both, other=0.0)
+            prod = (kv.to(tl.float32) * w.to(tl.float32)).to(dt).to(tl.float32)
+            acc += tl.sum(tl.where(both, prod, 0.0), 0)
+        pooled = acc.to(dt).to(tl.float32)
+        # The compressor's RMSNorm (weight in fp32, applied before the cast).
+        h = pooled * tl.rsqrt(tl.sum(pooled * pooled, 0) / D + eps)
+        y = (tl.load(NW + c, mask=c_ok, other=0.0) * h).to(dt)
+        dst = POOL + tl.load(WRITE + t).to(tl.int64) * row_w + entry_col
+        nope = D - 2 * half
+        tl.store(dst + c, y, mask=c < nope)
+        # RoPE of its last 2 * half values, pairs interleaved: y is re-read as pairs.
+        j = tl.arange(0, HALF)
+        pair = j < half
+        yf = y.to(tl.float32)[None, :]
+        even = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None], yf, 0.0), 1)
+        odd = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None] + 1, yf, 0.0), 1)
+        cs = tl.load(COS + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        e2, o2 = _turn(even, odd, cs, sn, dt)
+        tl.store(dst + nope + 2 * j, e2, mask=pair)
+        tl.store(dst + nope + 2 * j + 1, o2, mask=pair)
+
+    @triton.jit
+    def _attend_kernel(
+        Q,
+        POOL,
+        PT,
+        ROWS,
+        POS,
+        IDS,
+        SINKS,
+        OUT,
+        row_w,
+        pt_stride,
+        page_size,
+        window,
+        kv_col,
+        n_entries,
+        ratio,
+        entry_col,
+        heads,
+        scale,
+        D: tl.constexpr,
+        D_BLOCK: tl.constexpr,
+        HB: tl.constexpr,
+        KB: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        d = tl.arange(0, D_BLOCK)
+        hd = (h < heads)[:, None] & (d < D)[None, :]
+        q = tl.load(Q + (b * heads + h)[:, None] * D + d[None, :], mask=hd, other=0.0)
+        # The online softmax starts from the sinks: a logit each, attending nothing.
+        m = tl.load(SINKS + h, mask=h < heads, other=0.0).to(tl.float32)
+        total = tl.full([HB], 1.0, tl.float32)
+        acc = tl.zeros([HB, D_BLOCK], tl.float32)
+        row = tl.load(ROWS + b).to(tl.int64)
+        p = tl.load(POS + b).to(tl.int64)
+        ids = IDS + b * n_entries
+        # (a while, not a for over a runtime bound: Triton's interpreter, the CPU tests', cannot
+        # range over one)
+        k0 = 0
+        while k0 < window + n_entries:
+            m, total, acc = _attend_block(
+                q,
+                m,
+                total,
+                acc,
+                k0,
+                POOL,
+                PT,
+                ids,
+                row,
+                p,
+                row_w,
+                pt_stride,
+                page_size,
+                window,
+                kv_col,
+                n_entries,
+                ratio,
+                entry_col,
+                scale,
+                D,
+                D_BLOCK,
+                KB,
+                PRECISION,
+            )
+            k0 += KB
+        out = acc / total[:, None]
+        tl.store(
+            OUT + (b * heads + h)[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=hd
+        )
+
+    @triton.jit
+    def _attend_block(
+        q,
+        m,
+        total,
+        acc,
+        k0,
+        POOL,
+        PT,
+        ids,
+        row,
+        p,
+        row_w,
+        pt_stride,
+        page_size,
+        window,
+        kv_col,
+        n_entries,
+        ratio,
+        entry_col,
+        scale,
+        D: tl.constexpr,
+        D_BLOCK: tl.constexpr,
+        KB: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Keys k0..k0 + KB (the window's, oldest first, then the named entries') taken into
+        the online softmax; the logits rounded as the reference's einsum and scale round them."""
+        dt = POOL.dtype.element_ty
+        k = k0 + tl.arange(0, KB)
+        in_window = k < window
+        at = p - (window - 1) + k  # (a window key's position)
+        named = (k >= window) & (k < window + n_entries)
+        e = tl.load(ids + (k - window), mask=named, other=-1).to(tl.int64)
+        ok = tl.where(in_window, at >= 0, e >= 0)
+        position = tl.where(in_window, at, (e + 1) * ratio - 1)
+        slot = _slot(PT, pt_stride, row, tl.maximum(position, 0), page_size)
+        col = tl.where(in_window, kv_col, entry_col)
+        d = tl.arange(0, D_BLOCK)
+        keys = tl.load(
+            POOL + (slot * row_w + col)[:, None] + d[None, :],
+            mask=ok[:, None] & (d < D)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        s = (s.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(dt), keys, input_precision=PRECISION)
+        return m_new, total, acc

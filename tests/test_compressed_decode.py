@@ -1,0 +1,96 @@
+"""DeepSeek-V4's attention and hyper-connection kernels (kernels/compressed_decode.py,
+kernels/hyper_mix.py) against their torch definitions, the whole tiny model run both ways:
+under Triton's interpreter on the CPU (CI), compiled on CUDA where present. The prompt crosses
+the window, several compression boundaries and the indexer's top-k, and decode steps follow,
+so every kernel runs in prefill and in decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.runner import ModelRunner
+from freetoken.kernels import compressed_decode, hyper_mix
+from freetoken.models.loading import load_model
+from interpreted import run_interpreted
+from tiny_models import build
+
+needs_triton = pytest.mark.skipif(compressed_decode.triton is None, reason="needs Triton")
+PROMPT, STEPS = 45, 6
+
+
+KERNELS = [(compressed_decode, "rope_tail"), (compressed_decode, "pool_entries"),
+           (compressed_decode, "attend"), (hyper_mix, "hc_normed"), (hyper_mix, "hc_collapse"),
+           (hyper_mix, "hc_merge")]  # fmt: skip
+
+
+def _counted(module, name: str, counts: dict):
+    launch = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return launch(*args, **kwargs)
+
+    return counting
+
+
+def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torch.Tensor]:
+    """Logits of a prompt per sequence (different lengths), then of STEPS decode steps, with
+    the kernels on or off (on the CPU, they run under the interpreter), counting launches."""
+    takes = (lambda x: True) if kernels else (lambda x: False)
+    saved = compressed_decode.kernel_takes, hyper_mix.streams_kernel_takes
+    launches = [getattr(module, name) for module, name in KERNELS]
+    compressed_decode.kernel_takes = hyper_mix.streams_kernel_takes = takes
+    for module, name in KERNELS:
+        setattr(module, name, _counted(module, name, counts))
+    try:
+        runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
+        gen = torch.Generator().manual_seed(5)
+        seqs = [runner.new_sequence() for _ in range(batch)]
+        prompts = [torch.randint(0, 160, (PROMPT - 7 * i,), generator=gen).tolist()
+                   for i in range(batch)]  # fmt: skip
+        out = [runner.forward(seqs, prompts, all_logits=True).float().cpu()]
+        for _ in range(STEPS):
+            ids = [[int(torch.randint(0, 160, (1,), generator=gen))] for _ in seqs]
+            out.append(runner.forward(seqs, ids).float().cpu())
+        return out
+    finally:
+        compressed_decode.kernel_takes, hyper_mix.streams_kernel_takes = saved
+        for (module, name), launch in zip(KERNELS, launches, strict=True):
+            setattr(module, name, launch)
+
+
+def largest_error(path: str, dtype: str = "float32", device: str = "cpu"):
+    """(the kernels' largest logit difference from the torch path, the launches of each
+    kernel (none with the kernels off)), blocks made small so that the prompt crosses many."""
+    compressed_decode.POOL_ROWS, compressed_decode.KEYS = 2, 16
+    loaded = load_model(path, dtype=dtype, device=device)
+    off: dict = {}
+    ref = _run(loaded, device, False, off)
+    counts: dict = {}
+    ours = _run(loaded, device, True, counts)
+    assert not off, off
+    return max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True)), counts
+
+
+def _check(error: float, counts: dict, bound: float) -> None:
+    assert error < bound
+    # every kernel ran, in prefill and in each decode step (1 + STEPS forwards)
+    assert all(counts.get(name, 0) >= 1 + STEPS for _, name in KERNELS), counts
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    path, _ = build("deepseek_v4", tmp_path_factory.mktemp("v4k") / "m")
+    return str(path)
+
+
+@needs_triton
+def test_the_kernels_compute_the_reference_under_the_interpreter(v4_path):
+    _check(*run_interpreted("test_compressed_decode", "largest_error", v4_path, timeout=900), 1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_kernels_compute_the_reference_on_cuda(v4_path):
+    _check(*largest_error(v4_path, "float32", "cuda"), 1e-4)
+    _check(*largest_error(v4_path, "bfloat16", "cuda"), 0.1)
