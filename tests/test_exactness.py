@@ -41,6 +41,37 @@ def test_prefill_and_decode_match_transformers(family, tmp_path):
     assert seq.length == PROMPT_LEN + DECODE_STEPS
 
 
+# Families with sliding-window layers (a window of 8 in tiny_models.py): chunks and a shared
+# prefix that end inside a window
+SLIDING = ["qwen2", "gpt_oss", "gemma4"]
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_chunked_prefill_and_a_reused_prefix_match_transformers(family, tmp_path):
+    """A prompt prefilled in chunks of 7, and a second prompt continuing from the first one's
+    full pages (as the radix cache hands them over) then decoding: transformers' logits."""
+    path, hf = build(family, tmp_path / family)
+    loaded, page = load_model(path, dtype="float32"), 8
+    gen = torch.Generator().manual_seed(5)
+    first = torch.randint(0, 160, (PROMPT_LEN,), generator=gen).tolist()
+    second = first[:29] + torch.randint(0, 160, (15,), generator=gen).tolist()
+    runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=page)
+    a = runner.new_sequence()
+    chunks = [runner.forward([a], [first[i : i + 7]], all_logits=True)
+              for i in range(0, PROMPT_LEN, 7)]  # fmt: skip
+    assert (torch.cat(chunks) - reference_logits(hf, first)).abs().max().item() < TOL
+    b = runner.new_sequence()
+    shared = 3  # pages: 24 tokens, the last window of 8 among them
+    b.pages, b.length = list(a.pages[:shared]), shared * page
+    ours = [runner.forward([b], [second[shared * page :]], all_logits=True)]
+    ids = list(second)
+    for _ in range(4):
+        ids.append(int(ours[-1][-1].argmax()))
+        ours.append(runner.forward([b], [[ids[-1]]], all_logits=True))
+    ref = reference_logits(hf, ids)[shared * page :]
+    assert (torch.cat(ours) - ref).abs().max().item() < TOL
+
+
 def test_batched_decode_matches_single_sequences(tmp_path):
     path, hf = build("qwen3_moe", tmp_path / "m")
     loaded = load_model(path, dtype="float32")

@@ -1,10 +1,10 @@
-"""Kimi-K2's and MiniMax-M2's formats end to end: the demo model served with each release's own
-chat template (tests/data/templates/) and the special tokens its tokenizer has, its output
-scripted, driven by the official SDKs through the three APIs, whole and streamed. The reasoning
-comes back as reasoning (OpenAI's `reasoning_content`, an Anthropic thinking block, a Responses
-reasoning item), the call as a tool call with typed arguments (`tool_calls`, a tool_use block,
-a function_call item), and the tool's result goes back through the template into the next
-prompt, with the call and its reasoning as the template writes them."""
+"""Kimi-K2's, MiniMax-M2's and Gemma-4's formats end to end: the demo model served with each
+release's own chat template (tests/data/templates/) and the special tokens its tokenizer has,
+its output scripted, driven by the official SDKs through the three APIs, whole and streamed.
+The reasoning comes back as reasoning (OpenAI's `reasoning_content`, an Anthropic thinking
+block, a Responses reasoning item), the call as a tool call with typed arguments (`tool_calls`,
+a tool_use block, a function_call item), and the tool's result goes back through the template
+into the next prompt, with the call and its reasoning as the template writes them."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class Format:
     forced_rest: str  # what it writes after a forced call's opening: get_weather(city="Rome")
     ids: tuple[str, str]  # the call's id: in the OpenAI APIs, in Anthropic's (patterns)
     written_back: tuple[str, ...]  # what the next prompt holds: the call, its reasoning, result
+    more_ends: tuple[str, ...] = ()  # other tokens that end its output (after its calls)
 
 
 KIMI = Format(
@@ -104,7 +105,29 @@ MINIMAX = Format(
 )
 
 
-@pytest.fixture(scope="module", params=[KIMI, MINIMAX], ids=["kimi", "minimax"])
+Q = '<|"|>'  # Gemma-4's string marks
+GEMMA4_CALL = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3}}<tool_call|>"
+GEMMA4 = Format(
+    template="google-gemma-4-31B-it.jinja",
+    parser="gemma4",
+    special=("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
+             "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|think|>", Q),
+    end="<turn|>",
+    call=f"<|channel>thought\n{WEATHER_THOUGHT}<channel|>{GEMMA4_CALL}<|tool_response>",
+    answer=f"{WEATHER_ANSWER}<turn|>",
+    forced_rest=f"city:{Q}Rome{Q}}}<tool_call|><|tool_response>",
+    ids=(FRESH_ID, FRESH_ID),
+    # (the tools' results are written in the model's turn; the template writes the reasoning
+    # of a turn with calls back, after the user's last message)
+    written_back=(
+        f"<|turn>model\n<|channel>thought\n{WEATHER_THOUGHT}\n<channel|>{GEMMA4_CALL}",
+        f"<|tool_response>response:get_weather{{value:{Q}{RESULT}{Q}}}<tool_response|>",
+    ),
+    more_ends=("<|tool_response>",),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[KIMI, MINIMAX, GEMMA4], ids=["kimi", "minimax", "gemma4"])
 def fmt(request) -> Format:
     return request.param
 
@@ -116,7 +139,8 @@ def engine(fmt, tmp_path_factory):
     template = (TEMPLATES / fmt.template).read_text()
     dst, tok = demo_with_template(tmp_path_factory.mktemp(fmt.parser), template, fmt.special)
     gen = json.loads((dst / "generation_config.json").read_text())
-    gen["eos_token_id"] = [*gen["eos_token_id"], tok.convert_tokens_to_ids(fmt.end)]
+    ends = [tok.convert_tokens_to_ids(t) for t in (fmt.end, *fmt.more_ends)]
+    gen["eos_token_id"] = [*gen["eos_token_id"], *ends]
     (dst / "generation_config.json").write_text(json.dumps(gen))
     return cpu_engine(dst)
 
@@ -161,9 +185,11 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
         assert re.fullmatch(fmt.ids[1], use.id)
 
     script(engine, monkeypatch, fmt.answer)
+    # (the result of the whole reply's call, under its id: Gemma-4's template names a result
+    # by the call whose id it carries, and fails on a result of no call)
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in whole.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": whole.content[-1].id,
                                       "content": RESULT}]},
     ]  # fmt: skip
     second = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=messages)

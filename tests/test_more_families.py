@@ -1,5 +1,5 @@
 """What the exactness tests do not cover of the families of issue 45 (MiniMax-M2, Kimi-K2.6,
-Gemma-4): configs as the releases spell them, their tensor names and formats."""
+Gemma-4): configs as the releases spell them, their tensor names, formats and layouts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from freetoken.engine.runner import ModelRunner
+from freetoken.engine.runner import ModelRunner, kv_bytes_per_token
 from freetoken.errors import UnsupportedModelError
 from freetoken.models.families import family_for
 from freetoken.models.loading import expert_storage, load_model
@@ -106,3 +106,78 @@ def test_kimi_k25_reads_its_text_model_under_language_model():
     raw["text_config"]["quantization_config"] = dict(quant_method="compressed-tensors")
     with pytest.raises(UnsupportedModelError, match="compressed-tensors"):
         family.parse_config(raw)
+
+
+# config.json of google/gemma-4-26B-A4B-it as released (its text model's keys that the model
+# reads; `rope_parameters` as transformers writes its defaults)
+GEMMA4_26B = dict(
+    architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
+    vision_config=dict(hidden_size=1152), audio_config=None,
+    text_config=dict(
+        hidden_size=2816, num_hidden_layers=30, vocab_size=262144, intermediate_size=2112,
+        moe_intermediate_size=704, num_experts=128, top_k_experts=8, enable_moe_block=True,
+        sliding_window=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        num_global_key_value_heads=2, global_head_dim=512, attention_k_eq_v=True,
+        num_kv_shared_layers=0, hidden_size_per_layer_input=0, use_double_wide_mlp=False,
+        max_position_embeddings=262144, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh", use_bidirectional_attention="vision",
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                     for i in range(30)],
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                rope_theta=1000000.0)),
+    ),
+)  # fmt: skip
+
+
+def test_gemma4_reads_its_released_config():
+    family = family_for(GEMMA4_26B)
+    cfg = family.parse_config(GEMMA4_26B)
+    assert cfg.family == "gemma4" and cfg.tie_word_embeddings and cfg.sliding_window == 1024
+    sliding, full = cfg.attention_shape(0), cfg.attention_shape(5)
+    assert (sliding.head_dim, sliding.num_kv_heads, sliding.values_from_keys) == (256, 8, False)
+    assert (full.head_dim, full.num_kv_heads, full.values_from_keys) == (512, 2, True)
+    assert full.rope.type == "proportional" and full.rope.theta == 1e6
+    assert cfg.sliding_layers.count(False) == 5 and not cfg.sliding_layers[-1]
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 704)
+    assert moe.shared_expert_intermediate_size == 2112 and moe.scaled_router
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.final_logit_softcapping == 30.0
+    assert cfg.attn_scale == 1.0 and cfg.embed_scale == 2816**0.5
+    # KV a token: 25 sliding layers of 8 x 256, 5 full ones of 2 x 512, K and V, in bf16
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * (25 * 8 * 256 + 5 * 2 * 512) * 2
+    for stored, ours in (
+        ("model.language_model.layers.5.router.proj.weight", "layers.5.moe.router.weight"),
+        ("model.language_model.layers.5.router.per_expert_scale", "layers.5.moe.per_expert_scale"),
+        ("model.language_model.layers.5.experts.gate_up_proj", "layers.5.moe.experts.gate_up_proj"),
+        ("model.language_model.layers.5.mlp.up_proj.weight", "layers.5.moe.shared.up_proj.weight"),
+        ("model.language_model.layers.5.post_attention_layernorm.weight",
+         "layers.5.attn.post_norm.weight"),
+        ("model.language_model.layers.5.pre_feedforward_layernorm.weight",
+         "layers.5.mlp_norm.weight"),
+        ("model.language_model.layers.5.pre_feedforward_layernorm_2.weight",
+         "layers.5.moe.experts_norm.weight"),
+        ("model.language_model.layers.5.layer_scalar", "layers.5.layer_scalar"),
+        ("model.vision_tower.encoder.layers.0.post_attention_layernorm.weight", None),
+        ("model.embed_vision.embedding_projection.weight", None),
+    ):  # fmt: skip
+        assert family.canonical_name(stored) == ours
+    # its dense releases (per-layer embeddings, shared KV) are refused, saying so
+    dense = dict(GEMMA4_26B["text_config"], enable_moe_block=False, architectures=["x"])
+    with pytest.raises(UnsupportedModelError, match="MoE form"):
+        family.parse_config(dense)
+
+
+def test_gemma4_image_text_release_reads_its_text_model(tmp_path, caplog):
+    """The image-text release's layout (`model.language_model.*` beside the vision and audio
+    towers): the towers are not read, and the text model gives transformers' logits."""
+    path, hf = build("gemma4", tmp_path / "m", image_text=True)
+    with caplog.at_level("INFO"):
+        ours = logits(path)
+    assert "vision and audio towers are not" in caplog.text
+    assert "ignored" in caplog.text and "model.audio_tower." in caplog.text
+    ids = [*range(3, 30), 5, 17, 40]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4

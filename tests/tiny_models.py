@@ -157,6 +157,22 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             projection_hidden_size=32,
         ),
     ),
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        # the MoE form: sliding (a window of 8, which the tests' 40-token prompts cross) and
+        # full layers in turn, the full ones with wider heads, one KV head, values from the
+        # keys and proportional RoPE on a quarter of each head; a dense MLP beside the experts;
+        # logits capped at 3 (the release's 30 would hardly touch the tiny model's)
+        dict(
+            num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, sliding_window=8, intermediate_size=48,
+            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+            hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "full_attention"],
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "qwen2": (
         "Qwen2Config",
@@ -178,6 +194,22 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }  # fmt: skip
 
 
+# family -> its image-text release's (config class, model class, the other towers' fields): the
+# family's text model in `text_config` beside them (build(..., image_text=True))
+IMAGE_TEXT: dict[str, tuple[str, str, dict]] = {
+    "gemma4": (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        dict(
+            vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+            audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              output_proj_dims=32, subsampling_conv_channels=[8, 4]),
+        ),
+    ),
+}  # fmt: skip
+
+
 def zero_centered_norm(family: str, name: str) -> bool:
     # Qwen3-Next, Qwen3.5: every RMSNorm but the gated one of their DeltaNet layers.
     return family in ("qwen3_next", "qwen3_5_moe") and "linear_attn.norm" not in name
@@ -190,11 +222,16 @@ def build(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     max_shard_size: str | None = None,
+    image_text: bool = False,
     **overrides,
 ) -> tuple[Path, torch.nn.Module]:
-    """Save a tiny random checkpoint of `family` and return (dir, the transformers model)."""
+    """Save a tiny random checkpoint of `family` (`image_text`: of its image-text release,
+    IMAGE_TEXT) and return (dir, the transformers model)."""
     cfg_cls, model_cls, extra = FAMILIES[family]
     fields = {**COMMON, **extra, **overrides}
+    if image_text:
+        cfg_cls, model_cls, towers = IMAGE_TEXT[family]
+        extra, fields = towers, {**towers, "text_config": fields}
     if "text_config" in extra:  # (an image-text model: the text model's fields there)
         text = {**COMMON, **extra["text_config"], **overrides}
         tie = text.setdefault("tie_word_embeddings", False)
@@ -206,7 +243,8 @@ def build(
     # from uniform and a wrong mapping cannot hide in rounding.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            # (Gemma-4's router scales multiply as a norm's weight does)
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 # Scales near 1; a zero-centered norm (applied as 1 + weight) stores them - 1.
                 one = 0.0 if zero_centered_norm(family, name) else 1.0
                 p.copy_(one + 0.1 * torch.randn_like(p))
@@ -215,6 +253,8 @@ def build(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # (zeros at init: give it a say)
                 b.copy_(torch.randn_like(b) * 0.1)
+            if name.endswith("layer_scalar"):  # (Gemma-4's, ones at init)
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
             if name.endswith("tid2eid"):  # (DeepSeek-V4's hash routing: distinct experts)
                 experts = config.num_local_experts
                 b.copy_(torch.stack([torch.randperm(experts)[: b.shape[1]] for _ in b]))

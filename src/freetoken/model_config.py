@@ -19,7 +19,7 @@ QKNorm = Literal["none", "per_head", "full"]
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    type: str = "default"  # default | linear | llama3 | yarn
+    type: str = "default"  # default | linear | llama3 | yarn | proportional
     factor: float = 1.0
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
@@ -33,7 +33,7 @@ class RopeConfig:
     truncate: bool = True  # yarn
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,22 @@ class MoEConfig:
     # DeepSeek-V4: "sqrtsoftplus" scoring (layers/moe.py), and per MoE layer whether it routes
     # by the token's id (`tid2eid`) instead of by score
     hash_layers: tuple[bool, ...] = ()
+    # Gemma-4: the router reads the residual stream RMS-normalised without a weight, times a
+    # learned `router_scale` per channel and 1/sqrt(hidden); the chosen (renormalised) weights
+    # are then times a learned `per_expert_scale` (layers/moe.py)
+    scaled_router: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A softmax-attention layer's heads where a model's layers differ (Gemma-4: its full
+    layers have wider heads, fewer KV heads and their own RoPE, and read their values from
+    the key projection: `values_from_keys`)."""
+
+    head_dim: int
+    num_kv_heads: int
+    rope: RopeConfig
+    values_from_keys: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,6 +239,20 @@ class ModelConfig:
     zero_centered_norm: bool = False
     # gpt-oss scales its RMSNorms in fp32 before the cast back (Llama: after); matters in bf16
     norm_scale_fp32: bool = False
+    # Per layer, where attention layers differ in their heads (Gemma-4's sliding and full
+    # layers); empty: every layer has `head_dim`, `num_kv_heads` and `rope` (attention_shape)
+    layer_attention: tuple[AttentionShape, ...] = ()
+    attn_scale: float | None = None  # the softmax's scale; None: 1/sqrt(head_dim)
+    # Gemma-4: values RMS-normalised per head, without a weight
+    v_norm: bool = False
+    # Gemma: attention's output and the feed-forward's normed before each residual add (their
+    # `post_*_layernorm`); in a MoE layer the dense MLP's and the routed experts' outputs each
+    # normed before their sum, the experts reading the residual stream through their own norm
+    sandwich_norms: bool = False
+    # Gemma-4: a learned scalar per layer multiplying the residual stream after the layer
+    layer_scalar: bool = False
+    embed_scale: float | None = None  # Gemma: embeddings times this (rounded to the dtype)
+    final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
     mla: MLAConfig | None = None  # attention is multi-head latent attention (DeepSeek)
     compressed: CompressedAttentionConfig | None = None  # DeepSeek-V4's attention
     tie_word_embeddings: bool = False
@@ -249,15 +279,32 @@ class ModelConfig:
         linear = self.linear_layers or (False,) * self.num_layers
         return tuple(not m for m in linear)
 
+    def attention_shape(self, layer: int) -> AttentionShape:
+        """The heads of softmax-attention layer `layer`."""
+        if self.layer_attention:
+            return self.layer_attention[layer]
+        return AttentionShape(self.head_dim, self.num_kv_heads, self.rope)
+
     @property
     def kv_cache_heads(self) -> int:
-        """Heads of K (and V) the paged cache keeps per token and layer."""
+        """Heads of K (and V) the paged cache keeps per token and layer (the most of any
+        layer, where they differ: kv_layer_heads)."""
+        if self.layer_attention:
+            return max(s.num_kv_heads for s in self.layer_attention)
         return 1 if self.mla or self.compressed else self.num_kv_heads
+
+    @property
+    def kv_layer_heads(self) -> tuple[int, ...] | None:
+        """Per layer, the heads of its cache pool where layers differ; None: kv_cache_heads."""
+        return tuple(s.num_kv_heads for s in self.layer_attention) or None
 
     @property
     def kv_layer_dims(self) -> tuple[int, ...] | None:
         """Per layer, the width of a token's row of its cache pool, where layers differ
-        (DeepSeek-V4: CompressedAttentionConfig.row_layout); None: kv_cache_dim for all."""
+        (DeepSeek-V4: CompressedAttentionConfig.row_layout; Gemma-4: each layer's head_dim);
+        None: kv_cache_dim for all."""
+        if self.layer_attention:
+            return tuple(s.head_dim for s in self.layer_attention)
         c = self.compressed
         if c is None:
             return None
@@ -269,7 +316,7 @@ class ModelConfig:
     @property
     def kv_cache_dim(self) -> int:
         """Values per cached head: the latent and the RoPE key part under MLA."""
-        if self.compressed:
+        if self.compressed or self.layer_attention:
             return max(self.kv_layer_dims or (0,))
         return self.mla.cache_dim if self.mla else self.head_dim
 

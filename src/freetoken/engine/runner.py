@@ -38,9 +38,12 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """K and V of one token in every attention layer (under MLA its latent, once)."""
     layers = sum(config.attention_layers)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if config.kv_layer_dims is not None:  # (DeepSeek-V4: one row a token and layer, K=V)
+    if config.compressed is not None:  # (DeepSeek-V4: one row a token and layer, K=V)
         return sum(config.kv_layer_dims) * itemsize
     pools = 1 if config.mla else 2
+    if config.layer_attention:  # (Gemma-4: heads by the layer's kind)
+        shapes = zip(config.attention_layers, config.layer_attention, strict=True)
+        return pools * sum(s.num_kv_heads * s.head_dim for kept, s in shapes if kept) * itemsize
     return pools * layers * config.kv_cache_heads * config.kv_cache_dim * itemsize
 
 
@@ -112,6 +115,7 @@ class ModelRunner:
             max_seq_tokens=self.max_model_len,
             values_are_keys=cfg.mla is not None or cfg.compressed is not None,
             layer_dims=cfg.kv_layer_dims,
+            layer_heads=cfg.kv_layer_heads,
         )
         # Pinned buffers for each forward's packed copy of its per-step values.
         self.staging = PinnedStaging() if self.model.device.type == "cuda" else None
@@ -146,8 +150,11 @@ class ModelRunner:
             and not (cfg.mla is not None and cfg.mla.indexer is not None)
             and (
                 cfg.compressed is not None
-                or paged_attention.triton_decode_width(
-                    cfg.kv_cache_dim, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+                or all(  # (every layer's heads: Gemma-4's differ by layer)
+                    paged_attention.triton_decode_width(
+                        d, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+                    )
+                    for d in set(cfg.kv_layer_dims or (cfg.kv_cache_dim,))
                 )
             )
         ):

@@ -100,14 +100,15 @@ class PagedKVCache:
         max_seq_tokens: int | None = None,
         values_are_keys: bool = False,
         layer_dims: tuple[int, ...] | None = None,
+        layer_heads: tuple[int, ...] | None = None,
     ):
         """`kv_layers[i]` False: layer i keeps no K/V (linear attention); default: all do.
         `max_seq_tokens`: the longest sequence (default: the whole pool), which sizes the
         device page table's rows. `values_are_keys`: each layer keeps one pool, read as both
         keys and values (multi-head latent attention caches its latent only: `v` is `k`).
         `layer_dims`: per layer, the width of its pool's rows where layers differ (DeepSeek-V4:
-        a token's row holds its K=V and its compressors' state, by layer kind), instead of
-        `head_dim`."""
+        a token's row holds its K=V and its compressors' state, by layer kind; Gemma-4: each
+        layer's head width), instead of `head_dim`; `layer_heads` likewise for `num_kv_heads`."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         # the longest sequence's pages (unbounded without max_seq_tokens: the pool's)
@@ -118,19 +119,19 @@ class PagedKVCache:
         self._free_rows = list(range(PAGE_TABLE_ROWS - 1, -1, -1))
         # Called with a number of pages when the pool runs short; returns pages it freed.
         self.reclaim: Callable[[int], list[int]] | None = None
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Flat [slots, heads, dim] per layer: a token's K/V lives at slot page * page_size + offset.
         if kv_layers is None:
             kv_layers = (True,) * num_layers
+        shapes = list(zip(kv_layers, layer_heads or (num_kv_heads,) * num_layers,
+                          layer_dims or (head_dim,) * num_layers, strict=True))  # fmt: skip
 
-        def pool(held: bool, dim: int | None = None) -> torch.Tensor:
-            size = shape if dim is None else (shape[0], num_kv_heads, dim)
-            return torch.zeros(size if held else (0,), dtype=dtype, device=device)
+        def pool(held: bool, heads: int, dim: int) -> torch.Tensor:
+            size = (num_pages * page_size, heads, dim) if held else (0,)
+            return torch.zeros(size, dtype=dtype, device=device)
 
         self.values_are_keys = values_are_keys
-        dims = layer_dims or (None,) * num_layers
-        self.k = [pool(held, dim) for held, dim in zip(kv_layers, dims, strict=True)]
-        self.v = self.k if values_are_keys else [pool(held) for held in kv_layers]
+        self.k = [pool(*shape) for shape in shapes]
+        self.v = self.k if values_are_keys else [pool(*shape) for shape in shapes]
 
     def _pools(self) -> list[torch.Tensor]:
         """Every pool once (one per layer when values are keys)."""

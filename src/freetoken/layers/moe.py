@@ -7,6 +7,10 @@ Expert banks are stacked: `w_gate_up[e]` is [2 * I, H] (gate rows, then up rows)
 `w_down[e]` is [H, I]. Where experts have biases (gpt-oss), the gate/up bias travels with the
 expert (moe/store.py) while the block keeps the down bias: sum_j w_j (W_d a_j + b_j) is the
 executor's sum plus sum_j w_j b_j, so it is added here once, wherever the experts ran.
+Gemma-4's layers run a dense MLP (the block's `shared` expert) beside the experts: the router
+and the experts read the residual stream (`stream`), the experts through their own norm, and
+each branch's output is normed before the sum (`MoEConfig.scaled_router`,
+`ModelConfig.sandwich_norms`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from freetoken.kernels import norm_rope
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
+from freetoken.layers.norm import RMSNorm, rms_normalize
 from freetoken.model_config import ModelConfig
 
 
@@ -113,10 +118,31 @@ class MoEBlock(nn.Module):
             self.shared = GatedMLP(h, moe.shared_expert_intermediate_size, cfg.hidden_act)
             if moe.shared_expert_gated:
                 self.shared_gate = Linear(h, 1, bias=False)
+        self.eps = cfg.rms_norm_eps
+        if moe.scaled_router:
+            self.router_scale = nn.Parameter(torch.ones(h), requires_grad=False)
+            self.per_expert_scale = nn.Parameter(torch.ones(moe.num_experts), requires_grad=False)
+        self.experts_norm = self.experts_post_norm = self.shared_post_norm = None
+        if cfg.sandwich_norms:
+            norm = (h, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32)
+            self.experts_norm, self.experts_post_norm = RMSNorm(*norm), RMSNorm(*norm)
+            self.shared_post_norm = RMSNorm(*norm) if self.shared is not None else None
         self.executor: ExpertExecutor = _not_installed
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.moe.scoring == "sqrtsoftplus":
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        stream: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's feed-forward output for its normed input x [T, H]; `input_ids` for
+        hash-routed layers, `stream` (the residual stream x was normed from) for Gemma-4's."""
+        routed = x if self.experts_norm is None else self.experts_norm(stream)
+        if self.moe.scaled_router:
+            scaled = rms_normalize(stream, self.eps) * self.router_scale * x.shape[-1] ** -0.5
+            weights, ids = route(self.router(scaled), self.top_k, True, self.fp32_gate_weights)
+            weights = weights * self.per_expert_scale[ids]
+        elif self.moe.scoring == "sqrtsoftplus":
             ids = None if self.tid2eid is None else self.tid2eid[input_ids]
             bias = None if self.correction_bias is None else self.correction_bias.float()
             weights, ids = route_sqrtsoftplus(self.router(x), bias, self.moe, ids)
@@ -129,7 +155,9 @@ class MoEBlock(nn.Module):
             weights, ids = route(
                 self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights
             )
-        out = self.executor(self.moe_layer, x, ids, weights)
+        out = self.executor(self.moe_layer, routed, ids, weights)
+        if self.experts_post_norm is not None:
+            out = self.experts_post_norm(out)
         if self.down_proj_bias is not None:
             # sum_j w_j b[ids_j] as one [T, E] x [E, H] product (no [T, k, H] gather)
             dense = weights.new_zeros(x.shape[0], self.moe.num_experts).scatter_(1, ids, weights)
@@ -138,5 +166,7 @@ class MoEBlock(nn.Module):
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
+            if self.shared_post_norm is not None:
+                shared = self.shared_post_norm(shared)
             out = out + shared
         return out

@@ -56,6 +56,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32 and cast back: an RMSNorm without a weight
+    (Gemma-4's values and its router's input)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * silu(gate): the output norm of gated DeltaNet (norm first, then gate)."""
 

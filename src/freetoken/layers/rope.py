@@ -10,8 +10,16 @@ from freetoken.kernels import norm_rope
 from freetoken.model_config import RopeConfig
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """The head dims RoPE turns: the first `partial_rotary_factor` of them, or all of them for
+    proportional RoPE (whose unturned angles are angles of 0)."""
+    return head_dim if rope.type == "proportional" else int(head_dim * rope.partial_rotary_factor)
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [rotary_dim / 2], attention scaling applied to cos and sin)."""
+    if rope.type == "proportional":
+        return _proportional(rope, head_dim), 1.0
     dim = int(head_dim * rope.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     base = 1.0 / (rope.theta**exponents)
@@ -24,6 +32,16 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
     if rope.type == "yarn":
         return _yarn(rope, dim)
     raise ValueError(f"unknown rope type {rope.type!r}")
+
+
+def _proportional(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    # Gemma-4's full layers: the pairs (i, i + head_dim / 2) of the whole head turn, the first
+    # `partial_rotary_factor` of them at the frequencies of the whole width (theta^(-2i/head_dim),
+    # not of the turned part's), the rest not at all
+    angles = int(rope.partial_rotary_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim
+    turned = 1.0 / (rope.theta**exponents)
+    return torch.cat((turned, torch.zeros(head_dim // 2 - angles))) / rope.factor
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -80,8 +98,7 @@ class RotaryEmbedding(torch.nn.Module):
             # CPU op, 0.6-0.9 s of torch's lazy initialisation on the H200 machine, which the
             # loader runs while the weights' reads are under way; and on meta tensors torch's
             # reference ops import torch._dynamo.
-            dim = int(head_dim * rope.partial_rotary_factor) // 2
-            inv_freq, self.scaling = torch.empty(dim), 1.0
+            inv_freq, self.scaling = torch.empty(rotary_dim(rope, head_dim) // 2), 1.0
         else:
             inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

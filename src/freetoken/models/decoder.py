@@ -47,6 +47,14 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias
             )
+        # (Gemma: the feed-forward's output normed before the residual add; Gemma-4: the
+        # stream after the layer times a learned scalar)
+        self.ffn_post_norm = None
+        if cfg.sandwich_norms:
+            self.ffn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc, fp32)
+        self.layer_scalar = None
+        if cfg.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def forward(
         self,
@@ -69,7 +77,12 @@ class DecoderLayer(nn.Module):
         else:
             a = self.attn(h, cos_sin, batch, kv)
         x, h = self.mlp_norm.add_forward(x, a)
-        return x, (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+        out = self.moe(h, stream=x) if hasattr(self, "moe") else self.mlp(h)
+        if self.ffn_post_norm is not None:
+            out = self.ffn_post_norm(out)
+        if self.layer_scalar is not None:  # (the sum is scaled: it cannot wait for the next norm)
+            return (x + out) * self.layer_scalar, None
+        return x, out
 
     def _hyper_forward(self, streams, angles, batch: ForwardBatch, kv: PagedKVCache):
         """The layer over hyper-connected streams [T, hc_mult, H] (layers/hyper_connections.py)."""
@@ -96,6 +109,7 @@ class DecoderModel(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_head_dim)
+        self.kind_rotaries = self._kind_rotaries()
         if cfg.compressed is not None:  # (DeepSeek-V4: the compressed branches' own RoPE)
             self.compress_rotary = RotaryEmbedding(cfg.compressed.compress_rope, cfg.head_dim)
             self.hc_head = HyperHead(cfg.compressed, cfg.hidden_size, cfg.rms_norm_eps)
@@ -149,9 +163,16 @@ class DecoderModel(nn.Module):
         self.reset_rotary()
         return self
 
+    def _kind_rotaries(self) -> dict[tuple, RotaryEmbedding]:
+        """Where attention layers differ in their heads (ModelConfig.layer_attention), a RoPE
+        table for each kind, by (RoPE, head_dim); else none (every layer reads `rotary`)."""
+        kinds = {(s.rope, s.head_dim) for s in self.config.layer_attention}
+        return {kind: RotaryEmbedding(*kind) for kind in sorted(kinds, key=repr)}
+
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `empty`, or a dtype cast, clobbered it)."""
         self.rotary = RotaryEmbedding(self.config.rope, self.config.rope_head_dim).to(self.device)
+        self.kind_rotaries = {k: r.to(self.device) for k, r in self._kind_rotaries().items()}
         if self.config.compressed is not None:
             rope = self.config.compressed.compress_rope
             self.compress_rotary = RotaryEmbedding(rope, self.config.head_dim).to(self.device)
@@ -197,18 +218,29 @@ class DecoderModel(nn.Module):
         """Logits in fp32: [B, V] for each sequence's last new token, or [T, V] for every new
         token when `all_logits`. `states` holds the recurrent state of linear-attention
         layers (read and advanced in place)."""
+        cfg = self.config
         x = self.embed(batch.input_ids)
-        if self.config.compressed is not None:  # (each layer turns what it needs)
+        if cfg.embed_scale is not None:  # (the scale rounded to the dtype first, as Gemma's)
+            x = x * float(torch.tensor(cfg.embed_scale, dtype=x.dtype))
+        if cfg.compressed is not None:  # (each layer turns what it needs)
             cos_sin = StepAngles(self.rotary, self.compress_rotary, batch.positions, x.dtype)
-            x = x.unsqueeze(1).expand(-1, self.config.compressed.hc_mult, -1).contiguous()
+            x = x.unsqueeze(1).expand(-1, cfg.compressed.hc_mult, -1).contiguous()
         else:
             cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        kinds = {k: r.cos_sin(batch.positions, x.dtype) for k, r in self.kind_rotaries.items()}
         delta = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if kinds:
+                shape = cfg.layer_attention[i]
+                cos_sin = kinds[(shape.rope, shape.head_dim)]
             x, delta = layer(x, cos_sin, batch, kv, states, delta)
-        if self.config.compressed is not None:
+        if cfg.compressed is not None:
             x = self.hc_head(x)
         if not all_logits:
             x = x[batch.last_index]
             delta = None if delta is None else delta[batch.last_index]
-        return linear(self.norm.add_forward(x, delta)[1], self.lm_head_weight()).float()
+        logits = linear(self.norm.add_forward(x, delta)[1], self.lm_head_weight())
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

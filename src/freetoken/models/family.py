@@ -39,9 +39,9 @@ COMMON_RENAMES: tuple[tuple[str, str], ...] = (
     ),
     (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.moe.experts."),
     (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
-    # (DeepSeek-V4: what only it has, its family's renames having named it already)
-    (r"^model\.layers\.(\d+)\.v4\.", r"layers.\1."),
-    (r"^model\.v4\.", ""),
+    # (what only one family has, DeepSeek-V4's or Gemma-4's, its renames naming it already)
+    (r"^model\.layers\.(\d+)\.own\.", r"layers.\1."),
+    (r"^model\.own\.", ""),
 )
 
 # Checkpoint tensors that hold nothing we need (precomputed RoPE tables).

@@ -14,7 +14,8 @@ from freetoken.models.family import Family
 
 FAMILY_MODULES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "mixtral", "olmoe",
                   "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
-                  "gpt_oss", "qwen3", "qwen2", "llama", "minimax_m2", "kimi_k25")  # fmt: skip
+                  "gpt_oss", "qwen3", "qwen2", "llama", "minimax_m2", "kimi_k25",
+                  "gemma4")  # fmt: skip
 FAMILIES: tuple[Family, ...] = tuple(
     importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES
 )

@@ -124,17 +124,17 @@ def parse_config(raw: dict):
 
 # The released checkpoint's names (DeepSeek's own: `layers.N.attn.wq_a`,
 # `layers.N.ffn.experts.E.w1`, `embed`, `head`, `hc_head_fn`; transformers saves them under a
-# `model.` prefix) to the common layout; what is V4's alone goes through `model.layers.N.v4.`
+# `model.` prefix) to the common layout; what is V4's alone goes through `model.layers.N.own.`
 # (family.py). The next-token-prediction layer (`mtp.*`) matches nothing: not read.
 _L = r"^(?:model\.)?layers\.(\d+)\."
-_V4 = r"model.layers.\1.v4."
+_V4 = r"model.layers.\1.own."
 RENAMES = (
     (r"^(?:model\.)?embed\.", "model.embed_tokens."),
     (r"^embed_tokens\.", "model.embed_tokens."),
     (r"^head\.", "lm_head."),
     (r"^norm\.", "model.norm."),
-    (r"^(?:model\.)?hc_head[._]hc_", "model.v4.hc_head."),
-    (r"^(?:model\.)?hc_head_", "model.v4.hc_head."),
+    (r"^(?:model\.)?hc_head[._]hc_", "model.own.hc_head."),
+    (r"^(?:model\.)?hc_head_", "model.own.hc_head."),
     (_L + r"attn_norm\.", r"model.layers.\1.input_layernorm."),
     (_L + r"ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
     (_L + r"hc_(attn|ffn)_(fn|base|scale)$", _V4 + r"\2_hc.\3"),

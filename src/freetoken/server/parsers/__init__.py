@@ -37,6 +37,7 @@ PARSERS: dict[str, str] = {
     "dsml_v32": "freetoken.server.parsers.dsml:DsmlV32Parser",
     "kimi_k2": "freetoken.server.parsers.kimi:KimiParser",  # Kimi-K2 / K2.5 / K2.6
     "minimax_m2": "freetoken.server.parsers.minimax:MiniMaxParser",  # MiniMax-M2 / M2.1
+    "gemma4": "freetoken.server.parsers.gemma4:Gemma4Parser",  # Gemma-4
     "plain": "freetoken.server.parsers.plain:PlainParser",  # all text is answer text
 }
 
@@ -97,8 +98,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
     Templates that write tool calls as `<tool_call>` JSON (Qwen2.5/Qwen3, Hermes) or that
     mention `<think>` blocks get the Qwen parser (its tool call detection is harmless for a
     model that never writes `<tool_call>`); Harmony's channels (gpt-oss), GLM-4.5's
-    `<arg_key>` / `<arg_value>` calls and DeepSeek's DSML calls (V4's `tool_calls` block,
-    V3.2's `function_calls`) their own.
+    `<arg_key>` / `<arg_value>` calls, DeepSeek's DSML calls (V4's `tool_calls` block,
+    V3.2's `function_calls`), Kimi's, MiniMax's and Gemma-4's their own.
     """
     if not chat_template:
         return None
@@ -112,6 +113,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
         return "kimi_k2"
     if "<minimax:tool_call>" in chat_template:  # (before <think>: M2 has it)
         return "minimax_m2"
+    if "<|tool_call>call:" in chat_template:
+        return "gemma4"
     if "<tool_call>" in chat_template or "<think>" in chat_template:
         return "qwen3"
     return None

@@ -43,7 +43,8 @@ Rules (each decided from the text alone, so the events never depend on how it wa
   is held until the next chunk decides; `finish()` releases what is held.
 
 Formats with the same reasoning rules and other call markup subclass QwenParser (glm.py,
-kimi.py, minimax.py): they name their own tags around a call (`call_open`, `call_close`), the
+kimi.py, minimax.py, gemma4.py): they name their own tags around reasoning (`think_open`,
+`think_close`) and around a call (`call_open`, `call_close`), the
 markup that only groups calls (`grouping_tags`: dropped where it stands), the tags that end
 reasoning when the model leaves `</think>` out (`reasoning_ends`), and read a call's header
 their own way (`_in_header`).
@@ -179,13 +180,16 @@ class QwenParser:
     """Streaming parser for Qwen3 / Hermes output (see the module docstring for the rules)."""
 
     # What a subclass's format changes (see the module docstring)
+    think_open, think_close = THINK_OPEN, THINK_CLOSE
     call_open, call_close = CALL_OPEN, CALL_CLOSE
     grouping_tags: tuple[str, ...] = ()
     reasoning_ends: tuple[str, ...] = ()
 
     def __init__(self, *, starts_in_reasoning: bool = False, tool_calls: bool = True) -> None:
         self._tags = (
-            (THINK_OPEN, self.call_open, *self.grouping_tags) if tool_calls else (THINK_OPEN,)
+            (self.think_open, self.call_open, *self.grouping_tags)
+            if tool_calls
+            else (self.think_open,)
         )
         self._state = _THINK if starts_in_reasoning else _TEXT
         self._lstrip = "\n" if starts_in_reasoning else ""  # chars to drop at the next text
@@ -314,7 +318,7 @@ class QwenParser:
     def _opened(self, tag: str) -> None:
         """One of `self._tags` was found in answer text (and taken from it): what it opens.
         Formats with other tags (parsers/dsml.py) decide theirs here."""
-        if tag == THINK_OPEN:
+        if tag == self.think_open:
             self._state, self._lstrip = _THINK, "\n"
         elif tag in self.grouping_tags:
             self._lstrip = WHITESPACE  # (only markup: the text goes on after it)
@@ -324,7 +328,8 @@ class QwenParser:
     def _in_think(self, final: bool) -> bool:
         self._strip_leading()
         buf = self._buf
-        ends = (THINK_CLOSE, *self.reasoning_ends)
+        close = self.think_close
+        ends = (close, *self.reasoning_ends)
         hit, tag = find_first(buf, ends)
         if hit != -1 or final:
             text = buf[:hit] if hit != -1 else buf
@@ -334,7 +339,7 @@ class QwenParser:
                 self._buf = ""
                 return False
             # (a tag other than </think> stays, for the answer text to read: a call's opening)
-            self._buf = buf[hit + len(THINK_CLOSE) :] if tag == THINK_CLOSE else buf[hit:]
+            self._buf = buf[hit + len(close) :] if tag == close else buf[hit:]
             self._state, self._lstrip = _TEXT, "\n"
             return True
         cut = len(buf) - partial_tag_len(buf, ends)
