@@ -3,13 +3,14 @@ and without prefix reuse (and, for a hybrid model, with and without anchor check
 
     python benchmarks/agent_replay.py --family qwen3_moe --layers 16 --cache 8GiB --out a.md
     python benchmarks/agent_replay.py --family qwen3_next --layers 16 --cache 8GiB --out b.md
+    python benchmarks/agent_replay.py --family kimi_linear --layers 16 --cache 8GiB --out c.md
 
-Random-weight models of Qwen3-30B-A3B's or Qwen3-Next-80B-A3B's shape (fewer layers) behind
-the real Qwen3 tokenizer and chat template. Each turn the agent appends a reply (a thinking
-block and a tool call) and a tool output of `--tool-tokens` tokens, and strips the thinking of
-earlier replies (as OpenClaw does), so every turn edits the conversation as well as extending
-it. Each engine sees the turns in order; TTFT is the time from `add_request` to the first
-token, the prefill of everything not reused.
+Random-weight models of Qwen3-30B-A3B's, Qwen3-Next-80B-A3B's or Kimi-Linear-48B-A3B's shape
+(fewer layers) behind the real Qwen3 tokenizer and chat template. Each turn the agent appends a
+reply (a thinking block and a tool call) and a tool output of `--tool-tokens` tokens, and strips
+the thinking of earlier replies (as OpenClaw does), so every turn edits the conversation as well
+as extending it. Each engine sees the turns in order; TTFT is the time from `add_request` to the
+first token, the prefill of everything not reused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 from decode_offload import (
+    kimi_linear_48b_a3b,
     qwen3_30b_a3b,
     qwen3_next_80b_a3b,
     random_model,
@@ -83,7 +85,8 @@ def replay(engine: LLMEngine, prompts: list[list[int]], device) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=("qwen3_moe", "qwen3_next"), default="qwen3_moe")
+    ap.add_argument("--family", choices=("qwen3_moe", "qwen3_next", "kimi_linear"),
+                    default="qwen3_moe")  # fmt: skip
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--cache", default="8GiB")
     ap.add_argument("--turns", type=int, default=24)
@@ -95,6 +98,15 @@ def main() -> int:
     device = torch.device(args.device)
     if args.family == "qwen3_moe":
         raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    elif args.family == "kimi_linear":
+        raw = kimi_linear_48b_a3b(args.layers)
+        if args.tiny:
+            raw.update(tiny(args.layers), architectures=["KimiLinearForCausalLM"],
+                       num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16, num_experts=32,
+                       num_experts_per_token=4, intermediate_size=256,
+                       linear_attn_config={**raw["linear_attn_config"], "num_heads": 4,
+                                           "head_dim": 16})  # fmt: skip
     else:
         raw = qwen3_next_80b_a3b(args.layers)
         if args.tiny:

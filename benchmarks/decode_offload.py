@@ -133,6 +133,26 @@ def qwen3_next_80b_a3b(layers: int) -> dict:
     }  # fmt: skip
 
 
+def kimi_linear_48b_a3b(layers: int) -> dict:
+    """Kimi-Linear-48B-A3B (its release's config.json, cut to `layers`): KDA layers with MLA
+    (no RoPE) every fourth and last, 256 experts of 13.5 MiB, top-8, a shared expert, the first
+    layer dense."""
+    full = [i for i in (4, 8, 12, 16, 20, 24, 27) if i <= layers]
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840, "hidden_size": 2304,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8,
+        "num_shared_experts": 1, "moe_renormalize": True, "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-5, "model_max_length": 1048576,
+        "tie_word_embeddings": False,
+        "linear_attn_config": {"full_attn_layers": full, "num_heads": 32, "head_dim": 128,
+                               "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+                               "short_conv_kernel_size": 4},
+    }  # fmt: skip
+
+
 def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
     """Qwen3.5-35B-A3B's shape with every layer full attention: the hybrid model's peer of
     about the same active size (27 against 34 M parameters a layer outside the experts), to
@@ -162,7 +182,8 @@ SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-
           "deepseek-v4-flash": deepseek_v4_flash,
           "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
           "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
-          "qwen3-next-80b-a3b": qwen3_next_80b_a3b}  # fmt: skip
+          "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
+          "kimi-linear-48b-a3b": kimi_linear_48b_a3b}  # fmt: skip
 
 
 def tiny(layers: int) -> dict:

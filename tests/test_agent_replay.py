@@ -86,12 +86,12 @@ def test_recompute_is_only_the_new_suffix(engine, style):
     assert recomputed_total < prompt_total
 
 
-# -- the hybrid half: a Qwen3-Next model resumes only at anchor checkpoints ---------------
+# -- the hybrid half: Qwen3-Next and Kimi-Linear models resume only at anchor checkpoints ---
 
 
-@pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory):
-    return build_chat_model("qwen3_next", tmp_path_factory.mktemp("hybrid") / "m")[0]
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def hybrid_model(request, tmp_path_factory):
+    return build_chat_model(request.param, tmp_path_factory.mktemp("hybrid") / "m")[0]
 
 
 def hybrid_engine(path, anchors: int) -> LLMEngine:

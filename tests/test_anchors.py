@@ -21,9 +21,10 @@ from tiny_models import build_chat_model
 SAME = 1e-5
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    return build_chat_model("qwen3_next", tmp_path_factory.mktemp("chat") / "m")[0]
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def chat_model(request, tmp_path_factory):
+    """Each hybrid family (gated DeltaNet; Kimi's KDA + MLA) behind Qwen3's tokenizer."""
+    return build_chat_model(request.param, tmp_path_factory.mktemp("chat") / "m")[0]
 
 
 def test_boundaries_come_from_the_tokenizer_and_its_template(chat_model):

@@ -63,7 +63,7 @@ def test_host_step_table(tmp_path):
     assert policy > static[3]  # only hybrid has a policy to update
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "kimi_linear"])
 def test_agent_replay_reuses_earlier_turns(tmp_path, family):
     out = tmp_path / "replay.md"
     run("agent_replay.py", "--family", family, "--layers", "4", "--turns", "3",
@@ -251,7 +251,8 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
 
     mib = {"qwen3-30b-a3b": 9.0, "gpt-oss-20b": 47.5, "deepseek-v3": 84.0, "glm-4.5-air": 33.0,
            "qwen3.5-35b-a3b": 6.0, "qwen3.5-35b-a3b-full-attention": 6.0,
-           "qwen3-next-80b-a3b": 6.0, "deepseek-v4-flash": 48.0}  # fmt: skip
+           "qwen3-next-80b-a3b": 6.0, "deepseek-v4-flash": 48.0,
+           "kimi-linear-48b-a3b": 13.5}  # fmt: skip
     for name, shape in SHAPES.items():
         raw = shape(8)
         cfg = family_for(raw).parse_config(raw)

@@ -114,12 +114,12 @@ def test_state_slots_travel_in_the_packed_buffer(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "kimi_linear"])
 @pytest.mark.parametrize("options", [MoEOptions("fused"), MoEOptions("hybrid", "6")],
                          ids=lambda o: o.strategy)  # fmt: skip
 def test_linear_attention_models_decode_in_graphs(tmp_path, family, options):
-    """Gated DeltaNet layers gather and scatter their sequences' states inside the graph: the
-    replayed steps give the eager logits, for new sequences (other state slots) too."""
+    """Gated DeltaNet (and KDA) layers gather and scatter their sequences' states inside the
+    graph: the replayed steps give the eager logits, for new sequences (other state slots) too."""
     path, _ = build(family, tmp_path / "m")
     loaded = load_model(path, dtype="float32", device="cuda")
     prompts = prompts_of(loaded, [5, 17, 11])

@@ -14,7 +14,7 @@ from tiny_models import build
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe",
                 "deepseek_v3", "deepseek_v4", "deepseek_v32", "glm_moe_dsa", "gpt_oss",
-                "minimax_m2", "kimi_k25", "gemma4"]  # fmt: skip
+                "minimax_m2", "kimi_k25", "gemma4", "kimi_linear"]  # fmt: skip
 PROMPT, STEPS = 24, 10
 
 

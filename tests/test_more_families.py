@@ -1,5 +1,6 @@
 """What the exactness tests do not cover of the families of issue 45 (MiniMax-M2, Kimi-K2.6,
-Gemma-4): configs as the releases spell them, their tensor names, formats and layouts."""
+Kimi-Linear, Gemma-4): configs as the releases spell them, their tensor names, formats and
+layouts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,25 @@ MINIMAX_M2 = dict(
     num_hidden_layers=62, num_local_experts=256, num_experts_per_tok=8, rotary_dim=64,
     rope_theta=5000000, vocab_size=200064, rms_norm_eps=1e-6, scoring_func="sigmoid",
     use_routing_bias=True, qk_norm_type="per_layer", max_position_embeddings=196608,
+)  # fmt: skip
+
+
+# config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as released (its keys that the model
+# reads; transformers' attribute_map names the DeepSeek-V3 keys they stand for)
+KIMI_LINEAR = dict(
+    architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304,
+    intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
+    num_key_value_heads=32, head_dim=72, kv_lora_rank=512, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+    linear_attn_config=dict(
+        kda_layers=[1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        full_attn_layers=[4, 8, 12, 16, 20, 24, 27], num_heads=32, head_dim=128,
+        short_conv_kernel_size=4,
+    ),
+    num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
+    first_k_dense_replace=1, num_expert_group=1, topk_group=1, model_max_length=1048576,
+    rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=163840, tie_word_embeddings=False,
 )  # fmt: skip
 
 
@@ -181,3 +201,40 @@ def test_gemma4_image_text_release_reads_its_text_model(tmp_path, caplog):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_kimi_linear_reads_its_released_config_and_names():
+    family = family_for(KIMI_LINEAR)
+    cfg = family.parse_config(KIMI_LINEAR)
+    full = (3, 7, 11, 15, 19, 23, 26)  # (the release counts layers from 1)
+    assert cfg.linear_layers == tuple(i not in full for i in range(27))
+    la = cfg.linear_attention
+    assert la.kda and (la.num_key_heads, la.num_value_heads, la.key_head_dim) == (32, 32, 128)
+    assert la.conv_kernel == 4 and la.conv_dim == 3 * 32 * 128
+    assert not cfg.mla.rope and cfg.mla.kv_lora_rank == 512 and cfg.mla.q_lora_rank is None
+    assert cfg.moe_layers == (False,) + (True,) * 26 and cfg.max_position_embeddings == 1 << 20
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (256, 8, 1024)
+    assert moe.scoring == "sigmoid" and moe.norm_topk_prob and moe.routed_scaling == 2.446
+    assert moe.num_groups == 1 and moe.shared_expert_intermediate_size == 1024
+    for stored, ours in (
+        # `self_attn` is the KDA in a KDA layer, MLA in a full-attention one
+        ("model.layers.0.self_attn.q_conv1d.weight", "layers.0.linear_attn.q_conv1d.weight"),
+        ("model.layers.2.self_attn.q_proj.weight", "layers.2.linear_attn.q_proj.weight"),
+        ("model.layers.3.self_attn.q_proj.weight", "layers.3.attn.q_proj.weight"),
+        ("model.layers.26.self_attn.o_proj.weight", "layers.26.attn.o_proj.weight"),
+        ("model.layers.25.self_attn.o_proj.weight", "layers.25.linear_attn.out_proj.weight"),
+        ("model.layers.25.self_attn.o_norm.weight", "layers.25.linear_attn.norm.weight"),
+        ("model.layers.25.self_attn.b_proj.weight", "layers.25.linear_attn.in_proj_b.weight"),
+        ("model.layers.25.self_attn.A_log", "layers.25.linear_attn.A_log"),
+        ("model.layers.0.mlp.gate_proj.weight", "layers.0.mlp.gate_proj.weight"),
+        ("model.layers.5.block_sparse_moe.experts.7.w3.weight",
+         "layers.5.moe.experts.7.up_proj.weight"),
+        ("model.layers.5.block_sparse_moe.gate.e_score_correction_bias",
+         "layers.5.moe.correction_bias"),
+        ("model.layers.5.block_sparse_moe.shared_experts.down_proj.weight",
+         "layers.5.moe.shared.down_proj.weight"),
+    ):  # fmt: skip
+        assert family.canonical_name(stored) == ours
+    with pytest.raises(UnsupportedModelError, match="mla_use_nope"):
+        family.parse_config({**KIMI_LINEAR, "mla_use_nope": False})

@@ -1,6 +1,7 @@
-"""Qwen3-Next (gated DeltaNet linear attention + gated full attention): exact against
-transformers' own cached decode; batched, chunked and single forwards agree; the recurrent
-state pool never leaks a slot."""
+"""Qwen3-Next (gated DeltaNet linear attention + gated full attention), and the other hybrid
+families where the test is not Qwen3-Next's own (Kimi-Linear: Kimi Delta Attention + MLA):
+exact against transformers' own cached decode; batched, chunked and single forwards agree; the
+recurrent state pool never leaks a slot."""
 
 from __future__ import annotations
 
@@ -23,16 +24,31 @@ from tiny_models import build, build_chat_model
 
 TOL = 1e-4  # against transformers
 SAME = 1e-5  # our own forwards against each other
+HYBRIDS = ["qwen3_next", "kimi_linear"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build("qwen3_next", tmp_path_factory.mktemp("ckpt") / "qwen3_next")
+def models(tmp_path_factory):
+    """family -> (checkpoint, transformers model, ours in fp32), each built once."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            path, hf = build(family, tmp_path_factory.mktemp("ckpt") / family)
+            built[family] = (path, hf, load_model(path, dtype="float32"))
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_model(tiny[0], dtype="float32")
+def tiny(models):
+    return models("qwen3_next")[:2]
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    return models("qwen3_next")[2]
 
 
 def random_ids(n: int, seed: int, vocab: int = 160) -> list[int]:
@@ -75,10 +91,11 @@ def test_hub_config_spellings():
     assert cfg.moe.shared_expert_gated
 
 
-def test_prefill_and_decode_match_transformers_cache(tiny, loaded):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_prefill_and_decode_match_transformers_cache(models, family):
     """150 prompt tokens (three chunks of the chunked rule) then 20 decode steps, each step
     against transformers' own cached decode (its recurrent kernel and conv update)."""
-    _, hf = tiny
+    _, hf, loaded = models(family)
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
     prompt = random_ids(150, seed=1)
     seq = runner.new_sequence()
@@ -111,7 +128,9 @@ def decode(runner, prompts, steps):
     return torch.stack(history, 1)  # [B, steps + 1, V]
 
 
-def test_batched_decode_of_different_lengths_equals_each_alone(loaded):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_batched_decode_of_different_lengths_equals_each_alone(models, family):
+    loaded = models(family)[2]
     prompts = [random_ids(n, seed=n) for n in (5, 70, 33, 9)]
     runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=4)
     batched = decode(runner, prompts, steps=12)
@@ -133,9 +152,11 @@ def test_batched_decode_of_different_lengths_equals_each_alone(loaded):
     ],
     ids=["aligned", "uneven", "token-by-token"],
 )
-def test_chunked_prefill_equals_one_shot(loaded, chunks, tol):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_chunked_prefill_equals_one_shot(models, family, chunks, tol):
     """The conv and SSM states carry over chunk boundaries (chunks of one token take the
     recurrent path, longer ones the chunked rule)."""
+    loaded = models(family)[2]
     prompt = random_ids(150, seed=5)
     runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
     whole_seq, split_seq = runner.new_sequence(), runner.new_sequence()
@@ -198,9 +219,9 @@ def test_missing_linear_attention_tensor_is_named(tiny, tmp_path):
         load_model(path)
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    return build_chat_model("qwen3_next", tmp_path_factory.mktemp("chat") / "m")[0]
+@pytest.fixture(scope="module", params=HYBRIDS)
+def chat_model(request, tmp_path_factory):
+    return build_chat_model(request.param, tmp_path_factory.mktemp("chat") / "m")[0]
 
 
 def chat_engine(path, **options) -> LLMEngine:
@@ -248,6 +269,8 @@ def _reference_step(q, k, v, a, b, a_log, dt_bias, ssm, slots):
     from freetoken.layers.gated_deltanet import _prepare, recurrent_gated_delta_rule
 
     beta = b.sigmoid()
+    if a.dim() == 3:  # (KDA: a decay per key channel)
+        a_log, dt_bias = a_log[:, None], dt_bias.view(a.shape[1], -1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     prepared = _prepare(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])
     out, state = recurrent_gated_delta_rule(*prepared, ssm[slots])
@@ -257,25 +280,31 @@ def _reference_step(q, k, v, a, b, a_log, dt_bias, ssm, slots):
 def _step_kernel_cases() -> dict[str, float]:
     """The kernel against the torch step: largest differences of the outputs and of the states
     it advanced in place (relative to their largest values), and whether the other slots were
-    left alone; fp32 and bf16 inputs, value heads sharing key heads, a ragged last block."""
+    left alone; fp32 and bf16 inputs, value heads sharing key heads, a ragged last block; a
+    decay per head (gated DeltaNet) and per key channel (KDA)."""
     from freetoken.kernels.gated_delta import recurrent_step
 
     res = {}
     gen = torch.Generator().manual_seed(0)
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        n, hk, hv, dk, dv, pool = 3, 2, 4, 16, 40, 6
+    cases = [(dtype, name, kda) for dtype, name in ((torch.float32, "fp32"),
+             (torch.bfloat16, "bf16")) for kda in (False, True)]  # fmt: skip
+    for dtype, name, kda in cases:
+        n, hk, hv, dk, dv, pool = 3, 4 if kda else 2, 4, 16, 40, 6
+        decays = hv * dk if kda else hv  # (KDA: a and dt_bias per key channel)
         # q, k and v as column ranges of the conv's output rows, a and b of one projection's:
         # read where they lie, by their row strides
         y = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
         q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv)
-        ab = torch.randn(n, 2 * hv, generator=gen) * 3
+        ab = torch.randn(n, decays + hv, generator=gen) * 3
         ab[0, 0] = 25.0  # (softplus past its threshold)
         ab[1, 0] = -30.0  # (and where 1 + exp would round exp away)
-        a, b = ab.to(dtype).split([hv, hv], dim=-1)
+        a, b = ab.to(dtype).split([decays, hv], dim=-1)
+        a = a.view(n, hv, dk) if kda else a
         assert q.stride(0) == y.shape[1] and not q.is_contiguous()
         a_log = torch.randn(hv, generator=gen).to(dtype)
-        dt_bias = torch.randn(hv, generator=gen).to(dtype)
+        dt_bias = torch.randn(decays, generator=gen).to(dtype)
+        name = "kda_" + name if kda else name
         ssm = torch.randn(pool, hv, dk, dv, generator=gen)
         slots = torch.tensor([4, 0, 2])
         want_out, want_state = _reference_step(q, k, v, a, b, a_log, dt_bias, ssm.clone(), slots)
@@ -299,7 +328,7 @@ def test_the_decode_step_kernel_is_the_torch_step():
     # step apart, ~1e-3 of the output; a wrong decay, norm or update is off by far more)
     tolerance = {"fp32_out": 2e-6, "fp32_state": 2e-6, "bf16_out": 5e-3, "bf16_state": 5e-3}
     for case, err in res.items():
-        assert err < tolerance.get(case, 1e-9), (case, err)
+        assert err < tolerance.get(case.removeprefix("kda_"), 1e-9), (case, err)
 
 
 # -- prompts through flash-linear-attention's chunked kernels (kernels/gated_delta.chunked) ---

@@ -21,7 +21,7 @@ from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
 
 # Families whose layers keep no recurrent state (those never draft: drafter_for)
-ATTENTION_ONLY = [f for f in FAMILIES if f not in ("qwen3_next", "qwen3_5_moe")]
+ATTENTION_ONLY = [f for f in FAMILIES if f not in ("qwen3_next", "qwen3_5_moe", "kimi_linear")]
 NEW_TOKENS = 24
 
 

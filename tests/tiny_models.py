@@ -173,6 +173,23 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                          "full_attention"],
         ),
     ),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        # KDA layers around MLA ones without RoPE (transformers saves the release's layout:
+        # `self_attn` for both, q/k/v convs apart, `block_sparse_moe` with w1/w2/w3 experts);
+        # DeepSeek-V3's routing in 2 groups, the first layer dense
+        dict(
+            num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
+            moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=2, topk_group=1, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, linear_num_heads=4, linear_head_dim=16,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96)),
     "qwen2": (
         "Qwen2Config",

@@ -84,7 +84,8 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet linear attention (Qwen3-Next): its heads and its short causal conv."""
+    """Gated DeltaNet linear attention (Qwen3-Next), or Kimi Delta Attention (`kda`): its
+    heads and its short causal conv."""
 
     num_key_heads: int
     num_value_heads: int  # a multiple of num_key_heads: each q/k head serves a group of v heads
@@ -94,6 +95,10 @@ class LinearAttentionConfig:
     # Qwen3.5: q, k, v, z, b and a from four projections in head order (in_proj_qkv, _z, _b,
     # _a); Qwen3-Next: two (in_proj_qkvz, in_proj_ba), laid out by key-head group
     separate_projections: bool = False
+    # Kimi-Linear's KDA: the same delta rule with a decay per key channel (low-rank f_a/f_b
+    # projections) instead of one per head, q/k/v from three projections through three convs,
+    # and a low-rank output gate through a sigmoid (layers/gated_deltanet.py)
+    kda: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -136,6 +141,8 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj -> norm -> q_b_proj
     rope_interleave: bool = True  # the rope dims in pairs (x0, x1), (x2, x3), ...
+    # False (Kimi-Linear): no RoPE at all; the k_pe part is cached and read as it comes
+    rope: bool = True
     indexer: IndexerConfig | None = None  # sparse attention (DSA)
 
     @property

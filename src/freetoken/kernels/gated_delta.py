@@ -1,5 +1,6 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) on the GPU: one decode step in one
-kernel launch, and prompts through flash-linear-attention's chunked kernels where installed.
+"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5; Kimi Delta Attention: Kimi-Linear)
+on the GPU: one decode step in one kernel launch, and prompts through flash-linear-attention's
+chunked kernels where installed (gated DeltaNet's only).
 
 The torch step (layers/gated_deltanet.py: `_prepare`, `recurrent_gated_delta_rule`, the state
 pool's gather and scatter) is some 35 launches a layer: head expansion, casts, two L2 norms, the
@@ -15,6 +16,8 @@ k of its key head, applies the rule and writes the state back in place:
 
 in fp32, the reference's order of operations; its sums run in a tree where torch's run in
 another (the last fp32 bit may differ). The torch code stays the CPU path and the reference.
+KDA's decay is per key channel (a [dk] and dt_bias [dk] a head, `PER_CHANNEL`): exp(g) scales
+each row of S by its own factor; everything else is the same step.
 
 Prompts (`chunked`): fla-core's `chunk_gated_delta_rule` (optional: `pip install fla-core`),
 for half-precision models on CUDA: the UT-transform chunks the torch rule computes as batched
@@ -79,9 +82,10 @@ def chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
 def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
     """One token of each of n sequences: q, k [n, Hk, dk], v [n, Hv, dv] (the conv's output),
     a, b [n, Hv] (the decay and step-size projections), a_log and dt_bias [Hv]; ssm [slots, Hv,
-    dk, dv] fp32, the layer's states, advanced in place at `slots` [n]. Returns out [n, Hv, dv]
-    fp32. Each input is read where it lies, by its row stride (q, k and v are column ranges of
-    the conv's output rows): only a row's heads must be packed."""
+    dk, dv] fp32, the layer's states, advanced in place at `slots` [n]. KDA: a [n, Hv, dk] and
+    dt_bias [Hv * dk], a decay per key channel (Hk = Hv). Returns out [n, Hv, dv] fp32. Each
+    input is read where it lies, by its row stride (q, k and v are column ranges of the conv's
+    output rows): only a row's heads must be packed."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     q, k, v, a, b = (_packed_rows(t) for t in (q, k, v, a, b))
@@ -93,7 +97,8 @@ def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         ssm.stride(0), ssm.stride(1), ssm.stride(2),
         HK=hk, HV=hv, DK=dk, DV=dv, SCALE=dk**-0.5, EPS=L2_EPS, THRESHOLD=SOFTPLUS_THRESHOLD,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+        PER_CHANNEL=a.dim() == 3, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -117,7 +122,7 @@ if triton is not None:
         stride_q, stride_k, stride_v, stride_a, stride_b, stride_ss, stride_sh, stride_sk,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         SCALE: tl.constexpr, EPS: tl.constexpr, THRESHOLD: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        PER_CHANNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -133,9 +138,14 @@ if triton is not None:
         k = k * tl.math.rsqrt(tl.sum(k * k, 0) + EPS)
         v = tl.load(v_ptr + row * stride_v + h * DV + cols, mask=v_ok, other=0.0).to(tl.float32)
         # decay and step size, as the layer computes them (beta rounded to b's dtype)
-        a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+        if PER_CHANNEL:  # (KDA: one per key channel, [BLOCK_K])
+            at = h * DK + keys
+            a = tl.load(a_ptr + row * stride_a + at, mask=k_ok, other=0.0).to(tl.float32)
+            x = a + tl.load(dt_bias_ptr + at, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+            x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
         raw_b = tl.load(b_ptr + row * stride_b + h)
-        x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
         e = tl.exp(x)  # softplus: log1p(e), by its series where 1 + e would round e away
         softplus = tl.where(x > THRESHOLD, x, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))
         g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
@@ -144,7 +154,10 @@ if triton is not None:
         s_ptrs = (ssm_ptr + slot * stride_ss + h * stride_sh + keys[:, None] * stride_sk
                   + cols[None, :])  # fmt: skip
         mask = k_ok[:, None] & v_ok[None, :]
-        state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)
+        if PER_CHANNEL:
+            state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)[:, None]
+        else:
+            state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)
         predicted = tl.sum(state * k[:, None], 0)  # what S already returns for k
         delta = (v - predicted) * beta
         state = state + k[:, None] * delta[None, :]

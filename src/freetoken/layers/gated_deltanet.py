@@ -1,10 +1,15 @@
-"""Gated DeltaNet linear attention (Qwen3-Next), in pure torch.
+"""Gated DeltaNet linear attention (Qwen3-Next) and Kimi Delta Attention (Kimi-Linear), in
+pure torch.
 
 Instead of keys and values of every past token, a linear-attention layer keeps per sequence
 a fixed-size recurrent state: a matrix S [value heads, key dim, value dim] that each token
 decays by exp(g) and corrects towards its value (the delta rule, step size beta), plus the
 last `kernel - 1` inputs of a short depthwise causal conv over q, k and v. Both live in the
 recurrent state pool (`kv/recurrent.py`), one slot per sequence.
+
+Gated DeltaNet decays a head's whole state by one g a token; KDA (`LinearAttentionConfig.kda`)
+decays each key channel's row of it by its own g [dk] (S <- diag(exp(g)) S). The rules below
+take either: a per-head g [B, H, T] is a per-channel one of a single channel [B, H, T, 1].
 
 Prefill runs the chunked form of the delta rule (chunks of 64, as the transformers torch
 fallback: a few matmuls per chunk instead of a step per token); decode runs one recurrent
@@ -65,12 +70,18 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
+def _per_channel(g: torch.Tensor) -> torch.Tensor:
+    """g [B, H, T] (a decay per head) or [B, H, T, dk] (per key channel) -> [B, H, T, 1 or dk]."""
+    return g[..., None] if g.dim() == 3 else g
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """One step per token (prepared inputs, state [B, Hv, dk, dv] fp32): the decode path.
     Returns (out [B, Hv, T, dv], final state)."""
     out = torch.empty_like(v)
+    g = _per_channel(g)
     for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
+        state = state * g[:, :, t].exp()[..., None]  # (each key channel's row of S)
         k_t = k[:, :, t]
         predicted = (state * k_t[..., None]).sum(-2)  # what S already returns for k_t
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
@@ -86,8 +97,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK_SIZE):
     length = q.shape[2]
     pad = (-length) % chunk
     # Padding tokens have beta = 0, k = 0 and g = 0: they leave the state untouched.
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, _per_channel(g)))
+    beta = F.pad(beta, (0, pad))
     b, h, n = q.shape[0], q.shape[1], q.shape[2] // chunk
 
     def chunks(t):
@@ -95,21 +106,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK_SIZE):
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    decay = g.cumsum(-1)  # log decay from the chunk's start through each position
+    decay = g.cumsum(-2)  # log decay from the chunk's start through each position [.., C, G]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    # pair_decay[i, j]: decay accumulated from position j to i (i >= j); 0 above the diagonal
-    pair_decay = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
 
     # Solve (I + strictly_lower(k_beta k^T * decay)) X = rhs for the chunk's corrected
     # values and for the decayed keys that read the state carried in from earlier chunks.
-    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    system = _decayed_products(k_beta, k, decay, upper)
     solve = torch.linalg.solve_triangular
     values = solve(system, v_beta, upper=False, unitriangular=True)
-    state_keys = solve(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pair_decay  # attention within the chunk, causal
-    q = q * decay.exp()[..., None]
-    k = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]
+    state_keys = solve(system, k_beta * decay.exp(), upper=False, unitriangular=True)
+    intra = _decayed_products(q, k, decay, upper)  # attention within the chunk, causal
+    q = q * decay.exp()
+    k = k * (decay[..., -1:, :] - decay).exp()
+    chunk_decay = decay[..., -1, :].exp()[..., None]  # [.., G, 1]: each key channel's row
 
     out = torch.empty_like(values)
     for i in range(n):
@@ -119,8 +128,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK_SIZE):
     return out.reshape(b, h, n * chunk, -1)[:, :, :length], state
 
 
+def _decayed_products(a, b, decay, upper) -> torch.Tensor:
+    """Within each chunk, sum_d a[i, d] b[j, d] exp(decay[i, d] - decay[j, d]) for j <= i, 0
+    above the diagonal: a, b [..., n, C, d], decay [..., n, C, G] -> [..., n, C, C]."""
+    if decay.shape[-1] == 1:  # one decay a head: the products, then each pair's decay
+        d = decay[..., 0]
+        pair_decay = (d[..., :, None] - d[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        return (a @ b.transpose(-1, -2)) * pair_decay
+    # A decay per channel does not factor out of the sum: [C, C, dk] a head, so a chunk at a
+    # time (as transformers' KDA; exp(decay_i) exp(-decay_j) apart would overflow)
+    out = a.new_empty(*a.shape[:-1], a.shape[-2])
+    for i in range(a.shape[-3]):
+        d = decay[..., i, :, None, :] - decay[..., i, None, :, :]
+        pair_decay = d.masked_fill(upper[..., None], float("-inf")).exp()
+        out[..., i, :, :] = (a[..., i, :, None, :] * b[..., i, None, :, :] * pair_decay).sum(-1)
+    return out
+
+
 class GatedDeltaNet(nn.Module):
-    """The token mixer of a linear-attention layer. Parameter names follow the checkpoints."""
+    """The token mixer of a linear-attention layer. Parameter names follow the checkpoints
+    (KDA's own where it has parts gated DeltaNet has not)."""
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -131,8 +158,20 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = la.key_head_dim, la.value_head_dim
         self.key_dim, self.value_dim = la.key_dim, la.value_dim
         h = cfg.hidden_size
-        self.separate = la.separate_projections
-        if self.separate:
+        self.separate, self.kda = la.separate_projections, la.kda
+        if self.kda:  # (Kimi: q, k, v through their own convs; low-rank decay and output gate)
+            self.q_proj = Linear(h, la.key_dim, bias=False)
+            self.k_proj = Linear(h, la.key_dim, bias=False)
+            self.v_proj = Linear(h, la.value_dim, bias=False)
+            self.in_proj_b = Linear(h, la.num_value_heads, bias=False)
+            self.f_a_proj = Linear(h, la.key_head_dim, bias=False)
+            self.f_b_proj = Linear(la.key_head_dim, la.key_dim, bias=False)
+            self.g_a_proj = Linear(h, la.value_head_dim, bias=False)
+            self.g_b_proj = Linear(la.value_head_dim, la.value_dim, bias=False)
+            for name, dim in (("q", la.key_dim), ("k", la.key_dim), ("v", la.value_dim)):
+                setattr(self, f"{name}_conv1d", _Conv1d(dim, dim, la.conv_kernel, groups=dim,
+                                                        bias=False))  # fmt: skip
+        elif self.separate:
             self.in_proj_qkv = Linear(h, 2 * la.key_dim + la.value_dim, bias=False)
             self.in_proj_z = Linear(h, la.value_dim, bias=False)
             self.in_proj_b = Linear(h, la.num_value_heads, bias=False)
@@ -140,19 +179,26 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = Linear(h, 2 * la.key_dim + 2 * la.value_dim, bias=False)
             self.in_proj_ba = Linear(h, 2 * la.num_value_heads, bias=False)
-        self.conv1d = _Conv1d(
-            la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
-        )
-        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
+        if not self.kda:
+            self.conv1d = _Conv1d(
+                la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False
+            )
+        # (KDA: a bias per key channel of every head, kept fp32 as transformers keeps it)
+        self.dt_bias = nn.Parameter(torch.ones(la.key_dim if self.kda else la.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
-        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps, sigmoid_gate=self.kda)
         self.out_proj = Linear(la.value_dim, h, bias=False)
         self.act = activation(cfg.hidden_act)
 
     def _project(self, x: torch.Tensor):
-        """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], and the
-        per-value-head b (step size) and a (decay) [T, Hv]."""
+        """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], the
+        per-value-head b (step size) [T, Hv] and a (decay) [T, Hv], or [T, H, dk] for KDA."""
         t, r = x.shape[0], self.nv // self.nk
+        if self.kda:
+            mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            z = self.g_b_proj(self.g_a_proj(x)).view(t, self.nv, self.dv)
+            a = self.f_b_proj(self.f_a_proj(x)).view(t, self.nk, self.dk)
+            return mixed, z, self.in_proj_b(x), a
         if self.separate:  # (Qwen3.5: each in head order already)
             z = self.in_proj_z(x).view(t, self.nv, self.dv)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
@@ -181,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         state exists only between the segments the rule runs). Returns [rows, Hv, dv]."""
         n, rows, slots = group.n, group.rows, group.slots
         mixed = mixed[rows].view(n, -1, mixed.shape[-1])
-        a, b = a[rows].view(n, -1, self.nv), b[rows].view(n, -1, self.nv)
+        a, b = a[rows].view(n, -1, *a.shape[1:]), b[rows].view(n, -1, self.nv)
         outs, start = [], 0
         for k, slot in [*group.captures, (mixed.shape[1], None)]:
             if k > start:
@@ -198,7 +244,7 @@ class GatedDeltaNet(nn.Module):
         """Advance sequences [n, T, ...] from their slots and write the new states back (a, b:
         the decay and step-size projections). Returns [n, T, Hv, dv] fp32."""
         n = mixed.shape[0]
-        y, new_conv = causal_conv1d(mixed, conv[slots], self.conv1d.weight[:, 0], self.act)
+        y, new_conv = causal_conv1d(mixed, conv[slots], self._conv_weight(), self.act)
         conv.index_copy_(0, slots, new_conv.to(conv.dtype))
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (n, y.shape[1], -1)
@@ -209,8 +255,8 @@ class GatedDeltaNet(nn.Module):
                                              self.A_log, self.dt_bias, ssm, slots)  # fmt: skip
             return out[:, None]
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0
-        if y.shape[1] > 1 and gated_delta.chunked_available(y):  # a prompt: fla's kernels
+        g = self._log_decay(a)
+        if y.shape[1] > 1 and not self.kda and gated_delta.chunked_available(y):  # fla's
             out, new_ssm = gated_delta.chunked(q, k, v, g, beta, ssm[slots])
             ssm.index_copy_(0, slots, new_ssm)
             return out
@@ -218,3 +264,18 @@ class GatedDeltaNet(nn.Module):
         out, new_ssm = rule(*_prepare(q, k, v, g, beta), ssm[slots])
         ssm.index_copy_(0, slots, new_ssm)
         return out.transpose(1, 2)
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The depthwise conv's taps [conv_dim, kernel] over the q, k, v channels in turn."""
+        if self.kda:  # (three convs in the checkpoint: joined here, a small copy a forward)
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            return torch.cat([c.weight[:, 0] for c in convs])
+        return self.conv1d.weight[:, 0]
+
+    def _log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g = -exp(A_log) softplus(a + dt_bias) <= 0: a [..., Hv] (a decay per head), or KDA's
+        [..., H, dk] (per key channel, A_log still per head)."""
+        a_log, bias = self.A_log.float(), self.dt_bias
+        if self.kda:
+            a_log, bias = a_log[:, None], bias.float().view(self.nk, self.dk)
+        return -a_log.exp() * F.softplus(a.float() + bias)

@@ -165,7 +165,9 @@ class LatentAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = cos_sin
-        q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe.view(t, 1, -1), cos, sin)
+        k_pe = k_pe.view(t, 1, -1)
+        if mla.rope:  # (Kimi-Linear's MLA has none: position comes from its KDA layers)
+            q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe, cos, sin)
         w = self.kv_b_proj.weight.view(heads, nope + mla.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
         cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]

@@ -64,7 +64,14 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(gate): the output norm of gated DeltaNet (norm first, then gate)."""
+    """RMSNorm(x) * silu(gate): the output norm of gated DeltaNet (norm first, then gate).
+    Kimi's KDA (`sigmoid_gate`): RMSNorm(x) * sigmoid(gate), the scale applied in fp32."""
+
+    def __init__(self, dim: int, eps: float, sigmoid_gate: bool = False):
+        super().__init__(dim, eps, scale_fp32=sigmoid_gate)
+        self.gate = torch.sigmoid if sigmoid_gate else F.silu
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (self.reference(x) * F.silu(gate.float())).to(x.dtype)
+        # (scaled in fp32: KDA's norm gates it before the one rounding to x's dtype)
+        normed = self.reference(x.float() if self.scale_fp32 else x)
+        return (normed * self.gate(gate.float())).to(x.dtype)

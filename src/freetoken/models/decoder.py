@@ -131,6 +131,8 @@ class DecoderModel(nn.Module):
                 module.sinks.data = module.sinks.data.float()
             if hasattr(module, "ape"):
                 module.ape.data = module.ape.data.float()
+            if isinstance(module, GatedDeltaNet) and module.kda:  # (KDA's per-channel bias)
+                module.dt_bias.data = module.dt_bias.data.float()
         for layer in self.layers:
             moe = getattr(layer, "moe", None)
             if moe is not None and moe.correction_bias is not None:

@@ -5,6 +5,7 @@ Everything else (the layers, the decoder, the loader) is shared. A family file i
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,16 @@ class Family:
     # (canonical name, tensor, whether it was dequantized) -> the tensor in our layout, for
     # families whose checkpoints lay a tensor out otherwise (gpt-oss: transposed, interleaved)
     to_layout: Callable[[str, Any, bool], Any] | None = None
+    # config.json -> more renames, for checkpoints whose names depend on the config
+    # (Kimi-Linear: `self_attn` is the linear attention in the layers its config lists)
+    config_renames: Callable[[dict[str, Any]], tuple[tuple[str, str], ...]] | None = None
+
+    def for_config(self, raw_config: dict[str, Any]) -> Family:
+        """This family with the renames its checkpoint's config implies."""
+        if self.config_renames is None:
+            return self
+        renames = (*self.config_renames(raw_config), *self.renames)
+        return dataclasses.replace(self, renames=renames, config_renames=None)
 
     def canonical_name(self, hf_name: str) -> str | None:
         """Our parameter name for a checkpoint tensor name, or None if it is not ours."""

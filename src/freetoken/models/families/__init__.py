@@ -15,7 +15,7 @@ from freetoken.models.family import Family
 FAMILY_MODULES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "mixtral", "olmoe",
                   "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
                   "gpt_oss", "qwen3", "qwen2", "llama", "minimax_m2", "kimi_k25",
-                  "gemma4")  # fmt: skip
+                  "gemma4", "kimi_linear")  # fmt: skip
 FAMILIES: tuple[Family, ...] = tuple(
     importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES
 )
@@ -28,7 +28,7 @@ def family_for(raw_config: dict[str, Any]) -> Family:
     archs = raw_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
+            return ARCHITECTURES[arch].for_config(raw_config)
     shown = ", ".join(archs) if archs else "none given"
     raise UnsupportedModelError(
         f"unsupported architecture ({shown}); supported: {', '.join(sorted(ARCHITECTURES))}"
