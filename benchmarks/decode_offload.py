@@ -178,8 +178,27 @@ def deepseek_v4_flash(layers: int) -> dict:
     }  # fmt: skip
 
 
+def glm_5(layers: int) -> dict:
+    """GLM-5's shapes (transformers' GlmMoeDsaConfig defaults are the release's, 744B): hidden
+    6144, latent attention with DSA's indexer (top-2048 tokens), 256 experts of 72 MiB in bf16
+    (20 MiB as NVFP4: `--expert-format nvfp4`), top-8, a shared expert; its first layer dense (the
+    release has three), cut to `layers`."""
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "vocab_size": 154880, "hidden_size": 6144, "num_hidden_layers": layers,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 2048,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+        "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+        "indexer_types": ["full"] * layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 202752, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
 SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
-          "deepseek-v4-flash": deepseek_v4_flash,
+          "deepseek-v4-flash": deepseek_v4_flash, "glm-5": glm_5,
           "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
           "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
           "qwen3-next-80b-a3b": qwen3_next_80b_a3b,

@@ -251,7 +251,7 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
 
     mib = {"qwen3-30b-a3b": 9.0, "gpt-oss-20b": 47.5, "deepseek-v3": 84.0, "glm-4.5-air": 33.0,
            "qwen3.5-35b-a3b": 6.0, "qwen3.5-35b-a3b-full-attention": 6.0,
-           "qwen3-next-80b-a3b": 6.0, "deepseek-v4-flash": 48.0,
+           "qwen3-next-80b-a3b": 6.0, "deepseek-v4-flash": 48.0, "glm-5": 72.0,
            "kimi-linear-48b-a3b": 13.5}  # fmt: skip
     for name, shape in SHAPES.items():
         raw = shape(8)
