@@ -19,9 +19,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from freetoken.kernels.grouped_experts import grouped_expert_forward
 from freetoken.kernels.host_copies import HostToDeviceCopier
 from freetoken.moe.store import BanksByName, HostExpertStore
 from freetoken.weights.expert_format import ExpertWeights, expert_weights
+
+
+def warm_order(store: HostExpertStore) -> list[int]:
+    """The pairs a warm cache starts with, in the order they take slots: expert 0 of every
+    layer, then expert 1, ..., so a partial fill gives every layer the same share."""
+    L, E = store.num_layers, store.num_experts
+    return [layer * E + expert for expert in range(E) for layer in range(L)]
 
 
 def host_array(values) -> np.ndarray:
@@ -88,6 +96,12 @@ class ExpertCache(BanksByName):
     def weights(self) -> ExpertWeights:
         """The slots' projections, for the GPU kernels (by slot id)."""
         return expert_weights(self.named_banks, *self.store.formats.values())
+
+    def compute(self, x, slots, weights, act: str) -> torch.Tensor:
+        """The routes of `slots` [T, k] (-1: computed elsewhere) over the experts in them,
+        gate-weighted and summed per token: the grouped kernel (kernels/grouped_experts.py)."""
+        w = self.weights
+        return grouped_expert_forward(x, slots, weights, w.gate_up, w.down, act, w.bias)
 
     @classmethod
     def resident(cls, store: HostExpertStore, device: torch.device) -> ExpertCache:

@@ -16,9 +16,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from freetoken.config import MoEOptions
 from freetoken.kernels.expert_fill import HostRows
+from freetoken.moe.cache import ExpertCache, host_array
 
 
 def split_misses(
@@ -88,6 +91,75 @@ class BandwidthTracker:
 
 
 SPLIT, FILL, CPU = "split", "fill", "cpu"
+
+
+class MissSplit:
+    """Which of a host-decided layer step's misses are copied into the cache (the rest run on
+    the CPU), and whether a step will likely give the CPU routes at all, before its routing is
+    known (the CPU team is then woken early). A strategy chooses one (moe/strategies.py):
+    this one fills nothing (`static`, `cpu`): every miss runs on the CPU, and no policy learns,
+    the cache's contents being fixed."""
+
+    def __init__(self, tracker: BandwidthTracker, options: MoEOptions, cpu_layers=()):
+        self.tracker, self.options = tracker, options
+        self.cpu_layers = frozenset(cpu_layers)  # the layers whose steps may give the CPU routes
+
+    def choose(self, cache: ExpertCache | None, moe_layer: int, misses: np.ndarray, hits: int,
+               tokens: int, mode: str | None) -> np.ndarray:  # fmt: skip
+        """The misses to fill (distinct flat pairs), best first; `mode`: the step's way
+        (StepModes), None outside a timed decode step."""
+        return misses[:0]
+
+    def observe(self, cache: ExpertCache | None, moe_layer: int, routed: np.ndarray) -> None:
+        """A layer step's distinct routed pairs, once its fills are queued."""
+
+    def expects_cpu(self, moe_layer: int, mode: str | None) -> bool:
+        return moe_layer in self.cpu_layers
+
+
+class FillEvery(MissSplit):
+    """`offload`: every miss filled, as far as the slots this layer's hits leave go; the
+    policy ranks which misses are worth a slot and learns from every step."""
+
+    def choose(self, cache, moe_layer, misses, hits, tokens, mode) -> np.ndarray:
+        q = self.count(len(misses), tokens, mode) if len(misses) else 0
+        # Slots this layer's hits use cannot be given up; what does not fit runs on the CPU.
+        q = max(0, min(q, cache.num_slots - hits))
+        fill = misses[:q]
+        if 0 < q < len(misses):  # the policy ranks which misses are worth a slot
+            scores = host_array(cache.policy.pair_scores(moe_layer, misses))
+            fill = misses[np.argsort(-scores, kind="stable")[:q]]
+        return fill
+
+    def count(self, misses: int, tokens: int, mode: str | None) -> int:
+        return misses
+
+    def observe(self, cache, moe_layer, routed) -> None:
+        # After this layer's victims are chosen (from what the earlier visits taught), off
+        # the path to the fills: the host waits for them or the CPU job next.
+        cache.policy.observe(moe_layer, routed - moe_layer * cache.store.num_experts)
+
+    def expects_cpu(self, moe_layer: int, mode: str | None) -> bool:
+        return False
+
+
+class BandwidthSplit(FillEvery):
+    """`hybrid`: decode steps fill q of the m misses by the measured bandwidths
+    (`split_misses`), or as the step's way says (StepModes: all, or none); long chunks fill
+    every miss."""
+
+    def count(self, misses: int, tokens: int, mode: str | None) -> int:
+        if tokens >= self.options.fill_all_from_tokens:
+            return misses
+        mode = mode or SPLIT
+        if mode == CPU:
+            return 0
+        # A `fill` step gives the CPU no bandwidth: all filled, up to the fetch cap.
+        cpu = self.tracker.cpu if mode != FILL else 0.0
+        return split_misses(misses, self.tracker.fill, cpu, self.options.max_fetch)
+
+    def expects_cpu(self, moe_layer: int, mode: str | None) -> bool:
+        return mode != FILL
 
 
 class StepModes:
