@@ -85,8 +85,9 @@ def replay(engine: LLMEngine, prompts: list[list[int]], device) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=("qwen3_moe", "qwen3_next", "kimi_linear"),
-                    default="qwen3_moe")  # fmt: skip
+    ap.add_argument(
+        "--family", choices=("qwen3_moe", "qwen3_next", "kimi_linear"), default="qwen3_moe"
+    )
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--cache", default="8GiB")
     ap.add_argument("--turns", type=int, default=24)
@@ -101,19 +102,31 @@ def main() -> int:
     elif args.family == "kimi_linear":
         raw = kimi_linear_48b_a3b(args.layers)
         if args.tiny:
-            raw.update(tiny(args.layers), architectures=["KimiLinearForCausalLM"],
-                       num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, v_head_dim=16, num_experts=32,
-                       num_experts_per_token=4, intermediate_size=256,
-                       linear_attn_config={**raw["linear_attn_config"], "num_heads": 4,
-                                           "head_dim": 16})  # fmt: skip
+            raw.update(
+                tiny(args.layers),
+                architectures=["KimiLinearForCausalLM"],
+                num_key_value_heads=4,
+                kv_lora_rank=32,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+                num_experts=32,
+                num_experts_per_token=4,
+                intermediate_size=256,
+                linear_attn_config={**raw["linear_attn_config"], "num_heads": 4, "head_dim": 16},
+            )
     else:
         raw = qwen3_next_80b_a3b(args.layers)
         if args.tiny:
-            raw.update(tiny(args.layers), architectures=["Qwen3NextForCausalLM"],
-                       linear_num_key_heads=2, linear_num_value_heads=4,
-                       linear_key_head_dim=16, linear_value_head_dim=16,
-                       shared_expert_intermediate_size=64)  # fmt: skip
+            raw.update(
+                tiny(args.layers),
+                architectures=["Qwen3NextForCausalLM"],
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                shared_expert_intermediate_size=64,
+            )
     raw["vocab_size"] = 151936  # the real tokenizer's ids
     loaded = random_model(raw, device)
     use_uniform_routing(loaded)
@@ -127,8 +140,11 @@ def main() -> int:
     hybrid = loaded.config.linear_attention is not None
     modes = {"reuse": (True, 16), "no reuse": (False, 0)}
     if hybrid:
-        modes = {"reuse + anchors": (True, 16), "reuse, no anchors": (True, 0),
-                 "no reuse": (False, 0)}  # fmt: skip
+        modes = {
+            "reuse + anchors": (True, 16),
+            "reuse, no anchors": (True, 0),
+            "no reuse": (False, 0),
+        }
     results = {}
     for name, (prefix_cache, anchors) in modes.items():
         runner = ModelRunner(

@@ -22,9 +22,13 @@ from safetensors.torch import save_file
 BLOCK = 1 << 24  # values in the shared block of normals
 
 
-MODEL_TYPES = {"GptOssForCausalLM": "gpt_oss", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-               "Qwen3NextForCausalLM": "qwen3_next", "DeepseekV3ForCausalLM": "deepseek_v3",
-               "Qwen3MoeForCausalLM": "qwen3_moe"}  # fmt: skip
+MODEL_TYPES = {
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 
 
 def tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -62,8 +66,11 @@ def hybrid_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]
     gated full attention (q_proj twice the heads: query and gate), per-expert projections, a
     shared expert with its sigmoid gate."""
     h, d = raw["hidden_size"], raw["head_dim"]
-    e, i, shared = raw["num_experts"], raw["moe_intermediate_size"], \
-        raw["shared_expert_intermediate_size"]  # fmt: skip
+    e, i, shared = (
+        raw["num_experts"],
+        raw["moe_intermediate_size"],
+        raw["shared_expert_intermediate_size"],
+    )
     p = f"model.layers.{layer}."
     interval = raw.get("full_attention_interval", 4)
     kinds = raw.get("layer_types") or [
@@ -75,41 +82,52 @@ def hybrid_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]
         dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
         conv = 2 * hk * dk + hv * dv
         if raw["architectures"] == ["Qwen3NextForCausalLM"]:
-            projections = {p + "linear_attn.in_proj_qkvz.weight": (conv + hv * dv, h),
-                           p + "linear_attn.in_proj_ba.weight": (2 * hv, h)}  # fmt: skip
+            projections = {
+                p + "linear_attn.in_proj_qkvz.weight": (conv + hv * dv, h),
+                p + "linear_attn.in_proj_ba.weight": (2 * hv, h),
+            }
         else:
             projections = {
                 p + "linear_attn.in_proj_qkv.weight": (conv, h),
                 p + "linear_attn.in_proj_z.weight": (hv * dv, h),
                 p + "linear_attn.in_proj_a.weight": (hv, h),
                 p + "linear_attn.in_proj_b.weight": (hv, h),
-            }  # fmt: skip
+            }
         mixer = projections | {
             p + "linear_attn.conv1d.weight": (conv, 1, raw["linear_conv_kernel_dim"]),
-            p + "linear_attn.A_log": (hv,), p + "linear_attn.dt_bias": (hv,),
+            p + "linear_attn.A_log": (hv,),
+            p + "linear_attn.dt_bias": (hv,),
             p + "linear_attn.norm.weight": (dv,),
             p + "linear_attn.out_proj.weight": (h, hv * dv),
-        }  # fmt: skip
+        }
     else:
         q, kv = raw["num_attention_heads"] * d, raw["num_key_value_heads"] * d
         mixer = {
-            p + "self_attn.q_proj.weight": (2 * q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-        }  # fmt: skip
+            p + "self_attn.q_proj.weight": (2 * q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+        }
     experts = {}
     for x in range(e):
         experts[p + f"mlp.experts.{x}.gate_proj.weight"] = (i, h)
         experts[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
         experts[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i)
-    return mixer | experts | {
-        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate.weight": (e, h),
-        p + "mlp.shared_expert.gate_proj.weight": (shared, h),
-        p + "mlp.shared_expert.up_proj.weight": (shared, h),
-        p + "mlp.shared_expert.down_proj.weight": (h, shared),
-        p + "mlp.shared_expert_gate.weight": (1, h),
-    }  # fmt: skip
+    return (
+        mixer
+        | experts
+        | {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate.weight": (e, h),
+            p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+            p + "mlp.shared_expert.up_proj.weight": (shared, h),
+            p + "mlp.shared_expert.down_proj.weight": (h, shared),
+            p + "mlp.shared_expert_gate.weight": (1, h),
+        }
+    )
 
 
 def deepseek_v3_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -123,26 +141,32 @@ def deepseek_v3_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, 
     p = f"model.layers.{layer}."
     a = p + "self_attn."
     shapes = {
-        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        a + "q_a_proj.weight": (q_rank, h), a + "q_a_layernorm.weight": (q_rank,),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        a + "q_a_proj.weight": (q_rank, h),
+        a + "q_a_layernorm.weight": (q_rank,),
         a + "q_b_proj.weight": (heads * (nope + rope), q_rank),
         a + "kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
         a + "kv_a_layernorm.weight": (kv_rank,),
         a + "kv_b_proj.weight": (heads * (nope + v), kv_rank),
         a + "o_proj.weight": (h, heads * v),
-    }  # fmt: skip
+    }
     if layer < raw["first_k_dense_replace"]:
         i = raw["intermediate_size"]
-        return shapes | {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                         p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+        return shapes | {
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
     e, i = raw["n_routed_experts"], raw["moe_intermediate_size"]
     shared = i * raw["n_shared_experts"]
     shapes |= {
-        p + "mlp.gate.weight": (e, h), p + "mlp.gate.e_score_correction_bias": (e,),
+        p + "mlp.gate.weight": (e, h),
+        p + "mlp.gate.e_score_correction_bias": (e,),
         p + "mlp.shared_experts.gate_proj.weight": (shared, h),
         p + "mlp.shared_experts.up_proj.weight": (shared, h),
         p + "mlp.shared_experts.down_proj.weight": (h, shared),
-    }  # fmt: skip
+    }
     for x in range(e):
         shapes[p + f"mlp.experts.{x}.gate_proj.weight"] = (i, h)
         shapes[p + f"mlp.experts.{x}.up_proj.weight"] = (i, h)
@@ -167,20 +191,27 @@ def gpt_oss_tensors_of_layer(raw: dict, layer: int) -> dict[str, tuple[int, ...]
             p + "mlp.experts.down_proj_scales": (e, h, i // 32),
         }
     else:
-        experts = {p + "mlp.experts.gate_up_proj": (e, h, 2 * i),
-                   p + "mlp.experts.down_proj": (e, i, h)}  # fmt: skip
+        experts = {
+            p + "mlp.experts.gate_up_proj": (e, h, 2 * i),
+            p + "mlp.experts.down_proj": (e, i, h),
+        }
     return experts | {
         p + "input_layernorm.weight": (h,),
         p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-        p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-        p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.q_proj.bias": (q,),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.k_proj.bias": (kv,),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.v_proj.bias": (kv,),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "self_attn.o_proj.bias": (h,),
         p + "self_attn.sinks": (heads,),
-        p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+        p + "mlp.router.weight": (e, h),
+        p + "mlp.router.bias": (e,),
         p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
         p + "mlp.experts.down_proj_bias": (e, h),
-    }  # fmt: skip
+    }
 
 
 def write_random_checkpoint(
@@ -238,8 +269,14 @@ class RandomTensors:
 
 def write_config_and_tokenizer(raw: dict, out: Path, tokenizer: Path | None = None) -> None:
     model_type = MODEL_TYPES[raw["architectures"][0]]
-    config = {**raw, "model_type": model_type, "torch_dtype": "bfloat16", "dtype": "bfloat16",
-              "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
+    config = {
+        **raw,
+        "model_type": model_type,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:
         for file in tokenizer.iterdir():
@@ -287,8 +324,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    shapes = ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
-              "deepseek-v3"]  # fmt: skip
+    shapes = [
+        "qwen3-30b-a3b",
+        "gpt-oss-20b",
+        "qwen3.5-35b-a3b",
+        "qwen3-next-80b-a3b",
+        "deepseek-v3",
+    ]
     parser.add_argument("--shape", choices=shapes, default=shapes[0])
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts in MXFP4")
     args = parser.parse_args()

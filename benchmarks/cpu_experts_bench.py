@@ -97,9 +97,11 @@ def formats_table(args) -> list[str]:
     # dense bf16 first: every row is set beside it. Quantized banks are the same bytes whatever
     # the model's dtype: one pool per format.
     runs = [("dense", "bfloat16")] + [
-        (name, dtype) for name in args.formats for dtype in args.dtypes
+        (name, dtype)
+        for name in args.formats
+        for dtype in args.dtypes
         if (name, dtype) != ("dense", "bfloat16")
-    ]  # fmt: skip
+    ]
     pools, configs = {}, []
     for name, dtype_name in runs:
         fmt, dtype = expert_format(name, tuple(args.fp8_block)), getattr(torch, dtype_name)
@@ -208,21 +210,38 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[4, 8, 12, 16])
     ap.add_argument("--seconds", type=float, default=1.0)
-    ap.add_argument("--tables", nargs="+", choices=["formats", "split"],
-                    default=["formats", "split"])  # fmt: skip
-    ap.add_argument("--formats", nargs="+", default=list(EXPERT_FORMATS),
-                    choices=EXPERT_FORMATS)  # fmt: skip
-    ap.add_argument("--handoff", nargs="+", choices=list(HANDOFF_SPIN), default=list(HANDOFF_SPIN),
-                    help="formats table: how the team waits between jobs")  # fmt: skip
+    ap.add_argument(
+        "--tables", nargs="+", choices=["formats", "split"], default=["formats", "split"]
+    )
+    ap.add_argument("--formats", nargs="+", default=list(EXPERT_FORMATS), choices=EXPERT_FORMATS)
+    ap.add_argument(
+        "--handoff",
+        nargs="+",
+        choices=list(HANDOFF_SPIN),
+        default=list(HANDOFF_SPIN),
+        help="formats table: how the team waits between jobs",
+    )
     ap.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                    choices=["bfloat16", "float32"], help="the model's dtype")  # fmt: skip
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        choices=["bfloat16", "float32"],
+        help="the model's dtype",
+    )
     ap.add_argument("--batch", type=int, default=8, help="experts per job")
-    ap.add_argument("--hidden", type=int, default=QWEN3_30B_EXPERT.hidden,
-                    help="formats table: the experts' hidden size (default Qwen3-30B-A3B's; "
-                    "gpt-oss-20b: 2880)")  # fmt: skip
-    ap.add_argument("--intermediate", type=int, default=QWEN3_30B_EXPERT.intermediate,
-                    help="formats table: the experts' width (gpt-oss-20b: 2880)")  # fmt: skip
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        default=QWEN3_30B_EXPERT.hidden,
+        help="formats table: the experts' hidden size (default Qwen3-30B-A3B's; gpt-oss-20b: 2880)",
+    )
+    ap.add_argument(
+        "--intermediate",
+        type=int,
+        default=QWEN3_30B_EXPERT.intermediate,
+        help="formats table: the experts' width (gpt-oss-20b: 2880)",
+    )
     ap.add_argument("--pool-gib", type=float, default=2.0, help="per format")
     ap.add_argument("--rounds", type=int, default=5, help="of each format, taken in turns")
     ap.add_argument("--out", type=Path)

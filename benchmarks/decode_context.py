@@ -44,11 +44,13 @@ from freetoken.models.loading import load_model
 from freetoken.weights.expert_format import expert_format
 
 
-def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device,
-                 graphs: bool = True) -> dict:  # fmt: skip
+def decode_speed(
+    loaded, options, batch, context, warmup, steps, rounds, device, graphs: bool = True
+) -> dict:
     longest = context + warmup + steps * rounds + 64
-    runner = ModelRunner(loaded, batch * longest, moe=options, max_model_len=longest,
-                         cuda_graphs=graphs)  # fmt: skip
+    runner = ModelRunner(
+        loaded, batch * longest, moe=options, max_model_len=longest, cuda_graphs=graphs
+    )
     seqs = [runner.new_sequence() for _ in range(batch)]
     for seq in seqs:
         runner.kv.reserve(seq, max(context, 1))
@@ -78,8 +80,11 @@ def decode_speed(loaded, options, batch, context, warmup, steps, rounds, device,
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens_per_s": per_round[len(per_round) // 2], "resolved": strategy,
-            "spread": (per_round[-1] - per_round[0]) / per_round[len(per_round) // 2]}  # fmt: skip
+    return {
+        "tokens_per_s": per_round[len(per_round) // 2],
+        "resolved": strategy,
+        "spread": (per_round[-1] - per_round[0]) / per_round[len(per_round) // 2],
+    }
 
 
 def prefill_speed(loaded, options, tokens: int, device) -> float:
@@ -112,7 +117,7 @@ def llama_bench(binary, gguf, contexts, extra, label, prefill: int = 0) -> dict[
         if prefill
         else ["-p", "0", "-n", "32", "-d", ",".join(map(str, contexts))]
     )
-    command = [binary, "-m", str(gguf), *test, "-r", "1", "-o", "json", *extra]  # fmt: skip
+    command = [binary, "-m", str(gguf), *test, "-r", "1", "-o", "json", *extra]
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)}
     print("running", " ".join(command), flush=True)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -187,8 +192,9 @@ def main() -> int:
     else:
         raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
         # Contexts beyond the model's 40k: the shape is what is measured, not its training.
-        raw["max_position_embeddings"] = max(raw["max_position_embeddings"],
-                                             max(args.contexts) + 1024)  # fmt: skip
+        raw["max_position_embeddings"] = max(
+            raw["max_position_embeddings"], max(args.contexts) + 1024
+        )
         loaded = random_model(raw, device, expert_format(args.expert_format))
     rows = []
     for strategy in strategies:
@@ -213,8 +219,13 @@ def main() -> int:
                             device,
                             graphs == "on",
                         )
-                        row = {"engine": "freetoken", "config": config, "batch": batch,
-                               "context": context, **r}  # fmt: skip
+                        row = {
+                            "engine": "freetoken",
+                            "config": config,
+                            "batch": batch,
+                            "context": context,
+                            **r,
+                        }
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 if args.prefill:
@@ -235,13 +246,22 @@ def main() -> int:
             configs.append((f"CPU, {args.threads} threads", ["-t", str(args.threads)]))
         for label, extra in configs:
             for prefill in [0, args.prefill] if args.prefill else [0]:
-                for context, tps in llama_bench(args.llama_bench, args.gguf, args.contexts,
-                                                extra, label, prefill).items():  # fmt: skip
-                    rows.append({"engine": "llama.cpp", "config": label, "batch": 1,
-                                 "context": context, "tokens_per_s": tps})  # fmt: skip
+                for context, tps in llama_bench(
+                    args.llama_bench, args.gguf, args.contexts, extra, label, prefill
+                ).items():
+                    rows.append(
+                        {
+                            "engine": "llama.cpp",
+                            "config": label,
+                            "batch": 1,
+                            "context": context,
+                            "tokens_per_s": tps,
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     experts = "bf16" if loaded.experts is None else loaded.experts.format.name
     experts = "bf16" if experts == "dense" else experts
@@ -255,10 +275,12 @@ def main() -> int:
         f"{', '.join(caches)}, uniform random routing; {args.rounds} rounds of {args.steps} decode "
         f"steps after {args.warmup} (median round); llama-bench tg32 with -d, 1 repetition",
         "",
-        "| engine | config | batch | " + " | ".join(f"ctx {c}" for c in args.contexts)
-        + " | longest / shortest |" + (f" prefill {args.prefill} |" if args.prefill else ""),
+        "| engine | config | batch | "
+        + " | ".join(f"ctx {c}" for c in args.contexts)
+        + " | longest / shortest |"
+        + (f" prefill {args.prefill} |" if args.prefill else ""),
         "|---|---|---|" + "---|" * (len(args.contexts) + 1 + bool(args.prefill)),
-    ]  # fmt: skip
+    ]
     groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
         groups.setdefault((r["engine"], r["config"], r["batch"]), {})[r["context"]] = r[
@@ -270,8 +292,9 @@ def main() -> int:
         keep = f"{last / first:.2f}" if first and last else "-"
         pp = by_context.get(-args.prefill) if args.prefill else None
         tail = "" if not args.prefill else (f" {pp:.1f} |" if pp else " - |")
-        lines.append(f"| {engine} | {config} | {batch} | " + " | ".join(cells) + f" | {keep} |"
-                     + tail)  # fmt: skip
+        lines.append(
+            f"| {engine} | {config} | {batch} | " + " | ".join(cells) + f" | {keep} |" + tail
+        )
     report(lines, args.out)
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(rows))

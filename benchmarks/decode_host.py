@@ -30,8 +30,9 @@ from freetoken.kv.paged import KVSequence, PagedKVCache
 
 def step_times(context: int, batch: int, steps: int, device: torch.device) -> list[float]:
     pages = batch * (context + steps) // 16 + 16
-    cache = PagedKVCache(1, pages, 16, 4, 128, torch.bfloat16, device,
-                         max_seq_tokens=context + steps + 16)  # fmt: skip
+    cache = PagedKVCache(
+        1, pages, 16, 4, 128, torch.bfloat16, device, max_seq_tokens=context + steps + 16
+    )
     seqs = [KVSequence() for _ in range(batch)]
     for seq in seqs:
         cache.reserve(seq, context)
@@ -56,8 +57,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
-    commit_id = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                               text=True).stdout.strip()  # fmt: skip
+    commit_id = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     lines = [
         "# decode_host: the host's work per decode step (ForwardBatch.build + commit)",
         "",
@@ -65,18 +67,28 @@ def main() -> int:
         f"commit: {commit_id}; {args.steps} steps, median of all but the first tenth, the lowest "
         "of three runs",
         "",
-        "| batch | " + " | ".join(f"ctx {c} (us)" for c in args.contexts)
-        + " | " + " | ".join(f"{c} / {args.contexts[0]}" for c in args.contexts[1:]) + " |",
+        "| batch | "
+        + " | ".join(f"ctx {c} (us)" for c in args.contexts)
+        + " | "
+        + " | ".join(f"{c} / {args.contexts[0]}" for c in args.contexts[1:])
+        + " |",
         "|---|" + "---|" * (2 * len(args.contexts) - 1),
-    ]  # fmt: skip
+    ]
     for batch in args.batch or [1, 4]:
         # The lowest of three runs' medians: this machine's other tenants add noise, never
         # take it away.
-        medians = [min(statistics.median(step_times(c, batch, args.steps, device))
-                       for _ in range(3)) * 1e6 for c in args.contexts]  # fmt: skip
+        medians = [
+            min(statistics.median(step_times(c, batch, args.steps, device)) for _ in range(3)) * 1e6
+            for c in args.contexts
+        ]
         ratios = [f"{m / medians[0]:.2f}" for m in medians[1:]]
-        lines.append(f"| {batch} | " + " | ".join(f"{m:.0f}" for m in medians) + " | "
-                     + " | ".join(ratios) + " |")  # fmt: skip
+        lines.append(
+            f"| {batch} | "
+            + " | ".join(f"{m:.0f}" for m in medians)
+            + " | "
+            + " | ".join(ratios)
+            + " |"
+        )
     report(lines, args.out)
     return 0
 

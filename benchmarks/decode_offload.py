@@ -44,13 +44,23 @@ HBM_BANDWIDTH = 4.0e12  # H200 device-to-device copy measured at ~4.3 TB/s (read
 
 def qwen3_30b_a3b(layers: int) -> dict:
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
-        "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
         "tie_word_embeddings": False,
-    }  # fmt: skip
+    }
 
 
 def gpt_oss_20b(layers: int) -> dict:
@@ -58,79 +68,157 @@ def gpt_oss_20b(layers: int) -> dict:
     sinks, sliding-window (128) and full layers in turn, biased experts, YaRN (the release
     stores its experts MXFP4: `--expert-format mxfp4`)."""
     return {
-        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
-        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
-        "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
-        "layer_types": [("sliding_attention" if i % 2 == 0 else "full_attention")
-                        for i in range(layers)],
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                            "original_max_position_embeddings": 4096},
-        "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "layer_types": [
+            ("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(layers)
+        ],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
-    }  # fmt: skip
+    }
 
 
 def deepseek_v3(layers: int) -> dict:
     """DeepSeek-V3's shapes (latent attention; 256 experts of 84 MiB, top-8 in groups), its
     first layer dense (the release has three), cut to `layers`."""
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
-        "num_hidden_layers": layers, "num_attention_heads": 128, "num_key_value_heads": 128,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
-        "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
-        "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 163840, "tie_word_embeddings": False,
-    }  # fmt: skip
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+    }
 
 
 def glm_4_5_air(layers: int) -> dict:
     """GLM-4.5-Air's shapes: 128 experts of 33 MiB, top-8, a shared expert, partial RoPE."""
     return {
-        "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
-        "num_hidden_layers": layers, "num_attention_heads": 96, "num_key_value_heads": 8,
-        "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-        "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-        "norm_topk_prob": True, "attention_bias": True, "partial_rotary_factor": 0.5,
-        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "vocab_size": 151552,
+        "hidden_size": 4096,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
-    }  # fmt: skip
+    }
 
 
 def qwen3_5_35b_a3b(layers: int) -> dict:
     """Qwen3.5-35B-A3B's text model: gated DeltaNet layers, full attention every fourth, 256
     experts of 6 MiB, top-8, a shared expert."""
     return {
-        "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320, "hidden_size": 2048,
-        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-        "num_experts": 256, "num_experts_per_tok": 8,
-        "layer_types": [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
-                        for i in range(layers)],
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "rope_theta": 1e7, "max_position_embeddings": 262144, "tie_word_embeddings": False,
-    }  # fmt: skip
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "layer_types": [
+            ("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)
+        ],
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e7,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+    }
 
 
 def qwen3_next_80b_a3b(layers: int) -> dict:
     """Qwen3-Next-80B-A3B: gated DeltaNet layers, full attention every fourth, 512 experts of
     6 MiB, top-10, a shared expert."""
     return {
-        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-        "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
-        "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e7,
-        "max_position_embeddings": 65536, "tie_word_embeddings": False,
-        "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e7,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
         "partial_rotary_factor": 0.25,
-    }  # fmt: skip
+    }
 
 
 def kimi_linear_48b_a3b(layers: int) -> dict:
@@ -139,18 +227,37 @@ def kimi_linear_48b_a3b(layers: int) -> dict:
     layer dense."""
     full = [i for i in (4, 8, 12, 16, 20, 24, 27) if i <= layers]
     return {
-        "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840, "hidden_size": 2304,
-        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "intermediate_size": 9216, "moe_intermediate_size": 1024, "kv_lora_rank": 512,
-        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8,
-        "num_shared_experts": 1, "moe_renormalize": True, "routed_scaling_factor": 2.446,
-        "first_k_dense_replace": 1, "rms_norm_eps": 1e-5, "model_max_length": 1048576,
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": 163840,
+        "hidden_size": 2304,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 9216,
+        "moe_intermediate_size": 1024,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-5,
+        "model_max_length": 1048576,
         "tie_word_embeddings": False,
-        "linear_attn_config": {"full_attn_layers": full, "num_heads": 32, "head_dim": 128,
-                               "kda_layers": [i for i in range(1, layers + 1) if i not in full],
-                               "short_conv_kernel_size": 4},
-    }  # fmt: skip
+        "linear_attn_config": {
+            "full_attn_layers": full,
+            "num_heads": 32,
+            "head_dim": 128,
+            "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+            "short_conv_kernel_size": 4,
+        },
+    }
 
 
 def qwen3_5_35b_a3b_full_attention(layers: int) -> dict:
@@ -171,11 +278,14 @@ def deepseek_v4_flash(layers: int) -> dict:
         for i in range(3, 43)
     ]
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "num_hidden_layers": layers, "layer_types": kinds[:layers],
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": layers,
+        "layer_types": kinds[:layers],
         "mlp_layer_types": (["hash_moe"] * 3 + ["moe"] * 40)[:layers],
-        "max_position_embeddings": 1048576, "tie_word_embeddings": False,
-    }  # fmt: skip
+        "max_position_embeddings": 1048576,
+        "tie_word_embeddings": False,
+    }
 
 
 def glm_5(layers: int) -> dict:
@@ -184,25 +294,51 @@ def glm_5(layers: int) -> dict:
     (20 MiB as NVFP4: `--expert-format nvfp4`), top-8, a shared expert; its first layer dense (the
     release has three), cut to `layers`."""
     return {
-        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
-        "vocab_size": 154880, "hidden_size": 6144, "num_hidden_layers": layers,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 12288,
-        "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
-        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 2048,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
-        "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
-        "indexer_types": ["full"] * layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 202752, "tie_word_embeddings": False,
-    }  # fmt: skip
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 154880,
+        "hidden_size": 6144,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "q_lora_rank": 2048,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "index_topk": 2048,
+        "index_head_dim": 128,
+        "index_n_heads": 32,
+        "indexer_types": ["full"] * layers,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 202752,
+        "tie_word_embeddings": False,
+    }
 
 
-SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "gpt-oss-20b": gpt_oss_20b, "deepseek-v3": deepseek_v3,
-          "deepseek-v4-flash": deepseek_v4_flash, "glm-5": glm_5,
-          "glm-4.5-air": glm_4_5_air, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
-          "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
-          "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
-          "kimi-linear-48b-a3b": kimi_linear_48b_a3b}  # fmt: skip
+SHAPES = {
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "gpt-oss-20b": gpt_oss_20b,
+    "deepseek-v3": deepseek_v3,
+    "deepseek-v4-flash": deepseek_v4_flash,
+    "glm-5": glm_5,
+    "glm-4.5-air": glm_4_5_air,
+    "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
+    "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
+    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
+    "kimi-linear-48b-a3b": kimi_linear_48b_a3b,
+}
 
 
 def tiny(layers: int) -> dict:
@@ -218,7 +354,7 @@ def tiny(layers: int) -> dict:
         num_experts=32,
         num_experts_per_tok=4,
     )
-    return raw  # fmt: skip
+    return raw
 
 
 def report(lines: list[str], out: Path | None) -> None:
@@ -294,8 +430,9 @@ class TraceRouter(torch.nn.Module):
     cursor lives on the device and the last MoE layer advances it, so a CUDA graph replays the
     trace token after token."""
 
-    def __init__(self, experts, probs, layer: int, num_experts: int, cursor, stride: int,
-                 last: bool):  # fmt: skip
+    def __init__(
+        self, experts, probs, layer: int, num_experts: int, cursor, stride: int, last: bool
+    ):
         super().__init__()
         self.experts, self.probs, self.layer = experts, probs, layer % experts.shape[1]
         self.num_experts, self.cursor, self.stride, self.last = num_experts, cursor, stride, last
@@ -335,8 +472,9 @@ def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dic
     blocks = [layer.moe for layer in loaded.model.layers if hasattr(layer, "moe")]
     stride = max(1, experts.shape[0] // max_batch)
     for i, block in enumerate(blocks):
-        block.router = TraceRouter(experts, probs, i, moe.num_experts, cursor, stride,
-                                   last=i == len(blocks) - 1)  # fmt: skip
+        block.router = TraceRouter(
+            experts, probs, i, moe.num_experts, cursor, stride, last=i == len(blocks) - 1
+        )
     return {"tokens": experts.shape[0], "layers": trace.num_layers, "top_k": trace.top_k}
 
 
@@ -364,8 +502,9 @@ class Contender:
 def prepare(loaded, options: MoEOptions, batch, steps, warmup, prompt, device) -> Contender:
     """A runner with `batch` sequences past their prompt and `warmup` decode steps, with
     inputs for `steps` more."""
-    runner = ModelRunner(loaded, kv_cache_tokens=batch * (prompt + steps + warmup + 16),
-                         moe=options)  # fmt: skip
+    runner = ModelRunner(
+        loaded, kv_cache_tokens=batch * (prompt + steps + warmup + 16), moe=options
+    )
     gen = torch.Generator().manual_seed(0)
     seqs = [runner.new_sequence() for _ in range(batch)]
     vocab = loaded.config.vocab_size
@@ -490,8 +629,10 @@ def main() -> int:
         raise SystemExit(f"unknown --routing {args.routing!r}: uniform, model or trace:FILE")
     store = loaded.experts
     bw_profile = measure(store.shape, device, seconds=0.3 if args.tiny else 1.5)
-    bw = {k: getattr(bw_profile, k) for k in ("pcie", "cpu_experts", "pcie_concurrent",
-                                                 "cpu_concurrent")}  # fmt: skip
+    bw = {
+        k: getattr(bw_profile, k)
+        for k in ("pcie", "cpu_experts", "pcie_concurrent", "cpu_concurrent")
+    }
     rows = []
     for cache in caches:
         size = cache
@@ -509,8 +650,7 @@ def main() -> int:
             for batch, threads in itertools.product(batches, teams):
                 options = contender_options(strategy, cache_size=size, cpu_threads=threads)
                 total = args.steps * args.rounds
-                contender = prepare(loaded, options, batch, total, args.warmup, args.prompt,
-                                    device)  # fmt: skip
+                contender = prepare(loaded, options, batch, total, args.warmup, args.prompt, device)
                 label = strategy if len(teams) == 1 else f"{strategy}/t{threads}"
                 contenders.append((label, contender))
         for _ in range(args.rounds):
@@ -532,24 +672,33 @@ def main() -> int:
                 name, snap, args.layers, store.shape.nbytes, batch, bw, loaded.config.moe
             )
             row = dict(
-                cache=cache, slots=slots, strategy=strategy, resolved=name, batch=batch,
-                tokens_per_s=tps, spread=(per_round[-1] - per_round[0]) / tps,
+                cache=cache,
+                slots=slots,
+                strategy=strategy,
+                resolved=name,
+                batch=batch,
+                tokens_per_s=tps,
+                spread=(per_round[-1] - per_round[0]) / tps,
                 hit_rate=snap["hit_rate"],
-                q=snap["mean_fills_per_layer_step"], m_minus_q=snap["mean_cpu_per_layer_step"],
+                q=snap["mean_fills_per_layer_step"],
+                m_minus_q=snap["mean_cpu_per_layer_step"],
                 pcie_mb_per_token=t["bytes_h2d"] / (steps * batch) / 1e6,
-                roofline_tokens_per_s=roof, ratio=tps / roof,
+                roofline_tokens_per_s=roof,
+                ratio=tps / roof,
                 host_ms_per_step=t["host_time_s"] * 1e3 / steps,
                 sync_ms_per_step=t["sync_wait_s"] * 1e3 / steps,
                 cpu_wait_ms_per_step=t["cpu_wait_s"] * 1e3 / steps,
                 phases_ms_per_step={k: t[f"{k}_s"] * 1e3 / steps for k in HOST_PHASES},
                 step_ms=sum(contender.seconds) * 1e3 / steps,
-                step_host_ms=contender.host_seconds * 1e3 / steps, way=way,
-            )  # fmt: skip
+                step_host_ms=contender.host_seconds * 1e3 / steps,
+                way=way,
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     lines = [
         f"# decode_offload: {'tiny' if args.tiny else args.shape} shape, {args.layers} layers, "
         f"random bf16 weights, experts {args.expert_format}",

@@ -54,8 +54,10 @@ def best(fn, repeats: int) -> float:
 
 
 def kernel_table(formats: list[str], shapes: dict, repeats: int) -> list[str]:
-    rows = ["| format | layer | N x K | dtype | kept ms | kept GB/s | dense ms | dense GB/s |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| format | layer | N x K | dtype | kept ms | kept GB/s | dense ms | dense GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     torch.set_grad_enabled(False)
     for name in formats:
         for layer, (n, k) in shapes.items():
@@ -83,22 +85,25 @@ def decode_table(model: str, dtypes: list[str], repeats: int) -> list[str]:
     from freetoken.models.gguf import resolve
 
     path = resolve(model)
-    rows = ["| dense layers | dtype | 8 new tokens s | 72 new tokens s | decode tok/s |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| dense layers | dtype | 8 new tokens s | 72 new tokens s | decode tok/s |",
+        "|---|---|---|---|---|",
+    ]
     keep = loading.dense_storage
     for dtype in dtypes:
         for mode in ("kept quantized", "dequantized"):
             loading.dense_storage = keep if mode == "kept quantized" else (lambda *a: frozenset())
-            engine = LLMEngine.from_config(EngineConfig(model=path, dtype=dtype,
-                                                        kv_cache_tokens=2048,
-                                                        max_model_len=2048))  # fmt: skip
+            engine = LLMEngine.from_config(
+                EngineConfig(model=path, dtype=dtype, kv_cache_tokens=2048, max_model_len=2048)
+            )
             ids = list(range(1000, 1128))
             times = {8: [], 72: []}
             for _ in range(repeats):
                 for n in (8, 72):
                     start = time.perf_counter()
-                    engine.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0,
-                                                          ignore_eos=True))  # fmt: skip
+                    engine.generate(
+                        [ids], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+                    )
                     times[n].append(time.perf_counter() - start)
             t8, t72 = min(times[8]), min(times[72])
             rows.append(f"| {mode} | {dtype} | {t8:.2f} | {t72:.2f} | {64 / (t72 - t8):.1f} |")

@@ -42,8 +42,11 @@ print(json.dumps(dict(import_s=t_import, read_s=t_read,
 
 def once(path: Path, threads: int, imports: bool) -> dict:
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-c", CHILD, str(path), repr(t0), str(threads),
-                           "1" if imports else "0"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), repr(t0), str(threads), "1" if imports else "0"],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,10 +77,14 @@ def main() -> int:
         for imports in (True, False) if threads else (True,):
             for run in range(args.repeat):
                 r = once(args.path, threads, imports)
-                cells = [f"{r[k]:.2f}" if r[k] is not None else "-"
-                         for k in ("import_s", "read_s", "gb")]  # fmt: skip
-                lines.append(f"| {threads} | {'yes' if imports else 'no'} | {run} | "
-                             + " | ".join(cells) + " |")  # fmt: skip
+                cells = [
+                    f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("import_s", "read_s", "gb")
+                ]
+                lines.append(
+                    f"| {threads} | {'yes' if imports else 'no'} | {run} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
                 print(lines[-1], flush=True)
     report(lines, args.out)
     return 0

@@ -48,14 +48,16 @@ def store_of(model: str, fmt_name: str, experts: int, tiny: bool) -> HostExpertS
     gen = torch.Generator().manual_seed(0)
     for bank in store.banks:  # random bytes: the copy moves bytes, whatever they mean
         rows = bank.view(torch.uint8).view(bank.shape[0], -1)
-        block = torch.randint(0, 256, (min(DISTINCT, rows.shape[0]), rows.shape[1]),
-                              dtype=torch.uint8, generator=gen)  # fmt: skip
+        block = torch.randint(
+            0, 256, (min(DISTINCT, rows.shape[0]), rows.shape[1]), dtype=torch.uint8, generator=gen
+        )
         head = min(8, rows.shape[1])  # (each row's first bytes its own: rows differ)
         for start in range(0, rows.shape[0], block.shape[0]):
             part = rows[start : start + block.shape[0]]
             part.copy_(block[: part.shape[0]])
-            part[:, :head] = torch.randint(0, 256, (part.shape[0], head), dtype=torch.uint8,
-                                           generator=gen)  # fmt: skip
+            part[:, :head] = torch.randint(
+                0, 256, (part.shape[0], head), dtype=torch.uint8, generator=gen
+            )
     if store.banks[0].device.type == "cpu" and torch.cuda.is_available():
         assert store.pin(), "could not page-lock the pool"
     return store
@@ -146,8 +148,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes (with --device cpu)")
     args = ap.parse_args()
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"}
+        )
     if args.tiny:
         args.experts, args.slots = min(args.experts, 24), min(args.slots, 8)
     device = torch.device(args.device)
@@ -183,8 +186,10 @@ def main() -> int:
                 figures = fill_figures(cache, store, banks, count, args, gen)
                 cells = " | ".join("-" if g is None else f"{g:.1f}" for g in figures)
                 cells += " | -" * (3 - len(figures))
-                lines.append(f"| {model} | {fmt_name} | {len(banks)} | "
-                             f"{store.shape.nbytes / 2**20:.2f} | {count} | {cells} |")  # fmt: skip
+                lines.append(
+                    f"| {model} | {fmt_name} | {len(banks)} | "
+                    f"{store.shape.nbytes / 2**20:.2f} | {count} | {cells} |"
+                )
             del cache, store
     text = "\n".join(lines + layouts) + "\n"
     print()

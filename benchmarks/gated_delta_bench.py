@@ -98,9 +98,16 @@ def prefill_rows(batch: int, tokens: int, check: bool) -> list[str]:
     runs = {"freetoken (torch chunked)": ours}
     if fla_chunk is not None:
         runs["fla chunk_gated_delta_rule"] = lambda: fla_chunk(
-            q, k, v, g, beta, scale=D**-0.5, initial_state=state, output_final_state=True,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=D**-0.5,
+            initial_state=state,
+            output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
+        )
     want = reference(q, k, v, g, beta, state)[0] if check else None
     rows = []
     for name, fn in runs.items():
@@ -108,8 +115,10 @@ def prefill_rows(batch: int, tokens: int, check: bool) -> list[str]:
         err = "n/a"
         if want is not None:
             err = f"{(fn()[0].double() - want).abs().max().item():.1e}"
-        rows.append(f"| prefill | {batch} | {tokens} | {name} | {seconds * 1e3:.2f} | "
-                    f"{batch * tokens / seconds:,.0f} | {err} |")  # fmt: skip
+        rows.append(
+            f"| prefill | {batch} | {tokens} | {name} | {seconds * 1e3:.2f} | "
+            f"{batch * tokens / seconds:,.0f} | {err} |"
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -138,10 +147,20 @@ def decode_rows(batch: int) -> list[str]:
 
         def theirs():
             out, _ = fla_recurrent(
-                q, k, v, g=a.float(), beta=b.float(), scale=D**-0.5, initial_state=state,
-                output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                g=a.float(),
+                beta=b.float(),
+                scale=D**-0.5,
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                A_log=a_log,
+                dt_bias=dt_bias,
+                use_beta_sigmoid_in_kernel=True,
+            )
             return out[:, 0]
 
         runs["fla fused_recurrent (gate in kernel)"] = (theirs, theirs)
@@ -150,8 +169,10 @@ def decode_rows(batch: int) -> list[str]:
         # (the error first: the timed calls advance the pool's states in place)
         err = f"{(checked().double() - want).abs().max().item():.1e}"
         seconds = timed(fn, reps=50)
-        rows.append(f"| decode | {batch} | 1 | {name} | {seconds * 1e3:.3f} | "
-                    f"{batch / seconds:,.0f} | {err} |")  # fmt: skip
+        rows.append(
+            f"| decode | {batch} | 1 | {name} | {seconds * 1e3:.3f} | "
+            f"{batch / seconds:,.0f} | {err} |"
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -160,15 +181,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1400, 8192])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--check-up-to", type=int, default=2048,
-                    help="prefill lengths checked against the float64 rule")  # fmt: skip
+    ap.add_argument(
+        "--check-up-to",
+        type=int,
+        default=2048,
+        help="prefill lengths checked against the float64 rule",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
-    head = ["| phase | batch | tokens | kernel | ms a layer | tokens/s | max abs error |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = [
+        "| phase | batch | tokens | kernel | ms a layer | tokens/s | max abs error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     print(*head, sep="\n", flush=True)
     rows = []
     for batch in args.batch:

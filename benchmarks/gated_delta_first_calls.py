@@ -44,13 +44,16 @@ def case(hk: int, hv: int, dk: int, dv: int, t: int, reps: int = 3) -> str:
         times.append((time.perf_counter() - start) * 1e3)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     state_err = ((final - ref_state).abs().max() / ref_state.abs().max()).item()
-    return (f"| {hk} | {hv} | {dk} | {dv} | {t} | {err:.1e} | {state_err:.1e} | "
-            f"{', '.join(f'{x:.1f}' for x in times)} |")  # fmt: skip
+    return (
+        f"| {hk} | {hv} | {dk} | {dv} | {t} | {err:.1e} | {state_err:.1e} | "
+        f"{', '.join(f'{x:.1f}' for x in times)} |"
+    )
 
 
 def main() -> int:
-    probe = torch.zeros(1, 2, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available()
-                        else "cpu")  # fmt: skip
+    probe = torch.zeros(
+        1, 2, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu"
+    )
     if not gated_delta.chunked_available(probe):
         print("needs CUDA and fla-core", file=sys.stderr)
         return 1

@@ -64,8 +64,10 @@ def main() -> int:
     start = time.perf_counter()
     deepen(args.src, args.dst, args.layers)
     size = args.dst.stat().st_size
-    print(f"{args.dst}: {args.layers} layers, {size / 1e9:.1f} GB in "
-          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(
+        f"{args.dst}: {args.layers} layers, {size / 1e9:.1f} GB in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     return 0
 
 

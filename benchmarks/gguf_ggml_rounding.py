@@ -81,22 +81,30 @@ def main() -> int:
     ap.add_argument("gguf", type=Path)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--llama-python", default=sys.executable)
-    ap.add_argument("--round", default="activations+qkv",
-                    choices=["none", "activations", "activations+qkv"])  # fmt: skip
+    ap.add_argument(
+        "--round", default="activations+qkv", choices=["none", "activations", "activations+qkv"]
+    )
     ap.add_argument("--attention", default="native", choices=["native", "explicit"])
     args = ap.parse_args()
     theirs = llama_cpp_greedy(args.llama_python, args.gguf, args.tokens)
     emulate(args.round, args.attention == "explicit")
-    config = EngineConfig(model=args.gguf, device="cpu", dtype="float32", kv_cache_tokens=2048,
-                          moe=MoEOptions("fused"))  # fmt: skip
+    config = EngineConfig(
+        model=args.gguf,
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        moe=MoEOptions("fused"),
+    )
     engine = LLMEngine.from_config(config)
     same = 0
     for prompt, their in zip(PROMPTS, theirs, strict=True):
         ours = freetoken_greedy(engine, their["ids"], args.tokens)
         same += ours == their["greedy"]
         print(f"{prompt[:30]!r}: {'same' if ours == their['greedy'] else 'differs'}", flush=True)
-    print(f"round={args.round} attention={args.attention}: {same} / {len(PROMPTS)} prompts give "
-          "llama.cpp's greedy tokens")  # fmt: skip
+    print(
+        f"round={args.round} attention={args.attention}: {same} / {len(PROMPTS)} prompts give "
+        "llama.cpp's greedy tokens"
+    )
     return 0
 
 

@@ -37,21 +37,36 @@ def q8_0_buffer(blocks: int, cols: int, seed: int = 0) -> np.ndarray:
 
 def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """llama.cpp's tensors of a qwen3moe model (numpy order: the last dimension is K)."""
-    h, d, e, i = (cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"],
-                  cfg["moe_intermediate_size"])  # fmt: skip
+    h, d, e, i = (
+        cfg["hidden_size"],
+        cfg["head_dim"],
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+    )
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    out = {"token_embd.weight": (cfg["vocab_size"], h), "output_norm.weight": (h,),
-           "output.weight": (cfg["vocab_size"], h)}  # fmt: skip
+    out = {
+        "token_embd.weight": (cfg["vocab_size"], h),
+        "output_norm.weight": (h,),
+        "output.weight": (cfg["vocab_size"], h),
+    }
     for layer in range(cfg["num_hidden_layers"]):
         p = f"blk.{layer}."
-        out.update({
-            p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-            p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
-            p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
-            p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,),
-            p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, i, h),
-            p + "ffn_up_exps.weight": (e, i, h), p + "ffn_down_exps.weight": (e, h, i),
-        })  # fmt: skip
+        out.update(
+            {
+                p + "attn_norm.weight": (h,),
+                p + "ffn_norm.weight": (h,),
+                p + "attn_q.weight": (q, h),
+                p + "attn_k.weight": (kv, h),
+                p + "attn_v.weight": (kv, h),
+                p + "attn_output.weight": (h, q),
+                p + "attn_q_norm.weight": (d,),
+                p + "attn_k_norm.weight": (d,),
+                p + "ffn_gate_inp.weight": (e, h),
+                p + "ffn_gate_exps.weight": (e, i, h),
+                p + "ffn_up_exps.weight": (e, i, h),
+                p + "ffn_down_exps.weight": (e, h, i),
+            }
+        )
     return out
 
 

@@ -60,8 +60,12 @@ print(json.dumps(out))
 
 
 def llama_cpp_greedy(python: str, path: Path, n: int) -> list[dict]:
-    done = subprocess.run([python, "-c", LLAMA_CPP, str(path), str(n), json.dumps(PROMPTS)],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [python, "-c", LLAMA_CPP, str(path), str(n), json.dumps(PROMPTS)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -91,10 +95,13 @@ def main() -> int:
             moe=MoEOptions("fused"),
         )
     )
-    lines = [f"# {args.gguf.name}: freetoken (fp32, dequantized) against llama-cpp-python, "
-             f"greedy, {args.tokens} tokens; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             "", "| prompt | same ids in | same greedy tokens | first difference at |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# {args.gguf.name}: freetoken (fp32, dequantized) against llama-cpp-python, "
+        f"greedy, {args.tokens} tokens; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        "| prompt | same ids in | same greedy tokens | first difference at |",
+        "|---|---|---|---|",
+    ]
     same_all = True
     for prompt, their in zip(PROMPTS, theirs, strict=True):
         ours_ids = engine.tokenizer.encode(prompt)
@@ -104,9 +111,11 @@ def main() -> int:
         if first is None and len(a) != len(b):
             first = min(len(a), len(b))
         same_all &= first is None and ours_ids == their["ids"]
-        lines.append(f"| {prompt[:40]!r} | {'yes' if ours_ids == their['ids'] else 'no'} | "
-                     f"{'yes' if first is None else 'no'} ({len(a)} / {len(b)}) | "
-                     f"{'-' if first is None else first} |")  # fmt: skip
+        lines.append(
+            f"| {prompt[:40]!r} | {'yes' if ours_ids == their['ids'] else 'no'} | "
+            f"{'yes' if first is None else 'no'} ({len(a)} / {len(b)}) | "
+            f"{'-' if first is None else first} |"
+        )
         print(
             repr(prompt),
             "\n  llama.cpp:",

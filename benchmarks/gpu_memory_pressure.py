@@ -63,9 +63,15 @@ def main() -> int:
     ap.add_argument("--leave", type=float, default=0.25, help="GiB the other process leaves free")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    engine = LLMEngine.from_config(EngineConfig(
-        model=args.model, kv_cache_tokens=8192, max_batch_size=args.requests, progress=False,
-        moe=MoEOptions(args.strategy, args.cache)))  # fmt: skip
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=args.model,
+            kv_cache_tokens=8192,
+            max_batch_size=args.requests,
+            progress=False,
+            moe=MoEOptions(args.strategy, args.cache),
+        )
+    )
     watch = engine.memory_watch
     watch.every = 8  # (the default 32 reacts within a second of decode steps as well)
     gen = torch.Generator().manual_seed(0)
@@ -75,15 +81,22 @@ def main() -> int:
     reference, slots = run_round(engine, prompts, args.tokens)
 
     def agree(outputs) -> float:
-        pairs = [(a, b) for out, ref in zip(outputs, reference, strict=True)
-                 for a, b in zip(out, ref, strict=True)]  # fmt: skip
+        pairs = [
+            (a, b)
+            for out, ref in zip(outputs, reference, strict=True)
+            for a, b in zip(out, ref, strict=True)
+        ]
         return sum(a == b for a, b in pairs) / len(pairs)
 
     rows.append(("before", slots, 1.0, ""))
     outputs, slots = run_round(engine, prompts, args.tokens)
     rows.append(("before again (control)", slots, agree(outputs), ""))
-    hog = subprocess.Popen([sys.executable, "-c", HOG, str(int(args.leave * 2**30))],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    hog = subprocess.Popen(
+        [sys.executable, "-c", HOG, str(int(args.leave * 2**30))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     held = hog.stdout.readline().strip()
     outputs, slots = run_round(engine, prompts, args.tokens)
     free = torch.cuda.mem_get_info()[0] / 2**30

@@ -107,13 +107,16 @@ def main() -> int:
     use_uniform_routing(loaded)
     for strategy in ("fused", "offload", "hybrid"):
         size = None if strategy == "fused" else str(loaded.experts.num_pairs)
-        contender = prepare(loaded, contender_options(strategy, cache_size=size), 1, 8, 16, 16,
-                            device)  # fmt: skip
+        contender = prepare(
+            loaded, contender_options(strategy, cache_size=size), 1, 8, 16, 16, device
+        )
         capture = next(iter(contender.runner.graphs.captures.values()))
         for i, graph in enumerate(capture.graphs):
             host, gpu = replay_us(graph)
-            lines.append(f"| {strategy}'s decode step ({args.layers} layers), graph {i} | "
-                         f"{host:.1f} | {gpu:.1f} |")  # fmt: skip
+            lines.append(
+                f"| {strategy}'s decode step ({args.layers} layers), graph {i} | "
+                f"{host:.1f} | {gpu:.1f} |"
+            )
             print(lines[-1], flush=True)
         control = contender.runner.moe.control
         if control is not None:

@@ -123,8 +123,9 @@ def random_bank(fmt_name: str, slots: int, n: int, k: int, gen: torch.Generator)
         return (torch.randn(slots, n, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
     fmt = expert_format(fmt_name)
     parts = fmt.parts(n, k, DTYPE)
-    w = torch.randint(0, 256, (slots, *parts["w"][0]), dtype=torch.uint8, device=DEVICE,
-                      generator=gen)  # fmt: skip
+    w = torch.randint(
+        0, 256, (slots, *parts["w"][0]), dtype=torch.uint8, device=DEVICE, generator=gen
+    )
     s_shape = (slots, *parts["s"][0])
     size = 1 / k**0.5
     if fmt_name == "fp8":
@@ -151,8 +152,10 @@ def random_bank(fmt_name: str, slots: int, n: int, k: int, gen: torch.Generator)
 def make_banks(shape: Shape, fmt_name: str, seed: int = 0):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     h, i = shape.hidden, shape.inter
-    return (random_bank(fmt_name, shape.slots, 2 * i, h, gen),
-            random_bank(fmt_name, shape.slots, h, i, gen))  # fmt: skip
+    return (
+        random_bank(fmt_name, shape.slots, 2 * i, h, gen),
+        random_bank(fmt_name, shape.slots, h, i, gen),
+    )
 
 
 def make_routings(shape: Shape, tokens: int, gen: torch.Generator) -> list[tuple]:
@@ -183,8 +186,9 @@ def check(shape: Shape, fmt_name: str, banks, x: torch.Tensor, gen) -> str:
     remap = torch.full((shape.slots,), -1, dtype=torch.long, device=DEVICE)
     remap[used] = torch.arange(len(used), device=DEVICE)
     small = tuple(b.select(used) for b in banks)  # (only the used slots dequantized)
-    dense = tuple(ge.dequantize_slots(b, torch.arange(len(used), device=DEVICE), DTYPE)
-                  for b in small)  # fmt: skip
+    dense = tuple(
+        ge.dequantize_slots(b, torch.arange(len(used), device=DEVICE), DTYPE) for b in small
+    )
     local = remap[slots]
     ours = ge.triton_grouped_expert_forward(x, local, w, *small)
     saved = {n: getattr(ge, n) for n in ge.LAUNCH_NAMES}
@@ -218,8 +222,13 @@ def bench(shape: Shape, fmt_name: str, banks, tokens: int, x, gen, *, reference=
         for i in range(SLOT_SETS):
             kernel(i)
 
-    out = {"model": shape.model, "format": fmt_name, "tokens": tokens,
-           "distinct_experts": distinct, "mb": nbytes / 1e6}  # fmt: skip
+    out = {
+        "model": shape.model,
+        "format": fmt_name,
+        "tokens": tokens,
+        "distinct_experts": distinct,
+        "mb": nbytes / 1e6,
+    }
     out["graph_us"] = graph_time_s(all_routings, SLOT_SETS) * 1e6
     out["graph_gbps"] = nbytes / out["graph_us"] / 1e3
     if reference:
@@ -258,14 +267,23 @@ def profile(shape: Shape, banks, tokens: int, x, gen) -> None:
 def sweep_grid(fmt_name: str) -> dict[str, dict[str, list[int]]]:
     # (fp8: BLOCK_K at most its 128-column scale blocks, else a scale gather per weight; q8_0:
     # 32, one scale a row and tile, against wider tiles of several)
-    k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128],
-                 "q8_0": [32, 64, 128, 256]}.get(fmt_name, [64, 128, 256])  # fmt: skip
+    k_choices = {"dense": [64, 128, 256], "fp8": [32, 64, 128], "q8_0": [32, 64, 128, 256]}.get(
+        fmt_name, [64, 128, 256]
+    )
     return {
-        "gate_up": {"GATE_UP_BLOCK_N": [8, 16, 32, 64], "GATE_UP_BLOCK_K": k_choices,
-                    "GATE_UP_WARPS": [4, 8], "GATE_UP_STAGES": [3]},
-        "down": {"DOWN_BLOCK_N": [16, 32, 64], "DOWN_BLOCK_K": k_choices,
-                 "DOWN_WARPS": [4, 8], "DOWN_STAGES": [3]},
-    }  # fmt: skip
+        "gate_up": {
+            "GATE_UP_BLOCK_N": [8, 16, 32, 64],
+            "GATE_UP_BLOCK_K": k_choices,
+            "GATE_UP_WARPS": [4, 8],
+            "GATE_UP_STAGES": [3],
+        },
+        "down": {
+            "DOWN_BLOCK_N": [16, 32, 64],
+            "DOWN_BLOCK_K": k_choices,
+            "DOWN_WARPS": [4, 8],
+            "DOWN_STAGES": [3],
+        },
+    }
 
 
 def _set(fmt_name: str, name: str, value: int) -> None:
@@ -310,13 +328,18 @@ def sweep(shape: Shape, fmt_name: str, banks, x, gen, batches=(1, 4)) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--format", default="all", choices=["all", *EXPERT_FORMATS],
-                        help="expert format (bf16 is always timed beside it)")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        default="all",
+        choices=["all", *EXPERT_FORMATS],
+        help="expert format (bf16 is always timed beside it)",
+    )
     parser.add_argument("--model", default="all", choices=["all", *MODELS])
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters")
     parser.add_argument("--profile", action="store_true", help="also time each kernel")
-    parser.add_argument("--reference", action="store_true",
-                        help="also the eager call and the torch reference")  # fmt: skip
+    parser.add_argument(
+        "--reference", action="store_true", help="also the eager call and the torch reference"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="small shapes (with --device cpu)")
     parser.add_argument(
@@ -336,8 +359,9 @@ def main() -> None:
     DEVICE = args.device
     if DEVICE == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":  # (read when triton is imported)
-            os.execve(sys.executable, [sys.executable, *sys.argv],
-                      {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+            os.execve(
+                sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"}
+            )
         SLOT_SETS = 2
     if not ge.triton_available() or (DEVICE == "cuda" and not torch.cuda.is_available()):
         raise SystemExit("needs CUDA and triton")
@@ -354,12 +378,16 @@ def main() -> None:
     for model in models:
         shape = Shape(model, args.tiny)
         x = torch.randn(4, shape.hidden, device=DEVICE).to(DTYPE)
-        print(f"\n{model}: H {shape.hidden}, I {shape.inter}, top-{shape.top_k}, "
-              f"pool {shape.slots} slots, {SLOT_SETS} routings")  # fmt: skip
+        print(
+            f"\n{model}: H {shape.hidden}, I {shape.inter}, top-{shape.top_k}, "
+            f"pool {shape.slots} slots, {SLOT_SETS} routings"
+        )
         for fmt_name in formats:
             banks = make_banks(shape, fmt_name)
-            print(f"  {fmt_name:6s} expert {shape.expert_bytes(fmt_name) / 1e6:6.2f} MB; "
-                  f"launch {ge.launch_params(fmt_name)}")  # fmt: skip
+            print(
+                f"  {fmt_name:6s} expert {shape.expert_bytes(fmt_name) / 1e6:6.2f} MB; "
+                f"launch {ge.launch_params(fmt_name)}"
+            )
             print(f"         check: {check(shape, fmt_name, banks, x, gen)}")
             for tokens in (1, 4):
                 r = bench(shape, fmt_name, banks, tokens, x, gen, reference=args.reference)
@@ -367,9 +395,11 @@ def main() -> None:
                 extra = ""
                 if args.reference:
                     extra = f" | eager {r['eager_us']:7.1f} us | torch {r['ref_us']:8.1f} us"
-                print(f"         batch {tokens}: {r['distinct_experts']:.1f} experts, "
-                      f"{r['mb']:6.1f} MB, {r['graph_us']:6.1f} us, {r['graph_gbps']:5.0f} GB/s"
-                      f"{extra}")  # fmt: skip
+                print(
+                    f"         batch {tokens}: {r['distinct_experts']:.1f} experts, "
+                    f"{r['mb']:6.1f} MB, {r['graph_us']:6.1f} us, {r['graph_gbps']:5.0f} GB/s"
+                    f"{extra}"
+                )
             if args.profile:
                 for tokens in (1, 4):
                     print(f"    {fmt_name} batch {tokens} kernels (GPU us per call):")
@@ -381,20 +411,26 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     bf16 = {(r["model"], r["tokens"]): r["graph_us"] for r in rows if r["format"] == "dense"}
-    print("\nPer-layer decode kernel time (CUDA graph replay; x bf16: the format's time over "
-          f"bf16's at the same shape; target <= {TARGET}x)")  # fmt: skip
+    print(
+        "\nPer-layer decode kernel time (CUDA graph replay; x bf16: the format's time over "
+        f"bf16's at the same shape; target <= {TARGET}x)"
+    )
     print("| model | format | batch | experts | MB read | us/layer | GB/s | % of HBM | x bf16 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = r["graph_us"] / bf16[(r["model"], r["tokens"])]
         mark = "" if r["format"] == "dense" or ratio <= TARGET else " (over)"
         name = "bf16" if r["format"] == "dense" else r["format"]
-        print(f"| {r['model']} | {name} | {r['tokens']} | {r['distinct_experts']:.1f} | "
-              f"{r['mb']:.1f} | {r['graph_us']:.1f} | {r['graph_gbps']:.0f} | "
-              f"{100 * r['graph_gbps'] / ceiling:.0f} | {ratio:.2f}{mark} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {name} | {r['tokens']} | {r['distinct_experts']:.1f} | "
+            f"{r['mb']:.1f} | {r['graph_us']:.1f} | {r['graph_gbps']:.0f} | "
+            f"{100 * r['graph_gbps'] / ceiling:.0f} | {ratio:.2f}{mark} |"
+        )
     if best:
-        print("\nBest launch parameters per kernel (sum of batch 1 and 4; for the module's "
-              "constants, or QUANTIZED_LAUNCH[format]):")  # fmt: skip
+        print(
+            "\nBest launch parameters per kernel (sum of batch 1 and 4; for the module's "
+            "constants, or QUANTIZED_LAUNCH[format]):"
+        )
         for line in best:
             print(f"  {line}")
 

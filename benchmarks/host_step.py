@@ -30,8 +30,12 @@ PHASES = ("plan", "cpu_start", "fill", "policy")
 def expert_store(layers: int, experts: int, top_k: int, hidden: int, inter: int):
     """The expert pool of `decode_offload.py`'s model shape, resized as asked."""
     raw = qwen3_30b_a3b(layers)
-    raw.update(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
-               moe_intermediate_size=inter)  # fmt: skip
+    raw.update(
+        hidden_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+    )
     store = HostExpertStore.for_model(family_for(raw).parse_config(raw), torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for bank in (store.w_gate_up, store.w_down):

@@ -62,8 +62,13 @@ print(json.dumps(dict(wall=wall, cpu=cpu, share=done_beside / alone if alone els
 
 
 def run(beside: bool) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, "1" if beside else "0"],
-                          capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, "1" if beside else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -71,8 +76,13 @@ def run(beside: bool) -> dict:
 
 def slowest_modules(top: int) -> list[tuple[str, float, float]]:
     """(module, its own import s, with what it imported s), by its own time."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", IMPORTS],
-                          capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", IMPORTS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     rows = []
     for line in done.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|\s*(\S+)", line)
@@ -97,12 +107,19 @@ def main() -> int:
     ]
     for i in range(args.repeat):
         a, b = run(False), run(True)
-        lines.append(f"| {i} | {a['wall']:.2f} | {a['cpu']:.2f} | {b['wall']:.2f} | "
-                     f"{b['cpu']:.2f} | {b['share']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {i} | {a['wall']:.2f} | {a['cpu']:.2f} | {b['wall']:.2f} | "
+            f"{b['cpu']:.2f} | {b['share']:.2f} |"
+        )
         print(lines[-1], flush=True)
     total = sum(r[1] for r in slowest_modules(10**6))
-    lines += ["", f"Own import time of every module: {total:.2f} s; the slowest:", "",
-              "| module | own s | with its imports s |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"Own import time of every module: {total:.2f} s; the slowest:",
+        "",
+        "| module | own s | with its imports s |",
+        "|---|---|---|",
+    ]
     lines += [f"| {m} | {own:.3f} | {cum:.3f} |" for m, own, cum in slowest_modules(args.top)]
     report(lines, args.out)
     return 0

@@ -33,15 +33,39 @@ EXPERTS = 64
 ROUTES = 2
 # candidate tiles (BLOCK_N, BLOCK_K, warps), one projection's at a time, the other's at its default
 SWEEP = {
-    "GATE_UP": [(16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 128, 4), (32, 256, 8),
-                (8, 256, 2), (16, 128, 2), (64, 128, 8)],
-    "DOWN": [(16, 256, 4), (8, 256, 2), (8, 512, 4), (16, 512, 8), (4, 512, 4), (16, 128, 4),
-             (32, 256, 8), (8, 128, 2)],
-}  # fmt: skip
+    "GATE_UP": [
+        (16, 256, 4),
+        (8, 256, 4),
+        (16, 128, 4),
+        (32, 128, 4),
+        (32, 256, 8),
+        (8, 256, 2),
+        (16, 128, 2),
+        (64, 128, 8),
+    ],
+    "DOWN": [
+        (16, 256, 4),
+        (8, 256, 2),
+        (8, 512, 4),
+        (16, 512, 8),
+        (4, 512, 4),
+        (16, 128, 4),
+        (32, 256, 8),
+        (8, 128, 2),
+    ],
+}
 # the down kernel's split-K (DOWN_SPLIT_STEPS: BLOCK_K steps a split, 0 unsplit) at its default
 # tiles, and at 16 x 128 tiles (twice the steps, half the registers)
-SPLIT_SWEEP = [(0, None), (2, None), (3, None), (4, None), (6, None), (8, None),
-               (4, (16, 128, 4)), (8, (16, 128, 4))]  # fmt: skip
+SPLIT_SWEEP = [
+    (0, None),
+    (2, None),
+    (3, None),
+    (4, None),
+    (6, None),
+    (8, None),
+    (4, (16, 128, 4)),
+    (8, (16, 128, 4)),
+]
 
 
 def bank(fmt_name: str, n: int, k: int, gen: torch.Generator) -> QuantizedBank:
@@ -117,17 +141,25 @@ def main() -> None:
             remap = torch.full((EXPERTS,), -1, dtype=torch.long, device="cuda")
             remap[used] = torch.arange(len(used), device="cuda")
             ref = ge.reference_grouped_experts(
-                x, remap[s], weights, gu.dequantize(used, torch.bfloat16),
+                x,
+                remap[s],
+                weights,
+                gu.dequantize(used, torch.bfloat16),
                 dn.dequantize(used, torch.bfloat16),
-            )  # fmt: skip
+            )
             rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
             q_call = functools.partial(rotating_call, x, slot_sets, weights, gu, dn)
             d_call = functools.partial(rotating_call, x, slot_sets, weights, dense_gu, dense_dn)
 
-            base = {"model": model, "tokens": tokens, "routes": ROUTES, "rel_err": rel,
-                    "floor_gate_up_us": floor["gate_up"],
-                    "floor_down_us": floor["down"]}  # fmt: skip
+            base = {
+                "model": model,
+                "tokens": tokens,
+                "routes": ROUTES,
+                "rel_err": rel,
+                "floor_gate_up_us": floor["gate_up"],
+                "floor_down_us": floor["down"],
+            }
             results.append({**base, "what": "bf16", **kernel_times(d_call, args.calls)})
             gu_p, d_p = ge.launch_params(gu_name), ge.launch_params(d_name)
             configs = [None]
@@ -157,15 +189,16 @@ def main() -> None:
                 except Exception as e:  # (a tile the compiler refuses: named, not fatal)
                     t, ok = {"error": f"{type(e).__name__}: {str(e)[:200]}"}, float("nan")
                 label = "default" if cfg is None else json.dumps(cfg)
-                results.append({**base, "what": f"{gu_name}/{d_name} {label}", "rel_err": ok,
-                                **t})  # fmt: skip
+                results.append({**base, "what": f"{gu_name}/{d_name} {label}", "rel_err": ok, **t})
                 gu_p.clear(), gu_p.update(saved[0])
                 d_p.clear(), d_p.update(saved[1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"{'model':14} {'T':>2} {'what':44} {'gate_up':>8} {'down':>8} {'reduce':>8} "
-          f"{'floor gu':>8} {'floor dn':>8} {'rel_err':>8}")  # fmt: skip
+    print(
+        f"{'model':14} {'T':>2} {'what':44} {'gate_up':>8} {'down':>8} {'reduce':>8} "
+        f"{'floor gu':>8} {'floor dn':>8} {'rel_err':>8}"
+    )
     for r in results:
         reduce = r.get("_sum_routes_kernel", float("nan"))
         print(

@@ -119,10 +119,18 @@ def plain_read(path: Path) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def start_once(model: Path, strategy: str, cache: str, profile: Path | None = None,
-               early: bool = True, log: Path | None = None,
-               readers: int | None = None, preload: bool = True,
-               mapping: bool = True, lock: bool = True) -> dict:  # fmt: skip
+def start_once(
+    model: Path,
+    strategy: str,
+    cache: str,
+    profile: Path | None = None,
+    early: bool = True,
+    log: Path | None = None,
+    readers: int | None = None,
+    preload: bool = True,
+    mapping: bool = True,
+    lock: bool = True,
+) -> dict:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -138,8 +146,13 @@ def start_once(model: Path, strategy: str, cache: str, profile: Path | None = No
     if log is not None:
         env["LOAD_TIME_LOG"] = "1"
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-c", START, str(model), repr(t0), strategy, cache],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(model), repr(t0), strategy, cache],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if done.returncode:
         raise SystemExit(f"start from {model} failed:\n{done.stderr[-3000:]}")
     if log is not None:
@@ -162,9 +175,12 @@ def main() -> int:
         help="write the weight directory straight (no safetensors first: half the disk; "
         "the safetensors rows are left out)",
     )
-    ap.add_argument("--reuse", action="store_true",
-                    help="--direct: a weight directory already at WORK/weight-dir is started "
-                    "as it is (an earlier run's, same --layers)")  # fmt: skip
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="--direct: a weight directory already at WORK/weight-dir is started "
+        "as it is (an earlier run's, same --layers)",
+    )
     ap.add_argument("--formats", nargs="+", default=["safetensors", "weight directory"])
     ap.add_argument(
         "--prime",
@@ -180,25 +196,49 @@ def main() -> int:
         type=Path,
         help="directory for each start's engine log, its lines timed from the start",
     )
-    ap.add_argument("--early-readers", type=int, nargs="+", default=[None],
-                    help="early read: its reader threads beside the imports (default: its own "
-                    "choice), one start each")  # fmt: skip
+    ap.add_argument(
+        "--early-readers",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="early read: its reader threads beside the imports (default: its own "
+        "choice), one start each",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="starts of each setting")
     ap.add_argument("--page-cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
-    ap.add_argument("--preload", nargs="+", default=["on"], choices=["on", "off"],
-                    help="torch's native libraries and the CUDA context opened on a thread "
-                    "beside the tokenizer's load, before the imports (native_preload.py), "
-                    "as ft serve does, or not")  # fmt: skip
-    ap.add_argument("--map", nargs="+", default=["on"], choices=["on", "off"],
-                    help="early read: a warm experts.bin mapped read-only from the page cache "
-                    "(early_read.py), as ft serve does, or read")  # fmt: skip
-    ap.add_argument("--early-lock", nargs="+", default=["on"], choices=["on", "off"],
-                    help="early read with the preload: the pool page-locked through the driver "
-                    "beside the imports (early_start.py), as ft serve does, or by the loader "
-                    "after them")  # fmt: skip
-    ap.add_argument("--early-read", nargs="+", default=["on"], choices=["on", "off"],
-                    help="weight directory: its banks read from the start (as ft serve "
-                    "does), or by the loader")  # fmt: skip
+    ap.add_argument(
+        "--preload",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="torch's native libraries and the CUDA context opened on a thread "
+        "beside the tokenizer's load, before the imports (native_preload.py), "
+        "as ft serve does, or not",
+    )
+    ap.add_argument(
+        "--map",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="early read: a warm experts.bin mapped read-only from the page cache "
+        "(early_read.py), as ft serve does, or read",
+    )
+    ap.add_argument(
+        "--early-lock",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="early read with the preload: the pool page-locked through the driver "
+        "beside the imports (early_start.py), as ft serve does, or by the loader "
+        "after them",
+    )
+    ap.add_argument(
+        "--early-read",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="weight directory: its banks read from the start (as ft serve does), or by the loader",
+    )
     args = ap.parse_args()
     src, dst = args.work / "safetensors", args.work / "weight-dir"
     start = time.perf_counter()
@@ -230,10 +270,14 @@ def main() -> int:
         if label not in args.formats:
             continue
         earlies = args.early_read if label == "weight directory" else ["off"]
-        runs = [(e, r, p, m, k) for e in earlies for p in args.preload
-                for m in (args.map if e == "on" else ["off"])
-                for k in (args.early_lock if e == "on" and p == "on" else ["off"])
-                for r in (args.early_readers if e == "on" else [None])]  # fmt: skip
+        runs = [
+            (e, r, p, m, k)
+            for e in earlies
+            for p in args.preload
+            for m in (args.map if e == "on" else ["off"])
+            for k in (args.early_lock if e == "on" and p == "on" else ["off"])
+            for r in (args.early_readers if e == "on" else [None])
+        ]
         for rep, cache_state, (early, readers, preload, mapping, lock) in itertools.product(
             range(args.repeat), args.page_cache, runs
         ):  # (repetitions interleaved: a machine's drift spreads over every setting)
@@ -246,19 +290,42 @@ def main() -> int:
                 plain_read(path)
             if readers is not None:
                 early = f"{early} ({readers} readers)"
-            name = (f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
-                    f"-preload-{preload}-map-{mapping}-lock-{lock}"
-                    f"{f'-{rep}' if args.repeat > 1 else ''}"
-                    ".txt")  # fmt: skip
+            name = (
+                f"{label.replace(' ', '-')}-{cache_state}-{early.split()[0]}{readers or ''}"
+                f"-preload-{preload}-map-{mapping}-lock-{lock}"
+                f"{f'-{rep}' if args.repeat > 1 else ''}"
+                ".txt"
+            )
             profile = args.profile / name if args.profile else None
             log = args.logs / name if args.logs else None
-            t = start_once(path, args.strategy, args.cache, profile, early != "off", log, readers,
-                           preload == "on", mapping == "on", lock == "on")  # fmt: skip
+            t = start_once(
+                path,
+                args.strategy,
+                args.cache,
+                profile,
+                early != "off",
+                log,
+                readers,
+                preload == "on",
+                mapping == "on",
+                lock == "on",
+            )
             floor = seconds  # the same bytes at the plain read's bandwidth
-            rows.append(dict(format=label, page_cache=cache_state, early_read=early,
-                             preload=preload, mapped=mapping, early_lock=lock,
-                             gb=nbytes / 1e9, plain_read_gb_s=nbytes / seconds / 1e9,
-                             floor_s=floor, **t, ratio=t["first_token_s"] / floor))  # fmt: skip
+            rows.append(
+                dict(
+                    format=label,
+                    page_cache=cache_state,
+                    early_read=early,
+                    preload=preload,
+                    mapped=mapping,
+                    early_lock=lock,
+                    gb=nbytes / 1e9,
+                    plain_read_gb_s=nbytes / seconds / 1e9,
+                    floor_s=floor,
+                    **t,
+                    ratio=t["first_token_s"] / floor,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     lines = [
         f"# load_time: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, "

@@ -83,9 +83,12 @@ def main() -> None:
     base = memory.address(region)
     status, lock_s = register(base, nbytes, PORTABLE)
     copied_gbs, copied = h2d(base, nbytes) if status == 0 else (0.0, None)
-    print(f"copy: {nbytes / 2**30:.1f} GiB read on {args.threads} threads {read_s:.3f} s "
-          f"({nbytes / read_s / 1e9:.1f} GB/s), page-locked {lock_s:.3f} s (status {status}), "
-          f"H2D {copied_gbs:.1f} GB/s", flush=True)  # fmt: skip
+    print(
+        f"copy: {nbytes / 2**30:.1f} GiB read on {args.threads} threads {read_s:.3f} s "
+        f"({nbytes / read_s / 1e9:.1f} GB/s), page-locked {lock_s:.3f} s (status {status}), "
+        f"H2D {copied_gbs:.1f} GB/s",
+        flush=True,
+    )
 
     # 2. the file mapped shared and read-only, its pages mapped in on threads, then registered
     # (the early read's own mapping, memory.file_region; madvise through libc: Python's mmap
@@ -111,8 +114,10 @@ def main() -> None:
             break
     name, (status, reg_s) = next(reversed(results.items()))
     tried = ", ".join(f"{k}: status {s} in {t:.3f} s" for k, (s, t) in results.items())
-    line = (f"mapped: mmap {map_s:.4f} s, populated on {args.threads} threads {populate_s:.3f} s"
-            f" ({'; '.join(errors) or 'ok'}), registered {tried}")  # fmt: skip
+    line = (
+        f"mapped: mmap {map_s:.4f} s, populated on {args.threads} threads {populate_s:.3f} s"
+        f" ({'; '.join(errors) or 'ok'}), registered {tried}"
+    )
     if status == 0:
         gbs, arrived = h2d(mapped, nbytes)
         same = copied is None or torch.equal(arrived, copied)

@@ -103,8 +103,12 @@ def main() -> None:
     ap.add_argument("--target-tok-s", type=float, default=360.0)
     ap.add_argument("--pcie-gbs", type=float, default=50.0, help="fill bandwidth, GB/s")
     ap.add_argument("--cpu-gbs", type=float, default=50.0, help="CPU expert bandwidth, GB/s")
-    ap.add_argument("--trace", type=Path, help="routing trace .npz: read if it exists, else "
-                    "written (the routing takes minutes on a small CPU)")  # fmt: skip
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        help="routing trace .npz: read if it exists, else "
+        "written (the routing takes minutes on a small CPU)",
+    )
     args = ap.parse_args()
     if args.trace and args.trace.is_file():
         trace = load_trace(args.trace)
@@ -117,25 +121,36 @@ def main() -> None:
                 "top_k": trace.top_k,
                 "requests": [{"index": 0, "tokens": trace.num_tokens}],
             }
-            np.savez(args.trace, meta_json=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-                     experts_0000=trace.requests[0])  # fmt: skip
+            np.savez(
+                args.trace,
+                meta_json=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                experts_0000=trace.requests[0],
+            )
     report(args, trace)
 
 
 def route_held_out(args) -> Trace:
     """The held-out text's routing under routers fitted as the converter fits them (its text,
     tokens and seed)."""
-    _, fit_inputs = moe_from_dense.mlp_inputs(args.dense, moe_from_dense.default_text(),
-                                              moe_from_dense.FIT_TOKENS)  # fmt: skip
+    _, fit_inputs = moe_from_dense.mlp_inputs(
+        args.dense, moe_from_dense.default_text(), moe_from_dense.FIT_TOKENS
+    )
     routing = moe_from_dense.fit_routers(fit_inputs, args.experts, args.top_k)
     del fit_inputs
     model, tokenizer = moe_from_dense.reference_model(args.dense)
-    held_out = (Path(inspect.getsourcefile(json.decoder)).read_text()
-                + Path(inspect.getsourcefile(textwrap)).read_text())  # fmt: skip
+    held_out = (
+        Path(inspect.getsourcefile(json.decoder)).read_text()
+        + Path(inspect.getsourcefile(textwrap)).read_text()
+    )
     ids = tokenizer(held_out, add_special_tokens=False)["input_ids"][: args.tokens]
     inputs = moe_from_dense.layer_inputs(model, ids)
-    experts = np.stack([(x @ r.T).topk(args.top_k, dim=-1).indices.numpy()
-                        for x, r in zip(inputs, routing.routers, strict=True)], axis=1)  # fmt: skip
+    experts = np.stack(
+        [
+            (x @ r.T).topk(args.top_k, dim=-1).indices.numpy()
+            for x, r in zip(inputs, routing.routers, strict=True)
+        ],
+        axis=1,
+    )
     prefetch_coverage(inputs, routing)
     return Trace(len(inputs), args.experts, args.top_k, (experts.astype(np.int64),))
 
@@ -153,8 +168,10 @@ def prefetch_coverage(inputs, routing) -> None:
                 guess = (inputs[layer - ahead] @ routing.routers[layer].T).topk(n, -1).indices
                 hit += int((true[:, :, None] == guess[:, None, :]).any(-1).sum())
                 total += true.numel()
-            print(f"prefetch {ahead} layer(s) ahead, top-{n} of the guess: "
-                  f"{hit / total:.3f} of the routes")  # fmt: skip
+            print(
+                f"prefetch {ahead} layer(s) ahead, top-{n} of the guess: "
+                f"{hit / total:.3f} of the routes"
+            )
 
 
 def report(args, trace: Trace) -> None:
@@ -162,11 +179,13 @@ def report(args, trace: Trace) -> None:
     routes = trace.num_layers * trace.top_k
     budget_ms = 1e3 / args.target_tok_s
     rate = (args.pcie_gbs + args.cpu_gbs) * 1e9
-    print(f"{args.dense.name}: {trace.num_layers} layers x {trace.num_experts} experts, top-"
-          f"{trace.top_k}, {trace.num_tokens} held-out tokens; "
-          f"{per_expert / 1e6:.2f} MB an expert; "
-          f"misses at {rate / 1e9:.0f} GB/s (fill + CPU); fused step {args.fused_ms} ms; "
-          f"target {args.target_tok_s} tok/s = {budget_ms:.2f} ms")  # fmt: skip
+    print(
+        f"{args.dense.name}: {trace.num_layers} layers x {trace.num_experts} experts, top-"
+        f"{trace.top_k}, {trace.num_tokens} held-out tokens; "
+        f"{per_expert / 1e6:.2f} MB an expert; "
+        f"misses at {rate / 1e9:.0f} GB/s (fill + CPU); fused step {args.fused_ms} ms; "
+        f"target {args.target_tok_s} tok/s = {budget_ms:.2f} ms"
+    )
     print(
         "\n| cached | policy | hit rate | misses a token | miss ms a token (floor) | "
         "bound tok/s | misses a token the target allows at this fused step |"
@@ -179,14 +198,20 @@ def report(args, trace: Trace) -> None:
         results += [static_oracle(trace, slots), belady(trace, slots)]
         rows = [(r.policy, r.hit_rate) for r in results]
         fill = args.pcie_gbs / (args.pcie_gbs + args.cpu_gbs)
-        rows.append((f"hybrid split (fill {fill:.2f} of misses)",
-                     split_replay(trace, slots, args.policies.split(",")[0], fill)))  # fmt: skip
+        rows.append(
+            (
+                f"hybrid split (fill {fill:.2f} of misses)",
+                split_replay(trace, slots, args.policies.split(",")[0], fill),
+            )
+        )
         for policy, hit_rate in rows:
             misses = (1 - hit_rate) * routes
             miss_ms = misses * per_expert / rate * 1e3
-            print(f"| {frac:.0%} ({slots} slots) | {policy} | {hit_rate:.3f} | "
-                  f"{misses:.2f} of {routes} | {miss_ms:.2f} | "
-                  f"{1e3 / (args.fused_ms + miss_ms):.0f} | {allowed:.2f} |")  # fmt: skip
+            print(
+                f"| {frac:.0%} ({slots} slots) | {policy} | {hit_rate:.3f} | "
+                f"{misses:.2f} of {routes} | {miss_ms:.2f} | "
+                f"{1e3 / (args.fused_ms + miss_ms):.0f} | {allowed:.2f} |"
+            )
 
 
 if __name__ == "__main__":

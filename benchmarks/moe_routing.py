@@ -27,8 +27,11 @@ def routers(moe: Path) -> moe_from_dense.Routing:
     import gguf
 
     reader = gguf.GGUFReader(str(moe))
-    rows = sorted((int(t.name.split(".")[1]), torch.from_numpy(np.array(t.data)))
-                  for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight"))  # fmt: skip
+    rows = sorted(
+        (int(t.name.split(".")[1]), torch.from_numpy(np.array(t.data)))
+        for t in reader.tensors
+        if t.name.endswith("ffn_gate_inp.weight")
+    )
     top_k = int(reader.fields["qwen2moe.expert_used_count"].contents())
     return moe_from_dense.Routing([r for _, r in rows], top_k, 0)
 
@@ -48,20 +51,28 @@ def main() -> None:
         + Path(inspect.getsourcefile(textwrap)).read_text(),
     }
     experts = routing.routers[0].shape[0]
-    print(f"{args.dense.name} -> {moe.name}: {len(routing.routers)} layers, {experts} experts, "
-          f"top-{routing.top_k}\n")  # fmt: skip
-    print("| text | tokens | same top-k set as previous | same first choice | expert load "
-          "min / max (mean over layers) | mass outside top-k |")  # fmt: skip
+    print(
+        f"{args.dense.name} -> {moe.name}: {len(routing.routers)} layers, {experts} experts, "
+        f"top-{routing.top_k}\n"
+    )
+    print(
+        "| text | tokens | same top-k set as previous | same first choice | expert load "
+        "min / max (mean over layers) | mass outside top-k |"
+    )
     print("|---|---|---|---|---|---|")
     for name, text in texts.items():
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
         s = moe_from_dense.routing_stats(moe_from_dense.layer_inputs(model, ids), routing)
-        print(f"| {name} | {len(ids)} | {s['same_set_as_previous']:.3f} | "
-              f"{s['same_first_as_previous']:.3f} | {s['load_min']:.3f} / {s['load_max']:.3f} "
-              f"| {s['mass_outside_top_k']:.1e} |")  # fmt: skip
-    print(f"| uniform random routing | | {s['same_set_uniform']:.3f} | "
-          f"{s['same_first_uniform']:.3f} | {s['load_uniform']:.3f} / {s['load_uniform']:.3f} "
-          f"| |")  # fmt: skip
+        print(
+            f"| {name} | {len(ids)} | {s['same_set_as_previous']:.3f} | "
+            f"{s['same_first_as_previous']:.3f} | {s['load_min']:.3f} / {s['load_max']:.3f} "
+            f"| {s['mass_outside_top_k']:.1e} |"
+        )
+    print(
+        f"| uniform random routing | | {s['same_set_uniform']:.3f} | "
+        f"{s['same_first_uniform']:.3f} | {s['load_uniform']:.3f} / {s['load_uniform']:.3f} "
+        f"| |"
+    )
 
 
 if __name__ == "__main__":

@@ -54,25 +54,36 @@ def main() -> int:
             pa.DECODE_TARGET_PROGRAMS = target
             try:
                 run = functools.partial(
-                    pa.paged_decode_triton, q, cache.k[0], cache.v[0], built, 128**-0.5,
-                    block_n=block_n, num_warps=warps, num_stages=stages,
-                )  # fmt: skip
+                    pa.paged_decode_triton,
+                    q,
+                    cache.k[0],
+                    cache.v[0],
+                    built,
+                    128**-0.5,
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
                 out = run()
                 err = (out.float() - ref.float()).abs().max().item()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for _ in range(20):
                         run()
-                ms = triton.testing.do_bench(graph.replay, warmup=5, rep=30,
-                                             return_mode="median") / 20  # fmt: skip
+                ms = (
+                    triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
+                    / 20
+                )
             except Exception as e:  # a configuration the compiler refuses (shared memory)
                 print(f"  block {block_n} warps {warps} stages {stages}: {type(e).__name__}")
                 continue
             rows.append((ms, block_n, warps, stages, target, err))
         rows.sort()
         for ms, block_n, warps, stages, target, err in rows[:8]:
-            print(f"  {ms * 1e3:7.1f} us {nbytes / ms / 1e6:7.0f} GB/s  block {block_n} warps "
-                  f"{warps} stages {stages} programs {target}  max diff {err:.1e}")  # fmt: skip
+            print(
+                f"  {ms * 1e3:7.1f} us {nbytes / ms / 1e6:7.0f} GB/s  block {block_n} warps "
+                f"{warps} stages {stages} programs {target}  max diff {err:.1e}"
+            )
         default = [r for r in rows if r[1:5] == (64, 4, 3, 256)] or [
             r for r in rows if r[1] == 64 and r[4] == 256
         ]

@@ -152,8 +152,10 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     floor = min(plain_read(args.file) for _ in range(2))
-    lines.append(f"| plain read, reused 16 MiB buffer | 1 | | | {floor:.2f} | | {floor:.2f} | "
-                 f"{size / floor / 1e9:.1f} | 1.00 |")  # fmt: skip
+    lines.append(
+        f"| plain read, reused 16 MiB buffer | 1 | | | {floor:.2f} | | {floor:.2f} | "
+        f"{size / floor / 1e9:.1f} | 1.00 |"
+    )
     print("\n".join(lines), flush=True)
     ways = {"torch.empty (4 KiB pages)": way_torch_empty, "mmap MADV_HUGEPAGE": way_hugepage}
     runs = [
@@ -166,16 +168,20 @@ def main() -> None:
     for name, way, threads, pieces in runs:
         alloc, read, pinned = way(args.file, size, threads, pieces)
         total = alloc + read + pinned
-        line = (f"| {name} | {threads} | {pieces} | {alloc:.2f} | {read:.2f} | {pinned:.2f} | "
-                f"{total:.2f} | {size / total / 1e9:.1f} | {total / floor:.2f} |")  # fmt: skip
+        line = (
+            f"| {name} | {threads} | {pieces} | {alloc:.2f} | {read:.2f} | {pinned:.2f} | "
+            f"{total:.2f} | {size / total / 1e9:.1f} | {total / floor:.2f} |"
+        )
         lines.append(line)
         print(line, flush=True)
     if torch.cuda.is_available():
         for threads in args.threads:
             alloc, read, _ = way_host_alloc(args.file, size, threads, 1)
-            line = (f"| cudaHostAlloc | {threads} | | {alloc:.2f} | {read:.2f} | | "
-                    f"{alloc + read:.2f} | {size / (alloc + read) / 1e9:.1f} | "
-                    f"{(alloc + read) / floor:.2f} |")  # fmt: skip
+            line = (
+                f"| cudaHostAlloc | {threads} | | {alloc:.2f} | {read:.2f} | | "
+                f"{alloc + read:.2f} | {size / (alloc + read) / 1e9:.1f} | "
+                f"{(alloc + read) / floor:.2f} |"
+            )
             lines.append(line)
             print(line, flush=True)
             torch.cuda.empty_cache()

@@ -28,8 +28,11 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         seconds = timed_generate(engine, ids, args.steps)
     print(f"{args.steps} tokens in {seconds * 1e3:.1f} ms (prefill included)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
-                                    max_name_column_width=60))  # fmt: skip
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
+        )
+    )
 
 
 if __name__ == "__main__":

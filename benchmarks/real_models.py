@@ -87,10 +87,31 @@ def freetoken_speed(engine, prompt_tokens: int, decode_tokens: int, rounds: int)
     return {"decode_tok_s": max(decode), "prefill_tok_s": max(prefill)}
 
 
-def llama_bench(binary: str, path: Path, device: str, threads: int, prompt_tokens: int,
-                decode_tokens: int, rounds: int, ncmoe: int | None) -> dict:  # fmt: skip
-    cmd = [binary, "-m", str(path), "-p", str(prompt_tokens), "-n", str(decode_tokens),
-           "-r", str(rounds), "-t", str(threads), "-o", "json"]  # fmt: skip
+def llama_bench(
+    binary: str,
+    path: Path,
+    device: str,
+    threads: int,
+    prompt_tokens: int,
+    decode_tokens: int,
+    rounds: int,
+    ncmoe: int | None,
+) -> dict:
+    cmd = [
+        binary,
+        "-m",
+        str(path),
+        "-p",
+        str(prompt_tokens),
+        "-n",
+        str(decode_tokens),
+        "-r",
+        str(rounds),
+        "-t",
+        str(threads),
+        "-o",
+        "json",
+    ]
     if device == "cuda":
         cmd += ["-ngl", "99"]
         if ncmoe:
@@ -148,25 +169,44 @@ def main() -> None:
             del engine
             theirs = {}
             if args.llama_bench:
-                theirs = llama_bench(args.llama_bench, path, args.device, args.threads,
-                                     args.prompt_tokens, args.decode_tokens, args.rounds,
-                                     ncmoe)  # fmt: skip
-            row = {"file": path.name, "placement": label, "strategy": strategy, "cache": cache,
-                   "ncmoe": ncmoe, "freetoken": ours, "llama.cpp": theirs}  # fmt: skip
+                theirs = llama_bench(
+                    args.llama_bench,
+                    path,
+                    args.device,
+                    args.threads,
+                    args.prompt_tokens,
+                    args.decode_tokens,
+                    args.rounds,
+                    ncmoe,
+                )
+            row = {
+                "file": path.name,
+                "placement": label,
+                "strategy": strategy,
+                "cache": cache,
+                "ncmoe": ncmoe,
+                "freetoken": ours,
+                "llama.cpp": theirs,
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = ["| file | experts | freetoken decode | llama.cpp decode | ratio | freetoken prefill "
-             "| llama.cpp prefill | ratio |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| file | experts | freetoken decode | llama.cpp decode | ratio | freetoken prefill "
+        "| llama.cpp prefill | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         a, b = r["freetoken"], r["llama.cpp"]
 
         def ratio(key, a=a, b=b):
             return f"{a[key] / b[key]:.2f}x" if b.get(key) else "-"
 
-        lines.append(f"| {r['file']} | {r['placement']} | {a['decode_tok_s']:.1f} | "
-                     f"{b.get('decode_tok_s', 0):.1f} | {ratio('decode_tok_s')} | "
-                     f"{a['prefill_tok_s']:.0f} | {b.get('prefill_tok_s', 0):.0f} | "
-                     f"{ratio('prefill_tok_s')} |")  # fmt: skip
+        lines.append(
+            f"| {r['file']} | {r['placement']} | {a['decode_tok_s']:.1f} | "
+            f"{b.get('decode_tok_s', 0):.1f} | {ratio('decode_tok_s')} | "
+            f"{a['prefill_tok_s']:.0f} | {b.get('prefill_tok_s', 0):.0f} | "
+            f"{ratio('prefill_tok_s')} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -33,21 +33,35 @@ from server_process import free_port, stop
 from freetoken.weights.weight_dir import is_weight_dir
 
 
-def serve_once(model: Path, strategy: str, cache: str, env: dict, log: Path | None,
-               timeout: float = 300.0) -> dict:  # fmt: skip
+def serve_once(
+    model: Path, strategy: str, cache: str, env: dict, log: Path | None, timeout: float = 300.0
+) -> dict:
     """Seconds from launching `ft serve` to its port taking connections and to its first
     answer, and the answer's text. With a `log`, the server's debug log goes there, each line
     timed from its start (`ft -v`)."""
     port = free_port()
     verbose = ["-v"] if log else []
-    cmd = [sys.executable, "-m", "freetoken.cli.main", *verbose, "serve", "--model", str(model),
-           "--port", str(port), "--moe-strategy", strategy,
-           "--kv-cache-tokens", "4096"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "freetoken.cli.main",
+        *verbose,
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--moe-strategy",
+        strategy,
+        "--kv-cache-tokens",
+        "4096",
+    ]
     if cache != "none":
         cmd += ["--moe-cache-size", cache]
     # ("!": one token of a low id, inside --tiny's 1000-token vocabulary too)
-    body = json.dumps({"model": model.name, "prompt": "!", "max_tokens": 1,
-                       "temperature": 0}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": model.name, "prompt": "!", "max_tokens": 1, "temperature": 0}
+    ).encode()
     err = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
@@ -55,16 +69,20 @@ def serve_once(model: Path, strategy: str, cache: str, env: dict, log: Path | No
     try:
         while time.time() - t0 < timeout:
             if proc.poll() is not None:
-                raise SystemExit(f"ft serve exited with {proc.returncode}" +
-                                 (f"; its log: {log}" if log else ""))  # fmt: skip
+                raise SystemExit(
+                    f"ft serve exited with {proc.returncode}" + (f"; its log: {log}" if log else "")
+                )
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     listening = listening or time.time() - t0
             except OSError:
                 time.sleep(0.005)
                 continue
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})  # fmt: skip
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                body,
+                {"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=timeout) as answer:
                 text = json.loads(answer.read())["choices"][0]["text"]
             return dict(listening_s=listening, answered_s=time.time() - t0, text=text)
@@ -81,14 +99,19 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/load-time"))
     ap.add_argument("--tokenizer", type=Path, help="Qwen3 tokenizer files to copy")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
-    ap.add_argument("--format", choices=["weight-dir", "safetensors"], default="weight-dir",
-                    help="what `ft serve --model` reads (written once under WORK)")  # fmt: skip
+    ap.add_argument(
+        "--format",
+        choices=["weight-dir", "safetensors"],
+        default="weight-dir",
+        help="what `ft serve --model` reads (written once under WORK)",
+    )
     ap.add_argument("--strategy", default="hybrid")
     ap.add_argument("--cache", default="8GiB", help="expert cache, or none")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--page-cache", nargs="+", default=["warm"], choices=["cold", "warm"])
-    ap.add_argument("--logs", type=Path,
-                    help="directory for each start's debug log (ft -v: a timeline)")  # fmt: skip
+    ap.add_argument(
+        "--logs", type=Path, help="directory for each start's debug log (ft -v: a timeline)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
@@ -117,8 +140,15 @@ def main() -> int:
                 plain_read(model)
             log = args.logs / f"{args.format}-{state}-{rep}.txt" if args.logs else None
             t = serve_once(model, args.strategy, args.cache, env, log)
-            rows.append(dict(page_cache=state, gb=nbytes / 1e9, floor_s=floor, **t,
-                             ratio=t["answered_s"] / floor))  # fmt: skip
+            rows.append(
+                dict(
+                    page_cache=state,
+                    gb=nbytes / 1e9,
+                    floor_s=floor,
+                    **t,
+                    ratio=t["answered_s"] / floor,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     lines = [
         f"# serve_start: `ft serve` to its first answer from a {args.format}; Qwen3-30B-A3B "
@@ -130,9 +160,11 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['page_cache']} | {r['gb']:.1f} | {r['floor_s']:.2f} | "
-                     f"{r['listening_s']:.2f} | {r['answered_s']:.2f} | {r['ratio']:.2f} | "
-                     f"{r['text']!r} |")  # fmt: skip
+        lines.append(
+            f"| {r['page_cache']} | {r['gb']:.1f} | {r['floor_s']:.2f} | "
+            f"{r['listening_s']:.2f} | {r['answered_s']:.2f} | {r['ratio']:.2f} | "
+            f"{r['text']!r} |"
+        )
     report(lines, args.out)
     return 0
 

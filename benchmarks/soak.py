@@ -34,8 +34,20 @@ import httpx
 from server_process import free_port, stop
 
 APIS = ("chat", "messages", "responses")
-WORDS = ["alpha", "beta", "gamma", "delta", "tests", "file", "path", "error", "value", "import",
-         "class", "return"]  # fmt: skip
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "tests",
+    "file",
+    "path",
+    "error",
+    "value",
+    "import",
+    "class",
+    "return",
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -58,19 +70,34 @@ def conversation(rng: random.Random) -> list[dict]:
 
 def request(api: str, model: str, messages: list[dict], tokens: int, stream: bool):
     if api == "chat":
-        return "/v1/chat/completions", {"model": model, "messages": messages,
-                                        "max_tokens": tokens, "stream": stream}  # fmt: skip
+        return "/v1/chat/completions", {
+            "model": model,
+            "messages": messages,
+            "max_tokens": tokens,
+            "stream": stream,
+        }
     if api == "messages":
-        return "/v1/messages", {"model": model, "system": messages[0]["content"],
-                                "messages": messages[1:], "max_tokens": tokens,
-                                "stream": stream}  # fmt: skip
-    return "/v1/responses", {"model": model, "instructions": messages[0]["content"],
-                             "input": messages[1:], "max_output_tokens": tokens,
-                             "stream": stream}  # fmt: skip
+        return "/v1/messages", {
+            "model": model,
+            "system": messages[0]["content"],
+            "messages": messages[1:],
+            "max_tokens": tokens,
+            "stream": stream,
+        }
+    return "/v1/responses", {
+        "model": model,
+        "instructions": messages[0]["content"],
+        "input": messages[1:],
+        "max_output_tokens": tokens,
+        "stream": stream,
+    }
 
 
-TERMINAL = {"chat": ("data: [DONE]",), "messages": ("event: message_stop",),
-            "responses": ("event: response.completed", "event: response.incomplete")}  # fmt: skip
+TERMINAL = {
+    "chat": ("data: [DONE]",),
+    "messages": ("event: message_stop",),
+    "responses": ("event: response.completed", "event: response.incomplete"),
+}
 STREAM_ERRORS = ("event: error", "event: response.failed")  # and OpenAI's {"error": ...} chunk
 
 
@@ -147,10 +174,24 @@ def main() -> int:
     args = p.parse_args()
 
     port, model = free_port(), "soak"
-    command = [sys.executable, "-m", "freetoken.cli.main", "serve", "--port", str(port),
-               "--device", args.device, "--dtype", args.dtype, "--served-model-name", model,
-               "--kv-cache-tokens", str(args.kv_cache_tokens),
-               "--max-queued-requests", str(4 * args.clients)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "freetoken.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--served-model-name",
+        model,
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--max-queued-requests",
+        str(4 * args.clients),
+    ]
     if args.model:
         command[4:4] = ["--model", args.model]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -202,8 +243,9 @@ def main() -> int:
     leftover_pages = stats["kv_pages"]["used"]
     counts = tally.counts
     answered = sum(v for k, v in counts.items() if k != "errors")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     mib = 2**20
     mib = 2**20
     lines = [

@@ -26,9 +26,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    engine = LLMEngine.from_config(EngineConfig(
-        model=args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=8192,
-        max_model_len=8192, speculative="off"))  # fmt: skip
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            dtype=args.dtype,
+            kv_cache_tokens=8192,
+            max_model_len=8192,
+            speculative="off",
+        )
+    )
     tok = engine.tokenizer
     ask = (
         "Here is a file:\n```python\n" + FILE.read_text()[:3000] + "\n```\nRewrite it exactly, "
@@ -50,10 +57,12 @@ def main() -> None:
                 if engine.verified
                 else "-"
             )
-            print(f"{mode:5s} {len(out.output_ids)} tokens in {seconds:.2f} s "
-                  f"({len(out.output_ids) / seconds:.1f} tok/s, prefill of {len(ids)} included), "
-                  f"drafted {engine.drafted}, accepted {engine.accepted}, verify steps "
-                  f"{engine.verified} ({per_step})")  # fmt: skip
+            print(
+                f"{mode:5s} {len(out.output_ids)} tokens in {seconds:.2f} s "
+                f"({len(out.output_ids) / seconds:.1f} tok/s, prefill of {len(ids)} included), "
+                f"drafted {engine.drafted}, accepted {engine.accepted}, verify steps "
+                f"{engine.verified} ({per_step})"
+            )
     same = all(o == outputs["off"][0] for runs in outputs.values() for o in runs)
     print("same tokens with and without drafts:", same)
 

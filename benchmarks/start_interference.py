@@ -78,8 +78,13 @@ print(json.dumps(dict(condition=condition, tokenizer_s=tok_wall, tokenizer_cpu_s
 
 def run(model: Path, condition: str, env: dict) -> dict:
     env = {**env, **VARIANTS.get(condition, {})}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(model), condition], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), condition],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"{condition}: exit {out.returncode}\n{out.stderr[-2000:]}")

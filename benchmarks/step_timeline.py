@@ -85,8 +85,9 @@ def timeline(prof) -> dict:
     of the profile are not compared (they are not one clock)."""
     events = prof.events()
     steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
-    kernels = [e for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP]  # fmt: skip
+    kernels = [
+        e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP
+    ]
     kernels.sort(key=lambda k: k.time_range.start)
     by_kind: dict[str, float] = defaultdict(float)
     rows = []
@@ -102,8 +103,14 @@ def timeline(prof) -> dict:
             busy += e - s
             last_end = max(last_end, e)
             by_kind[kernel_name(k.name)] += e - s
-        rows.append(dict(step_us=step.time_range.end - start, busy_us=busy, kernels=len(mine),
-                         biggest_gaps_us=sorted(gaps, reverse=True)[:3]))  # fmt: skip
+        rows.append(
+            dict(
+                step_us=step.time_range.end - start,
+                busy_us=busy,
+                kernels=len(mine),
+                biggest_gaps_us=sorted(gaps, reverse=True)[:3],
+            )
+        )
     n = max(1, len(rows))
     mean = {k: sum(r[k] for r in rows) / n for k in ("step_us", "busy_us", "kernels")}
     ranked = sorted(by_kind.items(), key=lambda kv: -kv[1])
@@ -175,8 +182,14 @@ def main() -> int:
         lines += [f"- {k}: {v:.1f}" for k, v in list(t["kinds_us_per_step"].items())[:14]]
         lines.append(f"- largest idle gaps in the last step: {t['biggest_gaps_us']}")
         if args.python_profile:
-            lines += ["", f"Python profile of the {args.steps} synced steps (by own time):", "",
-                      "```", python.strip(), "```"]  # fmt: skip
+            lines += [
+                "",
+                f"Python profile of the {args.steps} synced steps (by own time):",
+                "",
+                "```",
+                python.strip(),
+                "```",
+            ]
     report(lines, args.out)
     return 0
 

@@ -47,8 +47,9 @@ def install() -> None:
             return True
 
         def launcher_cls(self, src, metadata):
-            COMPILED.append(dict(name=metadata.name, warps=metadata.num_warps,
-                                 shared=metadata.shared))  # fmt: skip
+            COMPILED.append(
+                dict(name=metadata.name, warps=metadata.num_warps, shared=metadata.shared)
+            )
             return lambda *args: None
 
         def get_current_target(self):
@@ -90,7 +91,12 @@ def run_compiled(module: str, function: str, *args, timeout: float = 900):
         f"compiled.install(); import {module} as m; print(json.dumps({call}))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, str(TESTS)], env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(TESTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

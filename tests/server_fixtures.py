@@ -56,8 +56,14 @@ def running_server(
 def demo_engine(**changes) -> LLMEngine:
     """The demo model on the CPU in fp32, with the hybrid strategy and a small CPU-tier expert
     cache so the MoE telemetry sees misses; `changes`: other EngineConfig fields."""
-    fields = dict(model=demo_checkpoint(), device="cpu", dtype="float32", kv_cache_tokens=2048,
-                  max_batch_size=8, moe=MoEOptions("hybrid", "40"))  # fmt: skip
+    fields = dict(
+        model=demo_checkpoint(),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        max_batch_size=8,
+        moe=MoEOptions("hybrid", "40"),
+    )
     config = EngineConfig(**{**fields, **changes})
     return LLMEngine.from_config(config)
 
@@ -112,8 +118,9 @@ def demo_with_template(dst, template: str, special: tuple[str, ...] = ()):
 
 def cpu_engine(model) -> LLMEngine:
     """An fp32 engine on the CPU with every expert resident, for scripted API tests."""
-    config = EngineConfig(model=model, device="cpu", dtype="float32", kv_cache_tokens=2048,
-                          moe=MoEOptions("fused"))  # fmt: skip
+    config = EngineConfig(
+        model=model, device="cpu", dtype="float32", kv_cache_tokens=2048, moe=MoEOptions("fused")
+    )
     return LLMEngine.from_config(config)
 
 
@@ -136,8 +143,9 @@ WEATHER_THOUGHT = "The user wants the weather."
 WEATHER_ANSWER = "It is sunny in Paris."
 
 
-def tool_use_round_trip(engine, base: str, monkeypatch, tool: dict, call: str, args: dict,
-                        answer: str, **first) -> list[str]:  # fmt: skip
+def tool_use_round_trip(
+    engine, base: str, monkeypatch, tool: dict, call: str, args: dict, answer: str, **first
+) -> list[str]:
     """A chat format's whole tool-use path through the official `openai` SDK: the scripted
     `call` text (reasoning WEATHER_THOUGHT, then a call of `tool` with `args`) comes back as
     reasoning and a tool call, whole (`first`: that request's extra arguments) and streamed (no
@@ -151,8 +159,9 @@ def tool_use_round_trip(engine, base: str, monkeypatch, tool: dict, call: str, a
     prompts = record_prompts(engine, monkeypatch)
     monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(call)))
     messages = [{"role": "user", "content": WEATHER_ASK}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
-                                           max_tokens=100, **first)  # fmt: skip
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[tool], max_tokens=100, **first
+    )
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert not choice.message.content
@@ -163,8 +172,9 @@ def tool_use_round_trip(engine, base: str, monkeypatch, tool: dict, call: str, a
 
     # streamed: the reasoning, then the call's name and arguments in pieces
     names, pieces, reasoning = [], [], []
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
-                                                max_tokens=100, stream=True):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[tool], max_tokens=100, stream=True
+    ):
         for c in chunk.choices:
             reasoning.append((c.delta.model_extra or {}).get("reasoning_content") or "")
             for d in c.delta.tool_calls or []:
@@ -179,8 +189,9 @@ def tool_use_round_trip(engine, base: str, monkeypatch, tool: dict, call: str, a
         choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": tool_call.id, "content": '{"sky": "sunny"}'},
     ]
-    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
-                                            max_tokens=100)  # fmt: skip
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[tool], max_tokens=100
+    )
     assert '{"sky": "sunny"}' in prompts[-1]
     assert second.choices[0].message.content == WEATHER_ANSWER
     assert second.choices[0].finish_reason == "stop"
@@ -195,10 +206,12 @@ def forced_tool_call(engine, base: str, monkeypatch, tool: dict, rest: str, ques
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     monkeypatch.setattr(engine, "_sample", scripted(engine, engine.tokenizer.encode(rest)))
     forced = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], tools=[tool],
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        tools=[tool],
         tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
         max_tokens=50,
-    )  # fmt: skip
+    )
     [tool_call] = forced.choices[0].message.tool_calls
     assert tool_call.function.name == tool["function"]["name"]
     return tool_call

@@ -106,8 +106,9 @@ def rendered_prompt(server, name: str) -> str:
         tools, names = responses_api.template_tools(parsed)
         ids = core.render(responses_api.template_messages(parsed, names), tools=tools)
     else:
-        ids = core.render(openai_api.chat_messages(parsed.messages),
-                          tools=openai_api.chat_tools(parsed))  # fmt: skip
+        ids = core.render(
+            openai_api.chat_messages(parsed.messages), tools=openai_api.chat_tools(parsed)
+        )
     return core.tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -285,8 +286,11 @@ def test_custom_tools_take_one_string_and_answer_as_custom_calls(server, reply):
         "tools": [{"type": "custom", "name": "apply_patch", "description": "Apply a patch"}],
     }
     patch = "*** Begin Patch\n*** End Patch"
-    reply("<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": patch}})
-          + "\n</tool_call>")  # fmt: skip
+    reply(
+        "<tool_call>\n"
+        + json.dumps({"name": "apply_patch", "arguments": {"input": patch}})
+        + "\n</tool_call>"
+    )
     with httpx.stream("POST", server[0] + "/v1/responses", json=body, timeout=60) as r:
         events = sse_events(r)
     [item] = [d["item"] for e, d in events if e == "response.output_item.done"]
@@ -312,10 +316,14 @@ def test_reasoning_items_go_back_into_the_turn_they_led_to(server):
 
     items = [
         {"role": "user", "content": "q"},
-        {"type": "reasoning", "id": "rs_1", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "let me think"}]},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "let me think"}],
+        },
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-    ]  # fmt: skip
+    ]
     body = ResponsesRequest(model=MODEL, input=items)
     messages = responses_api.template_messages(body, {})
     assert messages[-1]["reasoning_content"] == "let me think"
@@ -328,8 +336,9 @@ def test_responses_streams_send_keepalive_events_the_sdk_skips(server, reply, mo
     monkeypatch.setattr(responses_api, "KEEPALIVE_INTERVAL", 0.001)
     events = post_stream(server, "codex_turn")
     keepalives = [d for e, d in events if e == "keepalive"]
-    assert keepalives and all(d == {"type": "keepalive", "sequence_number": d["sequence_number"]}
-                              for d in keepalives)  # fmt: skip
+    assert keepalives and all(
+        d == {"type": "keepalive", "sequence_number": d["sequence_number"]} for d in keepalives
+    )
     numbers = [d["sequence_number"] for _, d in events]
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
     client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
@@ -439,8 +448,12 @@ def test_a_client_leaving_mid_stream_is_cancelled_without_errors(server, reply, 
 
     reply(None)
     monkeypatch.setattr(anthropic_api, "PING_INTERVAL", 0.001)  # a keep-alive step pending
-    body = {"model": MODEL, "max_tokens": 2000, "stream": True,
-            "messages": [{"role": "user", "content": "go on"}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 2000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "go on"}],
+    }
     with httpx.stream("POST", server[0] + "/v1/messages", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if "content_block_delta" in line:

@@ -97,10 +97,14 @@ def hybrid_model(request, tmp_path_factory):
 def hybrid_engine(path, anchors: int) -> LLMEngine:
     return LLMEngine.from_config(
         EngineConfig(
-            model=path, device="cpu", dtype="float32", kv_cache_tokens=16384, page_size=1,
+            model=path,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=16384,
+            page_size=1,
             state_anchors=anchors,
         )
-    )  # fmt: skip
+    )
 
 
 def anchor_positions(tokens: list[int], boundaries: dict[int, int]) -> set[int]:

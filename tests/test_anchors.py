@@ -47,9 +47,12 @@ def test_resuming_from_an_anchor_is_recomputing(chat_model):
     each anchor: its logits over the rest of the prompt and 5 decode steps equal those of the
     uninterrupted sequence."""
     runner = ModelRunner(
-        load_model(chat_model, dtype="float32"), kv_cache_tokens=512, page_size=8,
-        max_sequences=2, state_anchors=6,
-    )  # fmt: skip
+        load_model(chat_model, dtype="float32"),
+        kv_cache_tokens=512,
+        page_size=8,
+        max_sequences=2,
+        state_anchors=6,
+    )
     cache = RadixCache(8)
     runner.kv.reclaim = cache.evict
     store = AnchorStore(runner.states, runner.anchor_slots, boundaries={})
@@ -187,9 +190,12 @@ def test_multi_turn_resume_equals_recompute(chat_model):
     resumed_at, fresh_logits = [], []
     for turn in range(4):
         messages.append(
-            {"role": "assistant", "content": f"<think>turn {turn}</think>Looking.",
-             "tool_calls": [{"type": "function", "function": call}]}
-        )  # fmt: skip
+            {
+                "role": "assistant",
+                "content": f"<think>turn {turn}</think>Looking.",
+                "tool_calls": [{"type": "function", "function": call}],
+            }
+        )
         messages.append({"role": "tool", "content": f"a.py b.py {turn}"})
         prompt = tok.encode(tok.render_chat(messages))
         fresh = engine(chat_model, page_size=16)

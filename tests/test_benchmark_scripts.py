@@ -29,10 +29,32 @@ def run(script: str, *args: str, tmp_path: Path) -> str:
 
 def test_decode_offload_table(tmp_path):
     out = tmp_path / "decode.md"
-    run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
-        "--cache", "all", "--cache", "40", "--strategy", "offload", "--strategy", "hybrid",
-        "--cpu-threads", "1", "--cpu-threads", "2", "--out", str(out),
-        tmp_path=tmp_path)  # fmt: skip
+    run(
+        "decode_offload.py",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--batch",
+        "1",
+        "--cache",
+        "all",
+        "--cache",
+        "40",
+        "--strategy",
+        "offload",
+        "--strategy",
+        "hybrid",
+        "--cpu-threads",
+        "1",
+        "--cpu-threads",
+        "2",
+        "--out",
+        str(out),
+        tmp_path=tmp_path,
+    )
     table = out.read_text()
     for strategy in ("fused", "offload", "hybrid"):
         for team in ("t1", "t2"):  # each strategy with each CPU team size
@@ -40,22 +62,52 @@ def test_decode_offload_table(tmp_path):
     header = next(line for line in table.splitlines() if line.startswith("| cache | strategy"))
     column = [c.strip() for c in header.split("|")].index("host ms")
     width = header.count("|")  # (the phase table below has fewer columns)
-    rows = [line.split("|") for line in table.splitlines()
-            if "/t1 | 1 |" in line and line.count("|") == width]  # fmt: skip
+    rows = [
+        line.split("|")
+        for line in table.splitlines()
+        if "/t1 | 1 |" in line and line.count("|") == width
+    ]
     assert rows and all(float(row[column]) > 0 for row in rows)  # the host's time per step
 
 
 def test_host_step_table(tmp_path):
     out = tmp_path / "host.md"
     result = subprocess.run(
-        [sys.executable, "host_step.py", "--layers", "2", "--experts", "8", "--top-k", "2",
-         "--hidden", "64", "--steps", "3", "--warmup", "1", "--strategy", "hybrid",
-         "--strategy", "static", "--batch", "1", "--out", str(out)],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "host_step.py",
+            "--layers",
+            "2",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden",
+            "64",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--strategy",
+            "hybrid",
+            "--strategy",
+            "static",
+            "--batch",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {r.split("|")[1].strip(): r.split("|")[3:-1] for r in out.read_text().splitlines()
-            if r.startswith(("| hybrid", "| static"))}  # fmt: skip
+    rows = {
+        r.split("|")[1].strip(): r.split("|")[3:-1]
+        for r in out.read_text().splitlines()
+        if r.startswith(("| hybrid", "| static"))
+    }
     assert set(rows) == {"hybrid", "static"}
     hybrid, static = ([float(c) for c in rows[name]] for name in ("hybrid", "static"))
     plan, policy, step, hit_rate = hybrid[0], hybrid[3], hybrid[4], hybrid[5]
@@ -66,8 +118,22 @@ def test_host_step_table(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "kimi_linear"])
 def test_agent_replay_reuses_earlier_turns(tmp_path, family):
     out = tmp_path / "replay.md"
-    run("agent_replay.py", "--family", family, "--layers", "4", "--turns", "3",
-        "--tool-tokens", "60", "--cache", "40", "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    run(
+        "agent_replay.py",
+        "--family",
+        family,
+        "--layers",
+        "4",
+        "--turns",
+        "3",
+        "--tool-tokens",
+        "60",
+        "--cache",
+        "40",
+        "--out",
+        str(out),
+        tmp_path=tmp_path,
+    )
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[-3:]]
     reused_with_cache = [int(row[3]) for row in rows]
     reused_without = [int(row[-1]) for row in rows]
@@ -77,13 +143,33 @@ def test_agent_replay_reuses_earlier_turns(tmp_path, family):
 def test_soak_counts_answers_and_memory(tmp_path):
     out = tmp_path / "soak.md"
     result = subprocess.run(
-        [sys.executable, "soak.py", "--minutes", "0.25", "--clients", "3", "--warmup-s", "2",
-         "--sample-s", "1", "--kv-cache-tokens", "4096", "--out", str(out)],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "soak.py",
+            "--minutes",
+            "0.25",
+            "--clients",
+            "3",
+            "--warmup-s",
+            "2",
+            "--sample-s",
+            "1",
+            "--kv-cache-tokens",
+            "4096",
+            "--out",
+            str(out),
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    row = next(r for r in out.read_text().splitlines() if r.startswith("| ") and "---" not in r
-               and not r.startswith("| requests"))  # fmt: skip
+    row = next(
+        r
+        for r in out.read_text().splitlines()
+        if r.startswith("| ") and "---" not in r and not r.startswith("| requests")
+    )
     cells = [c.strip() for c in row.strip("|").split("|")]
     requests, errors, cancelled = int(cells[0]), int(cells[1]), int(cells[2])
     assert requests > 0 and errors == 0 and 0 <= cancelled <= requests
@@ -111,7 +197,7 @@ def write_trace(path, tokens=40, layers=2, experts=32, top_k=4, seed=0):
         "requests": [{"index": 0, "tokens": half}, {"index": 1, "tokens": tokens - half}],
     }
     meta_bytes = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    np.savez(path, meta_json=meta_bytes, **arrays)  # fmt: skip
+    np.savez(path, meta_json=meta_bytes, **arrays)
     return np.concatenate([arrays["experts_0000"], arrays["experts_0001"]])
 
 
@@ -143,18 +229,51 @@ def test_decode_offload_runs_on_a_trace(tmp_path):
     trace = tmp_path / "trace.npz"
     write_trace(trace, tokens=60, layers=2)
     out = tmp_path / "decode.md"
-    run("decode_offload.py", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
-        "--cache", "40", "--strategy", "hybrid", "--routing", f"trace:{trace}",
-        "--expert-format", "mxfp4", "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    run(
+        "decode_offload.py",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--batch",
+        "1",
+        "--cache",
+        "40",
+        "--strategy",
+        "hybrid",
+        "--routing",
+        f"trace:{trace}",
+        "--expert-format",
+        "mxfp4",
+        "--out",
+        str(out),
+        tmp_path=tmp_path,
+    )
     table = out.read_text()
     assert "| hybrid | 1 |" in table and "experts mxfp4" in table
 
 
 def test_step_timeline_table(tmp_path):
     out = tmp_path / "timeline.md"
-    run("step_timeline.py", "--layers", "2", "--steps", "2", "--profiled", "2",
-        "--contender", "fused@all", "--contender", "hybrid@50%", "--python-profile",
-        "--out", str(out), tmp_path=tmp_path)  # fmt: skip
+    run(
+        "step_timeline.py",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--profiled",
+        "2",
+        "--contender",
+        "fused@all",
+        "--contender",
+        "hybrid@50%",
+        "--python-profile",
+        "--out",
+        str(out),
+        tmp_path=tmp_path,
+    )
     table = out.read_text()
     assert "| fused@all b1 |" in table and "| hybrid@50% b1 |" in table
     assert "Python profile of the 2 synced steps" in table
@@ -163,12 +282,31 @@ def test_step_timeline_table(tmp_path):
 def test_load_time_starts_from_both_formats(tmp_path):
     out = tmp_path / "load.md"
     result = subprocess.run(
-        [sys.executable, "load_time.py", "--tiny", "--layers", "1", "--work", str(tmp_path / "w"),
-         "--strategy", "fused", "--cache", "none", "--out", str(out)],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
-             "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "load_time.py",
+            "--tiny",
+            "--layers",
+            "1",
+            "--work",
+            str(tmp_path / "w"),
+            "--strategy",
+            "fused",
+            "--cache",
+            "none",
+            "--out",
+            str(out),
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     table = out.read_text()
     for row in ("| safetensors | cold | off |", "| weight directory | warm | on |"):
@@ -182,9 +320,12 @@ def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_p
     # minutes of a CI run on a 2-core machine).
     result = subprocess.run(
         [sys.executable, "import_profile.py", "--repeat", "1", "--top", "5", "--out", str(out)],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPYCACHEPREFIX": ""},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     table = out.read_text()
     row = next(line for line in table.splitlines() if line.startswith("| 0 |"))
@@ -196,16 +337,42 @@ def test_import_profile_times_the_imports_alone_and_beside_a_python_thread(tmp_p
 def test_serve_start_times_ft_serve_to_its_first_answer(tmp_path):
     out = tmp_path / "serve.md"
     result = subprocess.run(
-        [sys.executable, "serve_start.py", "--tiny", "--layers", "1", "--work", str(tmp_path / "w"),
-         "--strategy", "fused", "--cache", "none", "--repeat", "1", "--page-cache", "warm", "cold",
-         "--out", str(out)],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
-             "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "serve_start.py",
+            "--tiny",
+            "--layers",
+            "1",
+            "--work",
+            str(tmp_path / "w"),
+            "--strategy",
+            "fused",
+            "--cache",
+            "none",
+            "--repeat",
+            "1",
+            "--page-cache",
+            "warm",
+            "cold",
+            "--out",
+            str(out),
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"),
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split("|") for line in out.read_text().splitlines()
-            if line.startswith(("| warm |", "| cold |"))]  # fmt: skip
+    rows = [
+        line.split("|")
+        for line in out.read_text().splitlines()
+        if line.startswith(("| warm |", "| cold |"))
+    ]
     assert [r[1].strip() for r in rows] == ["warm", "cold"]
     # (the figures as measured, from its JSON lines: a tiny model's warm read can take under
     # the 5 ms the table's two decimals show)
@@ -249,10 +416,18 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
     from freetoken.models.families import family_for
     from freetoken.moe.store import ExpertShape
 
-    mib = {"qwen3-30b-a3b": 9.0, "gpt-oss-20b": 47.5, "deepseek-v3": 84.0, "glm-4.5-air": 33.0,
-           "qwen3.5-35b-a3b": 6.0, "qwen3.5-35b-a3b-full-attention": 6.0,
-           "qwen3-next-80b-a3b": 6.0, "deepseek-v4-flash": 48.0, "glm-5": 72.0,
-           "kimi-linear-48b-a3b": 13.5}  # fmt: skip
+    mib = {
+        "qwen3-30b-a3b": 9.0,
+        "gpt-oss-20b": 47.5,
+        "deepseek-v3": 84.0,
+        "glm-4.5-air": 33.0,
+        "qwen3.5-35b-a3b": 6.0,
+        "qwen3.5-35b-a3b-full-attention": 6.0,
+        "qwen3-next-80b-a3b": 6.0,
+        "deepseek-v4-flash": 48.0,
+        "glm-5": 72.0,
+        "kimi-linear-48b-a3b": 13.5,
+    }
     for name, shape in SHAPES.items():
         raw = shape(8)
         cfg = family_for(raw).parse_config(raw)
@@ -272,16 +447,53 @@ def test_decode_context_on_a_random_q8_0_gguf(tmp_path):
     tokenizer = write_qwen_tokenizer(tmp_path / "tok", model_max_length=4096)
     file = tmp_path / "m.gguf"
     result = subprocess.run(
-        [sys.executable, "gguf_random.py", str(file), "--tiny", "--layers", "2", "--tokenizer",
-         str(tokenizer), "--max-context", "4096"],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "gguf_random.py",
+            str(file),
+            "--tiny",
+            "--layers",
+            "2",
+            "--tokenizer",
+            str(tokenizer),
+            "--max-context",
+            "4096",
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "context.md"
-    run("decode_context.py", "--checkpoint", str(file), "--layers", "2", "--contexts", "0", "16",
-        "--strategy", "fused", "--batch", "1", "--steps", "2", "--warmup", "1", "--rounds", "1",
-        "--graphs", "on", "off", "--prefill", "32", "--out", str(out),
-        tmp_path=tmp_path)  # fmt: skip
+    run(
+        "decode_context.py",
+        "--checkpoint",
+        str(file),
+        "--layers",
+        "2",
+        "--contexts",
+        "0",
+        "16",
+        "--strategy",
+        "fused",
+        "--batch",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--graphs",
+        "on",
+        "off",
+        "--prefill",
+        "32",
+        "--out",
+        str(out),
+        tmp_path=tmp_path,
+    )
     table = out.read_text()
     assert "experts q8_0" in table.splitlines()[0]
     for graphs in ("on", "off"):
@@ -320,8 +532,16 @@ def test_a_gguf_f32_copy_holds_the_files_values_and_metadata(tmp_path, monkeypat
 
 def test_dense_quantized_kernel_table(tmp_path):
     """dense_quantized.py --kernel: a row per format and dtype (and layer), with its speeds."""
-    out = run("dense_quantized.py", "--kernel", "--formats", "q8_0", "q4_k", "--repeats", "1",
-              tmp_path=tmp_path)  # fmt: skip
+    out = run(
+        "dense_quantized.py",
+        "--kernel",
+        "--formats",
+        "q8_0",
+        "q4_k",
+        "--repeats",
+        "1",
+        tmp_path=tmp_path,
+    )
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| q")]
     assert {(r[0].strip(), r[3].strip()) for r in rows} == {
         (f, d) for f in ("q8_0", "q4_k") for d in ("bfloat16", "float32")

@@ -19,24 +19,48 @@ from freetoken.errors import CheckpointError
 from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "Be brief. Ünïcödé, <b>tags</b> & \"quotes\"."},
-     {"role": "user", "content": "Q1"},
-     {"role": "assistant", "content": "A1", "reasoning_content": "thinking about Q1"},
-     {"role": "user", "content": "Q2 <|im_end|> mid-text"}],
-    [{"role": "user", "content": "Weather in Paris?"},
-     {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
-         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
-     {"role": "tool", "content": '{"temp_c": 21}'},
-     {"role": "assistant", "content": "21 °C.", "reasoning_content": "The tool says 21."}],
-    [{"role": "user", "content": [{"type": "text", "text": "blocks "}, {"type": "text",
-                                                                         "text": "of text"}]}],
-]  # fmt: skip
+    [
+        {"role": "system", "content": 'Be brief. Ünïcödé, <b>tags</b> & "quotes".'},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "thinking about Q1"},
+        {"role": "user", "content": "Q2 <|im_end|> mid-text"},
+    ],
+    [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": '{"temp_c": 21}'},
+        {"role": "assistant", "content": "21 °C.", "reasoning_content": "The tool says 21."},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "blocks "}, {"type": "text", "text": "of text"}],
+        }
+    ],
+]
 TEXTS = [
     "Hello, world! It's 3:45pm; we'll see.",
     "def f(x):\n\treturn {'k': [1, 2]}  # comment\r\n\n\n",
@@ -71,8 +95,13 @@ def test_qwen_is_read_without_transformers(qwen_dir: Path) -> None:
         "t.render_chat([{'role': 'user', 'content': 'hi'}]); t.decode(t.encode('hi')); "
         "print(t.uses_transformers, 'transformers' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(qwen_dir)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(qwen_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert out.split() == ["False", "False"]
 
 
@@ -94,9 +123,15 @@ def test_vocabulary_and_special_tokens_are_transformers(ours, theirs) -> None:
 
 
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
-@pytest.mark.parametrize("options", [
-    {}, {"add_generation_prompt": False}, {"enable_thinking": False}, {"tools": [WEATHER]},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"add_generation_prompt": False},
+        {"enable_thinking": False},
+        {"tools": [WEATHER]},
+    ],
+)
 def test_chats_render_as_transformers_renders_them(ours, theirs, conversation, options) -> None:
     messages = CONVERSATIONS[conversation]
     options = {"add_generation_prompt": True, **options}
@@ -250,7 +285,9 @@ def test_messages_are_normalised_and_never_changed() -> None:
     messages = [{"role": "assistant", "content": None, "reasoning": "why"}]
     text = chat_template.render(
         "{% for m in messages %}{{ 'content' in m }} {{ m.thinking }} {{ m.reasoning_content }}"
-        "{% endfor %}", messages)  # fmt: skip
+        "{% endfor %}",
+        messages,
+    )
     assert text == "False why why"
     assert messages == [{"role": "assistant", "content": None, "reasoning": "why"}]
 
@@ -258,8 +295,10 @@ def test_messages_are_normalised_and_never_changed() -> None:
 def test_a_template_changes_only_its_own_copies() -> None:
     # (Kimi-K2's templates queue call ids so: llama.cpp allows it, transformers' immutable
     # sandbox does not; see chat_template.py)
-    queue = ("{% set ns = namespace(ids=[]) %}{% set _ = ns.ids.append(1) %}"
-             "{% set _ = ns.ids.append(2) %}{{ ns.ids.pop(0) }}{{ ns.ids }}")  # fmt: skip
+    queue = (
+        "{% set ns = namespace(ids=[]) %}{% set _ = ns.ids.append(1) %}"
+        "{% set _ = ns.ids.append(2) %}{{ ns.ids.pop(0) }}{{ ns.ids }}"
+    )
     assert render(queue) == "1[2]"
     messages = [{"role": "user", "content": "hi", "parts": [{"text": "a"}]}]
     tools = [{"type": "function", "function": {"name": "f"}}]
@@ -267,8 +306,9 @@ def test_a_template_changes_only_its_own_copies() -> None:
         "{% set _ = messages[0].parts.append(0) %}{% set _ = messages[0].update(role='x') %}"
         "{% set _ = tools[0].function.clear() %}{% set _ = messages.append(1) %}"
         "{{ messages[0].role }} {{ messages[0].parts | length }} {{ tools[0].function }}",
-        messages, tools,
-    )  # fmt: skip
+        messages,
+        tools,
+    )
     assert text == "x 2 {}"
     assert messages == [{"role": "user", "content": "hi", "parts": [{"text": "a"}]}]
     assert tools == [{"type": "function", "function": {"name": "f"}}]
@@ -303,13 +343,21 @@ BOS = "<｜begin▁of▁sentence｜>"
 TOOL_CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather",
-                                          "arguments": {"city": "Paris", "days": 3}}},
-        {"type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Need the tool.",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+            },
+            {"type": "function", "function": {"name": "get_time", "arguments": {}}},
+        ],
+    },
     {"role": "tool", "content": '{"sky": "sunny"}'},
     {"role": "tool", "content": "12:00"},
-]  # fmt: skip
+]
 
 
 def with_text_arguments(messages: list[dict]) -> list[dict]:
@@ -321,10 +369,15 @@ def with_text_arguments(messages: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("name", [
-    "deepseek-ai-DeepSeek-V4.jinja", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
-    "deepseek-ai-DeepSeek-V3.2.jinja", "GLM-4.7-Flash.jinja",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "deepseek-ai-DeepSeek-V4.jinja",
+        "deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
+        "deepseek-ai-DeepSeek-V3.2.jinja",
+        "GLM-4.7-Flash.jinja",
+    ],
+)
 @pytest.mark.parametrize("thinking", [True, False])
 def test_recorded_templates_render_as_transformers_renders_them(name: str, thinking: bool) -> None:
     """The real templates against transformers' own renderer (arguments as objects, which it
@@ -333,18 +386,32 @@ def test_recorded_templates_render_as_transformers_renders_them(name: str, think
     from transformers.utils.chat_template_utils import render_jinja_template
 
     source = (RECORDED / name).read_text(encoding="utf-8")
-    options = dict(add_generation_prompt=True, bos_token=BOS, enable_thinking=thinking,
-                   reasoning_effort="max")  # fmt: skip
+    options = dict(
+        add_generation_prompt=True, bos_token=BOS, enable_thinking=thinking, reasoning_effort="max"
+    )
     theirs = render_jinja_template([TOOL_CHAT], tools=[WEATHER], chat_template=source, **options)
     theirs = theirs[0][0]  # (one conversation's text, beside its assistant masks)
-    ours = chat_template.render(source, TOOL_CHAT, [WEATHER], True, {"bos_token": BOS},
-                                enable_thinking=thinking, reasoning_effort="max")  # fmt: skip
+    ours = chat_template.render(
+        source,
+        TOOL_CHAT,
+        [WEATHER],
+        True,
+        {"bos_token": BOS},
+        enable_thinking=thinking,
+        reasoning_effort="max",
+    )
     assert ours == theirs
     assert "get_weather" in ours and "12:00" in ours
     if "DeepSeek" in name:
-        text_arguments = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER],
-                                              True, {"bos_token": BOS}, enable_thinking=thinking,
-                                              reasoning_effort="max")  # fmt: skip
+        text_arguments = chat_template.render(
+            source,
+            with_text_arguments(TOOL_CHAT),
+            [WEATHER],
+            True,
+            {"bos_token": BOS},
+            enable_thinking=thinking,
+            reasoning_effort="max",
+        )
         assert text_arguments == ours
 
 
@@ -354,8 +421,14 @@ def test_deepseek_v4_renders_a_tool_conversation() -> None:
     call without arguments an empty line), the tool results in one user turn, and `<think>`
     opened for the reply."""
     source = (RECORDED / "deepseek-ai-DeepSeek-V4.jinja").read_text(encoding="utf-8")
-    text = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER], True,
-                                {"bos_token": BOS}, enable_thinking=True)  # fmt: skip
+    text = chat_template.render(
+        source,
+        with_text_arguments(TOOL_CHAT),
+        [WEATHER],
+        True,
+        {"bos_token": BOS},
+        enable_thinking=True,
+    )
     assert text.startswith(f"{BOS}Be brief.\n\n## Tools\n\nYou have access to a set of tools")
     assert "\n\n### Available Tool Schemas\n\n" + json.dumps(WEATHER["function"]) + "\n" in text
     assert text.endswith(
@@ -375,8 +448,11 @@ def test_deepseek_v4_renders_a_tool_conversation() -> None:
         "<tool_result>12:00</tool_result><｜Assistant｜><think>"
     )
     # thinking off: past reasoning dropped where no tools keep it, `</think>` closes the prompt
-    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello",
-              "reasoning_content": "greet"}, {"role": "user", "content": "Bye"}]  # fmt: skip
+    plain = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet"},
+        {"role": "user", "content": "Bye"},
+    ]
     assert chat_template.render(source, plain, None, True, {"bos_token": BOS}) == (
         f"{BOS}<｜User｜>Hi<｜Assistant｜></think>Hello<｜end▁of▁sentence｜>"
         "<｜User｜>Bye<｜Assistant｜></think>"
@@ -387,8 +463,14 @@ def test_deepseek_v3_2_renders_a_tool_conversation() -> None:
     """V3.2's: calls in `function_calls`, results in `<function_results>` after the call's
     turn, and the reply's `<think>` opened after them (no assistant tag again)."""
     source = (RECORDED / "deepseek-ai-DeepSeek-V3.2.jinja").read_text(encoding="utf-8")
-    text = chat_template.render(source, with_text_arguments(TOOL_CHAT), [WEATHER], True,
-                                {"bos_token": BOS}, enable_thinking=True)  # fmt: skip
+    text = chat_template.render(
+        source,
+        with_text_arguments(TOOL_CHAT),
+        [WEATHER],
+        True,
+        {"bos_token": BOS},
+        enable_thinking=True,
+    )
     assert text.startswith(f"{BOS}Be brief.\n\n## Tools\n\n")
     assert "<functions>\n" + json.dumps(WEATHER["function"]) + "\n</functions>\n" in text
     assert text.endswith(

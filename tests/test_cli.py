@@ -138,7 +138,10 @@ def test_verbose_lines_are_timed_from_the_process_start(env):
     timeline), the engine's load in order after the interpreter's own start."""
     done = ft(env, "-v", "generate", "--prompt", "Hi", "--max-tokens", "1", "--temperature", "0")
     assert done.returncode == 0, done.stderr
-    times = [float(line.split()[0][:-1]) for line in done.stderr.splitlines()
-             if line.split() and line.split()[0].endswith("s") and " DEBUG " in line]  # fmt: skip
+    times = [
+        float(line.split()[0][:-1])
+        for line in done.stderr.splitlines()
+        if line.split() and line.split()[0].endswith("s") and " DEBUG " in line
+    ]
     assert len(times) >= 3
     assert times[0] > 0 and times == sorted(times) and times[-1] < 300

@@ -144,8 +144,9 @@ def test_every_flag_has_help_with_its_default_and_choices():
     for prog, parser in _parsers(build_parser()):
         text = "".join(parser.format_help().split())  # (unwrapped)
         for action in parser._actions:
-            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                   argparse._SubParsersAction)):  # fmt: skip
+            if isinstance(
+                action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+            ):
                 continue
             name = action.option_strings[-1] if action.option_strings else action.dest
             assert action.help, f"{prog} {name}: no help"

@@ -19,9 +19,14 @@ needs_triton = pytest.mark.skipif(compressed_decode.triton is None, reason="need
 PROMPT, STEPS = 45, 6
 
 
-KERNELS = [(compressed_decode, "rope_tail"), (compressed_decode, "pool_entries"),
-           (compressed_decode, "attend"), (hyper_mix, "hc_normed"), (hyper_mix, "hc_collapse"),
-           (hyper_mix, "hc_merge")]  # fmt: skip
+KERNELS = [
+    (compressed_decode, "rope_tail"),
+    (compressed_decode, "pool_entries"),
+    (compressed_decode, "attend"),
+    (hyper_mix, "hc_normed"),
+    (hyper_mix, "hc_collapse"),
+    (hyper_mix, "hc_merge"),
+]
 
 
 def _counted(module, name: str, counts: dict):
@@ -47,8 +52,9 @@ def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torc
         runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8)
         gen = torch.Generator().manual_seed(5)
         seqs = [runner.new_sequence() for _ in range(batch)]
-        prompts = [torch.randint(0, 160, (PROMPT - 7 * i,), generator=gen).tolist()
-                   for i in range(batch)]  # fmt: skip
+        prompts = [
+            torch.randint(0, 160, (PROMPT - 7 * i,), generator=gen).tolist() for i in range(batch)
+        ]
         out = [runner.forward(seqs, prompts, all_logits=True).float().cpu()]
         for _ in range(STEPS):
             ids = [[int(torch.randint(0, 160, (1,), generator=gen))] for _ in seqs]

@@ -93,10 +93,13 @@ def test_the_check_finds_a_read_of_the_environment():
 
 
 def test_switches_turn_off_at_0_only(monkeypatch):
-    for variable, on in ((settings.NATIVE, settings.native), (settings.FLA, settings.fla),
-                         (settings.PRELOAD, settings.preload),
-                         (settings.EARLY_MAP, settings.early_map),
-                         (settings.EARLY_LOCK, settings.early_lock)):  # fmt: skip
+    for variable, on in (
+        (settings.NATIVE, settings.native),
+        (settings.FLA, settings.fla),
+        (settings.PRELOAD, settings.preload),
+        (settings.EARLY_MAP, settings.early_map),
+        (settings.EARLY_LOCK, settings.early_lock),
+    ):
         monkeypatch.delenv(variable.name, raising=False)
         assert on()
         monkeypatch.setenv(variable.name, "1")

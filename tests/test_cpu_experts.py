@@ -444,8 +444,9 @@ def scaled_codes(fmt) -> bool:
     return fmt.name in K_FAMILY or fmt.name in LEGACY
 
 
-def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0,
-                        down=None) -> None:  # fmt: skip
+def check_quantized_job(
+    fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0, down=None
+) -> None:
     """The native job on quantized banks equals (bit for bit) the native job on their
     dequantized copies (nvfp4 in bf16: its single-route groups' block route sums in another
     order, so within a bf16 rounding of the intermediates), and is close to the torch reference
@@ -460,9 +461,12 @@ def check_quantized_job(fmt, dtype, hidden: int, inter: int, act: str, seed: int
     assert quantized is not None and quantized.dtype == dtype
     assert (quantized.hidden, quantized.intermediate) == (hidden, inter)
     dense = NativeCPUExperts.create(
-        w_gate_up.dequantize(slice(None), dtype), w_down.dequantize(slice(None), dtype), act, 1,
+        w_gate_up.dequantize(slice(None), dtype),
+        w_down.dequantize(slice(None), dtype),
+        act,
+        1,
         b_gate_up=bias,
-    )  # fmt: skip
+    )
     got, same = quantized(x, rows, pairs, weights), dense(x, rows, pairs, weights)
     want = torch_cpu_experts(x, rows, pairs, weights, w_gate_up, w_down, act, bias, dtype=dtype)
     scale = want.abs().max().item()
@@ -698,8 +702,11 @@ def with_native_flags(flags: str, code: str) -> str:
     prelude = "import sys; sys.path.insert(0, sys.argv[1]); import test_cpu_experts as t; "
     result = subprocess.run(
         [sys.executable, "-c", prelude + code, str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

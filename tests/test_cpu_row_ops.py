@@ -28,8 +28,9 @@ def test_native_norm_matches_the_reference(dtype, mode, rows):
     delta = (torch.randn(rows, 896) * 2).to(dtype)
     with torch.no_grad():
         assert norm_rope.native_takes(x, delta, norm.weight)
-        total, out = norm_rope.cpu_rms_norm(x, delta, norm.weight, norm.eps,
-                                            norm.zero_centered, norm.scale_fp32)  # fmt: skip
+        total, out = norm_rope.cpu_rms_norm(
+            x, delta, norm.weight, norm.eps, norm.zero_centered, norm.scale_fp32
+        )
         assert torch.equal(total, x + delta)
         ref = norm.reference(x + delta)
         # Only the sum of squares' order differs: in bf16 the same values but for a rare
@@ -40,8 +41,12 @@ def test_native_norm_matches_the_reference(dtype, mode, rows):
         else:
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         alone = norm(x)  # the module's own path: no delta
-        assert torch.equal(alone, norm_rope.cpu_rms_norm(x, None, norm.weight, norm.eps,
-                           norm.zero_centered, norm.scale_fp32)[1])  # fmt: skip
+        assert torch.equal(
+            alone,
+            norm_rope.cpu_rms_norm(
+                x, None, norm.weight, norm.eps, norm.zero_centered, norm.scale_fp32
+            )[1],
+        )
 
 
 def test_the_module_takes_the_native_path_only_for_decode_rows(monkeypatch):

@@ -115,8 +115,9 @@ def test_state_slots_travel_in_the_packed_buffer(tmp_path):
 
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "kimi_linear"])
-@pytest.mark.parametrize("options", [MoEOptions("fused"), MoEOptions("hybrid", "6")],
-                         ids=lambda o: o.strategy)  # fmt: skip
+@pytest.mark.parametrize(
+    "options", [MoEOptions("fused"), MoEOptions("hybrid", "6")], ids=lambda o: o.strategy
+)
 def test_linear_attention_models_decode_in_graphs(tmp_path, family, options):
     """Gated DeltaNet (and KDA) layers gather and scatter their sequences' states inside the
     graph: the replayed steps give the eager logits, for new sequences (other state slots) too."""
@@ -155,8 +156,9 @@ def test_latent_attention_models_decode_in_graphs(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("options", [MoEOptions("fused"), MoEOptions("hybrid", "6")],
-                         ids=lambda o: o.strategy)  # fmt: skip
+@pytest.mark.parametrize(
+    "options", [MoEOptions("fused"), MoEOptions("hybrid", "6")], ids=lambda o: o.strategy
+)
 def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
     """DeepSeek-V4's attention reads every window the page table holds while captured (its
     shapes fixed, masked past each length), its hyper-connections and hash-routed layer run

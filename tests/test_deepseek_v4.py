@@ -36,8 +36,10 @@ def test_chunked_prefill_matches_one_pass(v4):
     for chunk in (1, 3, 7, 16):
         runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
         seq = runner.new_sequence()
-        parts = [runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
-                 for i in range(0, len(ids), chunk)]  # fmt: skip
+        parts = [
+            runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
+            for i in range(0, len(ids), chunk)
+        ]
         assert (torch.cat(parts) - ref).abs().max().item() < 1e-5, chunk
 
 
@@ -67,8 +69,9 @@ def test_indexer_choice_matters(v4):
     ids = prompt()
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
     sparse = runner.forward([runner.new_sequence()], [ids], all_logits=True)
-    indexers = [layer.attn.indexer for layer in loaded.model.layers
-                if hasattr(layer.attn, "indexer")]  # fmt: skip
+    indexers = [
+        layer.attn.indexer for layer in loaded.model.layers if hasattr(layer.attn, "indexer")
+    ]
     assert indexers and all(ix.topk < PROMPT // 4 for ix in indexers)
     try:
         for ix in indexers:
@@ -117,9 +120,12 @@ def test_released_tensor_names():
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"scoring_func": "softmax"}, "scoring_func"), ({"swiglu_limit": 7.0}, "swiglu_limit"),
-     ({"layer_types": ["full_attention"]}, "layer_types")],
-)  # fmt: skip
+    [
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"swiglu_limit": 7.0}, "swiglu_limit"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+    ],
+)
 def test_unsupported_configs_are_refused(change, message):
     raw = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 1, **change}
     family = family_for(raw)
@@ -159,17 +165,27 @@ def test_engine_reuses_a_prefix_and_chunks_prompts_exactly(tmp_path, monkeypatch
     path, _ = build_chat_model("deepseek_v4", tmp_path / "m")
 
     def engine(chunk):
-        return LLMEngine.from_config(EngineConfig(model=path, device="cpu", dtype="float32",
-                                                  kv_cache_tokens=2048, page_size=4,
-                                                  max_prefill_chunk=chunk))  # fmt: skip
+        return LLMEngine.from_config(
+            EngineConfig(
+                model=path,
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=2048,
+                page_size=4,
+                max_prefill_chunk=chunk,
+            )
+        )
 
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
     warm = engine(24)
     tok = warm.tokenizer
     first = [{"role": "user", "content": "Tell me a story about a compressor " * 4}]
     [one] = warm.generate([tok.encode(tok.render_chat(first))], greedy)
-    history = [*first, {"role": "assistant", "content": one.text},
-               {"role": "user", "content": "And then?"}]  # fmt: skip
+    history = [
+        *first,
+        {"role": "assistant", "content": one.text},
+        {"role": "user", "content": "And then?"},
+    ]
     turn2 = tok.encode(tok.render_chat(history))
     req = warm.add_request(turn2, greedy)
     while not req.finished:
@@ -196,22 +212,31 @@ def test_the_next_token_prediction_layer_is_skipped_with_a_note(tmp_path, caplog
 
 
 LEGACY = dict(  # the spellings older V4 configs ship (transformers folds them in)
-    num_hidden_layers=6, compress_ratios=[0, 0, 4, 128, 4, 128, 4], num_hash_layers=2,
-    qk_rope_head_dim=64, rope_scaling=dict(type="yarn", factor=16.0,
-                                           original_max_position_embeddings=65536),
+    num_hidden_layers=6,
+    compress_ratios=[0, 0, 4, 128, 4, 128, 4],
+    num_hash_layers=2,
+    qk_rope_head_dim=64,
+    rope_scaling=dict(type="yarn", factor=16.0, original_max_position_embeddings=65536),
     max_position_embeddings=1048576,
-)  # fmt: skip
+)
 MODERN = dict(
     num_hidden_layers=5,
     compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 16},
-    layer_types=["sliding_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention", "sliding_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["moe", "hash_moe", "moe", "moe", "hash_moe"], partial_rotary_factor=0.25,
-    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096,
-                         beta_fast=16.0),
-    compress_rope_theta=40000.0, rope_theta=20000.0,
-)  # fmt: skip
+    layer_types=[
+        "sliding_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "sliding_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["moe", "hash_moe", "moe", "moe", "hash_moe"],
+    partial_rotary_factor=0.25,
+    rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=4096, beta_fast=16.0
+    ),
+    compress_rope_theta=40000.0,
+    rope_theta=20000.0,
+)
 
 
 @pytest.mark.parametrize("raw", [LEGACY, MODERN, dict(num_hidden_layers=7)], ids=str)
@@ -235,8 +260,10 @@ def test_configs_read_as_transformers_reads_them(raw):
     assert c.hca_ratio == rates["heavily_compressed_attention"]
     assert c.rope_dim == hf.qk_rope_head_dim and cfg.head_dim == hf.head_dim
     theirs = DeepseekV4RotaryEmbedding(hf)
-    for ours, kind in ((RotaryEmbedding(cfg.rope, cfg.head_dim), "main"),
-                       (RotaryEmbedding(c.compress_rope, cfg.head_dim), "compress")):  # fmt: skip
+    for ours, kind in (
+        (RotaryEmbedding(cfg.rope, cfg.head_dim), "main"),
+        (RotaryEmbedding(c.compress_rope, cfg.head_dim), "compress"),
+    ):
         torch.testing.assert_close(ours.inv_freq, getattr(theirs, f"{kind}_inv_freq"))
         assert ours.scaling == getattr(theirs, f"{kind}_attention_scaling")
 
@@ -304,9 +331,16 @@ def test_the_quantized_release_layout_computes_as_its_dequantized_copy(tmp_path)
         else:
             stored[name] = plain[name] = t
     config = json.loads((path / "config.json").read_text())
-    release = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-               "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
-               "activation_scheme": "dynamic"}, "expert_dtype": "fp4"}  # fmt: skip
+    release = {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        },
+        "expert_dtype": "fp4",
+    }
     dirs = {}
     for label, weights, extra in (("quantized", stored, release), ("plain", plain, {})):
         d = dirs[label] = tmp_path / label

@@ -49,12 +49,18 @@ def test_the_demo_answers_the_printed_example(demo_cache):
     """`ft serve` (no model), then the curl example it prints, run as printed: the demo names
     Paris as France's capital and stops on its own end of turn."""
     port = free_port()
-    env = {**os.environ, "FREETOKEN_CACHE_DIR": demo_cache, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "FREETOKEN_CACHE_DIR": demo_cache,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+    }
     server = subprocess.Popen(
         [sys.executable, "-m", "freetoken.cli.main", "serve", "--port", str(port)],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 180

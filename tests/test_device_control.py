@@ -42,11 +42,15 @@ def check_tables(control: DeviceControl) -> None:
 steps = st.lists(
     st.tuples(
         st.integers(0, LAYERS - 1),
-        st.lists(st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=2, unique=True),
-                 min_size=1, max_size=3),
+        st.lists(
+            st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=2, unique=True),
+            min_size=1,
+            max_size=3,
+        ),
     ),
-    min_size=1, max_size=25,
-)  # fmt: skip
+    min_size=1,
+    max_size=25,
+)
 
 
 def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> None:
@@ -87,8 +91,12 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
             q = m
         else:
             f, lo, hi = split
-            q = min(max(int(np.floor(np.float32(m) * np.float32(f) + np.float32(0.5))),
-                        min(int(lo), m)), min(int(hi), m))  # fmt: skip
+            q = min(
+                max(
+                    int(np.floor(np.float32(m) * np.float32(f) + np.float32(0.5))), min(int(lo), m)
+                ),
+                min(int(hi), m),
+            )
         best = sorted(zip((-pair_scores).tolist(), misses.tolist(), strict=True))[:q]
         filled = sorted(pair for _, pair in best)
         # GPU routes have their expert's slot, the CPU's -1; the hits kept theirs.
@@ -143,9 +151,12 @@ def check_plans(steps, extra_slots: int, fused: bool = False, split=None) -> Non
 
 splits = st.one_of(
     st.none(),
-    st.tuples(st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0]), st.sampled_from([0.0, 1.0]),
-              st.sampled_from([0.0, 1.0, 2.0, 2.0**30])),
-)  # fmt: skip
+    st.tuples(
+        st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0]),
+        st.sampled_from([0.0, 1.0]),
+        st.sampled_from([0.0, 1.0, 2.0, 2.0**30]),
+    ),
+)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
@@ -178,8 +189,15 @@ def test_the_runtime_moves_between_device_and_host_decisions():
     store = tiny_store(num_layers=2, num_experts=4)
     rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "3"))
     assert rt.control is not None and rt.capturable(1, 1) and not rt.capturable(4, 4)
-    steps = [(0, [[0]]), (1, [[1]]), (0, [[0], [1], [2], [3]]), (0, [[3]]), (1, [[2]]),
-             (1, [[0], [1], [2], [3]]), (0, [[0]])]  # fmt: skip
+    steps = [
+        (0, [[0]]),
+        (1, [[1]]),
+        (0, [[0], [1], [2], [3]]),
+        (0, [[3]]),
+        (1, [[2]]),
+        (1, [[0], [1], [2], [3]]),
+        (0, [[0]]),
+    ]
     t = drive(rt, store, steps)
     assert t.total().calls == len(steps)
     check_tables(rt.control)
@@ -231,9 +249,12 @@ def test_the_one_program_plan_keeps_the_cache_right_in_the_interpreter():
     pytest.importorskip("triton")
     script = _INTERPRETED_PLANS.format(tests=os.path.dirname(__file__))
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "ok"
 
@@ -241,9 +262,12 @@ def test_the_one_program_plan_keeps_the_cache_right_in_the_interpreter():
 def test_the_fill_kernel_copies_the_planned_rows_in_the_interpreter():
     pytest.importorskip("triton")
     result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _INTERPRETED],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}
 
@@ -308,9 +332,12 @@ print(json.dumps({"ok": ok}))
 def test_the_merge_adds_the_host_partial_as_torch_rounds_it_in_the_interpreter():
     pytest.importorskip("triton")
     result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_MERGE], capture_output=True, text=True,
-        timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
+        [sys.executable, "-c", _INTERPRETED_MERGE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ok": True}
 

@@ -41,10 +41,10 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype, act):
     bias = None
     if act == "swiglu_oai":
         bias = torch.randn(15, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
-    native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, threads=1,
-                                     b_gate_up=bias)  # fmt: skip
-    bell = CPUDoorbell(native, store.num_layers, threads=1, max_routes=8,
-                       device=torch.device("cpu"))  # fmt: skip
+    native = NativeCPUExperts.create(store.w_gate_up, store.w_down, act, threads=1, b_gate_up=bias)
+    bell = CPUDoorbell(
+        native, store.num_layers, threads=1, max_routes=8, device=torch.device("cpu")
+    )
     words = bell.words.numpy()
     gen = torch.Generator().manual_seed(0)
     jobs = routes = 0
@@ -66,8 +66,9 @@ def test_the_listener_answers_every_bell_with_the_cpu_share(dtype, act):
             answer(words, bell.shape_value(layer, tokens, k))
             keep = flat >= 0
             rows = torch.arange(tokens).repeat_interleave(k)[keep]
-            want = torch_cpu_experts(x, rows, flat[keep], weights[keep], store.w_gate_up,
-                                     store.w_down, act, bias)  # fmt: skip
+            want = torch_cpu_experts(
+                x, rows, flat[keep], weights[keep], store.w_gate_up, store.w_down, act, bias
+            )
             got = bell.out[:tokens]
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             if act == "swiglu_oai":  # (rounded once where torch rounds op by op: to scale)

@@ -60,8 +60,12 @@ def test_chunked_prefill_and_decode_match_transformers(model, chunk):
     loaded, hf = model
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=8)
     ids, seq = prompt(45, 3), runner.new_sequence()
-    logits = torch.cat([runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
-                        for i in range(0, len(ids), chunk)])  # fmt: skip
+    logits = torch.cat(
+        [
+            runner.forward([seq], [ids[i : i + chunk]], all_logits=True)
+            for i in range(0, len(ids), chunk)
+        ]
+    )
     assert (logits - reference_logits(hf, ids)).abs().max().item() < TOL
     assert decode(runner, seq, ids, logits, hf) < TOL
 
@@ -119,8 +123,9 @@ def test_the_selection_is_exercised(model):
     transformers: the sparse choice, not the dense attention, is what matches."""
     loaded, hf = model
     ids = prompt(40, 8)
-    indexers = [layer.attn.indexer for layer in loaded.model.layers
-                if hasattr(layer.attn, "indexer")]  # fmt: skip
+    indexers = [
+        layer.attn.indexer for layer in loaded.model.layers if hasattr(layer.attn, "indexer")
+    ]
     saved = indexers[0].idx
     try:
         for indexer in indexers:

@@ -35,11 +35,14 @@ TEMPLATES = Path(__file__).parent / "data" / "templates"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 TURN_TOKENS = (BOS, EOS, "<｜User｜>", "<｜Assistant｜>")
 DESCRIPTION = "Weather of a city"
-PARAMETERS = {"type": "object",
-              "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}  # fmt: skip
-WEATHER = {"type": "function",
-           "function": {"name": "get_weather", "description": DESCRIPTION,
-                        "parameters": PARAMETERS}}  # fmt: skip
+PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS},
+}
 ARGUMENTS = {"city": "Paris", "days": 3}
 THINKING = {"chat_template_kwargs": {"enable_thinking": True}}  # (the templates default to off)
 RESULT = '{"sky": "sunny"}'
@@ -70,8 +73,10 @@ def deepseek_checkpoint(dst: Path, template: str, special: tuple[str, ...]) -> P
     tok.save_pretrained(dst)
     gen = json.loads((dst / "generation_config.json").read_text())
     ends = gen.get("eos_token_id", [])
-    gen["eos_token_id"] = [*(ends if isinstance(ends, list) else [ends]),
-                           tok.convert_tokens_to_ids(EOS)]  # fmt: skip
+    gen["eos_token_id"] = [
+        *(ends if isinstance(ends, list) else [ends]),
+        tok.convert_tokens_to_ids(EOS),
+    ]
     (dst / "generation_config.json").write_text(json.dumps(gen))
     return dst
 
@@ -161,8 +166,9 @@ def test_v4_openai_chat_reasoning_and_a_typed_call_round_trip(v4, monkeypatch):
 def test_v3_2_openai_chat_round_trip_in_function_calls(v32, monkeypatch):
     engine, base, core = v32
     assert core.parser_name == "dsml_v32"
-    prompts = openai_round_trip(engine, base, monkeypatch, f"{WEATHER_THOUGHT}</think>"
-                                + dsml_call("function_calls"))  # fmt: skip
+    prompts = openai_round_trip(
+        engine, base, monkeypatch, f"{WEATHER_THOUGHT}</think>" + dsml_call("function_calls")
+    )
     assert prompts[-1].endswith(
         f"{dsml_call('function_calls')}\n\n<function_results>\n<result>{RESULT}</result>\n"
         "</function_results>\n\n<think>"
@@ -176,8 +182,9 @@ def test_v4_anthropic_messages_thinking_and_tool_use(v4, monkeypatch):
     script(engine, monkeypatch, CALL)
     tool = {"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}
     messages = [{"role": "user", "content": WEATHER_ASK}]
-    request = dict(model=MODEL, max_tokens=100, tools=[tool],
-                   thinking={"type": "enabled", "budget_tokens": 64})  # fmt: skip
+    request = dict(
+        model=MODEL, max_tokens=100, tools=[tool], thinking={"type": "enabled", "budget_tokens": 64}
+    )
     whole = client.messages.create(messages=messages, **request)
     assert prompts[-1].endswith("<think>")  # `thinking` turned the template's on
     assert whole.stop_reason == "tool_use"
@@ -196,12 +203,16 @@ def test_v4_anthropic_messages_thinking_and_tool_use(v4, monkeypatch):
     script(engine, monkeypatch, ANSWER)
     messages += [
         {"role": "assistant", "content": [b.model_dump() for b in whole.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                      "content": RESULT}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}],
+        },
+    ]
     second = client.messages.create(messages=messages, **request)
     assert [(b.type, getattr(b, "text", None)) for b in second.content][-1] == (
-        "text", WEATHER_ANSWER)  # fmt: skip
+        "text",
+        WEATHER_ANSWER,
+    )
     assert second.stop_reason == "end_turn"
     assert f"{dsml_call()}<｜User｜><tool_result>{RESULT}</tool_result>" in prompts[-1]
 
@@ -211,8 +222,12 @@ def test_v4_responses_reasoning_and_function_call_items(v4, monkeypatch):
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     prompts = record_prompts(engine, monkeypatch)
     script(engine, monkeypatch, CALL)
-    tool = {"type": "function", "name": "get_weather", "description": DESCRIPTION,
-            "parameters": PARAMETERS}  # fmt: skip
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": DESCRIPTION,
+        "parameters": PARAMETERS,
+    }
     request = dict(model=MODEL, tools=[tool], max_output_tokens=100, extra_body=THINKING)
     whole = client.responses.create(input=WEATHER_ASK, **request)
     assert whole.status == "completed"
@@ -246,8 +261,9 @@ def test_v4_responses_reasoning_and_function_call_items(v4, monkeypatch):
 
 
 @pytest.mark.parametrize("version", ["v4", "v32"])
-def test_a_forced_tool_choice_opens_the_call_as_the_template_writes_it(version, request,
-                                                                       monkeypatch):  # fmt: skip
+def test_a_forced_tool_choice_opens_the_call_as_the_template_writes_it(
+    version, request, monkeypatch
+):
     engine, base, _ = request.getfixturevalue(version)
     wrapper = "tool_calls" if version == "v4" else "function_calls"
     prompts = record_prompts(engine, monkeypatch)

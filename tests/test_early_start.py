@@ -82,10 +82,17 @@ def test_the_libraries_load_in_one_foreign_call_begun_before_the_tokenizer(drive
     # libtorch's load brought libtorch_cpu (its needed library): in a fresh process, one call
     lib = preload.lib_dir / "libtorch.so"
     mapped = subprocess.run(
-        [sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); "
-         "print(open('/proc/self/maps').read())", str(lib)],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print(open('/proc/self/maps').read())",
+            str(lib),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert "libtorch_cpu.so" in mapped
 
 
@@ -190,8 +197,9 @@ def test_a_start_runs_without_the_collector_and_freezes_what_it_made(monkeypatch
     monkeypatch.setattr(early_start.early_read, "start", lambda m, d: None)
     done = []
     for name in ("freeze", "unfreeze", "collect"):
-        monkeypatch.setattr(early_start.gc, name,
-                            lambda name=name: done.append((name, gc.isenabled())))  # fmt: skip
+        monkeypatch.setattr(
+            early_start.gc, name, lambda name=name: done.append((name, gc.isenabled()))
+        )
     try:
         early_start.before_imports("/m", "cuda")
         assert not gc.isenabled()
@@ -266,8 +274,10 @@ def test_a_tokenizer_loads_while_another_thread_holds_the_dynamic_loader(checkpo
     env = {**os.environ, "FT_TEST_HELD": str(held), "FT_TEST_RELEASE": str(release)}
     child = subprocess.Popen(
         [sys.executable, "-c", LOAD_WHILE_HELD, str(so), str(checkpoint / "tokenizer.json")],
-        stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True).start()
     try:
@@ -287,22 +297,30 @@ def test_a_tokenizer_loads_while_another_thread_holds_the_dynamic_loader(checkpo
 def test_the_cli_turns_the_collector_off_for_a_start_and_on_after_the_engine():
     """`ft generate` in a fresh process: off while it loads, frozen and on once the engine is
     built (checked from inside the command)."""
-    seen = subprocess.run([sys.executable, "-c",
-        "import gc, sys\n"
-        "from freetoken.cli import common, main\n"
-        "load = common.load_engine\n"
-        "def checked(args):\n"
-        "    print('loading, collector on:', gc.isenabled())\n"
-        "    engine = load(args)\n"
-        "    print('built, collector on:', gc.isenabled(), 'frozen:', gc.get_freeze_count() > 0)\n"
-        "    raise SystemExit(0)\n"
-        "common.load_engine = checked\n"
-        "import freetoken.cli.generate as g\n"
-        "g.load_engine = checked\n"
-        "main.main(['generate', '--model', 'random-demo', '--prompt', 'hi',\n"
-        "           '--max-tokens', '1'])\n"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    ).stdout  # fmt: skip
+    seen = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import gc, sys\n"
+            "from freetoken.cli import common, main\n"
+            "load = common.load_engine\n"
+            "def checked(args):\n"
+            "    print('loading, collector on:', gc.isenabled())\n"
+            "    engine = load(args)\n"
+            "    print('built, collector on:', gc.isenabled(),\n"
+            "          'frozen:', gc.get_freeze_count() > 0)\n"
+            "    raise SystemExit(0)\n"
+            "common.load_engine = checked\n"
+            "import freetoken.cli.generate as g\n"
+            "g.load_engine = checked\n"
+            "main.main(['generate', '--model', 'random-demo', '--prompt', 'hi',\n"
+            "           '--max-tokens', '1'])\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    ).stdout
     assert "loading, collector on: False" in seen
     assert "built, collector on: True frozen: True" in seen
 

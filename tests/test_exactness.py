@@ -57,8 +57,9 @@ def test_chunked_prefill_and_a_reused_prefix_match_transformers(family, tmp_path
     second = first[:29] + torch.randint(0, 160, (15,), generator=gen).tolist()
     runner = ModelRunner(loaded, kv_cache_tokens=256, page_size=page)
     a = runner.new_sequence()
-    chunks = [runner.forward([a], [first[i : i + 7]], all_logits=True)
-              for i in range(0, PROMPT_LEN, 7)]  # fmt: skip
+    chunks = [
+        runner.forward([a], [first[i : i + 7]], all_logits=True) for i in range(0, PROMPT_LEN, 7)
+    ]
     assert (torch.cat(chunks) - reference_logits(hf, first)).abs().max().item() < TOL
     b = runner.new_sequence()
     shared = 3  # pages: 24 tokens, the last window of 8 among them

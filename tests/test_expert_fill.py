@@ -98,8 +98,13 @@ def test_each_bank_is_copied_in_the_widest_word_its_layout_allows():
     from freetoken.kernels.expert_fill import fill_table
 
     gen = torch.Generator().manual_seed(1)
-    specs = [((4096,), torch.bfloat16), ((7, 3), torch.float32), ((5,), torch.uint8),
-             ((12,), torch.int16), ((3,), torch.float64)]  # fmt: skip
+    specs = [
+        ((4096,), torch.bfloat16),
+        ((7, 3), torch.float32),
+        ((5,), torch.uint8),
+        ((12,), torch.int16),
+        ((3,), torch.float64),
+    ]
     banks = make_banks(specs, pool=4, slots=3, gen=gen)
     table = fill_table(banks)
     # rows of 8192, 84, 5, 24 and 24 bytes (the allocator's bases are 16-byte aligned)
@@ -110,8 +115,12 @@ def test_each_bank_is_copied_in_the_widest_word_its_layout_allows():
     moved = banks[1][0]
     moved.set_(torch.empty_like(moved))  # the same tensor, another address: a table of its own
     assert fill_table(banks) is not table and fill_table(banks).widths == table.widths
-    long = make_banks([((3, 1001), torch.float32), ((2 * block_bytes(1) + 5,), torch.uint8)],
-                      pool=4, slots=3, gen=gen)  # fmt: skip
+    long = make_banks(
+        [((3, 1001), torch.float32), ((2 * block_bytes(1) + 5,), torch.uint8)],
+        pool=4,
+        slots=3,
+        gen=gen,
+    )
     assert fill_table(long).widths == [4, 1] and fill_table(long).grid == 2 + 3
     # a bank that starts 2 bytes into its storage is copied in 2-byte words
     src = random_bank(5, (9,), torch.int16, gen)
@@ -140,8 +149,10 @@ def _interpreter_cases() -> dict[str, bool]:
         before = [dst.clone() for dst, _ in banks]
         launch_fill(
             [(dst, HostRows(src) if host_rows else src) for dst, src in banks],
-            pairs, slot_ids, slots,
-        )  # fmt: skip
+            pairs,
+            slot_ids,
+            slots,
+        )
         res[key] = check_filled(banks, before, pairs, slot_ids, slots)
 
     quantized = list(QUANTIZED_ROWS.values())
@@ -149,8 +160,11 @@ def _interpreter_cases() -> dict[str, bool]:
     run("host_rows", make_banks(quantized, 9, 5, gen), 9, 5, entries=4, real=4, host_rows=True)
     run("all_to_the_sink", make_banks(quantized, 9, 5, gen), 9, 5, entries=4, real=0)
     # rows of several blocks with a partial last one, in 16-, 4- and 1-byte words
-    long_rows = [((block_bytes(16) // 2 + 40,), torch.bfloat16), ((3, 1001), torch.float32),
-                 ((2 * block_bytes(1) + 5,), torch.uint8)]  # fmt: skip
+    long_rows = [
+        ((block_bytes(16) // 2 + 40,), torch.bfloat16),
+        ((3, 1001), torch.float32),
+        ((2 * block_bytes(1) + 5,), torch.uint8),
+    ]
     run("long_rows", make_banks(long_rows, 6, 4, gen), 6, 4, entries=5, real=2)
     # every word width: banks whose rows and bases are 8, 4, 2 and 1-byte aligned only
     pool_rows = torch.empty(7 * 40 + 3, dtype=torch.uint8)
@@ -168,9 +182,18 @@ def _interpreter_cases() -> dict[str, bool]:
     return res
 
 
-INTERPRETER_CASES = ["quantized_pool", "host_rows", "all_to_the_sink", "long_rows",
-                     "aligned_0_24", "aligned_4_36", "aligned_2_10", "aligned_1_7",
-                     "aligned_3_40", "strided_rows"]  # fmt: skip
+INTERPRETER_CASES = [
+    "quantized_pool",
+    "host_rows",
+    "all_to_the_sink",
+    "long_rows",
+    "aligned_0_24",
+    "aligned_4_36",
+    "aligned_2_10",
+    "aligned_1_7",
+    "aligned_3_40",
+    "strided_rows",
+]
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +225,20 @@ def test_cuda_fill_from_mapped_pinned_memory(shapes):
         "quantized": list(QUANTIZED_ROWS.values()),
         # Qwen3-30B-A3B mxfp4 experts; gpt-oss-20b fp8 experts with its 128 x 128 block scales
         # (45 x 23 fp32 = 4140-byte rows: 4-byte words) and biases
-        "qwen3_mxfp4": [((1536, 1024), torch.uint8), ((2048, 384), torch.uint8),
-                        ((1536, 64), torch.uint8), ((2048, 24), torch.uint8)],
-        "gpt_oss_fp8": [((5760, 2880), torch.uint8), ((2880, 2880), torch.uint8),
-                        ((5760,), torch.bfloat16), ((45, 23), torch.float32),
-                        ((23, 23), torch.float32)],
-    }[shapes]  # fmt: skip
+        "qwen3_mxfp4": [
+            ((1536, 1024), torch.uint8),
+            ((2048, 384), torch.uint8),
+            ((1536, 64), torch.uint8),
+            ((2048, 24), torch.uint8),
+        ],
+        "gpt_oss_fp8": [
+            ((5760, 2880), torch.uint8),
+            ((2880, 2880), torch.uint8),
+            ((5760,), torch.bfloat16),
+            ((45, 23), torch.float32),
+            ((23, 23), torch.float32),
+        ],
+    }[shapes]
     gen = torch.Generator().manual_seed(4)
     pool, slots = 6, 5
     host = pinned_pool(specs, pool, gen)

@@ -35,10 +35,12 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
         parts = q.QuantizedParts("fp8", codes.view(torch.float8_e4m3fn), scale)
         return parts, q.dequantize_fp8_blocks(parts.data, scale, (16, 24))
     if name == "mxfp4":
-        blocks = torch.randint(0, 256, (*lead, rows, cols // 32, 16), dtype=torch.uint8,
-                               generator=GEN)  # fmt: skip
-        scales = torch.randint(115, 135, (*lead, rows, cols // 32), dtype=torch.uint8,
-                               generator=GEN)  # fmt: skip
+        blocks = torch.randint(
+            0, 256, (*lead, rows, cols // 32, 16), dtype=torch.uint8, generator=GEN
+        )
+        scales = torch.randint(
+            115, 135, (*lead, rows, cols // 32), dtype=torch.uint8, generator=GEN
+        )
         parts = q.QuantizedParts("mxfp4", blocks, scales.view(torch.float8_e8m0fnu))
         return parts, q.dequantize_mxfp4(blocks, scales)
     if name == "q8_0":
@@ -48,8 +50,9 @@ def stored_tensor(name: str, rows: int, cols: int, experts: int | None = None):
     if name in q.LEGACY_REST:  # (any codes and fifth bits; d and m of ~1e-3)
         codes = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=GEN)
         width = q.LEGACY_REST[name]
-        rest = torch.randint(0, 256, (*lead, rows, cols // 32, width), dtype=torch.uint8,
-                             generator=GEN)  # fmt: skip
+        rest = torch.randint(
+            0, 256, (*lead, rows, cols // 32, width), dtype=torch.uint8, generator=GEN
+        )
         halves = (torch.rand(*lead, rows, cols // 32, 2, generator=GEN) - 0.5) * 2e-3
         rest[..., : min(width, 4)] = halves.half().view(torch.uint8)[..., :width]  # (d, m)
         rest = rest.flatten(-2)

@@ -74,9 +74,11 @@ def test_every_type_converts_to_its_dequantized_values(source, tmp_path, kind):
     tensors = gguf._tensors(reader, "qwen3", parsed["config"], skeleton, set())
     assert set(tensors) == set(hf.state_dict()) - {"lm_head.weight"}  # (tied)
     stored = {t.name: t for t in reader.tensors}
-    for ours, theirs in (("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
-                         ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
-                         ("model.embed_tokens.weight", "token_embd.weight")):  # fmt: skip
+    for ours, theirs in (
+        ("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+        ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
+        ("model.embed_tokens.weight", "token_embd.weight"),
+    ):
         t = stored[theirs]
         want = gguf_package.quants.dequantize(t.data, t.tensor_type)
         assert torch.equal(tensors[ours], torch.tensor(want)), (kind, ours)
@@ -118,8 +120,9 @@ def test_a_gguf_file_serves_its_weights(source, q8_0_file, tmp_path, monkeypatch
         q, source_q = weights[name], hf.state_dict()[name]
         step = {"Q8_0": 0.01}.get(kind, 0.2)  # (of the largest)
         assert 0 < (q - source_q).abs().max() < step * source_q.abs().max()
-        t = next(t for t in gguf_package.GGUFReader(str(file)).tensors
-                 if t.name == "blk.0.attn_q.weight")  # fmt: skip
+        t = next(
+            t for t in gguf_package.GGUFReader(str(file)).tensors if t.name == "blk.0.attn_q.weight"
+        )
         want = torch.from_numpy(gguf_package.quants.dequantize(t.data, t.tensor_type))
         assert torch.equal(q, want)
         assert json.loads((converted / "config.json").read_text())["dtype"] == "bfloat16"
@@ -150,8 +153,15 @@ def test_a_gguf_files_dense_layers_load_quantized_and_match_its_dequantized_mode
     quantized = load_model(converted, dtype="float32")
     model = quantized.model
     for layer in model.layers:
-        for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
-                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):  # fmt: skip
+        for proj in (
+            layer.attn.q_proj,
+            layer.attn.k_proj,
+            layer.attn.v_proj,
+            layer.attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
             assert proj.weight is None and proj.quantized.format.name == "q8_0"
         # (stacked on the CPU: q, k and v one weight, the MLP one job of the experts' kernel)
         assert layer.attn.qkv_proj is not None and layer.mlp.native is not None
@@ -159,8 +169,7 @@ def test_a_gguf_files_dense_layers_load_quantized_and_match_its_dequantized_mode
     assert isinstance(head, QuantizedWeight) and model.config.tie_word_embeddings
     assert torch.equal(model.embed.weight, head.dequantize(torch.float32))
     dense = load_model(converted, dtype="float32", dequantize_dense=True)
-    assert not any(isinstance(m, Linear) and m.quantized is not None
-                   for m in dense.model.modules())  # fmt: skip
+    assert not any(isinstance(m, Linear) and m.quantized is not None for m in dense.model.modules())
 
     def run(loaded) -> torch.Tensor:
         runner = ModelRunner(loaded, kv_cache_tokens=128, page_size=8)
@@ -332,21 +341,39 @@ def test_a_gguf_file_converts_to_a_weight_directory(f32_file, tmp_path, monkeypa
 
 # (GGUF type of the rest, of the experts; the expert format kept (gate/up's, and the down
 # projection's where it differs), its parts' suffixes)
-MOE_KINDS = {"Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
-             "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales")),
-             **{f"{k}_EXPERTS": ("Q8_0", k, k.lower(), (f"_{k.lower()}", f"_{k.lower()}_scales"))
-                for k in ("Q4_K", "Q5_K", "Q6_K")},
-             # Q4_K_M / Q5_K_M-like: the down projections of even layers Q6_K
-             **{f"{k}_M": ("Q8_0", f"{k}_M", (k.lower(), "k_mixed"),
-                           (f"_{k.lower()}", f"_{k.lower()}_scales"))
-                for k in ("Q4_K", "Q5_K")},
-             # SmolLM2's Q4_1 file's type; Qwen2.5's Q4_K_M files' (gate and up Q5_0)
-             "Q4_1_EXPERTS": ("Q8_0", "Q4_1", "q4_1", ("_q4_1", "_q4_1_scales")),
-             "Q5_0_Q4_K_M": ("Q8_0", "Q5_0_Q4_K_M", ("q5_0", "k_mixed"),
-                             ("_q5_0", "_q5_0_scales"))}  # fmt: skip
+MOE_KINDS = {
+    "Q8_0": ("Q8_0", None, "q8_0", ("_q8_0", "_q8_0_scales")),
+    "MXFP4_MOE": ("Q8_0", "MXFP4", "mxfp4", ("_blocks", "_scales")),
+    **{
+        f"{k}_EXPERTS": ("Q8_0", k, k.lower(), (f"_{k.lower()}", f"_{k.lower()}_scales"))
+        for k in ("Q4_K", "Q5_K", "Q6_K")
+    },
+    # Q4_K_M / Q5_K_M-like: the down projections of even layers Q6_K
+    **{
+        f"{k}_M": (
+            "Q8_0",
+            f"{k}_M",
+            (k.lower(), "k_mixed"),
+            (f"_{k.lower()}", f"_{k.lower()}_scales"),
+        )
+        for k in ("Q4_K", "Q5_K")
+    },
+    # SmolLM2's Q4_1 file's type; Qwen2.5's Q4_K_M files' (gate and up Q5_0)
+    "Q4_1_EXPERTS": ("Q8_0", "Q4_1", "q4_1", ("_q4_1", "_q4_1_scales")),
+    "Q5_0_Q4_K_M": ("Q8_0", "Q5_0_Q4_K_M", ("q5_0", "k_mixed"), ("_q5_0", "_q5_0_scales")),
+}
 # a kept expert tensor's suffixes (codes, scales) -> its format
-SUFFIXES = {"_q8_0": "q8_0", "_blocks": "mxfp4", "_q4_k": "q4_k", "_q5_k": "q5_k", "_q6_k": "q6_k",
-            "_q4_0": "q4_0", "_q4_1": "q4_1", "_q5_0": "q5_0", "_q5_1": "q5_1"}  # fmt: skip
+SUFFIXES = {
+    "_q8_0": "q8_0",
+    "_blocks": "mxfp4",
+    "_q4_k": "q4_k",
+    "_q5_k": "q5_k",
+    "_q6_k": "q6_k",
+    "_q4_0": "q4_0",
+    "_q4_1": "q4_1",
+    "_q5_0": "q5_0",
+    "_q5_1": "q5_1",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_KINDS))
@@ -359,8 +386,9 @@ def moe_file(request, tmp_path_factory):
     widths = dict(hidden_size=256, moe_intermediate_size=256) if "k" in str(fmt) else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(settings.CACHE_DIR.name, str(cache))
-        path, _ = build_chat_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "src",
-                                   mlp_only_layers=[], **widths)  # fmt: skip
+        path, _ = build_chat_model(
+            "qwen3_moe", tmp_path_factory.mktemp("moe") / "src", mlp_only_layers=[], **widths
+        )
         out = tmp_path_factory.mktemp("moe-gguf") / f"{request.param}.gguf"
         file = write_qwen3_gguf(path, out, rest, experts)
         return gguf.checkpoint_of(file), fmt, suffixes
@@ -368,8 +396,9 @@ def moe_file(request, tmp_path_factory):
 
 def moe_logits(path, moe=None, **load) -> torch.Tensor:
     """Prefill logits and four paged decode steps'."""
-    runner = ModelRunner(load_model(path, dtype="float32", **load), kv_cache_tokens=128,
-                         page_size=8, moe=moe)  # fmt: skip
+    runner = ModelRunner(
+        load_model(path, dtype="float32", **load), kv_cache_tokens=128, page_size=8, moe=moe
+    )
     seq = runner.new_sequence()
     out = [runner.forward([seq], [IDS], all_logits=True)]
     for token in (5, 17, 40, 9):
@@ -399,8 +428,14 @@ def test_gguf_experts_stay_quantized_and_compute_as_their_dequantized_copy(moe_f
     assert experts.nbytes < dense.experts.nbytes / 3.5  # (8.5 or 4.25 bits a weight: fp32's 32)
     want = moe_logits(converted, dequantize_experts=True)
     # every strategy and cache size (one slot, a few, all) computes with them as defined
-    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("hybrid", "1"), MoEOptions("cpu"),
-                MoEOptions("offload", "3"), MoEOptions("static", "5")):  # fmt: skip
+    for moe in (
+        None,
+        MoEOptions("hybrid", "6"),
+        MoEOptions("hybrid", "1"),
+        MoEOptions("cpu"),
+        MoEOptions("offload", "3"),
+        MoEOptions("static", "5"),
+    ):
         got = moe_logits(converted, moe)
         assert (got - want).abs().max().item() < 1e-5, moe
     # the dequantized model is transformers' on those weights (the experts exact in fp32)
@@ -506,8 +541,10 @@ def test_which_mixes_of_expert_types_are_kept_and_the_log_says_why_not(caplog):
     assert "several types (Q4_K/Q6_K/Q8_0)" in caplog.text
     # gate and up of one type, the down projections of another or K-quants (Qwen2.5's Q4_K_M)
     qwen = [tensor(f"blk.{i}.ffn_{p}_exps.weight", "Q5_0") for i in (0, 1) for p in ("gate", "up")]
-    qwen += [tensor("blk.0.ffn_down_exps.weight", "Q6_K"), tensor("blk.1.ffn_down_exps.weight",
-                                                                  "Q4_K")]  # fmt: skip
+    qwen += [
+        tensor("blk.0.ffn_down_exps.weight", "Q6_K"),
+        tensor("blk.1.ffn_down_exps.weight", "Q4_K"),
+    ]
     assert kept(qwen) == {t.name for t in qwen}
     assert kept([*qwen[:4], tensor("blk.0.ffn_down_exps.weight", "Q8_0")])
     caplog.clear()

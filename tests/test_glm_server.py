@@ -81,8 +81,9 @@ def test_reasoning_and_a_typed_tool_call_round_trip(engine, server, monkeypatch)
     )
     answer = f"<think></think>{WEATHER_ANSWER}<|im_end|>"
     # (the days' value typed by the request's schema: 3, not "3")
-    prompts = tool_use_round_trip(engine, base, monkeypatch, WEATHER, call,
-                                  {"city": "Paris", "days": 3}, answer)  # fmt: skip
+    prompts = tool_use_round_trip(
+        engine, base, monkeypatch, WEATHER, call, {"city": "Paris", "days": 3}, answer
+    )
     # the result went back through the template as GLM's observation
     assert "<arg_key>days</arg_key>\n<arg_value>3</arg_value>" in prompts[-1]
     assert "<|observation|>" in prompts[-1]
@@ -105,8 +106,9 @@ def glm47_engine(tmp_path_factory):
     return cpu_engine(demo_with_template(tmp_path_factory.mktemp("glm47"), template)[0])
 
 
-def test_the_recorded_glm_4_7_template_picks_glm45_and_round_trips_a_call(glm47_engine,
-                                                                          monkeypatch):  # fmt: skip
+def test_the_recorded_glm_4_7_template_picks_glm45_and_round_trips_a_call(
+    glm47_engine, monkeypatch
+):
     call = (
         f"{WEATHER_THOUGHT}</think><tool_call>get_weather<arg_key>city</arg_key>"
         "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value>"
@@ -115,8 +117,9 @@ def test_the_recorded_glm_4_7_template_picks_glm45_and_round_trips_a_call(glm47_
     answer = f"</think>{WEATHER_ANSWER}<|im_end|>"
     with running_server(glm47_engine) as (base, core):
         assert core.parser_name == "glm45"
-        prompts = tool_use_round_trip(glm47_engine, base, monkeypatch, WEATHER, call,
-                                      {"city": "Paris", "days": 3}, answer)  # fmt: skip
+        prompts = tool_use_round_trip(
+            glm47_engine, base, monkeypatch, WEATHER, call, {"city": "Paris", "days": 3}, answer
+        )
     assert prompts[0].endswith("<|user|>Weather in Paris?<|assistant|><think>")
     # the call (with its reasoning, the turn after the last user message) and the result
     assert prompts[-1].endswith(

@@ -37,10 +37,14 @@ def release_layout(src, tmp_path):
             plain[name] = torch.stack([ref for _, ref in parts]).transpose(1, 2).contiguous()
         else:
             stored[name] = plain[name] = t
-    return write_variants(src, tmp_path, {
-        "release": (stored, {"quantization_config": {"quant_method": "mxfp4"}}),
-        "plain": (plain, {}),
-    })  # fmt: skip
+    return write_variants(
+        src,
+        tmp_path,
+        {
+            "release": (stored, {"quantization_config": {"quant_method": "mxfp4"}}),
+            "plain": (plain, {}),
+        },
+    )
 
 
 def test_the_mxfp4_release_layout_is_the_model_of_its_dequantized_weights(source, tmp_path):
@@ -69,8 +73,9 @@ def test_gate_and_up_are_de_interleaved_into_the_bank_halves():
     assert out.tolist() == [[0, 2, 4, 1, 3, 5], [6, 8, 10, 7, 9, 11]]
     # transformers' layout [E, in, out] is transposed first; the release's is ours already
     down = torch.randn(2, 4, 5)
-    assert torch.equal(gpt_oss.to_layout("layers.0.moe.experts.down_proj", down, False),
-                       down.transpose(1, 2))  # fmt: skip
+    assert torch.equal(
+        gpt_oss.to_layout("layers.0.moe.experts.down_proj", down, False), down.transpose(1, 2)
+    )
     assert torch.equal(gpt_oss.to_layout("layers.0.moe.experts.down_proj", down, True), down)
 
 
@@ -99,6 +104,10 @@ def test_the_mxfp4_release_on_cuda_matches_its_dequantized_weights(source, tmp_p
 
     release, plain = release_layout(source[0], tmp_path)
     want = cuda_logits(plain, MoEOptions("fused"))
-    for moe in (MoEOptions("fused"), MoEOptions("offload", "6"), MoEOptions("hybrid", "5"),
-                MoEOptions("static", "9")):  # fmt: skip
+    for moe in (
+        MoEOptions("fused"),
+        MoEOptions("offload", "6"),
+        MoEOptions("hybrid", "5"),
+        MoEOptions("static", "9"),
+    ):
         assert (cuda_logits(release, moe) - want).abs().max().item() < 1e-4, moe

@@ -113,9 +113,17 @@ def naive_loop(x, slots, weights, w_gate_up, w_down, act="silu", b_gate_up=None,
     return out
 
 
-QUANTIZED = {"fp8": fp8_format((16, 24)), "fp8_128": fp8_format((128, 128)),
-             "fp8_32x64": fp8_format((32, 64)), "mxfp4": MXFP4, "nvfp4": NVFP4,
-             "q8_0": Q8_0, **K_QUANTS, "k_mixed": K_MIXED, **LEGACY}  # fmt: skip
+QUANTIZED = {
+    "fp8": fp8_format((16, 24)),
+    "fp8_128": fp8_format((128, 128)),
+    "fp8_32x64": fp8_format((32, 64)),
+    "mxfp4": MXFP4,
+    "nvfp4": NVFP4,
+    "q8_0": Q8_0,
+    **K_QUANTS,
+    "k_mixed": K_MIXED,
+    **LEGACY,
+}
 
 
 def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> QuantizedBank:
@@ -133,8 +141,10 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
         s = ((torch.rand(s_shape, generator=gen) + 0.5) * size / 64).half()
         return QuantizedBank(fmt, w, s)
     if fmt.name == "k_mixed":  # each slot of one of the K-quants (as a file's layers are)
-        kinds = [quantized_bank(K_QUANTS[name], 1, n, k, gen, scale)
-                 for name in (list(K_QUANTS) * slots)[:slots]]  # fmt: skip
+        kinds = [
+            quantized_bank(K_QUANTS[name], 1, n, k, gen, scale)
+            for name in (list(K_QUANTS) * slots)[:slots]
+        ]
         w = torch.cat([b.w for b in kinds])
         s = torch.cat([k_mixed_rest(b.format.name, b.s) for b in kinds])
         return QuantizedBank(fmt, w, s)
@@ -157,15 +167,27 @@ def quantized_bank(fmt, slots: int, n: int, k: int, gen, scale: float = 1.0) -> 
         return QuantizedBank(fmt, w, s)
     if fmt.name == "mxfp4":  # |e2m1| ~ 2.6 on average
         e = round(torch.tensor(size / 2.6).log2().item()) + 127
-        return QuantizedBank(fmt, w, torch.randint(e - 2, e + 2, s_shape, dtype=torch.uint8,
-                                                   generator=gen))  # fmt: skip
+        return QuantizedBank(
+            fmt, w, torch.randint(e - 2, e + 2, s_shape, dtype=torch.uint8, generator=gen)
+        )
     s = (torch.rand(s_shape, generator=gen) * 3 + 0.25).to(torch.float8_e4m3fn).view(torch.uint8)
     g = (torch.rand(slots, n, generator=gen) + 0.5) * size / 4
     return QuantizedBank(fmt, w, s, g)
 
 
-def quantized_case(name: str, t: int, k: int, h: int, i: int, s: int, *, seed: int = 0,
-                   dtype=torch.float32, scale: float = 1.0, device: str = "cpu"):  # fmt: skip
+def quantized_case(
+    name: str,
+    t: int,
+    k: int,
+    h: int,
+    i: int,
+    s: int,
+    *,
+    seed: int = 0,
+    dtype=torch.float32,
+    scale: float = 1.0,
+    device: str = "cpu",
+):
     """make_case's routing with random quantized banks of format `name` ("a+b": the gate/up
     projections' and the down projection's), and the dense banks they dequantize to, in
     `dtype`."""
@@ -189,8 +211,10 @@ def quantized_case(name: str, t: int, k: int, h: int, i: int, s: int, *, seed: i
 @pytest.mark.parametrize("seed", range(6))
 def test_reference_matches_naive_loop(seed):
     g = torch.Generator().manual_seed(100 + seed)
-    t, k, h, i, s = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in
-                     [(1, 7), (1, 5), (8, 97), (4, 49), (1, 9)])  # fmt: skip
+    t, k, h, i, s = (
+        int(torch.randint(lo, hi, (), generator=g))
+        for lo, hi in [(1, 7), (1, 5), (8, 97), (4, 49), (1, 9)]
+    )
     case = make_case(t, k, h, i, s, seed=seed)
     torch.testing.assert_close(
         reference_grouped_experts(*case), naive_loop(*case), rtol=0, atol=1e-5
@@ -204,8 +228,9 @@ def test_reference_with_biases_matches_naive_loop(act):
     got = reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     # each route's own slot's bias, and the clamp, both count
-    assert (reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias.roll(1, 0))
-            - want).abs().max() > 1e-2  # fmt: skip
+    assert (
+        reference_grouped_experts(x, slots, weights, w_gate_up, w_down, act, bias.roll(1, 0)) - want
+    ).abs().max() > 1e-2
     h = torch.einsum("th,snh->tsn", x, w_gate_up) + bias
     assert h.abs().max() > 14
     if act == "swiglu_oai":
@@ -310,8 +335,9 @@ def test_argument_checks():
 def test_reference_on_quantized_banks_is_the_dequantized_experts(name, dtype):
     """A quantized expert gives its dequantized copy's result: the same function, bit for bit
     (and so do dispatch on the CPU and dequantize_slots, the definition there)."""
-    quantized, dense = quantized_case(name, 4, 3, 96, 48 if name == "nvfp4" else 64, 5,
-                                      seed=3, dtype=dtype)  # fmt: skip
+    quantized, dense = quantized_case(
+        name, 4, 3, 96, 48 if name == "nvfp4" else 64, 5, seed=3, dtype=dtype
+    )
     want = reference_grouped_experts(*dense)
     assert want.abs().max() > 0.1
     assert torch.equal(reference_grouped_experts(*quantized), want)
@@ -416,13 +442,16 @@ def _interpreter_cases(part: str = "all") -> dict[str, float]:
         res[f"bias_{act}"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=7)), act)
     res["swiglu_oai"] = err(make_case(3, 2, 64, 32, 5, seed=8), act="swiglu_oai")
     res["swiglu_oai_clamped"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=9)), "swiglu_oai", False)
-    res["bf16_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=10, **bf16)),
-                                 "swiglu_oai", False)  # fmt: skip
-    res["bf16_bias_swiglu_oai"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=11, **bf16)),
-                                      "swiglu_oai")  # fmt: skip
+    res["bf16_swiglu_oai"] = rel(
+        biased(make_case(4, 3, 72, 40, 6, seed=10, **bf16)), "swiglu_oai", False
+    )
+    res["bf16_bias_swiglu_oai"] = rel(
+        biased(make_case(4, 3, 72, 40, 6, seed=11, **bf16)), "swiglu_oai"
+    )
     # DeepSeek-V4: silu's unit over gate and up clamped at 10 (the weights reach past it)
-    res["swiglu_clamp_clamped"] = rel(biased(make_case(4, 3, 72, 40, 6, seed=12), scale=8.0),
-                                      "swiglu_clamp", False)  # fmt: skip
+    res["swiglu_clamp_clamped"] = rel(
+        biased(make_case(4, 3, 72, 40, 6, seed=12), scale=8.0), "swiglu_clamp", False
+    )
     if part == "all":
         res.update(_quantized_interpreter_cases())
     return res
@@ -432,19 +461,50 @@ def _interpreter_cases(part: str = "all") -> dict[str, float]:
 # with tile sizes): several K steps and partial tiles on every dimension at the shapes below.
 # The down kernel's split-K at 2 steps: the K-quant cases' 256 columns in 4 splits, the others
 # (2 steps or fewer) unsplit.
-SMALL_LAUNCH = {"GATE_UP_BLOCK_N": 64, "GATE_UP_BLOCK_K": 64, "GATE_UP_WARPS": 4,
-                "GATE_UP_STAGES": 1, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 32, "DOWN_WARPS": 4,
-                "DOWN_STAGES": 1, "DOWN_SPLIT_STEPS": 2}  # fmt: skip
-QUANTIZED_SHAPES = {"fp8": (72, 40), "fp8_32x64": (72, 40), "mxfp4": (96, 64), "nvfp4": (96, 48),
-                    "q8_0": (96, 64), **{name: (256, 256) for name in K_QUANTS},
-                    "k_mixed": (256, 256), "q4_k+k_mixed": (256, 256),
-                    **{name: (96, 64) for name in LEGACY}}  # fmt: skip
-QUANTIZED_DTYPES = [("fp8", "fp32"), ("fp8", "bf16"), ("fp8_32x64", "fp32"), ("mxfp4", "fp32"),
-                    ("mxfp4", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16"), ("q8_0", "fp32"),
-                    ("q8_0", "bf16"), ("q4_k", "fp32"), ("q5_k", "bf16"), ("q6_k", "fp32"),
-                    ("q6_k", "bf16"), ("k_mixed", "fp32"), ("k_mixed", "bf16"),
-                    ("q4_k+k_mixed", "bf16"), ("q4_0", "fp32"), ("q4_1", "bf16"),
-                    ("q5_0", "bf16"), ("q5_1", "fp32")]  # fmt: skip
+SMALL_LAUNCH = {
+    "GATE_UP_BLOCK_N": 64,
+    "GATE_UP_BLOCK_K": 64,
+    "GATE_UP_WARPS": 4,
+    "GATE_UP_STAGES": 1,
+    "DOWN_BLOCK_N": 64,
+    "DOWN_BLOCK_K": 32,
+    "DOWN_WARPS": 4,
+    "DOWN_STAGES": 1,
+    "DOWN_SPLIT_STEPS": 2,
+}
+QUANTIZED_SHAPES = {
+    "fp8": (72, 40),
+    "fp8_32x64": (72, 40),
+    "mxfp4": (96, 64),
+    "nvfp4": (96, 48),
+    "q8_0": (96, 64),
+    **{name: (256, 256) for name in K_QUANTS},
+    "k_mixed": (256, 256),
+    "q4_k+k_mixed": (256, 256),
+    **{name: (96, 64) for name in LEGACY},
+}
+QUANTIZED_DTYPES = [
+    ("fp8", "fp32"),
+    ("fp8", "bf16"),
+    ("fp8_32x64", "fp32"),
+    ("mxfp4", "fp32"),
+    ("mxfp4", "bf16"),
+    ("nvfp4", "fp32"),
+    ("nvfp4", "bf16"),
+    ("q8_0", "fp32"),
+    ("q8_0", "bf16"),
+    ("q4_k", "fp32"),
+    ("q5_k", "bf16"),
+    ("q6_k", "fp32"),
+    ("q6_k", "bf16"),
+    ("k_mixed", "fp32"),
+    ("k_mixed", "bf16"),
+    ("q4_k+k_mixed", "bf16"),
+    ("q4_0", "fp32"),
+    ("q4_1", "bf16"),
+    ("q5_0", "bf16"),
+    ("q5_1", "fp32"),
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # dequantize_slots' extreme bytes on two of the legacy types: together d's offset, m and the
 # fifth bits (the other two's tiles are checked against the dense kernels above)
@@ -485,21 +545,32 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     for name, dt in QUANTIZED_DTYPES:
         h, i = QUANTIZED_SHAPES[name]
         tokens = 4 if "k_mixed" in name else 2  # (routes to slots of each K type: 0, 1, 2)
-        compare(quantized_case(name, tokens, 2, h, i, 5, seed=20, dtype=DTYPES[dt]),
-                f"q_{name}_{dt}")  # fmt: skip
+        compare(
+            quantized_case(name, tokens, 2, h, i, 5, seed=20, dtype=DTYPES[dt]), f"q_{name}_{dt}"
+        )
     # int32 slots; the launch defaults (larger tiles than the dims: one partial K step for fp4,
     # fp8's one-scale-per-row path with 128 x 128 blocks)
     quantized, dense = quantized_case("fp8", 2, 3, 72, 40, 4, seed=21)
     slots32 = quantized[1].int()
-    compare(((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
-            "q_int32_slots")  # fmt: skip
+    compare(
+        ((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
+        "q_int32_slots",
+    )
     # (k_mixed: 5 steps of its 256-column tiles, split 3 + 2)
-    for name, (h, i) in {"fp8_128": (192, 64), "mxfp4": (160, 64), "nvfp4": (160, 48),
-                         "q8_0": (160, 64), "q4_k": (512, 256),
-                         "k_mixed": (256, 1280)}.items():  # fmt: skip
+    for name, (h, i) in {
+        "fp8_128": (192, 64),
+        "mxfp4": (160, 64),
+        "nvfp4": (160, 48),
+        "q8_0": (160, 64),
+        "q4_k": (512, 256),
+        "k_mixed": (256, 1280),
+    }.items():
         fmt = QUANTIZED[name].name
-        compare(quantized_case(name, 2, 2, h, i, 4, seed=22), f"q_{name}_defaults",
-                params=ge.launch_params(fmt))  # fmt: skip
+        compare(
+            quantized_case(name, 2, 2, h, i, 4, seed=22),
+            f"q_{name}_defaults",
+            params=ge.launch_params(fmt),
+        )
     # gpt-oss's unit with biases, gate and up past its clamp
     for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
         h, i = QUANTIZED_SHAPES[name]
@@ -518,8 +589,9 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed", *DQ_LEGACY):
         fmt = QUANTIZED[name]
         # (K tails: nvfp4 2.5 chunks, q8_0 and the legacy types 1.25 of the default tiles)
-        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160,
-             **dict.fromkeys(LEGACY, 160)}.get(fmt.name, 512)  # fmt: skip
+        k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160, **dict.fromkeys(LEGACY, 160)}.get(
+            fmt.name, 512
+        )
         bank = quantized_bank(fmt, 4, 40, k, gen)
         bank.w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # (NaNs in fp8)
         if fmt.name in K_FAMILY or fmt.name in LEGACY:  # every byte of the blocks' rest: fp16
@@ -565,29 +637,51 @@ def _quantized_interpreter_cases() -> dict[str, float]:
 # torch rounds op by op (~2% of the largest output measured; a wrong or missing bias or clamp
 # is off by 40% or more).
 INTERPRETER_TOLERANCE = {
-    "bf16": 5e-2, "bias_swiglu_oai": 1e-5, "bias_silu": 1e-5, "swiglu_oai_clamped": 1e-5,
+    "bf16": 5e-2,
+    "bias_swiglu_oai": 1e-5,
+    "bias_silu": 1e-5,
+    "swiglu_oai_clamped": 1e-5,
     "swiglu_clamp_clamped": 1e-5,
-    "bf16_swiglu_oai": 5e-2, "bf16_bias_swiglu_oai": 5e-2,
-}  # fmt: skip
+    "bf16_swiglu_oai": 5e-2,
+    "bf16_bias_swiglu_oai": 5e-2,
+}
 # Quantized cases: equal to the dense kernels bit for bit (-1.0), and within the dense kernels'
 # own tolerance of the reference (relative to the largest output; bf16: the interpreter's
 # truncating casts, a few % as for the dense bf16 cases above).
 QUANTIZED_INTERPRETER_CASES = [
     *(f"q_{name}_{dt}" for name, dt in QUANTIZED_DTYPES),
-    "q_int32_slots", "q_fp8_128_defaults", "q_mxfp4_defaults", "q_nvfp4_defaults",
-    "q_q8_0_defaults", "q_q4_k_defaults", "q_k_mixed_defaults", "q_mxfp4_bf16_bias_swiglu_oai",
+    "q_int32_slots",
+    "q_fp8_128_defaults",
+    "q_mxfp4_defaults",
+    "q_nvfp4_defaults",
+    "q_q8_0_defaults",
+    "q_q4_k_defaults",
+    "q_k_mixed_defaults",
+    "q_mxfp4_bf16_bias_swiglu_oai",
     "q_fp8_fp32_bias_swiglu_oai",
-]  # fmt: skip
+]
 for _case in QUANTIZED_INTERPRETER_CASES:
     INTERPRETER_TOLERANCE[_case] = -1.0
     INTERPRETER_TOLERANCE[_case + "_ref"] = 5e-2 if "bf16" in _case else 1e-5
 QUANTIZED_INTERPRETER_CASES += [
     *(case + "_ref" for case in QUANTIZED_INTERPRETER_CASES),
-    "q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
+    "q_all_skipped",
+    "dq_fp8",
+    "dq_fp8_128",
+    "dq_mxfp4",
+    "dq_nvfp4",
+    "dq_q8_0",
     *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed", *DQ_LEGACY)),
-]  # fmt: skip
-for _case in ("q_all_skipped", "dq_fp8", "dq_fp8_128", "dq_mxfp4", "dq_nvfp4", "dq_q8_0",
-              *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed", *DQ_LEGACY))):  # fmt: skip
+]
+for _case in (
+    "q_all_skipped",
+    "dq_fp8",
+    "dq_fp8_128",
+    "dq_mxfp4",
+    "dq_nvfp4",
+    "dq_q8_0",
+    *(f"dq_{name}" for name in (*K_QUANTS, "k_mixed", *DQ_LEGACY)),
+):
     INTERPRETER_TOLERANCE[_case] = -1.0
 
 
@@ -606,11 +700,26 @@ def interpreter_results() -> dict[str, float]:
 
 
 INTERPRETER_CASES = [
-    "basic", "int32_slots", "odd_shapes", "long_rows", "gelu", "gelu_pytorch_tanh", "relu",
-    "strided_banks", "all_skipped", "empty", "bf16", "bias_swiglu_oai", "bias_silu", "swiglu_oai",
-    "swiglu_oai_clamped", "bf16_swiglu_oai", "bf16_bias_swiglu_oai", "swiglu_clamp_clamped",
+    "basic",
+    "int32_slots",
+    "odd_shapes",
+    "long_rows",
+    "gelu",
+    "gelu_pytorch_tanh",
+    "relu",
+    "strided_banks",
+    "all_skipped",
+    "empty",
+    "bf16",
+    "bias_swiglu_oai",
+    "bias_silu",
+    "swiglu_oai",
+    "swiglu_oai_clamped",
+    "bf16_swiglu_oai",
+    "bf16_bias_swiglu_oai",
+    "swiglu_clamp_clamped",
     *QUANTIZED_INTERPRETER_CASES,
-]  # fmt: skip
+]
 
 
 @needs_triton
@@ -636,9 +745,17 @@ def test_cuda_qwen3_30b_shapes_bf16(tokens, weight_dtype):
     from freetoken.kernels.grouped_experts import triton_grouped_expert_forward
 
     case = make_case(
-        tokens, 8, 2048, 768, 24, seed=tokens, dtype=torch.bfloat16, skip_frac=0.2,
-        weight_dtype=weight_dtype, device="cuda",
-    )  # fmt: skip
+        tokens,
+        8,
+        2048,
+        768,
+        24,
+        seed=tokens,
+        dtype=torch.bfloat16,
+        skip_frac=0.2,
+        weight_dtype=weight_dtype,
+        device="cuda",
+    )
     ours = grouped_expert_forward(*case)
     assert ours.dtype == torch.bfloat16
     assert _rel_err(ours, reference_grouped_experts(*case)) < 1e-2
@@ -704,8 +821,11 @@ def test_cuda_edge_cases():
 # top-4; 2880 is no multiple of 128, so fp8's last scale blocks and the tiles' K steps are
 # partial) and Qwen3-30B-A3B (H 2048, I 768, top-8).
 # (Qwen2.5-0.5B made into an MoE: its down kernel split, 4864 columns in 4-step splits)
-MODEL_SHAPES = {"gpt-oss": (2880, 2880, 32, 4), "qwen3": (2048, 768, 32, 8),
-                "qwen2.5-0.5b": (896, 4864, 8, 2)}  # fmt: skip
+MODEL_SHAPES = {
+    "gpt-oss": (2880, 2880, 32, 4),
+    "qwen3": (2048, 768, 32, 8),
+    "qwen2.5-0.5b": (896, 4864, 8, 2),
+}
 CUDA_FORMATS = ["fp8_128", "mxfp4", "nvfp4", "q8_0", "q4_k", "q6_k", "k_mixed", "q4_1", "q5_0"]
 
 
@@ -716,8 +836,16 @@ def skip_unless_it_fits(name: str, h: int, i: int) -> None:
         pytest.skip(f"{name} needs widths in multiples of {fmt.col_block}")
 
 
-COMPILED_FORMATS = ["dense", *CUDA_FORMATS, "q5_k", "q4_k+k_mixed", "q4_0", "q5_1", "q5_0+k_mixed",
-                    "q5_0+k_mixed@qwen2.5-0.5b"]  # fmt: skip
+COMPILED_FORMATS = [
+    "dense",
+    *CUDA_FORMATS,
+    "q5_k",
+    "q4_k+k_mixed",
+    "q4_0",
+    "q5_1",
+    "q5_0+k_mixed",
+    "q5_0+k_mixed@qwen2.5-0.5b",
+]
 
 
 def _compile_cases() -> dict[str, list[str] | str]:
@@ -734,8 +862,9 @@ def _compile_cases() -> dict[str, list[str] | str]:
         before = len(compiled.COMPILED)
         try:
             if name == "dense":
-                x, slots, weights, w_gate_up, w_down = make_case(4, k, h, i, 8,
-                                                                 dtype=torch.bfloat16)  # fmt: skip
+                x, slots, weights, w_gate_up, w_down = make_case(
+                    4, k, h, i, 8, dtype=torch.bfloat16
+                )
                 ge.triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down)
             else:
                 quantized, _ = quantized_case(name, 4, k, h, i, 8, dtype=torch.bfloat16)
@@ -781,8 +910,9 @@ def test_cuda_quantized_decode_kernels(model, name, monkeypatch):
     h, i, s, k = MODEL_SHAPES[model]
     skip_unless_it_fits(name, h, i)
     for tokens in (1, 4):
-        quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=tokens,
-                                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        quantized, dense = quantized_case(
+            name, tokens, k, h, i, s, seed=tokens, dtype=torch.bfloat16, device="cuda"
+        )
         ours = grouped_expert_forward(*quantized)
         assert ours.dtype == torch.bfloat16
         assert torch.equal(ge.triton_grouped_expert_forward(*quantized), ours)  # deterministic
@@ -805,8 +935,9 @@ def test_cuda_quantized_decode_kernels(model, name, monkeypatch):
 def test_cuda_quantized_biased_swiglu_oai(name):
     h, i, s, k = MODEL_SHAPES["gpt-oss"]
     skip_unless_it_fits(name, h, i)
-    quantized, dense = quantized_case(name, 4, k, h, i, s, seed=5, dtype=torch.bfloat16,
-                                      scale=6, device="cuda")  # fmt: skip
+    quantized, dense = quantized_case(
+        name, 4, k, h, i, s, seed=5, dtype=torch.bfloat16, scale=6, device="cuda"
+    )
     bias = (torch.randn(s, 2 * i, device="cuda") * 3).bfloat16()
     ours = grouped_expert_forward(*quantized, "swiglu_oai", bias)
     want = reference_grouped_experts(*dense, "swiglu_oai", bias)
@@ -822,8 +953,9 @@ def test_cuda_quantized_long_chunks_use_grouped_gemm(model, name):
     h, i, s, k = MODEL_SHAPES[model]
     skip_unless_it_fits(name, h, i)
     tokens = 160  # (640 or 1280 routes: the grouped GEMM path)
-    quantized, dense = quantized_case(name, tokens, k, h, i, s, seed=7, dtype=torch.bfloat16,
-                                      device="cuda")  # fmt: skip
+    quantized, dense = quantized_case(
+        name, tokens, k, h, i, s, seed=7, dtype=torch.bfloat16, device="cuda"
+    )
     ours = grouped_expert_forward(*quantized)
     assert _rel_err(ours, grouped_gemm_experts(*dense)) < 5e-3
     assert _rel_err(ours, reference_grouped_experts(*dense)) < 1e-2
@@ -855,5 +987,7 @@ def test_cuda_dequantize_slots_is_the_definition(name):
             torch.testing.assert_close(  # (the definition as the loader computes it: on the CPU)
                 triton_dequantize_slots(on_device, index.cuda(), dtype).cpu(),
                 bank.dequantize(index, dtype),
-                rtol=0, atol=0, equal_nan=True,
-            )  # fmt: skip
+                rtol=0,
+                atol=0,
+                equal_nan=True,
+            )

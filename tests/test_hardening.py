@@ -24,13 +24,19 @@ HEALTH_BUDGET = 0.1  # seconds /health may take while another request is being r
 
 CHAT = "/v1/chat/completions"
 GENERATING = {
-    CHAT: lambda n: {"model": MODEL, "max_tokens": n, "messages": [{"role": "user",
-                                                                   "content": "Go on"}]},
+    CHAT: lambda n: {
+        "model": MODEL,
+        "max_tokens": n,
+        "messages": [{"role": "user", "content": "Go on"}],
+    },
     "/v1/completions": lambda n: {"model": MODEL, "max_tokens": n, "prompt": "Go on"},
-    "/v1/messages": lambda n: {"model": MODEL, "max_tokens": n, "messages": [{"role": "user",
-                                                                           "content": "Go on"}]},
+    "/v1/messages": lambda n: {
+        "model": MODEL,
+        "max_tokens": n,
+        "messages": [{"role": "user", "content": "Go on"}],
+    },
     "/v1/responses": lambda n: {"model": MODEL, "max_output_tokens": n, "input": "Go on"},
-}  # fmt: skip
+}
 
 
 def long_body(path: str, tokens: int = 1500) -> dict:
@@ -114,9 +120,11 @@ HOSTILE_TEMPLATE = (
 
 def chat_with_template(template: str) -> dict:
     return {
-        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
         "chat_template_kwargs": {"chat_template": template},
-    }  # fmt: skip
+    }
 
 
 def test_client_templates_are_refused_unless_the_operator_allows_them(server):
@@ -228,12 +236,30 @@ def test_sigterm_ends_the_process_within_the_shutdown_timeout(tmp_path):
     port, timeout = free_port(), 3.0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "random-demo",
-         "--device", "cpu", "--dtype",
-         "float32", "--port", str(port), "--kv-cache-tokens", "4096",
-         "--shutdown-timeout", str(timeout), "--served-model-name", MODEL],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "freetoken.cli.main",
+            "serve",
+            "--model",
+            "random-demo",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--kv-cache-tokens",
+            "4096",
+            "--shutdown-timeout",
+            str(timeout),
+            "--served-model-name",
+            MODEL,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _healthy(base) or process.poll() is not None, timeout=120, every=0.2)
@@ -283,8 +309,9 @@ def test_keys_are_compared_in_constant_time_and_bad_ones_refused(fresh_engine, m
 
     compared = []
     real = app_module.hmac.compare_digest
-    monkeypatch.setattr(app_module.hmac, "compare_digest",
-                        lambda a, b: compared.append(1) or real(a, b))  # fmt: skip
+    monkeypatch.setattr(
+        app_module.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b)
+    )
     with running_server(fresh_engine, MODEL, api_key="sekret") as (base, _):
         for headers in (
             {"authorization": "Bearer sekreT"},  # same length
@@ -334,9 +361,15 @@ def test_serve_flags_reach_the_engine_config_before_it_is_built():
     from freetoken.cli.options import engine_config
 
     config = engine_config(
-        serve_args(**{"--max-running-requests": "8", "--max-prefill-chunk": "512",
-                      "--cpu-spin-us": "50", "--cpu-prepare-us": "0"})
-    )  # fmt: skip
+        serve_args(
+            **{
+                "--max-running-requests": "8",
+                "--max-prefill-chunk": "512",
+                "--cpu-spin-us": "50",
+                "--cpu-prepare-us": "0",
+            }
+        )
+    )
     assert config.max_batch_size == 8 and config.max_prefill_chunk == 512
     assert config.moe.cpu_spin_us == 50 and config.moe.cpu_prepare_us == 0
     from freetoken.config import EngineConfig
@@ -362,9 +395,10 @@ def test_a_hybrid_model_runs_as_many_requests_as_asked(tmp_path):
 
     path, _ = build_chat_model("qwen3_next", tmp_path / "qwen3_next")
     engine = LLMEngine.from_config(
-        EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_tokens=2048,
-                     max_batch_size=8)
-    )  # fmt: skip
+        EngineConfig(
+            model=path, device="cpu", dtype="float32", kv_cache_tokens=2048, max_batch_size=8
+        )
+    )
     scheduler = Scheduler(engine)
     scheduler.shutdown()  # only its limit is read here
     assert scheduler.max_running == 8
@@ -524,10 +558,13 @@ def test_prefill_counts_are_the_tokens_the_engine_prefilled(engine):
         before = httpx.get(base + "/v1/stats").json()
         body = {"model": MODEL, "max_tokens": 1, "temperature": 0}
         threads = [
-            in_background(lambda p=p: httpx.post(base + "/v1/completions", timeout=60,
-                                                 json={**body, "prompt": p}))
+            in_background(
+                lambda p=p: httpx.post(
+                    base + "/v1/completions", timeout=60, json={**body, "prompt": p}
+                )
+            )
             for p in prompts
-        ]  # fmt: skip
+        ]
         for _, done, result in threads:
             assert done.wait(60) and result["value"].status_code == 200
         after = httpx.get(base + "/v1/stats").json()
@@ -545,8 +582,11 @@ def test_metrics_are_prometheus_histograms(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "request_duration_seconds"):  # fmt: skip
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "request_duration_seconds",
+    ):
         family = families[f"freetoken_{name}"]
         assert family.type == "histogram"
         count = next(s.value for s in family.samples if s.name.endswith("_count"))
@@ -581,13 +621,13 @@ def test_engine_failures_end_streams_with_the_apis_error_event(fresh_engine):
             whole = httpx.post(base + "/v1/messages", json=GENERATING["/v1/messages"](4))
         finally:
             fresh_engine.step = real
-        assert chat[-1] == "data: [DONE]" and "boom" in json.loads(chat[-2][6:])["error"][
-            "message"]  # fmt: skip
+        assert chat[-1] == "data: [DONE]" and "boom" in json.loads(chat[-2][6:])["error"]["message"]
         assert anthropic[-2] == "event: error"
         assert json.loads(anthropic[-1][6:])["error"]["type"] == "api_error"
         final = json.loads(responses[-1][6:])
-        assert final["type"] == "response.failed" and "boom" in final["response"]["error"][
-            "message"]  # fmt: skip
+        assert (
+            final["type"] == "response.failed" and "boom" in final["response"]["error"]["message"]
+        )
         assert whole.status_code == 500 and whole.json()["type"] == "error"
         ok = httpx.post(base + CHAT, json=GENERATING[CHAT](2))
         assert ok.status_code == 200
@@ -595,6 +635,10 @@ def test_engine_failures_end_streams_with_the_apis_error_event(fresh_engine):
 
 def test_docs_list_the_server_flags():
     text = (Path(__file__).parents[1] / "docs" / "api.md").read_text()
-    for flag in ("--max-request-bytes", "--allow-request-chat-template", "--template-timeout",
-                 "--shutdown-timeout"):  # fmt: skip
+    for flag in (
+        "--max-request-bytes",
+        "--allow-request-chat-template",
+        "--template-timeout",
+        "--shutdown-timeout",
+    ):
         assert flag in text, flag

@@ -20,8 +20,15 @@ from server_fixtures import (
     tool_use_round_trip,
 )
 
-SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
-           "<|call|>"]  # fmt: skip
+SPECIAL = [
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+]
 TEMPLATE = (
     "<|start|>system<|message|>You are a helpful assistant.\n"
     'Reasoning: {{ reasoning_effort | default("medium") }}\n'
@@ -88,8 +95,9 @@ def test_reasoning_and_a_tool_call_round_trip(engine, server, monkeypatch):
     )
     # the model answers on the final channel
     answer = f"<|channel|>final<|message|>{WEATHER_ANSWER}<|return|>"
-    prompts = tool_use_round_trip(engine, base, monkeypatch, WEATHER, call, {"city": "Paris"},
-                                  answer, reasoning_effort="high")  # fmt: skip
+    prompts = tool_use_round_trip(
+        engine, base, monkeypatch, WEATHER, call, {"city": "Paris"}, answer, reasoning_effort="high"
+    )
     assert "Reasoning: high" in prompts[0]  # reasoning_effort reached the template
     assert "to=functions.get_weather" in prompts[-1]  # the call went back through it
 

@@ -20,8 +20,9 @@ def test_copies_rows_by_address_on_a_stream():
     pairs, slots = np.array([7, 2, 9], np.uint64), np.array([3, 0, 1], np.uint64)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    copier.copy(dev.data_ptr() + slots * row, host.data_ptr() + pairs * row,
-                np.full(3, row), stream)  # fmt: skip
+    copier.copy(
+        dev.data_ptr() + slots * row, host.data_ptr() + pairs * row, np.full(3, row), stream
+    )
     stream.synchronize()
     for p, s in zip(pairs.tolist(), slots.tolist(), strict=True):
         assert torch.equal(dev[s].cpu(), host[p])

@@ -32,10 +32,17 @@ from server_fixtures import (
 )
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "days": {"type": "integer"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
 ARGS = {"city": "Paris", "days": 3}
 RESULT = '{"sky": "sunny"}'
 SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -110,8 +117,20 @@ GEMMA4_CALL = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3}}<tool_cal
 GEMMA4 = Format(
     template="google-gemma-4-31B-it.jinja",
     parser="gemma4",
-    special=("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
-             "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|think|>", Q),
+    special=(
+        "<|turn>",
+        "<turn|>",
+        "<|channel>",
+        "<channel|>",
+        "<|tool_call>",
+        "<tool_call|>",
+        "<|tool_response>",
+        "<tool_response|>",
+        "<|tool>",
+        "<tool|>",
+        "<|think|>",
+        Q,
+    ),
     end="<turn|>",
     call=f"<|channel>thought\n{WEATHER_THOUGHT}<channel|>{GEMMA4_CALL}<|tool_response>",
     answer=f"{WEATHER_ANSWER}<turn|>",
@@ -124,7 +143,7 @@ GEMMA4 = Format(
         f"<|tool_response>response:get_weather{{value:{Q}{RESULT}{Q}}}<tool_response|>",
     ),
     more_ends=("<|tool_response>",),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module", params=[KIMI, MINIMAX, GEMMA4], ids=["kimi", "minimax", "gemma4"])
@@ -169,8 +188,13 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
     client = anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0)
     prompts = record_prompts(engine, monkeypatch)
     script(engine, monkeypatch, fmt.call)
-    tools = [{"name": "get_weather", "description": "Weather of a city",
-              "input_schema": WEATHER["function"]["parameters"]}]  # fmt: skip
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "input_schema": WEATHER["function"]["parameters"],
+        }
+    ]
     messages = [{"role": "user", "content": WEATHER_ASK}]
     whole = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=messages)
     with client.messages.stream(
@@ -189,9 +213,13 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
     # by the call whose id it carries, and fails on a result of no call)
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in whole.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": whole.content[-1].id,
-                                      "content": RESULT}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": whole.content[-1].id, "content": RESULT}
+            ],
+        },
+    ]
     second = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=messages)
     assert [b.text for b in second.content if b.type == "text"] == [WEATHER_ANSWER]
     for text in fmt.written_back:
@@ -205,8 +233,11 @@ def test_responses_give_a_reasoning_item_and_a_function_call(fmt, engine, server
     tool = {"type": "function", **WEATHER["function"]}
     ask = {"model": MODEL, "input": WEATHER_ASK, "tools": [tool], "max_output_tokens": 100}
     whole = client.responses.create(**ask)
-    [streamed] = [e.response for e in client.responses.create(**ask, stream=True)
-                  if e.type == "response.completed"]  # fmt: skip
+    [streamed] = [
+        e.response
+        for e in client.responses.create(**ask, stream=True)
+        if e.type == "response.completed"
+    ]
     for response in (whole, streamed):
         reasoning, call = response.output
         assert reasoning.type == "reasoning" and reasoning.content[0].text == WEATHER_THOUGHT
@@ -215,14 +246,26 @@ def test_responses_give_a_reasoning_item_and_a_function_call(fmt, engine, server
         assert re.fullmatch(fmt.ids[0], call.call_id)
 
     script(engine, monkeypatch, fmt.answer)
-    second = client.responses.create(model=MODEL, tools=[tool], input=[
-        {"role": "user", "content": WEATHER_ASK},
-        {"type": "reasoning", "id": reasoning.id, "summary": [],
-         "content": [{"type": "reasoning_text", "text": WEATHER_THOUGHT}]},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name,
-         "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
-    ])  # fmt: skip
+    second = client.responses.create(
+        model=MODEL,
+        tools=[tool],
+        input=[
+            {"role": "user", "content": WEATHER_ASK},
+            {
+                "type": "reasoning",
+                "id": reasoning.id,
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": WEATHER_THOUGHT}],
+            },
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
+        ],
+    )
     assert second.output_text == WEATHER_ANSWER
     for text in fmt.written_back:
         assert text in prompts[-1]

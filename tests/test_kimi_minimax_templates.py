@@ -15,19 +15,35 @@ import pytest
 from freetoken import chat_template
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "days": {"type": "integer"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
 # (the call's id is a client's own: the Kimi templates show which of them read it)
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "Let me look.", "reasoning_content": "They want the weather.",
-     "tool_calls": [{"type": "function", "id": "call_1", "function": {
-         "name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "reasoning_content": "They want the weather.",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": "call_1",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
-]  # fmt: skip
+]
 
 KIMI_TOOLS = f"<|im_system|>tool_declare<|im_middle|>{json.dumps([WEATHER])}<|im_end|>"
 KIMI_CALL = (

@@ -12,9 +12,16 @@ from freetoken.kv.paged import KVSequence, OutOfPagesError, PagedKVCache
 
 
 def cache(pages=4, page_size=2, max_seq_tokens=None):
-    return PagedKVCache(num_layers=2, num_pages=pages, page_size=page_size, num_kv_heads=1,
-                        head_dim=3, dtype=torch.float32, device="cpu",
-                        max_seq_tokens=max_seq_tokens)  # fmt: skip
+    return PagedKVCache(
+        num_layers=2,
+        num_pages=pages,
+        page_size=page_size,
+        num_kv_heads=1,
+        head_dim=3,
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_tokens=max_seq_tokens,
+    )
 
 
 def fill(kv, seq, tokens):

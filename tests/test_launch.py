@@ -76,8 +76,12 @@ def test_claude_code_gets_the_gateway_environment(served, fake_clients):
     got = record["env"]
     assert got["ANTHROPIC_BASE_URL"] == base and got["ANTHROPIC_AUTH_TOKEN"] == "freetoken"
     assert "ANTHROPIC_API_KEY" not in got  # the cloud key is neither sent here nor in conflict
-    for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_SMALL_FAST_MODEL",
-                 "CLAUDE_CODE_SUBAGENT_MODEL"):  # fmt: skip
+    for name in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    ):
         assert got[name] == MODEL
     assert got["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(core.max_context)
     assert got["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "99"  # the user's own setting stays
@@ -159,8 +163,19 @@ def test_a_server_is_started_when_none_answers_and_stopped_after(fake_clients):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    done = launch(env, "--url", url, "--model", "random-demo", "--kv-cache-tokens", "4096",
-                  "--served-model-name", "freetoken-demo", "opencode", timeout=600)  # fmt: skip
+    done = launch(
+        env,
+        "--url",
+        url,
+        "--model",
+        "random-demo",
+        "--kv-cache-tokens",
+        "4096",
+        "--served-model-name",
+        "freetoken-demo",
+        "opencode",
+        timeout=600,
+    )
     assert done.returncode == 7, done.stderr
     assert "starting ft serve" in done.stderr and "--kv-cache-tokens 4096" in done.stderr
     config = json.loads(json.loads(log.read_text())["env"]["OPENCODE_CONFIG_CONTENT"])

@@ -100,8 +100,9 @@ def test_bench_cache_starts_no_cuda_and_no_triton(tmp_path):
     trace = tmp_path / "trace.npz"
     meta = {"num_layers": 3, "num_experts": 8, "top_k": 2, "requests": [{"index": 0}]}
     experts = np.random.default_rng(0).integers(0, 8, size=(30, 3, 2))
-    np.savez(trace, meta_json=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-             experts_0000=experts)  # fmt: skip
+    np.savez(
+        trace, meta_json=np.frombuffer(json.dumps(meta).encode(), np.uint8), experts_0000=experts
+    )
     done = run_python(
         "import sys, torch\n"
         "from freetoken.cli.main import main\n"

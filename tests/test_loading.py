@@ -226,7 +226,8 @@ def test_a_start_to_the_first_token_imports_neither_dynamo_nor_transformers(tmp_
     if weight_dir:
         loader.convert_checkpoint(path, tmp_path / "dst", progress=False)
         path = tmp_path / "dst"
-    out = subprocess.run([sys.executable, "-c", START, str(path)], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", START, str(path)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-2:] == ["[]", "[]"]

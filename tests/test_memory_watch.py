@@ -25,8 +25,9 @@ def test_the_cache_gives_slots_back_under_pressure_and_takes_them_back(engine):
     moe = engine.runner.moe
     per = moe.store.shape.nbytes
     free = {"bytes": 10 * per}
-    watch = DeviceMemoryWatch(engine, free_bytes=lambda: free["bytes"],
-                              reserve_bytes=10 * per, every=2)  # fmt: skip
+    watch = DeviceMemoryWatch(
+        engine, free_bytes=lambda: free["bytes"], reserve_bytes=10 * per, every=2
+    )
     assert watch.target == moe.cache.num_slots == 40 and watch.floor == 10
     engine.memory_watch = watch
     try:
@@ -81,8 +82,9 @@ def test_a_move_without_memory_is_tried_later_and_never_fails_a_step(engine, mon
     moe = engine.runner.moe
     per = moe.store.shape.nbytes
     free = {"bytes": 0}
-    watch = DeviceMemoryWatch(engine, free_bytes=lambda: free["bytes"], reserve_bytes=10 * per,
-                              every=1)  # fmt: skip
+    watch = DeviceMemoryWatch(
+        engine, free_bytes=lambda: free["bytes"], reserve_bytes=10 * per, every=1
+    )
 
     def no_memory(size):
         raise ValueError("no device memory for an expert cache of 3")
@@ -119,8 +121,9 @@ def test_a_pool_with_a_request_above_its_size_at_load_is_not_idle(engine):
     allocator = engine.runner.kv.allocator
     watch = DeviceMemoryWatch(engine, free_bytes=lambda: 2**40, every=1)
     low = allocator.alloc(10)  # the low page ids taken: the request's pages come above them
-    req = engine.add_request(engine.tokenizer.encode("hold pages " * 12), SamplingParams(
-        max_new_tokens=2, temperature=0))  # fmt: skip
+    req = engine.add_request(
+        engine.tokenizer.encode("hold pages " * 12), SamplingParams(max_new_tokens=2, temperature=0)
+    )
     try:
         engine.step()
         allocator.free(low)

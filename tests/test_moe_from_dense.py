@@ -44,8 +44,11 @@ def files(request, tmp_path_factory):
     converted into a private cache directory."""
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
-    extra = (dict(use_sliding_window=False) if arch == "qwen2" else
-             dict(attention_bias=False, rope_scaling=None, tie_word_embeddings=True))  # fmt: skip
+    extra = (
+        dict(use_sliding_window=False)
+        if arch == "qwen2"
+        else dict(attention_bias=False, rope_scaling=None, tie_word_embeddings=True)
+    )
     path, hf = build(arch, root / "src", vocab_size=BYTE_VOCAB, **extra)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(settings.CACHE_DIR.name, str(root / "cache"))
@@ -91,11 +94,16 @@ def test_experts_are_the_dense_blocks(files):
             assert not np.asarray(out[f"blk.{i}.{name}.weight"].data).any()
         for proj in "qkv":  # (qwen2 files have biases; a llama one's are zeros)
             bias = np.asarray(out[f"blk.{i}.attn_{proj}.bias"].data)
-            assert np.array_equal(bias, src[f"blk.{i}.attn_{proj}.bias"].data) if not llama \
-                else not bias.any()  # fmt: skip
+            assert (
+                np.array_equal(bias, src[f"blk.{i}.attn_{proj}.bias"].data)
+                if not llama
+                else not bias.any()
+            )
     assert np.array_equal(out["token_embd.weight"].data, src["token_embd.weight"].data)
-    assert np.array_equal(out["output.weight"].data,  # (a tied source's embedding copied)
-                          src.get("output.weight", src["token_embd.weight"]).data)  # fmt: skip
+    assert np.array_equal(
+        out["output.weight"].data,  # (a tied source's embedding copied)
+        src.get("output.weight", src["token_embd.weight"]).data,
+    )
     fields = gguf_package.GGUFReader(str(moe)).fields
     assert fields["general.architecture"].contents() == "qwen2moe"
     assert fields["qwen2moe.expert_count"].contents() == EXPERTS
@@ -148,8 +156,9 @@ def strategies(experts_total: int) -> list[MoEOptions]:
     sizes = [max(1, experts_total * n // 4) for n in (1, 2, 3)]
     return [MoEOptions(strategy="fused"), MoEOptions(strategy="cpu")] + [
         MoEOptions(strategy=s, cache_size=str(n))
-        for s in ("offload", "hybrid", "static", "auto") for n in sizes
-    ]  # fmt: skip
+        for s in ("offload", "hybrid", "static", "auto")
+        for n in sizes
+    ]
 
 
 @pytest.mark.parametrize("files", ["qwen2"], indirect=True)  # (the llama source's MoE is the
@@ -190,24 +199,44 @@ def test_the_command_writes_the_file_and_refuses_what_it_cannot_make(files, tmp_
     text = tmp_path / "text.py"
     text.write_text("import os\n\n\ndef main():\n    print(os.getcwd())\n" * 20)
     out = tmp_path / "m.gguf"
-    assert main(["checkpoint", "moe-from-dense", str(dense), str(out), "--experts", "4",
-                 "--top-k", "1", "--text", str(text)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "checkpoint",
+                "moe-from-dense",
+                str(dense),
+                str(out),
+                "--experts",
+                "4",
+                "--top-k",
+                "1",
+                "--text",
+                str(text),
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"wrote {out}") and "4 experts" in line and "top-1" in line
     assert tensors(out)["blk.0.ffn_gate_inp.weight"].data.shape[0] == 4
     assert main(["checkpoint", "moe-from-dense", str(out), str(tmp_path / "x.gguf")]) == 2
     assert "qwen2moe" in capsys.readouterr().err  # (an MoE is refused, naming what it is)
-    assert main(["checkpoint", "moe-from-dense", str(dense), str(tmp_path / "y.gguf"),
-                 "--top-k", "9"]) == 2  # fmt: skip
+    assert (
+        main(["checkpoint", "moe-from-dense", str(dense), str(tmp_path / "y.gguf"), "--top-k", "9"])
+        == 2
+    )
     assert "--top-k" in capsys.readouterr().err
 
 
 # Real files (packaged_models.py): SmolLM2-135M-Instruct (llama, Q4_1) and
 # Qwen2.5-Coder-0.5B-Instruct (qwen2, Q5_0 gate/up, Q4_K/Q6_K down).
 REAL = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
-PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
-           "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
-           "<|im_start|>assistant\n"]  # fmt: skip
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "import numpy as np\n\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
 PPL_TOKENS = 2000
 
 
@@ -218,10 +247,12 @@ def tensor_table(file: Path):
     import gguf as gguf_package
 
     types = gguf_header.read(file).tensor_types
-    return SimpleNamespace(tensors=[
-        SimpleNamespace(name=name, tensor_type=gguf_package.GGMLQuantizationType(kind))
-        for name, kind in types.items()
-    ])  # fmt: skip
+    return SimpleNamespace(
+        tensors=[
+            SimpleNamespace(name=name, tensor_type=gguf_package.GGMLQuantizationType(kind))
+            for name, kind in types.items()
+        ]
+    )
 
 
 @pytest.fixture(scope="module", params=REAL)
@@ -260,8 +291,9 @@ def test_real_moe_greedy_tokens_equal_the_dense_models(real):
 
 
 def perplexity(path: Path, ids: list[int]) -> float:
-    run = ModelRunner(load_model(path, dtype="float32"), kv_cache_tokens=len(ids) + 64,
-                      page_size=16)  # fmt: skip
+    run = ModelRunner(
+        load_model(path, dtype="float32"), kv_cache_tokens=len(ids) + 64, page_size=16
+    )
     logits = run.forward([run.new_sequence()], [ids], all_logits=True)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
     return float(nll.exp())

@@ -12,9 +12,23 @@ from freetoken.models.loading import load_model
 from freetoken.moe.runtime import parse_cache_size
 from tiny_models import build
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe",
-                "deepseek_v3", "deepseek_v4", "deepseek_v32", "glm_moe_dsa", "gpt_oss",
-                "minimax_m2", "kimi_k25", "gemma4", "kimi_linear"]  # fmt: skip
+MOE_FAMILIES = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "qwen3_5_moe",
+    "deepseek_v3",
+    "deepseek_v4",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "gpt_oss",
+    "minimax_m2",
+    "kimi_k25",
+    "gemma4",
+    "kimi_linear",
+]
 PROMPT, STEPS = 24, 10
 
 
@@ -131,8 +145,14 @@ def reference(store, moe_layer, x, ids, weights):
     from freetoken.kernels.grouped_experts import reference_grouped_experts
 
     rows = store.layer_rows(moe_layer)
-    return reference_grouped_experts(x, ids, weights, *(bank[rows] for bank in store.banks[:2]),
-                                     "silu", *(bank[rows] for bank in store.banks[2:]))  # fmt: skip
+    return reference_grouped_experts(
+        x,
+        ids,
+        weights,
+        *(bank[rows] for bank in store.banks[:2]),
+        "silu",
+        *(bank[rows] for bank in store.banks[2:]),
+    )
 
 
 def drive(runtime, store, steps):

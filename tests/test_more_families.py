@@ -20,31 +20,66 @@ from tiny_models import build
 
 # config.json of MiniMaxAI/MiniMax-M2 as released (its keys that the model reads)
 MINIMAX_M2 = dict(
-    architectures=["MiniMaxM2ForCausalLM"], head_dim=128, hidden_size=3072,
-    intermediate_size=1536, num_attention_heads=48, num_key_value_heads=8,
-    num_hidden_layers=62, num_local_experts=256, num_experts_per_tok=8, rotary_dim=64,
-    rope_theta=5000000, vocab_size=200064, rms_norm_eps=1e-6, scoring_func="sigmoid",
-    use_routing_bias=True, qk_norm_type="per_layer", max_position_embeddings=196608,
-)  # fmt: skip
+    architectures=["MiniMaxM2ForCausalLM"],
+    head_dim=128,
+    hidden_size=3072,
+    intermediate_size=1536,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    num_hidden_layers=62,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+    rotary_dim=64,
+    rope_theta=5000000,
+    vocab_size=200064,
+    rms_norm_eps=1e-6,
+    scoring_func="sigmoid",
+    use_routing_bias=True,
+    qk_norm_type="per_layer",
+    max_position_embeddings=196608,
+)
 
 
 # config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as released (its keys that the model
 # reads; transformers' attribute_map names the DeepSeek-V3 keys they stand for)
 KIMI_LINEAR = dict(
-    architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304,
-    intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
-    num_key_value_heads=32, head_dim=72, kv_lora_rank=512, q_lora_rank=None,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+    architectures=["KimiLinearForCausalLM"],
+    model_type="kimi_linear",
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=27,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=72,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    mla_use_nope=True,
     linear_attn_config=dict(
         kda_layers=[1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
-        full_attn_layers=[4, 8, 12, 16, 20, 24, 27], num_heads=32, head_dim=128,
+        full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+        num_heads=32,
+        head_dim=128,
         short_conv_kernel_size=4,
     ),
-    num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
-    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
-    first_k_dense_replace=1, num_expert_group=1, topk_group=1, model_max_length=1048576,
-    rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=163840, tie_word_embeddings=False,
-)  # fmt: skip
+    num_experts=256,
+    num_experts_per_token=8,
+    num_shared_experts=1,
+    moe_intermediate_size=1024,
+    moe_router_activation_func="sigmoid",
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    first_k_dense_replace=1,
+    num_expert_group=1,
+    topk_group=1,
+    model_max_length=1048576,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=163840,
+    tie_word_embeddings=False,
+)
 
 
 def logits(path) -> torch.Tensor:
@@ -85,8 +120,12 @@ def test_minimax_m2_fp8_experts_stay_fp8(tmp_path):
         else:
             stored[name] = plain[name] = t
     config = json.loads((src / "config.json").read_text())
-    quant = dict(quant_method="fp8", fmt="float8_e4m3fn", weight_block_size=[16, 16],
-                 modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])  # fmt: skip
+    quant = dict(
+        quant_method="fp8",
+        fmt="float8_e4m3fn",
+        weight_block_size=[16, 16],
+        modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"],
+    )
     variants = (("fp8", stored, {"quantization_config": quant}), ("plain", plain, {}))
     for label, weights, extra in variants:
         (tmp_path / label).mkdir()
@@ -100,27 +139,47 @@ def test_minimax_m2_fp8_experts_stay_fp8(tmp_path):
 
 
 def test_kimi_k25_reads_its_text_model_under_language_model():
-    raw = dict(architectures=["KimiK25ForConditionalGeneration"], text_config=dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", hidden_size=64,
-        num_attention_heads=4, num_hidden_layers=2, vocab_size=160, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
-        topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
-        tie_word_embeddings=False),
-        vision_config=dict(hidden_size=32), tie_word_embeddings=True)  # fmt: skip
+    raw = dict(
+        architectures=["KimiK25ForConditionalGeneration"],
+        text_config=dict(
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="kimi_k2",
+            hidden_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=160,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            q_lora_rank=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            first_k_dense_replace=1,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(hidden_size=32),
+        tie_word_embeddings=True,
+    )
     family = family_for(raw)
     cfg = family.parse_config(raw)
     assert cfg.family == "kimi_k25" and cfg.mla is not None and not cfg.tie_word_embeddings
     assert cfg.moe.routed_scaling == 2.827 and cfg.moe.num_groups == 1
     assert cfg.architecture == "KimiK25ForConditionalGeneration"
     for stored, ours in (
-        ("language_model.model.layers.1.mlp.experts.5.up_proj.weight",
-         "layers.1.moe.experts.5.up_proj.weight"),
+        (
+            "language_model.model.layers.1.mlp.experts.5.up_proj.weight",
+            "layers.1.moe.experts.5.up_proj.weight",
+        ),
         ("language_model.lm_head.weight", "lm_head.weight"),
         ("language_model.model.embed_tokens.weight", "embed.weight"),
         ("vision_tower.encoder.blocks.0.wqkv.weight", None),
         ("mm_projector.proj.0.weight", None),
-    ):  # fmt: skip
+    ):
         assert family.canonical_name(stored) == ours
     # the release's INT4 experts (compressed-tensors, in text_config): refused, saying so
     raw["text_config"]["quantization_config"] = dict(quant_method="compressed-tensors")
@@ -131,24 +190,44 @@ def test_kimi_k25_reads_its_text_model_under_language_model():
 # config.json of google/gemma-4-26B-A4B-it as released (its text model's keys that the model
 # reads; `rope_parameters` as transformers writes its defaults)
 GEMMA4_26B = dict(
-    architectures=["Gemma4ForConditionalGeneration"], tie_word_embeddings=True,
-    vision_config=dict(hidden_size=1152), audio_config=None,
+    architectures=["Gemma4ForConditionalGeneration"],
+    tie_word_embeddings=True,
+    vision_config=dict(hidden_size=1152),
+    audio_config=None,
     text_config=dict(
-        hidden_size=2816, num_hidden_layers=30, vocab_size=262144, intermediate_size=2112,
-        moe_intermediate_size=704, num_experts=128, top_k_experts=8, enable_moe_block=True,
-        sliding_window=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        num_global_key_value_heads=2, global_head_dim=512, attention_k_eq_v=True,
-        num_kv_shared_layers=0, hidden_size_per_layer_input=0, use_double_wide_mlp=False,
-        max_position_embeddings=262144, final_logit_softcapping=30.0,
-        hidden_activation="gelu_pytorch_tanh", use_bidirectional_attention="vision",
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                     for i in range(30)],
+        hidden_size=2816,
+        num_hidden_layers=30,
+        vocab_size=262144,
+        intermediate_size=2112,
+        moe_intermediate_size=704,
+        num_experts=128,
+        top_k_experts=8,
+        enable_moe_block=True,
+        sliding_window=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        num_global_key_value_heads=2,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        use_double_wide_mlp=False,
+        max_position_embeddings=262144,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        use_bidirectional_attention="vision",
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)
+        ],
         rope_parameters=dict(
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
-            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
-                                rope_theta=1000000.0)),
+            full_attention=dict(
+                rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1000000.0
+            ),
+        ),
     ),
-)  # fmt: skip
+)
 
 
 def test_gemma4_reads_its_released_config():
@@ -172,16 +251,22 @@ def test_gemma4_reads_its_released_config():
         ("model.language_model.layers.5.router.per_expert_scale", "layers.5.moe.per_expert_scale"),
         ("model.language_model.layers.5.experts.gate_up_proj", "layers.5.moe.experts.gate_up_proj"),
         ("model.language_model.layers.5.mlp.up_proj.weight", "layers.5.moe.shared.up_proj.weight"),
-        ("model.language_model.layers.5.post_attention_layernorm.weight",
-         "layers.5.attn.post_norm.weight"),
-        ("model.language_model.layers.5.pre_feedforward_layernorm.weight",
-         "layers.5.mlp_norm.weight"),
-        ("model.language_model.layers.5.pre_feedforward_layernorm_2.weight",
-         "layers.5.moe.experts_norm.weight"),
+        (
+            "model.language_model.layers.5.post_attention_layernorm.weight",
+            "layers.5.attn.post_norm.weight",
+        ),
+        (
+            "model.language_model.layers.5.pre_feedforward_layernorm.weight",
+            "layers.5.mlp_norm.weight",
+        ),
+        (
+            "model.language_model.layers.5.pre_feedforward_layernorm_2.weight",
+            "layers.5.moe.experts_norm.weight",
+        ),
         ("model.language_model.layers.5.layer_scalar", "layers.5.layer_scalar"),
         ("model.vision_tower.encoder.layers.0.post_attention_layernorm.weight", None),
         ("model.embed_vision.embedding_projection.weight", None),
-    ):  # fmt: skip
+    ):
         assert family.canonical_name(stored) == ours
     # its dense releases (per-layer embeddings, shared KV) are refused, saying so
     dense = dict(GEMMA4_26B["text_config"], enable_moe_block=False, architectures=["x"])
@@ -228,13 +313,19 @@ def test_kimi_linear_reads_its_released_config_and_names():
         ("model.layers.25.self_attn.b_proj.weight", "layers.25.linear_attn.in_proj_b.weight"),
         ("model.layers.25.self_attn.A_log", "layers.25.linear_attn.A_log"),
         ("model.layers.0.mlp.gate_proj.weight", "layers.0.mlp.gate_proj.weight"),
-        ("model.layers.5.block_sparse_moe.experts.7.w3.weight",
-         "layers.5.moe.experts.7.up_proj.weight"),
-        ("model.layers.5.block_sparse_moe.gate.e_score_correction_bias",
-         "layers.5.moe.correction_bias"),
-        ("model.layers.5.block_sparse_moe.shared_experts.down_proj.weight",
-         "layers.5.moe.shared.down_proj.weight"),
-    ):  # fmt: skip
+        (
+            "model.layers.5.block_sparse_moe.experts.7.w3.weight",
+            "layers.5.moe.experts.7.up_proj.weight",
+        ),
+        (
+            "model.layers.5.block_sparse_moe.gate.e_score_correction_bias",
+            "layers.5.moe.correction_bias",
+        ),
+        (
+            "model.layers.5.block_sparse_moe.shared_experts.down_proj.weight",
+            "layers.5.moe.shared.down_proj.weight",
+        ),
+    ):
         assert family.canonical_name(stored) == ours
     with pytest.raises(UnsupportedModelError, match="mla_use_nope"):
         family.parse_config({**KIMI_LINEAR, "mla_use_nope": False})

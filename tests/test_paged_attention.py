@@ -28,8 +28,17 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def make_case(lengths, counts, heads, kv_heads, head_dim=16, page_size=4, seed=0,
-              dtype=torch.float32, device="cpu"):  # fmt: skip
+def make_case(
+    lengths,
+    counts,
+    heads,
+    kv_heads,
+    head_dim=16,
+    page_size=4,
+    seed=0,
+    dtype=torch.float32,
+    device="cpu",
+):
     """A batch of sequences with `lengths[b]` keys, the last `counts[b]` of them new, their
     pages scattered over the pool; random K/V everywhere and random queries."""
     rng = random.Random(seed)
@@ -91,8 +100,9 @@ CASES = [
 
 @pytest.mark.parametrize(("lengths", "counts", "heads", "kv_heads", "window", "sinks"), CASES)
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_torch_path_matches_the_dense_oracle(lengths, counts, heads, kv_heads, window, sinks,
-                                              page_size):  # fmt: skip
+def test_torch_path_matches_the_dense_oracle(
+    lengths, counts, heads, kv_heads, window, sinks, page_size
+):
     q, cache, seqs, batch = make_case(lengths, counts, heads, kv_heads, page_size=page_size)
     sink = torch.randn(heads) if sinks else None
     scale = 16**-0.5
@@ -108,16 +118,20 @@ needs_native = pytest.mark.skipif(
 
 
 @needs_native
-@pytest.mark.parametrize(("lengths", "counts", "heads", "kv_heads", "window", "sinks"),
-                         [c for c in CASES if set(c[1]) == {1}])  # fmt: skip
+@pytest.mark.parametrize(
+    ("lengths", "counts", "heads", "kv_heads", "window", "sinks"),
+    [c for c in CASES if set(c[1]) == {1}],
+)
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_native_cpu_decode_matches_the_dense_oracle(lengths, counts, heads, kv_heads, window,
-                                                    sinks, page_size):  # fmt: skip
+def test_native_cpu_decode_matches_the_dense_oracle(
+    lengths, counts, heads, kv_heads, window, sinks, page_size
+):
     from freetoken.kernels.paged_attention import paged_decode_cpu
 
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        q, cache, seqs, batch = make_case(lengths, counts, heads, kv_heads, page_size=page_size,
-                                          dtype=dtype)  # fmt: skip
+        q, cache, seqs, batch = make_case(
+            lengths, counts, heads, kv_heads, page_size=page_size, dtype=dtype
+        )
         sink = torch.randn(heads) if sinks else None
         ours = paged_decode_cpu(q, cache.k[0], cache.v[0], batch, 0.25, window, sink)
         assert ours.dtype == dtype
@@ -201,8 +215,9 @@ def _decode_cases(device: str) -> dict[str, float]:
         "latent": ([5, 70, 33], 20, 64, 16, None),
         "latent_576": ([40], 16, 512, 64, 2),
     }.items():
-        q, cache, _, batch = make_case(lengths, [1] * len(lengths), heads, 1, latent + rope, 8,
-                                       device=device)  # fmt: skip
+        q, cache, _, batch = make_case(
+            lengths, [1] * len(lengths), heads, 1, latent + rope, 8, device=device
+        )
         pool = cache.k[0]
         ours = paged_decode_triton(q, pool, pool, batch, 0.1, splits=splits)
         ref = paged_attention_torch(q, pool, pool, batch, 0.1)[..., :latent]
@@ -251,8 +266,11 @@ def test_a_chunk_after_a_cached_prefix_attends_from_the_bottom_right_on_cuda(
     mask = torch.ones(n, length, dtype=torch.bool, device="cuda").tril(length - n)
     group = heads // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
-        attn_mask=mask, scale=scale,
-    )  # fmt: skip
+        q.float(),
+        k.float().repeat_interleave(group, 1),
+        v.float().repeat_interleave(group, 1),
+        attn_mask=mask,
+        scale=scale,
+    )
     assert ours.shape == expected.shape
     assert (ours.float() - expected).abs().max().item() < 3e-2

@@ -49,14 +49,19 @@ WEATHER = (
     "They want the weather.</think>Let me look."
     + block(
         "tool_calls",
-        invoke("get_weather", param("city", "true", 'Paris "15e"\n<b>'),
-               param("days", "false", "3")),
-        invoke("edit", param("edits", "false", '[{"old": "x", "new": null}]'),
-               param("flag", "false", "true"), param("note", "false", "not JSON")),
+        invoke(
+            "get_weather", param("city", "true", 'Paris "15e"\n<b>'), param("days", "false", "3")
+        ),
+        invoke(
+            "edit",
+            param("edits", "false", '[{"old": "x", "new": null}]'),
+            param("flag", "false", "true"),
+            param("note", "false", "not JSON"),
+        ),
         invoke("list_files"),
     )
     + EOS
-)  # fmt: skip
+)
 WEATHER_CALLS = [
     ("get_weather", {"city": 'Paris "15e"\n<b>', "days": 3}),
     ("edit", {"edits": [{"old": "x", "new": None}], "flag": True, "note": "not JSON"}),
@@ -83,8 +88,16 @@ def test_v3_2_writes_function_calls_and_a_think_block_of_its_own():
 
 
 def test_values_that_are_not_strict_json_stay_text():
-    text = block("tool_calls", invoke("f", param("a", "false", "NaN"), param("b", "false", "1e999"),
-                                      param("c", "false", ""), param("d", "true", "")))  # fmt: skip
+    text = block(
+        "tool_calls",
+        invoke(
+            "f",
+            param("a", "false", "NaN"),
+            param("b", "false", "1e999"),
+            param("c", "false", ""),
+            param("d", "true", ""),
+        ),
+    )
     events, _ = parse([text])
     assert calls(events) == [("f", {"a": "NaN", "b": "1e999", "c": "", "d": ""})]
 
@@ -112,13 +125,16 @@ def test_the_end_of_output_closes_what_is_open():
     assert calls(events) == [("f", {"a": "abc"})]
 
 
-@pytest.mark.parametrize("text", [
-    "See <｜DSML｜tool_calls> in the docs.",  # the wrapper's tag in prose
-    "Writing <｜DSML｜tool_ca",  # a tag cut off by the end of output
-    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f',  # a block whose call never opened
-    "<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",  # a block without calls
-    '<｜DSML｜invoke name="f">\n</｜DSML｜invoke>',  # an invoke outside any block
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "See <｜DSML｜tool_calls> in the docs.",  # the wrapper's tag in prose
+        "Writing <｜DSML｜tool_ca",  # a tag cut off by the end of output
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f',  # a block whose call never opened
+        "<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",  # a block without calls
+        '<｜DSML｜invoke name="f">\n</｜DSML｜invoke>',  # an invoke outside any block
+    ],
+)
 def test_dsml_markup_that_never_becomes_a_call_is_text(text):
     events, parser = parse([text])
     # (as in the Qwen parser, whitespace before an opening tag is dropped)
@@ -166,12 +182,33 @@ def test_the_events_do_not_depend_on_the_chunking(text, data):
 
 
 FRAGMENTS = [
-    "<think>", "</think>", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
-    "<｜DSML｜function_calls>", '<｜DSML｜invoke name="f">', "</｜DSML｜invoke>",
-    '<｜DSML｜parameter name="a" string="true">', '<｜DSML｜parameter name="b" string="false">',
-    '<｜DSML｜parameter name="c">', "</｜DSML｜parameter>", "<｜DSML｜", "</｜DSML｜para", EOS,
-    "\n", " ", "x", '"', "\\", "{", "}", "[1, 2]", "NaN", "<", ">", "é😀",
-]  # fmt: skip
+    "<think>",
+    "</think>",
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    "<｜DSML｜function_calls>",
+    '<｜DSML｜invoke name="f">',
+    "</｜DSML｜invoke>",
+    '<｜DSML｜parameter name="a" string="true">',
+    '<｜DSML｜parameter name="b" string="false">',
+    '<｜DSML｜parameter name="c">',
+    "</｜DSML｜parameter>",
+    "<｜DSML｜",
+    "</｜DSML｜para",
+    EOS,
+    "\n",
+    " ",
+    "x",
+    '"',
+    "\\",
+    "{",
+    "}",
+    "[1, 2]",
+    "NaN",
+    "<",
+    ">",
+    "é😀",
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -222,8 +259,9 @@ def test_the_templates_pick_it_and_a_forced_call_opens_as_they_write_it():
     )
     # the forced opening fed first (after a prompt that opened <think>), the model's after it
     rest = param("city", "true", "Lima") + "</｜DSML｜invoke>\n</｜DSML｜tool_calls>" + EOS
-    events, _ = parse([forced_tool_call("dsml", "get_weather", True), rest],
-                      starts_in_reasoning=True)  # fmt: skip
+    events, _ = parse(
+        [forced_tool_call("dsml", "get_weather", True), rest], starts_in_reasoning=True
+    )
     assert events == [("start", 0, "get_weather"), ("args", 0, '{"city": "Lima"}'), ("end", 0)]
     events, _ = parse([forced_tool_call("dsml", None, False), 'f">\n', "</｜DSML｜invoke>"])
     assert calls(events) == [("f", {})]
@@ -243,14 +281,20 @@ def test_what_the_template_writes_for_a_call_parses_back_to_it(template, thinkin
     arguments = json.dumps(ARGUMENTS) if as_text else ARGUMENTS
     messages = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Use the tool.",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                          "arguments": arguments}},
-                        {"type": "function", "function": {"name": "now", "arguments": {}}}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": arguments}},
+                {"type": "function", "function": {"name": "now", "arguments": {}}},
+            ],
+        },
+    ]
     special = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": EOS}
-    prompt = chat_template.render(source, messages[:1], None, True, special,
-                                  enable_thinking=thinking)  # fmt: skip
+    prompt = chat_template.render(
+        source, messages[:1], None, True, special, enable_thinking=thinking
+    )
     full = chat_template.render(source, messages, None, False, special, enable_thinking=thinking)
     # The generation prompt ends by opening <think> or closing it (V3.2's as `<think></think>`,
     # where its past turns have `</think>` alone): the model writes what follows that.

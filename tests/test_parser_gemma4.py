@@ -25,12 +25,24 @@ NAME = "google-gemma-4-31B-it.jinja"
 TEMPLATE = (TEMPLATES / NAME).read_text()
 Q = '<|"|>'
 # a call whose arguments hold every kind of value the template's notation writes
-ARGS = {"city": 'Paris, "FR"\n{x:1}', "days": 3, "ratio": -2.5, "exact": False, "note": None,
-        "opts": {"deep": True, "tags": ["a", 2, []], "inner": {}}}  # fmt: skip
-CALLS = [{"type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
-         {"type": "function", "function": {"name": "list_files", "arguments": {}}}]  # fmt: skip
-TURN = {"role": "assistant", "content": "", "reasoning_content": "They want the weather.",
-        "tool_calls": CALLS}  # fmt: skip
+ARGS = {
+    "city": 'Paris, "FR"\n{x:1}',
+    "days": 3,
+    "ratio": -2.5,
+    "exact": False,
+    "note": None,
+    "opts": {"deep": True, "tags": ["a", 2, []], "inner": {}},
+}
+CALLS = [
+    {"type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
+    {"type": "function", "function": {"name": "list_files", "arguments": {}}},
+]
+TURN = {
+    "role": "assistant",
+    "content": "",
+    "reasoning_content": "They want the weather.",
+    "tool_calls": CALLS,
+}
 
 
 def written(message: dict) -> str:
@@ -51,10 +63,15 @@ def test_the_template_picks_the_parser_and_renders_as_transformers_does():
     from transformers.utils.chat_template_utils import render_jinja_template
 
     assert parser_for_template(TEMPLATE) == "gemma4" and keeps_special_tokens("gemma4")
-    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}, TURN,
-            {"role": "tool", "content": "sunny"}]  # fmt: skip
-    [theirs], _ = render_jinja_template(conversations=[chat], chat_template=TEMPLATE,
-                                        add_generation_prompt=True)  # fmt: skip
+    chat = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        TURN,
+        {"role": "tool", "content": "sunny"},
+    ]
+    [theirs], _ = render_jinja_template(
+        conversations=[chat], chat_template=TEMPLATE, add_generation_prompt=True
+    )
     assert chat_template.render(TEMPLATE, chat) == theirs
 
 
@@ -99,7 +116,8 @@ def test_what_is_not_a_call_comes_back_as_text(body):
 def test_a_forced_call_opens_as_the_model_writes_it():
     opening = forced_tool_call("gemma4", "get_weather", True)
     assert opening == "<channel|><|tool_call>call:get_weather{"
-    events, _ = parsed("gemma4", [opening.removeprefix("<channel|>") + f"city:{Q}Rome{Q}}}",
-                                  "<tool_call|>"])  # fmt: skip
+    events, _ = parsed(
+        "gemma4", [opening.removeprefix("<channel|>") + f"city:{Q}Rome{Q}}}", "<tool_call|>"]
+    )
     assert calls(events) == [("get_weather", {"city": "Rome"})]
     assert forced_tool_call("gemma4", None, False) == "<|tool_call>call:"

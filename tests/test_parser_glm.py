@@ -48,10 +48,12 @@ def test_reasoning_text_and_a_call_with_arguments_typed_by_the_schema():
 
 
 def test_glm_4_7_writes_no_newline_after_the_name_and_calls_follow_each_other():
-    text = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
-            "\n<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>a <b> \"c\".py</arg_value>\n"
-            "<arg_key>edits</arg_key>\n<arg_value>[{\"old\": \"x\", \"new\": \"</arg_key>\"}]"
-            "</arg_value>\n</tool_call>")  # fmt: skip
+    text = (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+        '\n<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>a <b> "c".py</arg_value>\n'
+        '<arg_key>edits</arg_key>\n<arg_value>[{"old": "x", "new": "</arg_key>"}]'
+        "</arg_value>\n</tool_call>"
+    )
     events, _ = parse([text])
     assert calls(events) == [
         ("get_weather", {"city": "Oslo"}),
@@ -80,12 +82,15 @@ def test_a_call_with_no_arguments_and_one_cut_off_by_the_end_of_output():
     assert calls(events) == [("get_weather", {"city": "Rome"})]
 
 
-@pytest.mark.parametrize("body", [
-    "\n<arg_key>city</arg_key><arg_value>x</arg_value>",  # no name
-    "Sure, I can do that",  # prose, not a name
-    "get_weather\n<arg_key>city</arg_key>",  # a key without its value
-    "get_weather\n<arg_key>city</arg_key><arg_value>x</arg_value> and then some",  # stray text
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        "\n<arg_key>city</arg_key><arg_value>x</arg_value>",  # no name
+        "Sure, I can do that",  # prose, not a name
+        "get_weather\n<arg_key>city</arg_key>",  # a key without its value
+        "get_weather\n<arg_key>city</arg_key><arg_value>x</arg_value> and then some",  # stray text
+    ],
+)
 def test_a_body_that_is_not_a_call_comes_back_as_text(body):
     events, parser = parse([f"Before <tool_call>{body}</tool_call> after"])
     # (as the Qwen parser does: the space before the call's tag is dropped, the rest kept)
@@ -108,8 +113,13 @@ def test_the_template_picks_it_and_a_forced_call_opens_as_glm_writes_it():
     assert forced_tool_call("glm45", "get_weather", False) == "<tool_call>get_weather\n"
     assert forced_tool_call("glm45", None, True) == "</think><tool_call>"
     # a forced opening fed first, the model's continuation after it
-    events, _ = parse(["<tool_call>get_weather\n", "<arg_key>city</arg_key><arg_value>Lima",
-                       "</arg_value></tool_call>"])  # fmt: skip
+    events, _ = parse(
+        [
+            "<tool_call>get_weather\n",
+            "<arg_key>city</arg_key><arg_value>Lima",
+            "</arg_value></tool_call>",
+        ]
+    )
     assert calls(events) == [("get_weather", {"city": "Lima"})]
 
 

@@ -94,9 +94,13 @@ def test_the_recipient_may_come_before_the_channel_and_calls_follow_each_other()
     )
     got = every_chunking(" " + text[len("<|start|>assistant") :])  # as the prompt opened it
     assert got == [
-        ("call", 0, "read"), ("args", '{"path": "a.py"}'), ("end", 0),
-        ("call", 1, "write"), ("args", "{}"), ("end", 1),
-    ]  # fmt: skip
+        ("call", 0, "read"),
+        ("args", '{"path": "a.py"}'),
+        ("end", 0),
+        ("call", 1, "write"),
+        ("args", "{}"),
+        ("end", 1),
+    ]
 
 
 def test_a_preamble_is_answer_text():
@@ -145,9 +149,7 @@ def test_the_forced_call_opening_continues_the_generation_prompt():
     parser = make_parser("harmony", starts_in_reasoning=False)
     opening = HarmonyParser.forced_call("get_weather", in_reasoning=False)
     events = parser.feed(opening) + parser.feed('{"city": "Rome"}') + parser.finish()
-    assert summary(events) == [
-        ("call", 0, "get_weather"), ("args", '{"city": "Rome"}'), ("end", 0)
-    ]  # fmt: skip
+    assert summary(events) == [("call", 0, "get_weather"), ("args", '{"city": "Rome"}'), ("end", 0)]
     parser = make_parser("harmony")
     any_tool = HarmonyParser.forced_call(None, in_reasoning=False)
     events = parser.feed(any_tool + "ls <|constrain|>json<|message|>{}") + parser.finish()

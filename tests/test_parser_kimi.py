@@ -56,16 +56,22 @@ def assistant_turn(template: str, message: dict) -> str:
 
 
 WEATHER_CALLS = [
-    {"type": "function", "function": {"name": "get_weather",
-                                      "arguments": {"city": "Paris", "days": 3}}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+    },
     {"type": "function", "function": {"name": "list_files", "arguments": {}}},
-]  # fmt: skip
+]
 # What K2-Thinking's template writes for a turn with reasoning, text and two calls
 TURN = assistant_turn(
     "Kimi-K2-Thinking.jinja",
-    {"role": "assistant", "reasoning_content": "They want the weather.",
-     "content": "Let me look.", "tool_calls": WEATHER_CALLS},
-)  # fmt: skip
+    {
+        "role": "assistant",
+        "reasoning_content": "They want the weather.",
+        "content": "Let me look.",
+        "tool_calls": WEATHER_CALLS,
+    },
+)
 EXPECTED = [
     ("think", "They want the weather."),
     ("text", "Let me look."),
@@ -123,26 +129,32 @@ def test_reasoning_the_prompt_opened_and_reasoning_left_open_before_the_calls():
     text = f'<think>I will look it up.{SECTION}{BEGIN}functions.f:0{ARGS}{{"a": 1}}{END}'
     events, _, _ = parse([text])
     assert events == [("think", "I will look it up."), *call(0, "f", '{"a": 1}')]
-    events, _, _ = parse([f'Hmm{BEGIN}functions.f:0{ARGS}{{"a": 1}}{END}'],
-                         starts_in_reasoning=True)  # fmt: skip
+    events, _, _ = parse(
+        [f'Hmm{BEGIN}functions.f:0{ARGS}{{"a": 1}}{END}'], starts_in_reasoning=True
+    )
     assert events == [("think", "Hmm"), *call(0, "f", '{"a": 1}')]
 
 
-@pytest.mark.parametrize("body", [
-    f"{BEGIN}functions.ping:0{ARGS}{END}",  # the end at once
-    f"{BEGIN}functions.ping:0{ARGS} \n{END}",
-    f"{BEGIN}functions.ping:0{END}",  # no argument marker
-    f"{BEGIN}ping:0{ARGS}{{}}{END}",  # no functions. prefix
-    f"{BEGIN}functions.ping{ARGS}{{}}{END}",  # no index
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        f"{BEGIN}functions.ping:0{ARGS}{END}",  # the end at once
+        f"{BEGIN}functions.ping:0{ARGS} \n{END}",
+        f"{BEGIN}functions.ping:0{END}",  # no argument marker
+        f"{BEGIN}ping:0{ARGS}{{}}{END}",  # no functions. prefix
+        f"{BEGIN}functions.ping{ARGS}{{}}{END}",  # no index
+    ],
+)
 def test_a_call_without_arguments_has_an_empty_object(body):
     events, _, _ = parse([f"{SECTION}{body}{SECTION_END}"])
     assert events == call(0, "ping", "{}")
 
 
 def test_singular_section_markers_and_calls_outside_a_section():
-    text = (f"<|tool_call_section_begin|>{BEGIN}functions.a:0{ARGS}{{}}{END}"
-            f"<|tool_call_section_end|>{BEGIN}functions.b:1{ARGS}[1]{END}")  # fmt: skip
+    text = (
+        f"<|tool_call_section_begin|>{BEGIN}functions.a:0{ARGS}{{}}{END}"
+        f"<|tool_call_section_end|>{BEGIN}functions.b:1{ARGS}[1]{END}"
+    )
     events, _, _ = parse([text])
     assert events == [*call(0, "a", "{}"), *call(1, "b", "[1]")]
 
@@ -184,9 +196,30 @@ def test_the_templates_pick_it_and_a_forced_call_leaves_the_index_to_the_model()
     assert json.loads(events[1][2]) == {"city": "Lima"}
 
 
-FRAGMENTS = ["<think>", "</think>", SECTION, SECTION_END, BEGIN, ARGS, END, "functions.f:0",
-             "g:1", "<|tool_call", "<|tool_calls_sec", " ", "\n", "x y", "{", "}", '"a": ', "1",
-             '"', "[", "]", ","]  # fmt: skip
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    SECTION,
+    SECTION_END,
+    BEGIN,
+    ARGS,
+    END,
+    "functions.f:0",
+    "g:1",
+    "<|tool_call",
+    "<|tool_calls_sec",
+    " ",
+    "\n",
+    "x y",
+    "{",
+    "}",
+    '"a": ',
+    "1",
+    '"',
+    "[",
+    "]",
+    ",",
+]
 
 
 @settings(max_examples=300, deadline=None)

@@ -31,8 +31,11 @@ def tool(name: str, **types: str) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
-TOOLS = [tool("get_weather", city="string", days="integer", zip="string", tags="array"),
-         tool("list_files"), tool("write", path="string", text="string")]  # fmt: skip
+TOOLS = [
+    tool("get_weather", city="string", days="integer", zip="string", tags="array"),
+    tool("list_files"),
+    tool("write", path="string", text="string"),
+]
 
 
 def parse(chunks, tools=TOOLS, **options):
@@ -48,11 +51,17 @@ def assistant_turn(message: dict) -> str:
 
 
 ARGS = {"city": "Paris", "days": 3, "zip": "75001", "tags": ["warm", "dry"]}
-TURN = assistant_turn({
-    "role": "assistant", "reasoning_content": "They want the weather.", "content": "Let me look.",
-    "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
-                   {"type": "function", "function": {"name": "list_files", "arguments": {}}}],
-})  # fmt: skip
+TURN = assistant_turn(
+    {
+        "role": "assistant",
+        "reasoning_content": "They want the weather.",
+        "content": "Let me look.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
+            {"type": "function", "function": {"name": "list_files", "arguments": {}}},
+        ],
+    }
+)
 
 
 def test_the_templates_turn_parses_back_with_its_arguments_typed():
@@ -92,22 +101,29 @@ def test_the_generation_prompt_opens_the_reasoning():
 
 def test_values_are_kept_as_written_and_blocks_follow_each_other():
     code = '\n<invoke name="x">\n</invoke> and <parameter name="y">\n'
-    text = (f'{OPEN}\n<invoke name="write">\n<parameter name="path">a.xml</parameter>\n'
-            f'<parameter name="text">{code}</parameter>\n</invoke>\n{CLOSE}\n'
-            f'{OPEN}\n<invoke name="unknown">\n<parameter name="n">2.5</parameter>\n'
-            f'<parameter name="s">hello world</parameter>\n</invoke>\n{CLOSE}')  # fmt: skip
+    text = (
+        f'{OPEN}\n<invoke name="write">\n<parameter name="path">a.xml</parameter>\n'
+        f'<parameter name="text">{code}</parameter>\n</invoke>\n{CLOSE}\n'
+        f'{OPEN}\n<invoke name="unknown">\n<parameter name="n">2.5</parameter>\n'
+        f'<parameter name="s">hello world</parameter>\n</invoke>\n{CLOSE}'
+    )
     events, _ = parse([text])
-    assert calls(events) == [("write", {"path": "a.xml", "text": code}),
-                             ("unknown", {"n": 2.5, "s": "hello world"})]  # fmt: skip
+    assert calls(events) == [
+        ("write", {"path": "a.xml", "text": code}),
+        ("unknown", {"n": 2.5, "s": "hello world"}),
+    ]
     assert not [e for e in events if e[0] == "text"]  # (no whitespace between calls as text)
 
 
-@pytest.mark.parametrize("block", [
-    f"{OPEN}\nI will call get_weather\n{CLOSE}",  # prose, not invokes
-    f'{OPEN}\n<invoke name="f">\n<parameter name="a">1</parameter>\nstray\n</invoke>\n{CLOSE}',
-    f'{OPEN}\n<invoke name="f">\n<parameter name="a">1\n</invoke>\n{CLOSE}',  # unclosed value
-    f"{OPEN}\n{CLOSE}",  # no invoke at all
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "block",
+    [
+        f"{OPEN}\nI will call get_weather\n{CLOSE}",  # prose, not invokes
+        f'{OPEN}\n<invoke name="f">\n<parameter name="a">1</parameter>\nstray\n</invoke>\n{CLOSE}',
+        f'{OPEN}\n<invoke name="f">\n<parameter name="a">1\n</invoke>\n{CLOSE}',  # unclosed value
+        f"{OPEN}\n{CLOSE}",  # no invoke at all
+    ],
+)
 def test_a_block_that_is_not_calls_comes_back_as_text(block):
     events, parser = parse([f"Before {block} after"])
     # (as the Qwen parser does: the space before the block's tag is dropped, the rest kept)
@@ -138,9 +154,26 @@ def test_the_template_picks_it_and_a_forced_call_opens_as_minimax_writes_it():
     assert events == [("start", 0, "get_weather"), ("args", 0, '{"days": 4}'), ("end", 0)]
 
 
-FRAGMENTS = ["<think>", "</think>", OPEN, CLOSE, '<invoke name="f">', "</invoke>",
-             '<parameter name="days">', '<parameter name="city">', "</parameter>", "<minimax",
-             "</inv", " ", "\n", "x y", "3", '["a"]', '"', "{"]  # fmt: skip
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    OPEN,
+    CLOSE,
+    '<invoke name="f">',
+    "</invoke>",
+    '<parameter name="days">',
+    '<parameter name="city">',
+    "</parameter>",
+    "<minimax",
+    "</inv",
+    " ",
+    "\n",
+    "x y",
+    "3",
+    '["a"]',
+    '"',
+    "{",
+]
 
 
 @settings(max_examples=300, deadline=None)

@@ -385,11 +385,39 @@ def test_prompt_opens_reasoning():
 
 
 FRAGMENTS = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool", "</th", "\n", " ", "x",
-    '{"name": "f", "arguments": ', '{"name": "g", "parameters": "', '{"arguments": ', '"name"',
-    "{", "}", "[", "]", '"', "\\", "\\u00e9", "\\ud83d", "\\ude00", "\\n", ",", ":", "-1.5",
-    "0", "e", "true", "nul", '"a": ', "\t",
-]  # fmt: skip
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "</th",
+    "\n",
+    " ",
+    "x",
+    '{"name": "f", "arguments": ',
+    '{"name": "g", "parameters": "',
+    '{"arguments": ',
+    '"name"',
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    "\\u00e9",
+    "\\ud83d",
+    "\\ude00",
+    "\\n",
+    ",",
+    ":",
+    "-1.5",
+    "0",
+    "e",
+    "true",
+    "nul",
+    '"a": ',
+    "\t",
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -224,10 +224,12 @@ def tiny_traces(draw):
     top_k = draw(st.integers(1, min(2, experts)))
     tokens = draw(st.integers(1, 7))
     routes = [
-        [draw(st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k))
-         for _ in range(layers)]
+        [
+            draw(st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k))
+            for _ in range(layers)
+        ]
         for _ in range(tokens)
-    ]  # fmt: skip
+    ]
     trace = Trace.from_routes([routes], num_layers=layers, num_experts=experts)
     slots = draw(st.integers(top_k, layers * experts))
     return trace, slots
@@ -252,9 +254,12 @@ def test_load_trace_roundtrip_and_duplicates(tmp_path):
     import json
 
     reqs = [np.array([[[1, 1], [0, 2]]], dtype=np.int8), np.array([[[3, 0], [2, 2]]] * 2)]
-    meta = {"num_layers": 2, "num_experts": 4, "top_k": 2, "requests": [
-        {"index": i, "tokens": len(r)} for i, r in enumerate(reqs)
-    ]}  # fmt: skip
+    meta = {
+        "num_layers": 2,
+        "num_experts": 4,
+        "top_k": 2,
+        "requests": [{"index": i, "tokens": len(r)} for i, r in enumerate(reqs)],
+    }
     path = tmp_path / "t.npz"
     arrays = {f"experts_{i:04d}": r for i, r in enumerate(reqs)}
     np.savez(path, meta_json=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
@@ -263,8 +268,13 @@ def test_load_trace_roundtrip_and_duplicates(tmp_path):
     flat, offsets = trace.step_pairs()
     # a duplicated expert in a step counts once
     assert [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(6)] == [
-        [1], [4, 6], [0, 3], [6], [0, 3], [6]
-    ]  # fmt: skip
+        [1],
+        [4, 6],
+        [0, 3],
+        [6],
+        [0, 3],
+        [6],
+    ]
     request, token, layer, experts = list(trace.steps())[3]
     assert (request, token, layer, experts.tolist()) == (1, 0, 1, [2])
     assert trace.truncated(2).num_tokens == 2 and len(trace.truncated(2).requests) == 2

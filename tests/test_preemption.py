@@ -103,8 +103,9 @@ def submit_and_wait(scheduler, jobs, timeout=300):
 def test_a_request_without_a_limit_does_not_hold_back_a_short_one(cache_dir):
     engine = demo(512)
     prompt = prompts(engine)[0]
-    unlimited = SamplingParams(max_new_tokens=engine.max_context - len(prompt), temperature=0,
-                               ignore_eos=True)  # fmt: skip
+    unlimited = SamplingParams(
+        max_new_tokens=engine.max_context - len(prompt), temperature=0, ignore_eos=True
+    )
     short = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     scheduler = Scheduler(engine, max_running=2)
     try:

@@ -18,8 +18,10 @@ PROMPT = 40
 # (gpt-oss: a bias bank; MiniMax-M2: sigmoid routing; Kimi-K2.6: MLA, leading dense layers;
 # GLM-5: sparse attention, chunks of one token taking its decode path; Gemma-4: experts that
 # read the residual stream, a dense MLP beside them)
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "minimax_m2", "kimi_k25",
-                                        "glm_moe_dsa", "gemma4"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=["qwen3_moe", "gpt_oss", "minimax_m2", "kimi_k25", "glm_moe_dsa", "gemma4"],
+)
 def loaded(request, tmp_path_factory):
     path, _ = build(request.param, tmp_path_factory.mktemp("m") / "m")
     return load_model(path, dtype="float32")

@@ -39,8 +39,11 @@ def test_bench_bw_and_a_load_say_what_they_wait_for(tmp_path):
     env = {**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(
         [FT, "bench", "bw", "--device", "cpu", "--seconds", "0.2", "--pool-gib", "0.05"],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     started = time.monotonic()
     first = proc.stderr.readline()
     assert time.monotonic() - started < 20  # (the imports; the measurement takes longer)
@@ -49,6 +52,9 @@ def test_bench_bw_and_a_load_say_what_they_wait_for(tmp_path):
     assert proc.returncode == 0
     out = subprocess.run(
         [FT, "generate", "--model", "random-demo", "--prompt", "Hi", "--max-tokens", "1"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "loading weights..." in out.stderr

@@ -162,8 +162,12 @@ def nvfp4(w):
     step = block.float() * global_scale
     packed = encode_fp4(groups / step.unsqueeze(-1)).reshape(n, k // 2)
     ref = decode_fp4(packed).view(n, k // 16, 16) * step.unsqueeze(-1)
-    parts = {".weight": packed, ".weight_scale": block, ".weight_scale_2": global_scale.reshape(()),
-             ".input_scale": torch.tensor(1.0)}  # fmt: skip
+    parts = {
+        ".weight": packed,
+        ".weight_scale": block,
+        ".weight_scale_2": global_scale.reshape(()),
+        ".input_scale": torch.tensor(1.0),
+    }
     return parts, ref.reshape(n, k)
 
 
@@ -180,12 +184,16 @@ def q8_0(w):
 
 
 FORMATS = {
-    "fp8": (dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-                 weight_block_size=[16, 24]), lambda w: fp8_blocks(w, (16, 24))),
+    "fp8": (
+        dict(
+            quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[16, 24]
+        ),
+        lambda w: fp8_blocks(w, (16, 24)),
+    ),
     "mxfp4": (dict(quant_method="mxfp4"), mxfp4),
     "nvfp4": (dict(quant_method="modelopt", quant_algo="NVFP4"), nvfp4),
     "q8_0": (dict(quant_method="gguf"), q8_0),
-}  # fmt: skip
+}
 
 
 def quantized_pair(src, tmp_path, fmt):
@@ -202,10 +210,14 @@ def quantized_pair(src, tmp_path, fmt):
             plain[name] = ref
         else:
             stored[name] = plain[name] = t
-    return write_variants(src, tmp_path, {
-        "quantized": (stored, {"quantization_config": quant_config}),
-        "plain": (plain, {}),
-    })  # fmt: skip
+    return write_variants(
+        src,
+        tmp_path,
+        {
+            "quantized": (stored, {"quantization_config": quant_config}),
+            "plain": (plain, {}),
+        },
+    )
 
 
 def write_variants(src, tmp_path, variants: dict) -> tuple:
@@ -223,8 +235,9 @@ def write_variants(src, tmp_path, variants: dict) -> tuple:
 
 
 def logits(path, moe: MoEOptions | None = None, **load) -> torch.Tensor:
-    runner = ModelRunner(load_model(path, dtype="float32", **load), kv_cache_tokens=128,
-                         page_size=8, moe=moe)  # fmt: skip
+    runner = ModelRunner(
+        load_model(path, dtype="float32", **load), kv_cache_tokens=128, page_size=8, moe=moe
+    )
     seq = runner.new_sequence()
     ids = list(range(3, 30))
     out = [runner.forward([seq], [ids], all_logits=True)]
@@ -251,8 +264,14 @@ def test_a_quantized_checkpoint_is_the_model_of_its_dequantized_weights(fmt, sou
     assert store.format.name == fmt and store.w_gate_up.dtype == torch.uint8
     assert store.nbytes < load_model(plain, dtype="float32").experts.nbytes / 3
     # every strategy and cache size (one slot, a few, all) computes with them as defined
-    for moe in (None, MoEOptions("hybrid", "6"), MoEOptions("hybrid", "1"), MoEOptions("cpu"),
-                MoEOptions("offload", "3"), MoEOptions("static", "5")):  # fmt: skip
+    for moe in (
+        None,
+        MoEOptions("hybrid", "6"),
+        MoEOptions("hybrid", "1"),
+        MoEOptions("cpu"),
+        MoEOptions("offload", "3"),
+        MoEOptions("static", "5"),
+    ):
         got = logits(quantized, moe)
         assert (got - want).abs().max().item() < 1e-5, (fmt, moe)
     # the dequantized model itself is what transformers computes from those weights
@@ -287,8 +306,11 @@ def test_quantized_checkpoints_that_cannot_be_read_are_refused_with_what_to_do(s
         if qc["quant_method"] == "mxfp4":
             # (an FP8 checkpoint's scales are there; the check is on the MXFP4 ones)
             weights = load_file(quantized / "model.safetensors")
-            kept = {k: v for k, v in weights.items()
-                    if "scale" not in k and v.dtype != torch.float8_e4m3fn}  # fmt: skip
+            kept = {
+                k: v
+                for k, v in weights.items()
+                if "scale" not in k and v.dtype != torch.float8_e4m3fn
+            }
             save_file(kept, quantized / "model.safetensors")
         with pytest.raises(CheckpointError, match=match):
             load_model(quantized)
@@ -388,8 +410,9 @@ def test_the_memory_check_counts_experts_kept_quantized_at_their_stored_size(sou
     family = family_for(ckpt.config)
     fmt, kept, _ = expert_storage(ckpt, family, family.parse_config(ckpt.config))
     assert fmt.name == "mxfp4" and kept and all(".experts." in n for n in kept)
-    expert_bytes = sum(ckpt.tensors[p].stored_bytes for n in kept
-                       for p in ckpt.quantized.tensors[n].parts)  # fmt: skip
+    expert_bytes = sum(
+        ckpt.tensors[p].stored_bytes for n in kept for p in ckpt.quantized.tensors[n].parts
+    )
     dequantized = sum(ckpt.quantized.tensors[n].numel for n in kept) * 2
     assert ckpt.nbytes(torch.bfloat16, kept) == ckpt.nbytes(torch.bfloat16) - dequantized + (
         expert_bytes
@@ -458,8 +481,11 @@ def test_a_quantized_tensor_the_model_does_not_have_is_passed_over(
     with caplog.at_level("WARNING", logger="freetoken.models.loading"):
         assert torch.equal(logits(quantized), logits(plain))
     assert any("ignored" in r.getMessage() for r in caplog.records)
-    used = [n for n in load_file(plain / "model.safetensors")
-            if n.endswith("_proj.weight") and ".experts." not in n]  # fmt: skip
+    used = [
+        n
+        for n in load_file(plain / "model.safetensors")
+        if n.endswith("_proj.weight") and ".experts." not in n
+    ]
     assert len(made) == len(used)  # the extra one was not dequantized (nor the experts, kept)
 
 
@@ -481,9 +507,15 @@ def test_quantized_experts_on_cuda_match_the_dequantized_model(fmt, source, tmp_
     the dequantized model's logits."""
     quantized, plain = quantized_pair(source[0], tmp_path, fmt)
     want = cuda_logits(plain, MoEOptions("fused"))
-    for moe in (MoEOptions("fused"), MoEOptions("offload", "3"), MoEOptions("offload", "6"),
-                MoEOptions("hybrid", "5"), MoEOptions("hybrid", "5", device_control=False),
-                MoEOptions("static", "9"), MoEOptions("cpu")):  # fmt: skip
+    for moe in (
+        MoEOptions("fused"),
+        MoEOptions("offload", "3"),
+        MoEOptions("offload", "6"),
+        MoEOptions("hybrid", "5"),
+        MoEOptions("hybrid", "5", device_control=False),
+        MoEOptions("static", "9"),
+        MoEOptions("cpu"),
+    ):
         got = cuda_logits(quantized, moe)
         assert (got - want).abs().max().item() < 1e-4, (fmt, moe)
     # bf16: the kernels compute with the dequantized weights' bf16 values
@@ -525,11 +557,19 @@ def test_deepseek_v4_release_layout_fp8_attention_and_fp4_experts(source, tmp_pa
             plain[name] = ref
         else:
             stored[name] = plain[name] = t
-    config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-              "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
-              "activation_scheme": "dynamic"}, "expert_dtype": "fp4"}  # fmt: skip
-    quantized, plain_dir = write_variants(source[0], tmp_path, {
-        "quantized": (stored, config), "plain": (plain, {})})  # fmt: skip
+    config = {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        },
+        "expert_dtype": "fp4",
+    }
+    quantized, plain_dir = write_variants(
+        source[0], tmp_path, {"quantized": (stored, config), "plain": (plain, {})}
+    )
     loaded = load_model(quantized, dtype="float32")
     assert loaded.experts.format.name == "mxfp4" and loaded.experts.w_gate_up.dtype == torch.uint8
     want = logits(plain_dir)
@@ -558,8 +598,10 @@ def test_glm5_fp8_and_nvfp4_releases_compute_as_their_dequantized_copies(fmt, gl
             weights[name] = ref
         else:
             stored[name] = weights[name] = t
-    variants = {"quantized": (stored, {"quantization_config": quant_config}),
-                "plain": (weights, {})}  # fmt: skip
+    variants = {
+        "quantized": (stored, {"quantization_config": quant_config}),
+        "plain": (weights, {}),
+    }
     quantized, plain = write_variants(glm5[0], tmp_path, variants)
     assert any(".experts." in n and n.endswith(FORMATS_SUFFIX[fmt]) for n in stored)
     assert any("indexer" in n and n.endswith(FORMATS_SUFFIX[fmt]) for n in stored)

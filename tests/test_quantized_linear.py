@@ -66,16 +66,20 @@ def test_the_quantized_linear_is_the_dense_layer_on_the_dequantized_weight(name)
                         assert takes_quantized(x, weight)
                         got = native_qlinear(x, weight, bias)
                         same = native_linear(x, dense, bias)
-                        ref = F.linear(x.float(), dense.float(), None if bias is None
-                                       else bias.float())  # fmt: skip
+                        ref = F.linear(
+                            x.float(), dense.float(), None if bias is None else bias.float()
+                        )
                     assert got.dtype == dtype and got.shape == (tokens, rows)
                     what = (name, rows, dtype, tokens, bias is not None)
                     if name == "nvfp4" and dtype == torch.bfloat16 and tokens == 1:
                         assert torch.allclose(got.float(), same.float(), rtol=2**-7, atol=1e-6)
                     elif name in SCALED_CODES and dtype == torch.bfloat16:
                         # the file's values (the fp32 dequantization), the sum rounded once
-                        exact = F.linear(x.double(), weight.dequantize(torch.float32).double(),
-                                         None if bias is None else bias.double())  # fmt: skip
+                        exact = F.linear(
+                            x.double(),
+                            weight.dequantize(torch.float32).double(),
+                            None if bias is None else bias.double(),
+                        )
                         hits = got.double() == exact.to(dtype).double()
                         assert hits.float().mean() >= 0.97, what
                     else:

@@ -64,8 +64,11 @@ def test_config_reads_the_hybrid_layout(loaded):
     assert cfg.attn_output_gate and cfg.zero_centered_norm
     la = cfg.linear_attention
     assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim) == (
-        2, 4, 16, 8,
-    )  # fmt: skip
+        2,
+        4,
+        16,
+        8,
+    )
     runner = ModelRunner(loaded, kv_cache_tokens=64, page_size=8, max_sequences=3)
     # Linear layers keep no K/V pages; their state lives in the pool instead.
     assert [k.numel() > 0 for k in runner.kv.k] == [False, True, False, True]
@@ -77,14 +80,24 @@ def test_hub_config_spellings():
     """Hub configs give `full_attention_interval` instead of `layer_types`, and may leave
     `partial_rotary_factor` to the family default (a quarter of each head)."""
     raw = {
-        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 10, "hidden_size": 32,
-        "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 16, "full_attention_interval": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 8,
-        "shared_expert_intermediate_size": 8, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 32,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "full_attention_interval": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
         "rope_theta": 1e6,
-    }  # fmt: skip
+    }
     cfg = family_for(raw).parse_config(raw)
     assert cfg.linear_layer_ids == (0, 1, 2, 4, 5, 6)
     assert cfg.rope.partial_rotary_factor == 0.25
@@ -226,9 +239,14 @@ def chat_model(request, tmp_path_factory):
 
 def chat_engine(path, **options) -> LLMEngine:
     config = EngineConfig(
-        model=path, device="cpu", dtype="float32", kv_cache_tokens=4096, page_size=4,
-        max_batch_size=2, **options,
-    )  # fmt: skip
+        model=path,
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=4096,
+        page_size=4,
+        max_batch_size=2,
+        **options,
+    )
     return LLMEngine.from_config(config)
 
 
@@ -239,9 +257,14 @@ def test_engine_resumes_only_where_a_state_was_saved(chat_model, anchors):
     tokens are the same either way."""
     engine = chat_engine(chat_model, state_anchors=anchors)
     tok = engine.tokenizer
-    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in (
-        "Write a haiku about the sea.", "List three prime numbers.", "Say hello.",
-    )]  # fmt: skip
+    prompts = [
+        tok.encode(tok.render_chat([{"role": "user", "content": t}]))
+        for t in (
+            "Write a haiku about the sea.",
+            "List three prime numbers.",
+            "Say hello.",
+        )
+    ]
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     together = engine.generate(prompts, greedy)  # three prompts through two batch slots
     im_end = tok.token_id("<|im_end|>")
@@ -286,8 +309,11 @@ def _step_kernel_cases() -> dict[str, float]:
 
     res = {}
     gen = torch.Generator().manual_seed(0)
-    cases = [(dtype, name, kda) for dtype, name in ((torch.float32, "fp32"),
-             (torch.bfloat16, "bf16")) for kda in (False, True)]  # fmt: skip
+    cases = [
+        (dtype, name, kda)
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+        for kda in (False, True)
+    ]
     for dtype, name, kda in cases:
         n, hk, hv, dk, dv, pool = 3, 4 if kda else 2, 4, 16, 40, 6
         decays = hv * dk if kda else hv  # (KDA: a and dt_bias per key channel)
@@ -311,15 +337,15 @@ def _step_kernel_cases() -> dict[str, float]:
         before = ssm.clone()
         out = recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots)
         res[f"{name}_out"] = ((out - want_out).abs().max() / want_out.abs().max()).item()
-        res[f"{name}_state"] = ((ssm[slots] - want_state).abs().max()
-                                / want_state.abs().max()).item()  # fmt: skip
+        res[f"{name}_state"] = (
+            (ssm[slots] - want_state).abs().max() / want_state.abs().max()
+        ).item()
         others = torch.tensor([1, 3, 5])
         res[f"{name}_others"] = 0.0 if torch.equal(ssm[others], before[others]) else 1.0
     return res
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
-                    reason="needs triton")  # fmt: skip
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
 def test_the_decode_step_kernel_is_the_torch_step():
     from interpreted import run_interpreted
 
@@ -334,8 +360,9 @@ def test_the_decode_step_kernel_is_the_torch_step():
 # -- prompts through flash-linear-attention's chunked kernels (kernels/gated_delta.chunked) ---
 
 
-def _fla_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel):  # fmt: skip
+def _fla_stand_in(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel
+):
     """fla's chunk_gated_delta_rule as its documentation defines it ([B, T, H, K] q and k, each
     key head serving HV / H consecutive value heads, q and k L2-normalised in the kernel,
     scaled by `scale`), in torch: for the layer's use of it on any machine."""

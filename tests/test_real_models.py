@@ -70,8 +70,9 @@ def freetoken_run(path):
     from freetoken.engine.sampling import SamplingParams
 
     batch = len(CHATS) + len(TEXTS)
-    config = EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_tokens=4096,
-                          max_batch_size=batch)  # fmt: skip
+    config = EngineConfig(
+        model=path, device="cpu", dtype="float32", kv_cache_tokens=4096, max_batch_size=batch
+    )
     engine = LLMEngine.from_config(config)
     tok = engine.tokenizer
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": q}])) for q in CHATS]

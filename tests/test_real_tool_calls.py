@@ -40,8 +40,9 @@ def real_model() -> Path:
 
 @pytest.fixture(scope="module")
 def base():
-    config = EngineConfig(model=real_model(), device="cpu", kv_cache_tokens=2048,
-                          max_model_len=2048, progress=False)  # fmt: skip
+    config = EngineConfig(
+        model=real_model(), device="cpu", kv_cache_tokens=2048, max_model_len=2048, progress=False
+    )
     engine = LLMEngine.from_config(config)
     with running_server(engine) as (url, _core):
         yield url
@@ -58,8 +59,12 @@ CHAT_TOOL = {
     "type": "function",
     "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS},
 }
-RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": DESCRIPTION,
-                  "parameters": PARAMETERS}  # fmt: skip
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": DESCRIPTION,
+    "parameters": PARAMETERS,
+}
 ANTHROPIC_TOOL = {"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}
 WEATHER = '{"city": "Paris", "sky": "sunny", "temperature_c": 24}'
 MAX_TOKENS = 48  # the call is about 25 tokens
@@ -72,8 +77,9 @@ def assert_paris(arguments: dict) -> None:
 def test_openai_chat_tool_call(base):
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": ASK}]
-    request = dict(model=MODEL, messages=messages, tools=[CHAT_TOOL], temperature=0,
-                   max_tokens=MAX_TOKENS)  # fmt: skip
+    request = dict(
+        model=MODEL, messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=MAX_TOKENS
+    )
     whole = client.chat.completions.create(**request)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -102,9 +108,13 @@ def test_openai_chat_tool_call(base):
 
 def test_anthropic_tool_use(base):
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
-    request = dict(model=MODEL, max_tokens=MAX_TOKENS, tools=[ANTHROPIC_TOOL],
-                   messages=[{"role": "user", "content": ASK}],
-                   extra_body={"temperature": 0})  # fmt: skip
+    request = dict(
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        tools=[ANTHROPIC_TOOL],
+        messages=[{"role": "user", "content": ASK}],
+        extra_body={"temperature": 0},
+    )
     whole = client.messages.create(**request)
     assert whole.stop_reason == "tool_use"
     [use] = [b for b in whole.content if b.type == "tool_use"]
@@ -121,8 +131,9 @@ def test_anthropic_tool_use(base):
 
 def test_responses_function_call(base):
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    request = dict(model=MODEL, input=ASK, tools=[RESPONSES_TOOL], temperature=0,
-                   max_output_tokens=MAX_TOKENS)  # fmt: skip
+    request = dict(
+        model=MODEL, input=ASK, tools=[RESPONSES_TOOL], temperature=0, max_output_tokens=MAX_TOKENS
+    )
     whole = client.responses.create(**request)
     assert whole.status == "completed"
     [call] = [item for item in whole.output if item.type == "function_call"]

@@ -64,11 +64,16 @@ def no_tool_format(server, monkeypatch):
     return base
 
 
-@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function":
-                                    {"name": "get_weather"}}, None])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}, None]
+)
 def test_chat_tools_without_a_format_are_refused_whatever_the_choice(no_tool_format, choice):
-    body = {"model": "test-model", "max_tokens": 3, "messages": HI,
-            "tools": [{"type": "function", "function": TOOL}]}  # fmt: skip
+    body = {
+        "model": "test-model",
+        "max_tokens": 3,
+        "messages": HI,
+        "tools": [{"type": "function", "function": TOOL}],
+    }
     if choice is not None:
         body["tool_choice"] = choice
     r = httpx.post(no_tool_format + "/v1/chat/completions", json=body, timeout=60)
@@ -79,8 +84,13 @@ def test_chat_tools_without_a_format_are_refused_whatever_the_choice(no_tool_for
 
 
 def test_chat_tools_with_choice_none_are_served(no_tool_format):
-    body = {"model": "test-model", "max_tokens": 3, "messages": HI, "tool_choice": "none",
-            "tools": [{"type": "function", "function": TOOL}]}  # fmt: skip
+    body = {
+        "model": "test-model",
+        "max_tokens": 3,
+        "messages": HI,
+        "tool_choice": "none",
+        "tools": [{"type": "function", "function": TOOL}],
+    }
     assert httpx.post(no_tool_format + "/v1/chat/completions", json=body, timeout=60).is_success
 
 
@@ -97,7 +107,12 @@ def test_anthropic_tools_without_a_format_are_refused(no_tool_format, choice):
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_responses_tools_without_a_format_are_refused(no_tool_format, choice):
-    body = {"model": "test-model", "max_output_tokens": 3, "input": "Hi", "tool_choice": choice,
-            "tools": [{"type": "function", **TOOL}]}  # fmt: skip
+    body = {
+        "model": "test-model",
+        "max_output_tokens": 3,
+        "input": "Hi",
+        "tool_choice": choice,
+        "tools": [{"type": "function", **TOOL}],
+    }
     r = httpx.post(no_tool_format + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 400 and "no tool-call format" in r.json()["error"]["message"]

@@ -155,9 +155,12 @@ def test_tool_choice_any_and_named_force_a_call(engine, client, monkeypatch):
     rest = '{"city": "Paris"}}\n</tool_call>'
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(rest), eos]))
     named = client.messages.create(
-        model=MODEL, max_tokens=50, tools=tools, messages=messages,
+        model=MODEL,
+        max_tokens=50,
+        tools=tools,
+        messages=messages,
         tool_choice={"type": "tool", "name": "get_weather"},
-    )  # fmt: skip
+    )
     [use] = [b for b in named.content if b.type == "tool_use"]
     assert named.stop_reason == "tool_use" and use.input == {"city": "Paris"}
 
@@ -170,6 +173,9 @@ def test_tool_choice_any_and_named_force_a_call(engine, client, monkeypatch):
     assert use.name == "get_weather" and use.input == {"city": "Oslo"}
     with pytest.raises(anthropic.BadRequestError, match="not one of the tools"):
         client.messages.create(
-            model=MODEL, max_tokens=5, tools=tools, messages=messages,
+            model=MODEL,
+            max_tokens=5,
+            tools=tools,
+            messages=messages,
             tool_choice={"type": "tool", "name": "get_time"},
-        )  # fmt: skip
+        )

@@ -308,9 +308,11 @@ def test_responses_function_call_round_trip(engine, client, monkeypatch):
     rest = '{"city": "Paris"}}\n</tool_call>'
     monkeypatch.setattr(engine, "_sample", scripted(engine, [*tok.encode(rest), eos]))
     forced = client.responses.create(
-        model=MODEL, input="Weather in Paris?", tools=[tool],
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[tool],
         tool_choice={"type": "function", "name": "get_weather"},
-    )  # fmt: skip
+    )
     [again] = [item for item in forced.output if item.type == "function_call"]
     assert again.name == "get_weather" and json.loads(again.arguments) == {"city": "Paris"}
 
@@ -360,9 +362,12 @@ def test_tool_choice_forces_a_call(engine, client, monkeypatch):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     script('{"city": "Paris"}}\n</tool_call>')  # the model writes only the arguments
     named = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=50,
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        max_tokens=50,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    )
     assert named.choices[0].finish_reason == "tool_calls"
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
@@ -372,18 +377,23 @@ def test_tool_choice_forces_a_call(engine, client, monkeypatch):
 
     script('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     required = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=50,
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        max_tokens=50,
         tool_choice="required",
-    )  # fmt: skip
+    )
     [call] = required.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
     assert tok.decode(prompts[-1][-4:], skip_special_tokens=False).endswith("<tool_call>\n")
 
     with pytest.raises(openai.BadRequestError, match="not one of the tools"):
         client.chat.completions.create(
-            model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+            model=MODEL,
+            messages=messages,
+            tools=[WEATHER_TOOL],
             tool_choice={"type": "function", "function": {"name": "get_time"}},
-        )  # fmt: skip
+        )
     with pytest.raises(openai.BadRequestError, match="no tools"):
         client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="'tool_choice': Input should be"):
@@ -415,11 +425,15 @@ def test_unset_sampling_settings_are_the_checkpoints_recommendation(server, clie
     core.sampling_defaults = {"temperature": 0.0}  # (a checkpoint published for greedy decoding)
     try:
         for seed in (1, 2, 3):
-            got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
-                                                 seed=seed)  # fmt: skip
+            got = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, seed=seed
+            )
             assert got.choices[0].message.content == want.message.content
-        reply = httpx.post(server[0] + "/v1/messages", json={
-            "model": MODEL, "max_tokens": 6, "messages": messages}, timeout=60)  # fmt: skip
+        reply = httpx.post(
+            server[0] + "/v1/messages",
+            json={"model": MODEL, "max_tokens": 6, "messages": messages},
+            timeout=60,
+        )
         assert reply.json()["content"][0]["text"] == want.message.content
     finally:
         core.sampling_defaults = saved
@@ -437,8 +451,9 @@ def test_a_request_can_turn_drafting_off_for_itself(engine, server, client, monk
 
     messages = [{"role": "user", "content": "one two one two one two one two one two"}]
     before = drafted()
-    off = client.chat.completions.create(messages=messages, extra_body={"speculative": False},
-                                         **greedy(max_tokens=24))  # fmt: skip
+    off = client.chat.completions.create(
+        messages=messages, extra_body={"speculative": False}, **greedy(max_tokens=24)
+    )
     assert drafted() == before
     on = client.chat.completions.create(messages=messages, **greedy(max_tokens=24))
     assert drafted() > before

@@ -169,8 +169,13 @@ def moe_path(tmp_path_factory):
 
 
 def test_penalties_count_the_draft_before_each_position(moe_path):
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            repetition_penalty=1.3, frequency_penalty=0.4)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+    )
     prompts, want, expected, vocab = reference(moe_path, params)
     engine = engine_for(moe_path, Forced(expected, vocab))
     assert [c.output_ids for c in engine.generate(prompts, params)] == want
@@ -192,8 +197,7 @@ def test_drafts_through_prefix_reuse_preemption_and_the_offload_strategies(moe_p
     assert tight.preemptions > 0
     for strategy, size in (("offload", "3"), ("hybrid", "3"), ("cpu", None)):
         moe = MoEOptions(strategy=strategy, cache_size=size)
-        engine = engine_for(moe_path, Forced(expected, vocab, shift=strategy == "hybrid"),
-                            moe=moe)  # fmt: skip
+        engine = engine_for(moe_path, Forced(expected, vocab, shift=strategy == "hybrid"), moe=moe)
         assert [c.output_ids for c in engine.generate(prompts, params)] == want, strategy
 
 
@@ -324,8 +328,9 @@ def test_sampled_requests_draw_alike_with_drafts_and_without(moe_path):
         engine = engine_for(moe_path, drafter, batch=1)
         tally: dict[tuple[int, int], dict[int, int]] = {}
         for seed in range(400):
-            sampled = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, seed=seed,
-                                     ignore_eos=True)  # fmt: skip
+            sampled = SamplingParams(
+                max_new_tokens=3, temperature=1.0, top_k=4, seed=seed, ignore_eos=True
+            )
             out = engine.generate([prompt], sampled)[0].output_ids
             row = tally.setdefault((out[0], out[1]), {})
             row[out[2]] = row.get(out[2], 0) + 1
@@ -337,8 +342,9 @@ def test_sampled_requests_draw_alike_with_drafts_and_without(moe_path):
     for context in common:
         a, b = counts["off"][context], counts["on"].get(context, {})
         tokens = sorted(set(a) | set(b))
-        table = torch.tensor([[a.get(t, 0) for t in tokens], [b.get(t, 0) for t in tokens]],
-                             dtype=torch.float64)  # fmt: skip
+        table = torch.tensor(
+            [[a.get(t, 0) for t in tokens], [b.get(t, 0) for t in tokens]], dtype=torch.float64
+        )
         if table.sum(dim=1).min() < 40:
             continue
         expected_table = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()

@@ -436,10 +436,16 @@ def test_the_tokenizer_class_is_autotokenizers_without_its_import(tokenizer_dir:
         "print(t.encode('hello world')); "
         "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tokenizer_dir)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout.splitlines()  # fmt: skip
-    assert out[0] == str(AutoTokenizer.from_pretrained(tokenizer_dir).encode(
-        "hello world", add_special_tokens=False))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tokenizer_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
+    assert out[0] == str(
+        AutoTokenizer.from_pretrained(tokenizer_dir).encode("hello world", add_special_tokens=False)
+    )
     assert out[1] == "[]"
 
 

@@ -152,8 +152,9 @@ def test_a_process_that_exits_mid_check_exits_quietly(converted):
         "import sys; from freetoken.models.loading import load_model; "
         "loaded = load_model(sys.argv[1]); assert loaded.integrity is not None"
     )
-    done = subprocess.run([sys.executable, "-c", script, str(converted)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(converted)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
 
@@ -230,8 +231,12 @@ print(torch.frombuffer(bytearray(old[:]), dtype=torch.int32).sum().item())
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "wd")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "wd")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == sum(range(1 << 16))
     assert (tmp_path / "wd" / "experts.bin").stat().st_size == 64
@@ -297,8 +302,9 @@ def test_reads_go_on_after_short_reads_and_refused_direct_io(converted, monkeypa
         assert calls["direct"] > 0  # tried, refused, and read buffered instead
     clean = load_model(converted, verify=True)
     assert torch.equal(loaded.experts.w_down, clean.experts.w_down)
-    for (name, a), (_, b) in zip(loaded.model.named_parameters(),
-                                 clean.model.named_parameters(), strict=True):  # fmt: skip
+    for (name, a), (_, b) in zip(
+        loaded.model.named_parameters(), clean.model.named_parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -499,8 +505,9 @@ def test_a_cuda_start_locks_what_it_read_early_while_the_rest_loads(
     assert calls[-1] == ("unlock", banks) and not store.pinned
 
 
-def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(converted, gpu_node,
-                                                                     monkeypatch):  # fmt: skip
+def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(
+    converted, gpu_node, monkeypatch
+):
     """Where the read-only lock of a mapped pool fails, `pin` copies the banks into memory of
     their own and locks those (a write-free fallback: the mapping is never locked writable)."""
     locked = []
@@ -524,8 +531,7 @@ def test_a_mapped_pool_that_cuda_will_not_lock_is_copied_then_locked(converted, 
         assert torch.equal(bank, plain.named_banks[name]), name
 
 
-def test_a_file_the_page_cache_lacks_in_part_is_read_not_mapped(converted, gpu_node,
-                                                                monkeypatch):  # fmt: skip
+def test_a_file_the_page_cache_lacks_in_part_is_read_not_mapped(converted, gpu_node, monkeypatch):
     monkeypatch.setattr(wd, "resident_fraction", lambda path: 0.5)
     read = gpu_node.start(converted, None)
     assert read.mapped == set()
@@ -602,8 +608,9 @@ def early_start_of(converted, monkeypatch):
     return began[0]
 
 
-def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted, driver,
-                                                                     monkeypatch):  # fmt: skip
+def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(
+    converted, driver, monkeypatch
+):
     """Where the native preload made the CUDA context, the early read's pool is page-locked
     through the driver on that context (cuMemHostRegister, read-only for a mapped pool, one
     range) before torch is needed; the loader's pool adopts that lock (torch's runtime locks
@@ -614,8 +621,11 @@ def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted,
     assert read.pool_lock is not None and read.pool_lock.wait()
     assert read.pool_lock.seconds is not None and read.pool_lock.error is None
     base, size = loader.memory.address(read.regions["experts.bin"]), read.sizes["experts.bin"]
-    registered = [tuple(a.value for a in args) for name, args in driver.calls
-                  if name == "cuMemHostRegister_v2"]  # fmt: skip
+    registered = [
+        tuple(a.value for a in args)
+        for name, args in driver.calls
+        if name == "cuMemHostRegister_v2"
+    ]
     # (PORTABLE | MAPPED | READ_ONLY: the warm pool is mapped from the page cache)
     assert registered == [(base, size, 1 | 2 | 8)]
     assert driver.calls[[n for n, _ in driver.calls].index("cuMemHostRegister_v2") - 1][0] == (
@@ -630,8 +640,7 @@ def test_a_start_locks_its_pool_through_the_driver_beside_the_imports(converted,
     assert [args[0].value for name, args in driver.calls if name == "cuMemHostUnregister"] == [base]
 
 
-def test_without_the_preloads_context_torch_locks_the_early_pool(converted, driver,
-                                                                monkeypatch):  # fmt: skip
+def test_without_the_preloads_context_torch_locks_the_early_pool(converted, driver, monkeypatch):
     driver.status = 100  # CUDA_ERROR_NO_DEVICE: the preload makes no context
     torch_calls = []
     fake_cuda_load(monkeypatch, lambda *a: torch_calls.append(a) or 0, torch_calls.append)
@@ -719,8 +728,9 @@ def test_serve_and_generate_begin_the_early_read_before_the_engine(monkeypatch, 
     assert gc.isenabled()  # (the start turned the collector off; its failure turns it back on)
 
 
-def test_the_memory_check_counts_what_the_early_read_holds_as_used(converted, gpu_node,
-                                                                  monkeypatch):  # fmt: skip
+def test_the_memory_check_counts_what_the_early_read_holds_as_used(
+    converted, gpu_node, monkeypatch
+):
     """The banks an early read holds already took their memory from what is free: the load's
     check asks only for the rest (else a model that fits would be refused)."""
     from freetoken.errors import InsufficientMemoryError
@@ -782,8 +792,9 @@ def converted_plain(tmp_path_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
 @pytest.mark.parametrize("locked_by", ["driver", "runtime"])
-def test_a_warm_cuda_start_serves_from_its_mapped_pool(converted_plain, strategy, locked_by,
-                                                       monkeypatch):  # fmt: skip
+def test_a_warm_cuda_start_serves_from_its_mapped_pool(
+    converted_plain, strategy, locked_by, monkeypatch
+):
     """On the GPU: a warm directory's pool mapped read-only from the page cache and page-locked
     read-only fills the expert cache (the device-launched fills read it by its host address)
     and the CPU experts read it: the same logits as a load that reads the pool into memory of

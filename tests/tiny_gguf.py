@@ -61,9 +61,14 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     size = cfg["vocab_size"]
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
     special = {t["id"] for t in tok["added_tokens"] if t["special"]}
-    types = [gguf.TokenType.CONTROL if i in special else
-             gguf.TokenType.USER_DEFINED if i not in by_id else gguf.TokenType.NORMAL
-             for i in range(size)]  # fmt: skip
+    types = [
+        gguf.TokenType.CONTROL
+        if i in special
+        else gguf.TokenType.USER_DEFINED
+        if i not in by_id
+        else gguf.TokenType.NORMAL
+        for i in range(size)
+    ]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -85,16 +90,19 @@ def add_hyper_parameters(w, cfg: dict) -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(float(cfg["rope_theta"] if "rope_theta" in cfg else
-                               cfg["rope_parameters"]["rope_theta"]))  # fmt: skip
+    w.add_rope_freq_base(
+        float(cfg["rope_theta"] if "rope_theta" in cfg else cfg["rope_parameters"]["rope_theta"])
+    )
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 
 
 def gguf_name(name: str) -> str:
     """llama.cpp's name of transformers' tensor `name` (a weight or a bias)."""
-    top = {"model.embed_tokens.weight": "token_embd.weight",
-           "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name.startswith("blk.") or name in top:
         return top.get(name, name)
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
@@ -142,8 +150,13 @@ def random_k_blocks(kind: str, shape: tuple[int, ...], rng) -> np.ndarray:
     return blocks.reshape(*shape[:-1], -1)
 
 
-def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
-                     experts: str | None = None, tokenizer: bool = True) -> Path:  # fmt: skip
+def write_qwen3_gguf(
+    checkpoint: Path,
+    out: Path,
+    quantize: str = "F32",
+    experts: str | None = None,
+    tokenizer: bool = True,
+) -> Path:
     """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
     qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or a type the gguf
     package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
@@ -188,9 +201,11 @@ def write_qwen3_gguf(checkpoint: Path, out: Path, quantize: str = "F32",
 BYTE_MERGES = (("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("s", "e"), ("i", "n"))
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BYTE_VOCAB = 256 + len(BYTE_MERGES) + len(BYTE_SPECIALS)
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-          "<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def add_byte_tokenizer(w) -> None:
@@ -204,8 +219,9 @@ def add_byte_tokenizer(w) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens + list(BYTE_SPECIALS))
-    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens)
-                      + [gguf.TokenType.CONTROL] * len(BYTE_SPECIALS))  # fmt: skip
+    w.add_token_types(
+        [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(BYTE_SPECIALS)
+    )
     w.add_token_merges([" ".join(m) for m in BYTE_MERGES])
     w.add_bos_token_id(len(tokens))
     w.add_eos_token_id(len(tokens) + 2)

@@ -20,11 +20,22 @@ COMMON = dict(
 
 # DeepSeek-V3's layout (multi-head latent attention, sigmoid group routing), and with DSA
 _DEEPSEEK = dict(
-    num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-    topk_group=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-)  # fmt: skip
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
 _DSA = dict(_DEEPSEEK, index_topk=8, index_head_dim=16, index_n_heads=32)
 
 # family -> (config class, model class, extra config fields)
@@ -33,8 +44,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
         dict(
-            head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
             mlp_only_layers=[1],
         ),
     ),
@@ -42,8 +58,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
         dict(
-            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
         ),
     ),
     "mixtral": (
@@ -60,52 +80,97 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
         dict(
-            num_hidden_layers=4, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-            norm_topk_prob=True, mlp_only_layers=[2],
-            layer_types=["linear_attention", "full_attention", "linear_attention",
-                         "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
         ),
     ),
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
         dict(
-            num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-            layer_types=["linear_attention", "full_attention", "linear_attention",
-                         "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_hidden_layers=4,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
         ),
     ),
     "glm4_moe": (
         "Glm4MoeConfig",
         "Glm4MoeForCausalLM",
         dict(
-            num_hidden_layers=4, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
         ),
     ),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(_DEEPSEEK, num_hidden_layers=4, head_dim=8)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(_DEEPSEEK, num_hidden_layers=4, head_dim=8),
+    ),
     # DeepSeek Sparse Attention: an indexer top-k of 8, which the tests' 40-token prompts
     # exceed, so each query reads only some of its earlier tokens. (32 index heads: a token
     # whose every head's ReLU'd score is 0 ties with the others so, and a tie at the k-th
     # place falls either way, in transformers' topk as in ours; with 8 heads, one in a few
     # hundred queries met one)
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
-                     dict(_DSA, num_hidden_layers=3)),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(_DSA, num_hidden_layers=3),
+    ),
     # (GLM-5: full and shared indexer layers; MLA's own norms keep eps 1e-6 beside the 1e-5)
     "glm_moe_dsa": (
         "GlmMoeDsaConfig",
         "GlmMoeDsaForCausalLM",
-        dict(_DSA, num_hidden_layers=4, rms_norm_eps=1e-5,
-             indexer_types=["full", "shared", "full", "shared"]),
+        dict(
+            _DSA,
+            num_hidden_layers=4,
+            rms_norm_eps=1e-5,
+            indexer_types=["full", "shared", "full", "shared"],
+        ),
     ),
     "deepseek_v4": (
         "DeepseekV4Config",
@@ -114,31 +179,55 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         # HCA's windows of 8 (the smallest the config allows is any): the tests' 40-token
         # prompts cross them all; a hash-routed layer first; YaRN on the compressed branches
         dict(
-            num_hidden_layers=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
-            q_lora_rank=24, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
-            index_topk=3, sliding_window=8, hc_mult=4, moe_intermediate_size=32,
-            n_routed_experts=8, num_experts_per_tok=2,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            partial_rotary_factor=0.25,
+            q_lora_rank=24,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=3,
+            sliding_window=8,
+            hc_mult=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-            layer_types=["sliding_attention", "compressed_sparse_attention",
-                         "heavily_compressed_attention", "compressed_sparse_attention"],
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
             mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-            rope_parameters=dict(rope_type="yarn", factor=4.0,
-                                 original_max_position_embeddings=64),
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
         ),
     ),
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
         # a window of 8 that the tests' 40-token prompts cross, sliding and full layers in turn
-        dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-             sliding_window=8),
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        ),
     ),
     "minimax_m2": (
         "MiniMaxM2Config",
         "MiniMaxM2ForCausalLM",
         # q/k norms over all heads, RoPE on half of each head (the release's `rotary_dim`)
-        dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-             rotary_dim=8),
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rotary_dim=8,
+        ),
     ),
     "kimi_k25": (
         "Kimi_K25Config",
@@ -146,14 +235,32 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         # DeepSeek-V3's text model (as above) in `text_config`, beside a vision tower
         dict(
             text_config=dict(
-                num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
-                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                routed_scaling_factor=2.827, q_lora_rank=24, kv_lora_rank=32,
-                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
+                num_hidden_layers=4,
+                num_key_value_heads=4,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                routed_scaling_factor=2.827,
+                q_lora_rank=24,
+                kv_lora_rank=32,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                head_dim=8,
             ),
-            vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
-                               num_attention_heads=2, pos_emb_height=4, pos_emb_width=4),
+            vision_config=dict(
+                num_hidden_layers=1,
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                pos_emb_height=4,
+                pos_emb_width=4,
+            ),
             projection_hidden_size=32,
         ),
     ),
@@ -165,12 +272,25 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         # keys and proportional RoPE on a quarter of each head; a dense MLP beside the experts;
         # logits capped at 3 (the release's 30 would hardly touch the tiny model's)
         dict(
-            num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, sliding_window=8, intermediate_size=48,
-            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
-            hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                         "full_attention"],
+            num_hidden_layers=4,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=8,
+            intermediate_size=48,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=3.0,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
         ),
     ),
     "kimi_linear": (
@@ -180,13 +300,30 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         # `self_attn` for both, q/k/v convs apart, `block_sparse_moe` with w1/w2/w3 experts);
         # DeepSeek-V3's routing in 2 groups, the first layer dense
         dict(
-            num_hidden_layers=4, num_key_value_heads=4, intermediate_size=96,
-            moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, n_group=2, topk_group=1, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=12, linear_num_heads=4, linear_head_dim=16,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            layer_types=["linear_attention", "full_attention", "linear_attention",
-                         "full_attention"],
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            linear_num_heads=4,
+            linear_head_dim=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         ),
     ),
@@ -196,19 +333,24 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen2ForCausalLM",
         # q/k/v biases; a window of 8 on the layers from max_window_layers up, which the tests'
         # 40-token prompts cross
-        dict(intermediate_size=96, use_sliding_window=True, sliding_window=8,
-             max_window_layers=1),
+        dict(intermediate_size=96, use_sliding_window=True, sliding_window=8, max_window_layers=1),
     ),
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
         dict(
-            intermediate_size=96, attention_bias=True,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=64),
+            intermediate_size=96,
+            attention_bias=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
         ),
     ),
-}  # fmt: skip
+}
 
 
 # family -> its image-text release's (config class, model class, the other towers' fields): the
@@ -218,13 +360,24 @@ IMAGE_TEXT: dict[str, tuple[str, str, dict]] = {
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
         dict(
-            vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=2, head_dim=16),
-            audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              output_proj_dims=32, subsampling_conv_channels=[8, 4]),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+            ),
+            audio_config=dict(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                output_proj_dims=32,
+                subsampling_conv_channels=[8, 4],
+            ),
         ),
     ),
-}  # fmt: skip
+}
 
 
 def zero_centered_norm(family: str, name: str) -> bool:
@@ -290,8 +443,11 @@ def release_layout(out_dir: Path) -> None:
 
     for f in out_dir.glob("*.safetensors"):
         tensors = load_file(f)
-        save_file({k.replace(".model.blocks.", ".model.layers."): v for k, v in tensors.items()},
-                  f, metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k.replace(".model.blocks.", ".model.layers."): v for k, v in tensors.items()},
+            f,
+            metadata={"format": "pt"},
+        )
     for index in out_dir.glob("*.index.json"):
         index.write_text(index.read_text().replace(".model.blocks.", ".model.layers."))
 

@@ -187,8 +187,13 @@ def _compiled(source: str):
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # (Jinja's own escapes HTML characters, which a prompt must keep as they are)
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)  # fmt: skip
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
 
     def from_json(text):
         try:

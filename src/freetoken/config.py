@@ -12,16 +12,37 @@ from pathlib import Path
 # Where routed experts run (moe/runtime.py says what each does).
 STRATEGIES = ("auto", "fused", "offload", "cpu", "hybrid", "static")
 # How routed experts may be stored (weights/expert_format.py defines each).
-EXPERT_FORMATS = ("dense", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "k_mixed",
-                  "q4_0", "q4_1", "q5_0", "q5_1")  # fmt: skip
+EXPERT_FORMATS = (
+    "dense",
+    "fp8",
+    "mxfp4",
+    "nvfp4",
+    "q8_0",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "k_mixed",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+)
 # The expert cache's eviction policies (moe/policy.py's POLICIES, by name); the first is the
 # default.
 POLICIES = ("reuse-density", "lru", "expected-next-use", "markov-density")
 # The dtypes a model runs in (`--dtype`; auto: the checkpoint's).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(value: str) -> tuple[float, bool]:

@@ -44,8 +44,11 @@ def before_imports(model: str | Path | None, device: str | None = None) -> None:
     if model is not None:
         tokenizer.load_native()
     preload = native_preload.start(device)
-    log.debug("early start: native preload %s, early read %s", "begun" if preload else "none",
-              "begun" if read else "none")  # fmt: skip
+    log.debug(
+        "early start: native preload %s, early read %s",
+        "begun" if preload else "none",
+        "begun" if read else "none",
+    )
     if read is not None and preload is not None and settings.early_lock():
         read.lock_pool(preload)
     if preload is not None and model is not None:  # (while the preload opens the libraries)

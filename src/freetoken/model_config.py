@@ -197,8 +197,11 @@ class CompressedAttentionConfig:
         kind, parts = self.layer_kinds[layer], [("kv", head_dim)]
         if kind != "sliding_attention":
             overlap = 2 if kind == "compressed_sparse_attention" else 1
-            parts += [("ckv", overlap * head_dim), ("cgate", overlap * head_dim),
-                      ("centry", head_dim)]  # fmt: skip
+            parts += [
+                ("ckv", overlap * head_dim),
+                ("cgate", overlap * head_dim),
+                ("centry", head_dim),
+            ]
             if kind == "compressed_sparse_attention":
                 d = self.index_head_dim
                 parts += [("ikv", 2 * d), ("igate", 2 * d), ("ientry", d)]

@@ -57,9 +57,21 @@ DRIVER = "libcuda.so.1"
 # the GIL for its whole 0.3-0.6 s); the others' calls then find them open.
 LIBRARIES = ("libtorch.so", "libtorch_cpu.so", "libtorch_cuda.so")
 # CUDA libraries torch links, by name prefix (torch's `_preload_cuda_deps` list)
-CUDA_LIBRARIES = ("libcublas", "libcudnn", "libnvrtc", "libcudart", "libcupti", "libcufft",
-                  "libcurand", "libnvJitLink", "libcusparse", "libcusolver", "libnccl",
-                  "libnvshmem", "libcufile")  # fmt: skip
+CUDA_LIBRARIES = (
+    "libcublas",
+    "libcudnn",
+    "libnvrtc",
+    "libcudart",
+    "libcupti",
+    "libcufft",
+    "libcurand",
+    "libnvJitLink",
+    "libcusparse",
+    "libcusolver",
+    "libnccl",
+    "libnvshmem",
+    "libcufile",
+)
 
 _started: Preload | None = None
 

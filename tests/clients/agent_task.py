@@ -129,16 +129,27 @@ def outcome(path: str, stream: bool, text: str) -> dict:
         if isinstance(call["arguments"], str):
             with contextlib.suppress(ValueError):  # else shown as written
                 call["arguments"] = json.loads(call["arguments"] or "{}")
-    return {"text": "".join(pieces), "tool_calls": calls, "stop": stop, "prompt": prompt,
-            "cached": cached, "output": output}  # fmt: skip
+    return {
+        "text": "".join(pieces),
+        "tool_calls": calls,
+        "stop": stop,
+        "prompt": prompt,
+        "cached": cached,
+        "output": output,
+    }
 
 
 def read_request(record: dict) -> dict:
     body = record.get("body") or {}
     stream, path = bool(body.get("stream")), record["path"]
-    out = {"n": record["n"], "api": path, "status": record["status"], "stream": stream,
-           "tools": len(body.get("tools") or []),
-           "seconds": record["t_end"] - record["t"]}  # fmt: skip
+    out = {
+        "n": record["n"],
+        "api": path,
+        "status": record["status"],
+        "stream": stream,
+        "tools": len(body.get("tools") or []),
+        "seconds": record["t_end"] - record["t"],
+    }
     if record["status"] != 200:
         return out | {"error": record["response"][:300]}
     out |= outcome(path, stream, record["response"])
@@ -179,8 +190,10 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     out = {"requests": delta.get("freetoken_request_duration_seconds_count", 0.0)}
     if delta.get("freetoken_inter_token_latency_seconds_sum"):
-        out["decode_tps"] = (delta["freetoken_inter_token_latency_seconds_count"]
-                             / delta["freetoken_inter_token_latency_seconds_sum"])  # fmt: skip
+        out["decode_tps"] = (
+            delta["freetoken_inter_token_latency_seconds_count"]
+            / delta["freetoken_inter_token_latency_seconds_sum"]
+        )
     reused = delta.get("freetoken_prompt_tokens_reused_total", 0.0)
     total = reused + delta.get("freetoken_prompt_tokens_recomputed_total", 0.0)
     out |= {"prompt_tokens": total, "reused_tokens": reused}
@@ -224,32 +237,58 @@ def task_done(workdir: Path) -> str:
     if not path.exists():
         return "no hello.py"
     check = "import hello; assert hello.greet('World') == 'Hello, World'"
-    done = subprocess.run([sys.executable, "-c", check], cwd=workdir, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=workdir, capture_output=True, text=True, timeout=30
+    )
     return "done" if done.returncode == 0 else "hello.py wrong: " + done.stderr.strip()[-200:]
 
 
 def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int) -> dict:
     outdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proxy = subprocess.Popen([sys.executable, str(HERE / "logging_proxy.py"), "--upstream",
-                              server, "--port", str(port), str(outdir)],
-                             start_new_session=True)  # fmt: skip
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "logging_proxy.py"),
+            "--upstream",
+            server,
+            "--port",
+            str(port),
+            str(outdir),
+        ],
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(url + "/health")
         workdir = Path(tempfile.mkdtemp(prefix=f"ft-agent-{client}-"))
         subprocess.run(["git", "init", "-q", str(workdir)], check=True)
-        command = [sys.executable, "-m", "freetoken.cli.main", "launch", "--url", url,
-                   "--max-output-tokens", str(cap), client, *ARGS[client]]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "freetoken.cli.main",
+            "launch",
+            "--url",
+            url,
+            "--max-output-tokens",
+            str(cap),
+            client,
+            *ARGS[client],
+        ]
         # OpenCode takes its working directory from $PWD, not from the process's own.
         env = os.environ | {"PWD": str(workdir)}
         before = metrics(server)
         start = time.time()
         with open(outdir / "client.log", "w") as log:
-            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                command,
+                cwd=workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 status = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -260,25 +299,35 @@ def run_client(client: str, server: str, outdir: Path, timeout: float, cap: int)
         measured = server_side(before, metrics(server))
     finally:
         end_group(proxy, grace=10)  # it waits for open streams: a client killed mid-reply
-    summary = {"client": client, "exit": status, "seconds": round(seconds, 1),
-               "task": task_done(workdir), "workdir": str(workdir),
-               "files": sorted(p.name for p in workdir.iterdir() if p.name != ".git"),
-               "server": measured, "requests": read_log(outdir)}  # fmt: skip
+    summary = {
+        "client": client,
+        "exit": status,
+        "seconds": round(seconds, 1),
+        "task": task_done(workdir),
+        "workdir": str(workdir),
+        "files": sorted(p.name for p in workdir.iterdir() if p.name != ".git"),
+        "server": measured,
+        "requests": read_log(outdir),
+    }
     (outdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def show(summary: dict) -> None:
     reqs = summary["requests"]
-    print(f"{summary['client']}: {summary['task']}; exit {summary['exit']} in "
-          f"{summary['seconds']:.0f} s; {len(reqs)} model requests; "
-          f"files {summary['files']}")  # fmt: skip
+    print(
+        f"{summary['client']}: {summary['task']}; exit {summary['exit']} in "
+        f"{summary['seconds']:.0f} s; {len(reqs)} model requests; "
+        f"files {summary['files']}"
+    )
     measured = summary.get("server") or {}
     if measured.get("requests"):
         share = measured["reused_tokens"] / max(1.0, measured["prompt_tokens"])
-        print(f"  server: {measured['requests']:.0f} requests, decode "
-              f"{measured.get('decode_tps', 0):.2f} tok/s, prompt tokens "
-              f"{measured['prompt_tokens']:.0f} ({share:.1%} reused)")  # fmt: skip
+        print(
+            f"  server: {measured['requests']:.0f} requests, decode "
+            f"{measured.get('decode_tps', 0):.2f} tok/s, prompt tokens "
+            f"{measured['prompt_tokens']:.0f} ({share:.1%} reused)"
+        )
     for r in reqs:
         if "error" in r:
             print(f"  #{r['n']} {r['api']} {r['status']}: {r['error'][:200]}")
@@ -293,8 +342,10 @@ def show(summary: dict) -> None:
             # prefill step stalls the other's decode.)
             first = r["seconds"] - (r["output"] - 1) / measured["decode_tps"]
             timing += f", first token at ~{first:.1f} s"
-        print(f"  #{r['n']} {r['api']} tools={r['tools']} prompt {r['prompt']} (cached "
-              f"{share:.1%}) out {r['output']} stop {r['stop']}; {timing}")  # fmt: skip
+        print(
+            f"  #{r['n']} {r['api']} tools={r['tools']} prompt {r['prompt']} (cached "
+            f"{share:.1%}) out {r['output']} stop {r['stop']}; {timing}"
+        )
         for call in r["tool_calls"]:
             print(f"    call {call['name']}({json.dumps(call['arguments'])[:300]})")
         if r["text"].strip():

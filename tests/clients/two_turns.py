@@ -45,20 +45,32 @@ def main() -> None:
     for client in args.clients:
         for turn, client_args in enumerate(TURNS[client], 1):
             seen = reuse(args.url)["requests"]
-            command = ["ft", "launch", "--url", args.url, "--max-output-tokens", str(args.cap),
-                       client, *client_args]  # fmt: skip
+            command = [
+                "ft",
+                "launch",
+                "--url",
+                args.url,
+                "--max-output-tokens",
+                str(args.cap),
+                client,
+                *client_args,
+            ]
             start = time.time()
             # OpenCode takes its working directory from $PWD, not from the process's own.
             env = os.environ | {"PWD": workdir}
             done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
             after = reuse(args.url)
             requests = after["recent"][len(after["recent"]) - (after["requests"] - seen) :]
-            print(f"{client} turn {turn}: exit {done.returncode} in {time.time() - start:.0f} s,"
-                  f" {len(requests)} requests")  # fmt: skip
+            print(
+                f"{client} turn {turn}: exit {done.returncode} in {time.time() - start:.0f} s,"
+                f" {len(requests)} requests"
+            )
             for r in requests:
                 share = r["reused_tokens"] / r["prompt_tokens"]
-                print(f"  prompt {r['prompt_tokens']:6d}  reused {r['reused_tokens']:6d}"
-                      f"  ({share:.1%})")  # fmt: skip
+                print(
+                    f"  prompt {r['prompt_tokens']:6d}  reused {r['reused_tokens']:6d}"
+                    f"  ({share:.1%})"
+                )
             if done.returncode != 0:
                 print(done.stdout[-2000:], done.stderr[-2000:])
 

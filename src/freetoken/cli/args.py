@@ -49,8 +49,9 @@ def integer(low: int | None = None, high: int | None = None) -> Callable[[str], 
     return check
 
 
-def real(low: float | None = None, high: float | None = None, low_open: bool = False,
-         what: str = "") -> Callable[[str], float]:  # fmt: skip
+def real(
+    low: float | None = None, high: float | None = None, low_open: bool = False, what: str = ""
+) -> Callable[[str], float]:
     """A finite float within [low, high] ((low, high] with low_open)."""
     if low is not None and high is not None:
         want = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"

@@ -46,9 +46,13 @@ def run(args: argparse.Namespace) -> int:
     shape = expert_shape(args)
     with waiting("measuring bandwidths (B_P, B_H, both together)"):
         profile = measure(
-            shape, device, pool_bytes=int(args.pool_gib * 2**30), seconds=args.seconds,
-            threads=args.cpu_threads, spin_us=args.cpu_spin_us,
-        )  # fmt: skip
+            shape,
+            device,
+            pool_bytes=int(args.pool_gib * 2**30),
+            seconds=args.seconds,
+            threads=args.cpu_threads,
+            spin_us=args.cpu_spin_us,
+        )
     path = save_profile(profile)
     if args.json:
         print(json.dumps({**asdict(profile), "fill_fraction": profile.fill_fraction}))

@@ -68,9 +68,12 @@ def _table(results: dict[str, dict[float, ReplayResult]], default: str) -> str:
         rows.append(
             [f"{frac:.0%}", str(slots), *(f"{r:.1%}" for r in rates), f"{100 * gap:+.1f} pts"]
         )
-    times = ["replay seconds", "", *(
-        "/".join(f"{results[n][f].seconds:.0f}" for f in caps) for n in names
-    ), ""]  # fmt: skip
+    times = [
+        "replay seconds",
+        "",
+        *("/".join(f"{results[n][f].seconds:.0f}" for f in caps) for n in names),
+        "",
+    ]
     widths = [max(len(r[i]) for r in [head, *rows, times]) for i in range(len(head))]
 
     def line(cells: list[str]) -> str:

@@ -21,8 +21,10 @@ def convert(args: argparse.Namespace) -> int:
     )
     weights = WeightDir(dst)
     seconds = time.perf_counter() - start
-    print(f"wrote {dst}: {gib(weights.nbytes)} of {weights.meta['dtype']} weights in "
-          f"{seconds:.1f} s; serve it with `ft serve --model {dst}`")  # fmt: skip
+    print(
+        f"wrote {dst}: {gib(weights.nbytes)} of {weights.meta['dtype']} weights in "
+        f"{seconds:.1f} s; serve it with `ft serve --model {dst}`"
+    )
     return 0
 
 
@@ -37,7 +39,9 @@ def moe_from_dense(args: argparse.Namespace) -> int:
         raise CheckpointError(f"cannot read the fitting text {args.text}: {e}") from e
     dst = moe_from_dense.convert(args.src, args.dst, args.experts, args.top_k, text=text)
     seconds = time.perf_counter() - start
-    print(f"wrote {dst}: {gib(dst.stat().st_size)}, qwen2moe with {args.experts} experts a "
-          f"layer (copies of {args.src.name}'s MLPs), top-{args.top_k}, in {seconds:.1f} s; "
-          f"serve it with `ft serve --model {dst}`")  # fmt: skip
+    print(
+        f"wrote {dst}: {gib(dst.stat().st_size)}, qwen2moe with {args.experts} experts a "
+        f"layer (copies of {args.src.name}'s MLPs), top-{args.top_k}, in {seconds:.1f} s; "
+        f"serve it with `ft serve --model {dst}`"
+    )
     return 0

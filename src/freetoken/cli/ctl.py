@@ -91,8 +91,11 @@ def cache(args: argparse.Namespace) -> int:
         raise FreetokenError("give --experts SIZE and/or --kv SIZE")
     size = call(args.url, args.api_key, "/v1/ctl/cache", body)
     if "cache_slots" in size:
-        print(f"expert cache: {size['cache_slots']} of {size['pool_experts']} experts "
-              f"({gib(size['cache_bytes'])} of {gib(size['pool_bytes'])})")  # fmt: skip
-    print(f"KV cache: {size['kv_tokens']} tokens ({size['kv_pages']} pages, "
-          f"{gib(size['kv_bytes'])})")  # fmt: skip
+        print(
+            f"expert cache: {size['cache_slots']} of {size['pool_experts']} experts "
+            f"({gib(size['cache_bytes'])} of {gib(size['pool_bytes'])})"
+        )
+    print(
+        f"KV cache: {size['kv_tokens']} tokens ({size['kv_pages']} pages, {gib(size['kv_bytes'])})"
+    )
     return 0

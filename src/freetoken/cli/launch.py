@@ -184,8 +184,10 @@ def probe(url: str, api_key: str | None, timeout: float = 2.0) -> Server | None:
         models = _get_json(url + "/v1/models", headers, timeout)
     except HTTPError as e:
         if e.code == 401:
-            raise LaunchError(f"the server at {url} needs an API key: pass --api-key or set "
-                              f"{settings.API_KEY.name}") from e  # fmt: skip
+            raise LaunchError(
+                f"the server at {url} needs an API key: pass --api-key or set "
+                f"{settings.API_KEY.name}"
+            ) from e
         return None
     except (URLError, OSError, ValueError):
         return None  # nothing there (yet), or not a freetoken server
@@ -215,13 +217,18 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def start_server(args: argparse.Namespace) -> tuple[Server, subprocess.Popen]:
     address = urlparse(args.url)
     if address.hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise LaunchError(f"nothing answers at {args.url}, and ft launch starts servers only on "
-                          "this machine (127.0.0.1)")  # fmt: skip
+        raise LaunchError(
+            f"nothing answers at {args.url}, and ft launch starts servers only on "
+            "this machine (127.0.0.1)"
+        )
     log_path = cache_dir() / "launch" / f"serve-{address.port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "freetoken.cli.main", "serve", *serve_args(args)]
-    print(f"ft launch: starting ft serve ({' '.join(command[3:])}); log: {log_path}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"ft launch: starting ft serve ({' '.join(command[3:])}); log: {log_path}",
+        file=sys.stderr,
+        flush=True,
+    )
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -251,8 +258,10 @@ def stop(process: subprocess.Popen) -> None:
 
 def describe(setup: ClientSetup, server: Server, client_args: list[str]) -> str:
     """The settings, for people who run the client themselves."""
-    lines = [f"# {setup.executable} against freetoken at {server.url} ({server.model}, "
-             f"{server.context} tokens of context)"]  # fmt: skip
+    lines = [
+        f"# {setup.executable} against freetoken at {server.url} ({server.model}, "
+        f"{server.context} tokens of context)"
+    ]
     lines += [f"unset {name}" for name in setup.unset]
     for key, value in (setup.env | setup.defaults).items():
         if key == "OPENCODE_CONFIG_CONTENT":
@@ -295,8 +304,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         if args.keep_server:
-            print(f"ft launch: ft serve keeps running at {args.url} (pid {process.pid})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"ft launch: ft serve keeps running at {args.url} (pid {process.pid})",
+                file=sys.stderr,
+            )
         else:
             stop(process)
 

@@ -184,15 +184,27 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         ("--temperature", check.real(0), "T", 1.0, "0 for greedy"),
         ("--top-p", check.real(0, 1, low_open=True), "P", 1, "nucleus sampling's mass"),
         ("--top-k", check.integer(0), "K", 0, "sample among the K likeliest tokens"),
-        ("--min-p", check.real(0, 1), "P", 0, "drop tokens below this fraction of the "
-         "likeliest's probability"),
-        ("--repetition-penalty", check.real(0, low_open=True), "R", 1, "divide the logits of "
-         "tokens seen so far by this"),
-    ):  # fmt: skip
+        (
+            "--min-p",
+            check.real(0, 1),
+            "P",
+            0,
+            "drop tokens below this fraction of the likeliest's probability",
+        ),
+        (
+            "--repetition-penalty",
+            check.real(0, low_open=True),
+            "R",
+            1,
+            "divide the logits of tokens seen so far by this",
+        ),
+    ):
         g.add_argument(
-            flag, type=kind, metavar=metavar,
+            flag,
+            type=kind,
+            metavar=metavar,
             help=f"{what} (default: the checkpoint's, else {default})",
-        )  # fmt: skip
+        )
     g.add_argument(
         "--seed",
         type=check.integer(0, 2**64 - 1),

@@ -71,9 +71,10 @@ def add_serve(sub) -> None:
         "--port", type=check.PORT, default=1919, help="port to bind, 1-65535 (default: %(default)s)"
     )
     serve.add_argument(
-        "--api-key", help="require this key on every endpoint but /health (default: "
-        f"${settings.API_KEY.name} if set, else none)"
-    )  # fmt: skip
+        "--api-key",
+        help="require this key on every endpoint but /health (default: "
+        f"${settings.API_KEY.name} if set, else none)",
+    )
     serve.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -338,5 +339,12 @@ def _bench_cache(bench_sub) -> None:
 
 
 # The commands, in the order `ft --help` lists them.
-COMMANDS = (add_generate, add_shell, add_serve, launch.add_parser, add_ctl, add_checkpoint,
-            add_bench)  # fmt: skip
+COMMANDS = (
+    add_generate,
+    add_shell,
+    add_serve,
+    launch.add_parser,
+    add_ctl,
+    add_checkpoint,
+    add_bench,
+)

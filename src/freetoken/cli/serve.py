@@ -24,8 +24,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     api_key = args.api_key if args.api_key is not None else settings.api_key()
     if api_key is not None and not api_key.strip():
         source = "--api-key" if args.api_key is not None else f"${settings.API_KEY.name}"
-        raise SystemExit(f"error: {source} is empty; give a key, or leave it out to serve "
-                         "without one")  # fmt: skip
+        raise SystemExit(
+            f"error: {source} is empty; give a key, or leave it out to serve without one"
+        )
     return ServerConfig(
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,
@@ -40,8 +41,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     loopback = host in ("localhost", "::1") or host.startswith("127.")
     if loopback or api_key:
         return None
-    return (f"warning: serving on {host} without an API key: anyone who can reach this port "
-            f"can use the model (set --api-key or ${settings.API_KEY.name})")  # fmt: skip
+    return (
+        f"warning: serving on {host} without an API key: anyone who can reach this port "
+        f"can use the model (set --api-key or ${settings.API_KEY.name})"
+    )
 
 
 def show_access_log() -> None:
@@ -112,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model.name if args.model else demo_model.NAME)
     # (the start's garbage is freed once the engine first idles: a pass over everything, which
     # no request then waits on)
-    scheduler = Scheduler(engine, max_queued=args.max_queued_requests,
-                          on_idle=early_start.collect_start_garbage)  # fmt: skip
+    scheduler = Scheduler(
+        engine, max_queued=args.max_queued_requests, on_idle=early_start.collect_start_garbage
+    )
     sandbox = None
     if config.allow_request_chat_template:
         sandbox = TemplateSandbox(engine.tokenizer.path, config.template_timeout_s)
@@ -124,8 +128,11 @@ def run(args: argparse.Namespace) -> int:
     auth = ""
     if config.api_key:  # (the key as it was given: the example works as printed)
         header = f"Authorization: Bearer {args.api_key}" if args.api_key is not None else None
-        auth = (f" -H {shlex.quote(header)}" if header
-                else f' -H "Authorization: Bearer ${settings.API_KEY.name}"')  # fmt: skip
+        auth = (
+            f" -H {shlex.quote(header)}"
+            if header
+            else f' -H "Authorization: Bearer ${settings.API_KEY.name}"'
+        )
     # (the example is greedy: the APIs sample a request without a temperature at 1.0, their
     # documented default, which a small model answers with noise more often than not)
     print(

@@ -65,9 +65,14 @@ class _HostStep:
     def run(self) -> None:
         if self.out is None:
             self.executor.host_phase(
-                self.moe_layer, self.x, self.ids, self.weights, self.slots, self.partial,
+                self.moe_layer,
+                self.x,
+                self.ids,
+                self.weights,
+                self.slots,
+                self.partial,
                 self.packed,
-            )  # fmt: skip
+            )
         else:
             self.out.copy_(self.executor(self.moe_layer, self.x, self.ids, self.weights))
 
@@ -161,8 +166,11 @@ class DecodeGraphs:
                     graphs[-1].capture_end()
                     slots = torch.full(ids.shape, -1, dtype=torch.long, device=x.device)
                     partial = torch.zeros_like(x)
-                    steps.append(_HostStep(executor, moe_layer, x, ids, weights, None, slots,
-                                           partial, packed))  # fmt: skip
+                    steps.append(
+                        _HostStep(
+                            executor, moe_layer, x, ids, weights, None, slots, partial, packed
+                        )
+                    )
                     begin()
                     return executor.device_phase(x, slots, weights, partial)
                 graphs[-1].capture_end()

@@ -139,9 +139,12 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_ids = frozenset(tokenizer.eos_token_ids + runner.config.eos_token_ids)
         if tokenizer.vocab_size > runner.config.vocab_size:
-            log.warning("the tokenizer has %d tokens, the model's vocabulary %d: prompts with "
-                        "the ids beyond it are refused", tokenizer.vocab_size,
-                        runner.config.vocab_size)  # fmt: skip
+            log.warning(
+                "the tokenizer has %d tokens, the model's vocabulary %d: prompts with "
+                "the ids beyond it are refused",
+                tokenizer.vocab_size,
+                runner.config.vocab_size,
+            )
         self.running: list[Request] = []  # requests holding KV, oldest first
         # Requests whose KV was taken for older ones, oldest first; they resume before any new
         # request is admitted.
@@ -181,9 +184,14 @@ class LLMEngine:
         # through transformers, where it must, its import alone is seconds.
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, model)
-            loaded = load_model(model, config.dtype, device,
-                                progress=config.progress, verify=config.verify_weights,
-                                dequantize_experts=config.dequantize_experts)  # fmt: skip
+            loaded = load_model(
+                model,
+                config.dtype,
+                device,
+                progress=config.progress,
+                verify=config.verify_weights,
+                dequantize_experts=config.dequantize_experts,
+            )
             runner = ModelRunner(
                 loaded,
                 config.kv_cache_tokens,
@@ -227,9 +235,11 @@ class LLMEngine:
         vocab = self.runner.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
-                             "; a tokenizer with more tokens than the model's embedding has rows "
-                             "gives such ids")  # fmt: skip
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
+                "; a tokenizer with more tokens than the model's embedding has rows "
+                "gives such ids"
+            )
         if len(prompt_ids) >= self.max_context:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
@@ -483,8 +493,10 @@ class LLMEngine:
             return []
         if req.drafting is None:  # (indexed at its first decode step, not at admission)
             req.drafting = self.drafter.start(req.tokens(0, req.num_tokens))
-        room = min(req.params.max_new_tokens - len(req.output_ids),
-                   self.max_context - req.num_tokens) - 1  # fmt: skip
+        room = (
+            min(req.params.max_new_tokens - len(req.output_ids), self.max_context - req.num_tokens)
+            - 1
+        )
         return self.drafter.draft(req.drafting, room) if room > 0 else []
 
     def _verify(self, group: list[Request]) -> list[StepOutput]:

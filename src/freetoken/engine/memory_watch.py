@@ -88,8 +88,11 @@ class DeviceMemoryWatch:
             new = max(self.floor, slots - give)
             log.warning(
                 "device memory is short (%.2f GiB free): the expert cache gives back %d of its "
-                "%d slots", free / 2**30, slots - new, slots,
-            )  # fmt: skip
+                "%d slots",
+                free / 2**30,
+                slots - new,
+                slots,
+            )
             self.runner.resize_expert_cache(new)
             self.shrinks += 1
         elif waiting:
@@ -133,8 +136,10 @@ class DeviceMemoryWatch:
         pages = spare + (give - headroom) * self.expert_bytes // kv.page_bytes
         log.warning(
             "requests wait for KV pages: the expert cache lends %d slots, the KV pool grows by "
-            "%d pages", give, pages,
-        )  # fmt: skip
+            "%d pages",
+            give,
+            pages,
+        )
         self.engine.resize_kv_pages(kv.num_pages + pages)
         self.lends += 1
 
@@ -161,7 +166,15 @@ class DeviceMemoryWatch:
             self.runner.resize_expert_cache(self.runner.moe.cache.num_slots + lent)
 
     def snapshot(self) -> dict:
-        return {"target_slots": self.target, "floor_slots": self.floor,
-                "shrinks": self.shrinks, "grows": self.grows, "kv_pages_at_load": self.kv_pages,
-                "kv_grows": self.kv_grows, "lent_slots": self.lent, "lends": self.lends,
-                "returns": self.returns, "failed_moves": self.failures}  # fmt: skip
+        return {
+            "target_slots": self.target,
+            "floor_slots": self.floor,
+            "shrinks": self.shrinks,
+            "grows": self.grows,
+            "kv_pages_at_load": self.kv_pages,
+            "kv_grows": self.kv_grows,
+            "lent_slots": self.lent,
+            "lends": self.lends,
+            "returns": self.returns,
+            "failed_moves": self.failures,
+        }

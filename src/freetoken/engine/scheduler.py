@@ -74,8 +74,13 @@ _DRIVEN: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 
 class Scheduler:
-    def __init__(self, engine: LLMEngine, max_running: int | None = None, max_queued: int = 64,
-                 on_idle: Callable[[], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_running: int | None = None,
+        max_queued: int = 64,
+        on_idle: Callable[[], None] | None = None,
+    ):
         """`max_running`: at most this many requests at once (default and at most: the
         engine's `max_batch_size`, which sized its state pools). `on_idle`: called once, on the
         engine thread, the first time it had nothing to do for IDLE_S (a server's one-time

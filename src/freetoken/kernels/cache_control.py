@@ -42,8 +42,15 @@ SLOT_BLOCK = 1024
 X_BLOCK = 2048
 
 
-def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
-               shape: int = 0, stamp=None):  # fmt: skip
+def plan_layer(
+    control,
+    moe_layer: int,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    x=None,
+    shape: int = 0,
+    stamp=None,
+):
     """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
     [R]) into the control's persistent buffers, the CPU's routes into its route buffers; with
     the control's `bell`, rings it with `shape` when the CPU has routes. `stamp`: an int64
@@ -51,8 +58,10 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
     None."""
     policy = control.policy
     # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
-    neg_dist, neg_wait, p = (torch.as_tensor(a) for a in (
-        policy.neg_dist[moe_layer], policy.neg_wait, policy.p[moe_layer]))  # fmt: skip
+    neg_dist, neg_wait, p = (
+        torch.as_tensor(a)
+        for a in (policy.neg_dist[moe_layer], policy.neg_wait, policy.p[moe_layer])
+    )
     flat = pairs.reshape(-1)
     R = flat.numel()
     out_slots, fill_pairs, fill_slots = control.outputs(R)
@@ -60,19 +69,48 @@ def plan_layer(control, moe_layer: int, pairs: torch.Tensor, weights: torch.Tens
     x = x.contiguous() if copy_x else flat
     words, numbers = control.bell if control.bell is not None else (flat, flat)
     _plan_kernel[(1,)](
-        x, control.cpu_x if copy_x else flat, x.numel() if copy_x else 0, words, numbers, shape,
-        flat, weights.reshape(-1), control.slot_of, control.pair_of, control.scores,
-        control.victims, neg_dist, neg_wait, p, control.split_arg,
-        out_slots, fill_pairs, fill_slots, control.cpu_pairs, control.cpu_weights,
-        control.cpu_flag, control.counters[moe_layer],
-        R, control.num_slots, control.num_pairs, moe_layer * control.num_experts,
-        control.num_experts, float(policy.L), policy.rate, policy.floor,
+        x,
+        control.cpu_x if copy_x else flat,
+        x.numel() if copy_x else 0,
+        words,
+        numbers,
+        shape,
+        flat,
+        weights.reshape(-1),
+        control.slot_of,
+        control.pair_of,
+        control.scores,
+        control.victims,
+        neg_dist,
+        neg_wait,
+        p,
+        control.split_arg,
+        out_slots,
+        fill_pairs,
+        fill_slots,
+        control.cpu_pairs,
+        control.cpu_weights,
+        control.cpu_flag,
+        control.counters[moe_layer],
+        R,
+        control.num_slots,
+        control.num_pairs,
+        moe_layer * control.num_experts,
+        control.num_experts,
+        float(policy.L),
+        policy.rate,
+        policy.floor,
         BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_E=max(16, triton.next_power_of_2(control.num_experts)),
-        BLOCK_S=SLOT_BLOCK, COPY_X=copy_x, BLOCK_X=X_BLOCK, RING=control.bell is not None,
-        SEQ_WORD=SEQ_WORD, SHAPE_WORD=SHAPE_WORD, stamp=flat if stamp is None else stamp,
+        BLOCK_S=SLOT_BLOCK,
+        COPY_X=copy_x,
+        BLOCK_X=X_BLOCK,
+        RING=control.bell is not None,
+        SEQ_WORD=SEQ_WORD,
+        SHAPE_WORD=SHAPE_WORD,
+        stamp=flat if stamp is None else stamp,
         STAMP=stamp is not None,
-    )  # fmt: skip
+    )
     return out_slots.view(pairs.shape), fill_pairs, fill_slots
 
 
@@ -80,14 +118,48 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(
-        x, x_host, NX, words, numbers, shape,
-        pairs_ptr, weights_ptr, slot_of, pair_of, scores, victims, neg_dist, neg_wait, p_row,
-        split, out_slots, fill_pairs, fill_slots, cpu_pairs, cpu_weights, cpu_flag, counters,
-        R, S, P, base, E, L, rate, floor,
-        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-        COPY_X: tl.constexpr, BLOCK_X: tl.constexpr, RING: tl.constexpr,
-        SEQ_WORD: tl.constexpr, SHAPE_WORD: tl.constexpr, stamp, STAMP: tl.constexpr,
-    ):  # fmt: skip
+        x,
+        x_host,
+        NX,
+        words,
+        numbers,
+        shape,
+        pairs_ptr,
+        weights_ptr,
+        slot_of,
+        pair_of,
+        scores,
+        victims,
+        neg_dist,
+        neg_wait,
+        p_row,
+        split,
+        out_slots,
+        fill_pairs,
+        fill_slots,
+        cpu_pairs,
+        cpu_weights,
+        cpu_flag,
+        counters,
+        R,
+        S,
+        P,
+        base,
+        E,
+        L,
+        rate,
+        floor,
+        BLOCK_R: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        COPY_X: tl.constexpr,
+        BLOCK_X: tl.constexpr,
+        RING: tl.constexpr,
+        SEQ_WORD: tl.constexpr,
+        SHAPE_WORD: tl.constexpr,
+        stamp,
+        STAMP: tl.constexpr,
+    ):
         if STAMP:
             tl.store(stamp, device_clock())
         r = tl.arange(0, BLOCK_R)

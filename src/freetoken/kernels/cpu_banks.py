@@ -62,7 +62,16 @@ def decode_expert(bank: QuantizedBank, pair: int, dtype: torch.dtype) -> torch.T
     w, s, g, block_rows, block_cols = parts
     out = torch.empty(rows, cols, dtype=dtype)
     lib.ft_cpu_experts_decode(
-        DTYPES[dtype], bank.format.code, ptr(w), ptr(s), ptr(g), block_rows, block_cols, pair,
-        rows, cols, out.data_ptr(),
-    )  # fmt: skip
+        DTYPES[dtype],
+        bank.format.code,
+        ptr(w),
+        ptr(s),
+        ptr(g),
+        block_rows,
+        block_cols,
+        pair,
+        rows,
+        cols,
+        out.data_ptr(),
+    )
     return out

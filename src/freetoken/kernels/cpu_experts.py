@@ -52,8 +52,17 @@ class NativeCPUExperts:
     """Computes jobs with the compiled kernel; build with `NativeCPUExperts.create`, which
     returns None when this machine cannot run it (no compiler, unsupported dtype or banks)."""
 
-    def __init__(self, lib, w_gate_up, w_down, act: str, threads: int, b_gate_up,
-                 dtype: torch.dtype, projections: tuple[tuple, tuple]):  # fmt: skip
+    def __init__(
+        self,
+        lib,
+        w_gate_up,
+        w_down,
+        act: str,
+        threads: int,
+        b_gate_up,
+        dtype: torch.dtype,
+        projections: tuple[tuple, tuple],
+    ):
         self.lib = lib
         self.w_gate_up, self.w_down, self.b_gate_up = w_gate_up, w_down, b_gate_up
         self.dtype = dtype  # the model's: what the experts compute in
@@ -146,10 +155,22 @@ class NativeCPUExperts:
         out = np.empty((x.shape[0], self.hidden), np.float32)
         experts = np.zeros(1, np.int64)
         ticket = self.lib.ft_cpu_experts_submit(
-            self.dtype_code, *self.expert_args, self.hidden, self.intermediate, x.data_ptr(),
-            x.dtype == torch.bfloat16, x.shape[0], len(rows), ptr(rows), ptr(pairs),
-            ptr(weights), ptr(out), self.act_code, self.threads, ptr(experts),
-        )  # fmt: skip
+            self.dtype_code,
+            *self.expert_args,
+            self.hidden,
+            self.intermediate,
+            x.data_ptr(),
+            x.dtype == torch.bfloat16,
+            x.shape[0],
+            len(rows),
+            ptr(rows),
+            ptr(pairs),
+            ptr(weights),
+            ptr(out),
+            self.act_code,
+            self.threads,
+            ptr(experts),
+        )
         if ticket == 0:
             raise RuntimeError("could not start a CPU expert job (threads or memory)")
         return PendingJob(self.lib, ticket, out, int(experts[0]))
@@ -171,9 +192,20 @@ def row_dots(
     x = x.to(torch.bfloat16).contiguous()
     out = np.zeros(5, np.float32)
     lib.ft_cpu_experts_row_dots(
-        bank.format.code, ptr(w), ptr(s), ptr(g), block_rows, block_cols, pair, rows, cols,
-        row, other, x.data_ptr(), ptr(out),
-    )  # fmt: skip
+        bank.format.code,
+        ptr(w),
+        ptr(s),
+        ptr(g),
+        block_rows,
+        block_cols,
+        pair,
+        rows,
+        cols,
+        row,
+        other,
+        x.data_ptr(),
+        ptr(out),
+    )
     return out.tolist()
 
 

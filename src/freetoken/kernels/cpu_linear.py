@@ -74,12 +74,24 @@ def native_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
 ) -> torch.Tensor:
     """x [T, H] . weight [N, H]^T + bias, in x's dtype (check `takes` first)."""
-    return _run(library().ft_cpu_linear_submit, (_DTYPES[weight.dtype], weight.data_ptr()),
-                x, weight.shape[0], bias, threads)  # fmt: skip
+    return _run(
+        library().ft_cpu_linear_submit,
+        (_DTYPES[weight.dtype], weight.data_ptr()),
+        x,
+        weight.shape[0],
+        bias,
+        threads,
+    )
 
 
-def _run(submit, weight_args: tuple, x: torch.Tensor, n: int, bias: torch.Tensor | None,
-         threads: int | None) -> torch.Tensor:  # fmt: skip
+def _run(
+    submit,
+    weight_args: tuple,
+    x: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    threads: int | None,
+) -> torch.Tensor:
     """One linear job on the team: `submit(*weight_args, bias, N, K, x, x is bf16, T, out,
     threads)`, waited for; the result in x's dtype."""
     x = x.contiguous()
@@ -87,9 +99,16 @@ def _run(submit, weight_args: tuple, x: torch.Tensor, n: int, bias: torch.Tensor
     out = torch.empty(t, n, dtype=torch.float32)
     bias = bias.to(x.dtype).contiguous() if bias is not None else None  # (held until done)
     ticket = submit(
-        *weight_args, bias.data_ptr() if bias is not None else None, n, k, x.data_ptr(),
-        x.dtype == torch.bfloat16, t, out.data_ptr(), threads or team_threads(),
-    )  # fmt: skip
+        *weight_args,
+        bias.data_ptr() if bias is not None else None,
+        n,
+        k,
+        x.data_ptr(),
+        x.dtype == torch.bfloat16,
+        t,
+        out.data_ptr(),
+        threads or team_threads(),
+    )
     if ticket == 0:
         raise RuntimeError("could not start a CPU linear job (threads or memory)")
     wait(ticket)  # this thread works on it too
@@ -100,8 +119,7 @@ def _parts(weight: QuantizedWeight) -> tuple:
     """The weight's arguments for the kernel: its format's code, its parts and fp8's block."""
     fmt = weight.format
     g = weight.g.data_ptr() if weight.g is not None else None
-    return (fmt.code, weight.w.data_ptr(), weight.s.data_ptr(), g, fmt.row_block,
-            fmt.col_block)  # fmt: skip
+    return (fmt.code, weight.w.data_ptr(), weight.s.data_ptr(), g, fmt.row_block, fmt.col_block)
 
 
 def takes_quantized(x: torch.Tensor, weight: QuantizedWeight) -> bool:
@@ -127,8 +145,14 @@ def native_qlinear(
 ) -> torch.Tensor:
     """x [T, K] . weight [N, K]^T + bias, in x's dtype (check `takes_quantized` first): the
     dense layer's on weight.dequantize(x.dtype)."""
-    return _run(library().ft_cpu_qlinear_submit, (_DTYPES[x.dtype], *_parts(weight)), x,
-                weight.shape[0], bias, threads)  # fmt: skip
+    return _run(
+        library().ft_cpu_qlinear_submit,
+        (_DTYPES[x.dtype], *_parts(weight)),
+        x,
+        weight.shape[0],
+        bias,
+        threads,
+    )
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -16,8 +16,14 @@ from freetoken import settings
 from freetoken.kernels import native
 
 # The C types of the signatures: a pointer, int64_t, int, float, double, uint64_t.
-P, I64, INT, F, D, U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
-                          ctypes.c_double, ctypes.c_uint64)  # fmt: skip
+P, I64, INT, F, D, U64 = (
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int,
+    ctypes.c_float,
+    ctypes.c_double,
+    ctypes.c_uint64,
+)
 Signatures = dict[str, tuple[list, object]]  # a function's name: (argument types, result type)
 
 

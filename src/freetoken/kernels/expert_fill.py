@@ -91,9 +91,15 @@ def launch_fill(
     if table.grid == 0:
         return
     _fill_kernel[(table.grid,)](
-        table.columns, pairs, slots, slots.numel(), sink,
-        NB=table.padded, BLOCK=FILL_BLOCK_WORDS, num_warps=FILL_WARPS,
-    )  # fmt: skip
+        table.columns,
+        pairs,
+        slots,
+        slots.numel(),
+        sink,
+        NB=table.padded,
+        BLOCK=FILL_BLOCK_WORDS,
+        num_warps=FILL_WARPS,
+    )
 
 
 class FillTable:
@@ -131,8 +137,9 @@ def _geometry(bank) -> tuple[int, int, int]:
     row_bytes = expected
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
         if size != 1 and stride * t.element_size() != expected:
-            raise ValueError(f"bank rows must be contiguous (shape {tuple(t.shape)}, strides "
-                             f"{t.stride()})")  # fmt: skip
+            raise ValueError(
+                f"bank rows must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})"
+            )
         expected *= size
         row_bytes *= size
     return t.data_ptr(), t.stride(0) * t.element_size(), row_bytes
@@ -167,11 +174,20 @@ def fill_table(banks) -> FillTable:
     rows = []
     for (dst, dst_stride, dst_row), (src, src_stride, src_row) in geometry:
         if dst_row != src_row:
-            raise ValueError(f"a bank's rows differ: {dst_row} bytes in the cache, {src_row} "
-                             "in the pool")  # fmt: skip
+            raise ValueError(
+                f"a bank's rows differ: {dst_row} bytes in the cache, {src_row} in the pool"
+            )
         width = _width(dst, src, dst_stride, src_stride, dst_row)
-        rows.append({"src": src, "dst": dst, "src_stride": src_stride,
-                     "dst_stride": dst_stride, "row_bytes": dst_row, "width": width})  # fmt: skip
+        rows.append(
+            {
+                "src": src,
+                "dst": dst,
+                "src_stride": src_stride,
+                "dst_stride": dst_stride,
+                "row_bytes": dst_row,
+                "width": width,
+            }
+        )
     table = FillTable(rows, device)
     _TABLES[key] = table
     while len(_TABLES) > _TABLES_KEPT:
@@ -183,9 +199,21 @@ if triton is not None:
 
     @triton.jit
     def _copy_rows(
-        src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R, sink,
-        WORD: tl.constexpr, WORD_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        src,
+        dst,
+        src_stride,
+        dst_stride,
+        row_bytes,
+        block,
+        pairs,
+        slots,
+        R,
+        sink,
+        WORD: tl.constexpr,
+        WORD_BYTES: tl.constexpr,
+        VEC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Block `block` (BLOCK words) of row pairs[j] of the source to row slots[j] of the
         destination, for every j not to the sink; addresses and sizes are multiples of VEC
         words (what makes the accesses vectors)."""
@@ -219,17 +247,87 @@ if triton is not None:
         row_bytes = tl.load(table + 5 * NB + bank)
         width = tl.load(table + 6 * NB + bank)
         if width == 16:
-            _copy_rows(src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R,
-                       sink, tl.int32, 4, 4, BLOCK)  # fmt: skip
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int32,
+                4,
+                4,
+                BLOCK,
+            )
         elif width == 8:
-            _copy_rows(src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R,
-                       sink, tl.int32, 4, 2, BLOCK)  # fmt: skip
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int32,
+                4,
+                2,
+                BLOCK,
+            )
         elif width == 4:
-            _copy_rows(src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R,
-                       sink, tl.int32, 4, 1, BLOCK // 2)  # fmt: skip
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int32,
+                4,
+                1,
+                BLOCK // 2,
+            )
         elif width == 2:
-            _copy_rows(src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R,
-                       sink, tl.int16, 2, 1, BLOCK // 2)  # fmt: skip
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int16,
+                2,
+                1,
+                BLOCK // 2,
+            )
         else:
-            _copy_rows(src, dst, src_stride, dst_stride, row_bytes, block, pairs, slots, R,
-                       sink, tl.uint8, 1, 1, BLOCK // 2)  # fmt: skip
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.uint8,
+                1,
+                1,
+                BLOCK // 2,
+            )

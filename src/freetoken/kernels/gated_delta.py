@@ -73,9 +73,16 @@ def chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     each key head serves Hv / Hk consecutive value heads. Returns (out [n, T, Hv, dv] fp32, the
     final states fp32)."""
     out, final = _fla_chunk()(
-        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state,
-        output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=q.shape[-1] ** -0.5,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     return out.float(), final.float()
 
 
@@ -93,13 +100,36 @@ def recurrent_step(q, k, v, a, b, a_log, dt_bias, ssm, slots) -> torch.Tensor:
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (n, hv, triton.cdiv(dv, block_v))
     _step_kernel[grid](
-        q, k, v, a, b, a_log, dt_bias, ssm, slots, out,
-        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        ssm.stride(0), ssm.stride(1), ssm.stride(2),
-        HK=hk, HV=hv, DK=dk, DV=dv, SCALE=dk**-0.5, EPS=L2_EPS, THRESHOLD=SOFTPLUS_THRESHOLD,
-        PER_CHANNEL=a.dim() == 3, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        ssm,
+        slots,
+        out,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        a.stride(0),
+        b.stride(0),
+        ssm.stride(0),
+        ssm.stride(1),
+        ssm.stride(2),
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        SCALE=dk**-0.5,
+        EPS=L2_EPS,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
+        PER_CHANNEL=a.dim() == 3,
+        BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=block_v,
         num_warps=4,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -118,12 +148,35 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, ssm_ptr, slots_ptr, out_ptr,
-        stride_q, stride_k, stride_v, stride_a, stride_b, stride_ss, stride_sh, stride_sk,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        SCALE: tl.constexpr, EPS: tl.constexpr, THRESHOLD: tl.constexpr,
-        PER_CHANNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        a_ptr,
+        b_ptr,
+        a_log_ptr,
+        dt_bias_ptr,
+        ssm_ptr,
+        slots_ptr,
+        out_ptr,
+        stride_q,
+        stride_k,
+        stride_v,
+        stride_a,
+        stride_b,
+        stride_ss,
+        stride_sh,
+        stride_sk,
+        HK: tl.constexpr,
+        HV: tl.constexpr,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        SCALE: tl.constexpr,
+        EPS: tl.constexpr,
+        THRESHOLD: tl.constexpr,
+        PER_CHANNEL: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -151,8 +204,9 @@ if triton is not None:
         g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
         beta = (1.0 / (1.0 + tl.exp(-raw_b.to(tl.float32)))).to(raw_b.dtype).to(tl.float32)
         slot = tl.load(slots_ptr + i).to(tl.int64)
-        s_ptrs = (ssm_ptr + slot * stride_ss + h * stride_sh + keys[:, None] * stride_sk
-                  + cols[None, :])  # fmt: skip
+        s_ptrs = (
+            ssm_ptr + slot * stride_ss + h * stride_sh + keys[:, None] * stride_sk + cols[None, :]
+        )
         mask = k_ok[:, None] & v_ok[None, :]
         if PER_CHANNEL:
             state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)[:, None]

@@ -94,9 +94,16 @@ DOWN_STAGES = 3
 DOWN_SPLIT_STEPS = 0  # (not split: see `down_split`)
 REDUCE_BLOCK = 1024  # the route reduce touches only R x H activations: one wide block per row
 LAUNCH_NAMES = (
-    "GATE_UP_BLOCK_N", "GATE_UP_BLOCK_K", "GATE_UP_WARPS", "GATE_UP_STAGES",
-    "DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_WARPS", "DOWN_STAGES", "DOWN_SPLIT_STEPS",
-)  # fmt: skip
+    "GATE_UP_BLOCK_N",
+    "GATE_UP_BLOCK_K",
+    "GATE_UP_WARPS",
+    "GATE_UP_STAGES",
+    "DOWN_BLOCK_N",
+    "DOWN_BLOCK_K",
+    "DOWN_WARPS",
+    "DOWN_STAGES",
+    "DOWN_SPLIT_STEPS",
+)
 # Split-K of the down projection. A decode GEMV's time is the dependent steps each program
 # walks (a load's latency each) when its programs do not fill the chip: Qwen2.5-0.5B's k_mixed
 # down [896, 4864] in 16 x 256 tiles is 56 row blocks x 2 routes = 112 programs for 132 SMs,
@@ -122,21 +129,53 @@ DOWN_SPLIT_MAX_PROGRAMS = 16 * 132
 # q8_0's tiles (a byte a weight, as fp8's; BLOCK_K a multiple of its 32-value blocks), the
 # starting point of the K-quants' and the legacy types' (their own below); each format gets a
 # copy of its own, since grouped_experts_bench.py sweeps a format's entries in place.
-_BYTE_TILES = {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-               "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-               "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0}  # fmt: skip
+_BYTE_TILES = {
+    "GATE_UP_BLOCK_N": 16,
+    "GATE_UP_BLOCK_K": 128,
+    "GATE_UP_WARPS": 8,
+    "GATE_UP_STAGES": 3,
+    "DOWN_BLOCK_N": 32,
+    "DOWN_BLOCK_K": 128,
+    "DOWN_WARPS": 8,
+    "DOWN_STAGES": 3,
+    "DOWN_SPLIT_STEPS": 0,
+}
 QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
-    "fp8": {"GATE_UP_BLOCK_N": 16, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-            "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-            "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
-    "mxfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-              "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
-    "nvfp4": {"GATE_UP_BLOCK_N": 32, "GATE_UP_BLOCK_K": 128, "GATE_UP_WARPS": 8,
-              "GATE_UP_STAGES": 3, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "DOWN_WARPS": 8,
-              "DOWN_STAGES": 3, "DOWN_SPLIT_STEPS": 0},
+    "fp8": {
+        "GATE_UP_BLOCK_N": 16,
+        "GATE_UP_BLOCK_K": 128,
+        "GATE_UP_WARPS": 8,
+        "GATE_UP_STAGES": 3,
+        "DOWN_BLOCK_N": 32,
+        "DOWN_BLOCK_K": 128,
+        "DOWN_WARPS": 8,
+        "DOWN_STAGES": 3,
+        "DOWN_SPLIT_STEPS": 0,
+    },
+    "mxfp4": {
+        "GATE_UP_BLOCK_N": 32,
+        "GATE_UP_BLOCK_K": 128,
+        "GATE_UP_WARPS": 8,
+        "GATE_UP_STAGES": 3,
+        "DOWN_BLOCK_N": 32,
+        "DOWN_BLOCK_K": 128,
+        "DOWN_WARPS": 8,
+        "DOWN_STAGES": 3,
+        "DOWN_SPLIT_STEPS": 0,
+    },
+    "nvfp4": {
+        "GATE_UP_BLOCK_N": 32,
+        "GATE_UP_BLOCK_K": 128,
+        "GATE_UP_WARPS": 8,
+        "GATE_UP_STAGES": 3,
+        "DOWN_BLOCK_N": 32,
+        "DOWN_BLOCK_K": 128,
+        "DOWN_WARPS": 8,
+        "DOWN_STAGES": 3,
+        "DOWN_SPLIT_STEPS": 0,
+    },
     **{name: dict(_BYTE_TILES) for name in ("q8_0", *K_QUANT_REST, "k_mixed", *LEGACY_REST)},
-}  # fmt: skip
+}
 # The legacy types and the K-quants but q6_k are read as int32 words (`_word_tile`). Their tiles
 # from `benchmarks/legacy_tiles_bench.py --sweep` on the H200 (2026-12-04; GPU us per call, 1
 # token x 2 routes): Qwen2.5-0.5B's Q5_0 gate/up [2 x 4864, 896] 16 x 128 on 4 warps 13.4 (byte
@@ -145,16 +184,28 @@ QUANTIZED_LAUNCH: dict[str, dict[str, int]] = {
 # on 4 warps. Word tiles of BLOCK_N < 16 gave wrong sums on the GPU (not under the interpreter:
 # Triton 3.6's code for them, cause not found), so `_check_blocks` refuses them.
 for _name in LEGACY_REST:
-    QUANTIZED_LAUNCH[_name].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=128, GATE_UP_WARPS=4,
-                                   DOWN_BLOCK_N=16, DOWN_BLOCK_K=512, DOWN_WARPS=8)  # fmt: skip
+    QUANTIZED_LAUNCH[_name].update(
+        GATE_UP_BLOCK_N=16,
+        GATE_UP_BLOCK_K=128,
+        GATE_UP_WARPS=4,
+        DOWN_BLOCK_N=16,
+        DOWN_BLOCK_K=512,
+        DOWN_WARPS=8,
+    )
 QUANTIZED_LAUNCH["k_mixed"].update(DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)
 # Word-tile formats split the down kernel's columns at 4 steps (Qwen2.5-0.5B's k_mixed down: 5
 # splits of 4, 4, 4, 4, 3 steps, 560 programs at batch 1); chosen from the step count, not yet
 # swept on the GPU (legacy_tiles_bench.py --sweep times others).
 for _name in (*LEGACY_REST, "k_mixed", "q4_k", "q5_k"):
     QUANTIZED_LAUNCH[_name]["DOWN_SPLIT_STEPS"] = 4
-QUANTIZED_LAUNCH["q4_k"].update(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=256, GATE_UP_WARPS=4,
-                                DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4)  # fmt: skip
+QUANTIZED_LAUNCH["q4_k"].update(
+    GATE_UP_BLOCK_N=16,
+    GATE_UP_BLOCK_K=256,
+    GATE_UP_WARPS=4,
+    DOWN_BLOCK_N=16,
+    DOWN_BLOCK_K=256,
+    DOWN_WARPS=4,
+)
 WORD_MIN_BLOCK_N = 16
 # `dequantize_slots` on CUDA (prefill's grouped GEMMs): one program per slot and row block.
 DEQUANTIZE_BLOCK_N = 32
@@ -493,11 +544,20 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(
-        w_rows, s_rows, g_rows, k0, row_mask, dt,
-        KDIM: tl.constexpr, FORMAT: tl.constexpr, COL_BLOCK: tl.constexpr,
-        W_ROUND: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+        w_rows,
+        s_rows,
+        g_rows,
+        k0,
+        row_mask,
+        dt,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """The fp32 weights [BLOCK_N, BLOCK_K] of columns k0.. of BLOCK_N rows (0 out of
         bounds and where row_mask is False), as the format defines them, rounded to dt.
         w_rows [BLOCK_N]: each row's data; s_rows [BLOCK_N]: each row's scales (fp8: its scale
@@ -509,8 +569,9 @@ if triton is not None:
             return w.to(tl.float32)
         elif FORMAT == 1:  # fp8: fp8(w) * scale of the [ROW_BLOCK, COL_BLOCK] block
             mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
-            w = _e4m3(tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0),
-                      INTERPRETED)  # fmt: skip
+            w = _e4m3(
+                tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0), INTERPRETED
+            )
             if COL_BLOCK % BLOCK_K == 0:  # the tile's columns share a scale column
                 scale = tl.load(s_rows + k0 // COL_BLOCK, mask=row_mask, other=0.0)
                 w = w * scale[:, None]
@@ -534,14 +595,17 @@ if triton is not None:
         elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
             kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
             if kind == 7:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_quant_tile(
+                    w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
             elif kind == 6:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_quant_tile(
+                    w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
             else:
-                w = _k_quant_tile(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
+                w = _k_quant_tile(
+                    w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
             REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
@@ -549,10 +613,22 @@ if triton is not None:
             return _round_weight(w, dt, W_ROUND)
         else:  # fp4: in value order, from the [BLOCK_N, BLOCK_K / 32, 4, 8] tile
             return tl.reshape(
-                _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, KDIM, FORMAT, W_ROUND,
-                          INTERPRETED, BLOCK_N, BLOCK_K),
+                _fp4_tile(
+                    w_rows,
+                    s_rows,
+                    g_rows,
+                    k0,
+                    row_mask,
+                    dt,
+                    KDIM,
+                    FORMAT,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                ),
                 [BLOCK_N, BLOCK_K],
-            )  # fmt: skip
+            )
 
     @triton.jit
     def _f16_at(ptrs, mask):
@@ -577,9 +653,16 @@ if triton is not None:
 
     @triton.jit
     def _k_quant_tile(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        REST: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of K-quant rows (5 q4_k, 6 q5_k, 7
         q6_k: weights/quantized.py's k_quant_values, in its order of operations), as [BLOCK_N,
         G, 32]: G chunks of 32 values (k0 and BLOCK_K multiples of 32), each within one
@@ -600,8 +683,9 @@ if triton is not None:
             code = (byte.to(tl.int32) >> (4 * (j // 2))) & 0xF
             bits = tl.load(s_at[:, :, None] + 32 * h + lane, mask=mask3, other=0).to(tl.int32)
             code = code | (((bits >> (2 * j)) & 3) << 4)
-            sc = tl.load(s_at[:, :, None] + 64 + 2 * sub[None, :, None] + lane // 16,
-                         mask=mask3, other=0)  # fmt: skip
+            sc = tl.load(
+                s_at[:, :, None] + 64 + 2 * sub[None, :, None] + lane // 16, mask=mask3, other=0
+            )
             d = _f16_at(s_at + 80, mask)[:, :, None]
             w = (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * (code - 32).to(tl.float32)
             return tl.reshape(w, [BLOCK_N, BLOCK_K])
@@ -618,9 +702,15 @@ if triton is not None:
 
     @triton.jit
     def _legacy_tile(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """fp32 values [BLOCK_N, BLOCK_K] of columns k0.. of legacy rows (9 q4_0, 10 q4_1, 11
         q5_0, 12 q5_1: weights/quantized.py's legacy_values, in its order of operations), as
         [BLOCK_N, G, 32]: G blocks of 32 values (k0 and BLOCK_K multiples of 32), each block's
@@ -651,9 +741,18 @@ if triton is not None:
     # -- word tiles: the legacy types and the K-quants read as int32 words (decode) ------------
 
     @triton.jit
-    def _planes(w, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-                S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
-                MASK: tl.constexpr):  # fmt: skip
+    def _planes(
+        w,
+        S0: tl.constexpr,
+        S1: tl.constexpr,
+        S2: tl.constexpr,
+        S3: tl.constexpr,
+        S4: tl.constexpr,
+        S5: tl.constexpr,
+        S6: tl.constexpr,
+        S7: tl.constexpr,
+        MASK: tl.constexpr,
+    ):
         """[A, B, C, 8]: plane n of int32 words w [A, B, C] is (w >> Sn) & MASK (joined in
         registers, as `_e2m1`'s nibbles: each join adds a faster index)."""
         p0, p1, p2, p3 = (w >> S0) & MASK, (w >> S1) & MASK, (w >> S2) & MASK, (w >> S3) & MASK
@@ -674,9 +773,15 @@ if triton is not None:
 
     @triton.jit
     def _legacy_words(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """`_legacy_tile`'s values as [BLOCK_N, G, 4, 8]: a block's 16 code bytes read as 4
         int32 words (one 16-byte load a row and block), plane n = 4 h + j of word q holding
         value 16 h + 4 q + j of the block (byte 4 q + j's low nibble for h = 0, its high one
@@ -688,8 +793,11 @@ if triton is not None:
         quad = tl.arange(0, 4)
         mask = row_mask[:, None] & (block * 32 < KDIM)[None, :]  # [BLOCK_N, G]
         w_words = w_rows.to(tl.pointer_type(tl.int32))  # (rows of whole words: checked)
-        words = tl.load(w_words[:, None, None] + (block * 4)[None, :, None] + quad[None, None, :],
-                        mask=mask[:, :, None], other=0)  # fmt: skip
+        words = tl.load(
+            w_words[:, None, None] + (block * 4)[None, :, None] + quad[None, None, :],
+            mask=mask[:, :, None],
+            other=0,
+        )
         code = _planes(words, 0, 8, 16, 24, 4, 12, 20, 28, 0xF)
         halves = s_rows.to(tl.pointer_type(tl.int16))[:, None] + (block * REST)[None, :]
         d = tl.load(halves, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
@@ -717,9 +825,16 @@ if triton is not None:
 
     @triton.jit
     def _k_words(
-        w_rows, s_rows, k0, row_mask, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        REST: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """`_k_quant_tile`'s values as [BLOCK_N, G, 8, 4] (value order): a chunk's 32 values
         from 8 int32 words of codes (two 16-byte loads a row and chunk; a byte's other nibble
         is the neighbouring chunk's, read again from L1), q5_k's fifth and q6_k's high bits
@@ -738,16 +853,17 @@ if triton is not None:
         )
         if FORMAT == 7:  # q6_k: chunk 4 h + j holds values 128 h + 32 j + l
             h, j = sub // 4, sub % 4
-            lo = tl.load(w_at[:, :, None] + (16 * h + 8 * (j % 2))[None, :, None] + word,
-                         mask=mask3, other=0)  # fmt: skip
+            lo = tl.load(
+                w_at[:, :, None] + (16 * h + 8 * (j % 2))[None, :, None] + word, mask=mask3, other=0
+            )
             lo = lo >> (4 * (j // 2))[None, :, None]
-            hi = tl.load(s_words[:, :, None] + (8 * h)[None, :, None] + word, mask=mask3,
-                         other=0)  # fmt: skip
+            hi = tl.load(s_words[:, :, None] + (8 * h)[None, :, None] + word, mask=mask3, other=0)
             hi = hi >> (2 * j)[None, :, None]
             code = _bytes4(lo, 0xF) | (_bytes4(hi, 3) << 4)
             # one int8 scale a 16 values: words 0-3 and 4-7 of the chunk
-            sc = tl.load(s_at[:, :, None] + 64 + 2 * sub[None, :, None] + word // 4,
-                         mask=mask3, other=0)  # fmt: skip
+            sc = tl.load(
+                s_at[:, :, None] + 64 + 2 * sub[None, :, None] + word // 4, mask=mask3, other=0
+            )
             d = _f16_at(s_at + 80, mask)[:, :, None]
             scale = (d * sc.to(tl.int8, bitcast=True).to(tl.float32))[:, :, :, None]
             return scale * (code - 32).to(tl.float32)
@@ -764,9 +880,17 @@ if triton is not None:
 
     @triton.jit
     def _word_tile(
-        w_rows, s_rows, k0, row_mask, dt, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-        W_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        dt,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """The decode kernels' tiles of the word-read formats (`_reads_words`), rounded to
         dt: the legacy types' [BLOCK_N, G, 4, 8] (`_legacy_words`), the K-quants' [BLOCK_N,
         G, 8, 4] (`_k_words`; k_mixed: the tile's rows are of one type, one expert's)."""
@@ -775,31 +899,40 @@ if triton is not None:
         elif FORMAT == 8:
             kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
             if kind == 7:
-                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N,
-                             BLOCK_K)  # fmt: skip
+                w = _k_words(
+                    w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
             elif kind == 6:
-                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N,
-                             BLOCK_K)  # fmt: skip
+                w = _k_words(
+                    w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
             else:
-                w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N,
-                             BLOCK_K)  # fmt: skip
+                w = _k_words(
+                    w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+                )
         else:
             REST: tl.constexpr = 16 if FORMAT == 5 else 48
             w = _k_words(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, REST, BLOCK_N, BLOCK_K)
         return _round_weight(w, dt, W_ROUND)
 
     @triton.jit
-    def _word_x(x_row, k0, valid, KDIM: tl.constexpr, FORMAT: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
+    def _word_x(x_row, k0, valid, KDIM: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
         """x (fp32) in `_word_tile`'s order: [G, 4, 8] for the legacy types, [G, 8, 4]."""
         G: tl.constexpr = BLOCK_K // 32
         if FORMAT >= 9:  # (one return: the two shapes differ)
             n = tl.arange(0, 8)[None, None, :]
-            offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 4
-                    + (n // 4) * 16 + n % 4)  # fmt: skip
+            offs = (
+                tl.arange(0, G)[:, None, None] * 32
+                + tl.arange(0, 4)[None, :, None] * 4
+                + (n // 4) * 16
+                + n % 4
+            )
         else:
-            offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4
-                    + tl.arange(0, 4)[None, None, :])  # fmt: skip
+            offs = (
+                tl.arange(0, G)[:, None, None] * 32
+                + tl.arange(0, 8)[None, :, None] * 4
+                + tl.arange(0, 4)[None, None, :]
+            )
         return tl.load(x_row + k0 + offs, mask=((k0 + offs) < KDIM) & valid, other=0.0).to(
             tl.float32
         )
@@ -813,10 +946,19 @@ if triton is not None:
 
     @triton.jit
     def _fp4_tile(
-        w_rows, s_rows, g_rows, k0, row_mask, dt,
-        KDIM: tl.constexpr, FORMAT: tl.constexpr, W_ROUND: tl.constexpr,
-        INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        w_rows,
+        s_rows,
+        g_rows,
+        k0,
+        row_mask,
+        dt,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """`_weight_tile`'s fp4 weights as [BLOCK_N, G, 4, 8]: G chunks of 32 values (value
         32 g + 8 w + n of the tile at [:, g, w, n]), read as [BLOCK_N, G, 4] int32 words (one
         16-byte vector a row and chunk), each word's 8 nibbles its 8 values (little-endian:
@@ -848,17 +990,28 @@ if triton is not None:
     def _fp4_x(x_row, k0, valid, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
         """x [G, 4, 8] (fp32) for `_fp4_tile`'s tile of columns k0.."""
         G: tl.constexpr = BLOCK_K // 32
-        offs = (tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8
-                + tl.arange(0, 8)[None, None, :])  # fmt: skip
+        offs = (
+            tl.arange(0, G)[:, None, None] * 32
+            + tl.arange(0, 4)[None, :, None] * 8
+            + tl.arange(0, 8)[None, None, :]
+        )
         return tl.load(x_row + k0 + offs, mask=((k0 + offs) < KDIM) & valid, other=0.0).to(
             tl.float32
         )
 
     @triton.jit
     def _row_scales(
-        s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs,
-        FORMAT: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        s_ptr,
+        g_ptr,
+        slot,
+        rows,
+        row_mask,
+        stride_ss,
+        stride_sn,
+        stride_gs,
+        FORMAT: tl.constexpr,
+        ROW_BLOCK: tl.constexpr,
+    ):
         """(s_rows, g_rows) of `_weight_tile` for bank rows `rows` of a slot."""
         s_rows = s_ptr + slot * stride_ss + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
         g_rows = rows.to(tl.float32)  # (unused but by nvfp4)
@@ -867,8 +1020,9 @@ if triton is not None:
         return s_rows, g_rows
 
     @triton.jit
-    def _split_columns(sp, step, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_STEPS: tl.constexpr):  # fmt: skip
+    def _split_columns(
+        sp, step, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_STEPS: tl.constexpr
+    ):
         """(k0, live) of step `step` of split `sp` (SPLIT_STEPS 0: the one split of all KDIM
         columns, every step live). The last split of an uneven division has steps past KDIM:
         they read the last real step's columns again (in bounds: a tile past its row could
@@ -932,10 +1086,21 @@ if triton is not None:
         x_row = x_ptr + token.to(tl.int64) * stride_xt
         gate_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
         up_rows = gate_rows + INTER * stride_wn
-        s_gate, g_gate = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
-                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
-        s_up, g_up = _row_scales(s_ptr, g_ptr, slot, rows + INTER, row_mask, stride_ss,
-                                 stride_sn, stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        s_gate, g_gate = _row_scales(
+            s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
+        )
+        s_up, g_up = _row_scales(
+            s_ptr,
+            g_ptr,
+            slot,
+            rows + INTER,
+            row_mask,
+            stride_ss,
+            stride_sn,
+            stride_gs,
+            FORMAT,
+            ROW_BLOCK,
+        )
         if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
             WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (the tile's words a block, and
             WB: tl.constexpr = 8 if FORMAT >= 9 else 4  # values a word)
@@ -943,10 +1108,12 @@ if triton is not None:
             acc_uw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
                 # (the weights' loads first: x's may cross shared memory behind a barrier)
-                wg = _word_tile(gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
-                wu = _word_tile(up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
+                wg = _word_tile(
+                    gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
+                wu = _word_tile(
+                    up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
                 xw = _word_x(x_row, k0, valid, HIDDEN, FORMAT, BLOCK_K)
                 acc_gw += wg * xw[None, :, :, :]
                 acc_uw += wu * xw[None, :, :, :]
@@ -958,10 +1125,36 @@ if triton is not None:
             for k0 in range(0, HIDDEN, BLOCK_K):
                 k_ok = (k0 + cols) < HIDDEN
                 xv = tl.load(x_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
-                wg = _weight_tile(gate_rows, s_gate, g_gate, k0, row_mask, dt, HIDDEN, FORMAT,
-                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
-                wu = _weight_tile(up_rows, s_up, g_up, k0, row_mask, dt, HIDDEN, FORMAT,
-                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wg = _weight_tile(
+                    gate_rows,
+                    s_gate,
+                    g_gate,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                wu = _weight_tile(
+                    up_rows,
+                    s_up,
+                    g_up,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 acc_g += wg * xv[None, :]
                 acc_u += wu * xv[None, :]
             gate = tl.sum(acc_g, axis=1)
@@ -971,10 +1164,34 @@ if triton is not None:
             acc_u4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
             for k0 in range(0, HIDDEN, BLOCK_K):
                 xv = _fp4_x(x_row, k0, valid, HIDDEN, BLOCK_K)
-                wg = _fp4_tile(gate_rows, s_gate, g_gate, k0, row_mask, dt, HIDDEN, FORMAT,
-                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
-                wu = _fp4_tile(up_rows, s_up, g_up, k0, row_mask, dt, HIDDEN, FORMAT,
-                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wg = _fp4_tile(
+                    gate_rows,
+                    s_gate,
+                    g_gate,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                wu = _fp4_tile(
+                    up_rows,
+                    s_up,
+                    g_up,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 acc_g4 += wg * xv[None, :, :, :]
                 acc_u4 += wu * xv[None, :, :, :]
             gate = tl.sum(tl.reshape(acc_g4, [BLOCK_N, BLOCK_K]), axis=1)
@@ -1039,16 +1256,18 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         a_row = a_ptr + r.to(tl.int64) * stride_ar
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
-        s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn,
-                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        s_rows, g_rows = _row_scales(
+            s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
+        )
         if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
             WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (as in the gate/up kernel)
             WB: tl.constexpr = 8 if FORMAT >= 9 else 4
             accw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
             for step in range(0, STEPS):
                 k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
-                wd = _word_tile(w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
+                wd = _word_tile(
+                    w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
                 aw = _word_x(a_row, k0, valid & live, INTER, FORMAT, BLOCK_K)
                 accw += wd * aw[None, :, :, :]
             y = _word_sum(accw, FORMAT, BLOCK_N, BLOCK_K)
@@ -1058,8 +1277,21 @@ if triton is not None:
                 k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
                 k_ok = (k0 + cols) < INTER
                 av = tl.load(a_row + k0 + cols, mask=k_ok & valid & live, other=0.0).to(tl.float32)
-                wd = _weight_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
-                                  COL_BLOCK, W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wd = _weight_tile(
+                    w_rows,
+                    s_rows,
+                    g_rows,
+                    k0,
+                    row_mask,
+                    dt,
+                    INTER,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 acc += wd * av[None, :]
             y = tl.sum(acc, axis=1)
         else:
@@ -1067,8 +1299,20 @@ if triton is not None:
             for step in range(0, STEPS):
                 k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
                 av = _fp4_x(a_row, k0, valid & live, INTER, BLOCK_K)
-                wd = _fp4_tile(w_rows, s_rows, g_rows, k0, row_mask, dt, INTER, FORMAT,
-                               W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+                wd = _fp4_tile(
+                    w_rows,
+                    s_rows,
+                    g_rows,
+                    k0,
+                    row_mask,
+                    dt,
+                    INTER,
+                    FORMAT,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 acc4 += wd * av[None, :, :, :]
             y = tl.sum(tl.reshape(acc4, [BLOCK_N, BLOCK_K]), axis=1)
         if SPLIT_STEPS > 0:  # (c is the fp32 partials then; a skipped route's are 0)
@@ -1157,12 +1401,26 @@ if triton is not None:
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + slot * stride_ws + rows.to(tl.int64) * stride_wn
-        s_rows, g_rows = _row_scales(s_ptr, g_ptr, slot, rows, row_ok, stride_ss, stride_sn,
-                                     stride_gs, FORMAT, ROW_BLOCK)  # fmt: skip
+        s_rows, g_rows = _row_scales(
+            s_ptr, g_ptr, slot, rows, row_ok, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
+        )
         out_rows = out_ptr + i.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_on
         for k0 in range(0, KDIM, BLOCK_K):
-            w = _weight_tile(w_rows, s_rows, g_rows, k0, row_ok, dt, KDIM, FORMAT, COL_BLOCK,
-                             W_ROUND, INTERPRETED, BLOCK_N, BLOCK_K)  # fmt: skip
+            w = _weight_tile(
+                w_rows,
+                s_rows,
+                g_rows,
+                k0,
+                row_ok,
+                dt,
+                KDIM,
+                FORMAT,
+                COL_BLOCK,
+                W_ROUND,
+                INTERPRETED,
+                BLOCK_N,
+                BLOCK_K,
+            )
             mask = row_ok[:, None] & ((k0 + cols) < KDIM)[None, :]
             tl.store(out_rows + k0 + cols[None, :], w.to(dt), mask=mask)
 
@@ -1208,12 +1466,26 @@ def _bank_args(bank: Bank, dtype: torch.dtype, interpreted: bool) -> tuple[list,
         raise ValueError("fp4 codes are read as 4-byte words: rows must start 4-byte aligned")
     align = _SCALE_ALIGN.get(fmt.name, 1)
     if s.data_ptr() % align or s.stride(0) % align or s.stride(1) % align:
-        raise ValueError(f"{fmt.name} scales are read {align} bytes at a time: their rows must "
-                         f"start {align}-byte aligned")  # fmt: skip
-    args = [w, s, w if g is None else g, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-            0 if g is None else g.stride(0)]  # fmt: skip
-    consts = dict(FORMAT=fmt.code, ROW_BLOCK=fmt.row_block, COL_BLOCK=fmt.col_block,
-                  W_ROUND=_weight_rounding(bank, dtype, interpreted))  # fmt: skip
+        raise ValueError(
+            f"{fmt.name} scales are read {align} bytes at a time: their rows must "
+            f"start {align}-byte aligned"
+        )
+    args = [
+        w,
+        s,
+        w if g is None else g,
+        w.stride(0),
+        w.stride(1),
+        s.stride(0),
+        s.stride(1),
+        0 if g is None else g.stride(0),
+    ]
+    consts = dict(
+        FORMAT=fmt.code,
+        ROW_BLOCK=fmt.row_block,
+        COL_BLOCK=fmt.col_block,
+        W_ROUND=_weight_rounding(bank, dtype, interpreted),
+    )
     return args, consts
 
 
@@ -1225,8 +1497,10 @@ _SCALE_ALIGN = {"q5_k": 4, "k_mixed": 4, **dict.fromkeys(LEGACY_REST, 2)}
 def _check_blocks(format_code: int, params: dict[str, int], proj: str) -> None:
     """Refuse tiles a format's kernel cannot take (`proj`: "GATE_UP" or "DOWN")."""
     if format_code >= 2 and params[f"{proj}_BLOCK_K"] % 32:
-        raise ValueError(f"fp4 and GGUF tiles take whole chunks of 32 values: {proj}_BLOCK_K "
-                         f"{params[f'{proj}_BLOCK_K']}")  # fmt: skip
+        raise ValueError(
+            f"fp4 and GGUF tiles take whole chunks of 32 values: {proj}_BLOCK_K "
+            f"{params[f'{proj}_BLOCK_K']}"
+        )
     if format_code >= 5 and format_code != 7 and params[f"{proj}_BLOCK_N"] < WORD_MIN_BLOCK_N:
         raise ValueError(
             f"word tiles need {proj}_BLOCK_N >= {WORD_MIN_BLOCK_N} (smaller ones "
@@ -1335,9 +1609,19 @@ def triton_grouped_expert_forward(
         **d_consts,
     )
     _sum_routes_kernel[(t, triton.cdiv(h, REDUCE_BLOCK))](
-        c, slots, weights, out, c.stride(0), c.stride(1), out.stride(0), HIDDEN=h, K=k,
-        SPLIT=split if split > 1 else 0, BLOCK=REDUCE_BLOCK, num_warps=4,
-    )  # fmt: skip
+        c,
+        slots,
+        weights,
+        out,
+        c.stride(0),
+        c.stride(1),
+        out.stride(0),
+        HIDDEN=h,
+        K=k,
+        SPLIT=split if split > 1 else 0,
+        BLOCK=REDUCE_BLOCK,
+        num_warps=4,
+    )
     return out
 
 

@@ -24,25 +24,35 @@ except ImportError:  # pragma: no cover - depends on the environment
 MERGE_BLOCK = 1024
 
 
-def add_host_partial_(gpu: torch.Tensor, partial, words, done: int, seq: torch.Tensor,
-                      rang: torch.Tensor, stamp=None) -> torch.Tensor:  # fmt: skip
+def add_host_partial_(
+    gpu: torch.Tensor, partial, words, done: int, seq: torch.Tensor, rang: torch.Tensor, stamp=None
+) -> torch.Tensor:
     """gpu [T, H] (contiguous) += partial (HostRows of an fp32 buffer of at least T * H values)
     once words[done] == seq[1], where `rang` (a bool on the device) is set; returns gpu.
     `stamp`: an int64 the device's clock is written to once the first block is done
     (moe/split.py `StepClock`), or None."""
     n = gpu.numel()
     _merge_kernel[(triton.cdiv(n, MERGE_BLOCK),)](
-        gpu, partial, words, done, seq, rang, n, seq if stamp is None else stamp,
-        BLOCK=MERGE_BLOCK, STAMP=stamp is not None,
-    )  # fmt: skip
+        gpu,
+        partial,
+        words,
+        done,
+        seq,
+        rang,
+        n,
+        seq if stamp is None else stamp,
+        BLOCK=MERGE_BLOCK,
+        STAMP=stamp is not None,
+    )
     return gpu
 
 
 if triton is not None:
 
     @triton.jit
-    def _merge_kernel(gpu, partial, words, done, seq, rang, n, stamp, BLOCK: tl.constexpr,
-                      STAMP: tl.constexpr):  # fmt: skip
+    def _merge_kernel(
+        gpu, partial, words, done, seq, rang, n, stamp, BLOCK: tl.constexpr, STAMP: tl.constexpr
+    ):
         pid = tl.program_id(0)
         if tl.load(rang):
             want = tl.load(seq + 1).to(tl.int32)

@@ -67,9 +67,16 @@ def launch_hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):
     comb = mixes.new_empty(t, n, n)
     if t:
         _hc_mix_kernel[(t,)](
-            mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
-            hc_eps, N=n, ITERS=iters,
-        )  # fmt: skip
+            mixes,
+            base.float().contiguous(),
+            scale.float().contiguous(),
+            pre,
+            post,
+            comb,
+            hc_eps,
+            N=n,
+            ITERS=iters,
+        )
     return pre, post, comb
 
 
@@ -121,8 +128,17 @@ def hc_merge(streams, post, comb, out) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _hc_mix_kernel(mixes, base, scale, pre_out, post_out, comb_out, hc_eps,
-                       N: tl.constexpr, ITERS: tl.constexpr):  # fmt: skip
+    def _hc_mix_kernel(
+        mixes,
+        base,
+        scale,
+        pre_out,
+        post_out,
+        comb_out,
+        hc_eps,
+        N: tl.constexpr,
+        ITERS: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         row = mixes + t * (2 + N) * N
         i = tl.arange(0, N)

@@ -74,10 +74,17 @@ def cpu_rms_norm(x, delta, weight, eps, zero_centered: bool, scale_fp32: bool):
         total = torch.empty_like(rows)
     weight = weight.contiguous()
     cpu_team.library().ft_cpu_rms_norm(
-        _CPU_DTYPES[x.dtype], rows.data_ptr(), delta.data_ptr() if delta is not None else None,
-        weight.data_ptr(), rows.shape[0], rows.shape[1], eps,
-        _NORM_MODES[zero_centered, scale_fp32 or zero_centered], total.data_ptr(), out.data_ptr(),
-    )  # fmt: skip
+        _CPU_DTYPES[x.dtype],
+        rows.data_ptr(),
+        delta.data_ptr() if delta is not None else None,
+        weight.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        eps,
+        _NORM_MODES[zero_centered, scale_fp32 or zero_centered],
+        total.data_ptr(),
+        out.data_ptr(),
+    )
     return total.view(shape), out.view(shape)
 
 
@@ -91,9 +98,19 @@ def cpu_apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(t, heads, d, dtype=x.dtype)
     cpu_team.library().ft_cpu_rotary(
-        _CPU_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), t, heads, d,
-        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[-1], out.data_ptr(),
-    )  # fmt: skip
+        _CPU_DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        t,
+        heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        cos.shape[-1],
+        out.data_ptr(),
+    )
     return out
 
 
@@ -129,9 +146,18 @@ def _norm(x, delta, weight, eps, zero_centered, scale_fp32):
         total = torch.empty_like(rows)
     n = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, deltas, total, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
-        ZERO_CENTERED=zero_centered, SCALE_FP32=scale_fp32, HAS_DELTA=delta is not None,
-    )  # fmt: skip
+        rows,
+        deltas,
+        total,
+        weight,
+        out,
+        n,
+        eps,
+        BLOCK=triton.next_power_of_2(n),
+        ZERO_CENTERED=zero_centered,
+        SCALE_FP32=scale_fp32,
+        HAS_DELTA=delta is not None,
+    )
     return total.view(shape), out.view(shape)
 
 
@@ -143,9 +169,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x = x.contiguous()
     out = torch.empty_like(x)
     _rotary_kernel[(t, heads)](
-        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), d, rot // 2,
+        x,
+        cos,
+        sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        d,
+        rot // 2,
         BLOCK=triton.next_power_of_2(max(rot // 2, d - rot, 1)),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -153,13 +187,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: boo
     """Softmax top-k of router logits [T, E]: (weights [T, k], ids [T, k]), as layers/moe.py."""
     t, e = logits.shape
     logits = logits.contiguous()
-    weights = torch.empty(t, top_k, device=logits.device,
-                          dtype=torch.float32 if fp32_weights else logits.dtype)  # fmt: skip
+    weights = torch.empty(
+        t, top_k, device=logits.device, dtype=torch.float32 if fp32_weights else logits.dtype
+    )
     ids = torch.empty(t, top_k, device=logits.device, dtype=torch.long)
     _route_kernel[(t,)](
-        logits, weights, ids, e, K=top_k, BLOCK=triton.next_power_of_2(e),
-        K_BLOCK=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-    )  # fmt: skip
+        logits,
+        weights,
+        ids,
+        e,
+        K=top_k,
+        BLOCK=triton.next_power_of_2(e),
+        K_BLOCK=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+    )
     return weights, ids
 
 
@@ -167,9 +208,15 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(
-        LOGITS, WEIGHTS, IDS, e, K: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+        LOGITS,
+        WEIGHTS,
+        IDS,
+        e,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        K_BLOCK: tl.constexpr,
         RENORMALIZE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         x = tl.load(LOGITS + row * e + cols, mask=cols < e, other=float("-inf")).to(tl.float32)
@@ -191,9 +238,18 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        X, D, S, W, OUT, n, eps, BLOCK: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-        SCALE_FP32: tl.constexpr, HAS_DELTA: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        D,
+        S,
+        W,
+        OUT,
+        n,
+        eps,
+        BLOCK: tl.constexpr,
+        ZERO_CENTERED: tl.constexpr,
+        SCALE_FP32: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n

@@ -91,11 +91,29 @@ SIGNATURES: cpu_team.Signatures = {  # decode attention's (cpu_layers.c)
     # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
     # window, scale, sinks, out, threads
     "ft_cpu_attention_submit": (
-        [cpu_team.INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
-         cpu_team.F, _P, _P, cpu_team.INT],
+        [
+            cpu_team.INT,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            cpu_team.F,
+            _P,
+            _P,
+            cpu_team.INT,
+        ],
         cpu_team.U64,
     ),
-}  # fmt: skip
+}
 cpu_team.declare(SIGNATURES)
 
 
@@ -120,8 +138,9 @@ def triton_decode_width(d: int, values_are_keys: bool = False, values: int = 0) 
     return triton is not None and widths is not None and widths[0] >= values
 
 
-def triton_decode_takes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                        values: int | None = None) -> bool:  # fmt: skip
+def triton_decode_takes(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, values: int | None = None
+) -> bool:
     return triton_decode_width(q.shape[-1], v_pool is k_pool and values is not None, values or 0)
 
 
@@ -144,11 +163,25 @@ def paged_decode_cpu(q, k_pool, v_pool, batch: ForwardBatch, scale, window=None,
     sink = sinks.float().contiguous() if sinks is not None else None  # held until done
     table = batch.page_table
     ticket = cpu_team.library().ft_cpu_attention_submit(
-        _CPU_DTYPES[q.dtype], q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-        table.data_ptr(), table.shape[1], batch.page_size, batch.rows.data_ptr(),
-        batch.lengths.data_ptr(), b, heads, k_pool.shape[1], d, window or 0, scale,
-        sink.data_ptr() if sink is not None else None, out.data_ptr(), cpu_team.team_threads(),
-    )  # fmt: skip
+        _CPU_DTYPES[q.dtype],
+        q.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        table.data_ptr(),
+        table.shape[1],
+        batch.page_size,
+        batch.rows.data_ptr(),
+        batch.lengths.data_ptr(),
+        b,
+        heads,
+        k_pool.shape[1],
+        d,
+        window or 0,
+        scale,
+        sink.data_ptr() if sink is not None else None,
+        out.data_ptr(),
+        cpu_team.team_threads(),
+    )
     if ticket == 0:
         return paged_attention_torch(q, k_pool, v_pool, batch, scale, window, sinks)
     cpu_team.wait(ticket)
@@ -230,11 +263,20 @@ def _lower_right_causal(q, k, v, scale) -> torch.Tensor:
             return out[..., :head]
         if can_use_efficient_attention(params):
             return torch.ops.aten._efficient_attention_forward(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=None,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                dropout_p=0.0, custom_mask_type=LOWER_RIGHT_MASK, compute_log_sumexp=False,
-                scale=scale, seqlen_k=None,
-            )[0].transpose(1, 2)  # fmt: skip
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                bias=None,
+                cu_seqlens_q=None,
+                cu_seqlens_k=None,
+                max_seqlen_q=None,
+                max_seqlen_k=None,
+                dropout_p=0.0,
+                custom_mask_type=LOWER_RIGHT_MASK,
+                compute_log_sumexp=False,
+                scale=scale,
+                seqlen_k=None,
+            )[0].transpose(1, 2)
     mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
@@ -274,9 +316,18 @@ def decode_splits(batch_size: int, kv_heads: int) -> int:
 
 
 def paged_decode_triton(
-    q, k_pool, v_pool, batch: ForwardBatch, scale, window=None, sinks=None, splits=None,
-    block_n=None, num_warps=None, num_stages=None,
-) -> torch.Tensor:  # fmt: skip
+    q,
+    k_pool,
+    v_pool,
+    batch: ForwardBatch,
+    scale,
+    window=None,
+    sinks=None,
+    splits=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+) -> torch.Tensor:
     """One query per sequence: q [B, heads, d] -> [B, heads, d], or [B, heads, value width]
     for keys wider than their values (`_widths`). `splits`, `block_n`, `num_warps` and
     `num_stages` override the defaults (tests, benchmarks/paged_attention.py)."""
@@ -287,8 +338,10 @@ def paged_decode_triton(
     group = heads // kv_heads
     widths = _widths(d, v_pool is k_pool)
     if widths is None:
-        raise ValueError(f"head_dim {d} is not a power of two from 16 to 256 (nor a latent "
-                         "head read as its own values)")  # fmt: skip
+        raise ValueError(
+            f"head_dim {d} is not a power of two from 16 to 256 (nor a latent "
+            "head read as its own values)"
+        )
     width, rope = widths
     wide = width > 256
     group_pad = max(16, triton.next_power_of_2(group))
@@ -299,27 +352,52 @@ def paged_decode_triton(
     lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     table = batch.page_table
     _decode_split_kernel[(b, kv_heads * head_blocks, splits)](
-        q, k_pool, v_pool, table, batch.rows, batch.lengths, partial, lse,
+        q,
+        k_pool,
+        v_pool,
+        table,
+        batch.rows,
+        batch.lengths,
+        partial,
+        lse,
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
         window or 0,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-        table.stride(0), splits,
-        PAGE=batch.page_size, GROUP=group, GROUP_BLOCK=group_block, HEAD_BLOCKS=head_blocks,
-        HEADS=heads, HEAD_D=width, ROPE_D=rope, ROPE_PAD=max(rope, 16),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        table.stride(0),
+        splits,
+        PAGE=batch.page_size,
+        GROUP=group,
+        GROUP_BLOCK=group_block,
+        HEAD_BLOCKS=head_blocks,
+        HEADS=heads,
+        HEAD_D=width,
+        ROPE_D=rope,
+        ROPE_PAD=max(rope, 16),
         VALUES_ARE_KEYS=v_pool is k_pool,
-        BLOCK_N=block_n or (WIDE_BLOCK_N if wide else DECODE_BLOCK_N), INTERPRETED=INTERPRETED,
+        BLOCK_N=block_n or (WIDE_BLOCK_N if wide else DECODE_BLOCK_N),
+        INTERPRETED=INTERPRETED,
         # fp32 (tests, CPU-exact runs) without TF32 rounding; bf16 / fp16 as they are.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (WIDE_WARPS if wide else DECODE_WARPS),
         num_stages=num_stages or (WIDE_STAGES if wide else DECODE_STAGES),
-    )  # fmt: skip
+    )
     out = q.new_empty(b, heads, width)
     has_sinks = sinks is not None
     _decode_merge_kernel[(b, heads)](
-        partial, lse, sinks if has_sinks else lse, out,
-        out.stride(0), out.stride(1), splits,
-        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_D=width, HAS_SINKS=has_sinks,
-    )  # fmt: skip
+        partial,
+        lse,
+        sinks if has_sinks else lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        HEAD_D=width,
+        HAS_SINKS=has_sinks,
+    )
     return out
 
 
@@ -327,11 +405,29 @@ if triton is not None:
 
     @triton.jit
     def _attend_block(
-        q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale, stride_table,
-        stride_kn, head_offset, PAGE: tl.constexpr, HEAD_D: tl.constexpr, ROPE_D: tl.constexpr,
-        ROPE_PAD: tl.constexpr, VALUES_ARE_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
+        q,
+        q_rope,
+        K,
+        V,
+        TABLE,
+        row,
+        start,
+        hi,
+        m,
+        total,
+        acc,
+        qk_scale,
+        stride_table,
+        stride_kn,
+        head_offset,
+        PAGE: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+        VALUES_ARE_KEYS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """One block of keys [start, start + BLOCK_N) into the online softmax (m, total, acc).
         ROPE_D > 0: the keys' last ROPE_D values score against q_rope and are no value."""
         j = start + tl.arange(0, BLOCK_N)
@@ -349,8 +445,9 @@ if triton is not None:
             r = tl.arange(0, ROPE_PAD)
             k_rope = tl.load(
                 K + slot[:, None] * stride_kn + head_offset + HEAD_D + r[None, :],
-                mask=valid[:, None] & (r < ROPE_D)[None, :], other=0.0,
-            )  # fmt: skip
+                mask=valid[:, None] & (r < ROPE_D)[None, :],
+                other=0.0,
+            )
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = s * qk_scale  # base-2 logits
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -363,14 +460,35 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, TABLE, ROWS, LENGTHS, PARTIAL, LSE,
-        qk_scale, window,
-        stride_qb, stride_qh, stride_kn, stride_kh, stride_table, splits,
-        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-        HEAD_BLOCKS: tl.constexpr, HEADS: tl.constexpr, HEAD_D: tl.constexpr,
-        ROPE_D: tl.constexpr, ROPE_PAD: tl.constexpr, VALUES_ARE_KEYS: tl.constexpr,
-        BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        TABLE,
+        ROWS,
+        LENGTHS,
+        PARTIAL,
+        LSE,
+        qk_scale,
+        window,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_table,
+        splits,
+        PAGE: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_BLOCK: tl.constexpr,
+        HEAD_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+        VALUES_ARE_KEYS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // HEAD_BLOCKS  # (a KV head's query heads, GROUP_BLOCK at
         head_block = tl.program_id(1) % HEAD_BLOCKS  # a time)
@@ -392,8 +510,11 @@ if triton is not None:
         q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
         if ROPE_D > 0:
             r = tl.arange(0, ROPE_PAD)
-            q_rope = tl.load(q_rows + HEAD_D + r[None, :],
-                             mask=head_ok[:, None] & (r < ROPE_D)[None, :], other=0.0)  # fmt: skip
+            q_rope = tl.load(
+                q_rows + HEAD_D + r[None, :],
+                mask=head_ok[:, None] & (r < ROPE_D)[None, :],
+                other=0.0,
+            )
         else:
             q_rope = q  # (no key-only part: unused)
         m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
@@ -405,18 +526,56 @@ if triton is not None:
             start = lo
             while start < hi:
                 m, total, acc = _attend_block(
-                    q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale,
-                    stride_table, stride_kn, kv_head * stride_kh, PAGE, HEAD_D, ROPE_D,
-                    ROPE_PAD, VALUES_ARE_KEYS, BLOCK_N, PRECISION,
-                )  # fmt: skip
+                    q,
+                    q_rope,
+                    K,
+                    V,
+                    TABLE,
+                    row,
+                    start,
+                    hi,
+                    m,
+                    total,
+                    acc,
+                    qk_scale,
+                    stride_table,
+                    stride_kn,
+                    kv_head * stride_kh,
+                    PAGE,
+                    HEAD_D,
+                    ROPE_D,
+                    ROPE_PAD,
+                    VALUES_ARE_KEYS,
+                    BLOCK_N,
+                    PRECISION,
+                )
                 start += BLOCK_N
         else:
             for start in range(lo, hi, BLOCK_N):
                 m, total, acc = _attend_block(
-                    q, q_rope, K, V, TABLE, row, start, hi, m, total, acc, qk_scale,
-                    stride_table, stride_kn, kv_head * stride_kh, PAGE, HEAD_D, ROPE_D,
-                    ROPE_PAD, VALUES_ARE_KEYS, BLOCK_N, PRECISION,
-                )  # fmt: skip
+                    q,
+                    q_rope,
+                    K,
+                    V,
+                    TABLE,
+                    row,
+                    start,
+                    hi,
+                    m,
+                    total,
+                    acc,
+                    qk_scale,
+                    stride_table,
+                    stride_kn,
+                    kv_head * stride_kh,
+                    PAGE,
+                    HEAD_D,
+                    ROPE_D,
+                    ROPE_PAD,
+                    VALUES_ARE_KEYS,
+                    BLOCK_N,
+                    PRECISION,
+                )
         out_offs = (seq * HEADS + heads) * splits + split
         empty = total == 0.0
         tl.store(
@@ -430,9 +589,17 @@ if triton is not None:
 
     @triton.jit
     def _decode_merge_kernel(
-        PARTIAL, LSE, SINKS, OUT, stride_ob, stride_oh, splits,
-        SPLITS_PAD: tl.constexpr, HEAD_D: tl.constexpr, HAS_SINKS: tl.constexpr,
-    ):  # fmt: skip
+        PARTIAL,
+        LSE,
+        SINKS,
+        OUT,
+        stride_ob,
+        stride_oh,
+        splits,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+    ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         heads = tl.num_programs(1)
@@ -449,7 +616,8 @@ if triton is not None:
         if HAS_SINKS:
             total += tl.exp2(sink - top)
         d = tl.arange(0, HEAD_D)
-        part = tl.load(PARTIAL + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None],
-                       other=0.0)  # fmt: skip
+        part = tl.load(
+            PARTIAL + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None], other=0.0
+        )
         o = tl.sum(part * w[:, None], 0) / total
         tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))

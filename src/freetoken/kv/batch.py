@@ -153,16 +153,35 @@ class ForwardBatch:
         update_index, update_pages = cache.pending_rows(list(seqs))
         t, b, u = len(ids), len(seqs), len(update_index)
         n = 3 * t + 3 * b + len(states)  # the per-step values, then the page-table updates
-        values = [*ids, *positions, *write_slots, *row_ids, *totals, *last, *states,
-                  *update_index, *update_pages]  # fmt: skip
+        values = [
+            *ids,
+            *positions,
+            *write_slots,
+            *row_ids,
+            *totals,
+            *last,
+            *states,
+            *update_index,
+            *update_pages,
+        ]
         if staging is not None and device.type == "cuda":
             flat = staging.upload(values, device)
         else:
             flat = torch.tensor(values, dtype=torch.long).to(device)
         if u:
             cache.page_table.view(-1).index_copy_(0, flat[n : n + u], flat[n + u :])
-        return ForwardBatch._over(flat[:n], t, b, bool(states), cache.page_table,
-                                  cache.page_size, totals, counts, row_ids, captures)  # fmt: skip
+        return ForwardBatch._over(
+            flat[:n],
+            t,
+            b,
+            bool(states),
+            cache.page_table,
+            cache.page_size,
+            totals,
+            counts,
+            row_ids,
+            captures,
+        )
 
     @staticmethod
     def _over(packed, t, b, states, page_table, page_size, totals, counts, row_ids, captures):
@@ -187,10 +206,18 @@ class ForwardBatch:
     def views_of(self, packed: torch.Tensor) -> ForwardBatch:
         """This batch over another packed buffer of the same layout (a decode graph's static
         inputs), the rest shared."""
-        return ForwardBatch._over(packed, self.num_tokens, len(self.counts),
-                                  self.state_slots is not None, self.page_table, self.page_size,
-                                  list(self.seq_lens), list(self.counts), list(self.row_ids),
-                                  self.captures)  # fmt: skip
+        return ForwardBatch._over(
+            packed,
+            self.num_tokens,
+            len(self.counts),
+            self.state_slots is not None,
+            self.page_table,
+            self.page_size,
+            list(self.seq_lens),
+            list(self.counts),
+            list(self.row_ids),
+            self.captures,
+        )
 
 
 def commit(seqs: Sequence[KVSequence], batch: ForwardBatch) -> None:

@@ -122,8 +122,14 @@ class PagedKVCache:
         # Flat [slots, heads, dim] per layer: a token's K/V lives at slot page * page_size + offset.
         if kv_layers is None:
             kv_layers = (True,) * num_layers
-        shapes = list(zip(kv_layers, layer_heads or (num_kv_heads,) * num_layers,
-                          layer_dims or (head_dim,) * num_layers, strict=True))  # fmt: skip
+        shapes = list(
+            zip(
+                kv_layers,
+                layer_heads or (num_kv_heads,) * num_layers,
+                layer_dims or (head_dim,) * num_layers,
+                strict=True,
+            )
+        )
 
         def pool(held: bool, heads: int, dim: int) -> torch.Tensor:
             size = (num_pages * page_size, heads, dim) if held else (0,)

@@ -236,8 +236,9 @@ class CompressedAttention(nn.Module):
                 rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
                 span = slice(start, start + count)
                 compressed = tuple(a[span] for a in angles.get(True))
-                out[span] = self._attend(q[span], rows, batch.positions[span], x[span],
-                                         q_latent[span], compressed)  # fmt: skip
+                out[span] = self._attend(
+                    q[span], rows, batch.positions[span], x[span], q_latent[span], compressed
+                )
         out = turn(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])

@@ -169,8 +169,11 @@ class GatedDeltaNet(nn.Module):
             self.g_a_proj = Linear(h, la.value_head_dim, bias=False)
             self.g_b_proj = Linear(la.value_head_dim, la.value_dim, bias=False)
             for name, dim in (("q", la.key_dim), ("k", la.key_dim), ("v", la.value_dim)):
-                setattr(self, f"{name}_conv1d", _Conv1d(dim, dim, la.conv_kernel, groups=dim,
-                                                        bias=False))  # fmt: skip
+                setattr(
+                    self,
+                    f"{name}_conv1d",
+                    _Conv1d(dim, dim, la.conv_kernel, groups=dim, bias=False),
+                )
         elif self.separate:
             self.in_proj_qkv = Linear(h, 2 * la.key_dim + la.value_dim, bias=False)
             self.in_proj_z = Linear(h, la.value_dim, bias=False)
@@ -251,8 +254,9 @@ class GatedDeltaNet(nn.Module):
         q, k = q.reshape(*shape, self.dk), k.reshape(*shape, self.dk)
         v = v.reshape(*shape, self.dv)
         if y.shape[1] == 1 and gated_delta.available(y):  # a decode step: one launch
-            out = gated_delta.recurrent_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
-                                             self.A_log, self.dt_bias, ssm, slots)  # fmt: skip
+            out = gated_delta.recurrent_step(
+                q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.A_log, self.dt_bias, ssm, slots
+            )
             return out[:, None]
         beta = b.sigmoid()
         g = self._log_decay(a)

@@ -173,8 +173,11 @@ class LatentAttention(nn.Module):
         cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]
         indexer = getattr(self, "indexer", None)
         if mla.indexer is not None:  # the index key after them (zeros where none is kept)
-            index_k = (indexer.keys(x, cos, sin) if indexer is not None
-                       else x.new_zeros(t, mla.indexer.head_dim))  # fmt: skip
+            index_k = (
+                indexer.keys(x, cos, sin)
+                if indexer is not None
+                else x.new_zeros(t, mla.indexer.head_dim)
+            )
             cached = torch.cat([cached, index_k.view(t, 1, -1)], dim=-1)
         kv.write(self.layer, batch.write_slots, cached, None)
         pool = kv.k[self.layer]
@@ -184,16 +187,19 @@ class LatentAttention(nn.Module):
         if mla.indexer is not None and selection is None:
             raise ValueError(f"layer {self.layer} shares the top-k of no earlier layer")
         if batch.is_decode and selection is not None:
-            out = self._sparse_decode(torch.cat([q_nope, q_pe], dim=-1), pool, selection,
-                                      w_uk, w_uv)  # fmt: skip
+            out = self._sparse_decode(
+                torch.cat([q_nope, q_pe], dim=-1), pool, selection, w_uk, w_uv
+            )
         elif batch.is_decode:
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-            out = paged_attention(torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch,
-                                  self.scale, values=r)  # fmt: skip
+            out = paged_attention(
+                torch.cat([q_lat, q_pe], dim=-1), pool, pool, batch, self.scale, values=r
+            )
             out = torch.einsum("thr,hvr->thv", out[..., :r], w_uv)
         else:
-            out = self._expanded(torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv,
-                                 selection)  # fmt: skip
+            out = self._expanded(
+                torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv, selection
+            )
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
 
     def _select(self, indexer: Indexer, x, q_resid, cos, sin, pool, batch: ForwardBatch):
@@ -265,8 +271,13 @@ class LatentAttention(nn.Module):
         for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
             context = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, r + d_rope]
             latent, k_pe = context[:, :r], context[:, r : self.mla.latent_dim]
-            keys = torch.cat([torch.einsum("lr,hnr->hln", latent, w_uk),
-                              k_pe[None].expand(self.num_heads, -1, -1)], dim=-1)  # fmt: skip
+            keys = torch.cat(
+                [
+                    torch.einsum("lr,hnr->hln", latent, w_uk),
+                    k_pe[None].expand(self.num_heads, -1, -1),
+                ],
+                dim=-1,
+            )
             values = torch.einsum("lr,hvr->hlv", latent, w_uv)
             queries = q[start : start + count].transpose(0, 1)  # [heads, n, d]
             mask = None if masks is None else masks[b]

@@ -36,15 +36,23 @@ class GatedMLP(nn.Module):
         if self.gate_up_proj is None or down is None or self.gate_proj.bias is not None:
             return
         self.native = NativeCPUExperts.create(
-            _bank(self.gate_up_proj.quantized), _bank(down), self.act_name, team_threads(),
+            _bank(self.gate_up_proj.quantized),
+            _bank(down),
+            self.act_name,
+            team_threads(),
             dtype=dtype,
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         native = self.native
-        if (native is not None and x.device.type == "cpu" and x.dtype == native.dtype
-                and 0 < rows.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()):  # fmt: skip
+        if (
+            native is not None
+            and x.device.type == "cpu"
+            and x.dtype == native.dtype
+            and 0 < rows.shape[0] <= MAX_ROWS
+            and not torch.is_grad_enabled()
+        ):
             return native(rows, *self._single_expert(rows.shape[0])).to(x.dtype).view(x.shape)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -55,8 +63,11 @@ class GatedMLP(nn.Module):
     def _single_expert(self, n: int) -> tuple:
         """The routes of n rows to the one expert: (rows, pairs, weights), made once per n."""
         if n not in self._routes:
-            self._routes[n] = (np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                               np.ones(n, dtype=np.float32))  # fmt: skip
+            self._routes[n] = (
+                np.arange(n, dtype=np.int64),
+                np.zeros(n, dtype=np.int64),
+                np.ones(n, dtype=np.float32),
+            )
         return self._routes[n]
 
 

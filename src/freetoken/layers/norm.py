@@ -36,8 +36,9 @@ class RMSNorm(nn.Module):
         if delta is None:
             return x, self(x)
         if norm_rope.available(x):
-            return norm_rope.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centered,
-                                          self.scale_fp32)  # fmt: skip
+            return norm_rope.add_rms_norm(
+                x, delta, self.weight, self.eps, self.zero_centered, self.scale_fp32
+            )
         if norm_rope.native_takes(x, delta, self.weight):
             return norm_rope.cpu_rms_norm(
                 x, delta, self.weight, self.eps, self.zero_centered, self.scale_fp32

@@ -194,8 +194,9 @@ class DecoderModel(nn.Module):
     def head_from(self, weight: QuantizedWeight) -> None:
         """A tied model's output head computed from the embedding's quantized blocks (`weight`,
         the table's values) rather than the table (layers/linear.py)."""
-        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
-                              device="meta")  # fmt: skip
+        self.lm_head = Linear(
+            self.config.hidden_size, self.config.vocab_size, bias=False, device="meta"
+        )
         self.lm_head.keep_quantized(weight)
 
     def stack_projections(self) -> None:

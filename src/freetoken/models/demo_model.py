@@ -28,8 +28,10 @@ EXPERTS, TOP_K = 8, 2
 # A 135M model's greedy reply can also repeat itself: a request without an output limit stops
 # at 512 tokens rather than at the end of its context.
 SAMPLING = {"do_sample": False, "max_new_tokens": 512}
-DESCRIPTION = (f"the built-in demo model: {SOURCE} made into an MoE of {EXPERTS} experts a layer "
-               f"(top {TOP_K}; fetched once from the package registry)")  # fmt: skip
+DESCRIPTION = (
+    f"the built-in demo model: {SOURCE} made into an MoE of {EXPERTS} experts a layer "
+    f"(top {TOP_K}; fetched once from the package registry)"
+)
 
 
 def demo_model(progress: bool | None = None) -> Path:

@@ -78,8 +78,10 @@ FORMAT = 3  # 3: dense layers kept as stored (2: dequantized, stored exactly; 1:
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 # Dense layers' weights a Linear computes from the blocks (attention, dense MLPs, shared experts,
 # the output head)
-DENSE_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_shexp)?)\.weight"
-                          r"|output\.weight")  # fmt: skip
+DENSE_TENSOR = re.compile(
+    r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_shexp)?)\.weight"
+    r"|output\.weight"
+)
 K_TYPES = tuple(name.upper() for name in K_QUANT_REST)  # Q4_K, Q5_K, Q6_K
 LEGACY_TYPES = tuple(name.upper() for name in LEGACY_REST)  # Q4_0, Q4_1, Q5_0, Q5_1
 # GGUF types whose experts are kept as stored -> the suffixes of their parts' names (codes,
@@ -118,8 +120,9 @@ def checkpoint_of(path: str | Path, progress: bool | None = None) -> Path:
     try:
         with waiting(f"converting {path.name} once (later starts read the conversion)"):
             _convert(path, tmp, progress)
-        (tmp / DONE).write_text(json.dumps({"source": str(path), "size": stat.st_size,
-                                            "format": FORMAT}))  # fmt: skip
+        (tmp / DONE).write_text(
+            json.dumps({"source": str(path), "size": stat.st_size, "format": FORMAT})
+        )
         shutil.rmtree(dst, ignore_errors=True)
         tmp.rename(dst)
     finally:
@@ -173,8 +176,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     if eos is not None:  # (the turn's end token for the engine's stop list)
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     stored = {name: _stored(name, t) for name, t in tensors.items()}
-    save_file({name: t.contiguous() for name, t in stored.items()},
-              str(dst / "model.safetensors"))  # fmt: skip
+    save_file({name: t.contiguous() for name, t in stored.items()}, str(dst / "model.safetensors"))
 
 
 def transformers_config(reader, fields: dict):
@@ -188,11 +190,12 @@ def transformers_config(reader, fields: dict):
     fields = dict(fields)
     model_type = fields.pop("model_type")
     arch = str(reader.fields["general.architecture"].contents())
-    for key, name, kind in (("attention.key_length", "head_dim", int),
-                            ("expert_feed_forward_length", "moe_intermediate_size", int),
-                            ("expert_shared_feed_forward_length",
-                             "shared_expert_intermediate_size", int),
-                            ("expert_weights_norm", "norm_topk_prob", bool)):  # fmt: skip
+    for key, name, kind in (
+        ("attention.key_length", "head_dim", int),
+        ("expert_feed_forward_length", "moe_intermediate_size", int),
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", int),
+        ("expert_weights_norm", "norm_topk_prob", bool),
+    ):
         field = reader.fields.get(f"{arch}.{key}")
         if field is not None and name not in fields:
             fields[name] = kind(field.contents())
@@ -287,18 +290,27 @@ def _kept_experts(reader) -> set[str]:
         if m[2] != "down":
             gate_up.setdefault(m[1], set()).add(kind)
     stackable = all(len(kinds) == 1 for kinds in gate_up.values())
-    kept = all((len(kinds) == 1 and kinds <= set(KEPT_TYPES)) or kinds <= set(K_TYPES)
-               for kinds in by_projection.values())  # fmt: skip
+    kept = all(
+        (len(kinds) == 1 and kinds <= set(KEPT_TYPES)) or kinds <= set(K_TYPES)
+        for kinds in by_projection.values()
+    )
     if kept and stackable and (len(types) == 1 or "MXFP4" not in types):
         return {t.name for t in experts}
     if experts:
         kinds = "/".join(sorted(types))
-        why = (f"a layer's gate and up projections differ in type ({kinds})" if not stackable
-               else f"they are of several types ({kinds})" if len(types) > 1
-               else f"the kernels do not take {kinds} as stored")  # fmt: skip
-        log.warning("the routed experts are dequantized to bf16: %s (kept as stored: each "
-                    "projection's experts all of one of %s, or all K-quants)", why,
-                    ", ".join(KEPT_TYPES))  # fmt: skip
+        why = (
+            f"a layer's gate and up projections differ in type ({kinds})"
+            if not stackable
+            else f"they are of several types ({kinds})"
+            if len(types) > 1
+            else f"the kernels do not take {kinds} as stored"
+        )
+        log.warning(
+            "the routed experts are dequantized to bf16: %s (kept as stored: each "
+            "projection's experts all of one of %s, or all K-quants)",
+            why,
+            ", ".join(KEPT_TYPES),
+        )
     return set()
 
 
@@ -307,10 +319,16 @@ def _kept_dense(reader) -> set[str]:
     read (KEPT_TYPES), and, where the file has no output head (the model ties it to the
     embedding), the token embedding for the head (the loader dequantizes the table from it)."""
     names = {t.name for t in reader.tensors}
-    return {t.name for t in reader.tensors
-            if (DENSE_TENSOR.fullmatch(t.name)
-                or (t.name == "token_embd.weight" and "output.weight" not in names))
-            and len(t.shape) == 2 and t.tensor_type.name in KEPT_TYPES}  # fmt: skip
+    return {
+        t.name
+        for t in reader.tensors
+        if (
+            DENSE_TENSOR.fullmatch(t.name)
+            or (t.name == "token_embd.weight" and "output.weight" not in names)
+        )
+        and len(t.shape) == 2
+        and t.tensor_type.name in KEPT_TYPES
+    }
 
 
 def _dense_parts(t, processor, names: dict[str, str], out: dict) -> bool:
@@ -320,11 +338,15 @@ def _dense_parts(t, processor, names: dict[str, str], out: dict) -> bool:
     with nothing written, where the processor does more than order the rows (then dequantized)."""
     rows = t.data.shape[0]
     index = np.arange(rows, dtype=np.float64)[:, None]  # (each row's number, through it)
-    probe = processor.process(weights=index, name=t.name, tensor_key_mapping=names,
-                              parsed_parameters={"tensors": {}})  # fmt: skip
+    probe = processor.process(
+        weights=index, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
+    )
     order = np.asarray(probe.weights).reshape(-1)
-    if (probe.name not in names or order.shape != (rows,)
-            or not np.array_equal(np.sort(order), np.arange(rows))):  # fmt: skip
+    if (
+        probe.name not in names
+        or order.shape != (rows,)
+        or not np.array_equal(np.sort(order), np.arange(rows))
+    ):
         return False
     order = order.astype(np.int64)
     kind = t.tensor_type.name
@@ -333,8 +355,9 @@ def _dense_parts(t, processor, names: dict[str, str], out: dict) -> bool:
     return True
 
 
-def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
-             progress: bool | None = None) -> dict:  # fmt: skip
+def _tensors(
+    reader, arch: str, config: dict, skeleton, kept: set[str], progress: bool | None = None
+) -> dict:
     """Every tensor of the file under transformers' names: dequantized and laid out by
     transformers' GGUF tensor processor for the architecture (as its own loader does), the
     `kept` experts as their parts (`_expert_parts`), the other routed experts in bf16."""
@@ -351,8 +374,13 @@ def _tensors(reader, arch: str, config: dict, skeleton, kept: set[str],
     parsed = {"tensors": {}}  # (the processors write merged tensors here)
     out = parsed["tensors"]
     show = sys.stderr.isatty() if progress is None else progress
-    with tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), unit="B", unit_scale=True,
-              desc="Converting", disable=not show) as bar:  # fmt: skip
+    with tqdm(
+        total=sum(int(t.n_bytes) for t in reader.tensors),
+        unit="B",
+        unit_scale=True,
+        desc="Converting",
+        disable=not show,
+    ) as bar:
         for t in reader.tensors:
             if t.name in kept and EXPERT_TENSOR.fullmatch(t.name):
                 _expert_parts(t, names, out)
@@ -369,8 +397,12 @@ def _dequantized(t, processor, names: dict[str, str], parsed: dict, dequantize) 
     is copied in)."""
     out = parsed["tensors"]
     before = {name: id(value) for name, value in out.items()}
-    result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
-                               tensor_key_mapping=names, parsed_parameters=parsed)  # fmt: skip
+    result = processor.process(
+        weights=dequantize(t.data, t.tensor_type),
+        name=t.name,
+        tensor_key_mapping=names,
+        parsed_parameters=parsed,
+    )
     if result.name in names:  # (None: merged by the processor; else not the model's)
         out[names[result.name]] = torch.from_numpy(np.copy(result.weights))
     if EXPERT_TENSOR.fullmatch(t.name):
@@ -391,8 +423,9 @@ def _expert_parts(t, names: dict[str, str], out: dict) -> None:
             out[base + suffix] = value
             continue
         rows = value.shape[1]
-        whole = out.setdefault(base + suffix, value.new_zeros(value.shape[0], 2 * rows,
-                                                              *value.shape[2:]))  # fmt: skip
+        whole = out.setdefault(
+            base + suffix, value.new_zeros(value.shape[0], 2 * rows, *value.shape[2:])
+        )
         (whole[:, :rows] if m[2] == "gate" else whole[:, rows:]).copy_(value)
 
 
@@ -427,11 +460,16 @@ def _k_quant(kind: str):
     def split(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         blocks = data.reshape(*data.shape[:-1], -1, 128 + rest)
         # Q6_K starts with its codes; Q4_K and Q5_K end with them
-        codes, other = ((blocks[..., :128], blocks[..., 128:]) if kind == "Q6_K"
-                        else (blocks[..., rest:], blocks[..., :rest]))  # fmt: skip
+        codes, other = (
+            (blocks[..., :128], blocks[..., 128:])
+            if kind == "Q6_K"
+            else (blocks[..., rest:], blocks[..., :rest])
+        )
         lead = data.shape[:-1]
-        return (np.ascontiguousarray(codes).reshape(*lead, -1),
-                np.ascontiguousarray(other).reshape(*lead, -1))  # fmt: skip
+        return (
+            np.ascontiguousarray(codes).reshape(*lead, -1),
+            np.ascontiguousarray(other).reshape(*lead, -1),
+        )
 
     return split
 
@@ -446,22 +484,30 @@ def _legacy(kind: str):
     def split(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         blocks = data.reshape(*data.shape[:-1], -1, 16 + rest)
         lead = data.shape[:-1]
-        return (np.ascontiguousarray(blocks[..., rest:]).reshape(*lead, -1),
-                np.ascontiguousarray(blocks[..., :rest]).reshape(*lead, -1))  # fmt: skip
+        return (
+            np.ascontiguousarray(blocks[..., rest:]).reshape(*lead, -1),
+            np.ascontiguousarray(blocks[..., :rest]).reshape(*lead, -1),
+        )
 
     return split
 
 
 # KEPT_TYPES' blocks -> (codes, scales)
-_PARTS = {"Q8_0": _q8_0, "MXFP4": _mxfp4, **{k: _k_quant(k) for k in K_TYPES},
-          **{k: _legacy(k) for k in LEGACY_TYPES}}  # fmt: skip
+_PARTS = {
+    "Q8_0": _q8_0,
+    "MXFP4": _mxfp4,
+    **{k: _k_quant(k) for k in K_TYPES},
+    **{k: _legacy(k) for k in LEGACY_TYPES},
+}
 
 
 def _check_room(path: Path, dst: Path, nbytes: int) -> None:
     """Refuse, before dequantizing anything, a conversion that host memory (which holds every
     dequantized tensor at once) or the cache's disk cannot take."""
-    for free, where in ((memory.available_host_bytes(), "host memory"),
-                        (shutil.disk_usage(dst).free, str(dst))):  # fmt: skip
+    for free, where in (
+        (memory.available_host_bytes(), "host memory"),
+        (shutil.disk_usage(dst).free, str(dst)),
+    ):
         if nbytes > free:
             raise CheckpointError(
                 f"{path.name} converts to {memory.gib(nbytes)}, more than the "

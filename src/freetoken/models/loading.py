@@ -52,10 +52,13 @@ from freetoken.weights.safetensors_dir import CheckpointDir
 log = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 # One expert's projection in the per-expert layout every Hub checkpoint uses.
 _EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -150,8 +153,11 @@ def load_model(
         stored = sum(ckpt.tensors[p].stored_bytes for p in parts)
         need += _pool_bytes(cfg, dtype, fmt, down) - stored
     # (a tied embedding kept for the head: its table is dequantized beside it)
-    need += sum(ckpt.quantized.tensors[n].numel * dtype.itemsize for n in dense
-                if family.canonical_name(n) == "embed.weight")  # fmt: skip
+    need += sum(
+        ckpt.quantized.tensors[n].numel * dtype.itemsize
+        for n in dense
+        if family.canonical_name(n) == "embed.weight"
+    )
     kept |= dense
     _admit(ckpt.path, need, dtype)
     if ckpt.quantized.tensors:
@@ -159,10 +165,15 @@ def load_model(
             "%s: %d tensors stored %s, %d of them routed experts and %d dense layers kept so; "
             "the others are dequantized to %s as they load: the model takes %s of host memory "
             "(%s on disk)",
-            ckpt.path.name, len(ckpt.quantized.tensors), ckpt.quantized.method,
-            len(kept) - len(dense), len(dense), str(dtype).removeprefix("torch."),
-            memory.gib(ckpt.nbytes(dtype, kept)), memory.gib(ckpt.nbytes()),
-        )  # fmt: skip
+            ckpt.path.name,
+            len(ckpt.quantized.tensors),
+            ckpt.quantized.method,
+            len(kept) - len(dense),
+            len(dense),
+            str(dtype).removeprefix("torch."),
+            memory.gib(ckpt.nbytes(dtype, kept)),
+            memory.gib(ckpt.nbytes()),
+        )
     model, store = _empty_model(cfg, dtype, fmt, down)
     _fill(model, store, ckpt, family, progress, kept)
     model = model.to(device)
@@ -203,16 +214,18 @@ def expert_storage(
     experts = {n: q for n, q in quantized.tensors.items() if _is_expert(family.canonical_name(n))}
     if not experts:
         return DENSE, frozenset(), None
-    plain = [n for n in ckpt.tensors
-             if n not in quantized.parts and _is_expert(family.canonical_name(n))]  # fmt: skip
+    plain = [
+        n for n in ckpt.tensors if n not in quantized.parts and _is_expert(family.canonical_name(n))
+    ]
     formats = sorted({q.format for q in experts.values()})
     by_projection: dict[str, set[str]] = {"gate_up": set(), "down": set()}
     for name, q in experts.items():
         by_projection[_projection(family.canonical_name(name))].add(q.format)
     # a projection of several formats: K-quants only (k_mixed); the two projections may differ
     # but for the formats whose CPU routes read x split for the gate/up one's
-    several = [kinds for kinds in by_projection.values()
-               if len(kinds) > 1 and not kinds <= set(K_QUANTS)]  # fmt: skip
+    several = [
+        kinds for kinds in by_projection.values() if len(kinds) > 1 and not kinds <= set(K_QUANTS)
+    ]
     fmt, down, why = DENSE, None, None
     if dequantize:
         why = "asked to (--dequantize-experts)"
@@ -250,17 +263,22 @@ _DENSE_LINEAR = re.compile(
 )
 
 
-def dense_storage(ckpt: CheckpointDir, family, cfg: ModelConfig, dtype: torch.dtype,
-                  device: str | torch.device) -> frozenset[str]:  # fmt: skip
+def dense_storage(
+    ckpt: CheckpointDir, family, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
+) -> frozenset[str]:
     """The quantized tensors of dense layers kept as stored (their Linear computes from them):
     a GGUF conversion's (models/gguf.py), on the CPU with the native kernel there, in a dtype
     it computes (bf16, fp32), in a format it reads, for a family that lays its tensors out as
     stored (no `to_layout`); a tied model's embedding too, for its output head (the table is
     dequantized from it). Elsewhere they are dequantized at load: dense weights on a GPU are
     best as bf16 today (no kernel there reads the blocks, and the memory is there)."""
-    if (ckpt.quantized.method != "gguf" or torch.device(device).type != "cpu"
-            or dtype not in (torch.bfloat16, torch.float32) or family.to_layout is not None
-            or cpu_team.library() is None):  # fmt: skip
+    if (
+        ckpt.quantized.method != "gguf"
+        or torch.device(device).type != "cpu"
+        or dtype not in (torch.bfloat16, torch.float32)
+        or family.to_layout is not None
+        or cpu_team.library() is None
+    ):
         return frozenset()
     kept = set()
     for name, q in ckpt.quantized.tensors.items():
@@ -320,9 +338,13 @@ EXPERTS_FILE, DENSE_FILE = wd.EXPERTS_FILE, wd.DENSE_FILE
 _SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
-                       progress: bool | None = None,
-                       dequantize_experts: bool = False) -> Path:  # fmt: skip
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str = "auto",
+    progress: bool | None = None,
+    dequantize_experts: bool = False,
+) -> Path:
     """Write `src` (a safetensors checkpoint, or a GGUF file: converted first, models/gguf.py)
     as a weight directory at `dst`: the model's parameters and the host pool's banks exactly as
     loading holds them (quantized experts kept so unless `dequantize_experts`)."""
@@ -332,21 +354,24 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "auto",
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty: give a new directory")
     # (dense layers dequantized: the directory holds every parameter as the model's dtype)
-    loaded = load_model(src, dtype, "cpu", progress, dequantize_experts=dequantize_experts,
-                        dequantize_dense=True)  # fmt: skip
+    loaded = load_model(
+        src, dtype, "cpu", progress, dequantize_experts=dequantize_experts, dequantize_dense=True
+    )
     copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
     write_weight_dir(loaded, dst, copy, progress)
     return dst
 
 
-def write_weight_dir(loaded: LoadedModel, dst: Path, copy: list[Path],
-                     progress: bool | None = None) -> None:  # fmt: skip
+def write_weight_dir(
+    loaded: LoadedModel, dst: Path, copy: list[Path], progress: bool | None = None
+) -> None:
     """`loaded`'s parameters and host pool (in CPU memory) as a weight directory at `dst`, with
     the files `copy` (config and tokenizer) beside them."""
     files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
     if loaded.experts is not None:
-        files[EXPERTS_FILE] = [(f"experts:{name}", bank)
-                               for name, bank in loaded.experts.named_banks.items()]  # fmt: skip
+        files[EXPERTS_FILE] = [
+            (f"experts:{name}", bank) for name, bank in loaded.experts.named_banks.items()
+        ]
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     meta = {"dtype": dtype_name, "source": loaded.path.name}
     if loaded.experts is not None and loaded.experts.format.quantized:
@@ -384,17 +409,25 @@ def _load_weight_dir(
             pool_lock.release()
             pool_lock = None
     try:
-        return _read_weight_dir(path, dtype, device, progress, verify, dequantize_experts,
-                                early, pool_lock)  # fmt: skip
+        return _read_weight_dir(
+            path, dtype, device, progress, verify, dequantize_experts, early, pool_lock
+        )
     except BaseException:
         if pool_lock is not None:  # (unlocked before its memory goes)
             pool_lock.release()
         raise
 
 
-def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
-                     dequantize_experts: bool, early: early_read.EarlyRead | None,
-                     pool_lock: memory.PageLock | None) -> LoadedModel:  # fmt: skip
+def _read_weight_dir(
+    path: Path,
+    dtype,
+    device,
+    progress,
+    verify: bool,
+    dequantize_experts: bool,
+    early: early_read.EarlyRead | None,
+    pool_lock: memory.PageLock | None,
+) -> LoadedModel:
     cuda = torch.device(device).type == "cuda"
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
@@ -417,16 +450,20 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
     _admit(path, need, stored)
     log.debug("index and config read")
     if (preload := native_preload.started()) is not None:  # (what the start did GIL-free)
-        log.debug("native preload %s: %s", "done" if preload.wait(0) else "still running",
-                  ", ".join(f"{k} {v:.3f} s" for k, v in preload.timings.items()))  # fmt: skip
+        log.debug(
+            "native preload %s: %s",
+            "done" if preload.wait(0) else "still running",
+            ", ".join(f"{k} {v:.3f} s" for k, v in preload.timings.items()),
+        )
     model = DecoderModel.on_meta(cfg, stored)
     _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)  # (all there)
     store = HostExpertStore.for_model(cfg, stored, fmt, down) if cfg.moe is not None else None
     log.debug("model built on the meta device, the pool's banks allocated")
     banks = []
     if store is not None:
-        banks = _entries(weights, {f"experts:{name}": bank
-                                   for name, bank in store.named_banks.items()}, path)  # fmt: skip
+        banks = _entries(
+            weights, {f"experts:{name}": bank for name, bank in store.named_banks.items()}, path
+        )
     early_banks = early is not None and _all_in(banks, early, EXPERTS_FILE)
     if early_banks:
         banks = _adopt(weights, banks, early)
@@ -443,8 +480,16 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
     if pool_lock is not None:  # (not the banks' memory after all)
         pool_lock.release()
     show = sys.stderr.isatty() if progress is None else progress
-    with torch.no_grad(), tqdm(total=weights.nbytes, unit="B", unit_scale=True,
-                               desc="Loading weights", disable=not show) as bar:  # fmt: skip
+    with (
+        torch.no_grad(),
+        tqdm(
+            total=weights.nbytes,
+            unit="B",
+            unit_scale=True,
+            desc="Loading weights",
+            disable=not show,
+        ) as bar,
+    ):
         lock = threading.Lock()
 
         def advance(n: int) -> None:
@@ -463,22 +508,25 @@ def _read_weight_dir(path: Path, dtype, device, progress, verify: bool,
             early.wait(EXPERTS_FILE)
             advance(sum(entry.nbytes for entry, _ in banks))
             if EXPERTS_FILE in early.mapped:
-                log.info("expert banks mapped from the page cache: %.1f GB",
-                         early.sizes[EXPERTS_FILE] / 1e9)  # fmt: skip
+                log.info(
+                    "expert banks mapped from the page cache: %.1f GB",
+                    early.sizes[EXPERTS_FILE] / 1e9,
+                )
             else:
-                log.info("expert banks read from the start: %.1f GB in %.2f s",
-                         early.sizes[EXPERTS_FILE] / 1e9, early.seconds[EXPERTS_FILE])  # fmt: skip
+                log.info(
+                    "expert banks read from the start: %.1f GB in %.2f s",
+                    early.sizes[EXPERTS_FILE] / 1e9,
+                    early.seconds[EXPERTS_FILE],
+                )
 
         with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
             banks_read = pool.submit(read_banks)
             model.materialize("cpu")
             log.debug("model's memory given")
-            dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()},
-                             path)  # fmt: skip
+            dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
             early_dense = early is not None and _all_in(dense, early, DENSE_FILE)
             if early_dense:  # the parameters become views of what was read
-                for (_, param), (_, view) in zip(dense, _adopt(weights, dense, early),
-                                                 strict=True):  # fmt: skip
+                for (_, param), (_, view) in zip(dense, _adopt(weights, dense, early), strict=True):
                     param.data = view
                 early.wait(DENSE_FILE)
                 advance(early.sizes[DENSE_FILE])
@@ -529,8 +577,12 @@ def _adopt(weights: wd.WeightDir, items: list, early: early_read.EarlyRead) -> l
         weights.check(entry, tensor)
         with warnings.catch_warnings():  # (a read-only mapping: torch warns it is not writable)
             warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(early.regions[entry.file], dtype=torch.uint8,
-                                    count=entry.nbytes, offset=entry.offset)  # fmt: skip
+            view = torch.frombuffer(
+                early.regions[entry.file],
+                dtype=torch.uint8,
+                count=entry.nbytes,
+                offset=entry.offset,
+            )
         adopted.append((entry, view.view(tensor.dtype).view(tensor.shape)))
     return adopted
 

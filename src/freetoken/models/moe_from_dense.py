@@ -93,9 +93,15 @@ def default_text() -> str:
     return Path(inspect.getsourcefile(argparse)).read_text()
 
 
-def convert(src: str | Path, dst: str | Path, experts: int = 8, top_k: int = 2,
-            text: str | None = None, fit_tokens: int = FIT_TOKENS,
-            progress: bool | None = None) -> Path:  # fmt: skip
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    experts: int = 8,
+    top_k: int = 2,
+    text: str | None = None,
+    fit_tokens: int = FIT_TOKENS,
+    progress: bool | None = None,
+) -> Path:
     """Write the MoE made of dense GGUF file `src` at `dst` (see the module's docstring);
     `text`: the router's fitting text (default: `default_text`), of which the first
     `fit_tokens` tokens are used; `progress`: bars on stderr (None: on a terminal)."""
@@ -110,10 +116,16 @@ def convert(src: str | Path, dst: str | Path, experts: int = 8, top_k: int = 2,
         raise CheckpointError(f"cannot read {src} as a GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
     if arch not in SOURCES:
-        raise CheckpointError(f"{src.name} is a {arch!r} model; moe-from-dense makes MoEs of "
-                              f"{' and '.join(SOURCES)} GGUF files")  # fmt: skip
-    if any(k.startswith(f"{arch}.rope.scaling") and k.endswith("type")
-           and _field(reader, k) not in ("none", "") for k in reader.fields):  # fmt: skip
+        raise CheckpointError(
+            f"{src.name} is a {arch!r} model; moe-from-dense makes MoEs of "
+            f"{' and '.join(SOURCES)} GGUF files"
+        )
+    if any(
+        k.startswith(f"{arch}.rope.scaling")
+        and k.endswith("type")
+        and _field(reader, k) not in ("none", "")
+        for k in reader.fields
+    ):
         raise CheckpointError(f"{src.name} scales its RoPE, which {TARGET} has no key for")
     if any(t.name.endswith("_exps.weight") for t in reader.tensors):
         raise CheckpointError(f"{src.name} already has routed experts")
@@ -124,15 +136,15 @@ def convert(src: str | Path, dst: str | Path, experts: int = 8, top_k: int = 2,
     return dst
 
 
-def cached(src: str | Path, experts: int = 8, top_k: int = 2,
-           progress: bool | None = None) -> Path:  # fmt: skip
+def cached(src: str | Path, experts: int = 8, top_k: int = 2, progress: bool | None = None) -> Path:
     """The MoE made of `src` with the default fitting text, made once and kept in the cache
     directory (keyed by the file's path, size and time, the shape and this converter's
     `VERSION`), as tests, benchmarks and the demo use it."""
     src = Path(src).resolve()
     stat = src.stat()
-    key = hashlib.sha256(f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{experts}|{top_k}|"
-                         f"{VERSION}".encode()).hexdigest()[:16]  # fmt: skip
+    key = hashlib.sha256(
+        f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{experts}|{top_k}|{VERSION}".encode()
+    ).hexdigest()[:16]
     dst = paths.cache_dir() / "moe-from-dense" / f"{src.stem}-{experts}x-top{top_k}-{key}.gguf"
     if dst.is_file():
         return dst
@@ -184,8 +196,10 @@ def reference_model(src: Path):
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         kind = type(model).__name__
-        raise CheckpointError(f"{src.name}: tensors missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]} for transformers' {kind}")  # fmt: skip
+        raise CheckpointError(
+            f"{src.name}: tensors missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]} for transformers' {kind}"
+        )
     model.tie_weights()
     return model.eval(), tokenizer
 
@@ -193,9 +207,12 @@ def reference_model(src: Path):
 def layer_inputs(model, ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's MLP inputs [T, H] (fp32) as transformers' `model` runs `ids`."""
     captured: list[torch.Tensor] = []
-    hooks = [layer.mlp.register_forward_pre_hook(
-                 lambda _m, args: captured.append(args[0][0].detach().float().clone()))
-             for layer in model.model.layers]  # fmt: skip
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda _m, args: captured.append(args[0][0].detach().float().clone())
+        )
+        for layer in model.model.layers
+    ]
     try:
         with torch.inference_mode():  # (the decoder alone: no [T, vocab] logits)
             model.model(torch.tensor([ids]))
@@ -322,14 +339,20 @@ def _write(reader, arch: str, dst: Path, routing: Routing, show: bool) -> None:
             continue
         copy(t)
     for i in range(layers):
-        for proj, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim),
-                           ("v", kv_heads * head_dim)):  # fmt: skip
+        for proj, rows in (
+            ("q", heads * head_dim),
+            ("k", kv_heads * head_dim),
+            ("v", kv_heads * head_dim),
+        ):
             if f"blk.{i}.attn_{proj}.bias" not in tensors:
                 plan.append((f"blk.{i}.attn_{proj}.bias", np.zeros(rows, np.float32)))
         plan.append((f"blk.{i}.ffn_gate_inp.weight", routing.routers[i].numpy()))
         plan.append((f"blk.{i}.ffn_gate_inp_shexp.weight", np.zeros(hidden, np.float32)))
-        for proj, shape in (("gate", (SHARED_WIDTH, hidden)), ("up", (SHARED_WIDTH, hidden)),
-                            ("down", (hidden, SHARED_WIDTH))):  # fmt: skip
+        for proj, shape in (
+            ("gate", (SHARED_WIDTH, hidden)),
+            ("up", (SHARED_WIDTH, hidden)),
+            ("down", (hidden, SHARED_WIDTH)),
+        ):
             plan.append((f"blk.{i}.ffn_{proj}_shexp.weight", np.zeros(shape, np.float32)))
     if "output.weight" not in tensors:  # (llama.cpp's qwen2moe has no tied embeddings)
         copy(tensors["token_embd.weight"], name="output.weight")
@@ -364,8 +387,11 @@ def _write(reader, arch: str, dst: Path, routing: Routing, show: bool) -> None:
                 t, copies, data = item
                 data = np.asarray(t.data) if data is None else data
                 # (one layer's experts at a time: the largest tensor is E copies of one MLP's)
-                out = data if copies == 1 else np.ascontiguousarray(
-                    np.broadcast_to(data, (copies, *data.shape)))  # fmt: skip
+                out = (
+                    data
+                    if copies == 1
+                    else np.ascontiguousarray(np.broadcast_to(data, (copies, *data.shape)))
+                )
             w.write_tensor_data(out)
             bar.update(out.nbytes)
     w.close()

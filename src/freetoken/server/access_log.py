@@ -47,9 +47,16 @@ class AccessLog:
             if not logged:
                 logged = True
                 client = scope.get("client")
-                log.info(line(client[0] if client else "-", scope["method"], scope["path"],
-                              status[0] if status else None, record,
-                              time.perf_counter() - started))  # fmt: skip
+                log.info(
+                    line(
+                        client[0] if client else "-",
+                        scope["method"],
+                        scope["path"],
+                        status[0] if status else None,
+                        record,
+                        time.perf_counter() - started,
+                    )
+                )
 
         async def sending(message):
             if message["type"] == "http.response.start":

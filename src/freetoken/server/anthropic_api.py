@@ -83,8 +83,10 @@ def _blocks(content: str | list[dict[str, Any]], kinds: dict, where: tuple) -> l
         if kind == "redacted_thinking" and "thinking" in kinds:
             continue
         if kind not in kinds:
-            raise bad_request(f"{location((*where, j), ANTHROPIC)}: unsupported block type "
-                              f"{shown(str(kind), 40)!r}")  # fmt: skip
+            raise bad_request(
+                f"{location((*where, j), ANTHROPIC)}: unsupported block type "
+                f"{shown(str(kind), 40)!r}"
+            )
         out.append(parse_as(kinds[kind], block, (*where, j), ANTHROPIC))
     return out
 
@@ -178,8 +180,10 @@ def reasoning(core: GenerationCore, body: MessagesBase) -> dict[str, Any]:
 def render(core: GenerationCore, body: MessagesBase) -> tuple[list[int], list[dict[str, Any]]]:
     """The prompt's tokens and the template's tools."""
     tools = template_tools(body)
-    kwargs = {**reasoning(core, body), **core.template_kwargs(getattr(body, "chat_template_kwargs",
-                                                                         None))}  # fmt: skip
+    kwargs = {
+        **reasoning(core, body),
+        **core.template_kwargs(getattr(body, "chat_template_kwargs", None)),
+    }
     return core.render(template_messages(body), tools=tools, **kwargs), tools
 
 
@@ -210,8 +214,9 @@ def prepare_messages(core: GenerationCore, body: MessagesRequest) -> Prepared:
         stop=stop_list(body.stop_sequences),
         speculative=body.speculative,
     )
-    return Prepared(GenerationRequest(prompt, params, tools=tools, forced=forced), model,
-                    bool(body.stream))  # fmt: skip
+    return Prepared(
+        GenerationRequest(prompt, params, tools=tools, forced=forced), model, bool(body.stream)
+    )
 
 
 def answer_messages(core: GenerationCore, prepared: Prepared):

@@ -47,8 +47,9 @@ def is_anthropic(path: str) -> bool:
 def error_response(path: str, err: ApiError) -> Response:
     body = err.anthropic_body() if is_anthropic(path) else err.openai_body()
     # ASCII JSON: whatever of the request an error quotes, it can always be encoded.
-    return Response(json.dumps(body), status_code=err.status, headers=err.headers,
-                    media_type="application/json")  # fmt: skip
+    return Response(
+        json.dumps(body), status_code=err.status, headers=err.headers, media_type="application/json"
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -66,9 +67,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, "invalid_request_error",
-                    f"the request body is larger than this server's limit of {limit} bytes "
-                    "(--max-request-bytes)")  # fmt: skip
+    return ApiError(
+        413,
+        "invalid_request_error",
+        f"the request body is larger than this server's limit of {limit} bytes "
+        "(--max-request-bytes)",
+    )
 
 
 async def parse(request: Request, endpoint: str, limit: int) -> Body:
@@ -114,8 +118,9 @@ class RequireKey:
     async def __call__(self, scope, receive, send) -> None:
         guarded = scope["type"] == "http" and scope["path"] != "/health"
         if guarded and not self.authorized(Headers(scope=scope)):
-            err = ApiError(401, "authentication_error", "invalid or missing API key",
-                           code="invalid_api_key")  # fmt: skip
+            err = ApiError(
+                401, "authentication_error", "invalid or missing API key", code="invalid_api_key"
+            )
             await error_response(scope["path"], err)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -162,8 +167,9 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
 
     async def root(request: Request) -> Response:
         # Clients probe the base URL before their first request (Claude Code sends HEAD /).
-        return JSONResponse({"name": "freetoken", "model": core.model_name,
-                             "endpoints": ["/v1", "/v1/messages"]})  # fmt: skip
+        return JSONResponse(
+            {"name": "freetoken", "model": core.model_name, "endpoints": ["/v1", "/v1/messages"]}
+        )
 
     async def list_models(request: Request) -> Response:
         return JSONResponse(openai_api.models(core))
@@ -172,16 +178,19 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
         return await generate(request, "chat", openai_api.prepare_chat, openai_api.answer_chat)
 
     async def completions(request: Request) -> Response:
-        return await generate(request, "completions", openai_api.prepare_completion,
-                              openai_api.answer_completion)  # fmt: skip
+        return await generate(
+            request, "completions", openai_api.prepare_completion, openai_api.answer_completion
+        )
 
     async def responses(request: Request) -> Response:
-        return await generate(request, "responses", responses_api.prepare_responses,
-                              responses_api.answer_responses)  # fmt: skip
+        return await generate(
+            request, "responses", responses_api.prepare_responses, responses_api.answer_responses
+        )
 
     async def messages(request: Request) -> Response:
-        return await generate(request, "messages", anthropic_api.prepare_messages,
-                              anthropic_api.answer_messages)  # fmt: skip
+        return await generate(
+            request, "messages", anthropic_api.prepare_messages, anthropic_api.answer_messages
+        )
 
     async def count_tokens(request: Request) -> Response:
         body = await parse(request, "count_tokens", config.max_request_bytes)
@@ -195,8 +204,11 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
         cache and the KV pool at the next step boundary; answers the new split."""
         body = await parse(request, "ctl", config.max_request_bytes)
         if body.experts is None and body.kv is None:
-            raise ApiError(400, "invalid_request_error",
-                           'give a size: {"experts": "8GiB"} and/or {"kv": "4GiB"}')  # fmt: skip
+            raise ApiError(
+                400,
+                "invalid_request_error",
+                'give a size: {"experts": "8GiB"} and/or {"kv": "4GiB"}',
+            )
         experts = None if body.experts is None else str(body.experts)
         kv = None if body.kv is None else str(body.kv)
         engine = core.scheduler.engine

@@ -49,9 +49,19 @@ class GenerationRequest:
 
 # chat_template_kwargs that the renderer itself sets: a client's would collide with them.
 RENDER_ARGUMENTS = frozenset(
-    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
-     "continue_final_message", "return_dict", "return_tensors", "chat_template"}
-)  # fmt: skip
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "chat_template",
+    }
+)
 
 
 def shutdown_reserve(timeout: float) -> float:
@@ -62,8 +72,13 @@ def shutdown_reserve(timeout: float) -> float:
 
 
 # What the APIs sample with where neither the request nor the checkpoint says
-API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                         "repetition_penalty": 1.0}  # fmt: skip
+API_SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 class GenerationCore:
@@ -134,9 +149,9 @@ class GenerationCore:
         taken = sorted(RENDER_ARGUMENTS.intersection(kwargs) - {"chat_template"})
         if taken:
             raise bad_request(
-                f"chat_template_kwargs may not set {', '.join(taken)}: the request's own "
-                "fields do", param="chat_template_kwargs",
-            )  # fmt: skip
+                f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
+                param="chat_template_kwargs",
+            )
         if "chat_template" in kwargs:
             if self.template_sandbox is None:
                 raise bad_request(
@@ -322,8 +337,9 @@ class GenerationCore:
             # parser `parser_for_template` picks takes this option.
             prompt = req.prompt_ids[: len(req.prompt_ids) - req.forced.tokens]
             tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
-            parser = make_parser(self.parser_name, req.tools,
-                                 starts_in_reasoning=prompt_opens_reasoning(tail))  # fmt: skip
+            parser = make_parser(
+                self.parser_name, req.tools, starts_in_reasoning=prompt_opens_reasoning(tail)
+            )
         completion_tokens = 0
         started = last = time.perf_counter()
         try:
@@ -365,8 +381,12 @@ class GenerationCore:
     def check_serving(self) -> None:
         """Refuse new work (503) once the server is shutting down."""
         if self.draining:
-            raise ApiError(503, "overloaded_error", "the server is shutting down",
-                           headers={"Retry-After": "10"})  # fmt: skip
+            raise ApiError(
+                503,
+                "overloaded_error",
+                "the server is shutting down",
+                headers={"Retry-After": "10"},
+            )
 
     def begin_shutdown(self, timeout: float) -> float:
         """Stop taking requests; those in flight may finish until `timeout` seconds from now

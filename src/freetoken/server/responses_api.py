@@ -131,8 +131,10 @@ def template_messages(body: ResponsesRequest, tools: dict[str, ClientTool]) -> l
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")
         if not isinstance(kind, str):  # (a list or an object: unhashable, and no item type)
-            raise bad_request(f"input[{i}].type must be a string, not {type(kind).__name__}",
-                              param=f"input[{i}].type")  # fmt: skip
+            raise bad_request(
+                f"input[{i}].type must be a string, not {type(kind).__name__}",
+                param=f"input[{i}].type",
+            )
         if kind not in ITEMS:
             # Items of hosted tools this server never ran (web search calls, ...): nothing the
             # model wrote, so nothing to render.

@@ -361,9 +361,10 @@ def _field_path(loc: tuple) -> tuple:
     """An error's location without the union members pydantic names in it
     (`('tool_choice', "literal['auto',...]")` is about `tool_choice`)."""
     return tuple(
-        p for p in loc
+        p
+        for p in loc
         if not (isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p or not p.islower()))
-    )  # fmt: skip
+    )
 
 
 def location(loc: tuple, anthropic: bool) -> str:

@@ -25,16 +25,23 @@ def cache_size(moe) -> dict[str, int]:
     """The expert cache's slots and bytes beside the whole pool's (the VRAM split)."""
     per_expert, pool = moe.store.shape.nbytes, moe.store.num_pairs
     slots = moe.cache.num_slots if moe.cache is not None else 0
-    return {"cache_slots": slots, "cache_bytes": slots * per_expert, "pool_experts": pool,
-            "pool_bytes": pool * per_expert}  # fmt: skip
+    return {
+        "cache_slots": slots,
+        "cache_bytes": slots * per_expert,
+        "pool_experts": pool,
+        "pool_bytes": pool * per_expert,
+    }
 
 
 def memory_split(engine) -> dict[str, Any]:
     """The expert cache's and the KV pool's sizes (what POST /v1/ctl/cache answers)."""
     runner = engine.runner
     kv = runner.kv
-    out: dict[str, Any] = {"kv_pages": kv.num_pages, "kv_tokens": kv.capacity_tokens,
-                           "kv_bytes": kv.num_pages * kv.page_bytes}  # fmt: skip
+    out: dict[str, Any] = {
+        "kv_pages": kv.num_pages,
+        "kv_tokens": kv.capacity_tokens,
+        "kv_bytes": kv.num_pages * kv.page_bytes,
+    }
     if runner.moe is not None:
         out.update(cache_size(runner.moe))
     return out
@@ -135,36 +142,57 @@ class _SnapshotCollector:
         gauges = [
             ("requests_running", "Requests admitted and not finished.", s["requests"]["running"]),
             ("requests_queued", "Requests waiting for a slot.", s["requests"]["queued"]),
-            ("requests_preempted", "Requests waiting to resume after their KV was taken for "
-             "older ones.", s["requests"]["preempted"]),
+            (
+                "requests_preempted",
+                "Requests waiting to resume after their KV was taken for older ones.",
+                s["requests"]["preempted"],
+            ),
             ("kv_pages_used", "KV cache pages in use.", s["kv_pages"]["used"]),
             ("kv_pages_free", "KV cache pages free.", s["kv_pages"]["free"]),
             ("kv_pages_cached", "KV pages held by the prefix cache.", s["kv_pages"]["cached"]),
-        ]  # fmt: skip
+        ]
         counters = [
-            ("preemptions", "Times a request's KV was taken for an older request.",
-             s["requests"]["preemptions"]),
+            (
+                "preemptions",
+                "Times a request's KV was taken for an older request.",
+                s["requests"]["preemptions"],
+            ),
             ("prefill_tokens", "Prompt tokens prefilled.", s["tokens"]["prefill"]),
             ("decode_tokens", "Tokens decoded.", s["tokens"]["decode"]),
             ("prompt_tokens_reused", "Prompt tokens reused.", reuse["reused_tokens"]),
             ("prompt_tokens_recomputed", "Prompt tokens computed.", reuse["recomputed_tokens"]),
-            ("anchor_restores", "Requests resumed from an anchor checkpoint.",
-             reuse["anchor_restores"]),
-            ("draft_tokens", "Drafted tokens verified (speculative decoding).",
-             s["speculative"]["drafted"]),
-            ("draft_tokens_accepted", "Drafted tokens the model's own choices confirmed.",
-             s["speculative"]["accepted"]),
-            ("draft_verify_steps", "Requests' steps that verified a draft.",
-             s["speculative"]["verify_steps"]),
-        ]  # fmt: skip
+            (
+                "anchor_restores",
+                "Requests resumed from an anchor checkpoint.",
+                reuse["anchor_restores"],
+            ),
+            (
+                "draft_tokens",
+                "Drafted tokens verified (speculative decoding).",
+                s["speculative"]["drafted"],
+            ),
+            (
+                "draft_tokens_accepted",
+                "Drafted tokens the model's own choices confirmed.",
+                s["speculative"]["accepted"],
+            ),
+            (
+                "draft_verify_steps",
+                "Requests' steps that verified a draft.",
+                s["speculative"]["verify_steps"],
+            ),
+        ]
         if s["prefill_streaming"] is not None:
             p = s["prefill_streaming"]
             counters += [
                 ("prefill_stream_bytes_h2d", "Streamed prefill bytes over PCIe.", p["bytes_h2d"]),
                 ("prefill_stream_bytes_d2d", "Streamed prefill bytes on device.", p["bytes_d2d"]),
-                ("prefill_stream_copy_wait_seconds", "Time the GPU waited for streamed prefill "
-                 "copies.", p["copy_wait_s"]),
-            ]  # fmt: skip
+                (
+                    "prefill_stream_copy_wait_seconds",
+                    "Time the GPU waited for streamed prefill copies.",
+                    p["copy_wait_s"],
+                ),
+            ]
         if s["moe"] is not None:
             t = s["moe"]["total"]
             gauges.append(("moe_cache_hit_rate", "Expert cache hit rate.", s["moe"]["hit_rate"]))

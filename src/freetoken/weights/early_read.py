@@ -70,8 +70,13 @@ class EarlyRead:
     after another, 64 MiB chunks taken in order by reader threads (more can join); those in
     `mapped` are mapped read-only from the page cache instead (their region is the file's)."""
 
-    def __init__(self, weights: wd.WeightDir, files: tuple[str, ...], threads: int | None = None,
-                 mapped: tuple[str, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        weights: wd.WeightDir,
+        files: tuple[str, ...],
+        threads: int | None = None,
+        mapped: tuple[str, ...] = (),
+    ):
         self.path = weights.path
         self.sizes = {file: (weights.path / file).stat().st_size for file in files}
         self.mapped = frozenset(mapped)
@@ -179,8 +184,9 @@ class EarlyRead:
         def unlock(start: int) -> None:
             (preload.unlock_host if by_driver() else memory.unlock_pages)(start)
 
-        self.pool_lock = memory.PageLock(memory.address(region), len(region), flags, after,
-                                         lock, unlock)  # fmt: skip
+        self.pool_lock = memory.PageLock(
+            memory.address(region), len(region), flags, after, lock, unlock
+        )
 
     def wait(self, file: str) -> None:
         """Until every byte of `file` is read; raises what a read raised (a file cut short)."""

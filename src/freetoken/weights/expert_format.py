@@ -131,8 +131,7 @@ class ExpertFormat:
         self.check(rows, cols)
         parts = {"w": ((rows, cols // self.pack), torch.uint8)}
         scale_rows = -(-rows // self.row_block)
-        parts["s"] = ((scale_rows, -(-cols // self.col_block) * self.scale_width),
-                      self.scale_dtype)  # fmt: skip
+        parts["s"] = ((scale_rows, -(-cols // self.col_block) * self.scale_width), self.scale_dtype)
         if self.row_scale:
             parts["g"] = ((rows,), torch.float32)
         return parts
@@ -201,10 +200,11 @@ K_MIXED = ExpertFormat(
 )
 K_FAMILY = frozenset((*K_QUANTS, K_MIXED.name))  # formats a row of which the K decoders read
 LEGACY = {
-    name: ExpertFormat(name, pack=2, col_block=LEGACY_BLOCK, scale_dtype=torch.uint8,
-                       scale_width=width)
+    name: ExpertFormat(
+        name, pack=2, col_block=LEGACY_BLOCK, scale_dtype=torch.uint8, scale_width=width
+    )
     for name, width in LEGACY_REST.items()
-}  # fmt: skip
+}
 # Formats whose CPU routes read x split for them (kernels/cpu_dots.c's split_x): a store's
 # two projections are of one format where either is one of these
 SPLIT_FORMATS = frozenset(("mxfp4", "nvfp4"))
@@ -227,8 +227,10 @@ def k_mixed_values(codes: Tensor, rest: Tensor) -> Tensor:
     blocks = rest.reshape(*rest.shape[:-1], -1, MIXED_K_WIDTH)
     lead, count = blocks.shape[:-2], blocks.shape[-2]
     if tuple(codes.shape) != (*lead, count * QK_K // 2):
-        raise ValueError(f"k_mixed codes of shape {tuple(codes.shape)} do not match their "
-                         f"{count} blocks' other bytes {tuple(rest.shape)}")  # fmt: skip
+        raise ValueError(
+            f"k_mixed codes of shape {tuple(codes.shape)} do not match their "
+            f"{count} blocks' other bytes {tuple(rest.shape)}"
+        )
     blocks = blocks.reshape(-1, MIXED_K_WIDTH)
     tags = blocks[:, MIXED_K_TAG]
     code_blocks = codes.reshape(-1, QK_K // 2)
@@ -257,8 +259,15 @@ def expert_format(name: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> ExpertFo
     if name == "fp8":
         return fp8_format(fp8_block)
     try:
-        return {"dense": DENSE, "mxfp4": MXFP4, "nvfp4": NVFP4, "q8_0": Q8_0, **K_QUANTS,
-                "k_mixed": K_MIXED, **LEGACY}[name]  # fmt: skip
+        return {
+            "dense": DENSE,
+            "mxfp4": MXFP4,
+            "nvfp4": NVFP4,
+            "q8_0": Q8_0,
+            **K_QUANTS,
+            "k_mixed": K_MIXED,
+            **LEGACY,
+        }[name]
     except KeyError:
         raise ValueError(
             f"unknown expert format {name!r}; one of {', '.join(EXPERT_FORMATS)}"
@@ -336,8 +345,10 @@ class QuantizedBank(_Parts):
             shape, part_dtype = (count, *want[name][0]), want[name][1]
             if part is None or tuple(part.shape) != shape or part.dtype != part_dtype:
                 got = "none" if part is None else f"{tuple(part.shape)} of {part.dtype}"
-                return (f"the {name} part of a {self.format.name} bank of shape {self.shape} "
-                        f"must be {shape} of {part_dtype}, not {got}")  # fmt: skip
+                return (
+                    f"the {name} part of a {self.format.name} bank of shape {self.shape} "
+                    f"must be {shape} of {part_dtype}, not {got}"
+                )
         return None
 
     def dequantize(self, index, dtype: torch.dtype) -> Tensor:
@@ -407,19 +418,21 @@ class QuantizedWeight(_Parts):
             for w in weights
         ):
             return None
-        parts = [None if getattr(first, name) is None else
-                 torch.cat([getattr(w, name) for w in weights])
-                 for name in ("w", "s", "g")]  # fmt: skip
+        parts = [
+            None if getattr(first, name) is None else torch.cat([getattr(w, name) for w in weights])
+            for name in ("w", "s", "g")
+        ]
         return cls(fmt, *parts)
 
     def split_rows(self, rows: list[int]) -> list[QuantizedWeight]:
         """Views of consecutive row ranges of `rows` rows each (a `stacked` weight's parts)."""
         block = self.format.row_block
         pieces = [
-            [None] * len(rows) if t is None else t.split([n // block if name == "s" else n
-                                                          for n in rows])
+            [None] * len(rows)
+            if t is None
+            else t.split([n // block if name == "s" else n for n in rows])
             for name, t in (("w", self.w), ("s", self.s), ("g", self.g))
-        ]  # fmt: skip
+        ]
         return [QuantizedWeight(self.format, *p) for p in zip(*pieces, strict=True)]
 
 

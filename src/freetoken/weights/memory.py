@@ -146,11 +146,19 @@ def file_region(path: Path, nbytes: int) -> mmap.mmap:
 
 
 class _Buffer(ctypes.Structure):  # (CPython's Py_buffer)
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
-                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
-                ("internal", ctypes.c_void_p)]  # fmt: skip
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
 
 
 def address(buffer) -> int:

@@ -54,8 +54,24 @@ import torch
 from freetoken.errors import CheckpointError
 
 # e2m1 (1 sign, 2 exponent, 1 mantissa bit): the 16 codes' values
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 FP8_BLOCK = (128, 128)
 MXFP4_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -210,8 +226,12 @@ def k_quant_values(fmt: str, codes: torch.Tensor, rest: torch.Tensor) -> torch.T
         for h in range(2):  # values 128 h + 32 j + l
             low = c[..., 64 * h : 64 * h + 64]
             bits = high[..., 32 * h : 32 * h + 32]
-            nibbles = (low[..., :32] & 0xF, low[..., 32:] & 0xF, low[..., :32] >> 4,
-                       low[..., 32:] >> 4)  # fmt: skip
+            nibbles = (
+                low[..., :32] & 0xF,
+                low[..., 32:] & 0xF,
+                low[..., :32] >> 4,
+                low[..., 32:] >> 4,
+            )
             for j, nibble in enumerate(nibbles):
                 q.append(nibble | (((bits >> (2 * j)) & 3) << 4))
         q = torch.cat(q, dim=-1).float() - 32  # [..., blocks, 256]
@@ -292,8 +312,9 @@ class Dequantizer:
 
     def __init__(self, config: dict, shapes: dict[str, tuple[int, ...]]):
         self.method = _method(config)
-        block = tuple((config.get("quantization_config") or {}).get("weight_block_size")
-                      or FP8_BLOCK)  # fmt: skip
+        block = tuple(
+            (config.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK
+        )
         self.fp8_block = (int(block[0]), int(block[1]))
         self.tensors: dict[str, QuantizedTensor] = {}
         for name in shapes:

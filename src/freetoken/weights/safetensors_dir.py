@@ -22,9 +22,20 @@ from freetoken.errors import CheckpointError
 from freetoken.weights.quantized import Dequantizer, QuantizedParts
 
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-}  # fmt: skip
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -132,8 +143,9 @@ class CheckpointDir:
         for t in self.tensors.values():
             if t.name in self.quantized.parts or t.name in self.quantized.unused:
                 continue
-            total += t.numel * (itemsize if t.dtype.startswith(("F", "BF")) else
-                                DTYPE_BYTES.get(t.dtype, 4))  # fmt: skip
+            total += t.numel * (
+                itemsize if t.dtype.startswith(("F", "BF")) else DTYPE_BYTES.get(t.dtype, 4)
+            )
         return total
 
     def iter_weights(

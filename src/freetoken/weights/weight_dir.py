@@ -97,8 +97,13 @@ def _crcs(data: memoryview, chunk: int) -> tuple[int, ...]:
     return tuple(zlib.crc32(data[a:b]) for a, b in chunk_spans(len(data), chunk))
 
 
-def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dict,
-          copy: list[Path] = (), progress=None) -> None:  # fmt: skip
+def write(
+    dst: Path,
+    files: dict[str, list[tuple[str, torch.Tensor]]],
+    meta: dict,
+    copy: list[Path] = (),
+    progress=None,
+) -> None:
     """Write `files` (file name -> [(tensor name, contiguous CPU tensor)]) and copy `copy`
     into `dst`, then the index with `meta` in it. `progress(nbytes)` is called as bytes go."""
     dst.mkdir(parents=True, exist_ok=True)
@@ -125,15 +130,25 @@ def write(dst: Path, files: dict[str, list[tuple[str, torch.Tensor]]], meta: dic
                     if progress is not None:
                         progress(b - a)
                 entries[name] = dict(
-                    file=file, offset=offset, nbytes=len(data), shape=list(tensor.shape),
-                    dtype=str(tensor.dtype).removeprefix("torch."), crcs=list(_crcs(data, CHUNK)),
-                )  # fmt: skip
+                    file=file,
+                    offset=offset,
+                    nbytes=len(data),
+                    shape=list(tensor.shape),
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    crcs=list(_crcs(data, CHUNK)),
+                )
                 offset += len(data)
             out.flush()
             os.fsync(out.fileno())
         sizes[file] = offset
-    index = dict(format=FORMAT, version=VERSION, meta=meta, checksum_chunk=CHUNK, files=sizes,
-                 tensors=entries)  # fmt: skip
+    index = dict(
+        format=FORMAT,
+        version=VERSION,
+        meta=meta,
+        checksum_chunk=CHUNK,
+        files=sizes,
+        tensors=entries,
+    )
     tmp = dst / (INDEX + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, dst / INDEX)
@@ -194,8 +209,9 @@ class WeightDir:
                 f"but the model needs {have[1]} {list(have[0])}"
             )
 
-    def read(self, items: list[tuple[Entry, torch.Tensor]], threads: int | None = None,
-             progress=None) -> None:  # fmt: skip
+    def read(
+        self, items: list[tuple[Entry, torch.Tensor]], threads: int | None = None, progress=None
+    ) -> None:
         """Read each entry into its tensor (contiguous, CPU, checked), chunks in parallel."""
         threads = threads or io_threads()
         fds = FileReads(self.path)
@@ -242,14 +258,21 @@ class WeightDir:
         data = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping)
         return data.view(getattr(torch, entry.dtype)).view(entry.shape)
 
-    def verify(self, items: list[tuple[Entry, torch.Tensor]], threads: int = 1,
-               stop: threading.Event | None = None) -> bool:  # fmt: skip
+    def verify(
+        self,
+        items: list[tuple[Entry, torch.Tensor]],
+        threads: int = 1,
+        stop: threading.Event | None = None,
+    ) -> bool:
         """Recompute each tensor's CRCs; raise WeightIntegrityError naming the first that
         differs from the index, with its file. False if `stop` was set before the end (what was
         checked is not reported), else True."""
         spans = [chunk_spans(entry.nbytes, self.checksum_chunk) for entry, _ in items]
-        chunks = [raw_bytes(tensor)[a:b]
-                  for (_, tensor), of in zip(items, spans, strict=True) for a, b in of]  # fmt: skip
+        chunks = [
+            raw_bytes(tensor)[a:b]
+            for (_, tensor), of in zip(items, spans, strict=True)
+            for a, b in of
+        ]
 
         def crc(chunk: memoryview) -> int | None:
             return None if stop is not None and stop.is_set() else zlib.crc32(chunk)
@@ -383,8 +406,14 @@ def _resident_fraction_by_mincore(path: Path, size: int) -> float:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     except (OSError, AttributeError):

@@ -12,10 +12,27 @@ from typing import Any
 from freetoken.errors import UnsupportedModelError
 from freetoken.models.family import Family
 
-FAMILY_MODULES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "mixtral", "olmoe",
-                  "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
-                  "gpt_oss", "qwen3", "qwen2", "llama", "minimax_m2", "kimi_k25",
-                  "gemma4", "kimi_linear")  # fmt: skip
+FAMILY_MODULES = (
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "deepseek_v4",
+    "gpt_oss",
+    "qwen3",
+    "qwen2",
+    "llama",
+    "minimax_m2",
+    "kimi_k25",
+    "gemma4",
+    "kimi_linear",
+)
 FAMILIES: tuple[Family, ...] = tuple(
     importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES
 )

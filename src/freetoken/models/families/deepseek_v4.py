@@ -17,10 +17,21 @@ RATIO_KINDS = {0: KINDS[0], 4: KINDS[1], 128: KINDS[2]}
 
 
 # transformers' defaults (configuration_deepseek_v4.py: V4-Flash's sizes) for keys a config omits
-DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
-                num_hidden_layers=43, num_attention_heads=64, head_dim=512,
-                n_routed_experts=256, num_experts_per_tok=6, max_position_embeddings=1048576,
-                rms_norm_eps=1e-6, sliding_window=128, bos_token_id=0, eos_token_id=1)  # fmt: skip
+DEFAULTS = dict(
+    vocab_size=129280,
+    hidden_size=4096,
+    moe_intermediate_size=2048,
+    num_hidden_layers=43,
+    num_attention_heads=64,
+    head_dim=512,
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+    max_position_embeddings=1048576,
+    rms_norm_eps=1e-6,
+    sliding_window=128,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 
 def parse_config(raw: dict):

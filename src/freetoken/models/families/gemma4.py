@@ -7,9 +7,14 @@ from freetoken.models.family import Family
 log = logging.getLogger(__name__)
 
 # transformers' RoPE by layer kind where a config leaves it out
-_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                            "rope_theta": 1_000_000.0}}  # fmt: skip
+_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1_000_000.0,
+    },
+}
 
 
 def parse_config(raw: dict):
@@ -38,8 +43,10 @@ def parse_config(raw: dict):
     default = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
     types = list(raw.get("layer_types") or default)
     types[-1] = "full_attention"  # (as transformers forces it)
-    ropes = {k: parse_rope({"rope_parameters": v})
-             for k, v in {**_ROPE, **(raw.get("rope_parameters") or {})}.items()}  # fmt: skip
+    ropes = {
+        k: parse_rope({"rope_parameters": v})
+        for k, v in {**_ROPE, **(raw.get("rope_parameters") or {})}.items()
+    }
     kv_heads = int(raw.get("num_key_value_heads", raw["num_attention_heads"]))
     k_eq_v = bool(raw.get("attention_k_eq_v", False))
     # A full layer's heads: `per_layer_config` where transformers saved one, by layer; else
@@ -52,15 +59,26 @@ def parse_config(raw: dict):
     }
 
     def shape(i: int, kind: str) -> AttentionShape:
-        own = {"head_dim": raw.get("head_dim", 256), "num_key_value_heads": kv_heads,
-               **per_layer.get(str(i), {})}  # fmt: skip
+        own = {
+            "head_dim": raw.get("head_dim", 256),
+            "num_key_value_heads": kv_heads,
+            **per_layer.get(str(i), {}),
+        }
         k_is_v = k_eq_v and kind == "full_attention"
-        return AttentionShape(int(own["head_dim"]), int(own["num_key_value_heads"]), ropes[kind],
-                              values_from_keys=k_is_v)  # fmt: skip
+        return AttentionShape(
+            int(own["head_dim"]),
+            int(own["num_key_value_heads"]),
+            ropes[kind],
+            values_from_keys=k_is_v,
+        )
 
     shapes = tuple(shape(i, kind) for i, kind in enumerate(types))
-    raw = {**raw, "layer_types": types, "num_experts_per_tok": raw["top_k_experts"],
-           "shared_expert_intermediate_size": raw["intermediate_size"]}  # fmt: skip
+    raw = {
+        **raw,
+        "layer_types": types,
+        "num_experts_per_tok": raw["top_k_experts"],
+        "shared_expert_intermediate_size": raw["intermediate_size"],
+    }
     return decoder_config(
         raw,
         "gemma4",

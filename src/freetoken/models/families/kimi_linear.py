@@ -6,11 +6,15 @@ from freetoken.models.families import deepseek_v3, mixtral
 from freetoken.models.family import Family
 
 # Kimi-Linear's config.json spells DeepSeek-V3's keys its own way (transformers' attribute_map)
-_DEEPSEEK_KEYS = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
-                  "moe_renormalize": "norm_topk_prob", "num_expert_group": "n_group",
-                  "num_shared_experts": "n_shared_experts",
-                  "moe_router_activation_func": "scoring_func",
-                  "model_max_length": "max_position_embeddings"}  # fmt: skip
+_DEEPSEEK_KEYS = {
+    "num_experts": "n_routed_experts",
+    "num_experts_per_token": "num_experts_per_tok",
+    "moe_renormalize": "norm_topk_prob",
+    "num_expert_group": "n_group",
+    "num_shared_experts": "n_shared_experts",
+    "moe_router_activation_func": "scoring_func",
+    "model_max_length": "max_position_embeddings",
+}
 
 
 def linear_layers(raw: dict) -> tuple[bool, ...]:
@@ -32,16 +36,26 @@ def parse_config(raw: dict):
     if raw.get("mla_use_nope") is False:
         raise UnsupportedModelError("Kimi-Linear with RoPE in its MLA (mla_use_nope false)")
     renamed = {ds: raw[k] for k, ds in _DEEPSEEK_KEYS.items() if k in raw}
-    ds = {"first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "n_group": 1,
-          "topk_group": 1, **raw, **renamed}  # fmt: skip
+    ds = {
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446,
+        "n_group": 1,
+        "topk_group": 1,
+        **raw,
+        **renamed,
+    }
     cfg = deepseek_v3.parse_config(ds, "kimi_linear", groups=(1, 1))
     lin = raw.get("linear_attn_config") or {}
     heads = int(lin.get("num_heads", raw.get("linear_num_heads", 32)))
     dim = int(lin.get("head_dim", raw.get("linear_head_dim", 128)))
     kernel = int(lin.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4)))
     kda = LinearAttentionConfig(heads, heads, dim, dim, kernel, kda=True)
-    return dataclasses.replace(cfg, linear_layers=linear_layers(raw), linear_attention=kda,
-                               mla=dataclasses.replace(cfg.mla, rope=False))  # fmt: skip
+    return dataclasses.replace(
+        cfg,
+        linear_layers=linear_layers(raw),
+        linear_attention=kda,
+        mla=dataclasses.replace(cfg.mla, rope=False),
+    )
 
 
 def _kda_renames(raw: dict) -> tuple[tuple[str, str], ...]:

@@ -8,8 +8,12 @@ from freetoken.model_config import (
 from freetoken.models.family import Family
 
 
-def parse_config(raw: dict, family: str = "qwen3_next", separate_projections: bool = False,
-                 norm_topk_prob: bool | None = None):  # fmt: skip
+def parse_config(
+    raw: dict,
+    family: str = "qwen3_next",
+    separate_projections: bool = False,
+    norm_topk_prob: bool | None = None,
+):
     # Qwen3-Next: gated DeltaNet layers with full attention every 4th layer, gated attention
     # output, zero-centered norms, partial RoPE (a quarter of each head unless the config says
     # otherwise) and a sigmoid-gated shared expert.

@@ -35,10 +35,16 @@ KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE = (
     "</arg_value>",
 )
 _PAIR = re.compile(
-    re.escape(KEY_OPEN) + r"(.*?)" + re.escape(KEY_CLOSE) + r"\s*"
-    + re.escape(VALUE_OPEN) + r"(.*?)" + re.escape(VALUE_CLOSE) + r"\s*",
+    re.escape(KEY_OPEN)
+    + r"(.*?)"
+    + re.escape(KEY_CLOSE)
+    + r"\s*"
+    + re.escape(VALUE_OPEN)
+    + r"(.*?)"
+    + re.escape(VALUE_CLOSE)
+    + r"\s*",
     re.DOTALL,
-)  # fmt: skip
+)
 
 
 _NAME = re.compile(r"[\w.:/-]+")  # a function name: no spaces, no markup

@@ -51,8 +51,9 @@ def typed_arguments(
 ) -> str:
     """The arguments JSON of a call of `tool` from its (name, raw value) pairs; `strings`:
     what `string_parameters` gives for the request's tools."""
-    args = {key: value if key in strings.get(tool, ()) else json_or_text(value)
-            for key, value in pairs}  # fmt: skip
+    args = {
+        key: value if key in strings.get(tool, ()) else json_or_text(value) for key, value in pairs
+    }
     return json.dumps(args, ensure_ascii=False)
 
 

@@ -96,8 +96,9 @@ class UntaggedQwenParser(QwenParser):
 
     takes_tools = True  # make_parser hands it the request's tools (their names)
 
-    def __init__(self, *, starts_in_reasoning: bool = False, tool_calls: bool = True,
-                 tools=None) -> None:  # fmt: skip
+    def __init__(
+        self, *, starts_in_reasoning: bool = False, tool_calls: bool = True, tools=None
+    ) -> None:
         super().__init__(starts_in_reasoning=starts_in_reasoning, tool_calls=tool_calls)
         self._names = offered_names(tools) if tool_calls else frozenset()
         # Deciding whether the reply is untagged calls: the text held meanwhile.
@@ -121,8 +122,11 @@ class UntaggedQwenParser(QwenParser):
         self._deciding = False
         events: list[Event] = []
         for index, (name, arguments) in enumerate(calls):
-            events += [ToolCallStart(index, new_call_id(), name),
-                       ToolCallArgsDelta(index, arguments), ToolCallEnd(index)]  # fmt: skip
+            events += [
+                ToolCallStart(index, new_call_id(), name),
+                ToolCallArgsDelta(index, arguments),
+                ToolCallEnd(index),
+            ]
         self._n_calls = len(calls)
         return events
 
