@@ -36,16 +36,16 @@ class StartedJob:
 
 
 class HostCPUShare:
-    def __init__(self, cpu: CPUExpertExecutor, tracker: BandwidthTracker,
-                 telemetry: MoETelemetry):  # fmt: skip
+    def __init__(self, cpu: CPUExpertExecutor, tracker: BandwidthTracker, telemetry: MoETelemetry):
         self.cpu, self.tracker, self.telemetry = cpu, tracker, telemetry
 
     def prepare(self) -> None:
         """Wake the team (while the host waits for the routing)."""
         self.cpu.prepare()
 
-    def start(self, cpu_routes: np.ndarray, pairs: np.ndarray, x_h: torch.Tensor,
-              weights_h: torch.Tensor) -> StartedJob:  # fmt: skip
+    def start(
+        self, cpu_routes: np.ndarray, pairs: np.ndarray, x_h: torch.Tensor, weights_h: torch.Tensor
+    ) -> StartedJob:
         """Start the CPU job of the routes marked in `cpu_routes` [T, k]; the tokens it reads
         are noted for the scatter of its partial."""
         num_tokens = len(pairs)
@@ -84,8 +84,15 @@ class NoCPUShare:
         the plan stamps the step's start, where the merge stamps its end)."""
         return 0, None, None
 
-    def merge(self, control, moe_layer: int, x: torch.Tensor, ids: torch.Tensor,
-              out: torch.Tensor, end_stamp) -> torch.Tensor:  # fmt: skip
+    def merge(
+        self,
+        control,
+        moe_layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        out: torch.Tensor,
+        end_stamp,
+    ) -> torch.Tensor:
         """The layer's output: the GPU's `out` plus the CPU's partial."""
         return out
 
@@ -100,8 +107,7 @@ class NoCPUShare:
 
 
 class TierCPUShare(NoCPUShare):
-    def __init__(self, cpu: CPUExpertExecutor, tracker: BandwidthTracker,
-                 telemetry: MoETelemetry):  # fmt: skip
+    def __init__(self, cpu: CPUExpertExecutor, tracker: BandwidthTracker, telemetry: MoETelemetry):
         self.cpu, self.tracker, self.telemetry = cpu, tracker, telemetry
 
     def merge(self, control, moe_layer, x, ids, out, end_stamp) -> torch.Tensor:
@@ -122,8 +128,7 @@ class TierCPUShare(NoCPUShare):
 
 
 class DoorbellShare(NoCPUShare):
-    def __init__(self, doorbell: CPUDoorbell, clock: StepClock, num_layers: int,
-                 expert_bytes: int):  # fmt: skip
+    def __init__(self, doorbell: CPUDoorbell, clock: StepClock, num_layers: int, expert_bytes: int):
         """`clock`: the step clock's stamps, written by the first layer's plan and the last
         layer's merge (moe/steps.py `DeviceTimedSteps`)."""
         self.doorbell, self.clock = doorbell, clock

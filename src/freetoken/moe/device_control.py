@@ -48,8 +48,14 @@ CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
 
 
 class DeviceControl:
-    def __init__(self, cache: ExpertCache, policy, split: torch.Tensor | None = None,
-                 cpu_inputs: tuple | None = None, bell: tuple | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cache: ExpertCache,
+        policy,
+        split: torch.Tensor | None = None,
+        cpu_inputs: tuple | None = None,
+        bell: tuple | None = None,
+    ):
         """`split`: float32 (f, lo, hi), read at every plan, which the host rewrites between
         steps (on CUDA pinned: the plan reads it where it lies); None fills every miss
         (offload). `cpu_inputs`: where
@@ -130,8 +136,15 @@ class DeviceControl:
             )
         return self._outputs[routes]
 
-    def plan(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor, x=None,
-             shape: int = 0, stamp=None):  # fmt: skip
+    def plan(
+        self,
+        moe_layer: int,
+        pairs: torch.Tensor,
+        weights: torch.Tensor,
+        x=None,
+        shape: int = 0,
+        stamp=None,
+    ):
         """Decide a layer step. Returns (slots [T, k], fill_pairs [R], fill_slots [R]): the slot
         of every GPU route once the fills are done (-1: the CPU's), and the copies to make
         (fill_slots == S, the sink, where there is none). The CPU's routes go to

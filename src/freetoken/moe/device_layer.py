@@ -36,8 +36,7 @@ def control_over(cache: ExpertCache, split, doorbell: CPUDoorbell | None) -> Dev
 
 
 class DeviceDecided:
-    def __init__(self, control: DeviceControl, fills: Fills, share: NoCPUShare,
-                 host: HostDecided):  # fmt: skip
+    def __init__(self, control: DeviceControl, fills: Fills, share: NoCPUShare, host: HostDecided):
         self.control, self.fills, self.share, self.host = control, fills, share, host
         self.cache, self.act = host.cache, host.act
         self.num_experts = host.store.num_experts
@@ -83,9 +82,15 @@ class DeviceDecided:
         counts = self.control.take_counters().tolist()
         for layer, (calls, accesses, hits, fills, cpu, cpu_routes) in enumerate(counts):
             telemetry.record(
-                layer, calls=calls, accesses=accesses, hits=hits, fills=fills, cpu=cpu,
-                cpu_routes=cpu_routes, bytes_h2d=fills * self.expert_bytes,
-            )  # fmt: skip
+                layer,
+                calls=calls,
+                accesses=accesses,
+                hits=hits,
+                fills=fills,
+                cpu=cpu,
+                cpu_routes=cpu_routes,
+                bytes_h2d=fills * self.expert_bytes,
+            )
 
     def fold(self, telemetry: MoETelemetry) -> None:
         """Every count kept outside the telemetry: the device's, the CPU listener's."""

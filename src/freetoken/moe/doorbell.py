@@ -92,12 +92,26 @@ class CPUDoorbell:
         self._totalled = (0.0, 0.0)  # what `totals` last returned up to
         self._lib = experts.lib
         self._handle = self._lib.ft_listener_start(
-            self._word(SEQ), self._word(SHAPE), self._word(DONE), self.pairs.data_ptr(),
+            self._word(SEQ),
+            self._word(SHAPE),
+            self._word(DONE),
+            self.pairs.data_ptr(),
             self.weights.data_ptr(),
-            self.x.data_ptr(), bf16, self.out.data_ptr(), routes, experts.dtype_code,
-            *experts.expert_args, hidden, experts.intermediate, experts.act_code, threads,
-            self.stats.ctypes.data, num_layers, IDLE_SPIN_SECONDS, prepare_seconds,
-        )  # fmt: skip
+            self.x.data_ptr(),
+            bf16,
+            self.out.data_ptr(),
+            routes,
+            experts.dtype_code,
+            *experts.expert_args,
+            hidden,
+            experts.intermediate,
+            experts.act_code,
+            threads,
+            self.stats.ctypes.data,
+            num_layers,
+            IDLE_SPIN_SECONDS,
+            prepare_seconds,
+        )
         if not self._handle:
             raise RuntimeError("could not start the CPU doorbell's listener thread")
 
@@ -124,8 +138,7 @@ class CPUDoorbell:
         """gpu [T, H] (contiguous) += the CPU's partial, once the listener has answered, if
         the plan rang (`rang`: its flag on the device); then, with a `stamp`, the device's
         clock written there (moe/split.py `StepClock`)."""
-        add_host_partial_(gpu, self._out_rows, self._word_rows, DONE, self.seq_device, rang,
-                          stamp)  # fmt: skip
+        add_host_partial_(gpu, self._out_rows, self._word_rows, DONE, self.seq_device, rang, stamp)
 
     def fold(self) -> np.ndarray:
         """The listener's counters per layer since the last call: [L, 4] (jobs, routes,

@@ -140,8 +140,10 @@ class LayerStreamer:
             stream.wait_event(self.ready[b])
             after.record(stream)
             self._chunk["waits"].append((before, after))
-        w = expert_weights(dict(zip(self.store.named_banks, self.buffers[b], strict=True)),
-                           *self.store.formats.values())  # fmt: skip
+        w = expert_weights(
+            dict(zip(self.store.named_banks, self.buffers[b], strict=True)),
+            *self.store.formats.values(),
+        )
         out = grouped_expert_forward(x, ids, weights, w.gate_up, w.down, self.act, w.bias)
         if stream is not None:
             self.free[b] = torch.cuda.Event()
@@ -186,7 +188,7 @@ class LayerStreamer:
         if self.copy_stream is not None:
             began = torch.cuda.Event()
             began.record(torch.cuda.current_stream(self.device))
-            self._chunk["began"] = began  # fmt: skip
+            self._chunk["began"] = began
 
     def _end(self) -> None:
         chunk, self._chunk = self._chunk, None

@@ -12,8 +12,9 @@ from freetoken.telemetry import MoETelemetry
 
 
 class ResidentLayers:
-    def __init__(self, cache: ExpertCache, cpu: CPUExpertExecutor | None, act: str,
-                 telemetry: MoETelemetry):  # fmt: skip
+    def __init__(
+        self, cache: ExpertCache, cpu: CPUExpertExecutor | None, act: str, telemetry: MoETelemetry
+    ):
         """`cpu`: the native kernel on a CPU-only machine, where the pool is the cache."""
         self.cache, self.cpu, self.act, self.telemetry = cache, cpu, act, telemetry
         self.num_experts = cache.store.num_experts

@@ -132,8 +132,9 @@ class MoERuntime:
             return UntimedSteps()
         if control is not None:
             split = control.split.numpy()
-            return DeviceTimedSteps(StepModes(), self._clock, split, self.tracker, self.options,
-                                    share)  # fmt: skip
+            return DeviceTimedSteps(
+                StepModes(), self._clock, split, self.tracker, self.options, share
+            )
         return LayerTimedSteps(StepModes(), self.options, self.store.num_layers)
 
     def _host_layer(self, cache: ExpertCache | None) -> HostDecided:
@@ -148,9 +149,19 @@ class MoERuntime:
         cpu = None
         if self.cpu is not None:
             cpu = HostCPUShare(self.cpu, self.tracker, self._telemetry)
-        return HostDecided(self.store, self.device, cache, self.options, self.act,
-                           self._telemetry, split, self._fills, cpu, self._steps,
-                           self.streamer)  # fmt: skip
+        return HostDecided(
+            self.store,
+            self.device,
+            cache,
+            self.options,
+            self.act,
+            self._telemetry,
+            split,
+            self._fills,
+            cpu,
+            self._steps,
+            self.streamer,
+        )
 
     def _bind_cache(self, cache: ExpertCache | None) -> None:
         """Make `cache` the one every part uses (the fills' destination, the streamer's)."""
@@ -368,8 +379,9 @@ def build_runtime(
     control = doorbell = None
     if kind.on_device and options.device_control:
         control, doorbell = _device_control(kind, store, cache, cpu, options, device)
-    return MoERuntime(store, device, kind.name, cache, cpu, options, act, tracker, streamer,
-                      control, doorbell)  # fmt: skip
+    return MoERuntime(
+        store, device, kind.name, cache, cpu, options, act, tracker, streamer, control, doorbell
+    )
 
 
 def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
@@ -390,8 +402,9 @@ def _cache_for(kind, store, slots, device, options) -> ExpertCache | None:
         # Device control needs a policy with a fixed-shape update; the default's is not
         # written yet: the closest one that has it (38.0% against 42.3% hits on gpt-oss-20b at
         # a 10% cache).
-        log.info("device control: policy %s has no device form; using expected-next-use",
-                 policy.name)  # fmt: skip
+        log.info(
+            "device control: policy %s has no device form; using expected-next-use", policy.name
+        )
         policy = ExpectedNextUsePolicy()
     cache = ExpertCache(store, slots, device, policy=policy)
     if options.warm_cache:
@@ -427,5 +440,6 @@ def _doorbell(store, cpu, options, device) -> CPUDoorbell | None:
     # the driver's own) keep a core.
     threads = max(1, cpu.native.threads - 2)
     prepare = options.cpu_prepare_us * 1e-6
-    return CPUDoorbell(cpu.native, store.num_layers, threads, cache_control.MAX_ROUTES, device,
-                       prepare)  # fmt: skip
+    return CPUDoorbell(
+        cpu.native, store.num_layers, threads, cache_control.MAX_ROUTES, device, prepare
+    )

@@ -104,8 +104,15 @@ class MissSplit:
         self.tracker, self.options = tracker, options
         self.cpu_layers = frozenset(cpu_layers)  # the layers whose steps may give the CPU routes
 
-    def choose(self, cache: ExpertCache | None, moe_layer: int, misses: np.ndarray, hits: int,
-               tokens: int, mode: str | None) -> np.ndarray:  # fmt: skip
+    def choose(
+        self,
+        cache: ExpertCache | None,
+        moe_layer: int,
+        misses: np.ndarray,
+        hits: int,
+        tokens: int,
+        mode: str | None,
+    ) -> np.ndarray:
         """The misses to fill (distinct flat pairs), best first; `mode`: the step's way
         (StepModes), None outside a timed decode step."""
         return misses[:0]
@@ -198,8 +205,15 @@ class StepModes:
 
     MODES = (SPLIT, FILL, CPU)
 
-    def __init__(self, warmup: int = 16, rounds: int = 3, retrial_every: int = 512,
-                 margin: float = 0.1, drift: float = 0.25, window: int = 5):  # fmt: skip
+    def __init__(
+        self,
+        warmup: int = 16,
+        rounds: int = 3,
+        retrial_every: int = 512,
+        margin: float = 0.1,
+        drift: float = 0.25,
+        window: int = 5,
+    ):
         self.warmup, self.rounds, self.retrial_every = warmup, rounds, retrial_every
         self.margin, self.drift, self.window = margin, drift, window
         self._batches: dict[int, _Ways] = {}
@@ -234,8 +248,12 @@ class StepModes:
         if not ways.in_trial and self._trial_due(ways):
             ways.in_trial = True
             # each way twice in a row, the second counted
-            ways.queue = deque((mode, counted) for _ in range(self.rounds)
-                               for mode in self.MODES for counted in (False, True))  # fmt: skip
+            ways.queue = deque(
+                (mode, counted)
+                for _ in range(self.rounds)
+                for mode in self.MODES
+                for counted in (False, True)
+            )
             ways.samples = {mode: [] for mode in self.MODES}
         if ways.in_trial:
             ways.pending = ways.queue.popleft()

@@ -71,8 +71,15 @@ class LayerTimedSteps(UntimedSteps):
 
 
 class DeviceTimedSteps(UntimedSteps):
-    def __init__(self, modes: StepModes, clock: StepClock, split: np.ndarray,
-                 tracker: BandwidthTracker, options: MoEOptions, share):  # fmt: skip
+    def __init__(
+        self,
+        modes: StepModes,
+        clock: StepClock,
+        split: np.ndarray,
+        tracker: BandwidthTracker,
+        options: MoEOptions,
+        share,
+    ):
         """`split`: the (f, lo, hi) the plans read, as the host rewrites it (a view made once:
         numpy's write costs a microsecond, a tensor op 5-25); `share`: the device-decided
         CPU share (moe/cpu_share.py), checked and measured between steps."""

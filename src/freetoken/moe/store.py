@@ -72,8 +72,14 @@ class ExpertShape:
         """The routed experts of a model `cfg` computing in `dtype`, stored in `fmt` (the down
         projection in `down` where given)."""
         moe = cfg.moe
-        return cls(cfg.hidden_size, moe.intermediate_size, dtype, moe.expert_bias, fmt,
-                   None if down == fmt else down)  # fmt: skip
+        return cls(
+            cfg.hidden_size,
+            moe.intermediate_size,
+            dtype,
+            moe.expert_bias,
+            fmt,
+            None if down == fmt else down,
+        )
 
     @property
     def formats(self) -> dict[str, ExpertFormat]:
@@ -225,11 +231,16 @@ class HostExpertStore(BanksByName):
         if self._page_lock is not None:
             if self._page_lock.wait():
                 self.pinned = True
-                log.debug("expert pool page-locked as it loaded: %.1f GB in %.2f s",
-                          self.nbytes / 1e9, self._page_lock.seconds)  # fmt: skip
+                log.debug(
+                    "expert pool page-locked as it loaded: %.1f GB in %.2f s",
+                    self.nbytes / 1e9,
+                    self._page_lock.seconds,
+                )
                 return True
-            log.debug("the pool's lock as one range failed (CUDA error %s): bank by bank",
-                      self._page_lock.error)  # fmt: skip
+            log.debug(
+                "the pool's lock as one range failed (CUDA error %s): bank by bank",
+                self._page_lock.error,
+            )
             self._page_lock = None  # (refused as one range: bank by bank, warning if refused)
         if not torch.cuda.is_available():
             return False
