@@ -159,6 +159,39 @@ def test_latent_attention_models_decode_in_graphs(tmp_path):
 @pytest.mark.parametrize(
     "options", [MoEOptions("fused"), MoEOptions("hybrid", "6")], ids=lambda o: o.strategy
 )
+def test_gemma4_decodes_in_graphs_with_its_full_layers_wide_heads(tmp_path, options):
+    """Gemma-4's full layers have heads 512 wide (the release's `global_head_dim`), their
+    values read from the key projection; the Triton decode kernel takes them, so its decode
+    steps are captured, and replay the eager logits as the sequences cross the sliding
+    layers' window (8 here)."""
+    path, _ = build("gemma4", tmp_path / "m", global_head_dim=512)
+    loaded = load_model(path, dtype="float32", device="cuda")
+    assert 512 in loaded.config.kv_layer_dims
+    prompts = prompts_of(loaded, [5, 17, 11])
+    eager, _ = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 10, moe=options, cuda_graphs=True)
+    assert runner.graphs is not None and runner.graphs.replays >= 8
+    assert (eager - graphed).abs().max().item() < 1e-4
+
+
+def test_gemma4_releases_heads_are_taken_by_the_decode_kernel():
+    """Every layer of the released Gemma-4 26B-A4B (sliding heads of 256, full ones of 512) has
+    heads the Triton decode kernel takes: the condition ModelRunner captures decode graphs on."""
+    from freetoken.kernels import paged_attention
+    from freetoken.models.families import family_for
+    from test_more_families import GEMMA4_26B
+
+    if paged_attention.triton is None:
+        pytest.skip("needs triton")
+    cfg = family_for(GEMMA4_26B).parse_config(GEMMA4_26B)
+    assert set(cfg.kv_layer_dims) == {256, 512}
+    assert all(paged_attention.triton_decode_width(d) for d in cfg.kv_layer_dims)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "options", [MoEOptions("fused"), MoEOptions("hybrid", "6")], ids=lambda o: o.strategy
+)
 def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
     """DeepSeek-V4's attention reads every window the page table holds while captured (its
     shapes fixed, masked past each length), its hyper-connections and hash-routed layer run

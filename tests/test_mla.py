@@ -80,15 +80,17 @@ def test_the_shared_pool_survives_resizes_and_prefix_copies(tmp_path):
 
 
 def test_decode_graphs_are_kept_for_heads_the_device_kernel_takes():
-    """The Triton decode kernel takes power-of-two heads of 16 to 256, and latent heads read
-    as their own values (576 = 512 + 64 for DeepSeek-V3: the latent, then the RoPE part), so
-    ModelRunner captures decode graphs for MLA models too; other widths take the torch path,
-    which reads lengths on the host (a graph would replay the capture's lengths)."""
+    """The Triton decode kernel takes power-of-two heads of 16 to 512 (Gemma-4's full layers:
+    512), and latent heads read as their own values (576 = 512 + 64 for DeepSeek-V3: the
+    latent, then the RoPE part), so ModelRunner captures decode graphs for MLA models too;
+    other widths take the torch path, which reads lengths on the host (a graph would replay
+    the capture's lengths)."""
     from freetoken.kernels import paged_attention
 
     if paged_attention.triton is None:
         pytest.skip("needs triton")
     assert paged_attention.triton_decode_width(128) and paged_attention.triton_decode_width(16)
+    assert paged_attention.triton_decode_width(512)
     assert paged_attention.triton_decode_width(576, values_are_keys=True)
     assert paged_attention.triton_decode_width(64 + 16, values_are_keys=True)
     for width in (576, 80, 8, 1024):

@@ -222,6 +222,24 @@ def _decode_cases(device: str) -> dict[str, float]:
         ours = paged_decode_triton(q, pool, pool, batch, 0.1, splits=splits)
         ref = paged_attention_torch(q, pool, pool, batch, 0.1)[..., :latent]
         res[f"{name}/8"] = (ours - ref).abs().max().item() if ours.shape == ref.shape else 1.0
+    # heads 512 wide (Gemma-4's full layers: 16 query heads over 2 KV heads, the values in their
+    # own pool), with the default splits (most of them empty here) and with a window, sinks and
+    # a partial group on 3 splits; and a 512-wide pool read as its own values (no key-only part)
+    for name, (lengths, heads, kv_heads, window, sinks, splits, shared) in {
+        "wide_512": ([40, 7, 90], 16, 2, None, False, None, False),
+        "wide_512_window_sinks": ([37, 70], 6, 1, 20, True, 3, False),
+        "wide_512_values_are_keys": ([33, 5], 4, 2, None, False, 2, True),
+    }.items():
+        q, cache, _, batch = make_case(
+            lengths, [1] * len(lengths), heads, kv_heads, 512, 16, device=device
+        )
+        k_pool = cache.k[0]
+        v_pool = k_pool if shared else cache.v[0]
+        sink = torch.randn(heads, device=device) if sinks else None
+        args = (q, k_pool, v_pool, batch, 512**-0.5, window, sink)
+        ours = paged_decode_triton(*args, splits=splits)
+        ref = paged_attention_torch(*args)
+        res[f"{name}/16"] = (ours - ref).abs().max().item() if ours.shape == ref.shape else 1.0
     return res
 
 
@@ -232,7 +250,7 @@ def interpreter_results() -> dict[str, float]:
 
 @needs_triton
 def test_triton_decode_matches_the_torch_path_in_the_interpreter(interpreter_results):
-    assert len(interpreter_results) == 16
+    assert len(interpreter_results) == 19
     assert max(interpreter_results.values()) < 1e-4, interpreter_results
 
 

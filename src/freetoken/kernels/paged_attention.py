@@ -12,10 +12,11 @@ Three implementations of that one contract:
 - `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding): programs over
   (sequence, KV head, split of the keys) each run an online softmax over their split, a second
   kernel merges the splits. Lengths are read on the device, so a CUDA graph captured once
-  serves every length, and the split count is fixed per batch size. Multi-head latent
-  attention's heads (keys [latent, RoPE part], 512 + 64 wide, the values the latent itself:
-  the pool read as both) take it too: the RoPE part's scores added, the latent read once as
-  key and value, the output the latent's width, 16 query heads a program.
+  serves every length, and the split count is fixed per batch size. Heads wider than 256 take
+  it with 16 query heads a program and 32 keys a step: Gemma-4's full layers (512 wide, keys
+  and values in their own pools), and multi-head latent attention's (keys [latent, RoPE part],
+  512 + 64 wide, the values the latent itself: the pool read as both), the RoPE part's scores
+  added, the latent read once as key and value, the output the latent's width.
 - `paged_decode_cpu`: one new token per sequence on the CPU, through the native library's
   thread team (cpu_layers.c, `ft_cpu_attention_submit`): the same splits and online softmax,
   reading bf16 keys and values in place with AVX512-BF16 dot products where the CPU has them.
@@ -52,12 +53,18 @@ DECODE_STAGES = 3
 # H200) and no more, since each split's partial costs a read and a write in the merge.
 DECODE_TARGET_PROGRAMS = 256
 DECODE_MAX_SPLITS = 64
-# Heads wider than 256 (latent attention's 512): a [16, 512] accumulator a program and fewer
-# keys a step, so registers and shared memory hold them (not swept).
+# Heads wider than 256 (latent attention's 512, Gemma-4's full layers' 512): a [16, 512]
+# accumulator a program and fewer keys a step, so registers and shared memory hold them (not
+# swept on a GPU; compiled for sm_90 offline by ptxas 12.8, in bf16 without spills: 161
+# registers and 66 KiB of shared memory for 512 + 64 read as values, 250 and 49 KiB for 512
+# with its own values; in fp32 the latter takes 162 KiB, within the H100's 227).
 WIDE_GROUP_BLOCK = 16
 WIDE_BLOCK_N = 32
 WIDE_WARPS = 8
 WIDE_STAGES = 2
+# The merge reads its splits' partials this many columns at a time (a [64, 512] fp32 block at
+# once spills its registers).
+MERGE_BLOCK_D = 256
 
 
 def paged_attention(
@@ -119,10 +126,10 @@ cpu_team.declare(SIGNATURES)
 
 def _widths(d: int, values_are_keys: bool) -> tuple[int, int] | None:
     """(value width, key-only width) of heads `d` wide as the Triton decode kernel takes them:
-    (d, 0) for a power of two from 16 to 256; where the values are the keys' first part
-    (latent attention), a power of two up to 512 and a key-only rest of at least 16, itself a
-    power of two (576 = 512 + 64); None otherwise."""
-    if 16 <= d <= 256 and not d & (d - 1):
+    (d, 0) for a power of two from 16 to 512 (Gemma-4's full layers: 512); where the values
+    are the keys' first part (latent attention), a power of two up to 512 and a key-only rest
+    of at least 16, itself a power of two (576 = 512 + 64); None otherwise."""
+    if 16 <= d <= 512 and not d & (d - 1):
         return d, 0
     main = 1 << (d.bit_length() - 1)
     rest = d - main
@@ -339,7 +346,7 @@ def paged_decode_triton(
     widths = _widths(d, v_pool is k_pool)
     if widths is None:
         raise ValueError(
-            f"head_dim {d} is not a power of two from 16 to 256 (nor a latent "
+            f"head_dim {d} is not a power of two from 16 to 512 (nor a latent "
             "head read as its own values)"
         )
     width, rope = widths
@@ -396,6 +403,7 @@ def paged_decode_triton(
         splits,
         SPLITS_PAD=triton.next_power_of_2(splits),
         HEAD_D=width,
+        BLOCK_D=min(width, MERGE_BLOCK_D),
         HAS_SINKS=has_sinks,
     )
     return out
@@ -598,6 +606,7 @@ if triton is not None:
         splits,
         SPLITS_PAD: tl.constexpr,
         HEAD_D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
         HAS_SINKS: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -615,9 +624,10 @@ if triton is not None:
         total = tl.sum(w, 0)
         if HAS_SINKS:
             total += tl.exp2(sink - top)
-        d = tl.arange(0, HEAD_D)
-        part = tl.load(
-            PARTIAL + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None], other=0.0
-        )
-        o = tl.sum(part * w[:, None], 0) / total
-        tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))
+        for first in tl.static_range(0, HEAD_D, BLOCK_D):  # (one block up to 256 wide)
+            d = first + tl.arange(0, BLOCK_D)
+            part = tl.load(
+                PARTIAL + (base + s)[:, None] * HEAD_D + d[None, :], mask=ok[:, None], other=0.0
+            )
+            o = tl.sum(part * w[:, None], 0) / total
+            tl.store(OUT + seq * stride_ob + head * stride_oh + d, o.to(OUT.dtype.element_ty))
