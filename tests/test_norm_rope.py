@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ needs_triton = pytest.mark.skipif(
 def _cases(device: str) -> dict[str, float]:
     """Max abs difference between kernel and reference, per case."""
     from freetoken.kernels import norm_rope
+    from freetoken.layers.moe import route_sqrtsoftplus
     from freetoken.layers.norm import RMSNorm
     from freetoken.layers.rope import RotaryEmbedding, rotary_reference
     from freetoken.model_config import RopeConfig
@@ -68,7 +70,40 @@ def _cases(device: str) -> dict[str, float]:
             # a right choice, so the chosen logits are compared, not the ids
             chosen, ref_chosen = logits.gather(1, ids), logits.gather(1, ref_ids)
             res[key + "/ids"] = float((chosen != ref_chosen).sum().item())
+        # DeepSeek-V4's sqrtsoftplus routing: chosen by score plus bias, or given (hash layers)
+        moe = SimpleNamespace(top_k=6, routed_scaling=1.5)
+        for experts, given in ((256, False), (64, True), (16, False)):
+            logits = (torch.randn(5, experts, device=device) * 4).to(dtype)
+            bias = torch.randn(experts, device=device) * 0.1
+            ids = torch.stack([torch.randperm(experts, device=device)[:6] for _ in range(5)])
+            ids = ids if given else None
+            weights, chosen = norm_rope.route_sqrtsoftplus(logits, bias, 6, 1.5, ids)
+            moe_reference = _torch_route(route_sqrtsoftplus)
+            ref_w, ref_ids = moe_reference(logits, bias, moe, ids)
+            order, ref_order = chosen.sort(-1), ref_ids.sort(-1)
+            key = f"sqrtsoftplus/{dtype}/{experts}/{given}"
+            res[key] = (
+                (weights.gather(1, order.indices) - ref_w.gather(1, ref_order.indices))
+                .abs()
+                .max()
+                .item()
+            )
+            res[key + "/ids"] = float((order.values != ref_order.values).sum().item())
     return res
+
+
+def _torch_route(route):
+    """The torch definition of a routing function, with the GPU kernel turned off."""
+    from freetoken.kernels import norm_rope
+
+    def reference(*args):
+        available, norm_rope.available = norm_rope.available, lambda x: False
+        try:
+            return route(*args)
+        finally:
+            norm_rope.available = available
+
+    return reference
 
 
 def route_reference(logits, k, renormalize):
@@ -100,13 +135,14 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 36
+    assert len(results) == 42
     # fp32: the norm's sum of squares in another order (a few ulp), the residual sum and the
     # rotation bit for bit, the routing's choice exactly and its weights to a few ulp.
     assert max(v for k, v in results.items() if k.startswith(("norm", "addnorm"))) < 1e-5
     assert max(v for k, v in results.items() if k.endswith("/sum")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("rope")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("route") and "ids" not in k) < 1e-6
+    assert max(v for k, v in results.items() if k.startswith("sqrt") and "ids" not in k) < 1e-5
     assert sum(v for k, v in results.items() if k.endswith("/ids")) == 0
 
 

@@ -183,6 +183,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+def route_sqrtsoftplus(logits, bias, top_k: int, scaling: float, ids=None):
+    """DeepSeek-V4's routing of logits [T, E] (layers/moe.py `route_sqrtsoftplus`): scores
+    sqrt(softplus(logits)) in the logits' dtype, the top-k of score + bias (fp32) or the given
+    `ids` (a hash layer's), their scores normalised and scaled, each step rounded to the dtype
+    as torch rounds it. -> (weights [T, k] in the logits' dtype, ids [T, k])."""
+    t, e = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(t, top_k, device=logits.device, dtype=logits.dtype)
+    given = ids is not None
+    out_ids = (
+        ids.contiguous() if given else torch.empty(t, top_k, device=logits.device, dtype=torch.long)
+    )
+    has_bias = bias is not None
+    _sqrtsoftplus_kernel[(t,)](
+        logits,
+        bias if has_bias else logits,
+        weights,
+        out_ids,
+        e,
+        scaling,
+        K=top_k,
+        BLOCK=triton.next_power_of_2(e),
+        K_BLOCK=triton.next_power_of_2(top_k),
+        GIVEN=given,
+        HAS_BIAS=has_bias,
+    )
+    return weights, out_ids
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool):
     """Softmax top-k of router logits [T, E]: (weights [T, k], ids [T, k]), as layers/moe.py."""
     t, e = logits.shape
@@ -235,6 +264,52 @@ if triton is not None:
             top = top / tl.sum(tl.where(slots < K, top, 0.0), 0)
         tl.store(WEIGHTS + row * K + slots, top.to(WEIGHTS.dtype.element_ty), mask=slots < K)
         tl.store(IDS + row * K + slots, idx, mask=slots < K)
+
+    @triton.jit
+    def _sqrtsoftplus_kernel(
+        LOGITS,
+        BIAS,
+        WEIGHTS,
+        IDS,
+        e,
+        scaling,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        K_BLOCK: tl.constexpr,
+        GIVEN: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        dt = WEIGHTS.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(LOGITS + row * e + cols, mask=cols < e, other=0.0).to(tl.float32)
+        # softplus as torch's (x past 20 is itself; log1p(exp(x)), a tiny exp taken as is)
+        ex = tl.exp(tl.minimum(x, 20.0))
+        soft = tl.where(x > 20.0, x, tl.where(ex < 1e-6, ex, tl.log(1.0 + ex)))
+        score = tl.sqrt(soft.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        slots = tl.arange(0, K_BLOCK)
+        idx = tl.zeros([K_BLOCK], tl.int64)
+        if GIVEN:
+            idx = tl.load(IDS + row * K + slots, mask=slots < K, other=0).to(tl.int64)
+        else:
+            choice = score
+            if HAS_BIAS:
+                choice = choice + tl.load(BIAS + cols, mask=cols < e, other=0.0).to(tl.float32)
+            choice = tl.where(cols < e, choice, float("-inf"))
+            for k in tl.static_range(K):  # the k largest (the lowest index on a tie)
+                best = tl.max(choice, 0)
+                at = tl.min(tl.where(choice == best, cols, BLOCK), 0)
+                idx = tl.where(slots == k, at.to(tl.int64), idx)
+                choice = tl.where(cols == at, float("-inf"), choice)
+        picked = tl.sum(tl.where(cols[None, :] == idx[:, None], score[None, :], 0.0), 1)
+        picked = tl.where(slots < K, picked, 0.0)
+        total = tl.sum(picked, 0).to(dt).to(tl.float32)
+        total = (total + 1e-20).to(dt).to(tl.float32)
+        w = (picked / total).to(dt).to(tl.float32)
+        w = (w * scaling).to(dt)
+        tl.store(WEIGHTS + row * K + slots, w, mask=slots < K)
+        if not GIVEN:
+            tl.store(IDS + row * K + slots, idx, mask=slots < K)
 
     @triton.jit
     def _rms_norm_kernel(

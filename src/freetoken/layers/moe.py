@@ -70,6 +70,10 @@ def route_sqrtsoftplus(
     (fp32) correction bias, or given (`ids`: a hash layer's `tid2eid[token]`); their scores
     normalised and times `routed_scaling`, in the logits' dtype as transformers computes them.
     -> (weights [T, k], ids [T, k])."""
+    if norm_rope.available(router_logits):  # one launch on the GPU, nine in torch
+        return norm_rope.route_sqrtsoftplus(
+            router_logits, correction_bias, moe.top_k, moe.routed_scaling, ids
+        )
     scores = F.softplus(router_logits).sqrt()
     if ids is None:
         ids = torch.topk(scores + correction_bias, k=moe.top_k, dim=-1, sorted=False)[1]
