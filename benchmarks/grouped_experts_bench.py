@@ -38,7 +38,9 @@ from collections.abc import Callable
 import torch
 
 from freetoken.config import EXPERT_FORMATS
-from freetoken.kernels import grouped_experts as ge
+from freetoken.kernels import grouped_launch as gl
+from freetoken.kernels.grouped_gemm import dequantize_slots
+from freetoken.kernels.grouped_reference import reference_grouped_experts
 from freetoken.weights.expert_format import K_FAMILY, QuantizedBank, expert_format, fill_random_
 
 MODELS = {"gpt-oss-20b": (2880, 2880, 4), "qwen3-30b-a3b": (2048, 768, 8)}  # H, I, top-k
@@ -186,20 +188,18 @@ def check(shape: Shape, fmt_name: str, banks, x: torch.Tensor, gen) -> str:
     remap = torch.full((shape.slots,), -1, dtype=torch.long, device=DEVICE)
     remap[used] = torch.arange(len(used), device=DEVICE)
     small = tuple(b.select(used) for b in banks)  # (only the used slots dequantized)
-    dense = tuple(
-        ge.dequantize_slots(b, torch.arange(len(used), device=DEVICE), DTYPE) for b in small
-    )
+    dense = tuple(dequantize_slots(b, torch.arange(len(used), device=DEVICE), DTYPE) for b in small)
     local = remap[slots]
-    ours = ge.triton_grouped_expert_forward(x, local, w, *small)
-    saved = {n: getattr(ge, n) for n in ge.LAUNCH_NAMES}
+    ours = gl.triton_grouped_expert_forward(x, local, w, *small)
+    saved = {n: getattr(gl, n) for n in gl.LAUNCH_NAMES}
     try:
-        for n, v in ge.launch_params(fmt_name).items():
-            setattr(ge, n, v)
-        theirs = ge.triton_grouped_expert_forward(x, local, w, *dense)
+        for n, v in gl.launch_params(fmt_name).items():
+            setattr(gl, n, v)
+        theirs = gl.triton_grouped_expert_forward(x, local, w, *dense)
     finally:
         for n, v in saved.items():
-            setattr(ge, n, v)
-    ref = ge.reference_grouped_experts(x, local, w, *dense)
+            setattr(gl, n, v)
+    ref = reference_grouped_experts(x, local, w, *dense)
     scale = ref.float().abs().max().item()
     vs_dense = (ours.float() - theirs.float()).abs().max().item() / scale
     vs_ref = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -216,7 +216,7 @@ def bench(shape: Shape, fmt_name: str, banks, tokens: int, x, gen, *, reference=
 
     def kernel(i: int):
         slots, w = routings[i % SLOT_SETS]
-        return ge.triton_grouped_expert_forward(xs, slots, w, *banks)
+        return gl.triton_grouped_expert_forward(xs, slots, w, *banks)
 
     def all_routings():
         for i in range(SLOT_SETS):
@@ -236,7 +236,7 @@ def bench(shape: Shape, fmt_name: str, banks, tokens: int, x, gen, *, reference=
 
         def torch_reference(i: int):
             slots, w = routings[i % SLOT_SETS]
-            return ge.reference_grouped_experts(xs, slots, w, *banks)
+            return reference_grouped_experts(xs, slots, w, *banks)
 
         out["ref_us"] = median_time_s(torch_reference, iters=20, warmup=3) * 1e6
     return out
@@ -246,13 +246,13 @@ def profile(shape: Shape, banks, tokens: int, x, gen) -> None:
     """GPU time of each kernel, averaged over the routings."""
     routings = make_routings(shape, tokens, gen)
     for slots, w in routings:  # warm-up
-        ge.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
+        gl.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
     torch.cuda.synchronize()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True
     ) as prof:
         for slots, w in routings * 4:
-            ge.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
+            gl.triton_grouped_expert_forward(x[:tokens], slots, w, *banks)
         torch.cuda.synchronize()
     for ev in prof.key_averages():
         if ev.device_time_total > 0 and ev.count:
@@ -288,9 +288,9 @@ def sweep_grid(fmt_name: str) -> dict[str, dict[str, list[int]]]:
 
 def _set(fmt_name: str, name: str, value: int) -> None:
     if fmt_name == "dense":
-        setattr(ge, name, value)
+        setattr(gl, name, value)
     else:
-        ge.QUANTIZED_LAUNCH[fmt_name][name] = value
+        gl.QUANTIZED_LAUNCH[fmt_name][name] = value
 
 
 def sweep(shape: Shape, fmt_name: str, banks, x, gen, batches=(1, 4)) -> list[str]:
@@ -298,7 +298,7 @@ def sweep(shape: Shape, fmt_name: str, banks, x, gen, batches=(1, 4)) -> list[st
     the best setting's line per kernel."""
     best_lines = []
     for kernel, grid in sweep_grid(fmt_name).items():
-        defaults = {name: ge.launch_params(fmt_name)[name] for name in grid}
+        defaults = {name: gl.launch_params(fmt_name)[name] for name in grid}
         print(f"\n  sweep {shape.model} {fmt_name} {kernel} (defaults {defaults})")
         results = []
         for values in itertools.product(*grid.values()):
@@ -354,7 +354,7 @@ def main() -> None:
         name, _, value = item.partition("=")
         if args.format in ("all", "dense"):
             raise SystemExit("--set needs a quantized --format")
-        ge.QUANTIZED_LAUNCH[args.format][name] = int(value)
+        gl.QUANTIZED_LAUNCH[args.format][name] = int(value)
     global DEVICE, SLOT_SETS
     DEVICE = args.device
     if DEVICE == "cpu":
@@ -363,7 +363,7 @@ def main() -> None:
                 sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"}
             )
         SLOT_SETS = 2
-    if not ge.triton_available() or (DEVICE == "cuda" and not torch.cuda.is_available()):
+    if not gl.triton_available() or (DEVICE == "cuda" and not torch.cuda.is_available()):
         raise SystemExit("needs CUDA and triton")
     formats = EXPERT_FORMATS if args.format == "all" else ("dense", args.format)
     formats = tuple(dict.fromkeys(formats))
@@ -386,7 +386,7 @@ def main() -> None:
             banks = make_banks(shape, fmt_name)
             print(
                 f"  {fmt_name:6s} expert {shape.expert_bytes(fmt_name) / 1e6:6.2f} MB; "
-                f"launch {ge.launch_params(fmt_name)}"
+                f"launch {gl.launch_params(fmt_name)}"
             )
             print(f"         check: {check(shape, fmt_name, banks, x, gen)}")
             for tokens in (1, 4):

@@ -21,7 +21,8 @@ import json
 
 import torch
 
-import freetoken.kernels.grouped_experts as ge
+import freetoken.kernels.grouped_launch as gl
+from freetoken.kernels.grouped_reference import reference_grouped_experts
 from freetoken.weights.expert_format import QuantizedBank, expert_format, fill_random_
 
 MODELS = {  # name: (H, I, gate/up format, down format)
@@ -82,7 +83,7 @@ def bank(fmt_name: str, n: int, k: int, gen: torch.Generator) -> QuantizedBank:
 
 def rotating_call(x, slot_sets, weights, gate_up, down, c: int) -> None:
     """Call c of a rotation: the next slot set's experts."""
-    ge.triton_grouped_expert_forward(x, slot_sets[c % len(slot_sets)], weights, gate_up, down)
+    gl.triton_grouped_expert_forward(x, slot_sets[c % len(slot_sets)], weights, gate_up, down)
 
 
 def kernel_times(fn, calls: int) -> dict[str, float]:
@@ -137,10 +138,10 @@ def main() -> None:
             # correctness: against the torch reference on the dequantized experts
             s = slot_sets[0]
             used = s.flatten().unique()
-            got = ge.triton_grouped_expert_forward(x, s, weights, gu, dn)
+            got = gl.triton_grouped_expert_forward(x, s, weights, gu, dn)
             remap = torch.full((EXPERTS,), -1, dtype=torch.long, device="cuda")
             remap[used] = torch.arange(len(used), device="cuda")
-            ref = ge.reference_grouped_experts(
+            ref = reference_grouped_experts(
                 x,
                 remap[s],
                 weights,
@@ -161,7 +162,7 @@ def main() -> None:
                 "floor_down_us": floor["down"],
             }
             results.append({**base, "what": "bf16", **kernel_times(d_call, args.calls)})
-            gu_p, d_p = ge.launch_params(gu_name), ge.launch_params(d_name)
+            gu_p, d_p = gl.launch_params(gu_name), gl.launch_params(d_name)
             configs = [None]
             if args.sweep:
                 configs += [("GATE_UP", c) for c in SWEEP["GATE_UP"]]
@@ -180,9 +181,9 @@ def main() -> None:
                         {f"{proj}_BLOCK_N": bn, f"{proj}_BLOCK_K": bk, f"{proj}_WARPS": warps}
                     )
                 try:
-                    q = ge.triton_grouped_expert_forward(x, s, weights, gu, dn)
+                    q = gl.triton_grouped_expert_forward(x, s, weights, gu, dn)
                     ok = ((q.float() - ref.float()).norm() / ref.float().norm()).item()
-                    again = ge.triton_grouped_expert_forward(x, s, weights, gu, dn)
+                    again = gl.triton_grouped_expert_forward(x, s, weights, gu, dn)
                     if not torch.equal(q, again):  # (a race: results that move)
                         ok = -ok
                     t = kernel_times(q_call, args.calls)

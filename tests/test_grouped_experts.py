@@ -19,12 +19,8 @@ import torch
 
 from compiled import run_compiled
 from freetoken.activations import glu
-from freetoken.kernels.grouped_experts import (
-    dequantize_slots,
-    grouped_expert_forward,
-    grouped_gemm_experts,
-    reference_grouped_experts,
-)
+from freetoken.kernels.grouped_experts import grouped_expert_forward, reference_grouped_experts
+from freetoken.kernels.grouped_gemm import dequantize_slots, grouped_gemm_experts
 from freetoken.weights.expert_format import (
     K_FAMILY,
     K_MIXED,
@@ -309,9 +305,9 @@ def test_grouped_gemm_matches_reference(seed):
 
 def test_grouped_gemm_in_windows_of_slots(monkeypatch):
     """More slots than one grouped GEMM takes (torch's limit is 1024): windows of slots."""
-    import freetoken.kernels.grouped_experts as ge
+    import freetoken.kernels.grouped_gemm as gg
 
-    monkeypatch.setattr(ge, "GROUPED_MM_MAX_GROUPS", 2)
+    monkeypatch.setattr(gg, "GROUPED_MM_MAX_GROUPS", 2)
     case = make_case(12, 4, 48, 24, 5, seed=9, skip_frac=0.3)
     torch.testing.assert_close(
         grouped_gemm_experts(*case), reference_grouped_experts(*case), rtol=0, atol=1e-5
@@ -348,7 +344,7 @@ def test_reference_on_quantized_banks_is_the_dequantized_experts(name, dtype):
 
 @needs_triton
 def test_quantized_banks_with_scales_of_the_wrong_shape_are_refused():
-    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward
+    from freetoken.kernels.grouped_launch import triton_grouped_expert_forward
 
     (x, slots, weights, gu, dn), _ = quantized_case("nvfp4", 2, 2, 64, 32, 3)
     with pytest.raises(ValueError, match="the s part of a nvfp4 bank"):
@@ -370,12 +366,12 @@ def test_word_tiles_below_their_minimum_rows_are_refused(name, monkeypatch):
     """The word-read formats' tiles of fewer rows than WORD_MIN_BLOCK_N (which computed wrong
     sums on the GPU) are refused before any launch, naming the parameter; each projection's
     kernel takes its own format's parameters."""
-    import freetoken.kernels.grouped_experts as ge
+    import freetoken.kernels.grouped_launch as gl
 
     quantized, _ = quantized_case(f"q5_0+{name}", 1, 2, 256, 256, 3)
-    monkeypatch.setitem(ge.QUANTIZED_LAUNCH, name, dict(ge.QUANTIZED_LAUNCH[name], DOWN_BLOCK_N=8))
+    monkeypatch.setitem(gl.QUANTIZED_LAUNCH, name, dict(gl.QUANTIZED_LAUNCH[name], DOWN_BLOCK_N=8))
     with pytest.raises(ValueError, match="DOWN_BLOCK_N >= 16"):
-        ge.triton_grouped_expert_forward(*quantized)
+        gl.triton_grouped_expert_forward(*quantized)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +385,7 @@ def _interpreter_cases(part: str = "all") -> dict[str, float]:
     `part`: "dense", "quantized" or "all" (the fixture runs the two parts at once)."""
     if part == "quantized":
         return _quantized_interpreter_cases()
-    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward as tri
+    from freetoken.kernels.grouped_launch import triton_grouped_expert_forward as tri
 
     def err(case, act="silu"):
         ours, ref = tri(*case, act=act), reference_grouped_experts(*case, act=act)
@@ -516,26 +512,26 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     the dequantized banks with the same launch parameters (-1.0: equal bit for bit, else the
     largest difference), the error relative to the reference's largest value, and
     dequantize_slots' kernel against the definition (-1.0: equal, NaNs where it has them)."""
-    import freetoken.kernels.grouped_experts as ge
+    import freetoken.kernels.grouped_launch as gl
 
     def with_launch(params, fn):
         """fn() with `params` for the dense kernels and for every quantized format."""
-        saved = {n: getattr(ge, n) for n in ge.LAUNCH_NAMES}, dict(ge.QUANTIZED_LAUNCH)
+        saved = {n: getattr(gl, n) for n in gl.LAUNCH_NAMES}, dict(gl.QUANTIZED_LAUNCH)
         try:
-            for n in ge.LAUNCH_NAMES:
-                setattr(ge, n, params[n])
-            for f in ge.QUANTIZED_LAUNCH:
-                ge.QUANTIZED_LAUNCH[f] = params
+            for n in gl.LAUNCH_NAMES:
+                setattr(gl, n, params[n])
+            for f in gl.QUANTIZED_LAUNCH:
+                gl.QUANTIZED_LAUNCH[f] = params
             return fn()
         finally:
             for n, v in saved[0].items():
-                setattr(ge, n, v)
-            ge.QUANTIZED_LAUNCH.update(saved[1])
+                setattr(gl, n, v)
+            gl.QUANTIZED_LAUNCH.update(saved[1])
 
     def compare(cases, key, act="silu", bias=None, params=SMALL_LAUNCH):
         quantized, dense = cases
-        q = with_launch(params, lambda: ge.triton_grouped_expert_forward(*quantized, act, bias))
-        d = with_launch(params, lambda: ge.triton_grouped_expert_forward(*dense, act, bias))
+        q = with_launch(params, lambda: gl.triton_grouped_expert_forward(*quantized, act, bias))
+        d = with_launch(params, lambda: gl.triton_grouped_expert_forward(*dense, act, bias))
         ref = reference_grouped_experts(*dense, act, bias)
         assert q.dtype == ref.dtype and q.shape == ref.shape and ref.abs().max() > 0.1
         res[key] = -1.0 if torch.equal(q, d) else (q.float() - d.float()).abs().max().item()
@@ -569,7 +565,7 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         compare(
             quantized_case(name, 2, 2, h, i, 4, seed=22),
             f"q_{name}_defaults",
-            params=ge.launch_params(fmt),
+            params=gl.launch_params(fmt),
         )
     # gpt-oss's unit with biases, gate and up past its clamp
     for name, dt in (("mxfp4", "bf16"), ("fp8", "fp32")):
@@ -582,7 +578,7 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     quantized, _ = quantized_case("mxfp4", 2, 2, 96, 64, 5, seed=24)
     x, slots, weights, gu, dn = quantized
     skipped = torch.full_like(slots, -1)
-    out = ge.triton_grouped_expert_forward(x, skipped, weights.fill_(float("nan")), gu, dn)
+    out = gl.triton_grouped_expert_forward(x, skipped, weights.fill_(float("nan")), gu, dn)
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
     # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
     gen = torch.Generator().manual_seed(25)
@@ -611,13 +607,13 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         ok = True
         for dtype in DTYPES.values():
             want = bank.dequantize(index, dtype)
-            for block_k in (32, ge.DEQUANTIZE_BLOCK_K):
-                saved = ge.DEQUANTIZE_BLOCK_K
-                ge.DEQUANTIZE_BLOCK_K = block_k
+            for block_k in (32, gl.DEQUANTIZE_BLOCK_K):
+                saved = gl.DEQUANTIZE_BLOCK_K
+                gl.DEQUANTIZE_BLOCK_K = block_k
                 try:
-                    got = ge.triton_dequantize_slots(bank, index, dtype)
+                    got = gl.triton_dequantize_slots(bank, index, dtype)
                 finally:
-                    ge.DEQUANTIZE_BLOCK_K = saved
+                    gl.DEQUANTIZE_BLOCK_K = saved
                 checked = torch.ones_like(want, dtype=torch.bool)
                 if dtype == torch.bfloat16:
                     # the interpreter's fp32 -> bf16 conversion (the store) mangles subnormal
@@ -742,7 +738,7 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 4, 32])
 def test_cuda_qwen3_30b_shapes_bf16(tokens, weight_dtype):
-    from freetoken.kernels.grouped_experts import triton_grouped_expert_forward
+    from freetoken.kernels.grouped_launch import triton_grouped_expert_forward
 
     case = make_case(
         tokens,
@@ -853,7 +849,7 @@ def _compile_cases() -> dict[str, list[str] | str]:
     with their launch parameters, under compiled.py's compile-only driver: each case's kernels
     compiled, or its error."""
     import compiled
-    import freetoken.kernels.grouped_experts as ge
+    import freetoken.kernels.grouped_launch as gl
 
     res: dict[str, list[str] | str] = {}
     for case in COMPILED_FORMATS:
@@ -865,11 +861,11 @@ def _compile_cases() -> dict[str, list[str] | str]:
                 x, slots, weights, w_gate_up, w_down = make_case(
                     4, k, h, i, 8, dtype=torch.bfloat16
                 )
-                ge.triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down)
+                gl.triton_grouped_expert_forward(x, slots, weights, w_gate_up, w_down)
             else:
                 quantized, _ = quantized_case(name, 4, k, h, i, 8, dtype=torch.bfloat16)
-                ge.triton_grouped_expert_forward(*quantized)
-                ge.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
+                gl.triton_grouped_expert_forward(*quantized)
+                gl.triton_dequantize_slots(quantized[3], quantized[1][0], torch.bfloat16)
         except Exception as e:  # (the test names it)
             res[case] = f"{type(e).__name__}: {str(e)[-600:]}"
             continue
@@ -905,7 +901,7 @@ def test_cuda_quantized_decode_kernels(model, name, monkeypatch):
     """The quantized kernels against the dense kernels on the dequantized banks, with the same
     launch parameters: equal, or within a bf16 rounding where the fp4 tiles' in-tile sums are
     ordered differently; and against the reference like the dense kernels."""
-    import freetoken.kernels.grouped_experts as ge
+    import freetoken.kernels.grouped_launch as gl
 
     h, i, s, k = MODEL_SHAPES[model]
     skip_unless_it_fits(name, h, i)
@@ -915,10 +911,10 @@ def test_cuda_quantized_decode_kernels(model, name, monkeypatch):
         )
         ours = grouped_expert_forward(*quantized)
         assert ours.dtype == torch.bfloat16
-        assert torch.equal(ge.triton_grouped_expert_forward(*quantized), ours)  # deterministic
-        for param, value in ge.launch_params(QUANTIZED[name].name).items():
-            monkeypatch.setattr(ge, param, value)
-        dense_kernels = ge.triton_grouped_expert_forward(*dense)
+        assert torch.equal(gl.triton_grouped_expert_forward(*quantized), ours)  # deterministic
+        for param, value in gl.launch_params(QUANTIZED[name].name).items():
+            monkeypatch.setattr(gl, param, value)
+        dense_kernels = gl.triton_grouped_expert_forward(*dense)
         diff = (ours.float() - dense_kernels.float()).abs().max().item()
         scale = dense_kernels.float().abs().max().item()
         # (the same fp32 products and sums per tile element; only the in-tile reduction may be
@@ -967,7 +963,7 @@ def test_cuda_quantized_long_chunks_use_grouped_gemm(model, name):
 def test_cuda_dequantize_slots_is_the_definition(name):
     """Every code and extreme scales (subnormal results, overflow, NaN codes), each dtype: the
     kernel's values are torch's definition's, bit for bit."""
-    from freetoken.kernels.grouped_experts import triton_dequantize_slots
+    from freetoken.kernels.grouped_launch import triton_dequantize_slots
 
     fmt = QUANTIZED[name]
     gen = torch.Generator().manual_seed(3)

@@ -1,7 +1,7 @@
 """A weight bank as the native CPU kernels read it (cpu_native.h's proj_t; the formats:
 cpu_formats.c): its parts' pointers and block shape, and one expert of it decoded by the
 library's decoders (cpu_decoders.c). Below both the experts' wrapper (cpu_experts.py) and the
-torch executor of cached experts (grouped_experts.py), which decodes a quantized slot here on
+torch executor of cached experts (grouped_reference.py), which decodes a quantized slot here on
 the CPU."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from freetoken.activations import activation_code, supported
 from freetoken.kernels.cpu_banks import DTYPES, projection, ptr
 from freetoken.kernels.cpu_team import I64, INT, U64, P, Signatures, declare, library
-from freetoken.kernels.grouped_experts import reference_grouped_experts
+from freetoken.kernels.grouped_reference import reference_grouped_experts
 from freetoken.weights.expert_format import SPLIT_FORMATS, QuantizedBank
 
 # The experts' arguments of the entry points that take them (ft_cpu_experts_submit, and

@@ -26,7 +26,7 @@
  * they are read, into the values their dequantized copy holds, and go through the same
  * arithmetic.
  *
- * Results follow the torch reference (kernels/grouped_experts.py) rounding step for step: for
+ * Results follow the torch reference (kernels/grouped_reference.py) rounding step for step: for
  * bf16 banks the projections, the activation, its product with up, the down projection and the
  * gate-weighted contribution are each rounded to bf16 where torch rounds them; only the
  * accumulation order inside a dot product differs. Contributions are summed per token in fp32,
