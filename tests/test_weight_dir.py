@@ -133,7 +133,7 @@ def test_a_stopped_check_reports_nothing_and_exit_stops_it(converted, tmp_path):
     real_register = atexit.register
     atexit.register = lambda f: registered.append(f) or real_register(f)
     try:
-        check = loader.IntegrityCheck(weights, items)
+        check = wd.IntegrityCheck(weights, items)
     finally:
         atexit.register = real_register
     assert registered == [check.stop]

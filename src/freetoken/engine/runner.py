@@ -21,6 +21,7 @@ from freetoken.kernels import paged_attention
 from freetoken.kv.batch import ForwardBatch, PinnedStaging, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
+from freetoken.model_config import ModelConfig
 from freetoken.models.loading import LoadedModel
 from freetoken.moe.runtime import MoERuntime, build_runtime
 from freetoken.weights.memory import available_host_bytes, gib
@@ -66,6 +67,38 @@ def auto_kv_tokens(config, max_model_len: int, dtype: torch.dtype, device: torch
     return max(tokens, 1)
 
 
+def _served_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence served: `max_model_len`, at most (and by default) the model's."""
+    served = max_model_len or cfg.max_position_embeddings
+    if served > cfg.max_position_embeddings:
+        raise FreetokenError(
+            f"--max-model-len {served} is beyond the model's context of "
+            f"{cfg.max_position_embeddings} tokens (max_position_embeddings)"
+        )
+    return served
+
+
+def _captures_decode(cfg: ModelConfig) -> bool:
+    """Whether a GPU's decode steps of `cfg` are captured in CUDA graphs. Not for heads the
+    device's decode kernel does not take (their torch path reads lengths on the host).
+    Linear-attention layers read their sequences' state slots from the batch's packed buffer,
+    which a replay copies in. Nor yet for sparse attention (DSA), whose decode gathers each
+    sequence's pages in torch (graph-safe, but a captured step would read the whole page
+    table). DeepSeek-V4's compressed attention is torch too, but written for capture: its
+    shapes are fixed by the page table's width, every window it can hold read and masked past
+    each length (layers/compressed_attention.py)."""
+    if cfg.mla is not None and cfg.mla.indexer is not None:
+        return False
+    if cfg.compressed is not None:
+        return True
+    return all(  # (every layer's heads: Gemma-4's differ by layer)
+        paged_attention.triton_decode_width(
+            d, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
+        )
+        for d in set(cfg.kv_layer_dims or (cfg.kv_cache_dim,))
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -93,30 +126,8 @@ class ModelRunner:
             # other SDPA backends take the same inputs with no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
         cfg = loaded.config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise FreetokenError(
-                f"--max-model-len {self.max_model_len} is beyond the model's context of "
-                f"{cfg.max_position_embeddings} tokens (max_position_embeddings)"
-            )
-        if kv_cache_tokens is None:
-            kv_cache_tokens = auto_kv_tokens(
-                cfg, self.max_model_len, self.model.dtype, self.model.device
-            )
-        self.kv = PagedKVCache(
-            num_layers=cfg.num_layers,
-            num_pages=-(-kv_cache_tokens // page_size),
-            page_size=page_size,
-            num_kv_heads=cfg.kv_cache_heads,
-            head_dim=cfg.kv_cache_dim,
-            dtype=self.model.dtype,
-            device=self.model.device,
-            kv_layers=cfg.attention_layers,
-            max_seq_tokens=self.max_model_len,
-            values_are_keys=cfg.mla is not None or cfg.compressed is not None,
-            layer_dims=cfg.kv_layer_dims,
-            layer_heads=cfg.kv_layer_heads,
-        )
+        self.max_model_len = _served_length(cfg, max_model_len)
+        self.kv = self._kv_pool(kv_cache_tokens, page_size)
         # Pinned buffers for each forward's packed copy of its per-step values.
         self.staging = PinnedStaging() if self.model.device.type == "cuda" else None
         self.states = RecurrentStatePool.for_model(
@@ -136,29 +147,30 @@ class ModelRunner:
         self._moe_blocks = [layer.moe for layer in self.model.layers if hasattr(layer, "moe")]
         self._install_moe()
         self.graphs = None
-        # Not for heads the device's decode kernel does not take (their torch path reads
-        # lengths on the host). Linear-attention layers read their sequences' state slots from
-        # the batch's packed buffer, which a replay copies in.
-        # Nor yet for sparse attention (DSA), whose decode gathers each sequence's pages in
-        # torch (graph-safe, but a captured step would read the whole page table).
-        # DeepSeek-V4's compressed attention is torch too, but written for capture: its
-        # shapes are fixed by the page table's width, every window it can hold read and
-        # masked past each length (layers/compressed_attention.py).
-        if (
-            cuda_graphs
-            and self.device.type == "cuda"
-            and not (cfg.mla is not None and cfg.mla.indexer is not None)
-            and (
-                cfg.compressed is not None
-                or all(  # (every layer's heads: Gemma-4's differ by layer)
-                    paged_attention.triton_decode_width(
-                        d, cfg.mla is not None, cfg.mla.kv_lora_rank if cfg.mla else 0
-                    )
-                    for d in set(cfg.kv_layer_dims or (cfg.kv_cache_dim,))
-                )
-            )
-        ):
+        if cuda_graphs and self.device.type == "cuda" and _captures_decode(cfg):
             self.graphs = DecodeGraphs(self.model, self.kv, self.states)
+
+    def _kv_pool(self, kv_cache_tokens: int | None, page_size: int) -> PagedKVCache:
+        """The paged KV pool: `kv_cache_tokens` (default: `auto_kv_tokens`) in pages."""
+        cfg = self.config
+        if kv_cache_tokens is None:
+            kv_cache_tokens = auto_kv_tokens(
+                cfg, self.max_model_len, self.model.dtype, self.model.device
+            )
+        return PagedKVCache(
+            num_layers=cfg.num_layers,
+            num_pages=-(-kv_cache_tokens // page_size),
+            page_size=page_size,
+            num_kv_heads=cfg.kv_cache_heads,
+            head_dim=cfg.kv_cache_dim,
+            dtype=self.model.dtype,
+            device=self.model.device,
+            kv_layers=cfg.attention_layers,
+            max_seq_tokens=self.max_model_len,
+            values_are_keys=cfg.mla is not None or cfg.compressed is not None,
+            layer_dims=cfg.kv_layer_dims,
+            layer_heads=cfg.kv_layer_heads,
+        )
 
     @property
     def device(self) -> torch.device:

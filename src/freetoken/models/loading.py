@@ -10,15 +10,12 @@ read (`expert_storage`); missing tensors are named."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import re
 import sys
 import threading
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +31,7 @@ from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.moe.store import BANK_NAMES, ExpertShape, HostExpertStore
 from freetoken.progress import waiting
-from freetoken.weights import early_read, memory
+from freetoken.weights import dir_io, early_read, memory
 from freetoken.weights import weight_dir as wd
 from freetoken.weights.expert_format import (
     DENSE,
@@ -46,7 +43,7 @@ from freetoken.weights.expert_format import (
     bank_parts,
     expert_format,
 )
-from freetoken.weights.quantized import FP8_BLOCK, QuantizedParts
+from freetoken.weights.quantized import QuantizedParts
 from freetoken.weights.safetensors_dir import CheckpointDir
 
 log = logging.getLogger(__name__)
@@ -76,42 +73,7 @@ class LoadedModel:
     path: Path
     raw_config: dict
     experts: HostExpertStore | None  # routed experts of every MoE layer, in host memory
-    integrity: IntegrityCheck | None = None  # a weight directory's checksums, being verified
-
-
-class IntegrityCheck:
-    """A weight directory's expert banks verified against their checksums on a background
-    thread while the engine starts serving; `error` is set if they differ (the engine then
-    refuses to compute: `LLMEngine.check_weights`), `done` once the check ended."""
-
-    def __init__(self, weights: wd.WeightDir, items: list):
-        self.error: wd.WeightIntegrityError | None = None
-        self.done = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(weights, items), name="ft-verify", daemon=True
-        )
-        # A process that exits mid-check stops it first: a daemon thread that frees tensors
-        # while Python finalizes aborts the process (torch retakes the GIL in C++ frames).
-        atexit.register(self.stop)
-        self._thread.start()
-
-    def _run(self, weights: wd.WeightDir, items: list) -> None:
-        try:
-            if weights.verify(items, stop=self._stop):
-                log.info("weights verified against their checksums")
-        except wd.WeightIntegrityError as e:
-            self.error = e
-            log.error("%s", e)
-        finally:
-            self.done.set()
-            atexit.unregister(self.stop)
-
-    def stop(self) -> None:
-        """End the check early (its chunk in hand finishes) and wait for it."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+    integrity: wd.IntegrityCheck | None = None  # a weight directory's checksums, being verified
 
 
 def resolve_dtype(name: str | torch.dtype | None, config_dtype: str) -> torch.dtype:
@@ -331,11 +293,8 @@ def _empty_model(
     return model, store
 
 
-# -- freetoken's weight directory -----------------------------------------------------------
-
-EXPERTS_FILE, DENSE_FILE = wd.EXPERTS_FILE, wd.DENSE_FILE
-# what a weight directory copies from its source: everything but the weights and their index
-_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
+# -- freetoken's weight directory (its files: weights/weight_dir.py, a model's tensors in it and
+# their reads: weights/dir_io.py) ---------------------------------------------------------------
 
 
 def convert_checkpoint(
@@ -357,8 +316,7 @@ def convert_checkpoint(
     loaded = load_model(
         src, dtype, "cpu", progress, dequantize_experts=dequantize_experts, dequantize_dense=True
     )
-    copy = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
-    write_weight_dir(loaded, dst, copy, progress)
+    write_weight_dir(loaded, dst, wd.copied_files(src), progress)
     return dst
 
 
@@ -367,23 +325,13 @@ def write_weight_dir(
 ) -> None:
     """`loaded`'s parameters and host pool (in CPU memory) as a weight directory at `dst`, with
     the files `copy` (config and tokenizer) beside them."""
-    files = {DENSE_FILE: [(f"param:{n}", p.detach()) for n, p in loaded.model.named_parameters()]}
-    if loaded.experts is not None:
-        files[EXPERTS_FILE] = [
-            (f"experts:{name}", bank) for name, bank in loaded.experts.named_banks.items()
-        ]
+    experts = loaded.experts
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     meta = {"dtype": dtype_name, "source": loaded.path.name}
-    if loaded.experts is not None and loaded.experts.format.quantized:
-        fmt = loaded.experts.format
-        meta["expert_format"] = fmt.name
-        meta["expert_blocks"] = [fmt.row_block, fmt.col_block]
-        if loaded.experts.shape.down_format is not None:
-            meta["expert_format_down"] = loaded.experts.shape.down_format.name
-    total = sum(t.numel() * t.element_size() for ts in files.values() for _, t in ts)
-    show = sys.stderr.isatty() if progress is None else progress
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
-        wd.write(dst, files, meta, copy, bar.update)
+    if experts is not None and experts.format.quantized:
+        meta |= dir_io.expert_meta(experts.format, experts.shape.down_format)
+    banks = None if experts is None else experts.named_banks
+    dir_io.write_model(dst, loaded.model.named_parameters(), banks, meta, copy, progress)
     if "quantization_config" in loaded.raw_config:
         # the directory holds the other weights dequantized (weights/quantized.py) and the
         # experts as `expert_format` in its index says: config.json no longer describes them
@@ -396,18 +344,7 @@ def _load_weight_dir(
 ) -> LoadedModel:
     early = early_read.claim(path)  # (the files' reads begun at the start, if they were)
     cuda = torch.device(device).type == "cuda"
-    pool_lock = None
-    if early is not None and cuda and EXPERTS_FILE in early.files:
-        # The pool is page-locked as soon as it is read, while the model is built (0.4 s for
-        # 19 GB in 2 MiB pages on the H200 machine); the store adopts the lock. A start's early
-        # read began it beside the imports where the native preload ran (`lock_pool`).
-        # (a pool mapped from the page cache: its pages locked read-only, as CUDA takes them)
-        if early.pool_lock is None and not dequantize_experts:
-            early.lock_pool(None)
-        pool_lock = early.pool_lock
-        if pool_lock is not None and dequantize_experts:  # (the experts are copied, dequantized)
-            pool_lock.release()
-            pool_lock = None
+    pool_lock = None if early is None else early.pool_lock_for_load(cuda, dequantize_experts)
     try:
         return _read_weight_dir(
             path, dtype, device, progress, verify, dequantize_experts, early, pool_lock
@@ -428,133 +365,43 @@ def _read_weight_dir(
     early: early_read.EarlyRead | None,
     pool_lock: memory.PageLock | None,
 ) -> LoadedModel:
+    """The model in weight directory `path`: checked, built on the meta device, its pool's
+    banks placed (`_place_banks`), read (dir_io.DirLoad), copied to `device`, checked."""
     cuda = torch.device(device).type == "cuda"
     weights = wd.WeightDir(path)
     raw = CheckpointDir.read_config(path)
     _, cfg = _parse(raw, path)
-    stored = DTYPES.get(weights.meta.get("dtype", ""))
-    want = resolve_dtype(dtype, weights.meta.get("dtype", cfg.torch_dtype))
-    if stored is None or want != stored:
-        raise CheckpointError(
-            f"{path} holds {weights.meta.get('dtype')} weights; load it with --dtype auto, or "
-            f"convert the checkpoint again with --dtype {str(want).removeprefix('torch.')}"
-        )
-    blocks = weights.meta.get("expert_blocks") or FP8_BLOCK
-    fmt = expert_format(weights.meta.get("expert_format", "dense"), tuple(blocks))
-    down = weights.meta.get("expert_format_down")
-    down = None if down is None else expert_format(down)
+    stored = _stored_dtype(weights, dtype, cfg, path)
+    fmt, down = dir_io.stored_formats(weights)
     dequantize = dequantize_experts and fmt.quantized and cfg.moe is not None
     need = weights.nbytes + (_pool_bytes(cfg, stored, DENSE) if dequantize else 0)
     if early is not None:  # (what it has read is in memory already: no longer free)
         need -= early.done_bytes
     _admit(path, need, stored)
     log.debug("index and config read")
-    if (preload := native_preload.started()) is not None:  # (what the start did GIL-free)
-        log.debug(
-            "native preload %s: %s",
-            "done" if preload.wait(0) else "still running",
-            ", ".join(f"{k} {v:.3f} s" for k, v in preload.timings.items()),
-        )
+    _log_native_preload()
     model = DecoderModel.on_meta(cfg, stored)
-    _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)  # (all there)
+    load = dir_io.DirLoad(weights, early, progress)
+    load.pairs(dir_io.PARAM, model.named_parameters())  # (all there)
     store = HostExpertStore.for_model(cfg, stored, fmt, down) if cfg.moe is not None else None
     log.debug("model built on the meta device, the pool's banks allocated")
-    banks = []
-    if store is not None:
-        banks = _entries(
-            weights, {f"experts:{name}": bank for name, bank in store.named_banks.items()}, path
-        )
-    early_banks = early is not None and _all_in(banks, early, EXPERTS_FILE)
-    if early_banks:
-        banks = _adopt(weights, banks, early)
-        for entry, view in banks:
-            store.named_banks[entry.name.removeprefix("experts:")] = view
-        # (mapped from the page cache, read-only: where the lock fails, `pin` copies the pool
-        # into memory of its own first, as for a CPU start's mapping)
-        store.mapped = EXPERTS_FILE in early.mapped
-        if pool_lock is not None and not dequantize:
-            store.adopt_page_lock(pool_lock)
-            pool_lock = None
-    elif store is not None and not cuda and weights.resident([e for e, _ in banks]):
-        banks = _map_banks(weights, store, banks)
-    if pool_lock is not None:  # (not the banks' memory after all)
-        pool_lock.release()
-    show = sys.stderr.isatty() if progress is None else progress
-    with (
-        torch.no_grad(),
-        tqdm(
-            total=weights.nbytes,
-            unit="B",
-            unit_scale=True,
-            desc="Loading weights",
-            disable=not show,
-        ) as bar,
-    ):
-        lock = threading.Lock()
+    banks = [] if store is None else load.pairs(dir_io.BANK, store.named_banks.items())
+    banks = _place_banks(load, store, banks, cuda, pool_lock)  # (no lock where dequantized)
 
-        def advance(n: int) -> None:
-            with lock:
-                bar.update(n)
+    def materialize() -> list:
+        model.materialize("cpu")
+        return load.pairs(dir_io.PARAM, model.named_parameters())
 
-        # The banks' reads run while the model is given its memory (whose first CPU op costs
-        # 0.6-0.9 s on the H200 machine: the disk would sit idle), then the dense tensors'.
-        mapped = store is not None and store.mapped and not early_banks
-        if mapped:
-            advance(sum(entry.nbytes for entry, _ in banks))
-
-        def read_banks() -> None:
-            if not early_banks:
-                return weights.read([] if mapped else banks, progress=advance)
-            early.wait(EXPERTS_FILE)
-            advance(sum(entry.nbytes for entry, _ in banks))
-            if EXPERTS_FILE in early.mapped:
-                log.info(
-                    "expert banks mapped from the page cache: %.1f GB",
-                    early.sizes[EXPERTS_FILE] / 1e9,
-                )
-            else:
-                log.info(
-                    "expert banks read from the start: %.1f GB in %.2f s",
-                    early.sizes[EXPERTS_FILE] / 1e9,
-                    early.seconds[EXPERTS_FILE],
-                )
-
-        with ThreadPoolExecutor(1, thread_name_prefix="ft-banks") as pool:
-            banks_read = pool.submit(read_banks)
-            model.materialize("cpu")
-            log.debug("model's memory given")
-            dense = _entries(weights, {f"param:{n}": p for n, p in model.named_parameters()}, path)
-            early_dense = early is not None and _all_in(dense, early, DENSE_FILE)
-            if early_dense:  # the parameters become views of what was read
-                for (_, param), (_, view) in zip(dense, _adopt(weights, dense, early), strict=True):
-                    param.data = view
-                early.wait(DENSE_FILE)
-                advance(early.sizes[DENSE_FILE])
-            else:
-                weights.read(dense, progress=advance)
-            log.debug("dense tensors read")
-            banks_read.result()
-    # The dense tensors (smaller) are checked at once, on threads (zlib.crc32 releases the GIL)
-    # while they are copied to the GPU: nothing computes with them before both are done. (The
-    # check reads the host tensors as they are now: the copy points the parameters elsewhere.)
-    host_dense = [(entry, tensor.detach()) for entry, tensor in dense]
-    with ThreadPoolExecutor(1, thread_name_prefix="ft-verify-dense") as pool:
-        dense_checked = pool.submit(weights.verify, host_dense, threads=wd.io_threads())
-        if cuda and early_dense:  # copied from page-locked memory: at the link's speed
-            region = early.regions[DENSE_FILE]
-            with memory.page_locked(memory.address(region), len(region)):
+    dense = load.read(banks, materialize)
+    with load.checking_dense(dense):
+        if cuda and load.early_dense:  # copied from page-locked memory: at the link's speed
+            with load.dense_locked():
                 model.to(device, non_blocking=True)
                 torch.cuda.synchronize(device)
         else:
             model.to(device)
         log.debug("model on %s", device)
-        dense_checked.result()
-    log.debug("dense tensors verified")
-    integrity = None
-    if verify or dequantize:  # (what is dequantized is checked first)
-        weights.verify(banks, threads=wd.io_threads())
-    elif banks:
-        integrity = IntegrityCheck(weights, banks)
+    integrity = load.check_banks(banks, now=verify or dequantize)  # (dequantized: checked first)
     if dequantize:
         log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
         store = _dequantized(store, cfg)
@@ -563,43 +410,52 @@ def _read_weight_dir(
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
 
 
-def _all_in(items: list, early: early_read.EarlyRead, file: str) -> bool:
-    """Whether `items`' entries all lie in `file` and the early read read it."""
-    return bool(items) and file in early.files and all(e.file == file for e, _ in items)
+def _stored_dtype(weights: wd.WeightDir, dtype, cfg: ModelConfig, path: Path) -> torch.dtype:
+    """The dtype `weights` holds, refused unless it is the one asked for (`dtype`)."""
+    stored = DTYPES.get(weights.meta.get("dtype", ""))
+    want = resolve_dtype(dtype, weights.meta.get("dtype", cfg.torch_dtype))
+    if stored is None or want != stored:
+        raise CheckpointError(
+            f"{path} holds {weights.meta.get('dtype')} weights; load it with --dtype auto, or "
+            f"convert the checkpoint again with --dtype {str(want).removeprefix('torch.')}"
+        )
+    return stored
 
 
-def _adopt(weights: wd.WeightDir, items: list, early: early_read.EarlyRead) -> list:
-    """(entry, view) pairs: each tensor of `items` as a view of the early read's memory (laid
-    out as the file: each at its index offset), whose bytes arrive as its threads read them
-    (`early.wait`)."""
-    adopted = []
-    for entry, tensor in items:
-        weights.check(entry, tensor)
-        with warnings.catch_warnings():  # (a read-only mapping: torch warns it is not writable)
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(
-                early.regions[entry.file],
-                dtype=torch.uint8,
-                count=entry.nbytes,
-                offset=entry.offset,
-            )
-        adopted.append((entry, view.view(tensor.dtype).view(tensor.shape)))
-    return adopted
+def _log_native_preload() -> None:
+    """What the start's native preload did GIL-free (native_preload.py), if it ran."""
+    if (preload := native_preload.started()) is not None:
+        log.debug(
+            "native preload %s: %s",
+            "done" if preload.wait(0) else "still running",
+            ", ".join(f"{k} {v:.3f} s" for k, v in preload.timings.items()),
+        )
 
 
-def _map_banks(weights: wd.WeightDir, store: HostExpertStore, banks: list) -> list:
-    """A warm CPU start: the pool's banks become mappings of the directory's file pages, nothing
-    to read or fault in; the (entry, bank) pairs for the integrity check. Private mappings: not
-    for a pool to be page-locked for the GPU's fills (locking these pages did not end in 100 s
-    for 18 GiB on the H200 machine); a GPU start maps the file shared and read-only instead, as
-    its early read (weights/early_read.py)."""
-    mapped = []
-    for (entry, bank), name in zip(banks, list(store.named_banks), strict=True):
-        weights.check(entry, bank)
-        store.named_banks[name] = weights.map(entry)
-        mapped.append((entry, store.named_banks[name]))
-    store.mapped = True
-    return mapped
+def _place_banks(
+    load: dir_io.DirLoad,
+    store: HostExpertStore | None,
+    banks: list,
+    cuda: bool,
+    pool_lock: memory.PageLock | None,
+) -> list:
+    """The pool's banks made the tensors that hold their bytes where there are such
+    (`DirLoad.place_banks`: the early read's memory, whose page lock the store adopts, or the
+    page cache's pages); `pool_lock` released where it is not the banks' memory after all.
+    The (entry, bank) pairs to read and check."""
+    placed = load.place_banks(banks, cuda)
+    if placed is not None:
+        for entry, view in placed:
+            store.named_banks[entry.name.removeprefix(dir_io.BANK)] = view
+        # (mapped from the page cache, read-only: where the lock fails, `pin` copies the pool
+        # into memory of its own first, as for a CPU start's mapping)
+        store.mapped = load.banks_mapped
+        banks = placed
+    if load.early_banks and pool_lock is not None:
+        store.adopt_page_lock(pool_lock)
+    elif pool_lock is not None:
+        pool_lock.release()
+    return banks
 
 
 def _pool_bytes(
@@ -620,16 +476,6 @@ def _dequantized(store: HostExpertStore, cfg: ModelConfig) -> HostExpertStore:
     if store.b_gate_up is not None:
         dense.b_gate_up.copy_(store.b_gate_up)
     return dense
-
-
-def _entries(weights: wd.WeightDir, targets: dict[str, torch.Tensor], path: Path) -> list:
-    missing = sorted(set(targets) - set(weights.entries))
-    if missing:
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise CheckpointError(
-            f"weight directory {path} is missing tensors: {', '.join(missing[:8])}{more}"
-        )
-    return [(weights.entries[name], tensor) for name, tensor in targets.items()]
 
 
 def _fill(

@@ -315,8 +315,53 @@ def _write(reader, arch: str, dst: Path, routing: Routing, show: bool) -> None:
     import gguf
 
     experts = routing.routers[0].shape[0]
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
     ffn = int(_field(reader, f"{arch}.feed_forward_length"))
+    plan = _plan(reader, arch, routing)
+    w = gguf.GGUFWriter(str(dst), TARGET)
+    for key, value, vtype, sub in _metadata(reader, arch):
+        w.add_key_value(key, value, vtype, sub)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(routing.top_k)
+    w.add_expert_feed_forward_length(ffn)
+    w.add_expert_shared_feed_forward_length(SHARED_WIDTH)
+    w.add_expert_weights_norm(True)
+    total = 0
+    for name, item in plan:
+        if isinstance(item, np.ndarray):
+            w.add_tensor_info(name, item.shape, item.dtype, item.nbytes)
+            total += item.nbytes
+            continue
+        t, copies, data = item
+        data = np.asarray(t.data) if data is None else data
+        shape = data.shape if copies == 1 else (copies, *data.shape)
+        w.add_tensor_info(name, shape, data.dtype, data.nbytes * copies, raw_dtype=t.tensor_type)
+        total += data.nbytes * copies
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
+        for _, item in plan:
+            if isinstance(item, np.ndarray):
+                out = item
+            else:
+                t, copies, data = item
+                data = np.asarray(t.data) if data is None else data
+                # (one layer's experts at a time: the largest tensor is E copies of one MLP's)
+                out = (
+                    data
+                    if copies == 1
+                    else np.ascontiguousarray(np.broadcast_to(data, (copies, *data.shape)))
+                )
+            w.write_tensor_data(out)
+            bar.update(out.nbytes)
+    w.close()
+
+
+def _plan(reader, arch: str, routing: Routing) -> list[tuple[str, object]]:
+    """The MoE file's tensors in its order: (name, an array, or (source tensor, copies, its
+    data where changed))."""
+    experts = routing.routers[0].shape[0]
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     layers = int(_field(reader, f"{arch}.block_count"))
@@ -356,45 +401,7 @@ def _write(reader, arch: str, dst: Path, routing: Routing, show: bool) -> None:
             plan.append((f"blk.{i}.ffn_{proj}_shexp.weight", np.zeros(shape, np.float32)))
     if "output.weight" not in tensors:  # (llama.cpp's qwen2moe has no tied embeddings)
         copy(tensors["token_embd.weight"], name="output.weight")
-
-    w = gguf.GGUFWriter(str(dst), TARGET)
-    for key, value, vtype, sub in _metadata(reader, arch):
-        w.add_key_value(key, value, vtype, sub)
-    w.add_expert_count(experts)
-    w.add_expert_used_count(routing.top_k)
-    w.add_expert_feed_forward_length(ffn)
-    w.add_expert_shared_feed_forward_length(SHARED_WIDTH)
-    w.add_expert_weights_norm(True)
-    total = 0
-    for name, item in plan:
-        if isinstance(item, np.ndarray):
-            w.add_tensor_info(name, item.shape, item.dtype, item.nbytes)
-            total += item.nbytes
-            continue
-        t, copies, data = item
-        data = np.asarray(t.data) if data is None else data
-        shape = data.shape if copies == 1 else (copies, *data.shape)
-        w.add_tensor_info(name, shape, data.dtype, data.nbytes * copies, raw_dtype=t.tensor_type)
-        total += data.nbytes * copies
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing", disable=not show) as bar:
-        for _, item in plan:
-            if isinstance(item, np.ndarray):
-                out = item
-            else:
-                t, copies, data = item
-                data = np.asarray(t.data) if data is None else data
-                # (one layer's experts at a time: the largest tensor is E copies of one MLP's)
-                out = (
-                    data
-                    if copies == 1
-                    else np.ascontiguousarray(np.broadcast_to(data, (copies, *data.shape)))
-                )
-            w.write_tensor_data(out)
-            bar.update(out.nbytes)
-    w.close()
+    return plan
 
 
 def _metadata(reader, arch: str):

@@ -291,21 +291,7 @@ def _sse(kind: str, data: dict[str, Any]) -> str:
 
 async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIterator[str]:
     cached = await events.cached_tokens(ADMISSION_WAIT)
-    yield _sse(
-        "message_start",
-        {
-            "message": {
-                "id": mid,
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": _usage(ev.Usage(prompt_tokens, 0, cached or 0)),
-            }
-        },
-    )
+    yield _message_start(mid, model, ev.Usage(prompt_tokens, 0, cached or 0))
     yield _sse("ping", {})
     index, open_kind = -1, None
 
@@ -316,28 +302,9 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
         if e is None:
             yield _sse("ping", {})
         elif isinstance(e, ev.TextDelta | ev.ReasoningDelta):
-            kind = "text" if isinstance(e, ev.TextDelta) else "thinking"
-            if open_kind != kind:
-                if open_kind is not None:
-                    if open_kind == "thinking":
-                        yield _sse(
-                            "content_block_delta",
-                            {"index": index, "delta": {"type": "signature_delta", "signature": ""}},
-                        )
-                    yield close()
-                index, open_kind = index + 1, kind
-                block = (
-                    {"type": "text", "text": ""}
-                    if kind == "text"
-                    else {"type": "thinking", "thinking": "", "signature": ""}
-                )
-                yield _sse("content_block_start", {"index": index, "content_block": block})
-            delta = (
-                {"type": "text_delta", "text": e.text}
-                if kind == "text"
-                else {"type": "thinking_delta", "thinking": e.text}
-            )
-            yield _sse("content_block_delta", {"index": index, "delta": delta})
+            sent, index, open_kind = _text_events(e, index, open_kind)
+            for event in sent:
+                yield event
         elif isinstance(e, ev.ToolCallStart):
             if open_kind is not None:
                 yield close()
@@ -362,22 +329,62 @@ async def _stream(events, mid: str, model: str, prompt_tokens: int) -> AsyncIter
         elif isinstance(e, ev.Finish):
             if open_kind is not None:
                 yield close()
-            yield _sse(
-                "message_delta",
-                {
-                    "delta": {
-                        "stop_reason": STOP_REASON[e.reason],
-                        "stop_sequence": e.stop_sequence,
-                    },
-                    "usage": _usage(usage),
-                },
-            )
+            yield _message_delta(e, usage)
             yield _sse("message_stop", {})
         elif isinstance(e, ev.Failure):
             # Anthropic's own mid-stream error event (an overloaded_error when the server
             # shuts down, which clients retry).
             yield f"event: error\ndata: {json.dumps(failed(e).anthropic_body())}\n\n"
             return
+
+
+def _message_start(mid: str, model: str, usage: ev.Usage) -> str:
+    message = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(usage),
+    }
+    return _sse("message_start", {"message": message})
+
+
+def _message_delta(e: ev.Finish, usage: ev.Usage) -> str:
+    delta = {"stop_reason": STOP_REASON[e.reason], "stop_sequence": e.stop_sequence}
+    return _sse("message_delta", {"delta": delta, "usage": _usage(usage)})
+
+
+def _text_events(
+    e: ev.TextDelta | ev.ReasoningDelta, index: int, open_kind: str | None
+) -> tuple[list[str], int, str]:
+    """A text or thinking delta's events: where the open block is of another kind, it is
+    closed (a thinking block given its empty signature first) and a block of this kind
+    started; then the delta. With the index and kind of the block open after them."""
+    kind = "text" if isinstance(e, ev.TextDelta) else "thinking"
+    sent = []
+    if open_kind != kind:
+        if open_kind is not None:
+            if open_kind == "thinking":
+                signature = {"type": "signature_delta", "signature": ""}
+                sent.append(_sse("content_block_delta", {"index": index, "delta": signature}))
+            sent.append(_sse("content_block_stop", {"index": index}))
+        index, open_kind = index + 1, kind
+        block = (
+            {"type": "text", "text": ""}
+            if kind == "text"
+            else {"type": "thinking", "thinking": "", "signature": ""}
+        )
+        sent.append(_sse("content_block_start", {"index": index, "content_block": block}))
+    delta = (
+        {"type": "text_delta", "text": e.text}
+        if kind == "text"
+        else {"type": "thinking_delta", "thinking": e.text}
+    )
+    sent.append(_sse("content_block_delta", {"index": index, "delta": delta}))
+    return sent, index, open_kind
 
 
 def count_tokens(core: GenerationCore, body: CountTokensRequest) -> dict[str, int]:

@@ -133,46 +133,56 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
     config = config or ServerConfig()
     metrics = Metrics(core)
     core.metrics = metrics
+    app = Starlette(
+        routes=[
+            *_server_routes(core, config.max_request_bytes, metrics),
+            *_api_routes(core, config.max_request_bytes),
+        ],
+        exception_handlers={
+            ApiError: _api_error,
+            QueueFullError: _queue_full,
+            StarletteHTTPException: _http_error,
+            Exception: _internal,
+        },
+    )
+    if config.api_key:
+        app.add_middleware(RequireKey, key=config.api_key)
+    app.add_middleware(AccessLog)  # (outermost: a request refused for its key is logged too)
+    return app
 
-    async def api_error(request: Request, err: ApiError) -> Response:
-        return error_response(request.url.path, err)
 
-    async def queue_full(request: Request, e: QueueFullError) -> Response:
-        err = ApiError(429, "rate_limit_error", str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
-        return error_response(request.url.path, err)
+async def _api_error(request: Request, err: ApiError) -> Response:
+    return error_response(request.url.path, err)
 
-    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
-        # No such route or method: in the API's shape too, not Starlette's plain text.
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {shown(request.url.path)}: {e.detail}"
-        return error_response(request.url.path, ApiError(e.status_code, kind, message))
 
-    async def internal(request: Request, e: Exception) -> Response:
-        # Starlette logs the exception after this answer is sent.
-        return error_response(request.url.path, ApiError(500, "api_error", "internal server error"))
+async def _queue_full(request: Request, e: QueueFullError) -> Response:
+    err = ApiError(429, "rate_limit_error", str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+    return error_response(request.url.path, err)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+    # No such route or method: in the API's shape too, not Starlette's plain text.
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {shown(request.url.path)}: {e.detail}"
+    return error_response(request.url.path, ApiError(e.status_code, kind, message))
+
+
+async def _internal(request: Request, e: Exception) -> Response:
+    # Starlette logs the exception after this answer is sent.
+    return error_response(request.url.path, ApiError(500, "api_error", "internal server error"))
+
+
+def _api_routes(core: GenerationCore, limit: int) -> list[Route]:
+    """The APIs' POST endpoints: OpenAI's, the Responses API's and Anthropic's."""
 
     async def generate(request: Request, endpoint: str, prepare, answer) -> Response:
         core.check_serving()
-        body = await parse(request, endpoint, config.max_request_bytes)
+        body = await parse(request, endpoint, limit)
         prepared = await asyncio.to_thread(prepare, core, body)
         result = answer(core, prepared)  # submitted now: a full queue fails before a response
         if prepared.stream:
             return StreamingResponse(result, media_type="text/event-stream")
         return await whole_answer(request, result)
-
-    async def health(request: Request) -> Response:
-        if (error := core.weights_error) is not None:  # corrupt weights: serving has stopped
-            return JSONResponse({"status": "failed", "error": error}, status_code=503)
-        return JSONResponse({"status": "draining" if core.draining else "ok"})
-
-    async def root(request: Request) -> Response:
-        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
-        return JSONResponse(
-            {"name": "freetoken", "model": core.model_name, "endpoints": ["/v1", "/v1/messages"]}
-        )
-
-    async def list_models(request: Request) -> Response:
-        return JSONResponse(openai_api.models(core))
 
     async def chat(request: Request) -> Response:
         return await generate(request, "chat", openai_api.prepare_chat, openai_api.answer_chat)
@@ -193,8 +203,34 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
         )
 
     async def count_tokens(request: Request) -> Response:
-        body = await parse(request, "count_tokens", config.max_request_bytes)
+        body = await parse(request, "count_tokens", limit)
         return JSONResponse(await asyncio.to_thread(anthropic_api.count_tokens, core, body))
+
+    return [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
+
+
+def _server_routes(core: GenerationCore, limit: int, metrics: Metrics) -> list[Route]:
+    """The server's own endpoints: health, the root, models, stats, control, metrics."""
+
+    async def health(request: Request) -> Response:
+        if (error := core.weights_error) is not None:  # corrupt weights: serving has stopped
+            return JSONResponse({"status": "failed", "error": error}, status_code=503)
+        return JSONResponse({"status": "draining" if core.draining else "ok"})
+
+    async def root(request: Request) -> Response:
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+        return JSONResponse(
+            {"name": "freetoken", "model": core.model_name, "endpoints": ["/v1", "/v1/messages"]}
+        )
+
+    async def list_models(request: Request) -> Response:
+        return JSONResponse(openai_api.models(core))
 
     async def stats(request: Request) -> Response:
         return JSONResponse(stats_json(core))
@@ -202,7 +238,7 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
     async def resize(request: Request) -> Response:
         """{"experts": SIZE, "kv": SIZE} (either or both): memory re-split between the expert
         cache and the KV pool at the next step boundary; answers the new split."""
-        body = await parse(request, "ctl", config.max_request_bytes)
+        body = await parse(request, "ctl", limit)
         if body.experts is None and body.kv is None:
             raise ApiError(
                 400,
@@ -221,28 +257,11 @@ def create_app(core: GenerationCore, config: ServerConfig | None = None) -> Star
     async def prometheus(request: Request) -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/", root),  # (GET and HEAD)
-            Route("/v1/models", list_models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/responses", responses, methods=["POST"]),
-            Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-            Route("/v1/stats", stats),
-            Route("/v1/ctl/cache", resize, methods=["POST"]),
-            Route("/metrics", prometheus),
-        ],
-        exception_handlers={
-            ApiError: api_error,
-            QueueFullError: queue_full,
-            StarletteHTTPException: http_error,
-            Exception: internal,
-        },
-    )
-    if config.api_key:
-        app.add_middleware(RequireKey, key=config.api_key)
-    app.add_middleware(AccessLog)  # (outermost: a request refused for its key is logged too)
-    return app
+    return [
+        Route("/health", health),
+        Route("/", root),  # (GET and HEAD)
+        Route("/v1/models", list_models),
+        Route("/v1/stats", stats),
+        Route("/v1/ctl/cache", resize, methods=["POST"]),
+        Route("/metrics", prometheus),
+    ]

@@ -15,9 +15,14 @@ and CUDA page-locks them read-only (`memory.READ_ONLY`: 8 GiB in 0.28 s there, a
 memory of the pool's own; `benchmarks/mapped_pool_probe.py`); settings.EARLY_MAP (=0) reads
 it instead. The regions read into are advised MADV_HUGEPAGE: the reads fault in fresh memory, and
 2 MiB pages take a fault and a zeroing per 2 MiB where 4 KiB pages took one per 4 KiB. The
-loader `claim`s the read (models/loading.py): the pool's banks and the dense parameters become
-views of its memory, and the loader waits for each file where it would have read it. Nothing
-here imports torch.
+loader `claim`s the read (models/loading.py, through dir_io.DirLoad): the pool's banks and the
+dense parameters become views of its memory (`adopt`), the loader waits for each file where it
+would have read it, takes over the pool's page lock (`pool_lock_for_load`) and copies the dense
+parameters to the GPU from their region page-locked (`page_locked`). Nothing here imports torch
+until a view is asked for.
+
+The file reads top to bottom as a start goes: `start` (before the imports), `EarlyRead` (its
+readers, `lock_pool`, `wait`), then the loader's half: `claim` and what the load asks of it.
 
 Not started (the loader reads as before) where the index cannot be read, where host memory
 (cgroup limits included) lacks room for the files beside a margin, or on `--device cpu`.
@@ -30,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from freetoken import native_preload, settings
@@ -63,6 +69,42 @@ def reader_threads() -> int:
     if wanted is not None:
         return max(1, wanted)
     return max(1, min(IMPORT_READERS, wd.io_threads(), (os.cpu_count() or 1) - 2))
+
+
+def start(model: str | Path | None, device: str | None = None) -> EarlyRead | None:
+    """Begin reading `model`'s files if it is a weight directory a GPU start will read (see the
+    module's docstring); the loader then `claim`s it."""
+    wanted = settings.early_read()
+    if wanted is False or model is None:
+        return None
+    if wanted is None and (device == "cpu" or not native_preload.gpu_driver_present()):
+        return None
+    path = Path(model)
+    if not wd.is_weight_dir(path):
+        return None
+    try:
+        weights = wd.WeightDir(path)  # (sizes checked: a cut file is the loader's to refuse)
+        files = tuple(f for f in FILES if (path / f).is_file())
+        if not files:
+            return None
+        mapped = tuple(f for f in files if f in MAPPABLE and _maps(path / f))
+        nbytes = sum((path / f).stat().st_size for f in files if f not in mapped)
+        if nbytes + MARGIN > memory.available_host_bytes():
+            return None
+        read = EarlyRead(weights, files, mapped=mapped)
+    except (OSError, FreetokenError) as e:
+        log.debug("no early read of %s: %s", path, e)
+        return None
+    with _lock:
+        _pending[path.resolve()] = read
+    return read
+
+
+def _maps(file: Path) -> bool:
+    """Whether `file` is mapped rather than read: the page cache holds all of it (a mapping
+    of a file it lacks would read it at the page cache's pace, where direct reads run at the
+    disk's), unless settings.EARLY_MAP is 0."""
+    return settings.early_map() and wd.resident_fraction(file) >= 1.0
 
 
 class EarlyRead:
@@ -194,41 +236,52 @@ class EarlyRead:
         if file not in self.seconds and self.error is not None:
             raise self.error
 
+    # -- the loader's half (after `claim`) -------------------------------------------------
 
-def start(model: str | Path | None, device: str | None = None) -> EarlyRead | None:
-    """Begin reading `model`'s files if it is a weight directory a GPU start will read (see the
-    module's docstring); the loader then `claim`s it."""
-    wanted = settings.early_read()
-    if wanted is False or model is None:
-        return None
-    if wanted is None and (device == "cpu" or not native_preload.gpu_driver_present()):
-        return None
-    path = Path(model)
-    if not wd.is_weight_dir(path):
-        return None
-    try:
-        weights = wd.WeightDir(path)  # (sizes checked: a cut file is the loader's to refuse)
-        files = tuple(f for f in FILES if (path / f).is_file())
-        if not files:
+    def pool_lock_for_load(self, cuda: bool, dequantize: bool) -> memory.PageLock | None:
+        """The expert pool's page lock for a load (the store adopts it), None where there is
+        none: the pool is locked as soon as it is read, while the model is built (0.4 s for
+        19 GB in 2 MiB pages on the H200 machine); begun beside the imports where the native
+        preload ran (`lock_pool`), else now, through torch's runtime (a pool mapped from the
+        page cache: its pages locked read-only, as CUDA takes them). None on the CPU, and
+        where the experts are dequantized (copied: a lock the start began is released)."""
+        if not cuda or wd.EXPERTS_FILE not in self.files:
             return None
-        mapped = tuple(f for f in files if f in MAPPABLE and _maps(path / f))
-        nbytes = sum((path / f).stat().st_size for f in files if f not in mapped)
-        if nbytes + MARGIN > memory.available_host_bytes():
+        if self.pool_lock is None and not dequantize:
+            self.lock_pool(None)
+        if self.pool_lock is not None and dequantize:
+            self.pool_lock.release()
             return None
-        read = EarlyRead(weights, files, mapped=mapped)
-    except (OSError, FreetokenError) as e:
-        log.debug("no early read of %s: %s", path, e)
-        return None
-    with _lock:
-        _pending[path.resolve()] = read
-    return read
+        return self.pool_lock
 
+    def holds(self, items: list, file: str) -> bool:
+        """Whether the (entry, tensor) pairs `items` all lie in `file` and this read read it."""
+        return bool(items) and file in self.files and all(e.file == file for e, _ in items)
 
-def _maps(file: Path) -> bool:
-    """Whether `file` is mapped rather than read: the page cache holds all of it (a mapping
-    of a file it lacks would read it at the page cache's pace, where direct reads run at the
-    disk's), unless settings.EARLY_MAP is 0."""
-    return settings.early_map() and wd.resident_fraction(file) >= 1.0
+    def adopt(self, weights: wd.WeightDir, items: list) -> list:
+        """(entry, view) pairs: each tensor of `items` as a view of this read's memory (laid out
+        as the file: each at its index offset), whose bytes arrive as the readers read them
+        (`wait`). Imports torch."""
+        import torch
+
+        adopted = []
+        for entry, tensor in items:
+            weights.check(entry, tensor)
+            with warnings.catch_warnings():  # (a read-only mapping: torch warns it is not writable)
+                warnings.simplefilter("ignore", UserWarning)
+                view = torch.frombuffer(
+                    self.regions[entry.file],
+                    dtype=torch.uint8,
+                    count=entry.nbytes,
+                    offset=entry.offset,
+                )
+            adopted.append((entry, view.view(tensor.dtype).view(tensor.shape)))
+        return adopted
+
+    def page_locked(self, file: str):
+        """A block in which `file`'s region is page-locked (`memory.page_locked`)."""
+        region = self.regions[file]
+        return memory.page_locked(memory.address(region), len(region))
 
 
 def claim(path: str | Path) -> EarlyRead | None:

@@ -210,7 +210,7 @@ class PageLock:
     """[start, start + nbytes) page-locked on a thread once `after` returns (its reads ended,
     the CUDA context made), while the caller goes on: an early read's expert pool, locked as
     soon as it is read (weights/early_read.py: beside the imports, through the driver, where the
-    native preload made the context; models/loading.py otherwise, once torch is there). `lock`
+    native preload made the context; `pool_lock_for_load` otherwise, once torch is there). `lock`
     and `unlock` are cudaHostRegister/Unregister by default. One range: a copy from pinned
     memory that spans two registrations is refused (CUDA error 1, on the H200 machine, for a
     pool locked in 1 GiB pieces). `wait` says whether it is locked; `release` unlocks it."""

@@ -21,13 +21,14 @@ is refused there); `verify` recomputes the CRCs of tensors in memory and names t
 that differs, with its file. The index is written last, so an interrupted conversion leaves
 no directory that claims to be complete.
 
-This module knows tensors and bytes only; models/loading.py maps them onto a model. It imports
-no torch until a tensor is asked for, so a start can read the expert banks (early_read.py) while
-Python is still importing torch.
+This module knows tensors and bytes only; dir_io.py names a model's tensors in it and reads
+them for the loader (models/loading.py). It imports no torch until a tensor is asked for, so a
+start can read the expert banks (early_read.py) while Python is still importing torch.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INDEX = "freetoken-weights.json"
-DENSE_FILE, EXPERTS_FILE = "dense.bin", "experts.bin"  # (models/loading.py writes them)
+DENSE_FILE, EXPERTS_FILE = "dense.bin", "experts.bin"  # (dir_io.py writes them)
 FORMAT, VERSION = "freetoken-weights", 1
 ALIGN = 4096
 CHUNK = 64 * 2**20  # bytes per read and per checksum
@@ -78,6 +79,15 @@ class Entry:
 
 def is_weight_dir(path: str | Path) -> bool:
     return (Path(path) / INDEX).is_file()
+
+
+# what a weight directory copies from its source: everything but the weights and their index
+_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
+
+
+def copied_files(src: Path) -> list[Path]:
+    """The files of checkpoint directory `src` a weight directory copies (config, tokenizer)."""
+    return [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.endswith(_SKIPPED)]
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -194,6 +204,16 @@ class WeightDir:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
+    def pairs(self, targets: dict[str, torch.Tensor]) -> list[tuple[Entry, torch.Tensor]]:
+        """(entry, tensor) for each named tensor of `targets`; every name must be indexed."""
+        missing = sorted(set(targets) - set(self.entries))
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise CheckpointError(
+                f"weight directory {self.path} is missing tensors: {', '.join(missing[:8])}{more}"
+            )
+        return [(self.entries[name], tensor) for name, tensor in targets.items()]
+
     def check(self, entry: Entry, tensor: torch.Tensor) -> None:
         """That `tensor` can take `entry` as it is stored."""
         want = (entry.shape, entry.dtype)
@@ -296,6 +316,41 @@ class WeightDir:
                     "checksum: the weight directory is corrupt (convert the checkpoint again)"
                 )
         return True
+
+
+class IntegrityCheck:
+    """A weight directory's tensors (the expert banks) verified against their checksums on a
+    background thread while the engine starts serving; `error` is set if they differ (the
+    engine then refuses to compute: `LLMEngine.check_weights`), `done` once the check ended."""
+
+    def __init__(self, weights: WeightDir, items: list):
+        self.error: WeightIntegrityError | None = None
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(weights, items), name="ft-verify", daemon=True
+        )
+        # A process that exits mid-check stops it first: a daemon thread that frees tensors
+        # while Python finalizes aborts the process (torch retakes the GIL in C++ frames).
+        atexit.register(self.stop)
+        self._thread.start()
+
+    def _run(self, weights: WeightDir, items: list) -> None:
+        try:
+            if weights.verify(items, stop=self._stop):
+                log.info("weights verified against their checksums")
+        except WeightIntegrityError as e:
+            self.error = e
+            log.error("%s", e)
+        finally:
+            self.done.set()
+            atexit.unregister(self.stop)
+
+    def stop(self) -> None:
+        """End the check early (its chunk in hand finishes) and wait for it."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 class FileReads:

@@ -42,20 +42,7 @@ def parse_config(raw: dict):
     raw = {**DEFAULTS, **raw}
     raw["shared_expert_intermediate_size"] = raw["moe_intermediate_size"]
     n = int(raw["num_hidden_layers"])
-    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-    rates.update(raw.get("compress_rates") or {})
-    if raw.get("compress_rate_csa") is not None:
-        rates["compressed_sparse_attention"] = int(raw["compress_rate_csa"])
-    if raw.get("compress_rate_hca") is not None:
-        rates["heavily_compressed_attention"] = int(raw["compress_rate_hca"])
-    kinds = raw.get("layer_types")
-    if kinds is None and raw.get("compress_ratios") is not None:
-        kinds = [RATIO_KINDS[int(r)] for r in raw["compress_ratios"]]
-    if kinds is None:
-        kinds = [KINDS[2]] * min(n, 2) + [KINDS[1] if i % 2 else KINDS[2] for i in range(n - 2)]
-    kinds = tuple(kinds[:n])
-    if any(k not in KINDS for k in kinds) or len(kinds) != n:
-        raise UnsupportedModelError(f"DeepSeek-V4 layer_types {kinds!r}: one of {KINDS} a layer")
+    kinds, rates = _layer_kinds(raw, n)
     mlp_kinds = raw.get("mlp_layer_types")
     if mlp_kinds is None:
         hashed = int(raw.get("num_hash_layers", 3))
@@ -64,31 +51,8 @@ def parse_config(raw: dict):
     partial = raw.get("partial_rotary_factor")
     if partial is None:
         partial = int(raw.get("qk_rope_head_dim", 64)) / head_dim
-    scoring = raw.get("scoring_func", "sqrtsoftplus")
-    if scoring != "sqrtsoftplus":
-        raise UnsupportedModelError(
-            f"DeepSeek-V4 routing with scoring_func {scoring!r} is not supported (its "
-            "releases' sqrtsoftplus is)"
-        )
-    # The quantized releases (FP8 attention in e8m0-scaled blocks, FP4 experts with an e8m0
-    # scale per 32 values, both under `X.scale`) are read by weights/quantized.py: the experts
-    # kept as MXFP4, the rest dequantized at load.
-    limit = float(raw.get("swiglu_limit", SWIGLU_CLAMP_LIMIT))
-    if limit != SWIGLU_CLAMP_LIMIT:
-        raise UnsupportedModelError(
-            f"DeepSeek-V4 with swiglu_limit={limit}: only the released {SWIGLU_CLAMP_LIMIT} "
-            "is supported"
-        )
-    rope = raw.get("rope_parameters") or {}
-    if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
-        main, compress = rope["main"], rope["compress"]
-    else:
-        flat = {**(raw.get("rope_scaling") or {}), **rope}
-        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
-        compress = {**flat, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
-        compress.setdefault("rope_type", compress.get("type", "default"))
-    if compress.get("rope_type", compress.get("type")) == "yarn":
-        compress = {"attention_factor": 1.0, **compress}  # (V4 does not scale cos and sin)
+    _check_supported(raw)
+    main, compress = _ropes(raw)
 
     def rope_of(params: dict):
         params = {**params, "partial_rotary_factor": partial}
@@ -131,6 +95,59 @@ def parse_config(raw: dict):
         compressed=compressed,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
     )
+
+
+def _layer_kinds(raw: dict, n: int) -> tuple[tuple[str, ...], dict[str, int]]:
+    """Each of the `n` layers' attention kind, and each compressing kind's ratio."""
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    rates.update(raw.get("compress_rates") or {})
+    if raw.get("compress_rate_csa") is not None:
+        rates["compressed_sparse_attention"] = int(raw["compress_rate_csa"])
+    if raw.get("compress_rate_hca") is not None:
+        rates["heavily_compressed_attention"] = int(raw["compress_rate_hca"])
+    kinds = raw.get("layer_types")
+    if kinds is None and raw.get("compress_ratios") is not None:
+        kinds = [RATIO_KINDS[int(r)] for r in raw["compress_ratios"]]
+    if kinds is None:
+        kinds = [KINDS[2]] * min(n, 2) + [KINDS[1] if i % 2 else KINDS[2] for i in range(n - 2)]
+    kinds = tuple(kinds[:n])
+    if any(k not in KINDS for k in kinds) or len(kinds) != n:
+        raise UnsupportedModelError(f"DeepSeek-V4 layer_types {kinds!r}: one of {KINDS} a layer")
+    return kinds, rates
+
+
+def _check_supported(raw: dict) -> None:
+    """Refuse what the releases do not use: other routing scores, another SwiGLU clamp."""
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    if scoring != "sqrtsoftplus":
+        raise UnsupportedModelError(
+            f"DeepSeek-V4 routing with scoring_func {scoring!r} is not supported (its "
+            "releases' sqrtsoftplus is)"
+        )
+    # The quantized releases (FP8 attention in e8m0-scaled blocks, FP4 experts with an e8m0
+    # scale per 32 values, both under `X.scale`) are read by weights/quantized.py: the experts
+    # kept as MXFP4, the rest dequantized at load.
+    limit = float(raw.get("swiglu_limit", SWIGLU_CLAMP_LIMIT))
+    if limit != SWIGLU_CLAMP_LIMIT:
+        raise UnsupportedModelError(
+            f"DeepSeek-V4 with swiglu_limit={limit}: only the released {SWIGLU_CLAMP_LIMIT} "
+            "is supported"
+        )
+
+
+def _ropes(raw: dict) -> tuple[dict, dict]:
+    """The rope parameters of the attention (`main`) and of the compressor (`compress`)."""
+    rope = raw.get("rope_parameters") or {}
+    if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
+        main, compress = rope["main"], rope["compress"]
+    else:
+        flat = {**(raw.get("rope_scaling") or {}), **rope}
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        compress = {**flat, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+        compress.setdefault("rope_type", compress.get("type", "default"))
+    if compress.get("rope_type", compress.get("type")) == "yarn":
+        compress = {"attention_factor": 1.0, **compress}  # (V4 does not scale cos and sin)
+    return main, compress
 
 
 # The released checkpoint's names (DeepSeek's own: `layers.N.attn.wq_a`,

@@ -26,19 +26,7 @@ def parse_config(raw: dict):
     # MLP beside the experts (softmax top-k, renormalised, times a learned scale per expert);
     # a learned scalar per layer; embeddings times sqrt(hidden); final logits soft-capped. The
     # image-text release keeps this in `text_config`, its weights under `model.language_model.`.
-    if "text_config" in raw:
-        if raw.get("vision_config") or raw.get("audio_config"):
-            log.info("Gemma-4: the text model is read; the vision and audio towers are not")
-        outer = {k: v for k, v in raw.items() if not k.endswith("_config")}
-        raw = {**outer, **raw["text_config"], "architectures": raw["architectures"]}
-    dense = ("hidden_size_per_layer_input", "num_kv_shared_layers", "use_double_wide_mlp")
-    unsupported = {k: raw[k] for k in dense if raw.get(k)}
-    if raw.get("use_bidirectional_attention") == "all" or not raw.get("enable_moe_block"):
-        unsupported = unsupported or {"enable_moe_block": False}
-    if unsupported:
-        raise UnsupportedModelError(
-            f"Gemma-4 is supported in its MoE form (causal text), not with {unsupported}"
-        )
+    raw = _text_config(raw)
     n = int(raw["num_hidden_layers"])
     default = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
     types = list(raw.get("layer_types") or default)
@@ -98,6 +86,25 @@ def parse_config(raw: dict):
         embed_scale=int(raw["hidden_size"]) ** 0.5,
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
+
+
+def _text_config(raw: dict) -> dict:
+    """The text model's config (an image-text release's `text_config`), refused unless it is
+    the MoE form."""
+    if "text_config" in raw:
+        if raw.get("vision_config") or raw.get("audio_config"):
+            log.info("Gemma-4: the text model is read; the vision and audio towers are not")
+        outer = {k: v for k, v in raw.items() if not k.endswith("_config")}
+        raw = {**outer, **raw["text_config"], "architectures": raw["architectures"]}
+    dense = ("hidden_size_per_layer_input", "num_kv_shared_layers", "use_double_wide_mlp")
+    unsupported = {k: raw[k] for k in dense if raw.get(k)}
+    if raw.get("use_bidirectional_attention") == "all" or not raw.get("enable_moe_block"):
+        unsupported = unsupported or {"enable_moe_block": False}
+    if unsupported:
+        raise UnsupportedModelError(
+            f"Gemma-4 is supported in its MoE form (causal text), not with {unsupported}"
+        )
+    return raw
 
 
 _L = r"^(model\.layers\.\d+)\."

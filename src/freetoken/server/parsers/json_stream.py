@@ -142,6 +142,12 @@ class JsonStream:
         self._state = _AFTER if self._stack else _DONE
         self._release()
 
+    def _close(self, c: str) -> None:
+        """`c` closes the innermost container, the value it was."""
+        self._stack.pop()
+        self._out(c)
+        self._value_done()
+
     def _string_char(self, c: str) -> None:
         if c < " ":
             self._out(_CONTROL.get(c) or f"\\u{ord(c):04x}", c)
@@ -149,6 +155,9 @@ class JsonStream:
             self._out(c)
 
     def push(self, c: str) -> int:
+        """Take one character: JSON_OK (taken), JSON_ERR (invalid here) or JSON_END (the value
+        was complete already: `c` not taken). Strings' characters, the most, are taken here;
+        every other state has its method."""
         st = self._state
         if st == _STR:
             if c == '"':
@@ -162,115 +171,140 @@ class JsonStream:
                 self._string_char(c)
             return JSON_OK
         if st == _V:
-            if c in WHITESPACE:
-                if self._v_kind != "top":
-                    self._out(c)
-            elif c == "{" or c == "[" or c == '"':
-                self._out(c)
-                if c == '"':
-                    self._state = _STR
-                else:
-                    self._stack.append("}" if c == "{" else "]")
-                    self._state, self._v_kind = (_OBJ, "") if c == "{" else (_V, "first")
-                self._release()
-            elif c in "-0123456789":
-                self._hold()
-                self._out(c)
-                self._state, self._num = _NUM, c
-            elif c in _LITERALS:
-                self._hold()
-                self._out(c)
-                self._state, self._lit = _LIT, _LITERALS[c]
-            elif c == "]" and self._v_kind == "first":
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return JSON_ERR
-            return JSON_OK
+            return self._push_value(c)
         if st == _AFTER:
-            if c in WHITESPACE:
-                self._out(c)
-            elif c == ",":
-                self._hold()
-                self._out(c)
-                if self._stack[-1] == "}":
-                    self._state = _KEY
-                else:
-                    self._state, self._v_kind = _V, "comma"
-            elif c == self._stack[-1]:
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return JSON_ERR
-            return JSON_OK
+            return self._push_after(c)
         if st in (_OBJ, _KEY):
-            if c in WHITESPACE:
-                self._out(c)
-            elif c == '"':
-                self._hold()
-                self._out(c)
-                self._state = _KSTR
-            elif c == "}" and st == _OBJ:
-                self._stack.pop()
-                self._out(c)
-                self._value_done()
-            else:
-                return JSON_ERR
-            return JSON_OK
+            return self._push_key_start(c, st)
         if st == _KSTR:
-            if c == '"':
-                self._out(c)
-                self._state = _COLON
-            elif c == "\\":
-                self._out(c)
-                self._state, self._esc_in_key = _ESC, True
-            else:
-                self._string_char(c)
-            return JSON_OK
+            return self._push_key(c)
         if st == _COLON:
-            if c in WHITESPACE:
-                self._out(c)
-            elif c == ":":
-                self._out(c)
-                self._state, self._v_kind = _V, "colon"
-                self._release()
-            else:
-                return JSON_ERR
-            return JSON_OK
+            return self._push_colon(c)
         if st in (_ESC, _UNI):
-            if st == _ESC and c == "u":
-                self._out(c)
-                self._state, self._hex_left = _UNI, 4
-                return JSON_OK
-            if st == _ESC and c in '"\\/bfnrt':
-                self._hex_left = 0
-            elif st == _UNI and c in "0123456789abcdefABCDEF":
-                self._hex_left -= 1
-            else:
-                return JSON_ERR
-            self._out(c)
-            if self._hex_left == 0:
-                self._state = _KSTR if self._esc_in_key else _STR
-                if not self._esc_in_key:
-                    self._release()
-            return JSON_OK
+            return self._push_escape(c, st)
         if st == _NUM:
-            if c in "0123456789+-.eE":
-                self._num += c
-                self._out(c)
-                return JSON_OK
-            if not _NUMBER.fullmatch(self._num):
-                return JSON_ERR
-            self._value_done()
-            return self.push(c)
+            return self._push_number(c)
         if st == _LIT:
-            if c != self._lit[0]:
-                return JSON_ERR
-            self._out(c)
-            self._lit = self._lit[1:]
-            if not self._lit:
-                self._value_done()
-            return JSON_OK
+            return self._push_literal(c)
         return JSON_END  # _DONE
+
+    def _push_value(self, c: str) -> int:
+        """Where a value begins (`_v_kind` says after what)."""
+        if c in WHITESPACE:
+            if self._v_kind != "top":
+                self._out(c)
+        elif c == "{" or c == "[" or c == '"':
+            self._out(c)
+            if c == '"':
+                self._state = _STR
+            else:
+                self._stack.append("}" if c == "{" else "]")
+                self._state, self._v_kind = (_OBJ, "") if c == "{" else (_V, "first")
+            self._release()
+        elif c in "-0123456789":
+            self._hold()
+            self._out(c)
+            self._state, self._num = _NUM, c
+        elif c in _LITERALS:
+            self._hold()
+            self._out(c)
+            self._state, self._lit = _LIT, _LITERALS[c]
+        elif c == "]" and self._v_kind == "first":
+            self._close(c)
+        else:
+            return JSON_ERR
+        return JSON_OK
+
+    def _push_after(self, c: str) -> int:
+        """After a value inside a container: a comma or the container's closer."""
+        if c in WHITESPACE:
+            self._out(c)
+        elif c == ",":
+            self._hold()
+            self._out(c)
+            if self._stack[-1] == "}":
+                self._state = _KEY
+            else:
+                self._state, self._v_kind = _V, "comma"
+        elif c == self._stack[-1]:
+            self._close(c)
+        else:
+            return JSON_ERR
+        return JSON_OK
+
+    def _push_key_start(self, c: str, st: int) -> int:
+        """Where a key begins: after "{" (_OBJ, which may close at once) or after a comma."""
+        if c in WHITESPACE:
+            self._out(c)
+        elif c == '"':
+            self._hold()
+            self._out(c)
+            self._state = _KSTR
+        elif c == "}" and st == _OBJ:
+            self._close(c)
+        else:
+            return JSON_ERR
+        return JSON_OK
+
+    def _push_key(self, c: str) -> int:
+        """Inside a key's string."""
+        if c == '"':
+            self._out(c)
+            self._state = _COLON
+        elif c == "\\":
+            self._out(c)
+            self._state, self._esc_in_key = _ESC, True
+        else:
+            self._string_char(c)
+        return JSON_OK
+
+    def _push_colon(self, c: str) -> int:
+        if c in WHITESPACE:
+            self._out(c)
+        elif c == ":":
+            self._out(c)
+            self._state, self._v_kind = _V, "colon"
+            self._release()
+        else:
+            return JSON_ERR
+        return JSON_OK
+
+    def _push_escape(self, c: str, st: int) -> int:
+        """After a backslash (_ESC), or inside its \\u's four hex digits (_UNI)."""
+        if st == _ESC and c == "u":
+            self._out(c)
+            self._state, self._hex_left = _UNI, 4
+            return JSON_OK
+        if st == _ESC and c in '"\\/bfnrt':
+            self._hex_left = 0
+        elif st == _UNI and c in "0123456789abcdefABCDEF":
+            self._hex_left -= 1
+        else:
+            return JSON_ERR
+        self._out(c)
+        if self._hex_left == 0:
+            self._state = _KSTR if self._esc_in_key else _STR
+            if not self._esc_in_key:
+                self._release()
+        return JSON_OK
+
+    def _push_number(self, c: str) -> int:
+        """Inside a number: a character that cannot continue it ends it and is pushed again."""
+        if c in "0123456789+-.eE":
+            self._num += c
+            self._out(c)
+            return JSON_OK
+        if not _NUMBER.fullmatch(self._num):
+            return JSON_ERR
+        self._value_done()
+        return self.push(c)
+
+    def _push_literal(self, c: str) -> int:
+        """Inside true, false or null."""
+        if c != self._lit[0]:
+            return JSON_ERR
+        self._out(c)
+        self._lit = self._lit[1:]
+        if not self._lit:
+            self._value_done()
+        return JSON_OK
