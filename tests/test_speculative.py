@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup (engine/speculative.py): the n-gram index, the
 drafter's pauses, and the engine's greedy tokens with drafts equal to its tokens without them,
-for every family without recurrent state (fp32 on the CPU), with drafts forced right and forced
-wrong, with penalties, in a batch, through prefix reuse and through preemption."""
+for every family (fp32 on the CPU; those with recurrent state rewind it on a rejection), with
+drafts forced right and forced wrong, with penalties, in a batch, through prefix reuse (a
+hybrid model's through its anchors) and through preemption."""
 
 from __future__ import annotations
 
@@ -11,17 +12,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from freetoken.config import MoEOptions
+from freetoken.config import EngineConfig, MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.speculative import NgramIndex, PromptLookup, drafter_for
 from freetoken.models.loading import load_model
-from tiny_models import FAMILIES, build
+from tiny_models import FAMILIES, build, build_chat_model
 
-# Families whose layers keep no recurrent state (those never draft: drafter_for)
-ATTENTION_ONLY = [f for f in FAMILIES if f not in ("qwen3_next", "qwen3_5_moe", "kimi_linear")]
 NEW_TOKENS = 24
 
 
@@ -71,13 +70,12 @@ def test_a_draft_grows_while_kept_whole_and_shrinks_when_rejected():
 
 
 def test_modes_choose_a_drafter():
-    assert isinstance(drafter_for("ngram", "cuda", False), PromptLookup)
-    assert isinstance(drafter_for("auto", "cpu", False), PromptLookup)
-    assert drafter_for("auto", "cuda", False) is None  # (no graph for the verify step yet)
-    assert drafter_for("ngram", "cpu", True) is None  # recurrent state: no rewinding
-    assert drafter_for("off", "cpu", False) is None
+    assert isinstance(drafter_for("ngram", "cuda"), PromptLookup)
+    assert isinstance(drafter_for("auto", "cpu"), PromptLookup)
+    assert drafter_for("auto", "cuda") is None  # (no graph for the verify step yet)
+    assert drafter_for("off", "cpu") is None
     with pytest.raises(ValueError, match="auto, ngram, off"):
-        drafter_for("eagle", "cpu", False)
+        drafter_for("eagle", "cpu")
 
 
 class Tokens:
@@ -124,7 +122,9 @@ class Forced:
 
 def engine_for(path, drafter, kv_tokens=1024, batch=2, moe=None) -> LLMEngine:
     loaded = load_model(path, dtype="float32")
-    runner = ModelRunner(loaded, kv_tokens, page_size=8, moe=moe, max_sequences=batch)
+    runner = ModelRunner(
+        loaded, kv_tokens, page_size=8, moe=moe, max_sequences=batch, state_scratch=batch
+    )
     return LLMEngine(runner, Tokens(loaded.config.vocab_size), batch, drafter=drafter)
 
 
@@ -144,7 +144,7 @@ def reference(path, params: SamplingParams):
     return prompts, want, {tuple(p): p + w for p, w in zip(prompts, want, strict=True)}, vocab
 
 
-@pytest.fixture(scope="module", params=ATTENTION_ONLY)
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_path(request, tmp_path_factory):
     return build(request.param, tmp_path_factory.mktemp(request.param) / "m")[0]
 
@@ -161,6 +161,63 @@ def test_drafts_never_change_the_greedy_tokens(family_path):
         if isinstance(drafter, Forced):
             assert engine.drafted > 0
             assert engine.accepted == (engine.drafted if drafter.shift == 0 else 0)
+
+
+@dataclass
+class Boundaries:
+    """A drafter whose drafts are end-of-turn tokens (boundaries, where anchors are saved):
+    the verify step plans anchors among tokens that are then rejected."""
+
+    token: int
+
+    def start(self, tokens):
+        return None
+
+    def draft(self, state, room):
+        return [self.token] * min(room, 2)
+
+    def observe(self, state, token):
+        pass
+
+    def record(self, state, drafted, accepted):
+        pass
+
+
+def test_hybrid_drafts_through_anchors_and_prefix_reuse(tmp_path_factory):
+    """Qwen3-Next behind Qwen3's tokenizer, a conversation turn by turn, each turn resumed
+    from an anchor of the last: with drafts forced right, forced wrong, and made of boundary
+    tokens, the tokens of an engine without drafts or prefix cache; no anchor, scratch or
+    state slot is left behind."""
+    path = build_chat_model("qwen3_next", tmp_path_factory.mktemp("spec-chat") / "m")[0]
+
+    def engine(**options):
+        return LLMEngine.from_config(
+            EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_tokens=4096, **options)
+        )
+
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = engine(prefix_cache=False, speculative="off")
+    tok = plain.tokenizer
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": "List the files."}]))]
+    want = []
+    for turn in range(3):  # each turn's prompt: the last one, its reply and a question
+        want.append(plain.generate([prompts[-1]], params)[0].output_ids)
+        question = f"<|im_end|>\n<|im_start|>user\nAnd file {turn}?<|im_end|>\n"
+        prompts.append(prompts[-1] + want[-1] + tok.encode(question + "<|im_start|>assistant\n"))
+    prompts.pop()
+    # (latest prompt first: each prompt starts with the ones before it)
+    expected = {tuple(p): p + w for p, w in reversed(list(zip(prompts, want, strict=True)))}
+    vocab, end = plain.runner.config.vocab_size, tok.token_id("<|im_end|>")
+    for drafter in (Forced(expected, vocab), Forced(expected, vocab, 1), Boundaries(end)):
+        drafting = engine(speculative="ngram", page_size=16)
+        drafting.drafter = drafter
+        got = [drafting.generate([p], params)[0].output_ids for p in prompts]
+        assert got == want, drafter
+        assert drafting.drafted > 0
+        assert all(r["anchor"] for r in list(drafting.reuse.recent)[1:])  # resumed from anchors
+        store = drafting.anchors
+        assert store.num_free + store.num_attached == store.capacity
+        assert drafting.runner.states.num_free == drafting.max_batch_size
 
 
 @pytest.fixture(scope="module")

@@ -192,6 +192,7 @@ class LLMEngine:
                 verify=config.verify_weights,
                 dequantize_experts=config.dequantize_experts,
             )
+            drafter = drafter_for(config.speculative, device.type)
             runner = ModelRunner(
                 loaded,
                 config.kv_cache_tokens,
@@ -201,6 +202,9 @@ class LLMEngine:
                 max_sequences=config.max_batch_size,
                 max_model_len=config.max_model_len,
                 state_anchors=config.state_anchors if config.prefix_cache else 0,
+                # (hybrid models: each drafting request's state from before its verify step,
+                # one sequence's state memory a slot)
+                state_scratch=config.max_batch_size if drafter is not None else 0,
             )
             engine = cls(
                 runner,
@@ -208,7 +212,7 @@ class LLMEngine:
                 config.max_batch_size,
                 config.max_prefill_chunk,
                 config.prefix_cache,
-                drafter_for(config.speculative, device.type, loaded.config.has_recurrent_state),
+                drafter,
             )
         if device.type == "cpu":  # (after the load, whose conversions use every core)
             from freetoken.kernels.cpu_team import size_torch_threads
@@ -421,8 +425,8 @@ class LLMEngine:
             pending = req.num_tokens - req.seq.length
             decode = bool(req.output_ids) and pending == 1
             req.draft = self._draft(req) if decode else []
-            if req.draft and not self._reserve_draft(req):
-                req.draft = []  # no pages for it: the step decodes one token
+            if req.draft and not self._reserve_draft(req, sum(bool(r.draft) for r in decoding)):
+                req.draft = []  # no room for it: the step decodes one token
             n = 1 + len(req.draft) if decode else min(pending, budget)
             if n <= 0 or not self._reserve(req, n):
                 continue
@@ -434,9 +438,13 @@ class LLMEngine:
                 budget -= n
         return prefill, chunks, decoding
 
-    def _reserve_draft(self, req: Request) -> bool:
+    def _reserve_draft(self, req: Request, drafting: int) -> bool:
         """Take pages for the request's token and its draft if they are free: a draft is never
-        worth preempting another request (nor, alone, failing for want of pages)."""
+        worth preempting another request (nor, alone, failing for want of pages). Models with
+        recurrent state also need a scratch slot for the request's state (`_verify`), of which
+        `drafting` are taken this step already."""
+        if self.runner.states is not None and drafting >= len(self.runner.scratch_slots):
+            return False
         try:
             self.runner.kv.reserve(req.seq, 1 + len(req.draft))
             return True
@@ -459,15 +467,20 @@ class LLMEngine:
                     return False
 
     def _forward(
-        self, group: list[Request], chunks: list[list[int]], all_logits: bool = False
+        self,
+        group: list[Request],
+        chunks: list[list[int]],
+        all_logits: bool = False,
+        saves: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """One forward over the group; with anchors, it also saves the recurrent state at the
-        boundaries among the tokens it feeds (kept by each request until it ends)."""
+        boundaries among the tokens it feeds (kept by each request until it ends). `saves[i]`:
+        more (k, slot) state copies of request i (`ForwardBatch.captures`)."""
         seqs = [r.seq for r in group]
         if self.anchors is None:
-            return self.runner.forward(seqs, chunks, all_logits=all_logits)
+            return self.runner.forward(seqs, chunks, all_logits=all_logits, captures=saves)
         planned, captures = [], []
-        for r, chunk in zip(group, chunks, strict=True):
+        for i, (r, chunk) in enumerate(zip(group, chunks, strict=True)):
             start, saved = r.seq.length, {a.position for a in r.anchors}
             positions = [
                 p
@@ -475,7 +488,8 @@ class LLMEngine:
                 if p > r.resumed_at and p not in saved
             ]
             planned.append(self.anchors.reserve(positions, r.anchors))
-            captures.append([(a.position - start, a.slot) for a in planned[-1]])
+            extra = saves[i] if saves else []
+            captures.append(sorted([(a.position - start, a.slot) for a in planned[-1]] + extra))
         try:
             logits = self.runner.forward(seqs, chunks, all_logits, captures=captures)
         except BaseException:
@@ -501,15 +515,53 @@ class LLMEngine:
 
     def _verify(self, group: list[Request]) -> list[StepOutput]:
         """One forward over each request's last token and its draft; each request keeps the
-        model's tokens while its draft matches them, and its KV up to the last one kept."""
+        model's tokens while its draft matches them, and its KV up to the last one kept.
+
+        Models with recurrent state (linear attention), whose state cannot be cut back like
+        the KV: the same forward copies each drafting request's state from before its tokens
+        into a scratch slot (as anchors are saved: `ForwardBatch.captures`). A request that
+        kept every token it fed needs nothing more; one that kept fewer gets the copy back and
+        feeds the kept tokens again (`_rewind`), so its state is the one decoding token by
+        token gives. The cost: one state copy per linear layer and drafting request each
+        verify step, and a rejection costs one more forward of the kept tokens (its logits
+        unused, its K/V rewritten as they were)."""
         chunks = [r.output_ids[-1:] + r.draft for r in group]
         starts = [r.seq.length for r in group]
-        logits = self._forward(group, chunks, all_logits=True)
-        outputs, row = [], 0
-        for req, chunk, start in zip(group, chunks, starts, strict=True):
+        scratch = iter(self.runner.scratch_slots)
+        recurrent = self.runner.states is not None
+        kept_in = [next(scratch) if recurrent and r.draft else None for r in group]
+        saves = [[] if slot is None else [(0, slot)] for slot in kept_in]
+        logits = self._forward(group, chunks, all_logits=True, saves=saves)
+        outputs, row, rewind = [], 0, []
+        for req, chunk, start, slot in zip(group, chunks, starts, kept_in, strict=True):
             outputs += self._keep_verified(req, logits[row : row + len(chunk)], start)
             row += len(chunk)
+            if slot is not None and req.seq.length < start + len(chunk):
+                rewind.append((req, chunk[: req.seq.length - start], slot))
+        if rewind:
+            self._rewind(rewind)
         return outputs
+
+    def _rewind(self, rewind: list[tuple[Request, list[int], int]]) -> None:
+        """Bring each (request, its kept tokens, the scratch slot holding its state from
+        before them) to the state after exactly those tokens: the copy restored and the tokens
+        fed again, in one forward. Anchors saved past them are dropped (their states saw
+        rejected tokens); a finished request only drops its anchors (it leaves now)."""
+        group, chunks = [], []
+        for req, kept, slot in rewind:
+            end = req.seq.length
+            if self.anchors is not None:
+                stale = [a for a in req.anchors if a.position > end]
+                self.anchors.discard(stale)
+                req.anchors = [a for a in req.anchors if a.position <= end]
+            if req.finished:
+                continue
+            self.runner.states.copy(slot, req.seq.state_slot)
+            req.seq.length = end - len(kept)
+            group.append(req)
+            chunks.append(kept)
+        if group:
+            self._forward(group, chunks)
 
     def _keep_verified(self, req: Request, logits: torch.Tensor, start: int) -> list[StepOutput]:
         """The tokens the sampler's verify rule emits from the fed positions (penalties

@@ -109,6 +109,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_sequences: int = 8,
         state_anchors: int = 0,
+        state_scratch: int = 0,
         max_model_len: int | None = None,
     ):
         """`max_model_len`: the longest sequence served (default: the model's
@@ -116,7 +117,9 @@ class ModelRunner:
         such sequence, within KV_MEMORY_FRACTION of free memory).
         For models with linear-attention layers: `max_sequences` recurrent state slots
         (how many sequences can run at once) plus `state_anchors` slots set aside for anchor
-        checkpoints (`anchor_slots`, managed by kv/anchors.py). Other models ignore both."""
+        checkpoints (`anchor_slots`, managed by kv/anchors.py) and `state_scratch` slots
+        where speculative decoding keeps a drafting sequence's state from before its verify
+        step (`scratch_slots`, engine/generate.py). Other models ignore all three."""
         self.model = loaded.model
         self.config = loaded.config
         self.integrity = loaded.integrity  # a weight directory's background checksum check
@@ -131,11 +134,14 @@ class ModelRunner:
         # Pinned buffers for each forward's packed copy of its per-step values.
         self.staging = PinnedStaging() if self.model.device.type == "cuda" else None
         self.states = RecurrentStatePool.for_model(
-            cfg, max_sequences + state_anchors, self.model.dtype, self.model.device
+            cfg, max_sequences + state_anchors + state_scratch, self.model.dtype, self.model.device
         )
         log.debug("KV cache and state pool allocated")
         self.anchor_slots = (
             [self.states.alloc() for _ in range(state_anchors)] if self.states else []
+        )
+        self.scratch_slots = (
+            [self.states.alloc() for _ in range(state_scratch)] if self.states else []
         )
         # The expert cache takes what device memory the KV cache leaves.
         self.moe: MoERuntime | None = None

@@ -21,8 +21,9 @@ for `pause` steps. (The 0.5B Qwen on the 2-core Intel machine: a fresh chat answ
 drafts hold, decodes at 0.99x of no drafting, a reply that repeats its context at 1.5x;
 fixed drafts of four cost the fresh answer 6%.) Sampled
 requests keep their distribution by the speculative sampling rule (engine/sampling.py,
-`Sampler.verify`); models with recurrent state (linear attention) do not draft, since a rejected
-token's state update cannot be taken back without a checkpoint.
+`Sampler.verify`). Models with recurrent state (linear attention) draft too: the verify step
+keeps a copy of a drafting request's state from before it, and a rejection restores it and feeds
+the kept tokens again, one more small forward (engine/generate.py, `LLMEngine._verify`).
 """
 
 from __future__ import annotations
@@ -123,11 +124,11 @@ class PromptLookup:
 SPECULATIVE_MODES = ("auto", "ngram", "off")
 
 
-def drafter_for(mode: str, device_type: str, recurrent: bool) -> PromptLookup | None:
-    """The drafter a mode gives: `ngram` always (but for models with recurrent state), `auto`
+def drafter_for(mode: str, device_type: str) -> PromptLookup | None:
+    """The drafter a mode gives: `ngram` always, `auto`
     where verifying costs about one step (the CPU; on a GPU the verify step does not run in
     the decode's CUDA graph yet, so it would give that up), `off` never."""
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
     on = mode == "ngram" or (mode == "auto" and device_type == "cpu")
-    return PromptLookup() if on and not recurrent else None
+    return PromptLookup() if on else None

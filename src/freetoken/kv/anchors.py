@@ -201,8 +201,7 @@ class AnchorStore:
             cache.unlock(held[full:])
             held = held[:full]
         seq.length = position
-        self.pool.conv[:, seq.state_slot] = self.pool.conv[:, anchor.slot]
-        self.pool.ssm[:, seq.state_slot] = self.pool.ssm[:, anchor.slot]
+        self.pool.copy(anchor.slot, seq.state_slot)
         anchor.last_used = next(self._clock)
         self.restored += 1
         return held, anchor

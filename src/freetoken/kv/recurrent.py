@@ -86,6 +86,11 @@ class RecurrentStatePool:
         self.ssm[:, slot].zero_()
         return slot
 
+    def copy(self, src: int, dst: int) -> None:
+        """Slot `dst`'s state becomes slot `src`'s (every layer's conv and SSM state)."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
+
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"recurrent state slot {slot} is not allocated")
