@@ -262,6 +262,9 @@ if triton is not None:
         dt = POOL.dtype.element_ty
         row = tl.load(ROWS_OF + t).to(tl.int64)
         p = tl.load(POS + t).to(tl.int64)
+        # Only the entry of a token closing its window is ever read (the last row of each
+        # window): the others are not computed, every load and store masked off.
+        closes = (p + 1) % R == 0
         c = tl.arange(0, D_BLOCK)
         c_ok = c < D
         S: tl.constexpr = SERIES * R
@@ -272,7 +275,7 @@ if triton is not None:
         for s0 in range(0, S, S_BLOCK):
             s = s0 + tl.arange(0, S_BLOCK)
             at = p - S + 1 + s
-            ok = (s < S) & (at >= 0)
+            ok = (s < S) & (at >= 0) & closes
             slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
             # (CSA: a window's own tokens take the second series, the previous window's the first)
             part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
@@ -289,7 +292,7 @@ if triton is not None:
         for s0 in range(0, S, S_BLOCK):
             s = s0 + tl.arange(0, S_BLOCK)
             at = p - S + 1 + s
-            ok = (s < S) & (at >= 0)
+            ok = (s < S) & (at >= 0) & closes
             slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
             part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
             col = part[:, None] * D + c[None, :]
@@ -306,10 +309,10 @@ if triton is not None:
         y = (tl.load(NW + c, mask=c_ok, other=0.0) * h).to(dt)
         dst = POOL + tl.load(WRITE + t).to(tl.int64) * row_w + entry_col
         nope = D - 2 * half
-        tl.store(dst + c, y, mask=c < nope)
+        tl.store(dst + c, y, mask=(c < nope) & closes)
         # RoPE of its last 2 * half values, pairs interleaved: y is re-read as pairs.
         j = tl.arange(0, HALF)
-        pair = j < half
+        pair = (j < half) & closes
         yf = y.to(tl.float32)[None, :]
         even = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None], yf, 0.0), 1)
         odd = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None] + 1, yf, 0.0), 1)
@@ -350,44 +353,47 @@ if triton is not None:
         d = tl.arange(0, D_BLOCK)
         hd = (h < heads)[:, None] & (d < D)[None, :]
         q = tl.load(Q + (b * heads + h)[:, None] * D + d[None, :], mask=hd, other=0.0)
-        # The online softmax starts from the sinks: a logit each, attending nothing.
+        # The softmax starts from the sinks: a logit each, attending nothing.
         m = tl.load(SINKS + h, mask=h < heads, other=0.0).to(tl.float32)
         total = tl.full([HB], 1.0, tl.float32)
         acc = tl.zeros([HB, D_BLOCK], tl.float32)
         row = tl.load(ROWS + b).to(tl.int64)
         p = tl.load(POS + b).to(tl.int64)
         ids = IDS + b * n_entries
-        # (a while, not a for over a runtime bound: Triton's interpreter, the CPU tests', cannot
-        # range over one)
-        k0 = 0
-        while k0 < window + n_entries:
-            m, total, acc = _attend_block(
-                q,
-                m,
-                total,
-                acc,
-                k0,
-                POOL,
-                PT,
-                ids,
-                row,
-                p,
-                row_w,
-                pt_stride,
-                page_size,
-                window,
-                kv_col,
-                n_entries,
-                ratio,
-                entry_col,
-                scale,
-                D,
-                D_BLOCK,
-                KB,
-                PRECISION,
-            )
-            k0 += KB
-        out = acc / total[:, None]
+        # Two passes, as the reference rounds: the softmax's max and sum, then the probabilities
+        # rounded to the dtype and mixed. (A while, not a for over a runtime bound: Triton's
+        # interpreter, the CPU tests', cannot range over one.)
+        for MIX in tl.static_range(2):
+            k0 = 0
+            while k0 < window + n_entries:
+                m, total, acc = _attend_block(
+                    q,
+                    m,
+                    total,
+                    acc,
+                    k0,
+                    POOL,
+                    PT,
+                    ids,
+                    row,
+                    p,
+                    row_w,
+                    pt_stride,
+                    page_size,
+                    window,
+                    kv_col,
+                    n_entries,
+                    ratio,
+                    entry_col,
+                    scale,
+                    D,
+                    D_BLOCK,
+                    KB,
+                    PRECISION,
+                    MIX,
+                )
+                k0 += KB
+        out = acc
         tl.store(
             OUT + (b * heads + h)[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=hd
         )
@@ -417,9 +423,12 @@ if triton is not None:
         D_BLOCK: tl.constexpr,
         KB: tl.constexpr,
         PRECISION: tl.constexpr,
+        MIX: tl.constexpr,
     ):
-        """Keys k0..k0 + KB (the window's, oldest first, then the named entries') taken into
-        the online softmax; the logits rounded as the reference's einsum and scale round them."""
+        """Keys k0..k0 + KB (the window's, oldest first, then the named entries'): taken into
+        the softmax's running max and sum, or (MIX, the sum final) mixed into acc weighted by
+        their probabilities rounded to the dtype; the logits rounded as the reference's einsum
+        and scale round them."""
         dt = POOL.dtype.element_ty
         k = k0 + tl.arange(0, KB)
         in_window = k < window
@@ -439,9 +448,9 @@ if triton is not None:
         s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
         s = (s.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
+        if MIX:
+            probs = (tl.exp(s - m[:, None]) / total[:, None]).to(dt)
+            return m, total, acc + tl.dot(probs, keys, input_precision=PRECISION)
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(dt), keys, input_precision=PRECISION)
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         return m_new, total, acc

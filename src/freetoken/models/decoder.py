@@ -109,7 +109,7 @@ class DecoderModel(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_head_dim)
-        self.kind_rotaries = self._kind_rotaries()
+        self._set_kind_rotaries(self._kind_rotaries())
         if cfg.compressed is not None:  # (DeepSeek-V4: the compressed branches' own RoPE)
             self.compress_rotary = RotaryEmbedding(cfg.compressed.compress_rope, cfg.head_dim)
             self.hc_head = HyperHead(cfg.compressed, cfg.hidden_size, cfg.rms_norm_eps)
@@ -171,10 +171,19 @@ class DecoderModel(nn.Module):
         kinds = {(s.rope, s.head_dim) for s in self.config.layer_attention}
         return {kind: RotaryEmbedding(*kind) for kind in sorted(kinds, key=repr)}
 
+    def _set_kind_rotaries(self, rotaries: dict[tuple, RotaryEmbedding]) -> None:
+        # (submodules, so that moving the model moves their tables; keyed beside them)
+        self.kind_rotary_modules = nn.ModuleList(rotaries.values())
+        self.kind_keys = list(rotaries)
+
+    @property
+    def kind_rotaries(self) -> dict[tuple, RotaryEmbedding]:
+        return dict(zip(self.kind_keys, self.kind_rotary_modules, strict=True))
+
     def reset_rotary(self) -> None:
         """Recompute the RoPE table in fp32 (after `empty`, or a dtype cast, clobbered it)."""
         self.rotary = RotaryEmbedding(self.config.rope, self.config.rope_head_dim).to(self.device)
-        self.kind_rotaries = {k: r.to(self.device) for k, r in self._kind_rotaries().items()}
+        self._set_kind_rotaries({k: r.to(self.device) for k, r in self._kind_rotaries().items()})
         if self.config.compressed is not None:
             rope = self.config.compressed.compress_rope
             self.compress_rotary = RotaryEmbedding(rope, self.config.head_dim).to(self.device)
