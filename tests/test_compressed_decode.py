@@ -67,8 +67,9 @@ def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torc
 
 
 def largest_error(path: str, dtype: str = "float32", device: str = "cpu", typical=False):
-    """(the kernels' largest (`typical`: median) logit difference from the torch path, the launches of each
-    kernel (none with the kernels off)), blocks made small so that the prompt crosses many."""
+    """(the kernels' largest (`typical`: median) logit difference from the torch path, the
+    launches of each kernel (none with the kernels off)), blocks made small so that the prompt
+    crosses many."""
     compressed_decode.POOL_ROWS, compressed_decode.KEYS = 2, 16
     loaded = load_model(path, dtype=dtype, device=device)
     off: dict = {}
