@@ -391,7 +391,13 @@ def paged_decode_triton(
         num_warps=num_warps or (WIDE_WARPS if wide else DECODE_WARPS),
         num_stages=num_stages or (WIDE_STAGES if wide else DECODE_STAGES),
     )
-    out = q.new_empty(b, heads, width)
+    return _merge_splits(partial, lse, sinks, q.new_empty(b, heads, width))
+
+
+def _merge_splits(partial, lse, sinks, out: torch.Tensor) -> torch.Tensor:
+    """The splits' partial outputs [B, heads, splits, width] (fp32) and their log-sum-exps
+    merged into `out` [B, heads, width], the sinks (if any) in the softmax."""
+    b, heads, splits, width = partial.shape
     has_sinks = sinks is not None
     _decode_merge_kernel[(b, heads)](
         partial,
