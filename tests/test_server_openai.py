@@ -200,9 +200,11 @@ def test_full_queue_answers_429(fresh_engine, monkeypatch):
     # The first request must still be running when the third comes: its 4,000 tokens at 10 ms
     # a step take 40 s (unslowed, a busy 2-core CI machine once decoded all 4,000 before the
     # server read the third request, and the third was taken). It is cancelled when its stream
-    # is closed.
+    # is closed. Drafting off: a repeating answer's drafts give several tokens a step, and the
+    # first request ended before the third came on a busy CI machine.
     step = fresh_engine.step
     monkeypatch.setattr(fresh_engine, "step", lambda: (time.sleep(0.01), step())[1])
+    monkeypatch.setattr(fresh_engine, "drafter", None)
     with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
         body = {
             **greedy(max_tokens=4000),
