@@ -236,6 +236,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: boo
 if triton is not None:
 
     @triton.jit
+    def _top_k(values, cols, slots, K: tl.constexpr, BLOCK: tl.constexpr):
+        """The K largest of `values` (over `cols`), in order, the lowest index on a tie: their
+        values and indices, each [K_BLOCK] (`slots`)."""
+        top = tl.zeros(slots.shape, tl.float32)
+        idx = tl.zeros(slots.shape, tl.int64)
+        for k in tl.static_range(K):
+            best = tl.max(values, 0)
+            at = tl.min(tl.where(values == best, cols, BLOCK), 0)
+            top = tl.where(slots == k, best, top)
+            idx = tl.where(slots == k, at.to(tl.int64), idx)
+            values = tl.where(cols == at, float("-inf"), values)
+        return top, idx
+
+    @triton.jit
     def _route_kernel(
         LOGITS,
         WEIGHTS,
@@ -252,14 +266,7 @@ if triton is not None:
         p = tl.exp(x - tl.max(x, 0))
         p = p / tl.sum(p, 0)
         slots = tl.arange(0, K_BLOCK)
-        top = tl.zeros([K_BLOCK], tl.float32)
-        idx = tl.zeros([K_BLOCK], tl.int64)
-        for k in tl.static_range(K):  # the k largest, in order (the lowest index on a tie)
-            best = tl.max(p, 0)
-            at = tl.min(tl.where(p == best, cols, BLOCK), 0)
-            top = tl.where(slots == k, best, top)
-            idx = tl.where(slots == k, at.to(tl.int64), idx)
-            p = tl.where(cols == at, -1.0, p)
+        top, idx = _top_k(p, cols, slots, K, BLOCK)
         if RENORMALIZE:
             top = top / tl.sum(tl.where(slots < K, top, 0.0), 0)
         tl.store(WEIGHTS + row * K + slots, top.to(WEIGHTS.dtype.element_ty), mask=slots < K)
@@ -288,7 +295,6 @@ if triton is not None:
         soft = tl.where(x > 20.0, x, tl.where(ex < 1e-6, ex, tl.log(1.0 + ex)))
         score = tl.sqrt(soft.to(dt).to(tl.float32)).to(dt).to(tl.float32)
         slots = tl.arange(0, K_BLOCK)
-        idx = tl.zeros([K_BLOCK], tl.int64)
         if GIVEN:
             idx = tl.load(IDS + row * K + slots, mask=slots < K, other=0).to(tl.int64)
         else:
@@ -296,11 +302,7 @@ if triton is not None:
             if HAS_BIAS:
                 choice = choice + tl.load(BIAS + cols, mask=cols < e, other=0.0).to(tl.float32)
             choice = tl.where(cols < e, choice, float("-inf"))
-            for k in tl.static_range(K):  # the k largest (the lowest index on a tie)
-                best = tl.max(choice, 0)
-                at = tl.min(tl.where(choice == best, cols, BLOCK), 0)
-                idx = tl.where(slots == k, at.to(tl.int64), idx)
-                choice = tl.where(cols == at, float("-inf"), choice)
+            _, idx = _top_k(choice, cols, slots, K, BLOCK)
         picked = tl.sum(tl.where(cols[None, :] == idx[:, None], score[None, :], 0.0), 1)
         picked = tl.where(slots < K, picked, 0.0)
         total = tl.sum(picked, 0).to(dt).to(tl.float32)
