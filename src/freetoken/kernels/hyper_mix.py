@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels import norm_rope
+
 try:  # Triton is optional: CPU-only installs (and CI) take the torch path.
     import triton
     import triton.language as tl
@@ -46,9 +48,9 @@ def kernel_takes(mixes: torch.Tensor, n: int) -> bool:
     return triton is not None and mixes.is_cuda and n >= 1 and n & (n - 1) == 0
 
 
-def streams_kernel_takes(streams: torch.Tensor) -> bool:
-    """Whether the norm, collapse and merge kernels run on these streams: on CUDA, with Triton."""
-    return triton is not None and streams.is_cuda
+# Whether the norm, collapse and merge kernels run on the streams: on CUDA, with Triton
+# (norm_rope's test, under a name of its own so that tests switch these kernels apart).
+streams_kernel_takes = norm_rope.available
 
 
 def hc_mix(mixes, base, scale, n: int, iters: int, hc_eps: float):

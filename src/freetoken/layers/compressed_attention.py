@@ -114,6 +114,12 @@ def _rows_at(pool, batch: ForwardBatch, rows_of, positions, cols=slice(None)) ->
     return pool[:, 0, cols][slots]
 
 
+def _closing(windows: torch.Tensor, ratio: int, positions: torch.Tensor) -> torch.Tensor:
+    """The positions of `windows`' last tokens (their entries' rows), for each of the
+    sequences at `positions` [B, 1]: [B, windows]."""
+    return ((windows + 1) * ratio - 1)[None].expand(positions.shape[0], -1)
+
+
 def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -292,12 +298,11 @@ class CompressedAttention(nn.Module):
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
         if r:
             w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
-            last = ((w + 1) * r - 1)[None].expand(p.shape[0], -1)
             ready = (batch.positions + 1) // r
             seen = w[None] < ready[:, None]  # [B, windows]
             top = None
             if self.kind == CSA:
-                index_keys = _rows_at(pool, batch, batch.rows, last, lay["ientry"])
+                index_keys = _rows_at(pool, batch, batch.rows, _closing(w, r, p), lay["ientry"])
                 top = self._top_windows(index_keys, seen, ready, x, q_latent, cos_sin)
         if kernels.kernel_takes(q):
             ids = None
@@ -324,7 +329,7 @@ class CompressedAttention(nn.Module):
         bias = torch.zeros(at.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(at < 0, float("-inf"))
         if r:
-            entries = _rows_at(pool, batch, batch.rows, last, lay["centry"])
+            entries = _rows_at(pool, batch, batch.rows, _closing(w, r, p), lay["centry"])
             keys = torch.cat([keys, entries], dim=1)
             if top is not None:
                 seen = _chosen_mask(top, seen)
