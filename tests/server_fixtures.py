@@ -138,6 +138,18 @@ def record_prompts(engine, monkeypatch) -> list[str]:
 
 
 # A reasoning model's tool use, as a format-specific test scripts it (`tool_use_round_trip`)
+# a tool whose arguments are typed (a string, an integer): the parsers type values by it
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
 WEATHER_ASK = "Weather in Paris?"
 WEATHER_THOUGHT = "The user wants the weather."
 WEATHER_ANSWER = "It is sunny in Paris."

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from server_fixtures import (
+    WEATHER,
     WEATHER_ANSWER,
     WEATHER_THOUGHT,
     cpu_engine,
@@ -40,17 +41,6 @@ TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
 )
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")

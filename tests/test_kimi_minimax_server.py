@@ -19,6 +19,7 @@ import pytest
 
 from server_fixtures import (
     MODEL,
+    WEATHER,
     WEATHER_ANSWER,
     WEATHER_ASK,
     WEATHER_THOUGHT,
@@ -32,17 +33,6 @@ from server_fixtures import (
 )
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-    },
-}
 ARGS = {"city": "Paris", "days": 3}
 RESULT = '{"sky": "sunny"}'
 SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"

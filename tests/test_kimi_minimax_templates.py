@@ -13,19 +13,9 @@ from pathlib import Path
 import pytest
 
 from freetoken import chat_template
+from server_fixtures import WEATHER
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-    },
-}
 # (the call's id is a client's own: the Kimi templates show which of them read it)
 CHAT = [
     {"role": "system", "content": "You are terse."},
