@@ -310,46 +310,22 @@ def test_the_quantized_release_layout_computes_as_its_dequantized_copy(tmp_path)
     blocks and FP4 routed experts with an e8m0 scale per 32 values, under DeepSeek's `X.scale`
     names: the routed experts stay quantized (MXFP4's values), and every strategy computes what
     the dequantized copy computes, over a prompt and paged decode."""
-    import json
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from freetoken.config import MoEOptions
-    from test_quantized import fp4_rows, fp8_e8m0_blocks
+    from test_quantized import V4_RELEASE, encoded_copies, fp4_rows, fp8_e8m0_blocks, write_variants
+
+    def encoder(name):
+        if ".ffn.experts." in name and name.endswith(".weight"):
+            return fp4_rows
+        if name.endswith(".weight") and (".attn.w" in name or ".shared_experts." in name):
+            return fp8_e8m0_blocks
+        return None
 
     path, _ = build("deepseek_v4", tmp_path / "src")
-    tensors = load_file(path / "model.safetensors")
-    stored, plain = {}, {}
-    for name, t in tensors.items():
-        routed = ".ffn.experts." in name and name.endswith(".weight")
-        fp8 = name.endswith(".weight") and (".attn.w" in name or ".shared_experts." in name)
-        if routed or fp8:
-            parts, ref = (fp4_rows if routed else fp8_e8m0_blocks)(t)
-            for suffix, part in parts.items():
-                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
-            plain[name] = ref
-        else:
-            stored[name] = plain[name] = t
-    config = json.loads((path / "config.json").read_text())
-    release = {
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-            "activation_scheme": "dynamic",
-        },
-        "expert_dtype": "fp4",
-    }
-    dirs = {}
-    for label, weights, extra in (("quantized", stored, release), ("plain", plain, {})):
-        d = dirs[label] = tmp_path / label
-        d.mkdir()
-        for f in path.iterdir():
-            if f.suffix != ".safetensors" and f.name != "config.json":
-                (d / f.name).write_bytes(f.read_bytes())
-        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps({**config, **extra}))
+    stored, plain = encoded_copies(load_file(path / "model.safetensors"), encoder)
+    variants = {"quantized": (stored, V4_RELEASE), "plain": (plain, {})}
+    dirs = dict(zip(variants, write_variants(path, tmp_path, variants), strict=True))
 
     def run(label, moe=None):
         loaded = load_model(dirs[label], dtype="float32")

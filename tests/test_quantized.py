@@ -196,20 +196,29 @@ FORMATS = {
 }
 
 
+def encoded_copies(tensors: dict, encoder) -> tuple[dict, dict]:
+    """(the tensors as stored, each `encoder(name)` names encoded under its parts' names;
+    their dequantized values under the plain names)."""
+    stored, plain = {}, {}
+    for name, t in tensors.items():
+        encode = encoder(name)
+        if encode is None:
+            stored[name] = plain[name] = t
+            continue
+        parts, plain[name] = encode(t)
+        for suffix, part in parts.items():
+            stored[name.removesuffix(".weight") + suffix] = part.contiguous()
+    return stored, plain
+
+
 def quantized_pair(src, tmp_path, fmt):
     """The checkpoint at `src` written twice: its projections (attention, experts, dense MLP)
     in `fmt`, and with those weights as the test's own decoder reads them back."""
     quant_config, encode = FORMATS[fmt]
-    tensors = load_file(src / "model.safetensors")
-    stored, plain = {}, {}
-    for name, t in tensors.items():
-        if name.endswith("_proj.weight"):
-            parts, ref = encode(t)
-            for suffix, part in parts.items():
-                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
-            plain[name] = ref
-        else:
-            stored[name] = plain[name] = t
+    stored, plain = encoded_copies(
+        load_file(src / "model.safetensors"),
+        lambda name: encode if name.endswith("_proj.weight") else None,
+    )
     return write_variants(
         src,
         tmp_path,
@@ -542,33 +551,34 @@ def fp4_rows(w):
     return {".weight": data, ".scale": parts[".weight_scales"].view(torch.float8_e8m0fnu)}, ref
 
 
+# DeepSeek-V4's release config: FP8 e4m3 in 128 x 128 blocks with e8m0 scales, FP4 experts
+V4_RELEASE = {
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    },
+    "expert_dtype": "fp4",
+}
+
+
 def test_deepseek_v4_release_layout_fp8_attention_and_fp4_experts(source, tmp_path):
     """A checkpoint in DeepSeek-V4's release layout (FP8 e4m3 attention with e8m0 block scales,
     FP4 experts with e8m0 scales per 32 values of a row, each under `X.scale`): its experts
     are kept as MXFP4 (the same values), the rest dequantized, and it computes what its
     dequantized copy computes, on every strategy."""
     tensors = load_file(source[0] / "model.safetensors")
-    stored, plain = {}, {}
-    for name, t in tensors.items():
+
+    def encoder(name):
         if name.endswith("_proj.weight"):
-            parts, ref = (fp4_rows if ".experts." in name else fp8_e8m0_blocks)(t)
-            for suffix, part in parts.items():
-                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
-            plain[name] = ref
-        else:
-            stored[name] = plain[name] = t
-    config = {
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-            "activation_scheme": "dynamic",
-        },
-        "expert_dtype": "fp4",
-    }
+            return fp4_rows if ".experts." in name else fp8_e8m0_blocks
+        return None
+
+    stored, plain = encoded_copies(tensors, encoder)
     quantized, plain_dir = write_variants(
-        source[0], tmp_path, {"quantized": (stored, config), "plain": (plain, {})}
+        source[0], tmp_path, {"quantized": (stored, V4_RELEASE), "plain": (plain, {})}
     )
     loaded = load_model(quantized, dtype="float32")
     assert loaded.experts.format.name == "mxfp4" and loaded.experts.w_gate_up.dtype == torch.uint8
@@ -588,16 +598,12 @@ def test_glm5_fp8_and_nvfp4_releases_compute_as_their_dequantized_copies(fmt, gl
     """GLM-5.x's releases come in FP8 (128 x 128 blocks) and NVFP4 (ModelOpt): read as the
     other families' are, its sparse attention's projections among them."""
     quant_config, encode = FORMATS[fmt]
-    stored, weights = {}, {}
-    for name, t in load_file(glm5[0] / "model.safetensors").items():
-        # (a tiny model's narrow low-rank projections, 24 wide, stay plain: NVFP4 needs 16s)
-        if name.endswith("_proj.weight") and t.shape[-1] % 32 == 0:
-            parts, ref = encode(t)
-            for suffix, part in parts.items():
-                stored[name.removesuffix(".weight") + suffix] = part.contiguous()
-            weights[name] = ref
-        else:
-            stored[name] = weights[name] = t
+    tensors = load_file(glm5[0] / "model.safetensors")
+    # (a tiny model's narrow low-rank projections, 24 wide, stay plain: NVFP4 needs 16s)
+    encoded = {
+        n for n, t in tensors.items() if n.endswith("_proj.weight") and t.shape[-1] % 32 == 0
+    }
+    stored, weights = encoded_copies(tensors, lambda name: encode if name in encoded else None)
     variants = {
         "quantized": (stored, {"quantization_config": quant_config}),
         "plain": (weights, {}),
