@@ -567,6 +567,23 @@ def roofline_tokens_per_s(strategy, snap, layers, expert_bytes, batch, bw, moe) 
     return batch / (gpu_time + miss_time)
 
 
+def way_medians_ms(modes, batch: int) -> dict:
+    """Hybrid's ways of stepping (StepModes): each way's median step in its last trial, ms
+    (what the way chosen at the end was chosen over)."""
+    medians = {mode: modes.median(batch, mode) for mode in modes.MODES}
+    return {mode: round(s * 1e3, 3) for mode, s in medians.items() if s is not None}
+
+
+def cpu_jobs(total: dict, steps: int, expert_bytes: int) -> dict:
+    """The CPU team's share as its jobs ran inside the steps: ms of job time a step and the
+    bandwidth they read the experts at (B_H' as the step sees it, handoffs included)."""
+    seconds = total["cpu_time_s"]
+    return dict(
+        cpu_job_ms_per_step=seconds * 1e3 / steps,
+        cpu_job_gbs=total["cpu"] * expert_bytes / seconds / 1e9 if seconds > 0 else None,
+    )
+
+
 def bandwidth_line(bw: dict) -> str:
     def gbs(v):
         return "n/a" if v is None else f"{v / 1e9:.1f} GB/s"
@@ -662,9 +679,10 @@ def main() -> int:
             tps = per_round[len(per_round) // 2]
             moe = contender.runner.moe
             # hybrid's way of stepping at the end (StepModes), and its trials so far
-            way = ""
+            way, ways_ms = "", {}
             if moe.kind.splits:
                 way = f"{moe.step_modes.current(batch)} ({moe.step_modes.trials(batch)})"
+                ways_ms = way_medians_ms(moe.step_modes, batch)
             name, slots, snap = close(contender, device)
             steps = args.steps * args.rounds
             t = snap["total"]
@@ -692,6 +710,8 @@ def main() -> int:
                 step_ms=sum(contender.seconds) * 1e3 / steps,
                 step_host_ms=contender.host_seconds * 1e3 / steps,
                 way=way,
+                ways_ms=ways_ms,
+                **cpu_jobs(t, steps, store.shape.nbytes),
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -734,6 +754,25 @@ def main() -> int:
             f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
             f"{r['step_host_ms']:.2f} | {r['host_ms_per_step']:.1f} | "
             f"{r['sync_ms_per_step']:.1f} | {r['cpu_wait_ms_per_step']:.1f} | {r['way']} |"
+        )
+    # (hybrid's ways, and the CPU team's jobs inside the steps)
+    split_rows = [r for r in rows if r["ways_ms"] or r["cpu_job_gbs"]]
+    lines += (
+        [
+            "",
+            "| cache | strategy | batch | split ms | fill ms | cpu ms | CPU job ms/step "
+            "| CPU job GB/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        if split_rows
+        else []
+    )
+    for r in split_rows:
+        ways = [r["ways_ms"].get(mode, "") for mode in ("split", "fill", "cpu")]
+        gbs = f"{r['cpu_job_gbs']:.1f}" if r["cpu_job_gbs"] else ""
+        lines.append(
+            f"| {r['cache']} | {r['strategy']} | {r['batch']} | {' | '.join(map(str, ways))} "
+            f"| {r['cpu_job_ms_per_step']:.2f} | {gbs} |"
         )
     # (the host's phases: only strategies that decide on the host have any)
     host_rows = [r for r in rows if r["host_ms_per_step"] > 0]

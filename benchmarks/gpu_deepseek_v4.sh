@@ -4,6 +4,12 @@
 #                                                       # family, graphs, V4 and DSA
 #   bash benchmarks/gpu_deepseek_v4.sh speed  OUT_DIR   # a V4-Flash-shaped model: decode_offload
 #   bash benchmarks/gpu_deepseek_v4.sh context OUT_DIR  # the same at contexts 0, 32k, 128k
+#   bash benchmarks/gpu_deepseek_v4.sh switches OUT_DIR # V4's bf16 comparison with transformers,
+#                                                       # with each decode kernel switched off
+#   bash benchmarks/gpu_deepseek_v4.sh timeline OUT_DIR # where a hybrid step's time goes
+#   bash benchmarks/gpu_deepseek_v4.sh glm5 OUT_DIR     # a GLM-5-shaped model: decode_offload
+# (V4_FUSED=1 adds the whole pool resident to `speed`: 51 GiB at 16 layers, more than an
+# 80 GB card holds beside the rest.)
 # The machine's transformers predates deepseek_v4: carry transformers 5.25's wheels (and their
 # pure-Python dependencies, numpy excepted) in .carry/wh; they are installed beside the code.
 set -uo pipefail
@@ -11,7 +17,7 @@ part=$1
 out=${2:-${OUT:-/tmp/out}}
 mkdir -p "$out"
 if [ -d .carry/wh ]; then
-  pip install -q --no-deps --target /tmp/tf .carry/wh/*.whl 2>&1 | tail -2
+  [ -d /tmp/tf/transformers ] || pip install -q --no-deps --target /tmp/tf .carry/wh/*.whl 2>&1 | tail -2
   export PYTHONPATH=/tmp/tf:$PWD/src
 else
   export PYTHONPATH=$PWD/src
@@ -34,10 +40,32 @@ tests)
   } 2>&1 | tee "$out/tests.txt"
   ;;
 speed)
+  caches=(--cache "$cache")
+  [ "${V4_FUSED:-0}" = 1 ] && caches=(--cache all "${caches[@]}")
+  # (warm-up 40: hybrid's first way trial, 16 + 18 steps, ends inside it)
   cd benchmarks && timeout 560 python3 decode_offload.py --shape deepseek-v4-flash \
-    --layers "$layers" --expert-format mxfp4 --cache all --cache "$cache" \
-    --strategy hybrid --strategy offload --batch 1 --batch 4 --steps 24 --warmup 24 --rounds 3 \
-    --out "$out/v4-speed.md" 2>&1 | tail -40
+    --layers "$layers" --expert-format mxfp4 "${caches[@]}" \
+    --strategy ${V4_STRATEGIES:-hybrid offload} --batch 1 --batch 4 --steps 24 --warmup 40 \
+    --rounds "${V4_ROUNDS:-3}" --out "$out/v4-speed.md" 2>&1 | tail -40
+  ;;
+switches)
+  python3 benchmarks/kernel_switches.py --off none --off attention --off streams --off mix \
+    --off router -- tests/test_device_numerics.py -k "deepseek_v4 and cuda and bf16" \
+    2>&1 | tee "$out/switches.txt"
+  ;;
+timeline)
+  cd benchmarks && timeout 400 python3 step_timeline.py --shape deepseek-v4-flash \
+    --layers "${V4_TIMELINE_LAYERS:-8}" --expert-format mxfp4 --contender "hybrid@$cache" \
+    --batch 1 --steps 24 --profiled 4 --out "$out/v4-timeline.md" 2>&1 | tail -40
+  ;;
+glm5)
+  # GLM-5's NVFP4 experts are 20 MiB: 5 GiB a layer. A 32 GB card holds its non-expert
+  # weights only quantized (~0.45 GiB a layer in bf16, 78 layers), so two caches: 3% (what
+  # FP8 non-expert weights leave a 32 GB card) and 10% (V4's figure).
+  cd benchmarks && timeout 560 python3 decode_offload.py --shape glm-5 \
+    --layers "${GLM_LAYERS:-8}" --expert-format nvfp4 --cache 3% --cache 10% \
+    --strategy hybrid --batch 1 --batch 4 --steps 16 --warmup 40 --rounds 2 \
+    --out "$out/glm5-speed.md" 2>&1 | tail -40
   ;;
 context)
   cd benchmarks && timeout 560 python3 decode_context.py --shape deepseek-v4-flash \

@@ -38,6 +38,9 @@ from decode_offload import (
 )
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from freetoken.config import EXPERT_FORMATS
+from freetoken.weights.expert_format import expert_format
+
 STEP = "decode_step"
 
 
@@ -129,16 +132,18 @@ def main() -> int:
     ap.add_argument("--profiled", type=int, default=6)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--expert-format", choices=EXPERT_FORMATS, default="dense")
     ap.add_argument("--python-profile", action="store_true", help="add each one's cProfile")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
-    loaded = random_model(raw, device)
+    loaded = random_model(raw, device, expert_format(args.expert_format))
     use_uniform_routing(loaded)
     pool = loaded.experts.num_pairs
     lines = [
         f"# step_timeline: {'tiny' if args.tiny else args.shape}, {args.layers} layers, "
+        f"experts {args.expert_format}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "| contender | synced ms | queued ms | host ms in forward | profiled step us | "
