@@ -8,6 +8,7 @@
 #                                                       # with each decode kernel switched off
 #   bash benchmarks/gpu_deepseek_v4.sh timeline OUT_DIR # where a hybrid step's time goes
 #   bash benchmarks/gpu_deepseek_v4.sh glm5 OUT_DIR     # a GLM-5-shaped model: decode_offload
+#   bash benchmarks/gpu_deepseek_v4.sh glm5-context OUT_DIR  # the same at contexts 0, 32k, 128k
 # (V4_FUSED=1 adds the whole pool resident to `speed`: 51 GiB at 16 layers, more than an
 # 80 GB card holds beside the rest.)
 # The machine's transformers predates deepseek_v4: carry transformers 5.25's wheels (and their
@@ -66,6 +67,12 @@ glm5)
     --layers "${GLM_LAYERS:-8}" --expert-format nvfp4 --cache 3% --cache 10% \
     --strategy hybrid --batch 1 --batch 4 --steps 16 --warmup 40 --rounds 2 \
     --out "$out/glm5-speed.md" 2>&1 | tail -40
+  ;;
+glm5-context)
+  cd benchmarks && timeout 560 python3 decode_context.py --shape glm-5 \
+    --layers "${GLM_LAYERS:-8}" --expert-format nvfp4 --cache "${GLM_CACHE:-3%}" \
+    --strategy hybrid --batch 1 --batch 4 --contexts 0 32768 131072 --steps 16 --warmup 40 \
+    --rounds 2 --out "$out/glm5-context.md" 2>&1 | tail -30
   ;;
 context)
   cd benchmarks && timeout 560 python3 decode_context.py --shape deepseek-v4-flash \

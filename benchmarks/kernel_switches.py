@@ -7,8 +7,8 @@ stays the definition, so a configuration with a kernel off runs that part in tor
 
 Switches: attention (kernels/compressed_decode.py: DeepSeek-V4's RoPE, pooling and decode
 attention), streams (kernels/hyper_mix.py: the hyper-connections' norm, collapse and merge),
-mix (hyper_mix's Sinkhorn mixing), router (norm_rope's sqrtsoftplus routing), norm_rope (the
-RMSNorm and RoPE kernels every family uses).
+normed, collapse, merge (each of those three alone), mix (hyper_mix's Sinkhorn mixing), router
+(norm_rope's sqrtsoftplus routing), norm_rope (the RMSNorm and RoPE kernels every family uses).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import types
 
-SWITCHES = ("attention", "streams", "mix", "router", "norm_rope")
+SWITCHES = ("attention", "streams", "normed", "collapse", "merge", "mix", "router", "norm_rope")
 
 
 def switch_off(names: list[str]) -> None:
@@ -32,6 +32,8 @@ def switch_off(names: list[str]) -> None:
             compressed_decode.kernel_takes = never
         elif name == "streams":
             hyper_mix.streams_kernel_takes = never
+        elif name in ("normed", "collapse", "merge"):
+            _streams_kernel_off(name)
         elif name == "mix":
             hyper_mix.kernel_takes = never
         elif name == "router":  # moe.py's own view of norm_rope, without the router kernels
@@ -40,6 +42,33 @@ def switch_off(names: list[str]) -> None:
             norm_rope.available = never
         else:
             raise SystemExit(f"unknown switch {name!r}: one of {', '.join(SWITCHES)}")
+
+
+def _streams_kernel_off(name: str) -> None:
+    """One of the hyper-connections' stream kernels replaced by its torch code (the layer's
+    own, run with the stream kernels off for the call)."""
+    from freetoken.kernels import hyper_mix
+    from freetoken.layers import hyper_connections as hc
+
+    torch_code = {
+        "normed": hc._normed,
+        "collapse": hc._collapsed,
+        "merge": hc.HyperConnection.merge,
+    }
+    kernel_takes = hyper_mix.streams_kernel_takes
+
+    def in_torch(*args):
+        hyper_mix.streams_kernel_takes = lambda *a: False
+        try:
+            return torch_code[name](*args)
+        finally:
+            hyper_mix.streams_kernel_takes = kernel_takes
+
+    setattr(
+        hyper_mix,
+        {"normed": "hc_normed", "collapse": "hc_collapse", "merge": "hc_merge"}[name],
+        in_torch,
+    )
 
 
 def main() -> int:

@@ -207,3 +207,35 @@ def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
     graphed, runner = decode_logits(loaded, prompts, 12, moe=options, cuda_graphs=True)
     assert runner.graphs is not None and runner.graphs.replays >= 10
     assert (eager - graphed).abs().max().item() < 1e-4
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_models_decode_in_graphs_per_table_width(tmp_path, family):
+    """DSA's indexer gathers its sequences' slots over the page-table columns its capture
+    fixes: the graphs are captured per width (a power of two of pages), so a sequence that
+    grows past one is captured again, and the replays give the eager logits throughout."""
+    path, _ = build(family, tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 23, 11])  # pages of 8: the longest grows from 3 to 5
+    eager, _ = decode_logits(loaded, prompts, 14, cuda_graphs=False)
+    graphed, runner = decode_logits(loaded, prompts, 14, cuda_graphs=True)
+    assert runner.graphs is not None and runner.graphs.replays >= 8
+    assert {key[1] for key in runner.graphs.captures} == {4, 8}
+    assert (eager - graphed).abs().max().item() < 1e-4
+
+
+def test_a_captured_width_is_the_longest_sequences_pages_to_a_power_of_two():
+    from freetoken.kv.batch import ForwardBatch
+    from freetoken.kv.paged import KVSequence, PagedKVCache
+
+    # (layers, pages, page size, KV heads, head dim, dtype, device; sequences of at most 40)
+    cache = PagedKVCache(1, 64, 4, 1, 8, torch.float32, "cpu", max_seq_tokens=40)
+    assert cache.page_table.shape[1] == 10
+    widths = []
+    for length in (1, 4, 5, 9, 17, 33, 40):
+        seq = KVSequence()
+        batch = ForwardBatch.build(cache, [seq], [list(range(length))], torch.device("cpu"))
+        widths.append(batch.table_pages())
+        cache.release(seq)
+    assert widths == [1, 1, 2, 4, 8, 10, 10]  # (pages of 4; the table holds 10)

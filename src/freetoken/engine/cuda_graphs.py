@@ -86,8 +86,18 @@ class _Capture:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: PagedKVCache, states: RecurrentStatePool | None = None):
+    def __init__(
+        self,
+        model,
+        kv: PagedKVCache,
+        states: RecurrentStatePool | None = None,
+        by_table_width: bool = False,
+    ):
+        """`by_table_width`: the model's decode gathers its sequences' slots in torch over as
+        many page-table columns as a capture fixes (DSA's indexer): a shape is then also its
+        width (`ForwardBatch.table_pages`), so short contexts do not read the whole table."""
         self.model, self.kv, self.states = model, kv, states
+        self.by_table_width = by_table_width
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.seen: set[tuple] = set()
         self.eager: set[tuple] = set()  # shapes whose capture ran out of device memory
@@ -100,8 +110,9 @@ class DecodeGraphs:
         self.seen.clear()
         self.eager.clear()
 
-    @staticmethod
-    def key(batch: ForwardBatch) -> tuple:
+    def key(self, batch: ForwardBatch) -> tuple:
+        if self.by_table_width:
+            return (batch.num_tokens, batch.table_pages())
         return (batch.num_tokens,)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -78,18 +78,21 @@ def _served_length(cfg: ModelConfig, max_model_len: int | None) -> int:
     return served
 
 
+def _by_table_width(cfg: ModelConfig) -> bool:
+    """Whether decode graphs are captured per page-table width (DSA's indexer, layers/mla.py)."""
+    return cfg.mla is not None and cfg.mla.indexer is not None
+
+
 def _captures_decode(cfg: ModelConfig) -> bool:
     """Whether a GPU's decode steps of `cfg` are captured in CUDA graphs. Not for heads the
     device's decode kernel does not take (their torch path reads lengths on the host).
     Linear-attention layers read their sequences' state slots from the batch's packed buffer,
-    which a replay copies in. Nor yet for sparse attention (DSA), whose decode gathers each
-    sequence's pages in torch (graph-safe, but a captured step would read the whole page
-    table). DeepSeek-V4's compressed attention is torch too, but written for capture: its
-    shapes are fixed by the page table's width, every window it can hold read and masked past
-    each length (layers/compressed_attention.py)."""
-    if cfg.mla is not None and cfg.mla.indexer is not None:
-        return False
-    if cfg.compressed is not None:
+    which a replay copies in. Sparse attention (DSA) gathers its sequences' slots in torch over
+    as many page-table columns as its capture fixes: captured per width (`_by_table_width`).
+    DeepSeek-V4's compressed attention is torch too, but written for capture: its shapes are
+    fixed by the page table's width, every window it can hold read and masked past each length
+    (layers/compressed_attention.py)."""
+    if _by_table_width(cfg) or cfg.compressed is not None:
         return True
     return all(  # (every layer's heads: Gemma-4's differ by layer)
         paged_attention.triton_decode_width(
@@ -154,7 +157,7 @@ class ModelRunner:
         self._install_moe()
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and _captures_decode(cfg):
-            self.graphs = DecodeGraphs(self.model, self.kv, self.states)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.states, _by_table_width(cfg))
 
     def _kv_pool(self, kv_cache_tokens: int | None, page_size: int) -> PagedKVCache:
         """The paged KV pool: `kv_cache_tokens` (default: `auto_kv_tokens`) in pages."""

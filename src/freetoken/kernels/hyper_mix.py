@@ -1,8 +1,9 @@
 """DeepSeek-V4's hyper-connections in a few launches: the mixes in one (from the projection of
 the normed streams, `pre` (sigmoid), `post` (2 x sigmoid) and `comb` (softmax, then
 Sinkhorn-Knopp to a doubly stochastic matrix) for every token), and one each for the streams'
-norm, their collapse by `pre` and their merge with a block's output (layers/hyper_connections.py
-is the torch definition of those three, and the CPU path; about 25 launches a layer there).
+norm, their collapse by `pre` and their merge with a block's output, after torch's matmul of
+the streams by `comb`, kept for its rounding (layers/hyper_connections.py is the torch
+definition of those three, and the CPU path; about 25 launches a layer there).
 
 In torch that is about 120 launches a block (each Sinkhorn iteration sums and divides rows,
 then columns, of a 4 x 4 matrix), twice a layer: half of a decode step's kernels, each a
@@ -109,20 +110,20 @@ def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 def hc_merge(streams, post, comb, out) -> torch.Tensor:
     """`HyperConnection.merge`: post[t, k] out[t] + sum_j comb[t, j, k] streams[t, j], with
-    post and comb cast to the streams' dtype and each result rounded as torch rounds it."""
+    post and comb cast to the streams' dtype and each result rounded as torch rounds it.
+
+    The streams' mix stays torch's batched matmul, the call transformers makes: a kernel that
+    summed the four products in fp32 itself rounded a few values the other way, and on CUDA
+    that tipped DeepSeek-V4's bf16 decode away from transformers' tokens for good (7 of 10
+    prompts, benchmarks/results/2026-12-06-v4-decode-h100.md), where the matmul keeps them
+    bitwise equal. The kernel fuses the rest (post's cast, the spread and the sum)."""
     t, n, hidden = streams.shape
+    mixed = torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
     merged = torch.empty_like(streams)
     if t:
         grid = (t, triton.cdiv(hidden, _BLOCK))
         _merge_kernel[grid](
-            streams.contiguous(),
-            post.float().contiguous(),
-            comb.float().contiguous(),
-            out.contiguous(),
-            merged,
-            hidden,
-            N=n,
-            BLOCK=_BLOCK,
+            mixed, post.float().contiguous(), out.contiguous(), merged, hidden, N=n, BLOCK=_BLOCK
         )
     return merged
 
@@ -184,18 +185,13 @@ if triton is not None:
         tl.store(OUT + t * hidden + h, acc.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _merge_kernel(S, POST, COMB, X, OUT, hidden, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _merge_kernel(MIXED, POST, X, OUT, hidden, N: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = h < hidden
         dt = OUT.dtype.element_ty
         x = tl.load(X + t * hidden + h, mask=ok, other=0.0).to(tl.float32)
         for k in tl.static_range(N):
-            mixed = tl.zeros([BLOCK], tl.float32)
-            for j in tl.static_range(N):
-                c = tl.load(COMB + (t * N + j) * N + k).to(dt).to(tl.float32)
-                s = tl.load(S + (t * N + j) * hidden + h, mask=ok, other=0.0).to(tl.float32)
-                mixed += c * s
             spread = (tl.load(POST + t * N + k).to(dt).to(tl.float32) * x).to(dt).to(tl.float32)
-            value = spread + mixed.to(dt).to(tl.float32)
-            tl.store(OUT + (t * N + k) * hidden + h, value.to(dt), mask=ok)
+            mixed = tl.load(MIXED + (t * N + k) * hidden + h, mask=ok, other=0.0).to(tl.float32)
+            tl.store(OUT + (t * N + k) * hidden + h, (spread + mixed).to(dt), mask=ok)

@@ -237,12 +237,13 @@ class LatentAttention(nn.Module):
     def _context_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoding sequence's slots [B, W] from its page-table row (and which hold its
         tokens), read on the device from the rows and lengths: W covers the longest sequence's
-        pages, or the whole table while a CUDA graph is captured (so a replay reads any
-        length)."""
+        pages, or while a CUDA graph is captured the width it is captured for
+        (`ForwardBatch.table_pages`: its replays read any length up to that)."""
         ps = batch.page_size
-        pages = batch.page_table.shape[1]
-        if not (batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing()):
-            pages = min(pages, -(-max(batch.seq_lens) // ps))
+        if batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
+            pages = batch.table_pages()
+        else:
+            pages = min(batch.page_table.shape[1], -(-max(batch.seq_lens) // ps))
         table = batch.page_table[batch.rows, :pages]  # [B, P]
         offsets = torch.arange(ps, device=table.device)
         slots = (table[:, :, None] * ps + offsets).flatten(1)  # [B, P * ps]
