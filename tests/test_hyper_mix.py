@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled import run_compiled
 from freetoken.kernels import hyper_mix
 from interpreted import run_interpreted
 
@@ -58,3 +59,27 @@ def test_the_cpu_takes_the_reference_path(monkeypatch):
     ours = hyper_mix.hc_mix(mixes, base, scale, 4, 20, 1e-6)
     ref = hyper_mix.hc_mix_reference(mixes, base, scale, 4, 20, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+
+
+def _merge_float_ops() -> list[str]:
+    """The bf16 stream merge compiled for sm_90 (tests/compiled.py): its floating-point
+    opcodes."""
+    streams = torch.randn(2, 4, 256).bfloat16()
+    post, comb, out = torch.rand(2, 4), torch.rand(2, 4, 4), torch.randn(2, 256).bfloat16()
+    hyper_mix.hc_merge(streams, post, comb, out)
+    (compiled,) = [
+        kernel
+        for caches in hyper_mix._merge_kernel.device_caches.values()
+        for kernel in caches[0].values()
+    ]
+    lines = [line.split() for line in compiled.asm["ptx"].splitlines()]
+    return sorted({w[0] for w in lines if w and w[0].split(".")[0] in ("fma", "add", "mul")})
+
+
+@needs_triton
+def test_the_merge_rounds_its_product_before_the_sum_as_torch_does():
+    """torch rounds post x out to bf16, then the sum with the mixed streams: an fma (which the
+    compiler makes of casts written in the kernel) rounds once, and on CUDA that tipped
+    DeepSeek-V4's bf16 decode off transformers' tokens."""
+    ops = run_compiled("test_hyper_mix", "_merge_float_ops", timeout=300)
+    assert "add.f32" in ops and not [op for op in ops if op.startswith("fma")], ops

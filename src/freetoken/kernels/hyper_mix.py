@@ -112,11 +112,13 @@ def hc_merge(streams, post, comb, out) -> torch.Tensor:
     """`HyperConnection.merge`: post[t, k] out[t] + sum_j comb[t, j, k] streams[t, j], with
     post and comb cast to the streams' dtype and each result rounded as torch rounds it.
 
-    The streams' mix stays torch's batched matmul, the call transformers makes: a kernel that
-    summed the four products in fp32 itself rounded a few values the other way, and on CUDA
-    that tipped DeepSeek-V4's bf16 decode away from transformers' tokens for good (7 of 10
-    prompts, benchmarks/results/2026-12-06-v4-decode-h100.md), where the matmul keeps them
-    bitwise equal. The kernel fuses the rest (post's cast, the spread and the sum)."""
+    On CUDA, DeepSeek-V4's bf16 decode left transformers' tokens in 7 of 10 prompts while this
+    merge ran as a kernel, and kept them bitwise with it in torch (benchmarks/bf16_drift.py;
+    benchmarks/results/2026-12-06-v4-decode-h100.md): the compiler had fused the rounded
+    product and the sum into one bf16 fma, rounding once where torch rounds twice, and a few
+    values came out one bf16 step apart. The kernel now rounds by integer arithmetic, which
+    nothing fuses (tests/test_hyper_mix.py checks the compiled code), and the streams' mix by
+    `comb` stays torch's batched matmul, the call transformers makes, for its sum order."""
     t, n, hidden = streams.shape
     mixed = torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
     merged = torch.empty_like(streams)
@@ -185,13 +187,31 @@ if triton is not None:
         tl.store(OUT + t * hidden + h, acc.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _rounded_to_bf16(x):
+        """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, by integer
+        arithmetic: written as casts, the compiler fuses a rounded product and the sum after
+        it into one bf16 fma (`fma.rn.bf16`), which rounds once where torch rounds twice."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rounded(x, dt: tl.constexpr):
+        """fp32 x rounded to the streams' dtype `dt`, kept in fp32."""
+        if dt == tl.bfloat16:
+            return _rounded_to_bf16(x)
+        return x.to(dt).to(tl.float32)
+
+    @triton.jit
     def _merge_kernel(MIXED, POST, X, OUT, hidden, N: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = h < hidden
-        dt = OUT.dtype.element_ty
+        dt: tl.constexpr = OUT.dtype.element_ty
         x = tl.load(X + t * hidden + h, mask=ok, other=0.0).to(tl.float32)
         for k in tl.static_range(N):
-            spread = (tl.load(POST + t * N + k).to(dt).to(tl.float32) * x).to(dt).to(tl.float32)
+            post = _rounded(tl.load(POST + t * N + k), dt)
+            spread = _rounded(post * x, dt)  # torch's product in the streams' dtype, then its sum
             mixed = tl.load(MIXED + (t * N + k) * hidden + h, mask=ok, other=0.0).to(tl.float32)
-            tl.store(OUT + (t * N + k) * hidden + h, (spread + mixed).to(dt), mask=ok)
+            value = (spread + mixed).to(OUT.dtype.element_ty)
+            tl.store(OUT + (t * N + k) * hidden + h, value, mask=ok)
