@@ -77,7 +77,7 @@ glm5-context)
 context)
   cd benchmarks && timeout 560 python3 decode_context.py --shape deepseek-v4-flash \
     --layers "$layers" --expert-format mxfp4 --cache "$cache" --strategy "${V4_STRATEGY:-hybrid}" \
-    --batch 1 --batch 4 --contexts 0 32768 131072 --steps 16 --warmup 24 --rounds 3 \
-    --out "$out/v4-context.md" 2>&1 | tail -30
+    --batch 1 --batch 4 --contexts 0 32768 131072 --steps 16 --warmup 40 \
+    --rounds "${V4_ROUNDS:-3}" --out "$out/v4-context.md" 2>&1 | tail -30
   ;;
 esac
