@@ -93,8 +93,8 @@ class DecodeGraphs:
         states: RecurrentStatePool | None = None,
         by_table_width: bool = False,
     ):
-        """`by_table_width`: the model's decode gathers its sequences' slots in torch over as
-        many page-table columns as a capture fixes (DSA's indexer): a shape is then also its
+        """`by_table_width`: the model's decode reads as many page-table columns as a capture
+        fixes (DSA's indexer, DeepSeek-V4's compressed attention): a shape is then also its
         width (`ForwardBatch.table_pages`), so short contexts do not read the whole table."""
         self.model, self.kv, self.states = model, kv, states
         self.by_table_width = by_table_width

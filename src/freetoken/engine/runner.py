@@ -79,20 +79,20 @@ def _served_length(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 
 def _by_table_width(cfg: ModelConfig) -> bool:
-    """Whether decode graphs are captured per page-table width (DSA's indexer, layers/mla.py)."""
-    return cfg.mla is not None and cfg.mla.indexer is not None
+    """Whether decode graphs are captured per page-table width: DSA's indexer (layers/mla.py)
+    and DeepSeek-V4's compressed attention (layers/compressed_attention.py) read every slot or
+    window of the width a capture fixes."""
+    return cfg.compressed is not None or (cfg.mla is not None and cfg.mla.indexer is not None)
 
 
 def _captures_decode(cfg: ModelConfig) -> bool:
     """Whether a GPU's decode steps of `cfg` are captured in CUDA graphs. Not for heads the
     device's decode kernel does not take (their torch path reads lengths on the host).
     Linear-attention layers read their sequences' state slots from the batch's packed buffer,
-    which a replay copies in. Sparse attention (DSA) gathers its sequences' slots in torch over
-    as many page-table columns as its capture fixes: captured per width (`_by_table_width`).
-    DeepSeek-V4's compressed attention is torch too, but written for capture: its shapes are
-    fixed by the page table's width, every window it can hold read and masked past each length
-    (layers/compressed_attention.py)."""
-    if _by_table_width(cfg) or cfg.compressed is not None:
+    which a replay copies in. Sparse attention (DSA) and DeepSeek-V4's compressed attention
+    read as many page-table columns as their capture fixes, every slot or window there masked
+    past each length: captured per width (`_by_table_width`)."""
+    if _by_table_width(cfg):
         return True
     return all(  # (every layer's heads: Gemma-4's differ by layer)
         paged_attention.triton_decode_width(

@@ -120,11 +120,11 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     def table_pages(self) -> int:
-        """The page-table columns a captured decode step reads where it gathers its sequences'
-        slots in torch (DSA's indexer): the longest sequence's pages rounded up to a power of
-        two, within the table. A decode graph is captured per such width (engine/cuda_graphs.py),
-        so a step reads at most twice its context, not the whole table, and a sequence
-        re-captures at most log2(table) times as it grows."""
+        """The page-table columns a captured decode step reads where its shapes follow the
+        context (DSA's indexer, DeepSeek-V4's windows): the longest sequence's pages rounded up
+        to a power of two, within the table. A decode graph is captured per such width
+        (engine/cuda_graphs.py), so a step reads at most twice its context, not the whole
+        table, and a sequence re-captures at most log2(table) times as it grows."""
         needed = max(1, -(-max(self.seq_lens) // self.page_size))
         return min(1 << (needed - 1).bit_length(), self.page_table.shape[1])
 

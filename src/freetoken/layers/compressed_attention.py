@@ -125,9 +125,12 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def _windows_read(batch: ForwardBatch, ratio: int, capturing: bool) -> int:
-    most = batch.page_table.shape[1] * batch.page_size // ratio
+    """Windows a decode step reads: while a CUDA graph is captured, every window of the
+    page-table width it is captured for (`ForwardBatch.table_pages`), else the closed ones
+    rounded up to a bucket."""
     if capturing:
-        return most
+        return batch.table_pages() * batch.page_size // ratio
+    most = batch.page_table.shape[1] * batch.page_size // ratio
     closed = max(batch.seq_lens) // ratio
     return min(most, -(-(closed + 1) // WINDOW_BUCKET) * WINDOW_BUCKET)
 
