@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.kernels import compressed_decode, hyper_mix
+from freetoken.kernels import compressed_decode, hyper_mix, lightning_index
 from freetoken.models.loading import load_model
 from interpreted import run_interpreted
 from tiny_models import build
@@ -26,6 +26,7 @@ KERNELS = [
     (hyper_mix, "hc_normed"),
     (hyper_mix, "hc_collapse"),
     (hyper_mix, "hc_merge"),
+    (lightning_index, "index_scores"),  # (decode steps only)
 ]
 
 
@@ -43,9 +44,14 @@ def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torc
     """Logits of a prompt per sequence (different lengths), then of STEPS decode steps, with
     the kernels on or off (on the CPU, they run under the interpreter), counting launches."""
     takes = (lambda x: True) if kernels else (lambda x: False)
-    saved = compressed_decode.kernel_takes, hyper_mix.streams_kernel_takes
+    saved = (
+        compressed_decode.kernel_takes,
+        hyper_mix.streams_kernel_takes,
+        lightning_index.kernel_takes,
+    )
     launches = [getattr(module, name) for module, name in KERNELS]
     compressed_decode.kernel_takes = hyper_mix.streams_kernel_takes = takes
+    lightning_index.kernel_takes = takes
     for module, name in KERNELS:
         setattr(module, name, _counted(module, name, counts))
     try:
@@ -61,7 +67,11 @@ def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torc
             out.append(runner.forward(seqs, ids).float().cpu())
         return out
     finally:
-        compressed_decode.kernel_takes, hyper_mix.streams_kernel_takes = saved
+        (
+            compressed_decode.kernel_takes,
+            hyper_mix.streams_kernel_takes,
+            lightning_index.kernel_takes,
+        ) = saved
         for (module, name), launch in zip(KERNELS, launches, strict=True):
             setattr(module, name, launch)
 
@@ -70,7 +80,7 @@ def largest_error(path: str, dtype: str = "float32", device: str = "cpu", typica
     """(the kernels' largest (`typical`: median) logit difference from the torch path, the
     launches of each kernel (none with the kernels off)), blocks made small so that the prompt
     crosses many."""
-    compressed_decode.POOL_ROWS, compressed_decode.KEYS = 2, 16
+    compressed_decode.POOL_ROWS, compressed_decode.KEYS, lightning_index.KEYS = 2, 16, 16
     loaded = load_model(path, dtype=dtype, device=device)
     off: dict = {}
     ref = _run(loaded, device, False, off)
@@ -83,8 +93,10 @@ def largest_error(path: str, dtype: str = "float32", device: str = "cpu", typica
 
 def _check(error: float, counts: dict, bound: float) -> None:
     assert error < bound
-    # every kernel ran, in prefill and in each decode step (1 + STEPS forwards)
-    assert all(counts.get(name, 0) >= 1 + STEPS for _, name in KERNELS), counts
+    # every kernel ran, in prefill and in each decode step (1 + STEPS forwards; the indexer's
+    # scores in the decode steps)
+    assert all(counts.get(name, 0) >= 1 + STEPS for _, name in KERNELS[:-1]), counts
+    assert counts.get("index_scores", 0) >= STEPS, counts
 
 
 @pytest.fixture(scope="module")

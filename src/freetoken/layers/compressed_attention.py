@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.kernels import compressed_decode as kernels
+from freetoken.kernels import lightning_index
 from freetoken.kernels.paged_attention import sequence_slots
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
@@ -304,7 +305,12 @@ class CompressedAttention(nn.Module):
             ready = (batch.positions + 1) // r
             seen = w[None] < ready[:, None]  # [B, windows]
             top = None
-            if self.kind == CSA:
+            if self.kind == CSA and lightning_index.kernel_takes(q):  # scored in place
+                keys = lightning_index.PagedKeys(
+                    pool, lay["ientry"].start, batch.page_table, batch.rows, batch.page_size
+                ).closing(len(w), r)
+                top = self._top_windows_in_place(keys, ready, x, q_latent, cos_sin)
+            elif self.kind == CSA:
                 index_keys = _rows_at(pool, batch, batch.rows, _closing(w, r, p), lay["ientry"])
                 top = self._top_windows(index_keys, seen, ready, x, q_latent, cos_sin)
         if kernels.kernel_takes(q):
@@ -381,15 +387,30 @@ class CompressedAttention(nn.Module):
         """The Lightning Indexer: the closed windows each query attends, [n, min(topk, E)]
         (-1 for a pick past the closed ones, when fewer are closed than it keeps)."""
         ix = self.indexer
-        n = q_latent.shape[0]
-        iq = turn(ix.wq_b(q_latent).view(n, ix.heads, ix.dim), *cos_sin)
+        iq, weights = self._index_query(x, q_latent, cos_sin)
         spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
         scores = torch.einsum(spec, iq.float(), entries.float())
         scores = F.relu(scores) * ix.dim**-0.5
-        weights = ix.weights_proj(x).float() * ix.heads**-0.5
         scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        top = scores.topk(min(ix.topk, scores.shape[1]), dim=-1).indices
+        return self._chosen(scores.masked_fill(~seen, float("-inf")), ready)
+
+    def _top_windows_in_place(self, keys, ready, x, q_latent, cos_sin) -> torch.Tensor:
+        """`_top_windows` of a decode step, its entries scored where they lie in the pages
+        (kernels/lightning_index.py)."""
+        iq, weights = self._index_query(x, q_latent, cos_sin)
+        scale = self.indexer.dim**-0.5
+        return self._chosen(lightning_index.index_scores(iq, weights, keys, ready, scale), ready)
+
+    def _index_query(self, x, q_latent, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries [n, heads, dim] (rotated) and head weights [n, heads] (fp32)."""
+        ix = self.indexer
+        n = q_latent.shape[0]
+        iq = turn(ix.wq_b(q_latent).view(n, ix.heads, ix.dim), *cos_sin)
+        return iq, ix.weights_proj(x).float() * ix.heads**-0.5
+
+    def _chosen(self, scores: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
+        """The top-k of scores [n, E] (-inf past the closed windows), -1 for a pick past them."""
+        top = scores.topk(min(self.indexer.topk, scores.shape[1]), dim=-1).indices
         return torch.where(top < ready[:, None], top, -1)
 
 

@@ -37,6 +37,7 @@ import math
 import torch
 from torch import nn
 
+from freetoken.kernels import lightning_index
 from freetoken.kernels.paged_attention import (
     causal_attention,
     paged_attention,
@@ -227,23 +228,42 @@ class LatentAttention(nn.Module):
                     causal &= torch.zeros_like(causal).scatter_(1, top.indices, True)
                 masks.append(mask)
             return masks
+        return self._decode_choice(indexer, q, w, pool, batch)
+
+    def _decode_choice(self, indexer: Indexer, q, w, pool, batch: ForwardBatch):
+        """A decode step's top-k slots [B, k] and which hold tokens [B, k], from the scores of
+        every token of `_context_pages` (past each length: -inf)."""
+        first, topk, ps = self.mla.latent_dim, indexer.idx.topk, batch.page_size
+        width = self._context_pages(batch) * ps
+        if lightning_index.kernel_takes(q):  # scored in place, in one launch
+            # (q's values are the pool dtype's, widened by `queries`: exact in it)
+            keys = lightning_index.PagedKeys(pool, first, batch.page_table, batch.rows, ps)
+            scores = lightning_index.index_scores(
+                q.to(pool.dtype), w, keys.every(width), batch.lengths, indexer.idx.head_dim**-0.5
+            )
+            top = scores.topk(min(topk, width)).indices
+            pages = batch.page_table[batch.rows[:, None], top // ps]
+            return pages * ps + top % ps, top < batch.lengths[:, None]
         slots, valid = self._context_slots(batch)  # [B, W]
         keys = pool[slots, 0, first:]  # [B, W, d]
         scores = indexer.scores(q[:, None], w[:, None], keys)[:, 0]  # [B, W]
-        top = scores.masked_fill(~valid, float("-inf")).topk(min(topk, slots.shape[1])).indices
+        top = scores.masked_fill(~valid, float("-inf")).topk(min(topk, width)).indices
         return slots.gather(1, top), valid.gather(1, top)
 
     @staticmethod
-    def _context_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoding sequence's slots [B, W] from its page-table row (and which hold its
-        tokens), read on the device from the rows and lengths: W covers the longest sequence's
-        pages, or while a CUDA graph is captured the width it is captured for
-        (`ForwardBatch.table_pages`: its replays read any length up to that)."""
-        ps = batch.page_size
+    def _context_pages(batch: ForwardBatch) -> int:
+        """The page-table columns a decode step reads: the longest sequence's pages, or while a
+        CUDA graph is captured the width it is captured for (`ForwardBatch.table_pages`: its
+        replays read any length up to that)."""
         if batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
-            pages = batch.table_pages()
-        else:
-            pages = min(batch.page_table.shape[1], -(-max(batch.seq_lens) // ps))
+            return batch.table_pages()
+        return min(batch.page_table.shape[1], -(-max(batch.seq_lens) // batch.page_size))
+
+    @classmethod
+    def _context_slots(cls, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoding sequence's slots [B, W] from its page-table row (and which hold its
+        tokens), read on the device from the rows and lengths, over `_context_pages`."""
+        ps, pages = batch.page_size, cls._context_pages(batch)
         table = batch.page_table[batch.rows, :pages]  # [B, P]
         offsets = torch.arange(ps, device=table.device)
         slots = (table[:, :, None] * ps + offsets).flatten(1)  # [B, P * ps]
