@@ -235,6 +235,51 @@ if triton is not None:
         return page * page_size + position % page_size
 
     @triton.jit
+    def _window_rows(
+        PT,
+        pt_stride,
+        page_size,
+        row,
+        p,
+        s0,
+        closes,
+        c,
+        c_ok,
+        R: tl.constexpr,
+        SERIES: tl.constexpr,
+        D: tl.constexpr,
+        S_BLOCK: tl.constexpr,
+    ):
+        """(s, slot, col, both) of block s0 of the S = SERIES * R rows of the window closing at
+        position p: the rows, their cache slots, the columns of channels c and what to read
+        (nothing unless the token closes its window; no row before the sequence's start)."""
+        S: tl.constexpr = SERIES * R
+        s = s0 + tl.arange(0, S_BLOCK)
+        at = p - S + 1 + s
+        ok = (s < S) & (at >= 0) & closes
+        slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
+        # (CSA: a window's own tokens take the second series, the previous window's the first)
+        part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
+        col = part[:, None] * D + c[None, :]
+        both = ok[:, None] & c_ok[None, :]
+        return s, slot, col, both
+
+    @triton.jit
+    def _store_rope_tail(dst, y, c, nope, COS, SIN, t, half, closes, dt, HALF: tl.constexpr):
+        """The RoPE of the entry's last 2 * half values (pairs interleaved; y re-read as pairs)
+        into dst, where the token closes its window."""
+        j = tl.arange(0, HALF)
+        pair = (j < half) & closes
+        yf = y.to(tl.float32)[None, :]
+        even = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None], yf, 0.0), 1)
+        odd = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None] + 1, yf, 0.0), 1)
+        cs = tl.load(COS + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + t * half + j, mask=pair, other=0.0).to(tl.float32)
+        e2, o2 = _turn(even, odd, cs, sn, dt)
+        tl.store(dst + nope + 2 * j, e2, mask=pair)
+        tl.store(dst + nope + 2 * j + 1, o2, mask=pair)
+
+    @triton.jit
     def _pool_kernel(
         POOL,
         PT,
@@ -275,14 +320,9 @@ if triton is not None:
         m = tl.full([D_BLOCK], -1e30, tl.float32)
         total = tl.zeros([D_BLOCK], tl.float32)
         for s0 in range(0, S, S_BLOCK):
-            s = s0 + tl.arange(0, S_BLOCK)
-            at = p - S + 1 + s
-            ok = (s < S) & (at >= 0) & closes
-            slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
-            # (CSA: a window's own tokens take the second series, the previous window's the first)
-            part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
-            col = part[:, None] * D + c[None, :]
-            both = ok[:, None] & c_ok[None, :]
+            s, slot, col, both = _window_rows(
+                PT, pt_stride, page_size, row, p, s0, closes, c, c_ok, R, SERIES, D, S_BLOCK
+            )
             g = tl.load(POOL + slot[:, None] * row_w + gate_col + col, mask=both, other=0.0)
             a = tl.load(APE + (s % R)[:, None] * (SERIES * D) + col, mask=both, other=0.0)
             g = tl.where(both, g.to(tl.float32) + a, float("-inf"))
@@ -292,13 +332,9 @@ if triton is not None:
         # Pass 2: the weights rounded to the dtype, each product rounded, summed in fp32.
         acc = tl.zeros([D_BLOCK], tl.float32)
         for s0 in range(0, S, S_BLOCK):
-            s = s0 + tl.arange(0, S_BLOCK)
-            at = p - S + 1 + s
-            ok = (s < S) & (at >= 0) & closes
-            slot = _slot(PT, pt_stride, row, tl.maximum(at, 0), page_size)
-            part = (s // R == SERIES - 1).to(tl.int64) * (SERIES - 1)
-            col = part[:, None] * D + c[None, :]
-            both = ok[:, None] & c_ok[None, :]
+            s, slot, col, both = _window_rows(
+                PT, pt_stride, page_size, row, p, s0, closes, c, c_ok, R, SERIES, D, S_BLOCK
+            )
             g = tl.load(POOL + slot[:, None] * row_w + gate_col + col, mask=both, other=0.0)
             a = tl.load(APE + (s % R)[:, None] * (SERIES * D) + col, mask=both, other=0.0)
             w = (tl.exp(g.to(tl.float32) + a - m[None, :]) / total[None, :]).to(dt)
@@ -312,17 +348,7 @@ if triton is not None:
         dst = POOL + tl.load(WRITE + t).to(tl.int64) * row_w + entry_col
         nope = D - 2 * half
         tl.store(dst + c, y, mask=(c < nope) & closes)
-        # RoPE of its last 2 * half values, pairs interleaved: y is re-read as pairs.
-        j = tl.arange(0, HALF)
-        pair = (j < half) & closes
-        yf = y.to(tl.float32)[None, :]
-        even = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None], yf, 0.0), 1)
-        odd = tl.sum(tl.where(c[None, :] == nope + 2 * j[:, None] + 1, yf, 0.0), 1)
-        cs = tl.load(COS + t * half + j, mask=pair, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + t * half + j, mask=pair, other=0.0).to(tl.float32)
-        e2, o2 = _turn(even, odd, cs, sn, dt)
-        tl.store(dst + nope + 2 * j, e2, mask=pair)
-        tl.store(dst + nope + 2 * j + 1, o2, mask=pair)
+        _store_rope_tail(dst, y, c, nope, COS, SIN, t, half, closes, dt, HALF)
 
     @triton.jit
     def _attend_kernel(

@@ -130,9 +130,8 @@ static void split_x(int fmt, const uint16_t *x, int64_t K, float *xs) {
  * for both, and a step's eight scales come in one load: the loads, not the arithmetic, bound a
  * row alone (two rows: 12% less time a value on a Sapphire Rapids core, the scales' one load 4%).
  * K: whole blocks, x split by split_blocks. */
-static inline __attribute__((always_inline)) void nv_block_dots(const qrow_t *a, const qrow_t *b,
-                                                                int64_t K, const float *xs,
-                                                                float *out) {
+FT_INLINE void nv_block_dots(const qrow_t *a, const qrow_t *b, int64_t K, const float *xs,
+                             float *out) {
     const char *ta = (const char *)nv_table(a->g, NV_FLOATS)->f;
     const char *tb = b ? (const char *)nv_table(b->g, NV_FLOATS)->f : ta;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -209,8 +208,8 @@ static inline int scaled_has_min(int fmt) {
 
 /* One block of 32 values into acc: its codes' dot products with x [32] scaled by sv (per lane:
  * q6_k's two sub-blocks of 16 have a scale each), plus mn times the sum of x where has_min. */
-static inline __attribute__((always_inline)) __m512 scaled_block(__m512 acc, __m512i codes, __m512 sv, float mn, int has_min,
-                                  const uint16_t *x) {
+FT_INLINE __m512 scaled_block(__m512 acc, __m512i codes, __m512 sv, float mn, int has_min,
+                              const uint16_t *x) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x);
     acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes, xv), sv, acc);
     if (has_min) {
@@ -228,7 +227,7 @@ static inline __m512 scale_pair(float a, float b) {
 
 /* A legacy block's 32 codes (values 0-15: the low nibbles, 16-31: the high ones) as bf16
  * integers, less the format's offset (q4_0 8, q5_0 16). */
-static inline __attribute__((always_inline)) __m512i legacy_codes(int fmt, const uint8_t *w, const legacy_t *p) {
+FT_INLINE __m512i legacy_codes(int fmt, const uint8_t *w, const legacy_t *p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
     __m512i c = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
@@ -241,8 +240,8 @@ static inline __attribute__((always_inline)) __m512i legacy_codes(int fmt, const
 
 /* A K-quant block's values 64 g .. 64 g + 63 (q4_k, q5_k: two sub-blocks of 32, the low and the
  * high nibbles of 32 bytes) as bf16 codes, in lo and hi. */
-static inline __attribute__((always_inline)) void kq_codes_pair(int fmt, const uint8_t *w, const uint8_t *s, int g, __m512i *lo,
-                                 __m512i *hi) {
+FT_INLINE void kq_codes_pair(int fmt, const uint8_t *w, const uint8_t *s, int g, __m512i *lo,
+                             __m512i *hi) {
     const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * g)));
     __m512i c0 = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
     __m512i c1 = _mm512_srli_epi16(bytes, 4);
@@ -260,7 +259,7 @@ static inline __attribute__((always_inline)) void kq_codes_pair(int fmt, const u
 }
 
 /* q6_k's values 32 c .. 32 c + 31 (128 h + 32 j + l) as bf16 codes less 32. */
-static inline __attribute__((always_inline)) __m512i q6k_codes(const uint8_t *w, const uint8_t *s, int c) {
+FT_INLINE __m512i q6k_codes(const uint8_t *w, const uint8_t *s, int c) {
     const int h = c >> 2, j = c & 3;
     const __m256i low = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (j & 1)));
     const __m256i high = _mm256_loadu_si256((const __m256i *)(s + 32 * h));
@@ -282,9 +281,8 @@ static inline float scaled_sum(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
  * constant lets the compiler drop the other formats' branches (a third of a row's time while it
  * tested them). (Two rows at a time, x's loads shared, made the 0.5B Qwen's decode step 20%
  * slower on the 2-core machine: one row it is.) */
-static inline __attribute__((always_inline)) void scaled_rows_of(const int fmt, const int ROWS,
-                                                                 const qrow_t *const *q, int64_t K,
-                                                                 const uint16_t *x, float *out) {
+FT_INLINE void scaled_rows_of(const int fmt, const int ROWS, const qrow_t *const *q, int64_t K,
+                              const uint16_t *x, float *out) {
     __m512 acc[2][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
@@ -421,6 +419,176 @@ static float scaled_buffer_dot(int fmt, const void *buf, int64_t K, const uint16
     return scaled_sum(acc[0], acc[1], acc[2], acc[3]);
 }
 
+/* qdot_bf16's steps, each format's loop as it was in qdot_bf16: products added into the four
+ * accumulators a[0..3], 128 values a step (a 32-value word into each), from column 0; each
+ * returns the column its whole steps reached. */
+#define QDOT_STEP(w0, w1, w2, w3)                                                               \
+    do {                                                                                        \
+        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)(w0), (__m512bh)_mm512_loadu_si512(x + k));    \
+        a[1] = _mm512_dpbf16_ps(a[1], (__m512bh)(w1), (__m512bh)_mm512_loadu_si512(x + k + 32)); \
+        a[2] = _mm512_dpbf16_ps(a[2], (__m512bh)(w2), (__m512bh)_mm512_loadu_si512(x + k + 64)); \
+        a[3] = _mm512_dpbf16_ps(a[3], (__m512bh)(w3), (__m512bh)_mm512_loadu_si512(x + k + 96)); \
+    } while (0)
+#define PAIRS_STEP(acc, i, e, o)                                                                \
+    do {                                                                                        \
+        acc = _mm512_fmadd_ps(o, _mm512_loadu_ps(xs + k + 32 * (i) + 16), acc);                 \
+        acc = _mm512_fmadd_ps(e, _mm512_loadu_ps(xs + k + 32 * (i)), acc);                      \
+    } while (0)
+
+/* mxfp4 by the pairs route (xs: x split by split_pairs). */
+FT_INLINE int64_t mx_pairs_steps(const qrow_t *q, int64_t K, const float *xs, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 e, o;
+    for (; k + 128 <= K; k += 128) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(s + PREFETCH_BYTES / 16);
+        mx_pairs(w, s[0], &e, &o);
+        PAIRS_STEP(a[0], 0, e, o);
+        mx_pairs(w + 16, s[1], &e, &o);
+        PAIRS_STEP(a[1], 1, e, o);
+        mx_pairs(w + 32, s[2], &e, &o);
+        PAIRS_STEP(a[2], 2, e, o);
+        mx_pairs(w + 48, s[3], &e, &o);
+        PAIRS_STEP(a[3], 3, e, o);
+    }
+    return k;
+}
+
+FT_INLINE int64_t mx_steps_bf16(const qrow_t *q, int64_t K, const uint16_t *x, __m512 a[4]) {
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(s + PREFETCH_BYTES / 16);
+        uint32_t s4; /* (the four scales in one load: 3-5% faster than four) */
+        memcpy(&s4, s, 4);
+        QDOT_STEP(mx_bf16(w, (uint8_t)s4), mx_bf16(w + 16, (uint8_t)(s4 >> 8)),
+                  mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
+    }
+    return k;
+}
+
+FT_INLINE int64_t nv_steps_bf16(const qrow_t *q, int64_t K, const uint16_t *x, __m512 a[4]) {
+    int64_t k = 0;
+    const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
+    for (; k + 128 <= K; k += 128) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(s + PREFETCH_BYTES / 8);
+        uint64_t s8; /* (the eight scales in one load, as mxfp4's four) */
+        memcpy(&s8, s, 8);
+#define NV_S(i) ((unsigned)(s8 >> (8 * (i))) & 0xff)
+        QDOT_STEP(nv_bf16(w, NV_S(0), NV_S(1), 1, t), nv_bf16(w + 16, NV_S(2), NV_S(3), 1, t),
+                  nv_bf16(w + 32, NV_S(4), NV_S(5), 1, t), nv_bf16(w + 48, NV_S(6), NV_S(7), 1, t));
+#undef NV_S
+    }
+    return k;
+}
+
+FT_INLINE int64_t q8_steps_bf16(const qrow_t *q, int64_t K, const uint16_t *x, __m512 a[4]) {
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        const uint8_t *w = q->w + k;
+        const uint16_t *s = q->s16 + k / 32;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(w + PREFETCH_BYTES + 64);
+        PREFETCH(s + PREFETCH_BYTES / 32);
+        QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
+                  q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
+    }
+    return k;
+}
+
+#if !FP8_TABLES /* (a build without fp8 tables passes NULL for them) */
+typedef struct fp8_table fp8_table_t;
+#endif
+
+/* fp8 in blocks of a multiple of 128 columns: by the row's tables where there are, else by the
+ * f16 route. */
+FT_INLINE int64_t fp8_steps_bf16(const qrow_t *q, int64_t K, const uint16_t *x,
+                                 const fp8_table_t *tables, __m512 a[4]) {
+    int64_t k = 0;
+#if FP8_TABLES
+    const fp8_table_t *t = tables;
+    /* (bk is a multiple of 128: the step's block moves on at the block's end, no division a
+     * step) */
+    for (int64_t end = q->bk; t && k + 128 <= K; k += 128) {
+        if (k == end) {
+            t++;
+            end += q->bk;
+        }
+        const uint8_t *w = q->w + k;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(w + PREFETCH_BYTES + 64);
+        __m512i w0, w1, w2, w3;
+        fp8_bf16_64(w, t, &w0, &w1);
+        fp8_bf16_64(w + 64, t, &w2, &w3);
+        QDOT_STEP(w0, w1, w2, w3);
+    }
+#else
+    (void)tables;
+#endif
+    for (int64_t b = k / q->bk; k + 128 <= K; b++) {
+        const fp8_scale_t f = fp8_scale(q->s32[b]);
+        for (const int64_t end = (b + 1) * q->bk; k + 128 <= K && k < end; k += 128) {
+            const uint8_t *w = q->w + k;
+            PREFETCH(w + PREFETCH_BYTES);
+            PREFETCH(w + PREFETCH_BYTES + 64);
+            QDOT_STEP(fp8_bf16(w, &f), fp8_bf16(w + 32, &f), fp8_bf16(w + 64, &f),
+                      fp8_bf16(w + 96, &f));
+        }
+    }
+    return k;
+}
+#undef QDOT_STEP
+#undef PAIRS_STEP
+
+/* The rest of a row from column k as dot_bf16_bf16 takes it: 32 values a step into a[0], the
+ * last (< 32) decoded into `tail` and read by masked loads. (32-value steps never straddle an
+ * fp8 block: its columns are a multiple of 128 here.) */
+FT_INLINE void rest_bf16(const qrow_t *q, int64_t k, int64_t K, const uint16_t *x,
+                         const fp8_table_t *tables, uint16_t *tail, __m512 a[4]) {
+    if (q->fmt == FMT_MXFP4) {
+        for (; k + 32 <= K; k += 32)
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
+                                    (__m512bh)_mm512_loadu_si512(x + k));
+    } else if (q->fmt == FMT_NVFP4) {
+        const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
+        for (; k + 32 <= K; k += 32)
+            a[0] = _mm512_dpbf16_ps(a[0],
+                                    (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
+                                                      q->s8[k / 16 + 1], 1, t),
+                                    (__m512bh)_mm512_loadu_si512(x + k));
+    } else if (q->fmt == FMT_Q8_0) {
+        for (; k + 32 <= K; k += 32)
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)q8_bf16(q->w + k, _cvtsh_ss(q->s16[k / 32])),
+                                    (__m512bh)_mm512_loadu_si512(x + k));
+    } else {
+#if FP8_TABLES
+        for (; tables && k + 64 <= K; k += 64) {
+            __m512i w0, w1;
+            fp8_bf16_64(q->w + k, tables + k / q->bk, &w0, &w1);
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x + k));
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)w1, (__m512bh)_mm512_loadu_si512(x + k + 32));
+        }
+#else
+        (void)tables;
+#endif
+        for (; k + 32 <= K; k += 32) {
+            const fp8_scale_t f = fp8_scale(q->s32[k / q->bk]);
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)fp8_bf16(q->w + k, &f),
+                                    (__m512bh)_mm512_loadu_si512(x + k));
+        }
+    }
+    if (k < K) {
+        decode_range(q, k, K, 1, tail);
+        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_maskz_loadu_epi16(m, tail),
+                                (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+    }
+}
+
 /* dot_bf16_bf16 of the decoded row with x: 128 values a step into its four accumulators, the
  * values past the last whole step through `tail` (K values' room) and its scalar loop. With
  * xs (x split by split_x) mxfp4 takes the pairs route: each 32 values' odd products, then
@@ -431,160 +599,40 @@ static float scaled_buffer_dot(int fmt, const void *buf, int64_t K, const uint16
 static float qdot_bf16(const qrow_t *q, int64_t K, const uint16_t *x, const float *xs,
                        uint16_t *tail) {
     if (scaled_format(q->fmt)) return scaled_dot(q, K, x);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
 #if FP8_TABLES /* (the row's, for its steps and its tail) */
     const fp8_table_t *tables =
         q->fmt == FMT_FP8 ? fp8_row_tables(q->s32, (K + q->bk - 1) / q->bk) : NULL;
+#else
+    const fp8_table_t *tables = NULL;
 #endif
-#define QDOT_STEP(w0, w1, w2, w3)                                                               \
-    do {                                                                                        \
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)(w0), (__m512bh)_mm512_loadu_si512(x + k));        \
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)(w1), (__m512bh)_mm512_loadu_si512(x + k + 32));   \
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)(w2), (__m512bh)_mm512_loadu_si512(x + k + 64));   \
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)(w3), (__m512bh)_mm512_loadu_si512(x + k + 96));   \
-    } while (0)
-#define PAIRS_STEP(a, i, e, o)                                                                  \
-    do {                                                                                        \
-        a = _mm512_fmadd_ps(o, _mm512_loadu_ps(xs + k + 32 * (i) + 16), a);                     \
-        a = _mm512_fmadd_ps(e, _mm512_loadu_ps(xs + k + 32 * (i)), a);                          \
-    } while (0)
-    int64_t k = 0;
-    __m512 e, o;
+    int64_t k;
     if (xs && q->fmt == FMT_MXFP4) {
-        for (; k + 128 <= K; k += 128) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 16);
-            mx_pairs(w, s[0], &e, &o);
-            PAIRS_STEP(a0, 0, e, o);
-            mx_pairs(w + 16, s[1], &e, &o);
-            PAIRS_STEP(a1, 1, e, o);
-            mx_pairs(w + 32, s[2], &e, &o);
-            PAIRS_STEP(a2, 2, e, o);
-            mx_pairs(w + 48, s[3], &e, &o);
-            PAIRS_STEP(a3, 3, e, o);
-        }
+        k = mx_pairs_steps(q, K, xs, a);
     } else if (xs && q->fmt == FMT_NVFP4) {
         float out;
         nv_block_dots(q, NULL, K, xs, &out);
         return out;
     } else if (q->fmt == FMT_MXFP4) {
-        for (; k + 128 <= K; k += 128) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 16);
-            uint32_t s4; /* (the four scales in one load: 3-5% faster than four) */
-            memcpy(&s4, s, 4);
-            QDOT_STEP(mx_bf16(w, (uint8_t)s4), mx_bf16(w + 16, (uint8_t)(s4 >> 8)),
-                      mx_bf16(w + 32, (uint8_t)(s4 >> 16)), mx_bf16(w + 48, (uint8_t)(s4 >> 24)));
-        }
+        k = mx_steps_bf16(q, K, x, a);
     } else if (q->fmt == FMT_NVFP4) {
-        const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
-        for (; k + 128 <= K; k += 128) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 8);
-            uint64_t s8; /* (the eight scales in one load, as mxfp4's four) */
-            memcpy(&s8, s, 8);
-#define NV_S(i) ((unsigned)(s8 >> (8 * (i))) & 0xff)
-            QDOT_STEP(nv_bf16(w, NV_S(0), NV_S(1), 1, t), nv_bf16(w + 16, NV_S(2), NV_S(3), 1, t),
-                      nv_bf16(w + 32, NV_S(4), NV_S(5), 1, t),
-                      nv_bf16(w + 48, NV_S(6), NV_S(7), 1, t));
-#undef NV_S
-        }
+        k = nv_steps_bf16(q, K, x, a);
     } else if (q->fmt == FMT_Q8_0) {
-        for (; k + 128 <= K; k += 128) {
-            const uint8_t *w = q->w + k;
-            const uint16_t *s = q->s16 + k / 32;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(w + PREFETCH_BYTES + 64);
-            PREFETCH(s + PREFETCH_BYTES / 32);
-            QDOT_STEP(q8_bf16(w, _cvtsh_ss(s[0])), q8_bf16(w + 32, _cvtsh_ss(s[1])),
-                      q8_bf16(w + 64, _cvtsh_ss(s[2])), q8_bf16(w + 96, _cvtsh_ss(s[3])));
-        }
+        k = q8_steps_bf16(q, K, x, a);
     } else { /* FMT_FP8, blocks of a multiple of 128 columns */
-#if FP8_TABLES
-        const fp8_table_t *t = tables;
-        /* (bk is a multiple of 128: the step's block moves on at the block's end, no
-         * division a step) */
-        for (int64_t end = q->bk; t && k + 128 <= K; k += 128) {
-            if (k == end) {
-                t++;
-                end += q->bk;
-            }
-            const uint8_t *w = q->w + k;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(w + PREFETCH_BYTES + 64);
-            __m512i w0, w1, w2, w3;
-            fp8_bf16_64(w, t, &w0, &w1);
-            fp8_bf16_64(w + 64, t, &w2, &w3);
-            QDOT_STEP(w0, w1, w2, w3);
-        }
-#endif
-        for (int64_t b = k / q->bk; k + 128 <= K; b++) {
-            const fp8_scale_t f = fp8_scale(q->s32[b]);
-            for (const int64_t end = (b + 1) * q->bk; k + 128 <= K && k < end; k += 128) {
-                const uint8_t *w = q->w + k;
-                PREFETCH(w + PREFETCH_BYTES);
-                PREFETCH(w + PREFETCH_BYTES + 64);
-                QDOT_STEP(fp8_bf16(w, &f), fp8_bf16(w + 32, &f), fp8_bf16(w + 64, &f),
-                          fp8_bf16(w + 96, &f));
-            }
-        }
+        k = fp8_steps_bf16(q, K, x, tables, a);
     }
-#undef QDOT_STEP
-#undef PAIRS_STEP
-    /* The rest as dot_bf16_bf16 takes it: 32 values a step into a0, the last (< 32) decoded
-     * into `tail` and read by masked loads. (32-value steps never straddle an fp8 block: its
-     * columns are a multiple of 128 here.) */
-    if (q->fmt == FMT_MXFP4) {
-        for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)mx_bf16(q->w + k / 2, q->s8[k / 32]),
-                                  (__m512bh)_mm512_loadu_si512(x + k));
-    } else if (q->fmt == FMT_NVFP4) {
-        const nv_rows_t t = nv_table(q->g, NV_WORDS)->t;
-        for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0,
-                                  (__m512bh)nv_bf16(q->w + k / 2, q->s8[k / 16],
-                                                    q->s8[k / 16 + 1], 1, t),
-                                  (__m512bh)_mm512_loadu_si512(x + k));
-    } else if (q->fmt == FMT_Q8_0) {
-        for (; k + 32 <= K; k += 32)
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)q8_bf16(q->w + k, _cvtsh_ss(q->s16[k / 32])),
-                                  (__m512bh)_mm512_loadu_si512(x + k));
-    } else {
-#if FP8_TABLES
-        for (; tables && k + 64 <= K; k += 64) {
-            __m512i w0, w1;
-            fp8_bf16_64(q->w + k, tables + k / q->bk, &w0, &w1);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x + k));
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(x + k + 32));
-        }
-#endif
-        for (; k + 32 <= K; k += 32) {
-            const fp8_scale_t f = fp8_scale(q->s32[k / q->bk]);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)fp8_bf16(q->w + k, &f),
-                                  (__m512bh)_mm512_loadu_si512(x + k));
-        }
-    }
-    if (k < K) {
-        decode_range(q, k, K, 1, tail);
-        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, tail),
-                              (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    rest_bf16(q, k, K, x, tables, tail, a);
+    return _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #endif
 
 #if QDOT_F32
-/* dot_f32 of the decoded row with x: 64 values a step into its 4 x 16 accumulators (a product,
- * then a sum, as its loop), the values past the last whole step through `tail`, then its
- * order: the tail's sum first, the accumulators' lanes after it one by one. */
-static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
+/* qdot_f32's steps, each format's loop as it was in qdot_f32: 64 values a step into the
+ * accumulators a[0..3] (a product, then a sum, as dot_f32's loop), from column 0; each returns
+ * the column its whole steps reached. */
 #define QDOT_STEP(w0, w1, w2, w3)                                                               \
     do {                                                                                        \
         a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(w0, _mm512_loadu_ps(x + k)));                  \
@@ -592,69 +640,118 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
         a[2] = _mm512_add_ps(a[2], _mm512_mul_ps(w2, _mm512_loadu_ps(x + k + 32)));             \
         a[3] = _mm512_add_ps(a[3], _mm512_mul_ps(w3, _mm512_loadu_ps(x + k + 48)));             \
     } while (0)
+
+FT_INLINE int64_t mx_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
     int64_t k = 0;
     __m512 w0, w1, w2, w3;
-    if (q->fmt == FMT_MXFP4) {
-        for (; k + 64 <= K; k += 64) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
-            PREFETCH(w + PREFETCH_BYTES); /* (every other step's: the same line) */
-            PREFETCH(s + PREFETCH_BYTES / 16);
-            mx_f32(w, s[0], &w0, &w1);
-            mx_f32(w + 16, s[1], &w2, &w3);
+    for (; k + 64 <= K; k += 64) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32;
+        PREFETCH(w + PREFETCH_BYTES); /* (every other step's: the same line) */
+        PREFETCH(s + PREFETCH_BYTES / 16);
+        mx_f32(w, s[0], &w0, &w1);
+        mx_f32(w + 16, s[1], &w2, &w3);
+        QDOT_STEP(w0, w1, w2, w3);
+    }
+    return k;
+}
+
+FT_INLINE int64_t nv_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    for (; k + 64 <= K; k += 64) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(s + PREFETCH_BYTES / 8);
+        nv_f32(w, s, 1, q->g, &w0, &w1);
+        nv_f32(w + 16, s + 2, 1, q->g, &w2, &w3);
+        QDOT_STEP(w0, w1, w2, w3);
+    }
+    return k;
+}
+
+FT_INLINE int64_t q8_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    for (; k + 64 <= K; k += 64) {
+        PREFETCH(q->w + k + PREFETCH_BYTES);
+        q8_f32(q->w + k, _cvtsh_ss(q->s16[k / 32]), &w0, &w1);
+        q8_f32(q->w + k + 32, _cvtsh_ss(q->s16[k / 32 + 1]), &w2, &w3);
+        QDOT_STEP(w0, w1, w2, w3);
+    }
+    return k;
+}
+
+/* The K-quants in whole blocks of 256: four steps each. */
+FT_INLINE int64_t kq_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    const int fmt = q->fmt;
+    while (k + 256 <= K) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * q->rest;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(w + PREFETCH_BYTES + 64);
+        PREFETCH(s + PREFETCH_BYTES / 2);
+        float scale[16], offset[8];
+        kq_scales(fmt, s, scale, offset);
+        for (int c = 0; c < 8; c += 2, k += 64) {
+            kq_f32(fmt, w, s, c, scale, offset, &w0, &w1);
+            kq_f32(fmt, w, s, c + 1, scale, offset, &w2, &w3);
             QDOT_STEP(w0, w1, w2, w3);
-        }
-    } else if (q->fmt == FMT_NVFP4) {
-        for (; k + 64 <= K; k += 64) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 16;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 8);
-            nv_f32(w, s, 1, q->g, &w0, &w1);
-            nv_f32(w + 16, s + 2, 1, q->g, &w2, &w3);
-            QDOT_STEP(w0, w1, w2, w3);
-        }
-    } else if (q->fmt == FMT_Q8_0) {
-        for (; k + 64 <= K; k += 64) {
-            PREFETCH(q->w + k + PREFETCH_BYTES);
-            q8_f32(q->w + k, _cvtsh_ss(q->s16[k / 32]), &w0, &w1);
-            q8_f32(q->w + k + 32, _cvtsh_ss(q->s16[k / 32 + 1]), &w2, &w3);
-            QDOT_STEP(w0, w1, w2, w3);
-        }
-    } else if (is_k_quant(q->fmt)) { /* whole blocks of 256: four steps each */
-        const int fmt = q->fmt;
-        while (k + 256 <= K) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 256 * q->rest;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(w + PREFETCH_BYTES + 64);
-            PREFETCH(s + PREFETCH_BYTES / 2);
-            float scale[16], offset[8];
-            kq_scales(fmt, s, scale, offset);
-            for (int c = 0; c < 8; c += 2, k += 64) {
-                kq_f32(fmt, w, s, c, scale, offset, &w0, &w1);
-                kq_f32(fmt, w, s, c + 1, scale, offset, &w2, &w3);
-                QDOT_STEP(w0, w1, w2, w3);
-            }
-        }
-    } else if (is_legacy(q->fmt)) {
-        for (; k + 64 <= K; k += 64) {
-            const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * q->rest;
-            PREFETCH(w + PREFETCH_BYTES);
-            PREFETCH(s + PREFETCH_BYTES / 2);
-            legacy_f32(q->fmt, w, s, &w0, &w1);
-            legacy_f32(q->fmt, w + 16, s + q->rest, &w2, &w3);
-            QDOT_STEP(w0, w1, w2, w3);
-        }
-    } else { /* FMT_FP8, blocks of a multiple of 64 columns */
-        for (int64_t b = 0; k + 64 <= K; b++) {
-            const fp8_scale_t f = fp8_scale(q->s32[b]);
-            for (const int64_t end = (b + 1) * q->bk; k + 64 <= K && k < end; k += 64) {
-                PREFETCH(q->w + k + PREFETCH_BYTES);
-                fp8_f32(q->w + k, &f, &w0, &w1);
-                fp8_f32(q->w + k + 32, &f, &w2, &w3);
-                QDOT_STEP(w0, w1, w2, w3);
-            }
         }
     }
+    return k;
+}
+
+FT_INLINE int64_t legacy_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    for (; k + 64 <= K; k += 64) {
+        const uint8_t *w = q->w + k / 2, *s = q->s8 + k / 32 * q->rest;
+        PREFETCH(w + PREFETCH_BYTES);
+        PREFETCH(s + PREFETCH_BYTES / 2);
+        legacy_f32(q->fmt, w, s, &w0, &w1);
+        legacy_f32(q->fmt, w + 16, s + q->rest, &w2, &w3);
+        QDOT_STEP(w0, w1, w2, w3);
+    }
+    return k;
+}
+
+/* fp8 in blocks of a multiple of 64 columns. */
+FT_INLINE int64_t fp8_steps_f32(const qrow_t *q, int64_t K, const float *x, __m512 a[4]) {
+    int64_t k = 0;
+    __m512 w0, w1, w2, w3;
+    for (int64_t b = 0; k + 64 <= K; b++) {
+        const fp8_scale_t f = fp8_scale(q->s32[b]);
+        for (const int64_t end = (b + 1) * q->bk; k + 64 <= K && k < end; k += 64) {
+            PREFETCH(q->w + k + PREFETCH_BYTES);
+            fp8_f32(q->w + k, &f, &w0, &w1);
+            fp8_f32(q->w + k + 32, &f, &w2, &w3);
+            QDOT_STEP(w0, w1, w2, w3);
+        }
+    }
+    return k;
+}
 #undef QDOT_STEP
+
+/* dot_f32 of the decoded row with x: 64 values a step into its 4 x 16 accumulators (a product,
+ * then a sum, as its loop), the values past the last whole step through `tail`, then its
+ * order: the tail's sum first, the accumulators' lanes after it one by one. */
+static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    int64_t k;
+    if (q->fmt == FMT_MXFP4)
+        k = mx_steps_f32(q, K, x, a);
+    else if (q->fmt == FMT_NVFP4)
+        k = nv_steps_f32(q, K, x, a);
+    else if (q->fmt == FMT_Q8_0)
+        k = q8_steps_f32(q, K, x, a);
+    else if (is_k_quant(q->fmt))
+        k = kq_steps_f32(q, K, x, a);
+    else if (is_legacy(q->fmt))
+        k = legacy_steps_f32(q, K, x, a);
+    else /* FMT_FP8 */
+        k = fp8_steps_f32(q, K, x, a);
     float s = 0.0f;
     if (k < K) {
         decode_range(q, k, K, 0, tail);

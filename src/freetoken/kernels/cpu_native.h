@@ -66,6 +66,10 @@ enum { DT_BF16 = 0, DT_F32 = 1 };
 #define PREFETCH(p) ((void)(p))
 #endif
 
+/* A helper the compiler must inline into its caller (a part of a hot loop: compiled as if written
+ * there). */
+#define FT_INLINE static inline __attribute__((always_inline))
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;

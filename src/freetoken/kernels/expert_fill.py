@@ -234,53 +234,23 @@ if triton is not None:
             j += 1
 
     @triton.jit
-    def _fill_kernel(table, pairs, slots, R, sink, NB: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        # This program's bank: the last whose first block is at or before it.
-        firsts = tl.load(table + tl.arange(0, NB))
-        bank = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
-        block = pid - tl.load(table + bank)
-        src = tl.load(table + NB + bank)
-        dst = tl.load(table + 2 * NB + bank)
-        src_stride = tl.load(table + 3 * NB + bank)
-        dst_stride = tl.load(table + 4 * NB + bank)
-        row_bytes = tl.load(table + 5 * NB + bank)
-        width = tl.load(table + 6 * NB + bank)
-        if width == 16:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int32,
-                4,
-                4,
-                BLOCK,
-            )
-        elif width == 8:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int32,
-                4,
-                2,
-                BLOCK,
-            )
-        elif width == 4:
+    def _copy_narrow_rows(
+        src,
+        dst,
+        src_stride,
+        dst_stride,
+        row_bytes,
+        block,
+        pairs,
+        slots,
+        R,
+        sink,
+        width,
+        BLOCK: tl.constexpr,
+    ):
+        """`_fill_kernel`'s copy for a bank whose widest word (`width`) is under 8 bytes: int32
+        words (4), int16 words (2) or bytes, one a lane, BLOCK // 2 of them a program."""
+        if width == 4:
             _copy_rows(
                 src,
                 dst,
@@ -330,4 +300,67 @@ if triton is not None:
                 1,
                 1,
                 BLOCK // 2,
+            )
+
+    @triton.jit
+    def _fill_kernel(table, pairs, slots, R, sink, NB: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        # This program's bank: the last whose first block is at or before it.
+        firsts = tl.load(table + tl.arange(0, NB))
+        bank = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
+        block = pid - tl.load(table + bank)
+        src = tl.load(table + NB + bank)
+        dst = tl.load(table + 2 * NB + bank)
+        src_stride = tl.load(table + 3 * NB + bank)
+        dst_stride = tl.load(table + 4 * NB + bank)
+        row_bytes = tl.load(table + 5 * NB + bank)
+        width = tl.load(table + 6 * NB + bank)
+        if width == 16:
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int32,
+                4,
+                4,
+                BLOCK,
+            )
+        elif width == 8:
+            _copy_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                tl.int32,
+                4,
+                2,
+                BLOCK,
+            )
+        else:
+            _copy_narrow_rows(
+                src,
+                dst,
+                src_stride,
+                dst_stride,
+                row_bytes,
+                block,
+                pairs,
+                slots,
+                R,
+                sink,
+                width,
+                BLOCK,
             )

@@ -105,6 +105,283 @@ if triton is not None:
             live = k0 >= 0
         return k0, live
 
+    # -- a block's sums, in the shape of the format's tiles ------------------------------------
+    # (the formats read as words: `_word_tile`'s; fp4: [BLOCK_N, BLOCK_K / 32, 4, 8], x to match;
+    # dense, fp8, q8_0 and q6_k: [BLOCK_N, BLOCK_K])
+
+    @triton.jit
+    def _zero_sums(FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 zeros in the shape of the format's tiles."""
+        if FORMAT >= 5 and FORMAT != 7:  # read as words
+            WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (the tile's words a block, and
+            WB: tl.constexpr = 8 if FORMAT >= 9 else 4  # values a word)
+            return tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
+        elif FORMAT < 2 or FORMAT >= 4:
+            return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            return tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
+
+    @triton.jit
+    def _row_sums(acc, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Each row's sum [BLOCK_N] of products summed in the shape of the format's tiles."""
+        if FORMAT >= 5 and FORMAT != 7:
+            return _word_sum(acc, FORMAT, BLOCK_N, BLOCK_K)
+        elif FORMAT < 2 or FORMAT >= 4:
+            return tl.sum(acc, axis=1)
+        else:
+            return tl.sum(tl.reshape(acc, [BLOCK_N, BLOCK_K]), axis=1)
+
+    @triton.jit
+    def _spread(x, FORMAT: tl.constexpr):
+        """x's values of a step (in the shape of one row of the format's tiles) for every row."""
+        if FORMAT >= 5 and FORMAT != 7:  # read as words
+            return x[None, :, :, :]
+        elif FORMAT < 2 or FORMAT >= 4:
+            return x[None, :]
+        else:
+            return x[None, :, :, :]
+
+    @triton.jit
+    def _x_block(
+        x_row, cols, k0, ok, KDIM: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """x's columns k0.. (0 unless ok) in fp32, as the tiles of fp4 or of [BLOCK_N, BLOCK_K]
+        take them."""
+        if FORMAT < 2 or FORMAT >= 4:
+            k_ok = (k0 + cols) < KDIM
+            return tl.load(x_row + k0 + cols, mask=k_ok & ok, other=0.0).to(tl.float32)
+        else:
+            return _fp4_x(x_row, k0, ok, KDIM, BLOCK_K)
+
+    @triton.jit
+    def _tile(
+        w_rows,
+        s_rows,
+        g_rows,
+        k0,
+        row_mask,
+        dt,
+        KDIM: tl.constexpr,
+        FORMAT: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The weight tile of fp4 (`_fp4_tile`) or of [BLOCK_N, BLOCK_K] (`_weight_tile`)."""
+        if FORMAT < 2 or FORMAT >= 4:
+            return _weight_tile(
+                w_rows,
+                s_rows,
+                g_rows,
+                k0,
+                row_mask,
+                dt,
+                KDIM,
+                FORMAT,
+                COL_BLOCK,
+                W_ROUND,
+                INTERPRETED,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        else:
+            return _fp4_tile(
+                w_rows,
+                s_rows,
+                g_rows,
+                k0,
+                row_mask,
+                dt,
+                KDIM,
+                FORMAT,
+                W_ROUND,
+                INTERPRETED,
+                BLOCK_N,
+                BLOCK_K,
+            )
+
+    @triton.jit
+    def _gate_up_sums(
+        x_row,
+        cols,
+        gate_rows,
+        up_rows,
+        s_gate,
+        g_gate,
+        s_up,
+        g_up,
+        row_mask,
+        valid,
+        dt,
+        HIDDEN: tl.constexpr,
+        FORMAT: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """(gate, up): a block's W_gu rows @ x[t] in fp32."""
+        acc_g = _zero_sums(FORMAT, BLOCK_N, BLOCK_K)
+        acc_u = _zero_sums(FORMAT, BLOCK_N, BLOCK_K)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            if FORMAT >= 5 and FORMAT != 7:  # read as words
+                # (the weights' loads first: x's may cross shared memory behind a barrier)
+                wg = _word_tile(
+                    gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
+                wu = _word_tile(
+                    up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
+                xv = _word_x(x_row, k0, valid, HIDDEN, FORMAT, BLOCK_K)
+            else:
+                xv = _x_block(x_row, cols, k0, valid, HIDDEN, FORMAT, BLOCK_K)
+                wg = _tile(
+                    gate_rows,
+                    s_gate,
+                    g_gate,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                wu = _tile(
+                    up_rows,
+                    s_up,
+                    g_up,
+                    k0,
+                    row_mask,
+                    dt,
+                    HIDDEN,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            acc_g += wg * _spread(xv, FORMAT)
+            acc_u += wu * _spread(xv, FORMAT)
+        gate = _row_sums(acc_g, FORMAT, BLOCK_N, BLOCK_K)
+        up = _row_sums(acc_u, FORMAT, BLOCK_N, BLOCK_K)
+        return gate, up
+
+    @triton.jit
+    def _down_sums(
+        a_row,
+        cols,
+        w_rows,
+        s_rows,
+        g_rows,
+        row_mask,
+        valid,
+        sp,
+        dt,
+        INTER: tl.constexpr,
+        FORMAT: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        W_ROUND: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_STEPS: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):
+        """A block's W_d rows @ a[r] in fp32 over the STEPS steps of split sp
+        (`_split_columns`)."""
+        acc = _zero_sums(FORMAT, BLOCK_N, BLOCK_K)
+        for step in range(0, STEPS):
+            k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
+            if FORMAT >= 5 and FORMAT != 7:  # read as words
+                wd = _word_tile(
+                    w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
+                )
+                av = _word_x(a_row, k0, valid & live, INTER, FORMAT, BLOCK_K)
+            else:
+                av = _x_block(a_row, cols, k0, valid & live, INTER, FORMAT, BLOCK_K)
+                wd = _tile(
+                    w_rows,
+                    s_rows,
+                    g_rows,
+                    k0,
+                    row_mask,
+                    dt,
+                    INTER,
+                    FORMAT,
+                    COL_BLOCK,
+                    W_ROUND,
+                    INTERPRETED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            acc += wd * _spread(av, FORMAT)
+        return _row_sums(acc, FORMAT, BLOCK_N, BLOCK_K)
+
+    # -- what a block writes ------------------------------------------------------------------
+
+    @triton.jit
+    def _gated(
+        gate,
+        up,
+        b_ptr,
+        slot,
+        rows,
+        row_mask,
+        stride_bs,
+        dt,
+        INTER: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        """glu(gate (+ b[s, n]), up (+ b[s, INTER + n])), each rounded where torch would."""
+        # Round where torch would: h = W @ x is an x.dtype tensor, act(gate) is one, and so is
+        # the product (no-ops for fp32).
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt).to(tl.float32)
+        if HAS_BIAS:  # (a skipped route adds 0: it must still compute 0)
+            b_row = b_ptr + slot * stride_bs + rows
+            gate = gate + tl.load(b_row, mask=row_mask, other=0.0).to(tl.float32)
+            up = up + tl.load(b_row + INTER, mask=row_mask, other=0.0).to(tl.float32)
+            gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
+        return _glu(gate, up, dt, ACT)
+
+    @triton.jit
+    def _store_down(
+        c_ptr,
+        route_w_ptr,
+        y,
+        r,
+        sp,
+        rows,
+        row_ok,
+        valid,
+        stride_cr,
+        stride_cs,
+        dt,
+        SPLIT_STEPS: tl.constexpr,
+    ):
+        """Route r's block of c: y weighed by the route and rounded to x.dtype, or (split) y, the
+        fp32 partial sum of split sp."""
+        if SPLIT_STEPS > 0:  # (c is the fp32 partials then; a skipped route's are 0)
+            part = c_ptr + sp.to(tl.int64) * stride_cs + r.to(tl.int64) * stride_cr
+            tl.store(part + rows, y, mask=row_ok)
+        else:
+            y = y.to(dt).to(tl.float32)
+            # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
+            # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
+            # skipped route contributes exactly 0 whatever its weight (even inf or nan).
+            route_w = tl.load(route_w_ptr + r).to(tl.float32)
+            c = tl.where(valid, y * route_w, 0.0)
+            tl.store(c_ptr + r.to(tl.int64) * stride_cr + rows, c.to(dt), mask=row_ok)
+
     # -- the expert kernels --------------------------------------------------------------------
 
     @triton.jit
@@ -158,123 +435,31 @@ if triton is not None:
         s_gate, g_gate = _row_scales(
             s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
         )
+        up_at = rows + INTER
         s_up, g_up = _row_scales(
-            s_ptr,
-            g_ptr,
-            slot,
-            rows + INTER,
-            row_mask,
-            stride_ss,
-            stride_sn,
-            stride_gs,
-            FORMAT,
-            ROW_BLOCK,
+            s_ptr, g_ptr, slot, up_at, row_mask, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
         )
-        if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
-            WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (the tile's words a block, and
-            WB: tl.constexpr = 8 if FORMAT >= 9 else 4  # values a word)
-            acc_gw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
-            acc_uw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                # (the weights' loads first: x's may cross shared memory behind a barrier)
-                wg = _word_tile(
-                    gate_rows, s_gate, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
-                )
-                wu = _word_tile(
-                    up_rows, s_up, k0, row_mask, dt, HIDDEN, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
-                )
-                xw = _word_x(x_row, k0, valid, HIDDEN, FORMAT, BLOCK_K)
-                acc_gw += wg * xw[None, :, :, :]
-                acc_uw += wu * xw[None, :, :, :]
-            gate = _word_sum(acc_gw, FORMAT, BLOCK_N, BLOCK_K)
-            up = _word_sum(acc_uw, FORMAT, BLOCK_N, BLOCK_K)
-        elif FORMAT < 2 or FORMAT >= 4:  # dense, fp8, q8_0, q6_k: [BLOCK_N, BLOCK_K] tiles
-            acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                k_ok = (k0 + cols) < HIDDEN
-                xv = tl.load(x_row + k0 + cols, mask=k_ok & valid, other=0.0).to(tl.float32)
-                wg = _weight_tile(
-                    gate_rows,
-                    s_gate,
-                    g_gate,
-                    k0,
-                    row_mask,
-                    dt,
-                    HIDDEN,
-                    FORMAT,
-                    COL_BLOCK,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                wu = _weight_tile(
-                    up_rows,
-                    s_up,
-                    g_up,
-                    k0,
-                    row_mask,
-                    dt,
-                    HIDDEN,
-                    FORMAT,
-                    COL_BLOCK,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                acc_g += wg * xv[None, :]
-                acc_u += wu * xv[None, :]
-            gate = tl.sum(acc_g, axis=1)
-            up = tl.sum(acc_u, axis=1)
-        else:  # fp4: the same tiles as [BLOCK_N, BLOCK_K / 32, 4, 8], x to match
-            acc_g4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
-            acc_u4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                xv = _fp4_x(x_row, k0, valid, HIDDEN, BLOCK_K)
-                wg = _fp4_tile(
-                    gate_rows,
-                    s_gate,
-                    g_gate,
-                    k0,
-                    row_mask,
-                    dt,
-                    HIDDEN,
-                    FORMAT,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                wu = _fp4_tile(
-                    up_rows,
-                    s_up,
-                    g_up,
-                    k0,
-                    row_mask,
-                    dt,
-                    HIDDEN,
-                    FORMAT,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                acc_g4 += wg * xv[None, :, :, :]
-                acc_u4 += wu * xv[None, :, :, :]
-            gate = tl.sum(tl.reshape(acc_g4, [BLOCK_N, BLOCK_K]), axis=1)
-            up = tl.sum(tl.reshape(acc_u4, [BLOCK_N, BLOCK_K]), axis=1)
-        # Round where torch would: h = W @ x is an x.dtype tensor, act(gate) is one, and so is
-        # the product (no-ops for fp32).
-        gate = gate.to(dt).to(tl.float32)
-        up = up.to(dt).to(tl.float32)
-        if HAS_BIAS:  # (a skipped route adds 0: it must still compute 0)
-            b_row = b_ptr + slot * stride_bs + rows
-            gate = gate + tl.load(b_row, mask=row_mask, other=0.0).to(tl.float32)
-            up = up + tl.load(b_row + INTER, mask=row_mask, other=0.0).to(tl.float32)
-            gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
-        a = _glu(gate, up, dt, ACT)
+        gate, up = _gate_up_sums(
+            x_row,
+            cols,
+            gate_rows,
+            up_rows,
+            s_gate,
+            g_gate,
+            s_up,
+            g_up,
+            row_mask,
+            valid,
+            dt,
+            HIDDEN,
+            FORMAT,
+            COL_BLOCK,
+            W_ROUND,
+            INTERPRETED,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        a = _gated(gate, up, b_ptr, slot, rows, row_mask, stride_bs, dt, INTER, ACT, HAS_BIAS)
         tl.store(a_ptr + r.to(tl.int64) * stride_ar + rows, a.to(dt), mask=row_ok)
 
     @triton.jit
@@ -328,73 +513,29 @@ if triton is not None:
         s_rows, g_rows = _row_scales(
             s_ptr, g_ptr, slot, rows, row_mask, stride_ss, stride_sn, stride_gs, FORMAT, ROW_BLOCK
         )
-        if FORMAT >= 5 and FORMAT != 7:  # read as words: tiles of `_word_tile`'s shape
-            WA: tl.constexpr = 4 if FORMAT >= 9 else 8  # (as in the gate/up kernel)
-            WB: tl.constexpr = 8 if FORMAT >= 9 else 4
-            accw = tl.zeros([BLOCK_N, BLOCK_K // 32, WA, WB], dtype=tl.float32)
-            for step in range(0, STEPS):
-                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
-                wd = _word_tile(
-                    w_rows, s_rows, k0, row_mask, dt, INTER, FORMAT, W_ROUND, BLOCK_N, BLOCK_K
-                )
-                aw = _word_x(a_row, k0, valid & live, INTER, FORMAT, BLOCK_K)
-                accw += wd * aw[None, :, :, :]
-            y = _word_sum(accw, FORMAT, BLOCK_N, BLOCK_K)
-        elif FORMAT < 2 or FORMAT >= 4:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for step in range(0, STEPS):
-                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
-                k_ok = (k0 + cols) < INTER
-                av = tl.load(a_row + k0 + cols, mask=k_ok & valid & live, other=0.0).to(tl.float32)
-                wd = _weight_tile(
-                    w_rows,
-                    s_rows,
-                    g_rows,
-                    k0,
-                    row_mask,
-                    dt,
-                    INTER,
-                    FORMAT,
-                    COL_BLOCK,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                acc += wd * av[None, :]
-            y = tl.sum(acc, axis=1)
-        else:
-            acc4 = tl.zeros([BLOCK_N, BLOCK_K // 32, 4, 8], dtype=tl.float32)
-            for step in range(0, STEPS):
-                k0, live = _split_columns(sp, step, INTER, BLOCK_K, SPLIT_STEPS)
-                av = _fp4_x(a_row, k0, valid & live, INTER, BLOCK_K)
-                wd = _fp4_tile(
-                    w_rows,
-                    s_rows,
-                    g_rows,
-                    k0,
-                    row_mask,
-                    dt,
-                    INTER,
-                    FORMAT,
-                    W_ROUND,
-                    INTERPRETED,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-                acc4 += wd * av[None, :, :, :]
-            y = tl.sum(tl.reshape(acc4, [BLOCK_N, BLOCK_K]), axis=1)
-        if SPLIT_STEPS > 0:  # (c is the fp32 partials then; a skipped route's are 0)
-            part = c_ptr + sp.to(tl.int64) * stride_cs + r.to(tl.int64) * stride_cr
-            tl.store(part + rows, y, mask=row_ok)
-        else:
-            y = y.to(dt).to(tl.float32)
-            # torch: (y * w).to(x.dtype) with y in x.dtype and w in fp32 or x.dtype; the fp32
-            # product of two bf16/fp16 values is exact, so one rounding matches both cases. A
-            # skipped route contributes exactly 0 whatever its weight (even inf or nan).
-            route_w = tl.load(route_w_ptr + r).to(tl.float32)
-            c = tl.where(valid, y * route_w, 0.0)
-            tl.store(c_ptr + r.to(tl.int64) * stride_cr + rows, c.to(dt), mask=row_ok)
+        y = _down_sums(
+            a_row,
+            cols,
+            w_rows,
+            s_rows,
+            g_rows,
+            row_mask,
+            valid,
+            sp,
+            dt,
+            INTER,
+            FORMAT,
+            COL_BLOCK,
+            W_ROUND,
+            INTERPRETED,
+            BLOCK_N,
+            BLOCK_K,
+            SPLIT_STEPS,
+            STEPS,
+        )
+        _store_down(
+            c_ptr, route_w_ptr, y, r, sp, rows, row_ok, valid, stride_cr, stride_cs, dt, SPLIT_STEPS
+        )
 
     @triton.jit
     def _sum_routes_kernel(

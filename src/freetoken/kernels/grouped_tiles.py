@@ -126,44 +126,16 @@ if triton is not None:
             w = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0.0)
             return w.to(tl.float32)
         elif FORMAT == 1:  # fp8: fp8(w) * scale of the [ROW_BLOCK, COL_BLOCK] block
-            mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
-            w = _e4m3(
-                tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0), INTERPRETED
-            )
-            if COL_BLOCK % BLOCK_K == 0:  # the tile's columns share a scale column
-                scale = tl.load(s_rows + k0 // COL_BLOCK, mask=row_mask, other=0.0)
-                w = w * scale[:, None]
-            else:
-                s_ptrs = s_rows[:, None] + ((k0 + cols) // COL_BLOCK)[None, :]
-                w = w * tl.load(s_ptrs, mask=mask, other=0.0)
+            w = _fp8_tile(w_rows, s_rows, cols, k0, row_mask, KDIM, COL_BLOCK, INTERPRETED, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT == 4:  # q8_0: int8(w) * fp16 scale of its 32-value block
-            G: tl.constexpr = BLOCK_K // 32
-            mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
-            codes = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0)
-            w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), [BLOCK_N, G, 32])
-            blocks = k0 // 32 + tl.arange(0, G)
-            s_mask = row_mask[:, None] & (blocks * 32 < KDIM)[None, :]
-            scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
-            w = tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
+            w = _q8_0_tile(w_rows, s_rows, cols, k0, row_mask, KDIM, BLOCK_N, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 9:  # the legacy types: blocks of 32, their d (m, fifth bits) apart
             w = _legacy_tile(w_rows, s_rows, k0, row_mask, KDIM, FORMAT, BLOCK_N, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT == 8:  # mixed K-quants: the tile's rows are of one type (one expert's)
-            kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
-            if kind == 7:
-                w = _k_quant_tile(
-                    w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
-                )
-            elif kind == 6:
-                w = _k_quant_tile(
-                    w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
-                )
-            else:
-                w = _k_quant_tile(
-                    w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
-                )
+            w = _mixed_k_tile(w_rows, s_rows, k0, row_mask, KDIM, BLOCK_N, BLOCK_K)
             return _round_weight(w, dt, W_ROUND)
         elif FORMAT >= 5:  # the K-quants: each value gathered from its super-block's bytes
             REST: tl.constexpr = 16 if FORMAT == 5 else (48 if FORMAT == 6 else 82)
@@ -187,6 +159,79 @@ if triton is not None:
                 ),
                 [BLOCK_N, BLOCK_K],
             )
+
+    @triton.jit
+    def _fp8_tile(
+        w_rows,
+        s_rows,
+        cols,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        COL_BLOCK: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """fp8: fp8(w) * the scale of its [ROW_BLOCK, COL_BLOCK] block, in fp32 (`_weight_tile`'s
+        tile before its rounding)."""
+        mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
+        w = _e4m3(tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0), INTERPRETED)
+        if COL_BLOCK % BLOCK_K == 0:  # the tile's columns share a scale column
+            scale = tl.load(s_rows + k0 // COL_BLOCK, mask=row_mask, other=0.0)
+            w = w * scale[:, None]
+        else:
+            s_ptrs = s_rows[:, None] + ((k0 + cols) // COL_BLOCK)[None, :]
+            w = w * tl.load(s_ptrs, mask=mask, other=0.0)
+        return w
+
+    @triton.jit
+    def _q8_0_tile(
+        w_rows,
+        s_rows,
+        cols,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """q8_0: int8(w) * the fp16 scale of its 32-value block, in fp32 (`_weight_tile`'s tile
+        before its rounding)."""
+        G: tl.constexpr = BLOCK_K // 32
+        mask = row_mask[:, None] & ((k0 + cols) < KDIM)[None, :]
+        codes = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0)
+        w = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), [BLOCK_N, G, 32])
+        blocks = k0 // 32 + tl.arange(0, G)
+        s_mask = row_mask[:, None] & (blocks * 32 < KDIM)[None, :]
+        scale = tl.load(s_rows[:, None] + blocks[None, :], mask=s_mask, other=0.0)
+        return tl.reshape(w * scale.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K])
+
+    @triton.jit
+    def _mixed_k_tile(
+        w_rows,
+        s_rows,
+        k0,
+        row_mask,
+        KDIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Mixed K-quants: the tile's rows are of one type (one expert's), which its tag byte
+        says; in fp32 (`_weight_tile`'s tile before its rounding)."""
+        kind = tl.max(tl.load(s_rows + _MIXED_K_TAG, mask=row_mask, other=0), axis=0)
+        if kind == 7:
+            w = _k_quant_tile(
+                w_rows, s_rows, k0, row_mask, KDIM, 7, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+            )
+        elif kind == 6:
+            w = _k_quant_tile(
+                w_rows, s_rows, k0, row_mask, KDIM, 6, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+            )
+        else:
+            w = _k_quant_tile(
+                w_rows, s_rows, k0, row_mask, KDIM, 5, _MIXED_K_WIDTH, BLOCK_N, BLOCK_K
+            )
+        return w
 
     @triton.jit
     def _f16_at(ptrs, mask):

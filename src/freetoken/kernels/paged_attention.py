@@ -473,6 +473,178 @@ if triton is not None:
         return m_new, total, acc
 
     @triton.jit
+    def _split_span(LENGTHS, ROWS, seq, split, window, splits, BLOCK_N: tl.constexpr):
+        """(row, lo, hi): the sequence's page-table row and the keys [lo, hi) of its split."""
+        length = tl.load(LENGTHS + seq)
+        row = tl.load(ROWS + seq)
+        first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        span = length - first
+        # Each split takes a whole number of blocks; later splits may find nothing to do.
+        per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
+        lo = first + split * per_split
+        hi = tl.minimum(lo + per_split, length)
+        return row, lo, hi
+
+    @triton.jit
+    def _queries(
+        q_rows,
+        d,
+        head_ok,
+        HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+    ):
+        """(q, q_rope): the heads' queries, and their key-only part (ROPE_D > 0; else q)."""
+        q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
+        if ROPE_D > 0:
+            r = tl.arange(0, ROPE_PAD)
+            q_rope = tl.load(
+                q_rows + HEAD_D + r[None, :],
+                mask=head_ok[:, None] & (r < ROPE_D)[None, :],
+                other=0.0,
+            )
+        else:
+            q_rope = q  # (no key-only part: unused)
+        return q, q_rope
+
+    @triton.jit
+    def _attend_span_interpreted(
+        q,
+        q_rope,
+        K,
+        V,
+        TABLE,
+        row,
+        lo,
+        hi,
+        m,
+        total,
+        acc,
+        qk_scale,
+        stride_table,
+        stride_kn,
+        head_offset,
+        PAGE: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+        VALUES_ARE_KEYS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """`_attend_span`'s loop under the CPU interpreter, which cannot range over loaded
+        values: the same blocks by a `while` loop."""
+        start = lo
+        while start < hi:
+            m, total, acc = _attend_block(
+                q,
+                q_rope,
+                K,
+                V,
+                TABLE,
+                row,
+                start,
+                hi,
+                m,
+                total,
+                acc,
+                qk_scale,
+                stride_table,
+                stride_kn,
+                head_offset,
+                PAGE,
+                HEAD_D,
+                ROPE_D,
+                ROPE_PAD,
+                VALUES_ARE_KEYS,
+                BLOCK_N,
+                PRECISION,
+            )
+            start += BLOCK_N
+        return m, total, acc
+
+    @triton.jit
+    def _attend_span(
+        q,
+        q_rope,
+        K,
+        V,
+        TABLE,
+        row,
+        lo,
+        hi,
+        qk_scale,
+        stride_table,
+        stride_kn,
+        head_offset,
+        PAGE: tl.constexpr,
+        GROUP_BLOCK: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        ROPE_D: tl.constexpr,
+        ROPE_PAD: tl.constexpr,
+        VALUES_ARE_KEYS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """(m, total, acc): the online softmax of keys [lo, hi), block by block (the compiled
+        kernel's `for` loop, which Triton pipelines)."""
+        m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_BLOCK], tl.float32)
+        acc = tl.zeros([GROUP_BLOCK, HEAD_D], tl.float32)
+        if INTERPRETED:
+            return _attend_span_interpreted(
+                q,
+                q_rope,
+                K,
+                V,
+                TABLE,
+                row,
+                lo,
+                hi,
+                m,
+                total,
+                acc,
+                qk_scale,
+                stride_table,
+                stride_kn,
+                head_offset,
+                PAGE,
+                HEAD_D,
+                ROPE_D,
+                ROPE_PAD,
+                VALUES_ARE_KEYS,
+                BLOCK_N,
+                PRECISION,
+            )
+        for start in range(lo, hi, BLOCK_N):
+            m, total, acc = _attend_block(
+                q,
+                q_rope,
+                K,
+                V,
+                TABLE,
+                row,
+                start,
+                hi,
+                m,
+                total,
+                acc,
+                qk_scale,
+                stride_table,
+                stride_kn,
+                head_offset,
+                PAGE,
+                HEAD_D,
+                ROPE_D,
+                ROPE_PAD,
+                VALUES_ARE_KEYS,
+                BLOCK_N,
+                PRECISION,
+            )
+        return m, total, acc
+
+    @triton.jit
     def _decode_split_kernel(
         Q,
         K,
@@ -507,89 +679,37 @@ if triton is not None:
         kv_head = tl.program_id(1) // HEAD_BLOCKS  # (a KV head's query heads, GROUP_BLOCK at
         head_block = tl.program_id(1) % HEAD_BLOCKS  # a time)
         split = tl.program_id(2)
-        length = tl.load(LENGTHS + seq)
-        row = tl.load(ROWS + seq)
-        first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
-        span = length - first
-        # Each split takes a whole number of blocks; later splits may find nothing to do.
-        per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
-        lo = first + split * per_split
-        hi = tl.minimum(lo + per_split, length)
+        row, lo, hi = _split_span(LENGTHS, ROWS, seq, split, window, splits, BLOCK_N)
 
         g = head_block * GROUP_BLOCK + tl.arange(0, GROUP_BLOCK)
         heads = kv_head * GROUP + g
         head_ok = g < GROUP
         d = tl.arange(0, HEAD_D)
         q_rows = Q + seq * stride_qb + heads[:, None] * stride_qh
-        q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
-        if ROPE_D > 0:
-            r = tl.arange(0, ROPE_PAD)
-            q_rope = tl.load(
-                q_rows + HEAD_D + r[None, :],
-                mask=head_ok[:, None] & (r < ROPE_D)[None, :],
-                other=0.0,
-            )
-        else:
-            q_rope = q  # (no key-only part: unused)
-        m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_BLOCK], tl.float32)
-        acc = tl.zeros([GROUP_BLOCK, HEAD_D], tl.float32)
-        if INTERPRETED:
-            # The CPU interpreter cannot range over loaded values; the compiled kernel keeps
-            # its `for` loop, which Triton pipelines.
-            start = lo
-            while start < hi:
-                m, total, acc = _attend_block(
-                    q,
-                    q_rope,
-                    K,
-                    V,
-                    TABLE,
-                    row,
-                    start,
-                    hi,
-                    m,
-                    total,
-                    acc,
-                    qk_scale,
-                    stride_table,
-                    stride_kn,
-                    kv_head * stride_kh,
-                    PAGE,
-                    HEAD_D,
-                    ROPE_D,
-                    ROPE_PAD,
-                    VALUES_ARE_KEYS,
-                    BLOCK_N,
-                    PRECISION,
-                )
-                start += BLOCK_N
-        else:
-            for start in range(lo, hi, BLOCK_N):
-                m, total, acc = _attend_block(
-                    q,
-                    q_rope,
-                    K,
-                    V,
-                    TABLE,
-                    row,
-                    start,
-                    hi,
-                    m,
-                    total,
-                    acc,
-                    qk_scale,
-                    stride_table,
-                    stride_kn,
-                    kv_head * stride_kh,
-                    PAGE,
-                    HEAD_D,
-                    ROPE_D,
-                    ROPE_PAD,
-                    VALUES_ARE_KEYS,
-                    BLOCK_N,
-                    PRECISION,
-                )
+        q, q_rope = _queries(q_rows, d, head_ok, HEAD_D, ROPE_D, ROPE_PAD)
+        m, total, acc = _attend_span(
+            q,
+            q_rope,
+            K,
+            V,
+            TABLE,
+            row,
+            lo,
+            hi,
+            qk_scale,
+            stride_table,
+            stride_kn,
+            kv_head * stride_kh,
+            PAGE,
+            GROUP_BLOCK,
+            HEAD_D,
+            ROPE_D,
+            ROPE_PAD,
+            VALUES_ARE_KEYS,
+            BLOCK_N,
+            INTERPRETED,
+            PRECISION,
+        )
         out_offs = (seq * HEADS + heads) * splits + split
         empty = total == 0.0
         tl.store(
