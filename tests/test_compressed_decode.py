@@ -91,12 +91,13 @@ def largest_error(path: str, dtype: str = "float32", device: str = "cpu", typica
     return (errors.median() if typical else errors.max()).item(), counts
 
 
-def _check(error: float, counts: dict, bound: float) -> None:
+def _check(error: float, counts: dict, bound: float, graphs: bool = False) -> None:
     assert error < bound
     # every kernel ran, in prefill and in each decode step (1 + STEPS forwards; the indexer's
-    # scores in the decode steps)
+    # scores in the decode steps, which on CUDA are graph replays after the first few: those
+    # launch the kernels without calling their Python)
     assert all(counts.get(name, 0) >= 1 + STEPS for _, name in KERNELS[:-1]), counts
-    assert counts.get("index_scores", 0) >= STEPS, counts
+    assert counts.get("index_scores", 0) >= (1 if graphs else STEPS), counts
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,8 @@ def test_the_kernels_compute_the_reference_under_the_interpreter(v4_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_kernels_compute_the_reference_on_cuda(v4_path):
-    _check(*largest_error(v4_path, "float32", "cuda"), 1e-4)
+    _check(*largest_error(v4_path, "float32", "cuda"), 1e-4, graphs=True)
     # bf16: the kernels round as the torch code does, but sums run in other orders, and a last-bit
     # difference may tip a near-tie (an expert's or a window's choice) at a few positions: most
     # logits agree to bf16 rounding
-    _check(*largest_error(v4_path, "bfloat16", "cuda", typical=True), 0.02)
+    _check(*largest_error(v4_path, "bfloat16", "cuda", typical=True), 0.02, graphs=True)

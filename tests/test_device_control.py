@@ -208,6 +208,53 @@ def test_the_runtime_moves_between_device_and_host_decisions():
         assert torch.equal(rt.cache.w_gate_up[rt.cache.slot_of[pair]], store.w_gate_up[pair])
 
 
+class Folded:
+    """A runtime's calls as a decode graph folds one it cannot hold: the host phase between
+    two graph segments, then the layer's GPU work in the next (engine/cuda_graphs.py)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def __call__(self, moe_layer, x, ids, weights):
+        rt = self.rt
+        if rt.capturable(x.shape[0], ids.numel()):
+            return rt(moe_layer, x, ids, weights)
+        assert rt.foldable(x.shape[0], ids.numel())
+        slots = torch.full(ids.shape, -1, dtype=torch.long)
+        partial = torch.zeros_like(x)
+        rt.host_phase(moe_layer, x, ids, weights, slots, partial)
+        return rt.device_phase(x, slots, weights, partial)
+
+    @property
+    def telemetry(self):
+        return self.rt.telemetry
+
+
+def test_a_folded_call_decides_on_the_placement_the_device_left():
+    """A decode batch too large for the device's plan (more routes than it holds) is folded
+    into the graph as a host phase: it must decide on the cache's tables as the device left
+    them, and leave them back for the device's next plans (its host tables were stale)."""
+    from freetoken.moe.runtime import build_runtime
+
+    store = tiny_store(num_layers=2, num_experts=4)
+    rt = build_runtime(store, torch.device("cpu"), MoEOptions("offload", "3"))
+    steps = [
+        (0, [[0]]),
+        (1, [[1]]),
+        (0, [[0], [1], [2], [3]]),  # folded
+        (0, [[3]]),
+        (1, [[2]]),
+        (1, [[0], [1], [2], [3]]),  # folded
+        (0, [[0]]),
+        (1, [[3]]),
+    ]
+    drive(Folded(rt), store, steps)
+    check_tables(rt.control)
+    rt.control.push_host_tables()
+    for pair in torch.nonzero(rt.cache.slot_of >= 0).flatten().tolist():
+        assert torch.equal(rt.cache.w_gate_up[rt.cache.slot_of[pair]], store.w_gate_up[pair])
+
+
 def test_offload_without_device_control_decides_on_the_host():
     from freetoken.moe.runtime import build_runtime
 

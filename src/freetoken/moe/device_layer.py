@@ -73,6 +73,15 @@ class DeviceDecided:
     def foldable(self, tokens: int, routes: int) -> bool:
         return self.host.foldable(tokens, routes)
 
+    def host_phase(self, moe_layer, x, ids, weights, slots, partial, packed=None) -> None:
+        """A folded call's host phase (one the plan cannot hold, in a decode graph): decided
+        on the host tables, brought up to date around it as for `__call__`'s host calls."""
+        self.control.push_host_tables()
+        try:
+            self.host.host_phase(moe_layer, x, ids, weights, slots, partial, packed)
+        finally:
+            self.control.pull_host_tables()
+
     def rebuild_control(self) -> None:
         """Decide over the cache bound now (after a re-size)."""
         self.control = control_over(self.cache, self.control.split, self.share.doorbell)

@@ -275,7 +275,7 @@ class MoERuntime:
         return self._host.pack_round_trip(x, ids, weights)
 
     def host_phase(self, moe_layer, x, ids, weights, slots, partial, packed=None) -> None:
-        self._host.host_phase(moe_layer, x, ids, weights, slots, partial, packed)
+        self._layer.host_phase(moe_layer, x, ids, weights, slots, partial, packed)
 
     def device_phase(self, x, slots, weights, partial) -> torch.Tensor:
         return self._host.device_phase(x, slots, weights, partial)
