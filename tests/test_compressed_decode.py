@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled import COMPILED, run_compiled
 from freetoken.engine.runner import ModelRunner
 from freetoken.kernels import compressed_decode, hyper_mix, lightning_index
 from freetoken.models.loading import load_model
@@ -76,11 +77,16 @@ def _run(loaded, device: str, kernels: bool, counts: dict, batch=2) -> list[torc
             setattr(module, name, launch)
 
 
-def largest_error(path: str, dtype: str = "float32", device: str = "cpu", typical=False):
+def largest_error(
+    path: str, dtype: str = "float32", device: str = "cpu", typical=False, split_blocks=None
+):
     """(the kernels' largest (`typical`: median) logit difference from the torch path, the
     launches of each kernel (none with the kernels off)), blocks made small so that the prompt
-    crosses many."""
+    crosses many; `split_blocks`: the decode attention's keys split across programs from so
+    few blocks (`key_splits`: 1 splits every walk of two blocks or more)."""
     compressed_decode.POOL_ROWS, compressed_decode.KEYS, lightning_index.KEYS = 2, 16, 16
+    if split_blocks is not None:
+        compressed_decode.SPLIT_BLOCKS = split_blocks
     loaded = load_model(path, dtype=dtype, device=device)
     off: dict = {}
     ref = _run(loaded, device, False, off)
@@ -107,8 +113,27 @@ def v4_path(tmp_path_factory):
 
 
 @needs_triton
-def test_the_kernels_compute_the_reference_under_the_interpreter(v4_path):
-    _check(*run_interpreted("test_compressed_decode", "largest_error", v4_path, timeout=900), 1e-4)
+@pytest.mark.parametrize("split_blocks", [None, 1], ids=["one-program-walks", "keys-split"])
+def test_the_kernels_compute_the_reference_under_the_interpreter(v4_path, split_blocks):
+    error, counts = run_interpreted(
+        "test_compressed_decode",
+        "largest_error",
+        v4_path,
+        "float32",
+        "cpu",
+        False,
+        split_blocks,
+        timeout=900,
+    )
+    _check(error, counts, 1e-4)
+
+
+def test_keys_split_only_where_few_programs_walk_many_blocks():
+    programs, blocks = compressed_decode.SPLIT_PROGRAMS, compressed_decode.SPLIT_BLOCKS
+    assert compressed_decode.key_splits(programs, 100 * blocks) == 1  # enough programs
+    assert compressed_decode.key_splits(4, 2 * blocks - 1) == 1  # keys too few
+    assert compressed_decode.key_splits(4, 2 * blocks) == 2
+    assert compressed_decode.key_splits(4, 100 * blocks) == programs // 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -118,3 +143,25 @@ def test_the_kernels_compute_the_reference_on_cuda(v4_path):
     # difference may tip a near-tie (an expert's or a window's choice) at a few positions: most
     # logits agree to bf16 rounding
     _check(*largest_error(v4_path, "bfloat16", "cuda", typical=True), 0.02, graphs=True)
+
+
+def _compile_release_attention() -> list[dict]:
+    """The decode attention compiled for sm_90 (tests/compiled.py) at DeepSeek-V4-Flash's
+    shapes (64 heads of 512, a window of 128, an HCA layer's 1,024 entries at 128k tokens), bf16:
+    at batch 1 (its keys split) and batch 16 (one program a head block)."""
+    for batch in (1, 16):
+        q = torch.randn(batch, 64, 512).bfloat16()
+        pool = torch.randn(4096, 1, 1536).bfloat16()
+        table = torch.arange(256).view(1, -1).expand(batch, -1).contiguous()
+        rows, positions = torch.arange(batch), torch.full((batch,), 4000)
+        ids = torch.arange(1024).expand(batch, -1).contiguous()
+        args = (q, pool, table, rows, positions, 16, 128, 0, ids, 128, 512, torch.zeros(64), 0.04)
+        compressed_decode.attend(*args)
+    return COMPILED
+
+
+@needs_triton
+def test_the_decode_attention_compiles_for_sm90_with_its_keys_split_and_not():
+    compiled = run_compiled("test_compressed_decode", "_compile_release_attention")
+    names = [c["name"] for c in compiled]
+    assert names.count("_attend_split_kernel") == 2 and "_attend_kernel" in names, names

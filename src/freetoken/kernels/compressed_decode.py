@@ -29,6 +29,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 # Rows a pooling program reads at a time, keys an attention program takes at a time (the tests
 # make them small, so that their prompts cross blocks).
 POOL_ROWS, KEYS = 16, 32
+# Decode attention over many keys with few programs splits the keys (`key_splits`): up to this
+# many programs in all, each walking at least this many blocks of KEYS.
+SPLIT_PROGRAMS, SPLIT_BLOCKS = 64, 4
 
 
 # Whether these kernels run on a tensor: on CUDA, with Triton (norm_rope's test, under a name of
@@ -151,8 +154,12 @@ def attend(
     n_entries = entry_ids.shape[1] if entry_ids is not None else 0
     ids = entry_ids.contiguous() if entry_ids is not None else positions
     hb = 16
+    blocks = triton.cdiv(window + n_entries, KEYS)
+    splits = key_splits(b * triton.cdiv(heads, hb), blocks)
+    span = triton.cdiv(blocks, splits) * KEYS  # keys a program walks (whole blocks)
+    splits = triton.cdiv(blocks * KEYS, span)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (fp32 tests: no TF32)
-    _attend_kernel[(b, triton.cdiv(heads, hb))](
+    args = [
         q,
         pool,
         page_table,
@@ -160,7 +167,6 @@ def attend(
         positions,
         ids,
         sinks,
-        out,
         pool.stride(0),
         page_table.stride(0),
         page_size,
@@ -171,14 +177,31 @@ def attend(
         entry_col,
         heads,
         scale,
-        D=d,
-        D_BLOCK=max(_pow2(d), 16),
-        HB=hb,
-        KB=KEYS,
-        PRECISION=precision,
-        num_warps=8,
-    )
-    return out
+    ]
+    shapes = dict(D=d, D_BLOCK=max(_pow2(d), 16), HB=hb, KB=KEYS, PRECISION=precision)
+    grid = (b, triton.cdiv(heads, hb))
+    if splits == 1:
+        _attend_kernel[grid](*args, out, **shapes, num_warps=8)
+        return out
+    # Each split's softmax max and sum, then each split's keys mixed with the probabilities
+    # of the whole softmax (rounded as the reference rounds them), then the splits summed.
+    stats = torch.empty(b, splits, 2, heads, dtype=torch.float32, device=q.device)
+    partial = torch.empty(b, splits, heads, d, dtype=torch.float32, device=q.device)
+    split_args = [*args, span, splits, stats, partial]
+    split_shapes = dict(shapes, SPLITS_P=_pow2(splits))
+    _attend_split_kernel[(*grid, splits)](*split_args, **split_shapes, MIX=0, num_warps=8)
+    _attend_split_kernel[(*grid, splits)](*split_args, **split_shapes, MIX=1, num_warps=8)
+    return partial.sum(1).to(q.dtype)
+
+
+def key_splits(programs: int, blocks: int) -> int:
+    """How many programs share a (sequence, head block)'s keys: one where enough programs run
+    or the keys are few; else as many as fill ~SPLIT_PROGRAMS programs, each walking at least
+    SPLIT_BLOCKS blocks of keys. (At batch 1 V4's 64 heads are 4 programs; at 128k tokens an
+    HCA layer's ~1,150 keys were 72 blocks walked in turn by each, over both passes.)"""
+    if programs >= SPLIT_PROGRAMS or blocks < 2 * SPLIT_BLOCKS:
+        return 1
+    return max(1, min(blocks // SPLIT_BLOCKS, SPLIT_PROGRAMS // programs))
 
 
 if triton is not None:
@@ -359,7 +382,6 @@ if triton is not None:
         POS,
         IDS,
         SINKS,
-        OUT,
         row_w,
         pt_stride,
         page_size,
@@ -370,6 +392,7 @@ if triton is not None:
         entry_col,
         heads,
         scale,
+        OUT,
         D: tl.constexpr,
         D_BLOCK: tl.constexpr,
         HB: tl.constexpr,
@@ -378,52 +401,214 @@ if triton is not None:
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * HB + tl.arange(0, HB)
-        d = tl.arange(0, D_BLOCK)
-        hd = (h < heads)[:, None] & (d < D)[None, :]
-        q = tl.load(Q + (b * heads + h)[:, None] * D + d[None, :], mask=hd, other=0.0)
+        q, row, p, d, hd = _query(Q, ROWS, POS, b, h, heads, D, D_BLOCK)
         # The softmax starts from the sinks: a logit each, attending nothing.
         m = tl.load(SINKS + h, mask=h < heads, other=0.0).to(tl.float32)
         total = tl.full([HB], 1.0, tl.float32)
         acc = tl.zeros([HB, D_BLOCK], tl.float32)
-        row = tl.load(ROWS + b).to(tl.int64)
-        p = tl.load(POS + b).to(tl.int64)
         ids = IDS + b * n_entries
         # Two passes, as the reference rounds: the softmax's max and sum, then the probabilities
-        # rounded to the dtype and mixed. (A while, not a for over a runtime bound: Triton's
-        # interpreter, the CPU tests', cannot range over one.)
+        # rounded to the dtype and mixed.
         for MIX in tl.static_range(2):
-            k0 = 0
-            while k0 < window + n_entries:
-                m, total, acc = _attend_block(
-                    q,
-                    m,
-                    total,
-                    acc,
-                    k0,
-                    POOL,
-                    PT,
-                    ids,
-                    row,
-                    p,
-                    row_w,
-                    pt_stride,
-                    page_size,
-                    window,
-                    kv_col,
-                    n_entries,
-                    ratio,
-                    entry_col,
-                    scale,
-                    D,
-                    D_BLOCK,
-                    KB,
-                    PRECISION,
-                    MIX,
-                )
-                k0 += KB
+            m, total, acc = _attend_span(
+                q,
+                m,
+                total,
+                acc,
+                0,
+                window + n_entries,
+                POOL,
+                PT,
+                ids,
+                row,
+                p,
+                row_w,
+                pt_stride,
+                page_size,
+                window,
+                kv_col,
+                n_entries,
+                ratio,
+                entry_col,
+                scale,
+                D,
+                D_BLOCK,
+                KB,
+                PRECISION,
+                MIX,
+            )
         tl.store(
             OUT + (b * heads + h)[:, None] * D + d[None, :], acc.to(OUT.dtype.element_ty), mask=hd
         )
+
+    @triton.jit
+    def _attend_split_kernel(
+        Q,
+        POOL,
+        PT,
+        ROWS,
+        POS,
+        IDS,
+        SINKS,
+        row_w,
+        pt_stride,
+        page_size,
+        window,
+        kv_col,
+        n_entries,
+        ratio,
+        entry_col,
+        heads,
+        scale,
+        span,
+        splits,
+        STATS,
+        PARTIAL,
+        D: tl.constexpr,
+        D_BLOCK: tl.constexpr,
+        HB: tl.constexpr,
+        KB: tl.constexpr,
+        PRECISION: tl.constexpr,
+        SPLITS_P: tl.constexpr,
+        MIX: tl.constexpr,
+    ):
+        """`_attend_kernel`'s keys [split * span, + span) of a sequence's head block: the
+        softmax's max and sum over them into STATS [B, splits, 2, heads] (split 0 starting from
+        the sinks), or (MIX) the whole softmax's from every split's STATS, and their keys mixed
+        into PARTIAL [B, splits, heads, D] in fp32."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        split = tl.program_id(2)
+        q, row, p, d, hd = _query(Q, ROWS, POS, b, h, heads, D, D_BLOCK)
+        start = split * span
+        end = tl.minimum(start + span, window + n_entries)
+        stats = STATS + b * splits * 2 * heads
+        if MIX:
+            m, total = _whole_softmax(stats, splits, heads, h, HB, SPLITS_P)
+        else:
+            m, total = _split_start(SINKS, split, heads, h, HB)
+        acc = tl.zeros([HB, D_BLOCK], tl.float32)
+        m, total, acc = _attend_span(
+            q,
+            m,
+            total,
+            acc,
+            start,
+            end,
+            POOL,
+            PT,
+            IDS + b * n_entries,
+            row,
+            p,
+            row_w,
+            pt_stride,
+            page_size,
+            window,
+            kv_col,
+            n_entries,
+            ratio,
+            entry_col,
+            scale,
+            D,
+            D_BLOCK,
+            KB,
+            PRECISION,
+            MIX,
+        )
+        if MIX:
+            cells = PARTIAL + ((b * splits + split) * heads + h)[:, None] * D + d[None, :]
+            tl.store(cells, acc, mask=hd)
+        else:  # (m's row, then total's)
+            tl.store(stats + split * 2 * heads + h, m, mask=h < heads)
+            tl.store(stats + (split * 2 + 1) * heads + h, total, mask=h < heads)
+
+    @triton.jit
+    def _query(Q, ROWS, POS, b, h, heads, D: tl.constexpr, D_BLOCK: tl.constexpr):
+        """Sequence b's queries of heads h [HB, D_BLOCK], its page-table row and position, the
+        dimension indices and the mask of real heads and dimensions."""
+        d = tl.arange(0, D_BLOCK)
+        hd = (h < heads)[:, None] & (d < D)[None, :]
+        q = tl.load(Q + (b * heads + h)[:, None] * D + d[None, :], mask=hd, other=0.0)
+        return q, tl.load(ROWS + b).to(tl.int64), tl.load(POS + b).to(tl.int64), d, hd
+
+    @triton.jit
+    def _split_start(SINKS, split, heads, h, HB: tl.constexpr):
+        """A split's softmax before its keys: split 0's from the sinks (a logit each,
+        attending nothing), the others' empty (m finite: a span may hold no key)."""
+        sink = tl.load(SINKS + h, mask=h < heads, other=0.0).to(tl.float32)
+        first = split == 0
+        return tl.where(first, sink, -1e30), tl.where(first, 1.0, 0.0) + tl.zeros([HB], tl.float32)
+
+    @triton.jit
+    def _whole_softmax(stats, splits, heads, h, HB: tl.constexpr, SPLITS_P: tl.constexpr):
+        """The softmax's max and sum over every split's, per head: [HB] each."""
+        s = tl.arange(0, SPLITS_P)
+        ok = (s < splits)[:, None] & (h < heads)[None, :]
+        ms = tl.load(stats + (s * 2)[:, None] * heads + h[None, :], mask=ok, other=-1e30)
+        ts = tl.load(stats + (s * 2 + 1)[:, None] * heads + h[None, :], mask=ok, other=0.0)
+        m = tl.max(ms, 0)
+        return m, tl.sum(ts * tl.exp(ms - m[None, :]), 0)
+
+    @triton.jit
+    def _attend_span(
+        q,
+        m,
+        total,
+        acc,
+        start,
+        end,
+        POOL,
+        PT,
+        ids,
+        row,
+        p,
+        row_w,
+        pt_stride,
+        page_size,
+        window,
+        kv_col,
+        n_entries,
+        ratio,
+        entry_col,
+        scale,
+        D: tl.constexpr,
+        D_BLOCK: tl.constexpr,
+        KB: tl.constexpr,
+        PRECISION: tl.constexpr,
+        MIX: tl.constexpr,
+    ):
+        """Keys [start, end) block by block into (m, total) or, MIX, into acc. (A while, not a
+        for over a runtime bound: Triton's interpreter, the CPU tests', cannot range over one.)"""
+        k0 = start
+        while k0 < end:
+            m, total, acc = _attend_block(
+                q,
+                m,
+                total,
+                acc,
+                k0,
+                POOL,
+                PT,
+                ids,
+                row,
+                p,
+                row_w,
+                pt_stride,
+                page_size,
+                window,
+                kv_col,
+                n_entries,
+                ratio,
+                entry_col,
+                scale,
+                D,
+                D_BLOCK,
+                KB,
+                PRECISION,
+                MIX,
+            )
+            k0 += KB
+        return m, total, acc
 
     @triton.jit
     def _attend_block(
