@@ -36,6 +36,8 @@ and is what device control uses when the configured policy has none.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from freetoken.kernels import cache_control
@@ -124,6 +126,15 @@ class DeviceControl:
         """Give the cache's host tables the current placement (before a host-side step)."""
         self.cache.slot_of.copy_(self.slot_of[:-1])
         self.cache.pair_of.copy_(self.pair_of[:-1])
+
+    @contextmanager
+    def host_tables(self):
+        """A call the host decides, in between: the host tables pushed before it, pulled after."""
+        self.push_host_tables()
+        try:
+            yield
+        finally:
+            self.pull_host_tables()
 
     # -- one layer step -----------------------------------------------------------------------
 

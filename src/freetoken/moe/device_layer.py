@@ -53,12 +53,8 @@ class DeviceDecided:
     def __call__(self, moe_layer, x, ids, weights) -> torch.Tensor:
         if self.capturable(x.shape[0], ids.numel()):
             return self._decided(moe_layer, x, ids, weights)
-        # The host decides this call: on the host tables, brought up to date around it.
-        self.control.push_host_tables()
-        try:
+        with self.control.host_tables():  # the host decides this call
             return self.host(moe_layer, x, ids, weights)
-        finally:
-            self.control.pull_host_tables()
 
     def _decided(self, moe_layer, x, ids, weights) -> torch.Tensor:
         """Decide, fill and compute on the device; the CPU's share meanwhile."""
@@ -76,11 +72,8 @@ class DeviceDecided:
     def host_phase(self, moe_layer, x, ids, weights, slots, partial, packed=None) -> None:
         """A folded call's host phase (one the plan cannot hold, in a decode graph): decided
         on the host tables, brought up to date around it as for `__call__`'s host calls."""
-        self.control.push_host_tables()
-        try:
+        with self.control.host_tables():
             self.host.host_phase(moe_layer, x, ids, weights, slots, partial, packed)
-        finally:
-            self.control.pull_host_tables()
 
     def rebuild_control(self) -> None:
         """Decide over the cache bound now (after a re-size)."""
