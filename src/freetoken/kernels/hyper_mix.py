@@ -213,5 +213,5 @@ if triton is not None:
             post = _rounded(tl.load(POST + t * N + k), dt)
             spread = _rounded(post * x, dt)  # torch's product in the streams' dtype, then its sum
             mixed = tl.load(MIXED + (t * N + k) * hidden + h, mask=ok, other=0.0).to(tl.float32)
-            value = (spread + mixed).to(OUT.dtype.element_ty)
+            value = (spread + mixed).to(dt)
             tl.store(OUT + (t * N + k) * hidden + h, value, mask=ok)

@@ -36,10 +36,6 @@ KEYS = 64  # candidate keys a program scores (the tests make it small, so that t
 kernel_takes = norm_rope.available
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class PagedKeys:
     """Where candidate keys lie in the paged cache: key j of sequence b is columns [column,
@@ -90,8 +86,8 @@ def index_scores(
             scale,
             HEADS=heads,
             D=d,
-            HEADS_P=max(16, _pow2(heads)),  # (tl.dot's least tile)
-            D_P=max(16, _pow2(d)),
+            HEADS_P=max(16, triton.next_power_of_2(heads)),  # (tl.dot's least tile)
+            D_P=max(16, triton.next_power_of_2(d)),
             BLOCK=KEYS,
             IEEE=q.dtype == torch.float32,
         )

@@ -128,6 +128,14 @@ class ForwardBatch:
         needed = max(1, -(-max(self.seq_lens) // self.page_size))
         return min(1 << (needed - 1).bit_length(), self.page_table.shape[1])
 
+    def decode_pages(self) -> int:
+        """The page-table columns a decode step that gathers its sequences' slots reads: the
+        longest sequence's pages, or while a CUDA graph is captured `table_pages` (its replays
+        then read any length up to that)."""
+        if self.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.table_pages()
+        return min(self.page_table.shape[1], -(-max(self.seq_lens) // self.page_size))
+
     @staticmethod
     def build(
         cache: PagedKVCache,

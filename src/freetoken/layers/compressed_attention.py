@@ -26,8 +26,8 @@ a decode step's attention are kernels/compressed_decode.py's (one launch each wh
 needs tens), and the cos and sin of a step's positions are computed once for all its layers
 (`StepAngles`). A prompt is read per sequence, its context's rows gathered (as the MLA prefill
 does). A decode step reads every sequence at once: the window's rows and the closing rows of
-the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; every window
-the page table can hold while a CUDA graph is captured, so shapes are then fixed), masked past
+the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; while a CUDA
+graph is captured, every window of the page-table width it is captured for), masked past
 each sequence's length (the kernel reads only the entries the indexer chose); the host's work
 does not grow with the context and nothing waits on the device, so the runner captures V4's
 decode step in CUDA graphs like any other.
@@ -103,7 +103,7 @@ class StepAngles:
 
 # A decode step reads the closing rows of this many windows a sequence at a time: enough for
 # the batch's longest sequence, rounded up (so shapes change every so many windows), or, while a
-# CUDA graph is captured, every window the page table can hold (shapes fixed for any context).
+# CUDA graph is captured, every window of the width it is captured for (ForwardBatch.table_pages).
 WINDOW_BUCKET = 64
 
 
@@ -298,7 +298,7 @@ class CompressedAttention(nn.Module):
         """One new token a sequence, all sequences at once, with no host work that grows with
         the context and nothing that waits on the device: the window's rows, and the closing
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
-        captured, of every window the page table can hold: shapes fixed for any context)."""
+        captured, of every window of the width it is captured for: shapes fixed up to it)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
         if r:
             w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)

@@ -232,9 +232,9 @@ class LatentAttention(nn.Module):
 
     def _decode_choice(self, indexer: Indexer, q, w, pool, batch: ForwardBatch):
         """A decode step's top-k slots [B, k] and which hold tokens [B, k], from the scores of
-        every token of `_context_pages` (past each length: -inf)."""
+        every token of `batch.decode_pages()` (past each length: -inf)."""
         first, topk, ps = self.mla.latent_dim, indexer.idx.topk, batch.page_size
-        width = self._context_pages(batch) * ps
+        width = batch.decode_pages() * ps
         if lightning_index.kernel_takes(q):  # scored in place, in one launch
             # (q's values are the pool dtype's, widened by `queries`: exact in it)
             keys = lightning_index.PagedKeys(pool, first, batch.page_table, batch.rows, ps)
@@ -251,19 +251,10 @@ class LatentAttention(nn.Module):
         return slots.gather(1, top), valid.gather(1, top)
 
     @staticmethod
-    def _context_pages(batch: ForwardBatch) -> int:
-        """The page-table columns a decode step reads: the longest sequence's pages, or while a
-        CUDA graph is captured the width it is captured for (`ForwardBatch.table_pages`: its
-        replays read any length up to that)."""
-        if batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
-            return batch.table_pages()
-        return min(batch.page_table.shape[1], -(-max(batch.seq_lens) // batch.page_size))
-
-    @classmethod
-    def _context_slots(cls, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoding sequence's slots [B, W] from its page-table row (and which hold its
-        tokens), read on the device from the rows and lengths, over `_context_pages`."""
-        ps, pages = batch.page_size, cls._context_pages(batch)
+        tokens), read on the device from the rows and lengths, over `batch.decode_pages()`."""
+        ps, pages = batch.page_size, batch.decode_pages()
         table = batch.page_table[batch.rows, :pages]  # [B, P]
         offsets = torch.arange(ps, device=table.device)
         slots = (table[:, :, None] * ps + offsets).flatten(1)  # [B, P * ps]
