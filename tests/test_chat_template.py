@@ -18,19 +18,8 @@ from freetoken import chat_template, settings
 from freetoken.errors import CheckpointError
 from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
+from server_fixtures import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [
