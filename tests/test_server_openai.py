@@ -200,11 +200,13 @@ def test_full_queue_answers_429(fresh_engine, monkeypatch):
     # The first request must still be running when the third comes: its 4,000 tokens at 10 ms
     # a step take 40 s (unslowed, a busy 2-core CI machine once decoded all 4,000 before the
     # server read the third request, and the third was taken). It is cancelled when its stream
-    # is closed. Drafting off: a repeating answer's drafts give several tokens a step, and the
-    # first request ended before the third came on a busy CI machine.
+    # is closed. Its tokens are scripted, one that is not an end: the demo model's own answer
+    # ends early, and on a busy CI machine it once ended before the third came (as drafts of
+    # a repeating answer did; scripting turns drafting off).
     step = fresh_engine.step
     monkeypatch.setattr(fresh_engine, "step", lambda: (time.sleep(0.01), step())[1])
-    monkeypatch.setattr(fresh_engine, "drafter", None)
+    token = fresh_engine.tokenizer.encode(" on")[-1]
+    monkeypatch.setattr(fresh_engine, "_sample", scripted(fresh_engine, [token]))
     with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
         body = {
             **greedy(max_tokens=4000),
