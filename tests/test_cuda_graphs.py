@@ -60,6 +60,54 @@ def test_graph_replay_equals_eager(tmp_path, options):
     assert segments == (1 if whole else moe_layers + 1)
 
 
+def verify_logits(loaded, prompts, drafts, steps, **runner_args):
+    """Each step feeds every sequence its last token and `drafts[b]` more (a verify step of
+    speculative decoding: every token's logits), then keeps the first of them, as a rejected
+    draft does (its KV cut back)."""
+    runner = ModelRunner(loaded, kv_cache_tokens=2048, page_size=8, **runner_args)
+    seqs = [runner.new_sequence() for _ in prompts]
+    last = runner.forward(seqs, prompts).argmax(-1).tolist()
+    out = []
+    for step in range(steps):
+        chunks = [
+            [t] + [(t + step + i) % 50 for i in range(n)] for t, n in zip(last, drafts, strict=True)
+        ]
+        starts = [seq.length for seq in seqs]
+        logits = runner.forward(seqs, chunks, all_logits=True)
+        for seq, start in zip(seqs, starts, strict=True):
+            seq.length = start + 1  # only the fed token kept
+        firsts = [sum(map(len, chunks[:b])) for b in range(len(chunks))]
+        last = [int(logits[i].argmax()) for i in firsts]
+        out.append(logits)
+    return torch.stack(out), runner
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "options",
+    [None, MoEOptions("fused"), MoEOptions("hybrid", "6")],
+    ids=lambda o: str(o and o.strategy),
+)
+def test_verify_steps_replay_from_graphs(tmp_path, options):
+    """Verify steps (a few tokens per sequence, every token's logits) are captured per
+    (tokens, sequences): attention takes each token as a sequence of its own, its row and
+    length read on the device, so the replays give the eager logits as the contexts grow and
+    the drafts are cut back."""
+    path, _ = build("qwen3" if options is None else "qwen3_moe", tmp_path / "m")
+    loaded = load_model(path, dtype="float32", device="cuda")
+    prompts = prompts_of(loaded, [5, 17])
+    for drafts in ([3], [2, 4]):
+        args = dict(moe=options) if options else {}
+        eager, _ = verify_logits(
+            loaded, prompts[: len(drafts)], drafts, 12, cuda_graphs=False, **args
+        )
+        graphed, runner = verify_logits(loaded, prompts[: len(drafts)], drafts, 12, **args)
+        tokens = len(drafts) + sum(drafts)
+        assert (tokens, len(drafts), True) in runner.graphs.captures
+        assert runner.graphs.replays >= 10 and runner.untimed == 2  # (first seen, captured)
+        assert (eager - graphed).abs().max().item() < 1e-4
+
+
 @needs_cuda
 def test_one_capture_serves_every_length_and_dense_models(tmp_path):
     path, _ = build("qwen3", tmp_path / "m")
@@ -68,7 +116,7 @@ def test_one_capture_serves_every_length_and_dense_models(tmp_path):
     eager, _ = decode_logits(loaded, prompts, 40, cuda_graphs=False)
     graphed, runner = decode_logits(loaded, prompts, 40, cuda_graphs=True)
     assert (eager - graphed).abs().max().item() < 1e-4
-    assert list(runner.graphs.captures) == [(2,)] and runner.graphs.replays == 39
+    assert list(runner.graphs.captures) == [(2, 2, False)] and runner.graphs.replays == 39
 
 
 def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
@@ -79,14 +127,14 @@ def test_a_capture_without_memory_falls_back_to_eager(monkeypatch):
     graphs = DecodeGraphs(model=None, kv=None)
     tries = []
 
-    def no_memory(batch):
+    def no_memory(batch, all_logits):
         tries.append(batch)
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(graphs, "_capture", no_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     batch = type("Batch", (), {})()
-    monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b: (1,)))
+    monkeypatch.setattr(DecodeGraphs, "key", staticmethod(lambda b, all_logits=False: (1,)))
     assert [graphs.run(batch) for _ in range(4)] == [None] * 4  # warm-up, then eager
     assert len(tries) == 1 and graphs.eager == {(1,)}
 
@@ -207,7 +255,7 @@ def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
     eager, _ = decode_logits(loaded, prompts, 12, moe=options, cuda_graphs=False)
     graphed, runner = decode_logits(loaded, prompts, 12, moe=options, cuda_graphs=True)
     assert runner.graphs is not None and runner.graphs.replays >= 8
-    assert {key[1] for key in runner.graphs.captures} == {4, 8}
+    assert {key[3] for key in runner.graphs.captures} == {4, 8}
     assert (eager - graphed).abs().max().item() < 1e-4
 
 
@@ -223,7 +271,7 @@ def test_sparse_attention_models_decode_in_graphs_per_table_width(tmp_path, fami
     eager, _ = decode_logits(loaded, prompts, 14, cuda_graphs=False)
     graphed, runner = decode_logits(loaded, prompts, 14, cuda_graphs=True)
     assert runner.graphs is not None and runner.graphs.replays >= 8
-    assert {key[1] for key in runner.graphs.captures} == {4, 8}
+    assert {key[3] for key in runner.graphs.captures} == {4, 8}
     assert (eager - graphed).abs().max().item() < 1e-4
 
 

@@ -140,6 +140,28 @@ def test_native_cpu_decode_matches_the_dense_oracle(
         assert (ours.double() - expected).abs().max().item() < tolerance
 
 
+@needs_native
+@pytest.mark.parametrize(("window", "sinks"), [(None, False), (5, True)])
+def test_a_few_new_tokens_a_sequence_take_the_decode_kernel_per_token(window, sinks):
+    """A verify step (a few new tokens per sequence): each token attends as a sequence of its
+    own (`ForwardBatch.per_query`: its sequence's row, its keys up to itself), through the
+    decode kernel, and that is causal attention."""
+    from freetoken.kernels.paged_attention import paged_attention
+
+    lengths, counts = [9, 30, 4], [3, 5, 1]
+    q, cache, seqs, batch = make_case(lengths, counts, 8, 2, page_size=4)
+    queries = batch.per_query()
+    assert queries.is_decode and queries.counts == [1] * 9
+    assert queries.seq_lens == [7, 8, 9, 26, 27, 28, 29, 30, 4]
+    assert queries.lengths.tolist() == queries.seq_lens
+    assert queries.rows.tolist() == [seqs[0].row] * 3 + [seqs[1].row] * 5 + [seqs[2].row]
+    sink = torch.randn(8) if sinks else None
+    ours = paged_attention(q, cache.k[0], cache.v[0], batch, 0.25, window, sink)
+    expected = oracle(q, cache, seqs, batch, 0.25, window, sink)
+    assert (ours.double() - expected).abs().max().item() < 1e-5
+    assert not make_case([20], [9], 4, 2)[3].few_queries  # (a prefill chunk: gathered)
+
+
 def test_host_work_per_decode_batch_does_not_grow_with_the_context():
     """Building a decode batch sends the step's values and the new page-table entries only."""
 

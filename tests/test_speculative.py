@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from freetoken.config import EngineConfig, MoEOptions
+from freetoken.engine.draft_policy import Acceptance, DraftPolicy, expert_union
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams
@@ -39,43 +40,79 @@ def test_the_index_finds_the_longest_suffix_s_latest_earlier_occurrence():
     assert NgramIndex().draft(4) == []
 
 
-def test_drafting_pauses_after_fruitless_steps_and_resumes():
-    lookup = PromptLookup(max_draft=2, max_misses=2, pause=3)
-    state = lookup.start([1, 2, 3, 1, 2])
-    state.length = 2
-    assert lookup.draft(state, room=10) == [3, 1]
-    lookup.record(state, 2, 0)
-    lookup.record(state, 2, 0)  # two in a row without a token: a pause of 3 steps
-    assert [lookup.draft(state, 10) for _ in range(3)] == [[], [], []]
-    assert lookup.draft(state, 10) == [3]  # (rejected drafts halved the length)
-    state.length = 2
-    assert lookup.draft(state, 1) == [3]  # never past the room left
-    assert (state.drafted, state.accepted) == (4, 0)
-
-
-def test_a_draft_grows_while_kept_whole_and_shrinks_when_rejected():
-    lookup = PromptLookup(max_draft=4)
+def test_prompt_lookup_drafts_up_to_its_cap_and_the_room_left():
+    lookup = PromptLookup(max_draft=3)
     state = lookup.start([1, 2, 3, 4, 5, 6, 1, 2])
-    assert lookup.draft(state, room=10) == [3]  # one token first
-    lookup.record(state, 1, 1)
-    assert lookup.draft(state, 10) == [3, 4]
-    lookup.record(state, 2, 2)
-    assert lookup.draft(state, 10) == [3, 4, 5, 6]
-    lookup.record(state, 4, 4)
-    assert state.length == 4  # at most max_draft
-    lookup.record(state, 4, 1)  # most of it rejected: half as long
-    assert state.length == 2
-    lookup.record(state, 2, 0)
-    assert state.length == 1
+    assert lookup.draft(state, room=10) == [3, 4, 5]
+    assert lookup.draft(state, room=2) == [3, 4]
+    lookup.observe(state, 3)
+    assert lookup.draft(state, room=10) == [4, 5, 6]
+    lookup.record(state, 3, 1)
+    assert (state.drafted, state.accepted) == (3, 1)
+
+
+def test_acceptance_counts_kept_tokens_against_rejections_and_fades():
+    a = Acceptance()
+    assert a.rate() == 0.5 and a.expected(0) == 1.0 and a.expected(2) == 1.75
+    for _ in range(6):
+        a.record(4, 4)  # kept whole: no rejection
+    assert a.rate() > 0.9
+    kept = a.rate()
+    a.record(4, 0)
+    assert a.rate() < kept
+    bad = Acceptance()
+    for _ in range(6):
+        bad.record(2, 0)
+    assert bad.rate() < 0.25
+    low = bad.rate()
+    for _ in range(20):
+        bad.fade()  # steps without a draft: the evidence fades back to the prior
+    assert low < bad.rate() < 0.5 + 1e-9 and abs(bad.rate() - 0.5) < 0.05
+
+
+def test_the_policy_drafts_only_what_pays():
+    policy = DraftPolicy(max_draft=4)
+    likely, unlikely = Acceptance(kept=20.0), Acceptance(rejected=20.0)
+    assert policy.choose([(likely, 4)]) == 0  # a plain step not measured yet
+    policy.observe(1, 1, 0.010)
+    # Unmeasured verify shapes cost what the largest measured one below them does (no
+    # expert misses): worth trying whole
+    assert policy.choose([(likely, 4)]) == 4
+    assert policy.choose([(likely, 0)]) == 0  # (nothing drafted)
+    policy.observe(1, 5, 0.030)  # a verify of five tokens costs three steps
+    policy.observe(1, 2, 0.011)
+    assert policy.cost(1, 3) == pytest.approx(0.011)  # from the largest measured below
+    assert policy.choose([(likely, 4)]) == 3  # 4 tokens in 11 ms beats 5 in 30
+    assert policy.choose([(unlikely, 4)]) == 0  # ~1.05 tokens in 11 ms: not worth it
+    # a batch: two requests' drafts of one each against a plain step of two
+    policy.observe(2, 2, 0.012)
+    policy.observe(2, 4, 0.013)
+    assert policy.choose([(likely, 1), (likely, 3)]) == 3  # (5 and 6 tokens: not measured)
+    policy.observe(2, 5, 0.030)
+    policy.observe(2, 6, 0.035)
+    assert policy.choose([(likely, 1), (likely, 3)]) == 1
+
+
+def test_expert_misses_grow_an_unmeasured_verify_step_by_the_union_of_experts():
+    assert expert_union(1, 128, 8) == pytest.approx(8)
+    assert expert_union(3, 128, 8) == pytest.approx(128 * (1 - (120 / 128) ** 3))  # ~22.5
+    cached = DraftPolicy(max_draft=4, experts=128, top_k=8, miss_rate=lambda: 0.0)
+    missing = DraftPolicy(max_draft=4, experts=128, top_k=8, miss_rate=lambda: 1.0)
+    for policy in (cached, missing):
+        policy.observe(1, 1, 0.010)
+    assert cached.cost(1, 3) == pytest.approx(0.010)
+    assert missing.cost(1, 3) == pytest.approx(0.010 * expert_union(3, 128, 8) / 8)
+    middling = Acceptance(kept=3.0, rejected=1.0)  # 2/3
+    assert cached.choose([(middling, 4)]) == 4
+    assert missing.choose([(middling, 4)]) == 0  # every extra token's experts miss
 
 
 def test_modes_choose_a_drafter():
-    assert isinstance(drafter_for("ngram", "cuda"), PromptLookup)
-    assert isinstance(drafter_for("auto", "cpu"), PromptLookup)
-    assert drafter_for("auto", "cuda") is None  # (no graph for the verify step yet)
-    assert drafter_for("off", "cpu") is None
+    assert isinstance(drafter_for("ngram"), PromptLookup)
+    assert isinstance(drafter_for("auto"), PromptLookup)
+    assert drafter_for("off") is None
     with pytest.raises(ValueError, match="auto, ngram, off"):
-        drafter_for("eagle", "cpu")
+        drafter_for("eagle")
 
 
 class Tokens:
@@ -407,3 +444,47 @@ def test_sampled_requests_draw_alike_with_drafts_and_without(moe_path):
         expected_table = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
         stat = float(((table - expected_table) ** 2 / expected_table).sum())
         assert stat < CHI2_999.get(len(tokens) - 1, 30.0), (context, table)
+
+
+def test_auto_measures_steps_drafts_where_it_pays_and_keeps_the_tokens(tmp_path):
+    """`--speculative auto`: the engine times its steps by shape, the cost model tries drafts
+    once a plain step is measured, and the tokens are those of no drafting."""
+    from freetoken.engine.generate import auto_policy
+
+    path = build("qwen3_moe", tmp_path / "m")[0]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts, want, expected, vocab = reference(path, params)
+    auto = engine_for(path, Forced(expected, vocab))  # (drafts always at hand, always right)
+    auto.draft_policy = auto_policy(auto.runner, PromptLookup())
+    got = [c.output_ids for c in auto.generate(prompts, params)]
+    assert got == want
+    assert (2, 2) in auto.draft_policy.costs  # plain steps of the pair, measured
+    assert any(t > 2 for s, t in auto.draft_policy.costs if s == 2)  # and verify steps
+    assert auto.drafted > 0 and auto.accepted == auto.drafted
+
+    chat = build_chat_model("qwen3", tmp_path / "chat")[0]
+
+    def engine(speculative):
+        config = EngineConfig(model=chat, device="cpu", dtype="float32", speculative=speculative)
+        return LLMEngine.from_config(config)
+
+    assert isinstance(engine("auto").draft_policy, DraftPolicy)
+    assert engine("ngram").draft_policy is None  # (every draft verified whole)
+    assert engine("off").drafter is None
+
+
+def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path):
+    """On a GPU whose decode steps replay CUDA graphs, a model whose verify steps can't be
+    captured (latent attention, recurrent state) gets no drafts from `auto` (CPU twin: the
+    runner's flags as a GPU's would be)."""
+    from freetoken.engine.generate import auto_policy
+
+    path = build("qwen3_moe", tmp_path / "m")[0]
+    runner = ModelRunner(load_model(path, dtype="float32"), 256, page_size=8)
+    assert auto_policy(runner, PromptLookup()) is not None  # no graphs: steps are measured
+    runner.graphs, runner.verify_graphs = object(), False
+    assert auto_policy(runner, PromptLookup()) is None
+    runner.verify_graphs = True
+    policy = auto_policy(runner, PromptLookup(max_draft=3))
+    moe = runner.config.moe
+    assert (policy.max_draft, policy.experts, policy.top_k) == (3, moe.num_experts, moe.top_k)

@@ -23,6 +23,10 @@ lengths, and the recurrent state slots that linear-attention layers gather and s
 sequences' states by), and the page table the graphs read is the cache's own, kept up to date by
 ForwardBatch.build.
 
+A verify step of speculative decoding (a few tokens per sequence, every token's logits) is
+captured the same way, per (tokens, sequences): attention takes each token as a sequence of its
+own (`ForwardBatch.per_query`), its row and length data like a decode step's.
+
 A shape is captured the second time it is seen: the first run is eager and warms up what a
 capture cannot do (kernel compilation, library handles).
 """
@@ -42,7 +46,9 @@ from freetoken.kv.recurrent import RecurrentStatePool
 
 log = logging.getLogger(__name__)
 
-MAX_CAPTURES = 8  # captured batch sizes kept (each holds its own activation memory)
+# Captured shapes kept (each holds its own activation memory): batch sizes, and verify steps
+# by their tokens.
+MAX_CAPTURES = 16
 
 
 @dataclass
@@ -110,16 +116,18 @@ class DecodeGraphs:
         self.seen.clear()
         self.eager.clear()
 
-    def key(self, batch: ForwardBatch) -> tuple:
-        if self.by_table_width:
-            return (batch.num_tokens, batch.table_pages())
-        return (batch.num_tokens,)
+    def key(self, batch: ForwardBatch, all_logits: bool = False) -> tuple:
+        # (a verify step's tokens and sequences fix its shapes; how they split among the
+        # sequences is data: each token's row and length, `ForwardBatch.per_query`)
+        shape = (batch.num_tokens, len(batch.counts), all_logits)
+        return (*shape, batch.table_pages()) if self.by_table_width else shape
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Logits [B, V] of a decode batch (one new token per sequence) from its graphs,
+    def run(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor | None:
+        """Logits [B, V] of a decode batch (one new token per sequence) from its graphs, or
+        of every token [T, V] (`all_logits`, a verify step: a few tokens per sequence),
         capturing them on the second sighting; None when the caller should run this step
         eagerly."""
-        key = self.key(batch)
+        key = self.key(batch, all_logits)
         capture = self.captures.get(key)
         self.captured_now = False
         if capture is None:
@@ -127,7 +135,7 @@ class DecodeGraphs:
                 self.seen.add(key)
                 return None
             try:
-                capture = self._capture(batch)
+                capture = self._capture(batch, all_logits)
             except torch.cuda.OutOfMemoryError:
                 # A graph keeps its activations (long key tables make them large): without
                 # room for them this shape runs eagerly, as it would with graphs off.
@@ -149,7 +157,7 @@ class DecodeGraphs:
         self.replays += 1
         return capture.logits.clone()
 
-    def _capture(self, batch: ForwardBatch) -> _Capture:
+    def _capture(self, batch: ForwardBatch, all_logits: bool) -> _Capture:
         static = batch.views_of(batch.packed.clone())
         device = batch.input_ids.device
         pool = torch.cuda.graph_pool_handle()
@@ -202,7 +210,7 @@ class DecodeGraphs:
         try:
             with torch.cuda.stream(stream):
                 begin()
-                logits = self.model(static, self.kv, states=self.states)
+                logits = self.model(static, self.kv, all_logits=all_logits, states=self.states)
                 graphs[-1].capture_end()
         except BaseException:
             # Leave no stream capturing (a failed capture, out of memory say): end the graph
@@ -214,5 +222,6 @@ class DecodeGraphs:
             for block, executor in zip(moe_blocks, executors, strict=True):
                 block.executor = executor
         torch.cuda.current_stream(device).wait_stream(stream)
-        log.debug("captured decode graphs for %s: %d segments", self.key(batch), len(graphs))
+        key = self.key(batch, all_logits)
+        log.debug("captured decode graphs for %s: %d segments", key, len(graphs))
         return _Capture(static, graphs, steps, logits)

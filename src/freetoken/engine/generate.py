@@ -17,6 +17,7 @@ import bisect
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.devices import resolve_device
+from freetoken.engine.draft_policy import Acceptance, DraftPolicy
 from freetoken.engine.memory_watch import DeviceMemoryWatch
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
@@ -64,6 +66,7 @@ class Request:
     anchors: list = field(default_factory=list)  # anchor checkpoints saved, not yet attached
     drafting: DraftState | None = None  # prompt lookup's index of its tokens (speculative)
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how its drafts fared
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 
@@ -126,11 +129,14 @@ class LLMEngine:
         max_prefill_chunk: int = 8192,
         prefix_cache: bool = True,
         drafter: PromptLookup | None = None,
+        draft_policy: DraftPolicy | None = None,
     ):
         """`drafter`: speculative decoding's source of drafts (engine/speculative.py), or
-        None for one token a step."""
+        None for one token a step; `draft_policy` chooses how much of each draft a step
+        verifies (engine/draft_policy.py), or None to verify every draft whole."""
         self.runner = runner
         self.drafter = drafter
+        self.draft_policy = draft_policy
         self.drafted = self.accepted = 0  # draft tokens verified and kept, in total
         self.verified = 0  # requests' steps that verified a draft, in total
         self.tokenizer = tokenizer
@@ -192,7 +198,7 @@ class LLMEngine:
                 verify=config.verify_weights,
                 dequantize_experts=config.dequantize_experts,
             )
-            drafter = drafter_for(config.speculative, device.type)
+            drafter = drafter_for(config.speculative)
             runner = ModelRunner(
                 loaded,
                 config.kv_cache_tokens,
@@ -214,6 +220,10 @@ class LLMEngine:
                 config.prefix_cache,
                 drafter,
             )
+            if config.speculative == "auto":
+                engine.draft_policy = auto_policy(runner, drafter)
+                if engine.draft_policy is None:
+                    engine.drafter = None
         if device.type == "cpu":  # (after the load, whose conversions use every core)
             from freetoken.kernels.cpu_team import size_torch_threads
 
@@ -401,11 +411,17 @@ class LLMEngine:
             if done:
                 outputs += self._sample([prefill[i] for i in done], logits[done])
         decoded: list[StepOutput] = []
+        fed, untimed, start = len(decoding) + sum(len(r.draft) for r in decoding), 0, 0.0
+        if self.draft_policy is not None:
+            untimed, start = self.runner.untimed, time.perf_counter()
         if decoding and any(r.draft for r in decoding):
             decoded = self._verify(decoding)
         elif decoding:
             logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding])
             decoded = self._sample(decoding, logits)
+        if decoding and self.draft_policy is not None and self.runner.untimed == untimed:
+            # (the step's tokens are on the host: its work is done)
+            self.draft_policy.observe(len(decoding), fed, time.perf_counter() - start)
         outputs += decoded
         self.last_step = StepTokens(sum(map(len, chunks)), len(decoded))
         for r in [r for r in self.running if r.finished]:
@@ -424,10 +440,7 @@ class LLMEngine:
                 continue  # preempted for an older request
             pending = req.num_tokens - req.seq.length
             decode = bool(req.output_ids) and pending == 1
-            req.draft = self._draft(req) if decode else []
-            if req.draft and not self._reserve_draft(req, sum(bool(r.draft) for r in decoding)):
-                req.draft = []  # no room for it: the step decodes one token
-            n = 1 + len(req.draft) if decode else min(pending, budget)
+            n = 1 if decode else min(pending, budget)
             if n <= 0 or not self._reserve(req, n):
                 continue
             if decode:
@@ -436,7 +449,26 @@ class LLMEngine:
                 prefill.append(req)
                 chunks.append(req.tokens(req.seq.length, req.seq.length + n))
                 budget -= n
+        self._drafts(decoding)
         return prefill, chunks, decoding
+
+    def _drafts(self, decoding: list[Request]) -> None:
+        """Each decoding request's draft this step: the drafter's, cut to the policy's cap,
+        with pages for it if they are free (never by preempting: drafts come after every
+        request's own token has its page)."""
+        for req in decoding:
+            req.draft = self._draft(req)
+        if self.draft_policy is not None and any(r.draft for r in decoding):
+            cap = self.draft_policy.choose([(r.acceptance, len(r.draft)) for r in decoding])
+            for req in decoding:
+                req.draft = req.draft[:cap]
+        drafting = 0
+        for req in decoding:
+            if req.draft and not self._reserve_draft(req, drafting):
+                req.draft = []  # no room for it: the step decodes one token
+            drafting += bool(req.draft)
+            if not req.draft:
+                req.acceptance.fade()
 
     def _reserve_draft(self, req: Request, drafting: int) -> bool:
         """Take pages for the request's token and its draft if they are free: a draft is never
@@ -586,6 +618,8 @@ class LLMEngine:
         req.seq.length = start + len(emitted)
         if req.drafting is not None:
             self.drafter.record(req.drafting, len(draft), accepted)
+        if draft:
+            req.acceptance.record(len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted
         self.verified += bool(draft)  # (a request without a draft rides in the same step)
@@ -698,3 +732,22 @@ class LLMEngine:
                         r.prompt_ids, r.output_ids, "".join(texts[r.id]), r.finish_reason
                     )
         return [results[i] for i in range(len(prompts))]
+
+
+def auto_policy(runner: ModelRunner, drafter: PromptLookup) -> DraftPolicy | None:
+    """`--speculative auto`'s cost model for the runner's model, or None where a verify step
+    cannot run as cheaply as a decode step: on a GPU whose decode runs in CUDA graphs, a
+    verify step that can't (engine/runner.py's `_captures_verify`) costs several decode
+    steps of host time."""
+    if runner.graphs is not None and not runner.verify_graphs:
+        return None
+    cfg, moe = runner.config, runner.moe
+
+    def miss_rate() -> float:
+        if moe is None or moe.cache is None:
+            return 0.0
+        return 1.0 - moe.telemetry.snapshot()["hit_rate"]
+
+    experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    top_k = cfg.moe.top_k if cfg.moe is not None else 0
+    return DraftPolicy(drafter.max_draft, experts, top_k, miss_rate)

@@ -18,7 +18,7 @@ from freetoken.config import MoEOptions
 from freetoken.engine.cuda_graphs import DecodeGraphs
 from freetoken.errors import FreetokenError
 from freetoken.kernels import paged_attention
-from freetoken.kv.batch import ForwardBatch, PinnedStaging, commit
+from freetoken.kv.batch import SHORT_QUERIES, ForwardBatch, PinnedStaging, commit
 from freetoken.kv.paged import KVSequence, PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.model_config import ModelConfig
@@ -102,6 +102,17 @@ def _captures_decode(cfg: ModelConfig) -> bool:
     )
 
 
+def _captures_verify(cfg: ModelConfig) -> bool:
+    """Whether verify steps (a few new tokens per sequence, every token's logits) are
+    captured too: where every layer's attention runs the decode kernel per new token
+    (`ForwardBatch.per_query`), reading nothing sized on the host. Not latent attention,
+    whose several-token path gathers keys sized by the host's lengths, nor models with
+    recurrent state (their drafting requests save a state copy in the step, which runs
+    eagerly: engine/generate.py's `_verify`)."""
+    plain = cfg.mla is None and cfg.compressed is None and cfg.linear_attention is None
+    return plain and _captures_decode(cfg)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -158,6 +169,10 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and _captures_decode(cfg):
             self.graphs = DecodeGraphs(self.model, self.kv, self.states, _by_table_width(cfg))
+        self.verify_graphs = self.graphs is not None and _captures_verify(cfg)
+        # Forwards whose time is not their shape's steady cost: one that ran eagerly before
+        # its shape's graphs were captured, or captured them (engine/draft_policy.py)
+        self.untimed = 0
 
     def _kv_pool(self, kv_cache_tokens: int | None, page_size: int) -> PagedKVCache:
         """The paged KV pool: `kv_cache_tokens` (default: `auto_kv_tokens`) in pages."""
@@ -262,15 +277,19 @@ class ModelRunner:
         new tokens into state pool slot `slot` (anchor checkpoints)."""
         self._install_moe()
         one_each = not all_logits and all(len(t) == 1 for t in new_tokens)
+        # A verify step: every token's logits of a few new tokens per sequence (a draft).
+        verify = all_logits and max(map(len, new_tokens)) <= SHORT_QUERIES
         if self.moe is not None:
-            self.moe.begin_step(sum(map(len, new_tokens)), decode=one_each)
+            self.moe.begin_step(sum(map(len, new_tokens)), decode=one_each or verify)
         # (a step that saves a recurrent state mid-way, an anchor, runs eagerly: rare)
-        decode = self.graphs is not None and one_each and not any(captures or [])
+        graphed = one_each or (verify and self.verify_graphs)
+        graphed = self.graphs is not None and graphed and not any(captures or [])
         batch = ForwardBatch.build(
             self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )
-        logits = self.graphs.run(batch) if decode else None
-        captured = decode and self.graphs.captured_now
+        logits = self.graphs.run(batch, all_logits) if graphed else None
+        captured = graphed and self.graphs.captured_now
+        self.untimed += graphed and (logits is None or captured)
         if logits is None:
             logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
         if self.moe is not None:

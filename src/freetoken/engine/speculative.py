@@ -11,15 +11,12 @@ one-token and a several-token forward), and one step yields 1 to max_draft + 1 t
 request keeps each drafted token with the model's probability of it there, else draws from the
 rest: the same distribution as sampling token by token, not the same draws.
 
-Where it pays: a step's weights are read once for all its rows, so on the CPU (and wherever a
-step is bound by weight bytes) verifying a few tokens costs about what one costs; a draft whose
-tokens are rejected costs the extra rows only, but where a step is bound by arithmetic (a small
-CPU's quantized kernels) an extra row costs nearly a token. Drafting follows each request's
-acceptance: a draft starts one token long, doubles while drafts are kept whole and halves when
-most of one is rejected; after `max_misses` steps in a row without an accepted token it pauses
-for `pause` steps. (The 0.5B Qwen on the 2-core Intel machine: a fresh chat answer, where few
-drafts hold, decodes at 0.99x of no drafting, a reply that repeats its context at 1.5x;
-fixed drafts of four cost the fresh answer 6%.) Sampled
+Where it pays depends on the machine and the moment (the union of experts a verify step
+routes to, the cache's misses, a small CPU's arithmetic): `--speculative auto` lets a cost model
+choose each step's draft length from measured step costs and each request's acceptance
+(engine/draft_policy.py); `ngram` verifies every draft whole. The first verify step of each
+shape runs in a CUDA graph from its second sighting on, as decode steps do. Sampled
+Sampled
 requests keep their distribution by the speculative sampling rule (engine/sampling.py,
 `Sampler.verify`). Models with recurrent state (linear attention) draft too: the verify step
 keeps a copy of a drafting request's state from before it, and a rejection restores it and feeds
@@ -65,26 +62,21 @@ class NgramIndex:
 
 @dataclass
 class DraftState:
-    """One request's drafting: its context's index and how its recent drafts fared."""
+    """One request's drafting: its context's index and its drafts' totals."""
 
     index: NgramIndex
-    misses: int = 0  # steps in a row whose draft had no token accepted
-    paused: int = 0  # steps left without drafting
-    length: int = 1  # the next draft's length at most: grows while drafts are kept whole
-    drafted: int = 0  # in total
+    drafted: int = 0
     accepted: int = 0
 
 
 @dataclass
 class PromptLookup:
-    """The engine's drafter: `max_draft` tokens a step at most, n-grams of `min_n` to `max_n`
-    tokens; drafting pauses `pause` steps after `max_misses` fruitless ones."""
+    """The engine's n-gram drafter: up to `max_draft` tokens a step, from n-grams of `min_n`
+    to `max_n` tokens (how many a step verifies: engine/draft_policy.py)."""
 
     max_draft: int = 4
     min_n: int = 2
     max_n: int = 4
-    max_misses: int = 3
-    pause: int = 8
 
     def start(self, tokens: list[int]) -> DraftState:
         index = NgramIndex(self.min_n, self.max_n)
@@ -94,10 +86,7 @@ class PromptLookup:
     def draft(self, state: DraftState, room: int) -> list[int]:
         """This step's draft (at most `room` tokens: what the request may still emit, less
         the one the step yields anyway)."""
-        if state.paused > 0:
-            state.paused -= 1
-            return []
-        return state.index.draft(min(self.max_draft, state.length, room))
+        return state.index.draft(min(self.max_draft, room))
 
     def observe(self, state: DraftState, token: int) -> None:
         """The request emitted `token`."""
@@ -107,28 +96,14 @@ class PromptLookup:
         """A verified step: `accepted` of its `drafted` tokens were the model's."""
         state.drafted += drafted
         state.accepted += accepted
-        if drafted == 0:
-            return
-        # A draft kept whole doubles the next one's length, a rejected one halves it: each
-        # drafted row costs a verify step compute (where a step is bound by arithmetic, as on
-        # a small CPU, nearly a token's), paid back only by the tokens kept.
-        if accepted == drafted:
-            state.length = min(self.max_draft, 2 * state.length)
-        elif accepted < drafted // 2:
-            state.length = max(1, state.length // 2)
-        state.misses = 0 if accepted else state.misses + 1
-        if state.misses >= self.max_misses:
-            state.misses, state.paused = 0, self.pause
 
 
 SPECULATIVE_MODES = ("auto", "ngram", "off")
 
 
-def drafter_for(mode: str, device_type: str) -> PromptLookup | None:
-    """The drafter a mode gives: `ngram` always, `auto`
-    where verifying costs about one step (the CPU; on a GPU the verify step does not run in
-    the decode's CUDA graph yet, so it would give that up), `off` never."""
+def drafter_for(mode: str) -> PromptLookup | None:
+    """The drafter a mode gives: prompt lookup for `ngram` (every draft verified whole) and
+    `auto` (as much of each as pays: the engine's DraftPolicy), none for `off`."""
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
-    on = mode == "ngram" or (mode == "auto" and device_type == "cpu")
-    return PromptLookup() if on else None
+    return None if mode == "off" else PromptLookup()

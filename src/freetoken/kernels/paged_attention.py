@@ -9,14 +9,16 @@ each KV head once for its whole group of query heads. Attention sinks (gpt-oss) 
 per head to the softmax's denominator.
 
 Three implementations of that one contract:
-- `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding): programs over
-  (sequence, KV head, split of the keys) each run an online softmax over their split, a second
-  kernel merges the splits. Lengths are read on the device, so a CUDA graph captured once
-  serves every length, and the split count is fixed per batch size. Heads wider than 256 take
-  it with 16 query heads a program and 32 keys a step: Gemma-4's full layers (512 wide, keys
-  and values in their own pools), and multi-head latent attention's (keys [latent, RoPE part],
-  512 + 64 wide, the values the latent itself: the pool read as both), the RoPE part's scores
-  added, the latent read once as key and value, the output the latent's width.
+- `paged_decode_triton`: one new token per sequence on a GPU (flash-decoding; a few per sequence
+  too, a verify step's: each token then reads its sequence's keys up to itself,
+  `ForwardBatch.per_query`): programs over (sequence, KV head, split of the keys) each run an
+  online softmax over their split, a second kernel merges the splits. Lengths are read on the
+  device, so a CUDA graph captured once serves every length, and the split count is fixed per
+  batch size. Heads wider than 256 take it with 16 query heads a program and 32 keys a step:
+  Gemma-4's full layers (512 wide, keys and values in their own pools), and multi-head latent
+  attention's (keys [latent, RoPE part], 512 + 64 wide, the values the latent itself: the pool
+  read as both), the RoPE part's scores added, the latent read once as key and value, the output
+  the latent's width.
 - `paged_decode_cpu`: one new token per sequence on the CPU, through the native library's
   thread team (cpu_layers.c, `ft_cpu_attention_submit`): the same splits and online softmax,
   reading bf16 keys and values in place with AVX512-BF16 dot products where the CPU has them.
@@ -81,10 +83,11 @@ def paged_attention(
     is read as its own values (`v_pool is k_pool`) and the caller reads only the first
     `values` columns of the result (latent attention), the Triton decode kernel may return
     fewer columns, at least `values`."""
-    if batch.is_decode and q.is_cuda and triton_decode_takes(q, k_pool, v_pool, values):
-        return paged_decode_triton(q, k_pool, v_pool, batch, scale, window, sinks)
-    if batch.is_decode and cpu_decode_takes(q, k_pool):
-        return paged_decode_cpu(q, k_pool, v_pool, batch, scale, window, sinks)
+    queries = batch.per_query() if batch.few_queries else None  # (a verify step's too)
+    if queries is not None and q.is_cuda and triton_decode_takes(q, k_pool, v_pool, values):
+        return paged_decode_triton(q, k_pool, v_pool, queries, scale, window, sinks)
+    if queries is not None and cpu_decode_takes(q, k_pool):
+        return paged_decode_cpu(q, k_pool, v_pool, queries, scale, window, sinks)
     return paged_attention_torch(q, k_pool, v_pool, batch, scale, window, sinks)
 
 

@@ -21,6 +21,11 @@ import torch
 
 from freetoken.kv.paged import KVSequence, PagedKVCache
 
+# New tokens per sequence up to which attention runs the decode kernels once per token
+# (`ForwardBatch.per_query`): a verify step's last token and its draft (at most
+# engine/speculative.py's MAX_DRAFT + 1).
+SHORT_QUERIES = 8
+
 
 @dataclass
 class StateGroup:
@@ -65,6 +70,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] new tokens, flattened sequence by sequence
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] KV slot of each new token
+    token_rows: torch.Tensor  # [T] the page-table row of each new token's sequence
     rows: torch.Tensor  # [B] each sequence's row of the page table
     lengths: torch.Tensor  # [B] keys of each sequence after this forward
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
@@ -88,6 +94,42 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """One new token per sequence."""
         return self.num_tokens == len(self.counts)
+
+    @property
+    def few_queries(self) -> bool:
+        """At most SHORT_QUERIES new tokens per sequence (a decode step, a verify step of
+        drafted tokens): few enough that attention reads each sequence's keys once per new
+        token (`per_query`, the decode kernels) rather than gathering them for a prefill
+        kernel."""
+        return max(self.counts) <= SHORT_QUERIES
+
+    def per_query(self) -> ForwardBatch:
+        """The batch as attention sees it with every new token a sequence of its own: its
+        sequence's row of the page table, the keys up to its own position. With the new
+        tokens' keys written first, that is the causal mask, so the decode kernels (one query
+        per sequence, lengths read on the device) serve a verify step, in a CUDA graph too."""
+        if self.is_decode:
+            return self
+        lengths, row_ids = [], []
+        for total, count, row in zip(self.seq_lens, self.counts, self.row_ids, strict=True):
+            lengths.extend(range(total - count + 1, total + 1))
+            row_ids.extend([row] * count)
+        t = self.num_tokens
+        return ForwardBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            write_slots=self.write_slots,
+            token_rows=self.token_rows,
+            rows=self.token_rows,
+            lengths=self.positions + 1,
+            last_index=torch.arange(t, device=self.positions.device),
+            packed=self.packed,
+            page_table=self.page_table,
+            page_size=self.page_size,
+            seq_lens=lengths,
+            counts=[1] * t,
+            row_ids=row_ids,
+        )
 
     @property
     def starts(self) -> list[int]:
@@ -152,6 +194,7 @@ class ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
+        token_rows: list[int] = []
         counts, totals, last = [], [], []
         for seq, toks in zip(seqs, new_tokens, strict=True):
             if not toks:
@@ -163,17 +206,19 @@ class ForwardBatch:
             ids.extend(toks)
             positions.extend(range(start, start + len(toks)))
             write_slots.extend(cache.slot(seq, p) for p in range(start, start + len(toks)))
+            token_rows.extend([seq.row] * len(toks))
             last.append(len(ids) - 1)
         row_ids = [seq.row for seq in seqs]
         state_slots = [seq.state_slot for seq in seqs]
         states = [] if any(slot is None for slot in state_slots) else state_slots
         update_index, update_pages = cache.pending_rows(list(seqs))
         t, b, u = len(ids), len(seqs), len(update_index)
-        n = 3 * t + 3 * b + len(states)  # the per-step values, then the page-table updates
+        n = 4 * t + 3 * b + len(states)  # the per-step values, then the page-table updates
         values = [
             *ids,
             *positions,
             *write_slots,
+            *token_rows,
             *row_ids,
             *totals,
             *last,
@@ -202,21 +247,22 @@ class ForwardBatch:
 
     @staticmethod
     def _over(packed, t, b, states, page_table, page_size, totals, counts, row_ids, captures):
-        views = packed.split([t, t, t, b, b, b, *([b] if states else [])])
+        views = packed.split([t, t, t, t, b, b, b, *([b] if states else [])])
         return ForwardBatch(
             input_ids=views[0],
             positions=views[1],
             write_slots=views[2],
-            rows=views[3],
-            lengths=views[4],
-            last_index=views[5],
+            token_rows=views[3],
+            rows=views[4],
+            lengths=views[5],
+            last_index=views[6],
             packed=packed,
             page_table=page_table,
             page_size=page_size,
             seq_lens=totals,
             counts=counts,
             row_ids=row_ids,
-            state_slots=views[6] if states else None,
+            state_slots=views[7] if states else None,
             captures=captures,
         )
 

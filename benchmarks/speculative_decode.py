@@ -1,0 +1,234 @@
+"""Speculative decoding's speed on the GPU: tokens/s with `--speculative auto` against off,
+on a random-weight MoE of a real shape, with the drafts' acceptance replayed from a real
+measurement.
+
+    python benchmarks/speculative_decode.py --layers 16 --strategies fused,hybrid \
+        --cache 8GiB --batches 1,4 --out results.md
+
+A random model answers noise, so its drafts can't come from its own text. Two workloads:
+- `edit`: a coding agent's edit turn, replayed. A first run without drafts records each
+  request's greedy tokens; the drafted run's drafter offers those tokens, each right with the
+  probability `--acceptance` (the real-weights measurement: the MoE made of Qwen2.5-Coder-0.5B
+  writing back a file with one rename kept 157 of 157 drafted tokens, 4.83 tokens a verify
+  step: benchmarks/results/2026-12-05-speculative-cpu.md), wrong (another id) otherwise.
+- `random`: sampled tokens (temperature 1 over the whole vocabulary): prompt lookup finds
+  next to nothing to draft; auto should cost nothing against off.
+Routing: each position's experts are a fixed uniform random top-k per layer (so a verify step's
+tokens route as they would one by one, and the two runs' greedy tokens agree up to the sums'
+rounding between a one-token and a several-token step), not the random router's (which sends
+every token to the same experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny
+
+from freetoken.config import MoEOptions
+from freetoken.engine.generate import LLMEngine, auto_policy
+from freetoken.engine.runner import ModelRunner
+from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.speculative import PromptLookup
+
+MAX_POSITIONS = 8192
+
+
+class PositionRouter(torch.nn.Module):
+    """Router logits by position: a fixed random [positions, experts] table per layer, read at
+    the step's positions (`positions.now`, the batch's tensor: a CUDA graph captures it)."""
+
+    def __init__(self, table: torch.Tensor, positions: PositionHolder):
+        super().__init__()
+        self.table, self.positions = table, positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table.index_select(0, self.positions.now).to(x.dtype)
+
+
+@dataclass
+class PositionHolder:
+    now: torch.Tensor | None = None
+
+
+def route_by_position(loaded, device) -> None:
+    holder = PositionHolder()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    experts = loaded.config.moe.num_experts
+    for layer in loaded.model.layers:
+        if hasattr(layer, "moe"):
+            table = torch.randn(MAX_POSITIONS, experts, generator=gen).to(device)
+            layer.moe.router = PositionRouter(table, holder)
+    forward = loaded.model.forward
+
+    def with_positions(batch, *args, **kwargs):
+        holder.now = batch.positions
+        return forward(batch, *args, **kwargs)
+
+    loaded.model.forward = with_positions
+
+
+class Ids:
+    """The least of a tokenizer the engine needs."""
+
+    def __init__(self, vocab: int):
+        self.vocab_size, self.eos_token_ids = vocab, ()
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+@dataclass
+class Replayed:
+    """A drafter that offers each request's recorded tokens, each right with probability
+    `acceptance` (else a different id)."""
+
+    recorded: dict[tuple[int, ...], list[int]]
+    acceptance: float
+    vocab: int
+    max_draft: int = 4
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    @dataclass
+    class State:
+        tokens: list[int]
+        reference: list[int]
+
+    def start(self, tokens):
+        ref = next(v for k, v in self.recorded.items() if tuple(tokens[: len(k)]) == k)
+        return self.State(list(tokens), ref)
+
+    def draft(self, state, room):
+        n = len(state.tokens)
+        ahead = state.reference[n : n + min(room, self.max_draft)]
+        return [t if self.rng.random() < self.acceptance else (t + 1) % self.vocab for t in ahead]
+
+    def observe(self, state, token):
+        state.tokens.append(token)
+
+    def record(self, state, drafted, accepted):
+        pass
+
+
+def run(engine: LLMEngine, prompts, params, device) -> tuple[float, list[list[int]]]:
+    engine.drafted = engine.accepted = engine.verified = 0
+    sync(device)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
+
+
+def measure(loaded, options, batch, args, device) -> list[dict]:
+    vocab = loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [
+        torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)
+    ]
+    runner = ModelRunner(
+        loaded, kv_cache_tokens=batch * (args.prompt + 2 * args.tokens + 64), moe=options
+    )
+    engine = LLMEngine(runner, Ids(vocab), max_batch_size=batch)
+    rows = []
+    for workload in ("edit", "random"):
+        sampled = workload == "random"
+        params = SamplingParams(
+            max_new_tokens=args.tokens,
+            temperature=1.0 if sampled else 0.0,
+            top_k=0,
+            ignore_eos=True,
+            seed=1 if sampled else None,
+        )
+        engine.drafter = engine.draft_policy = None
+        run(engine, prompts, params, device)  # warm-up: graphs of every batch size
+        off, reference = run(engine, prompts, params, device)
+        if sampled:
+            drafter = PromptLookup()
+        else:
+            recorded = {tuple(p): p + r for p, r in zip(prompts, reference, strict=True)}
+            drafter = Replayed(recorded, args.acceptance, vocab)
+        engine.drafter, engine.draft_policy = drafter, auto_policy(runner, drafter)
+        run(engine, prompts, params, device)  # warm-up: verify shapes captured and measured
+        auto, tokens = run(engine, prompts, params, device)
+        same = sum(
+            a == b
+            for x, y in zip(tokens, reference, strict=True)
+            for a, b in zip(x, y, strict=False)
+        )
+        rows.append(
+            dict(
+                workload=workload,
+                off=off,
+                auto=auto,
+                ratio=auto / off,
+                drafted=engine.drafted,
+                accepted=engine.accepted,
+                verify_steps=engine.verified,
+                same_tokens=None if sampled else same / sum(map(len, reference)),
+                costs_ms={
+                    f"{s}x{t}": round(c * 1e3, 2) for (s, t), c in engine.draft_policy.costs.items()
+                },
+            )
+        )
+        print(options.strategy, batch, rows[-1], flush=True)
+    if runner.moe is not None and runner.moe.cpu is not None:
+        runner.moe.cpu.shutdown()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--strategies", default="fused,hybrid")
+    ap.add_argument("--cache", default="8GiB")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--acceptance", type=float, default=1.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    loaded = random_model(raw, device)
+    route_by_position(loaded, device)
+    lines = [
+        f"# speculative decoding, auto vs off: Qwen3-30B-A3B shape, {args.layers} layers",
+        "",
+        f"- device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
+        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- prompt {args.prompt} random tokens, {args.tokens} new tokens a request; edit: "
+        f"drafts replayed at acceptance {args.acceptance}; random: sampled, prompt lookup",
+        "",
+        "| strategy | batch | workload | off tok/s | auto tok/s | auto/off | drafted | kept "
+        "| verify steps | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for strategy in args.strategies.split(","):
+        cache = args.cache if strategy != "fused" else None
+        options = MoEOptions(strategy, cache) if cache else MoEOptions(strategy)
+        for batch in map(int, args.batches.split(",")):
+            for r in measure(loaded, options, batch, args, device):
+                same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.3f}"
+                lines.append(
+                    f"| {strategy} | {batch} | {r['workload']} | {r['off']:.1f} | "
+                    f"{r['auto']:.1f} | {r['ratio']:.2f} | {r['drafted']} | {r['accepted']} "
+                    f"| {r['verify_steps']} | {same} |"
+                )
+                lines.append(f"<!-- costs (ms by sequences x tokens): {r['costs_ms']} -->")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    report(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""How many drafted tokens a decode step verifies: a cost model, each step, down to none.
+
+A verify step feeds each drafting request its last token and up to k drafted ones; it yields
+the kept drafts plus one token. Whether that beats decoding one token depends on the machine
+and the moment: with every expert on the GPU a step at batch 1 is bound by latency, and a few
+more rows cost almost nothing; under offload each extra token routes to experts the others did
+not (the union of top-k choices over t tokens grows as E * (1 - (1 - k/E)^t)), and the ones
+the cache misses cost PCIe or CPU time; on a small CPU an extra row costs nearly a token.
+
+So the engine measures what a step costs, by (sequences, tokens), every step whose time is its
+steady cost (not one that captured a CUDA graph), and each request's acceptance: drafted tokens
+kept until the first rejection, counted with decay so old evidence fades. Each step it picks
+the draft cap k that maximises expected tokens per second over the decoding requests:
+
+    tokens(k) = sum over requests of 1 + a + ... + a^d   (a: its acceptance, d: min(k, its draft))
+    seconds(k) = cost(sequences, sequences + sum of d)
+
+A shape not measured yet is estimated from the largest measured one below it, grown by the
+expert bytes the extra tokens add where they miss the cache (`miss_rate` x the union's growth):
+optimistic with the experts on the GPU (one verify step then measures it), pessimistic when
+most experts miss. Without a measured plain step nothing is drafted. A request whose drafts
+fail is drafted for less and less; its evidence fades each step it does not draft, so it is
+tried again later (a few percent of steps at most, where drafts are found at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DECAY = 0.8  # weight of a request's earlier drafts against its latest
+COST_WEIGHT = 0.2  # weight of the newest measured step in a shape's running mean
+
+
+@dataclass
+class Acceptance:
+    """A request's drafting record: tokens kept, and drafts cut short by a rejection."""
+
+    kept: float = 0.0
+    rejected: float = 0.0
+
+    def rate(self) -> float:
+        """The chance the next drafted token is kept, given the ones before it were (one
+        kept and one rejected as the prior: 1/2)."""
+        return (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.kept = DECAY * self.kept + accepted
+        self.rejected = DECAY * self.rejected + (accepted < drafted)
+
+    def fade(self) -> None:
+        """A step without a draft: earlier evidence weighs less."""
+        self.kept *= DECAY
+        self.rejected *= DECAY
+
+    def expected(self, drafted: int) -> float:
+        """Tokens a step yields with `drafted` tokens to verify: 1 + a + ... + a^drafted."""
+        a = self.rate()
+        return sum(a**i for i in range(drafted + 1))
+
+
+def expert_union(tokens: int, experts: int, top_k: int) -> float:
+    """Distinct experts `tokens` tokens route to, on average, under uniform routing."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+@dataclass
+class DraftPolicy:
+    """The draft cap each step (`choose`), from measured step costs (`observe`)."""
+
+    max_draft: int = 4
+    experts: int = 0  # routed experts a layer (0: a dense model)
+    top_k: int = 0
+    # The fraction of routed experts not in the device cache, read when a shape's cost is
+    # estimated (rarely): 0 with every expert on the device.
+    miss_rate: Callable[[], float] = field(default=lambda: 0.0)
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, sequences: int, tokens: int, seconds: float) -> None:
+        key = (sequences, tokens)
+        old = self.costs.get(key)
+        self.costs[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+
+    def cost(self, sequences: int, tokens: int) -> float | None:
+        """A step's seconds: measured, or grown from the largest measured shape below it."""
+        measured = self.costs.get((sequences, tokens))
+        if measured is not None:
+            return measured
+        below = [t for (s, t) in self.costs if s == sequences and t < tokens]
+        if not below:
+            return None
+        base = max(below)
+        return self.costs[(sequences, base)] * self._growth(base, tokens)
+
+    def _growth(self, base: int, tokens: int) -> float:
+        if not self.experts:
+            return 1.0
+        union = expert_union(tokens, self.experts, self.top_k)
+        return 1.0 + self.miss_rate() * (union / expert_union(base, self.experts, self.top_k) - 1)
+
+    def choose(self, drafts: list[tuple[Acceptance, int]]) -> int:
+        """The cap on each request's draft this step, given each decoding request's
+        acceptance and the longest draft it has (0 if none): the cap with the most expected
+        tokens per second, the shortest among equals, 0 while a plain step is unmeasured."""
+        sequences = len(drafts)
+        plain = self.cost(sequences, sequences)
+        longest = min(self.max_draft, max((n for _, n in drafts), default=0))
+        if plain is None or longest == 0:
+            return 0
+        best, best_rate = 0, sequences / plain
+        for k in range(1, longest + 1):
+            lengths = [min(k, n) for _, n in drafts]
+            seconds = self.cost(sequences, sequences + sum(lengths))
+            if seconds is None:
+                continue
+            tokens = sum(a.expected(d) for (a, _), d in zip(drafts, lengths, strict=True))
+            if tokens / seconds > best_rate * 1.0001:
+                best, best_rate = k, tokens / seconds
+        return best
