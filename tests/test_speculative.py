@@ -74,7 +74,7 @@ def test_modes_choose_a_drafter():
     assert isinstance(drafter_for("auto", "cpu"), PromptLookup)
     assert drafter_for("auto", "cuda") is None  # (no graph for the verify step yet)
     assert drafter_for("off", "cpu") is None
-    with pytest.raises(ValueError, match="auto, ngram, off"):
+    with pytest.raises(ValueError, match="auto, ngram, mtp, off"):
         drafter_for("eagle", "cpu")
 
 

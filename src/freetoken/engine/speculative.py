@@ -121,13 +121,14 @@ class PromptLookup:
             state.misses, state.paused = 0, self.pause
 
 
-SPECULATIVE_MODES = ("auto", "ngram", "off")
+SPECULATIVE_MODES = ("auto", "ngram", "mtp", "off")
 
 
 def drafter_for(mode: str, device_type: str) -> PromptLookup | None:
-    """The drafter a mode gives: `ngram` always, `auto`
-    where verifying costs about one step (the CPU; on a GPU the verify step does not run in
-    the decode's CUDA graph yet, so it would give that up), `off` never."""
+    """The prompt-lookup drafter a mode gives: `ngram` always, `auto` where verifying costs
+    about one step (the CPU; on a GPU the verify step does not run in the decode's CUDA graph
+    yet, so it would give that up), `off` never; `mtp` none (its drafts come from the model's
+    next-token-prediction layer, as `auto`'s do where it was read: engine/mtp.py)."""
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
     on = mode == "ngram" or (mode == "auto" and device_type == "cpu")
