@@ -486,7 +486,7 @@ class LLMEngine:
         the drafter follows the model (MTP), each request's fed positions and their final
         hidden states are noted for it (`_follow`)."""
         hidden = hidden and getattr(self.drafter, "follows", False)
-        starts = [r.seq.length for r in group]
+        starts = [r.seq.length for r in group] if hidden else []
         logits = self._run(group, chunks, all_logits, saves, hidden)
         if hidden:
             logits, states = logits

@@ -177,8 +177,11 @@ def mtp_missing(ckpt: CheckpointDir, family, cfg: ModelConfig) -> str | None:
             f"{ckpt.path.name} has no next-token-prediction (MTP) layer: its config sets no "
             "num_nextn_predict_layers or mtp_num_hidden_layers"
         )
-    names = (*ckpt.tensors, *ckpt.quantized.tensors)
-    if not any(family.canonical_name(n) == "mtp.eh_proj.weight" for n in names):
+    names = (*ckpt.tensors, *ckpt.quantized.tensors)  # (the names tested first: cheaper)
+    if not any(
+        ("eh_proj" in n or ".fc." in n) and family.canonical_name(n) == "mtp.eh_proj.weight"
+        for n in names
+    ):
         return (
             f"{ckpt.path.name}'s config declares {cfg.mtp_layers} next-token-prediction (MTP) "
             "layer(s), but the checkpoint holds no tensor of one"
