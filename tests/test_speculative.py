@@ -110,8 +110,8 @@ def test_expert_misses_grow_an_unmeasured_verify_step_by_the_union_of_experts():
 def test_modes_choose_a_drafter():
     assert isinstance(drafter_for("ngram"), PromptLookup)
     assert isinstance(drafter_for("auto"), PromptLookup)
-    assert drafter_for("off") is None
-    with pytest.raises(ValueError, match="auto, ngram, off"):
+    assert drafter_for("off") is None and drafter_for("mtp") is None  # (mtp: engine/mtp.py)
+    with pytest.raises(ValueError, match="auto, ngram, mtp, off"):
         drafter_for("eagle")
 
 

@@ -471,3 +471,100 @@ def build_chat_model(family: str, out_dir: Path, **overrides) -> tuple[Path, tor
     write_qwen_tokenizer(path, model_max_length=model.config.max_position_embeddings)
     (path / "generation_config.json").write_text(json.dumps(DEMO_GENERATION_CONFIG))
     return path, model
+
+
+# Families whose releases ship a next-token-prediction (MTP) layer freetoken reads, by layout:
+# DeepSeek's (`model.layers.{N}.` beside `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`) or
+# Qwen3-Next's (`mtp.layers.0.`, `mtp.fc`, `mtp.pre_fc_norm_embedding`, `..._hidden`, `mtp.norm`)
+MTP_LAYOUT = {
+    "deepseek_v3": "deepseek",
+    "deepseek_v32": "deepseek",
+    "glm_moe_dsa": "deepseek",
+    "glm4_moe": "deepseek",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
+}
+
+
+def add_mtp(out_dir: Path, family: str, model: torch.nn.Module, seed: int = 1) -> dict:
+    """Give a tiny checkpoint of `family` (`build`'s) a random MTP layer laid out as its
+    release lays one out (transformers models none): its decoder block is layer 0 of a
+    one-layer model of the family, saved by transformers and renamed (an MoE layer; Qwen3-Next:
+    full attention). Returns the reference's parts: `block` (that one-layer model, its final
+    norm the MTP's, its output head the model's), `enorm`, `hnorm`, `eh_proj` (weights)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    layout = MTP_LAYOUT[family]
+    n = model.config.num_hidden_layers
+    one = dict(num_hidden_layers=1, first_k_dense_replace=0, mlp_only_layers=[])
+    if "layer_types" in extra:
+        one["layer_types"] = ["full_attention"]
+    if "indexer_types" in extra:
+        one["indexer_types"] = ["full"]
+    fields = {**COMMON, **extra, **one, "vocab_size": model.config.vocab_size}
+    fields["tie_word_embeddings"] = False
+    torch.manual_seed(seed)
+    block = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**fields))
+    h = model.config.hidden_size
+    zc = layout == "qwen3_next"
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if zc else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
+        for name, b in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+        block.lm_head.weight.copy_(model.get_output_embeddings().weight)
+    parts = {
+        "enorm": (0.0 if zc else 1.0) + 0.1 * torch.randn(h),
+        "hnorm": (0.0 if zc else 1.0) + 0.1 * torch.randn(h),
+        "eh_proj": torch.randn(h, 2 * h) * 0.08,
+    }
+    dtype = next(model.parameters()).dtype
+    block = block.to(dtype).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        block.save_pretrained(tmp)
+        saved = {}
+        for f in Path(tmp).glob("*.safetensors"):
+            saved.update(load_file(f))
+    prefix = f"model.layers.{n}." if layout == "deepseek" else "mtp.layers.0."
+    tensors = {
+        prefix + k.removeprefix("model.layers.0."): v
+        for k, v in saved.items()
+        if k.startswith("model.layers.0.")
+    }
+    norm = saved["model.norm.weight"]
+    if layout == "deepseek":
+        tensors |= {
+            f"model.layers.{n}.enorm.weight": parts["enorm"],
+            f"model.layers.{n}.hnorm.weight": parts["hnorm"],
+            f"model.layers.{n}.eh_proj.weight": parts["eh_proj"],
+            f"model.layers.{n}.shared_head.norm.weight": norm,
+            # (the release's copies of the model's embedding and head: not read again)
+            f"model.layers.{n}.embed_tokens.weight": model.get_input_embeddings().weight,
+            f"model.layers.{n}.shared_head.head.weight": model.get_output_embeddings().weight,
+        }
+    else:
+        tensors |= {
+            "mtp.pre_fc_norm_embedding.weight": parts["enorm"],
+            "mtp.pre_fc_norm_hidden.weight": parts["hnorm"],
+            "mtp.fc.weight": parts["eh_proj"],
+            "mtp.norm.weight": norm,
+        }
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
+    save_file(tensors, out_dir / "mtp.safetensors", metadata={"format": "pt"})
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, "mtp.safetensors"))
+        index.write_text(json.dumps(data))
+    config = json.loads((out_dir / "config.json").read_text())
+    key = "num_nextn_predict_layers" if layout == "deepseek" else "mtp_num_hidden_layers"
+    config[key] = 1
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return {**{k: v.to(dtype) for k, v in parts.items()}, "block": block}

@@ -135,7 +135,8 @@ class EngineConfig:
     state_anchors: int = 16
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (engine/cuda_graphs.py)
     # Drafted tokens verified in one step (engine/speculative.py): "ngram" (prompt lookup),
-    # "auto" (n-gram drafts where a verify step costs about one: the CPU), "off".
+    # "mtp" (the checkpoint's next-token-prediction layer, engine/mtp.py), "auto" (where a
+    # verify step costs about one, the CPU: MTP where the checkpoint has it, else n-gram), "off".
     speculative: str = "auto"
     progress: bool | None = None  # loading progress bar; None: only on a terminal
     # A weight directory's expert banks checked against their checksums before serving (else

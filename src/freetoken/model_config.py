@@ -8,7 +8,7 @@ the raw dict again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from freetoken.errors import UnsupportedModelError
@@ -269,7 +269,38 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    # Next-token-prediction (MTP) layers the checkpoint ships and its family's layout reads
+    # (`num_nextn_predict_layers`, `mtp_num_hidden_layers`); `mtp`: the model holds the first,
+    # as layer `num_layers` (its decoder block) and `DecoderModel.mtp` (with_mtp)
+    mtp_layers: int = 0
+    mtp: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def stack_layers(self) -> int:
+        """Decoder blocks the model holds: its layers, and the MTP layer's block where read."""
+        return self.num_layers + self.mtp
+
+    def with_mtp(self) -> ModelConfig:
+        """This config with its MTP layer's block as one more layer (`num_layers` stays the
+        main model's): full softmax attention with its own K/V in the paged cache, MoE where
+        the model's layers are, a full indexer under DSA."""
+        if self.mtp:
+            return self
+        if self.mtp_layers < 1 or self.compressed is not None or self.layer_attention:
+            raise UnsupportedModelError(f"{self.family}: no next-token-prediction layer read")
+        mla = self.mla
+        if mla is not None and mla.indexer is not None:
+            full = (*mla.indexer.full, True)
+            mla = replace(mla, indexer=replace(mla.indexer, full=full))
+        return replace(
+            self,
+            mtp=True,
+            moe_layers=(*self.moe_layers, self.moe is not None),
+            sliding_layers=(*self.sliding_layers, False) if self.sliding_layers else (),
+            linear_layers=(*self.linear_layers, False) if self.linear_layers else (),
+            mla=mla,
+        )
 
     @property
     def num_moe_layers(self) -> int:
@@ -286,7 +317,7 @@ class ModelConfig:
     @property
     def attention_layers(self) -> tuple[bool, ...]:
         """Per layer: True where the layer keeps K/V in the paged cache."""
-        linear = self.linear_layers or (False,) * self.num_layers
+        linear = self.linear_layers or (False,) * self.stack_layers
         return tuple(not m for m in linear)
 
     def attention_shape(self, layer: int) -> AttentionShape:

@@ -97,9 +97,10 @@ def _model_and_engine(option: Option) -> None:
         "--speculative",
         choices=SPECULATIVE_MODES,
         default=EngineConfig.speculative,
-        help="draft tokens from the request's own context and verify them in one step (greedy "
-        "requests keep their tokens, sampled ones their distribution): ngram always, auto where "
-        "a verify step costs about one (the CPU), off (default: %(default)s)",
+        help="draft tokens and verify them in one step (greedy requests keep their tokens, "
+        "sampled ones their distribution): ngram from the request's own context, mtp by the "
+        "checkpoint's next-token-prediction layer, auto where a verify step costs about one "
+        "(the CPU: mtp where the checkpoint has one, else ngram), off (default: %(default)s)",
     )
 
 

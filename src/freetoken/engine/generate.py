@@ -28,9 +28,10 @@ from freetoken.config import EngineConfig
 from freetoken.devices import resolve_device
 from freetoken.engine.draft_policy import Acceptance, DraftPolicy
 from freetoken.engine.memory_watch import DeviceMemoryWatch
+from freetoken.engine.mtp import Followed, drafter_for, mtp_reading
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams, make_generator
-from freetoken.engine.speculative import DraftState, PromptLookup, drafter_for
+from freetoken.engine.speculative import DraftState, PromptLookup
 from freetoken.engine.stopping import TextStream
 from freetoken.errors import FreetokenError
 from freetoken.kv.anchors import AnchorStore, boundary_tokens
@@ -131,12 +132,15 @@ class LLMEngine:
         drafter: PromptLookup | None = None,
         draft_policy: DraftPolicy | None = None,
     ):
-        """`drafter`: speculative decoding's source of drafts (engine/speculative.py), or
-        None for one token a step; `draft_policy` chooses how much of each draft a step
-        verifies (engine/draft_policy.py), or None to verify every draft whole."""
+        """`drafter`: speculative decoding's source of drafts (engine/speculative.py, or
+        the MTP layer's: engine/mtp.py), or None for one token a step; `draft_policy`
+        chooses how much of each draft a step verifies (engine/draft_policy.py), or None to
+        verify every draft whole."""
         self.runner = runner
         self.drafter = drafter
         self.draft_policy = draft_policy
+        # (an MTP drafter follows every step's kept positions with their hidden states)
+        self._fed: list[tuple[Request, int, torch.Tensor]] = []
         self.drafted = self.accepted = 0  # draft tokens verified and kept, in total
         self.verified = 0  # requests' steps that verified a draft, in total
         self.tokenizer = tokenizer
@@ -197,8 +201,9 @@ class LLMEngine:
                 progress=config.progress,
                 verify=config.verify_weights,
                 dequantize_experts=config.dequantize_experts,
+                mtp=mtp_reading(config.speculative, device.type),
             )
-            drafter = drafter_for(config.speculative)
+            drafter = drafter_for(config.speculative, loaded.config.mtp)
             runner = ModelRunner(
                 loaded,
                 config.kv_cache_tokens,
@@ -405,8 +410,9 @@ class LLMEngine:
             return []
         prefill, chunks, decoding = self._schedule()
         outputs = []
+        self._fed = []
         if prefill:
-            logits = self._forward(prefill, chunks)
+            logits = self._forward(prefill, chunks, hidden=True)
             done = [i for i, r in enumerate(prefill) if r.seq.length == r.num_tokens]
             if done:
                 outputs += self._sample([prefill[i] for i in done], logits[done])
@@ -417,12 +423,13 @@ class LLMEngine:
         if decoding and any(r.draft for r in decoding):
             decoded = self._verify(decoding)
         elif decoding:
-            logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding])
+            logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding], hidden=True)
             decoded = self._sample(decoding, logits)
         if decoding and self.draft_policy is not None and self.runner.untimed == untimed:
             # (the step's tokens are on the host: its work is done)
             self.draft_policy.observe(len(decoding), fed, time.perf_counter() - start)
         outputs += decoded
+        self._follow()
         self.last_step = StepTokens(sum(map(len, chunks)), len(decoded))
         for r in [r for r in self.running if r.finished]:
             self.abort(r)
@@ -504,13 +511,29 @@ class LLMEngine:
         chunks: list[list[int]],
         all_logits: bool = False,
         saves: list[list[tuple[int, int]]] | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """One forward over the group; with anchors, it also saves the recurrent state at the
         boundaries among the tokens it feeds (kept by each request until it ends). `saves[i]`:
-        more (k, slot) state copies of request i (`ForwardBatch.captures`)."""
+        more (k, slot) state copies of request i (`ForwardBatch.captures`). `hidden`: where
+        the drafter follows the model (MTP), each request's fed positions and their final
+        hidden states are noted for it (`_follow`)."""
+        hidden = hidden and getattr(self.drafter, "follows", False)
+        starts = [r.seq.length for r in group] if hidden else []
+        logits = self._run(group, chunks, all_logits, saves, hidden)
+        if hidden:
+            logits, states = logits
+            rows = states.split([len(c) for c in chunks])
+            self._fed += zip(group, starts, rows, strict=True)
+        return logits
+
+    def _run(self, group, chunks, all_logits, saves, hidden):
+        """The runner's forward for `_forward`, with the anchors it saves planned."""
         seqs = [r.seq for r in group]
         if self.anchors is None:
-            return self.runner.forward(seqs, chunks, all_logits=all_logits, captures=saves)
+            return self.runner.forward(
+                seqs, chunks, all_logits=all_logits, captures=saves, hidden=hidden
+            )
         planned, captures = [], []
         for i, (r, chunk) in enumerate(zip(group, chunks, strict=True)):
             start, saved = r.seq.length, {a.position for a in r.anchors}
@@ -523,7 +546,7 @@ class LLMEngine:
             extra = saves[i] if saves else []
             captures.append(sorted([(a.position - start, a.slot) for a in planned[-1]] + extra))
         try:
-            logits = self.runner.forward(seqs, chunks, all_logits, captures=captures)
+            logits = self.runner.forward(seqs, chunks, all_logits, captures=captures, hidden=hidden)
         except BaseException:
             for anchors in planned:
                 self.anchors.discard(anchors)
@@ -563,7 +586,7 @@ class LLMEngine:
         recurrent = self.runner.states is not None
         kept_in = [next(scratch) if recurrent and r.draft else None for r in group]
         saves = [[] if slot is None else [(0, slot)] for slot in kept_in]
-        logits = self._forward(group, chunks, all_logits=True, saves=saves)
+        logits = self._forward(group, chunks, all_logits=True, saves=saves, hidden=True)
         outputs, row, rewind = [], 0, []
         for req, chunk, start, slot in zip(group, chunks, starts, kept_in, strict=True):
             outputs += self._keep_verified(req, logits[row : row + len(chunk)], start)
@@ -573,6 +596,30 @@ class LLMEngine:
         if rewind:
             self._rewind(rewind)
         return outputs
+
+    def _follow(self) -> None:
+        """Hand the drafter that follows the model (MTP) the positions this step kept, each
+        with its final hidden state and the token after it, before finished requests leave
+        (their pages join the prefix cache: the MTP layer's K/V in them must be there); each
+        request that decodes next step gets its next draft."""
+        fed, self._fed = self._fed, []
+        if not fed:
+            return
+        follow = []
+        for req, start, rows in fed:
+            n = req.seq.length - start  # (a verify step's kept positions only)
+            if n <= 0:
+                continue
+            state = None
+            drafts = req.params.speculative and not req.finished
+            if drafts and req.seq.length == req.num_tokens - 1:  # (decoding next step)
+                if req.drafting is None:
+                    req.drafting = self.drafter.start(req.tokens(0, req.num_tokens))
+                state = req.drafting
+            follow.append(
+                Followed(req.seq, start, req.tokens(start + 1, start + n + 1), rows[:n], state)
+            )
+        self.drafter.follow(self.runner, follow)
 
     def _rewind(self, rewind: list[tuple[Request, list[int], int]]) -> None:
         """Bring each (request, its kept tokens, the scratch slot holding its state from

@@ -182,7 +182,7 @@ class ModelRunner:
                 cfg, self.max_model_len, self.model.dtype, self.model.device
             )
         return PagedKVCache(
-            num_layers=cfg.num_layers,
+            num_layers=cfg.stack_layers,  # (with MTP read, its layer's K/V too)
             num_pages=-(-kv_cache_tokens // page_size),
             page_size=page_size,
             num_kv_heads=cfg.kv_cache_heads,
@@ -270,11 +270,14 @@ class ModelRunner:
         new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
         captures: list[list[tuple[int, int]]] | None = None,
-    ) -> torch.Tensor:
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append `new_tokens[i]` to `seqs[i]` for every i in one forward pass; return fp32
         logits of each sequence's last token ([B, V]) or of every new token ([T, V]).
         `captures[i]`: (k, slot) pairs, save sequence i's recurrent state after its first k
-        new tokens into state pool slot `slot` (anchor checkpoints)."""
+        new tokens into state pool slot `slot` (anchor checkpoints). `hidden`: (logits, every
+        new token's final hidden state), for MTP drafts (`mtp_forward`); such a step runs
+        eagerly (a decode graph gives its logits only)."""
         self._install_moe()
         one_each = not all_logits and all(len(t) == 1 for t in new_tokens)
         # A verify step: every token's logits of a few new tokens per sequence (a draft).
@@ -283,7 +286,7 @@ class ModelRunner:
             self.moe.begin_step(sum(map(len, new_tokens)), decode=one_each or verify)
         # (a step that saves a recurrent state mid-way, an anchor, runs eagerly: rare)
         graphed = one_each or (verify and self.verify_graphs)
-        graphed = self.graphs is not None and graphed and not any(captures or [])
+        graphed = self.graphs is not None and graphed and not any(captures or []) and not hidden
         batch = ForwardBatch.build(
             self.kv, seqs, new_tokens, self.device, captures=captures, staging=self.staging
         )
@@ -291,8 +294,33 @@ class ModelRunner:
         captured = graphed and self.graphs.captured_now
         self.untimed += graphed and (logits is None or captured)
         if logits is None:
-            logits = self.model(batch, self.kv, all_logits=all_logits, states=self.states)
+            logits = self.model(
+                batch, self.kv, all_logits=all_logits, states=self.states, hidden=hidden
+            )
         if self.moe is not None:
             self.moe.end_step(timed=not captured)
         commit(seqs, batch)
         return logits
+
+    def mtp_forward(
+        self,
+        seqs: Sequence[KVSequence],
+        tokens: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        hidden: torch.Tensor,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's MTP layer over `tokens[i]` at positions `starts[i]` on of `seqs[i]`
+        (each token the one after its position; `hidden`, flat, the final hidden state at
+        each): its K/V written there, in the sequence's pages (taken where it has none yet),
+        its length unchanged. -> `DecoderModel.mtp_forward`'s (logits, hidden states)."""
+        self._install_moe()
+        if self.moe is not None:
+            self.moe.begin_step(sum(map(len, tokens)), decode=all(len(t) == 1 for t in tokens))
+        batch = ForwardBatch.build(
+            self.kv, seqs, tokens, self.device, staging=self.staging, starts=starts
+        )
+        out = self.model.mtp_forward(batch, self.kv, hidden, all_logits)
+        if self.moe is not None:
+            self.moe.end_step()
+        return out

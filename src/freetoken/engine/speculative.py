@@ -98,12 +98,14 @@ class PromptLookup:
         state.accepted += accepted
 
 
-SPECULATIVE_MODES = ("auto", "ngram", "off")
+SPECULATIVE_MODES = ("auto", "ngram", "mtp", "off")
 
 
 def drafter_for(mode: str) -> PromptLookup | None:
-    """The drafter a mode gives: prompt lookup for `ngram` (every draft verified whole) and
-    `auto` (as much of each as pays: the engine's DraftPolicy), none for `off`."""
+    """The prompt-lookup drafter a mode gives: for `ngram` (every draft verified whole) and
+    `auto` (as much of each as pays: the engine's DraftPolicy), none for `off` and `mtp` (its
+    drafts come from the model's next-token-prediction layer, as `auto`'s do where it was
+    read: engine/mtp.py)."""
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
-    return None if mode == "off" else PromptLookup()
+    return None if mode in ("off", "mtp") else PromptLookup()

@@ -186,21 +186,24 @@ class ForwardBatch:
         device: torch.device,
         captures: list[list[tuple[int, int]]] | None = None,
         staging: PinnedStaging | None = None,
+        starts: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens, bring the device page table up to date and
         build the batch (on a GPU, through `staging`'s pinned buffers when given). Does not
         advance `seq.length`; call :func:`commit` after the forward succeeds. The host's work
-        is proportional to the new tokens and the pages added, never to the context."""
+        is proportional to the new tokens and the pages added, never to the context.
+        `starts[i]`: sequence i's new tokens go from that position instead of its length (an
+        MTP layer's, which follows the model's positions: not to be committed)."""
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
         token_rows: list[int] = []
         counts, totals, last = [], [], []
-        for seq, toks in zip(seqs, new_tokens, strict=True):
+        for i, (seq, toks) in enumerate(zip(seqs, new_tokens, strict=True)):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
-            cache.reserve(seq, len(toks))
-            start = seq.length
+            start = seq.length if starts is None else starts[i]
+            cache.reserve(seq, start + len(toks) - seq.length)
             counts.append(len(toks))
             totals.append(start + len(toks))
             ids.extend(toks)

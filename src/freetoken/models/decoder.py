@@ -1,7 +1,10 @@
 """The one decoder every family runs: embed -> N x (attention or linear attention, MLP or MoE)
--> norm -> logits."""
+-> norm -> logits; and, where read, the model's next-token-prediction (MTP) layer, which
+drafts the token after next (`DecoderModel.mtp_forward`)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -95,6 +98,20 @@ class DecoderLayer(nn.Module):
         return HyperConnection.merge(streams, post, comb, out)
 
 
+class NextTokenPredictor(nn.Module):
+    """What an MTP layer has beside its decoder block (DeepSeek-V3's `enorm`, `hnorm`,
+    `eh_proj` and `shared_head.norm`; Qwen3-Next's `pre_fc_norm_embedding`,
+    `pre_fc_norm_hidden`, `fc` and `norm`): the block's input is eh_proj over
+    [enorm(embedding of token i+1); hnorm(hidden state at i)], its output is normed for the
+    shared output head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, norm = cfg.hidden_size, (cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32)
+        self.enorm, self.hnorm, self.norm = RMSNorm(h, *norm), RMSNorm(h, *norm), RMSNorm(h, *norm)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -104,7 +121,9 @@ class DecoderModel(nn.Module):
         self.embed = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        # (with MTP read, its decoder block is the last: layer `num_layers`)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.stack_layers))
+        self.mtp = NextTokenPredictor(cfg) if cfg.mtp else None
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, cfg.norm_scale_fp32
         )
@@ -226,10 +245,12 @@ class DecoderModel(nn.Module):
         kv: PagedKVCache,
         all_logits: bool = False,
         states: RecurrentStatePool | None = None,
-    ) -> torch.Tensor:
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits in fp32: [B, V] for each sequence's last new token, or [T, V] for every new
         token when `all_logits`. `states` holds the recurrent state of linear-attention
-        layers (read and advanced in place)."""
+        layers (read and advanced in place). `hidden`: (logits, every new token's final hidden
+        state [T, H], normed: what the output head reads), which an MTP layer drafts from."""
         cfg = self.config
         x = self.embed(batch.input_ids)
         if cfg.embed_scale is not None:  # (the scale rounded to the dtype first, as Gemma's)
@@ -241,18 +262,46 @@ class DecoderModel(nn.Module):
             cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         kinds = {k: r.cos_sin(batch.positions, x.dtype) for k, r in self.kind_rotaries.items()}
         delta = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(itertools.islice(self.layers, cfg.num_layers)):
             if kinds:
                 shape = cfg.layer_attention[i]
                 cos_sin = kinds[(shape.rope, shape.head_dim)]
             x, delta = layer(x, cos_sin, batch, kv, states, delta)
         if cfg.compressed is not None:
             x = self.hc_head(x)
+        if hidden:
+            normed = self.norm.add_forward(x, delta)[1]
+            return self._logits(normed if all_logits else normed[batch.last_index]), normed
         if not all_logits:
             x = x[batch.last_index]
             delta = None if delta is None else delta[batch.last_index]
-        logits = linear(self.norm.add_forward(x, delta)[1], self.lm_head_weight())
+        return self._logits(self.norm.add_forward(x, delta)[1])
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The output head over final hidden states, in fp32."""
+        logits = linear(normed, self.lm_head_weight())
+        cfg = self.config
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self, batch: ForwardBatch, kv: PagedKVCache, hidden: torch.Tensor, all_logits=False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over the batch: new token j is token i+1 of its sequence at position
+        i, `hidden[j]` the final hidden state at i (normed, `forward(hidden=True)`); its block
+        attends over its own K/V of the positions before (layer `num_layers` of the cache).
+        -> (fp32 logits of token i+2, [B, V] at each sequence's last new token or [T, V] for
+        all; the layer's hidden states there, normed: fed back as `hidden` to draft on)."""
+        mtp, cfg = self.mtp, self.config
+        e = mtp.enorm(self.embed(batch.input_ids))
+        x = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden.to(e.dtype))], dim=-1))
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        x, delta = self.layers[cfg.num_layers](x, cos_sin, batch, kv, None)
+        if not all_logits:
+            x = x[batch.last_index]
+            delta = None if delta is None else delta[batch.last_index]
+        normed = mtp.norm.add_forward(x, delta)[1]
+        return self._logits(normed), normed

@@ -40,6 +40,12 @@ COMMON_RENAMES: tuple[tuple[str, str], ...] = (
     ),
     (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.moe.experts."),
     (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
+    # (DeepSeek-V3, GLM-4.5, GLM-5: the next-token-prediction layer's own tensors beside its
+    # decoder block, `model.layers.{num_hidden_layers}.*`; its `embed_tokens` and
+    # `shared_head.head` are the model's own, not read again. In the model only with MTP
+    # drafting on: ModelConfig.with_mtp)
+    (r"^model\.layers\.\d+\.(enorm|hnorm|eh_proj)\.", r"mtp.\1."),
+    (r"^model\.layers\.\d+\.shared_head\.norm\.", "mtp.norm."),
     # (what only one family has, DeepSeek-V4's or Gemma-4's, its renames naming it already)
     (r"^model\.layers\.(\d+)\.own\.", r"layers.\1."),
     (r"^model\.own\.", ""),

@@ -95,17 +95,28 @@ def load_model(
     verify: bool = False,
     dequantize_experts: bool = False,
     dequantize_dense: bool = False,
+    mtp: str = "off",
 ) -> LoadedModel:
     """`verify`: a weight directory's expert banks are checked against their checksums
     before this returns (else on a background thread, `LoadedModel.integrity`); the dense
     tensors always are. A safetensors checkpoint has no checksums. Routed experts a checkpoint
     stores quantized stay so (`expert_storage`) unless `dequantize_experts`; dense layers a GGUF
-    conversion kept quantized stay so on the CPU (`dense_storage`) unless `dequantize_dense`."""
+    conversion kept quantized stay so on the CPU (`dense_storage`) unless `dequantize_dense`.
+    `mtp`: the next-token-prediction layer is read ("on": an MTPUnavailableError where the
+    checkpoint has none; "auto": where it has one) or skipped ("off": no memory spent on it)."""
+    if mtp not in MTP_CHOICES:
+        raise ValueError(f"mtp must be one of {', '.join(MTP_CHOICES)}, not {mtp!r}")
     _start_device_in_background(torch.device(device))
     if wd.is_weight_dir(path):
+        if mtp == "on":
+            raise MTPUnavailableError(
+                f"{path} is a weight directory, which holds no next-token-prediction (MTP) "
+                "layer: load the safetensors checkpoint to draft with it"
+            )
         return _load_weight_dir(Path(path), dtype, device, progress, verify, dequantize_experts)
     ckpt = CheckpointDir(path)
     family, cfg = _parse(ckpt.config, ckpt.path)
+    cfg = _mtp_config(ckpt, family, cfg, mtp)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     fmt, kept, down = expert_storage(ckpt, family, cfg, dequantize_experts)
     dense = frozenset() if dequantize_dense else dense_storage(ckpt, family, cfg, dtype, device)
@@ -142,6 +153,53 @@ def load_model(
     if dense and model.device.type == "cpu":
         model.stack_projections()
     return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
+
+
+MTP_CHOICES = ("off", "on", "auto")
+
+
+class MTPUnavailableError(CheckpointError):
+    """MTP drafting was asked for, but the checkpoint has no next-token-prediction layer that
+    freetoken reads."""
+
+
+def mtp_missing(ckpt: CheckpointDir, family, cfg: ModelConfig) -> str | None:
+    """Why the checkpoint's MTP layer cannot be read, or None where it can: its config
+    declares none (or one of a layout not read), or its tensors are not there (quantized
+    and converted releases often leave them out)."""
+    declared = ckpt.config.get("num_nextn_predict_layers") or ckpt.config.get(
+        "mtp_num_hidden_layers"
+    )
+    if cfg.mtp_layers < 1 or cfg.compressed is not None or cfg.layer_attention:
+        if declared:
+            return f"freetoken does not read {cfg.family}'s next-token-prediction layer yet"
+        return (
+            f"{ckpt.path.name} has no next-token-prediction (MTP) layer: its config sets no "
+            "num_nextn_predict_layers or mtp_num_hidden_layers"
+        )
+    names = (*ckpt.tensors, *ckpt.quantized.tensors)  # (the names tested first: cheaper)
+    if not any(
+        ("eh_proj" in n or ".fc." in n) and family.canonical_name(n) == "mtp.eh_proj.weight"
+        for n in names
+    ):
+        return (
+            f"{ckpt.path.name}'s config declares {cfg.mtp_layers} next-token-prediction (MTP) "
+            "layer(s), but the checkpoint holds no tensor of one"
+        )
+    return None
+
+
+def _mtp_config(ckpt: CheckpointDir, family, cfg: ModelConfig, mtp: str) -> ModelConfig:
+    """`cfg` with its MTP layer where `mtp` asks for it and the checkpoint has one."""
+    if mtp == "off":
+        return cfg
+    why = mtp_missing(ckpt, family, cfg)
+    if why is None:
+        return cfg.with_mtp()
+    if mtp == "on":
+        raise MTPUnavailableError(f"{why}; draft with --speculative ngram (or auto) instead")
+    log.debug("no MTP layer read: %s", why)
+    return cfg
 
 
 def _start_device_in_background(device: torch.device) -> None:
@@ -546,10 +604,37 @@ def _fill(
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
         raise CheckpointError(f"checkpoint {ckpt.path} is missing tensors: {shown}")
+    _report_unused(unused, family, model.config)
+
+
+def _report_unused(unused: list[str], family, cfg: ModelConfig) -> None:
+    """Say which checkpoint tensors the model did not read: its MTP layer's, unless read
+    (which leaves its copies of the embedding and output head unread), then any others."""
+    mtp = [n for n in unused if _of_mtp_layer(n, family.canonical_name(n), cfg)]
+    if mtp and not cfg.mtp:
+        log.info(
+            "the checkpoint's next-token-prediction (MTP) layer is not read (%d tensors): "
+            "--speculative mtp drafts with it",
+            len(mtp),
+        )
+    unused = [n for n in unused if n not in set(mtp)]
     if unused:
         log.warning(
             "ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0]
         )
+
+
+def _of_mtp_layer(stored: str, name: str | None, cfg: ModelConfig) -> bool:
+    """Whether a checkpoint tensor is one of its MTP layers' (DeepSeek's layout: the layers
+    from `num_hidden_layers` on; Qwen3-Next's: under `mtp.`)."""
+    if cfg.mtp_layers < 1:
+        return False
+    layer = re.match(r"^(?:model\.)?layers\.(\d+)\.", stored)
+    return (
+        stored.startswith("mtp.")
+        or (name or "").startswith("mtp.")
+        or (layer is not None and int(layer[1]) >= cfg.num_layers)
+    )
 
 
 def _keep_dense(model: DecoderModel, name: str, stored: QuantizedParts, what: str) -> None:

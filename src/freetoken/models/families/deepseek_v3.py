@@ -21,7 +21,9 @@ def parse_config(
     # experts and the first `first_k_dense_replace` layers dense (as GLM-4.5:
     # model_config.sigmoid_routed_experts). Missing keys take transformers' defaults. DeepSeek-
     # V3.2 and GLM-5 (deepseek_v32.py, glm_moe_dsa.py) are this with a sparse attention
-    # `indexer` and their own defaults (`groups`: n_group, topk_group).
+    # `indexer` and their own defaults (`groups`: n_group, topk_group). Their
+    # next-token-prediction layer, `model.layers.{num_hidden_layers}` (family.py's renames),
+    # is read for MTP drafts only (ModelConfig.with_mtp).
     scoring = raw.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise UnsupportedModelError(
@@ -50,6 +52,7 @@ def parse_config(
         ),
         mla=mla,
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 

@@ -17,7 +17,8 @@ def indexer_config(raw: dict, n_heads: int, interleave: bool, full: tuple[bool, 
 def parse_config(raw: dict):
     # DeepSeek-V3.2 (-Exp): DeepSeek-V3 with DeepSeek Sparse Attention, an indexer in every
     # layer whose RoPE takes the halves (the attention's own takes pairs); the query always
-    # low-rank. Its next-token-prediction layer (layer `num_hidden_layers`) is not read.
+    # low-rank. Its next-token-prediction layer (layer `num_hidden_layers`) is read for MTP
+    # drafts only (deepseek_v3.py).
     layers = int(raw["num_hidden_layers"])
     indexer = indexer_config(raw, 64, interleave=False, full=(True,) * layers)
     return deepseek_v3.parse_config(raw, "deepseek_v32", indexer=indexer)

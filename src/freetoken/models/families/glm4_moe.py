@@ -16,6 +16,7 @@ def parse_config(raw: dict):
         qk_norm="per_head" if raw.get("use_qk_norm") else "none",
         moe=sigmoid_routed_experts(raw),
         moe_layers=leading_dense_pattern(raw, default=1),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 

@@ -23,7 +23,7 @@ def parse_config(raw: dict):
     # GLM-5.x (glm_moe_dsa): DeepSeek-V3.2's layers (MLA, low-rank query, DSA; sigmoid
     # routing in one group by default) with the indexer's RoPE in pairs too, and some layers'
     # indexers "shared": they reuse the last full layer's choice. Its next-token-prediction
-    # layer (layer `num_hidden_layers`) is not read.
+    # layer (layer `num_hidden_layers`, a full indexer) is read for MTP drafts only.
     indexer = indexer_config(raw, 32, interleave=True, full=indexer_layers(raw))
     return deepseek_v3.parse_config(raw, "glm_moe_dsa", groups=(1, 1), indexer=indexer)
 

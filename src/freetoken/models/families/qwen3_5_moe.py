@@ -20,5 +20,6 @@ FAMILY = Family(
     "qwen3_5_moe",
     ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     parse_config,
-    renames=((r"^model\.language_model\.", "model."),),
+    renames=((r"^model\.language_model\.", "model."), *qwen3_next.MTP_RENAMES),
+    config_renames=qwen3_next.mtp_block_renames,
 )

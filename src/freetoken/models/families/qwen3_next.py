@@ -35,7 +35,31 @@ def parse_config(
         ),
         attn_output_gate=True,
         zero_centered_norm=True,
+        mtp_layers=int(raw.get("mtp_num_hidden_layers", 0)),
     )
 
 
-FAMILY = Family("qwen3_next", ("Qwen3NextForCausalLM",), parse_config)
+# The next-token-prediction layer under `mtp.`: its decoder block (`mtp.layers.0.`, a full
+# attention layer) is read as layer `num_hidden_layers`, `fc` over the normed embedding and
+# hidden state as `eh_proj` (ModelConfig.with_mtp)
+MTP_RENAMES = (
+    (r"^mtp\.fc\.", "model.own.mtp.eh_proj."),
+    (r"^mtp\.pre_fc_norm_embedding\.", "model.own.mtp.enorm."),
+    (r"^mtp\.pre_fc_norm_hidden\.", "model.own.mtp.hnorm."),
+    (r"^mtp\.norm\.", "model.own.mtp.norm."),
+)
+
+
+def mtp_block_renames(raw: dict) -> tuple[tuple[str, str], ...]:
+    """`mtp.layers.0.` as the layer after the model's last (its text config's, where nested)."""
+    layers = raw.get("text_config", raw)["num_hidden_layers"]
+    return ((r"^mtp\.layers\.0\.", f"model.layers.{int(layers)}."),)
+
+
+FAMILY = Family(
+    "qwen3_next",
+    ("Qwen3NextForCausalLM",),
+    parse_config,
+    renames=MTP_RENAMES,
+    config_renames=mtp_block_renames,
+)
