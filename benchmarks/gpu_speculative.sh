@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Speculative decoding on the GPU machine, one device call per part:
+#   bash benchmarks/gpu_speculative.sh tests OUT_DIR  # CUDA tests: verify steps in graphs,
+#                                                     # drafts' exactness, the decode kernel
+#   bash benchmarks/gpu_speculative.sh speed OUT_DIR  # auto vs off, Qwen3-30B-A3B shape
+# Carry transformers 5.25's wheels in .carry/wh (see gpu_deepseek_v4.sh).
+set -uo pipefail
+part=$1
+out=${2:-${OUT:-/tmp/out}}
+mkdir -p "$out"
+if [ -d .carry/wh ]; then
+  [ -d /tmp/tf/transformers ] || pip install -q --no-deps --target /tmp/tf .carry/wh/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/tf:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+case $part in
+tests)
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    cd tests && timeout ${SPEC_TEST_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider \
+      test_cuda_graphs.py test_speculative.py test_paged_attention.py test_mtp.py 2>&1 \
+      | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|assert" | head -150
+  } 2>&1 | tee "$out/spec-tests.txt"
+  ;;
+speed)
+  cd benchmarks && timeout ${SPEC_SPEED_TIMEOUT:-420} python3 speculative_decode.py \
+    --layers "${SPEC_LAYERS:-16}" --strategies "${SPEC_STRATEGIES:-fused,hybrid}" \
+    --cache "${SPEC_CACHE:-8GiB}" --batches "${SPEC_BATCHES:-1,4}" \
+    --tokens "${SPEC_TOKENS:-128}" --out "$out/spec-speed.md" 2>&1 | tail -40
+  ;;
+esac
