@@ -244,6 +244,7 @@ def kimi_linear_48b_a3b(layers: int) -> dict:
         "num_experts": 256,
         "num_experts_per_token": 8,
         "num_shared_experts": 1,
+        "moe_router_activation_func": "sigmoid",
         "moe_renormalize": True,
         "routed_scaling_factor": 2.446,
         "first_k_dense_replace": 1,
@@ -327,6 +328,97 @@ def glm_5(layers: int) -> dict:
     }
 
 
+def minimax_m2(layers: int) -> dict:
+    """MiniMax-M2's shapes (its release's config.json): 256 experts of 27 MiB, top-8 by sigmoid
+    scores with a correction bias, q/k norms over all heads, RoPE on half of each head."""
+    return {
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "vocab_size": 200064,
+        "hidden_size": 3072,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 1536,
+        "num_local_experts": 256,
+        "num_experts_per_tok": 8,
+        "rotary_dim": 64,
+        "rope_theta": 5000000,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "qk_norm_type": "per_layer",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 196608,
+        "tie_word_embeddings": False,
+    }
+
+
+def gemma4_26b_a4b(layers: int) -> dict:
+    """Gemma-4-26B-A4B's text model (its release's text_config): 128 experts of 11 MiB, top-8,
+    beside a dense MLP in every layer; five sliding layers (window 1024) to one full one, the
+    full ones with 512-wide heads and values from the keys; tied embeddings."""
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": 262144,
+        "hidden_size": 2816,
+        "num_hidden_layers": layers,
+        "intermediate_size": 2112,
+        "moe_intermediate_size": 704,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "enable_moe_block": True,
+        "sliding_window": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "num_global_key_value_heads": 2,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
+        ],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+    }
+
+
+def kimi_k2_6(layers: int) -> dict:
+    """Kimi-K2.6 (K2.5's layout): DeepSeek-V3's text model with 384 experts of 84 MiB, top-8,
+    64 heads, one group, its first layer dense, in `text_config` beside a vision tower (kept
+    small here: it takes no part in decoding text). The release's experts are INT4
+    (compressed-tensors), which freetoken does not read: bf16 here."""
+    text = {
+        **deepseek_v3(layers),
+        "model_type": "kimi_k2",
+        "vocab_size": 163840,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "n_routed_experts": 384,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-5,
+    }
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": dict(
+            hidden_size=64, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2
+        ),
+        "tie_word_embeddings": False,
+    }
+
+
 SHAPES = {
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "gpt-oss-20b": gpt_oss_20b,
@@ -338,6 +430,9 @@ SHAPES = {
     "qwen3.5-35b-a3b-full-attention": qwen3_5_35b_a3b_full_attention,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "kimi-linear-48b-a3b": kimi_linear_48b_a3b,
+    "minimax-m2": minimax_m2,
+    "gemma-4-26b-a4b": gemma4_26b_a4b,
+    "kimi-k2.6": kimi_k2_6,
 }
 
 

@@ -427,6 +427,9 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
         "deepseek-v4-flash": 48.0,
         "glm-5": 72.0,
         "kimi-linear-48b-a3b": 13.5,
+        "minimax-m2": 27.0,
+        "gemma-4-26b-a4b": 11.3,
+        "kimi-k2.6": 84.0,
     }
     for name, shape in SHAPES.items():
         raw = shape(8)
@@ -548,3 +551,23 @@ def test_dense_quantized_kernel_table(tmp_path):
     }
     # (numbers: their size is the machine's load, which a test cannot judge)
     assert all(float(cell) >= 0 for r in rows for cell in r[4:])
+
+
+@pytest.mark.parametrize("family", ["kimi-linear", "deepseek-v4-flash"])
+def test_llama_cpp_families_checkpoints_load_whole(tmp_path, monkeypatch, caplog, family):
+    """llama_cpp_families.py writes its checkpoints in the release layouts llama.cpp's converter
+    reads (Kimi-Linear's dense layer under `mlp`; DeepSeek-V4's own names, its `attn.kv_norm`,
+    MXFP4 experts under `X.scale`): freetoken reads every tensor of them, V4's experts kept
+    MXFP4."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from llama_cpp_families import FAMILIES, family_config, write_checkpoint
+
+    from freetoken.models.loading import load_model
+
+    raw = family_config(FAMILIES[family], tiny=True)
+    write_checkpoint(raw, tmp_path / "m", None, "qwen")
+    with caplog.at_level("INFO"):
+        loaded = load_model(tmp_path / "m", "bfloat16")
+    assert "ignored" not in caplog.text
+    assert loaded.config.num_layers == raw["num_hidden_layers"]
+    assert loaded.experts.format.name == ("mxfp4" if family == "deepseek-v4-flash" else "dense")

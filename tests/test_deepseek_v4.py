@@ -96,7 +96,8 @@ def test_released_tensor_names():
         "layers.0.hc_ffn_scale": "layers.0.ffn_hc.scale",
         "layers.0.attn.attn_sink": "layers.0.attn.sinks",
         "layers.0.attn.q_norm.weight": "layers.0.attn.q_a_norm.weight",
-        "layers.0.attn.norm.weight": "layers.0.attn.kv_norm.weight",
+        "layers.0.attn.kv_norm.weight": "layers.0.attn.kv_norm.weight",
+        "layers.0.attn.norm.weight": "layers.0.attn.kv_norm.weight",  # (transformers' save)
         "layers.0.attn.wo_a.weight": "layers.0.attn.wo_a.weight",
         "layers.2.attn.compressor.ape": "layers.2.attn.compressor.ape",
         "layers.2.attn.compressor.norm.weight": "layers.2.attn.compressor.norm.weight",

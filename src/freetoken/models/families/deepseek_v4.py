@@ -168,7 +168,7 @@ RENAMES = (
     (_L + r"hc_(attn|ffn)_(fn|base|scale)$", _V4 + r"\2_hc.\3"),
     (_L + r"attn\.attn_sink$", _V4 + "attn.sinks"),
     (_L + r"attn\.q_norm\.", _V4 + "attn.q_a_norm."),
-    (_L + r"attn\.norm\.", _V4 + "attn.kv_norm."),
+    (_L + r"attn\.(?:kv_)?norm\.", _V4 + "attn.kv_norm."),  # (the release: kv_norm)
     (_L + r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.", _V4 + r"attn.\2."),
     (_L + r"attn\.compressor\.", _V4 + "attn.compressor."),
     (_L + r"attn\.indexer\.compressor\.", _V4 + "attn.indexer."),
