@@ -11,6 +11,12 @@ reply (a thinking block and a tool call) and a tool output of `--tool-tokens` to
 the thinking of earlier replies (as OpenClaw does), so every turn edits the conversation as well
 as extending it. Each engine sees the turns in order; TTFT is the time from `add_request` to the
 first token, the prefill of everything not reused.
+
+Each turn is checked against the bound prefix reuse promises (`recompute_bound`): the tokens it
+recomputes are at most its new suffix (past its common prefix with what the previous turn's
+sequence was fed) plus the distance back from that common prefix to the deepest point the model
+can resume at (an anchor for a hybrid model, a page boundary otherwise). The script exits 1 when
+a turn of the reusing mode (with anchors, for a hybrid model) recomputes more.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from freetoken.config import MoEOptions
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import SamplingParams
+from freetoken.kv.anchors import anchor_positions, boundary_tokens
 from freetoken.qwen_vocab import write_qwen_tokenizer
 from freetoken.tokenizer import Tokenizer
 
@@ -65,9 +72,44 @@ def conversation(turns: int, tool_tokens: int) -> list[list[dict]]:
     return sent
 
 
-def replay(engine: LLMEngine, prompts: list[list[int]], device) -> list[dict]:
-    rows = []
-    for prompt in prompts:
+def recompute_bound(prompt: list[int], previous: list[int], points: list[int]) -> int:
+    """The most tokens of `prompt` a turn may recompute: its new suffix past its common prefix
+    with `previous` (what the previous turn's sequence was fed: prompt and output, the last
+    output token unfed) plus the distance back from that common prefix to the deepest of
+    `points` (the positions of `previous` the model can resume at) at or before it. At least
+    one token is always computed (its logits give the first new token)."""
+    common = 0
+    for a, b in zip(prompt, previous, strict=False):
+        if a != b:
+            break
+        common += 1
+    limit = min(common, len(prompt) - 1)
+    deepest = max((p for p in points if p <= limit), default=0)
+    return (len(prompt) - common) + (common - deepest)
+
+
+def resume_points(engine: LLMEngine, fed: list[int], boundaries: dict[int, int]) -> list[int]:
+    """Where a later request can resume from a sequence fed `fed` once it has ended: a hybrid
+    model's recurrent state only at its anchors (kv/anchors.py: at its edit boundaries, kept on
+    the pages the prefix cache holds: full ones), a full-attention model at every full page."""
+    page = engine.runner.kv.page_size
+    full = len(fed) // page * page
+    if engine.runner.config.has_recurrent_state:
+        return [p for p in anchor_positions(boundaries, fed) if p <= full]
+    return list(range(page, full + 1, page))
+
+
+def replay(engine: LLMEngine, prompts: list[list[int]], device, skip=frozenset()) -> list:
+    """Each prompt in turn (but the turns in `skip`), to its fourth token; per turn its TTFT,
+    reused and recomputed tokens, the anchor it resumed at, and the bound its recomputed tokens
+    are checked against (relative to the last turn this engine ran); None for a skipped turn."""
+    rows, fed = [], []
+    boundaries = boundary_tokens(engine.tokenizer)
+    for turn, prompt in enumerate(prompts):
+        if turn in skip:
+            rows.append(None)
+            continue
+        bound = recompute_bound(prompt, fed, resume_points(engine, fed, boundaries))
         sync(device)
         start = time.perf_counter()
         req = engine.add_request(prompt, SamplingParams(max_new_tokens=4, temperature=0))
@@ -78,8 +120,16 @@ def replay(engine: LLMEngine, prompts: list[list[int]], device) -> list[dict]:
                 sync(device)
                 ttft = time.perf_counter() - start
         rows.append(
-            dict(tokens=len(prompt), ttft=ttft, reused=req.cached_tokens, anchor=req.anchor)
+            dict(
+                tokens=len(prompt),
+                ttft=ttft,
+                reused=req.cached_tokens,
+                recomputed=req.recomputed_tokens,
+                bound=bound,
+                anchor=req.anchor,
+            )
         )
+        fed = (prompt + req.output_ids)[:-1]
     return rows
 
 
@@ -94,6 +144,13 @@ def main() -> int:
     ap.add_argument("--tool-tokens", type=int, default=1400)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument(
+        "--recompute-turns",
+        type=int,
+        help="the modes that recompute every prompt (no reuse; a hybrid model's reuse without "
+        "anchors, which has nothing to resume at) run only the first N turns and the last "
+        "(default: all): on 2 CPU cores a 34k-token prompt from scratch takes minutes",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -154,30 +211,57 @@ def main() -> int:
             state_anchors=anchors,
         )
         engine = LLMEngine(runner, tokenizer, prefix_cache=prefix_cache)
-        results[name] = replay(engine, prompts, device)
-        print(name, [round(r["ttft"], 3) for r in results[name]], flush=True)
+        skip = frozenset()
+        if args.recompute_turns is not None and not (prefix_cache and (anchors or not hybrid)):
+            skip = frozenset(range(args.recompute_turns, args.turns - 1))
+        results[name] = replay(engine, prompts, device, skip)
+        ran = [(round(r["ttft"], 3), r["recomputed"]) for r in results[name] if r is not None]
+        print(name, ran, flush=True)
         if runner.moe is not None and runner.moe.cpu is not None:
             runner.moe.cpu.shutdown()
         del engine, runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
     names = list(results)
+    checked = names[0]  # the mode that reuses the prefix (with anchors, for a hybrid model)
+    point = "anchor" if hybrid else "page boundary"
     lines = [
         f"# agent replay: {args.family} shape, {args.layers} layers, cache {args.cache}",
         "",
         f"- device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- {args.turns} turns, {args.tool_tokens}-word tool outputs, thinking stripped from "
-        "earlier replies; TTFT in seconds; reused = prompt tokens whose KV (and state) came "
-        "from earlier turns",
+        "earlier replies; TTFT in seconds; recomputed = prompt tokens whose KV (and state) did "
+        "not come from earlier turns; bound = the new suffix (past the common prefix with the "
+        "prompt and output of the previous turn the mode ran) plus the distance back to the "
+        f"deepest {point} at or before that common prefix; - = a turn the mode skipped",
+    ]
+    failed = {}
+    for n in names:
+        ran = [(t + 1, r) for t, r in enumerate(results[n]) if r is not None]
+        failed[n] = [t for t, r in ran if r["recomputed"] > r["bound"]]
+        verdict = f"failed on turns {failed[n]}" if failed[n] else "held"
+        role = " (checked)" if n == checked else ""
+        within = f"{len(ran) - len(failed[n])} of {len(ran)} turns run within it"
+        lines.append(f"- bound, {n}{role}: {verdict} ({within})")
+    lines += [
         "",
-        "| turn | prompt tokens | " + " | ".join(f"TTFT {n} | reused ({n})" for n in names) + " |",
-        "|---|---|" + "---|---|" * len(names),
+        "| turn | prompt tokens | "
+        + " | ".join(f"TTFT {n} | recomputed ({n}) | bound ({n})" for n in names)
+        + " |",
+        "|---|---|" + "---|---|---|" * len(names),
     ]
     for t in range(args.turns):
-        cells = [f"{results[n][t]['ttft']:.3f} | {results[n][t]['reused']}" for n in names]
-        lines.append(f"| {t + 1} | {results[names[0]][t]['tokens']} | " + " | ".join(cells) + " |")
+        rows = [results[n][t] for n in names]
+        cells = [
+            "- | - | -" if r is None else f"{r['ttft']:.3f} | {r['recomputed']} | {r['bound']}"
+            for r in rows
+        ]
+        lines.append(f"| {t + 1} | {len(prompts[t])} | " + " | ".join(cells) + " |")
     report(lines, args.out)
+    if failed[checked]:
+        print(f"{checked}: recomputed more than the bound on turns {failed[checked]}")
+        return 1
     return 0
 
 

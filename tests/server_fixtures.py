@@ -156,10 +156,18 @@ WEATHER_ANSWER = "It is sunny in Paris."
 
 
 def tool_use_round_trip(
-    engine, base: str, monkeypatch, tool: dict, call: str, args: dict, answer: str, **first
+    engine,
+    base: str,
+    monkeypatch,
+    tool: dict,
+    call: str,
+    args: dict,
+    answer: str,
+    thought: str | None = WEATHER_THOUGHT,
+    **first,
 ) -> list[str]:
     """A chat format's whole tool-use path through the official `openai` SDK: the scripted
-    `call` text (reasoning WEATHER_THOUGHT, then a call of `tool` with `args`) comes back as
+    `call` text (reasoning `thought`, or none, then a call of `tool` with `args`) comes back as
     reasoning and a tool call, whole (`first`: that request's extra arguments) and streamed (no
     markup in the text); the tool's result goes back through the template and the scripted
     `answer` comes back as the reply WEATHER_ANSWER. Returns the prompts the engine was given
@@ -177,7 +185,7 @@ def tool_use_round_trip(
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert not choice.message.content
-    assert choice.message.model_extra["reasoning_content"] == WEATHER_THOUGHT
+    assert choice.message.model_extra.get("reasoning_content") == thought
     [tool_call] = choice.message.tool_calls
     assert tool_call.function.name == name
     assert json.loads(tool_call.function.arguments) == args
@@ -193,7 +201,7 @@ def tool_use_round_trip(
                 names += [d.function.name] if d.function.name else []
                 pieces.append(d.function.arguments or "")
             assert not c.delta.content  # no markup leaks into the text
-    assert "".join(reasoning) == WEATHER_THOUGHT
+    assert "".join(reasoning) == (thought or "")
     assert names == [name] and json.loads("".join(pieces)) == args
 
     monkeypatch.setattr(engine, "_sample", scripted(engine, tok.encode(answer)))

@@ -1,10 +1,11 @@
-"""Kimi-K2's, MiniMax-M2's and Gemma-4's formats end to end: the demo model served with each
-release's own chat template (tests/data/templates/) and the special tokens its tokenizer has,
-its output scripted, driven by the official SDKs through the three APIs, whole and streamed.
-The reasoning comes back as reasoning (OpenAI's `reasoning_content`, an Anthropic thinking
-block, a Responses reasoning item), the call as a tool call with typed arguments (`tool_calls`,
-a tool_use block, a function_call item), and the tool's result goes back through the template
-into the next prompt, with the call and its reasoning as the template writes them."""
+"""Kimi-K2's and Kimi-Linear's, MiniMax-M2's and Gemma-4's formats end to end: the demo model
+served with each release's own chat template (tests/data/templates/) and the special tokens its
+tokenizer has, its output scripted, driven by the official SDKs through the three APIs, whole
+and streamed. The reasoning comes back as reasoning (OpenAI's `reasoning_content`, an Anthropic
+thinking block, a Responses reasoning item), the call as a tool call with typed arguments
+(`tool_calls`, a tool_use block, a function_call item), and the tool's result goes back through
+the template into the next prompt, with the call and its reasoning as the template writes them.
+(Kimi-Linear is an Instruct model: it writes no reasoning, and gets none back.)"""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ class Format:
     ids: tuple[str, str]  # the call's id: in the OpenAI APIs, in Anthropic's (patterns)
     written_back: tuple[str, ...]  # what the next prompt holds: the call, its reasoning, result
     more_ends: tuple[str, ...] = ()  # other tokens that end its output (after its calls)
+    reasons: bool = True  # whether the model writes reasoning (WEATHER_THOUGHT) before its call
+    # What the next prompt holds when the conversation came through Anthropic's API, where it
+    # differs: a template that writes the request's call ids writes that API's (anthropic_api.py)
+    written_back_anthropic: tuple[str, ...] | None = None
 
 
 KIMI = Format(
@@ -79,6 +84,33 @@ KIMI = Format(
         f"<think>{WEATHER_THOUGHT}</think>{SECTION}{BEGIN}functions.get_weather:0{ARG}"
         f"{json.dumps(ARGS)}{END}{SECTION_END}<|im_end|>",
         f"<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{RESULT}",
+    ),
+)
+KIMI_LINEAR_CALL = (
+    f"{SECTION}{BEGIN}functions.get_weather:0{ARG}{json.dumps(ARGS)}{END}{SECTION_END}"
+)
+KIMI_LINEAR = Format(
+    template="Kimi-Linear-48B-A3B-Instruct.jinja",
+    parser="kimi_k2",
+    special=KIMI.special,
+    end="<|im_end|>",
+    # (an Instruct model: no reasoning, and its template writes none back)
+    call=f"{KIMI_LINEAR_CALL}<|im_end|>",
+    answer=f"{WEATHER_ANSWER}<|im_end|>",
+    forced_rest=KIMI.forced_rest,
+    ids=KIMI.ids,
+    # its template writes the call's id as the request gives it: the model's own
+    written_back=(
+        f"<|im_assistant|>assistant<|im_middle|>{KIMI_LINEAR_CALL}<|im_end|>",
+        f"<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{RESULT}<|im_end|>",
+    ),
+    reasons=False,
+    # (there, as Anthropic's API has it: the model's `.` and `:` become `_`)
+    written_back_anthropic=(
+        f"<|im_assistant|>assistant<|im_middle|>"
+        f"{KIMI_LINEAR_CALL.replace('functions.get_weather:0', 'functions_get_weather_0')}"
+        "<|im_end|>",
+        f"<|im_system|>tool<|im_middle|>## Return of functions_get_weather_0\n{RESULT}<|im_end|>",
     ),
 )
 MINIMAX_CALL = (
@@ -136,7 +168,11 @@ GEMMA4 = Format(
 )
 
 
-@pytest.fixture(scope="module", params=[KIMI, MINIMAX, GEMMA4], ids=["kimi", "minimax", "gemma4"])
+@pytest.fixture(
+    scope="module",
+    params=[KIMI, KIMI_LINEAR, MINIMAX, GEMMA4],
+    ids=["kimi", "kimi-linear", "minimax", "gemma4"],
+)
 def fmt(request) -> Format:
     return request.param
 
@@ -169,7 +205,10 @@ def test_openai_chat_gives_reasoning_and_a_typed_call_and_takes_the_result(
 ):
     base, core = server
     assert core.parser_name == fmt.parser  # picked from the release's template
-    prompts = tool_use_round_trip(engine, base, monkeypatch, WEATHER, fmt.call, ARGS, fmt.answer)
+    thought = WEATHER_THOUGHT if fmt.reasons else None
+    prompts = tool_use_round_trip(
+        engine, base, monkeypatch, WEATHER, fmt.call, ARGS, fmt.answer, thought
+    )
     for text in fmt.written_back:
         assert text in prompts[-1]
 
@@ -193,8 +232,11 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
         streamed = stream.get_final_message()
     for reply in (whole, streamed):
         assert reply.stop_reason == "tool_use"
-        thinking, use = reply.content
-        assert thinking.type == "thinking" and thinking.thinking == WEATHER_THOUGHT
+        *thinking, use = reply.content
+        if fmt.reasons:
+            assert [(b.type, b.thinking) for b in thinking] == [("thinking", WEATHER_THOUGHT)]
+        else:
+            assert thinking == []
         assert use.type == "tool_use" and use.name == "get_weather" and use.input == ARGS
         assert re.fullmatch(fmt.ids[1], use.id)
 
@@ -212,7 +254,7 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
     ]
     second = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=messages)
     assert [b.text for b in second.content if b.type == "text"] == [WEATHER_ANSWER]
-    for text in fmt.written_back:
+    for text in fmt.written_back_anthropic or fmt.written_back:
         assert text in prompts[-1]
 
 
@@ -229,24 +271,32 @@ def test_responses_give_a_reasoning_item_and_a_function_call(fmt, engine, server
         if e.type == "response.completed"
     ]
     for response in (whole, streamed):
-        reasoning, call = response.output
-        assert reasoning.type == "reasoning" and reasoning.content[0].text == WEATHER_THOUGHT
+        *reasoning, call = response.output
+        if fmt.reasons:
+            [item] = reasoning
+            assert item.type == "reasoning" and item.content[0].text == WEATHER_THOUGHT
+        else:
+            assert reasoning == []
         assert call.type == "function_call" and call.name == "get_weather"
         assert json.loads(call.arguments) == ARGS
         assert re.fullmatch(fmt.ids[0], call.call_id)
 
     script(engine, monkeypatch, fmt.answer)
+    thought = [
+        {
+            "type": "reasoning",
+            "id": item.id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": WEATHER_THOUGHT}],
+        }
+        for item in reasoning
+    ]
     second = client.responses.create(
         model=MODEL,
         tools=[tool],
         input=[
             {"role": "user", "content": WEATHER_ASK},
-            {
-                "type": "reasoning",
-                "id": reasoning.id,
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": WEATHER_THOUGHT}],
-            },
+            *thought,
             {
                 "type": "function_call",
                 "call_id": call.call_id,

@@ -1,7 +1,7 @@
-"""Kimi-K2's and MiniMax-M2's own chat templates (tests/data/templates/, unchanged) rendered by
-chat_template.py: a conversation with a system message, tools, an assistant's reasoning, text
-and tool call, the tool's result and the generation prompt, against the text read off each
-template by hand."""
+"""Kimi-K2's, Kimi-Linear's and MiniMax-M2's own chat templates (tests/data/templates/,
+unchanged) rendered by chat_template.py: a conversation with a system message, tools, an
+assistant's reasoning, text and tool call, the tool's result and the generation prompt, against
+the text read off each template by hand."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ CHAT = [
 ]
 
 KIMI_TOOLS = f"<|im_system|>tool_declare<|im_middle|>{json.dumps([WEATHER])}<|im_end|>"
+KIMI_ID = "functions.get_weather:0"  # the id the Instruct and Thinking templates number
 KIMI_CALL = (
-    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    f"<|tool_calls_section_begin|><|tool_call_begin|>{KIMI_ID}"
     '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
     "<|tool_calls_section_end|>"
 )
@@ -61,6 +62,17 @@ EXPECTED = {
     "moonshotai-Kimi-K2.jinja": (
         f"{KIMI_START}Let me look.{KIMI_CALL}<|im_end|><|im_system|>tool<|im_middle|>"
         '## Return of call_1\\n{"sky": "sunny"}<|im_end|>' + KIMI_PROMPT
+    ),
+    # Kimi-Linear's: tools as compact JSON, no default system prompt, no reasoning written back,
+    # and the call's id the request's own (`id`, then `tool_call_id` before the result)
+    "Kimi-Linear-48B-A3B-Instruct.jinja": (
+        "<|im_system|>tool_declare<|im_middle|>"
+        f"{json.dumps([WEATHER], separators=(',', ':'))}<|im_end|>"
+        "<|im_system|>system<|im_middle|>You are terse.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
+        f"<|im_assistant|>assistant<|im_middle|>Let me look.{KIMI_CALL.replace(KIMI_ID, 'call_1')}"
+        '<|im_end|><|im_system|>tool<|im_middle|>## Return of call_1\n{"sky": "sunny"}<|im_end|>'
+        + KIMI_PROMPT
     ),
     "MiniMax-M2.jinja": (
         "]~!b[]~b]system\nYou are terse.\n\n# Tools\nYou may call one or more tools to assist "
@@ -96,7 +108,9 @@ def test_a_tool_use_conversation_renders_as_the_template_writes_it(name):
     assert chat_template.render(source, CHAT, [WEATHER]) == EXPECTED[name]
 
 
-@pytest.mark.parametrize("name", ["MiniMax-M2.jinja", "moonshotai-Kimi-K2.jinja"])
+@pytest.mark.parametrize(
+    "name", ["MiniMax-M2.jinja", "moonshotai-Kimi-K2.jinja", "Kimi-Linear-48B-A3B-Instruct.jinja"]
+)
 def test_templates_transformers_renders_render_the_same_here(name):
     # (transformers' immutable sandbox refuses the other two: they append to and pop from a
     # list, which chat_template.py allows, see its docstring)

@@ -184,7 +184,12 @@ def test_an_id_used_twice_in_a_reply_gets_a_fresh_one():
 
 
 def test_the_templates_pick_it_and_a_forced_call_leaves_the_index_to_the_model():
-    for name in ("Kimi-K2-Instruct.jinja", "Kimi-K2-Thinking.jinja", "moonshotai-Kimi-K2.jinja"):
+    for name in (
+        "Kimi-K2-Instruct.jinja",
+        "Kimi-K2-Thinking.jinja",
+        "moonshotai-Kimi-K2.jinja",
+        "Kimi-Linear-48B-A3B-Instruct.jinja",
+    ):
         assert parser_for_template((TEMPLATES / name).read_text()) == "kimi_k2"
     assert keeps_special_tokens("kimi_k2")  # the markup is special tokens in Kimi's tokenizer
     opening = forced_tool_call("kimi_k2", "get_weather", False)

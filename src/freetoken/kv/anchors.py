@@ -28,6 +28,7 @@ placeholder, SWE-agent keeps the last n observations), and keep the prefix befor
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,19 @@ def boundary_tokens(tokenizer: Any) -> dict[int, int]:
     return found
 
 
+def anchor_positions(boundaries: dict[int, int], chunk: Sequence[int], start: int = 0) -> list[int]:
+    """Anchor positions a forward feeding `chunk` at positions start, start + 1, ... can save
+    (`boundaries`: as `boundary_tokens` gives them): from `start` (the state before it) to
+    `start + len(chunk)`, ascending. Over a whole sequence's tokens (start 0): every position
+    its anchors were taken at, whichever forwards fed them."""
+    found = set()
+    for i, token in enumerate(chunk):
+        side = boundaries.get(token)
+        if side is not None and start + i + side > 0:
+            found.add(start + i + side)
+    return sorted(found)
+
+
 @dataclass(eq=False)
 class Anchor:
     position: int  # the state after tokens [0, position)
@@ -94,14 +108,7 @@ class AnchorStore:
     # -- saving ---------------------------------------------------------------------------
 
     def positions(self, chunk: list[int], start: int) -> list[int]:
-        """Anchor positions a forward feeding `chunk` at positions start, start + 1, ... can
-        save: from `start` (the state before it) to `start + len(chunk)`, ascending."""
-        found = set()
-        for i, token in enumerate(chunk):
-            side = self.boundaries.get(token)
-            if side is not None and start + i + side > 0:
-                found.add(start + i + side)
-        return sorted(found)
+        return anchor_positions(self.boundaries, chunk, start)
 
     def reserve(self, positions: list[int], pending: list[Anchor]) -> list[Anchor]:
         """New pending anchors for these positions of a request whose earlier anchors are
