@@ -56,7 +56,6 @@ class Format:
     reasons: bool = True  # whether the model writes reasoning (WEATHER_THOUGHT) before its call
     # What the next prompt holds when the conversation came through Anthropic's API, where it
     # differs: a template that writes the request's call ids writes that API's (anthropic_api.py)
-    written_back_anthropic: tuple[str, ...] | None = None
 
 
 KIMI = Format(
@@ -105,13 +104,6 @@ KIMI_LINEAR = Format(
         f"<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{RESULT}<|im_end|>",
     ),
     reasons=False,
-    # (there, as Anthropic's API has it: the model's `.` and `:` become `_`)
-    written_back_anthropic=(
-        f"<|im_assistant|>assistant<|im_middle|>"
-        f"{KIMI_LINEAR_CALL.replace('functions.get_weather:0', 'functions_get_weather_0')}"
-        "<|im_end|>",
-        f"<|im_system|>tool<|im_middle|>## Return of functions_get_weather_0\n{RESULT}<|im_end|>",
-    ),
 )
 MINIMAX_CALL = (
     '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>'
@@ -254,7 +246,7 @@ def test_anthropic_gives_a_thinking_block_and_a_tool_use(fmt, engine, server, mo
     ]
     second = client.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=messages)
     assert [b.text for b in second.content if b.type == "text"] == [WEATHER_ANSWER]
-    for text in fmt.written_back_anthropic or fmt.written_back:
+    for text in fmt.written_back:
         assert text in prompts[-1]
 
 
@@ -317,3 +309,15 @@ def test_a_forced_tool_choice_opens_the_call_as_the_model_writes_it(
     tool_call = forced_tool_call(engine, server[0], monkeypatch, WEATHER, fmt.forced_rest, "Rome?")
     assert json.loads(tool_call.function.arguments) == {"city": "Rome"}
     assert re.fullmatch(fmt.ids[0], tool_call.id)
+
+
+def test_kimi_ids_replayed_through_anthropic_come_back_as_the_models_own():
+    """Anthropic's tool_use ids allow only [a-zA-Z0-9_-]: Kimi's `functions.NAME:IDX` goes
+    out as `functions_NAME_IDX` and comes back as the model wrote it (names with `_` too);
+    other parsers' ids are left as they are."""
+    from freetoken.server.anthropic_api import model_call_id
+
+    assert model_call_id("functions_get_weather_0", "kimi_k2") == "functions.get_weather:0"
+    assert model_call_id("functions_read_12", "kimi_k2") == "functions.read:12"
+    assert model_call_id("toolu_01abc", "kimi_k2") == "toolu_01abc"
+    assert model_call_id("functions_get_weather_0", "qwen3") == "functions_get_weather_0"

@@ -44,6 +44,19 @@ STOP_REASON = {
 _NOT_IN_TOOL_USE_IDS = re.compile(r"[^a-zA-Z0-9_-]")
 
 
+# A Kimi call id as its tool_use block carries it (`functions.NAME:IDX` -> `functions_NAME_IDX`).
+_KIMI_TOOL_USE_ID = re.compile(r"functions_(.+)_(\d+)")
+
+
+def model_call_id(call_id: str, parser: str | None) -> str:
+    """A tool_use id a request replays, as the model wrote it: Kimi's ids come back from
+    `_tool_use_block`'s form to `functions.NAME:IDX`, so the prompt renders the model's own
+    tokens (and reuses the prefix the cache holds of them); others as they are."""
+    if parser == "kimi_k2" and (m := _KIMI_TOOL_USE_ID.fullmatch(call_id)):
+        return f"functions.{m[1]}:{m[2]}"
+    return call_id
+
+
 def _tool_use_block(start: ev.ToolCallStart) -> dict[str, Any]:
     """A call's tool_use block, its input still empty. The call's id as Anthropic's API has
     them (`^[a-zA-Z0-9_-]+$`; its servers refuse any other in a conversation a client replays
@@ -91,8 +104,9 @@ def _blocks(content: str | list[dict[str, Any]], kinds: dict, where: tuple) -> l
     return out
 
 
-def template_messages(body: MessagesBase) -> list[dict[str, Any]]:
-    """Anthropic system + messages -> the chat template's message dicts."""
+def template_messages(body: MessagesBase, parser: str | None = None) -> list[dict[str, Any]]:
+    """Anthropic system + messages -> the chat template's message dicts (tool call ids as
+    the model of `parser` writes them: `model_call_id`)."""
     out: list[dict[str, Any]] = []
     if body.system and (text := system_text(body.system, ("system",))):
         out.append({"role": "system", "content": text})
@@ -109,7 +123,8 @@ def template_messages(body: MessagesBase) -> list[dict[str, Any]]:
             for b in _blocks(m.content, USER_BLOCKS, where):
                 if isinstance(b, ToolResultBlock):
                     result = tool_result_text(b.content, (*where, "content"))
-                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
+                    call_id = model_call_id(b.tool_use_id, parser)
+                    out.append({"role": "tool", "tool_call_id": call_id, "content": result})
                 else:
                     text.append(b.text)
             if text:
@@ -123,7 +138,8 @@ def template_messages(body: MessagesBase) -> list[dict[str, Any]]:
                 elif isinstance(b, ThinkingBlock):
                     msg["reasoning_content"] = b.thinking
                 else:
-                    calls.append(template_tool_call(b.id, b.name, b.input or {}))
+                    call_id = model_call_id(b.id, parser)
+                    calls.append(template_tool_call(call_id, b.name, b.input or {}))
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -184,7 +200,7 @@ def render(core: GenerationCore, body: MessagesBase) -> tuple[list[int], list[di
         **reasoning(core, body),
         **core.template_kwargs(getattr(body, "chat_template_kwargs", None)),
     }
-    return core.render(template_messages(body), tools=tools, **kwargs), tools
+    return core.render(template_messages(body, core.parser_name), tools=tools, **kwargs), tools
 
 
 @dataclass
