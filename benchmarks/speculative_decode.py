@@ -32,7 +32,8 @@ import torch
 from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny
 
 from freetoken.config import MoEOptions
-from freetoken.engine.generate import LLMEngine, auto_policy
+from freetoken.engine.draft_policy import auto_policy
+from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.speculative import PromptLookup
@@ -154,7 +155,7 @@ def measure(loaded, options, batch, args, device) -> list[dict]:
         else:
             recorded = {tuple(p): p + r for p, r in zip(prompts, reference, strict=True)}
             drafter = Replayed(recorded, args.acceptance, vocab)
-        engine.drafter, engine.draft_policy = drafter, auto_policy(runner, drafter)
+        engine.drafter, engine.draft_policy = drafter, auto_policy(runner, drafter.max_draft)
         run(engine, prompts, params, device)  # warm-up: verify shapes captured and measured
         auto, tokens = run(engine, prompts, params, device)
         same = sum(

@@ -449,13 +449,13 @@ def test_sampled_requests_draw_alike_with_drafts_and_without(moe_path):
 def test_auto_measures_steps_drafts_where_it_pays_and_keeps_the_tokens(tmp_path):
     """`--speculative auto`: the engine times its steps by shape, the cost model tries drafts
     once a plain step is measured, and the tokens are those of no drafting."""
-    from freetoken.engine.generate import auto_policy
+    from freetoken.engine.draft_policy import auto_policy
 
     path = build("qwen3_moe", tmp_path / "m")[0]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     prompts, want, expected, vocab = reference(path, params)
     auto = engine_for(path, Forced(expected, vocab))  # (drafts always at hand, always right)
-    auto.draft_policy = auto_policy(auto.runner, PromptLookup())
+    auto.draft_policy = auto_policy(auto.runner, PromptLookup().max_draft)
     got = [c.output_ids for c in auto.generate(prompts, params)]
     assert got == want
     assert (2, 2) in auto.draft_policy.costs  # plain steps of the pair, measured
@@ -477,14 +477,14 @@ def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path):
     """On a GPU whose decode steps replay CUDA graphs, a model whose verify steps can't be
     captured (latent attention, recurrent state) gets no drafts from `auto` (CPU twin: the
     runner's flags as a GPU's would be)."""
-    from freetoken.engine.generate import auto_policy
+    from freetoken.engine.draft_policy import auto_policy
 
     path = build("qwen3_moe", tmp_path / "m")[0]
     runner = ModelRunner(load_model(path, dtype="float32"), 256, page_size=8)
-    assert auto_policy(runner, PromptLookup()) is not None  # no graphs: steps are measured
+    assert auto_policy(runner, 4) is not None  # no graphs: steps are measured
     runner.graphs, runner.verify_graphs = object(), False
-    assert auto_policy(runner, PromptLookup()) is None
+    assert auto_policy(runner, 4) is None
     runner.verify_graphs = True
-    policy = auto_policy(runner, PromptLookup(max_draft=3))
+    policy = auto_policy(runner, 3)
     moe = runner.config.moe
     assert (policy.max_draft, policy.experts, policy.top_k) == (3, moe.num_experts, moe.top_k)

@@ -27,6 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from freetoken.engine.runner import ModelRunner
 
 DECAY = 0.8  # weight of a request's earlier drafts against its latest
 COST_WEIGHT = 0.2  # weight of the newest measured step in a shape's running mean
@@ -117,3 +121,22 @@ class DraftPolicy:
             if tokens / seconds > best_rate * 1.0001:
                 best, best_rate = k, tokens / seconds
         return best
+
+
+def auto_policy(runner: ModelRunner, max_draft: int) -> DraftPolicy | None:
+    """`--speculative auto`'s cost model for the runner's model, or None where a verify step
+    cannot run as cheaply as a decode step: on a GPU whose decode runs in CUDA graphs, a
+    verify step that can't (engine/runner.py's `_captures_verify`) costs several decode
+    steps of host time."""
+    if runner.graphs is not None and not runner.verify_graphs:
+        return None
+    cfg, moe = runner.config, runner.moe
+
+    def miss_rate() -> float:
+        if moe is None or moe.cache is None:
+            return 0.0
+        return 1.0 - moe.telemetry.snapshot()["hit_rate"]
+
+    experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    top_k = cfg.moe.top_k if cfg.moe is not None else 0
+    return DraftPolicy(max_draft, experts, top_k, miss_rate)

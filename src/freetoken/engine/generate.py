@@ -26,7 +26,7 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.devices import resolve_device
-from freetoken.engine.draft_policy import Acceptance, DraftPolicy
+from freetoken.engine.draft_policy import Acceptance, DraftPolicy, auto_policy
 from freetoken.engine.memory_watch import DeviceMemoryWatch
 from freetoken.engine.mtp import Followed, drafter_for, mtp_reading
 from freetoken.engine.runner import ModelRunner
@@ -226,7 +226,7 @@ class LLMEngine:
                 drafter,
             )
             if config.speculative == "auto":
-                engine.draft_policy = auto_policy(runner, drafter)
+                engine.draft_policy = auto_policy(runner, drafter.max_draft)
                 if engine.draft_policy is None:
                     engine.drafter = None
         if device.type == "cpu":  # (after the load, whose conversions use every core)
@@ -779,22 +779,3 @@ class LLMEngine:
                         r.prompt_ids, r.output_ids, "".join(texts[r.id]), r.finish_reason
                     )
         return [results[i] for i in range(len(prompts))]
-
-
-def auto_policy(runner: ModelRunner, drafter: PromptLookup) -> DraftPolicy | None:
-    """`--speculative auto`'s cost model for the runner's model, or None where a verify step
-    cannot run as cheaply as a decode step: on a GPU whose decode runs in CUDA graphs, a
-    verify step that can't (engine/runner.py's `_captures_verify`) costs several decode
-    steps of host time."""
-    if runner.graphs is not None and not runner.verify_graphs:
-        return None
-    cfg, moe = runner.config, runner.moe
-
-    def miss_rate() -> float:
-        if moe is None or moe.cache is None:
-            return 0.0
-        return 1.0 - moe.telemetry.snapshot()["hit_rate"]
-
-    experts = cfg.moe.num_experts if cfg.moe is not None else 0
-    top_k = cfg.moe.top_k if cfg.moe is not None else 0
-    return DraftPolicy(drafter.max_draft, experts, top_k, miss_rate)
