@@ -1,6 +1,7 @@
 """Prompt-lookup drafts on a code-editing turn: a model asked to write back a file from its
-context with one rename, greedy, decoded with drafting off and on (interleaved, in one process):
-tokens/s, drafts verified and kept, and whether the tokens are the same.
+context with one rename, greedy, decoded with drafting off, n-gram (every draft whole) and
+auto (interleaved, in one process): tokens/s, drafts verified and kept, and whether the
+tokens are the same.
 
     python benchmarks/speculative_edit.py MODEL [--dtype bfloat16] [--tokens 200]
 """
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from freetoken.config import EngineConfig
+from freetoken.engine.draft_policy import auto_policy
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.speculative import PromptLookup
@@ -45,8 +47,10 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0)
     outputs = {}
     for _ in range(args.rounds):
-        for mode in ("off", "ngram"):
-            engine.drafter = PromptLookup() if mode == "ngram" else None
+        for mode in ("off", "ngram", "auto"):
+            engine.drafter = PromptLookup() if mode != "off" else None
+            # (auto: as much of each draft as its cost model says pays, measured as it goes)
+            engine.draft_policy = auto_policy(engine.runner, 4) if mode == "auto" else None
             engine.drafted = engine.accepted = engine.verified = 0
             start = time.perf_counter()
             out = engine.generate([ids], params)[0]
