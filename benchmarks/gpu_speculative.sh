@@ -16,7 +16,7 @@ tests)
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     cd tests && timeout ${SPEC_TEST_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider \
-      test_cuda_graphs.py test_speculative.py test_paged_attention.py test_mtp.py 2>&1 \
+      ${SPEC_TEST_ARGS:-test_cuda_graphs.py test_speculative.py test_paged_attention.py test_mtp.py} 2>&1 \
       | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|assert" | head -150
   } 2>&1 | tee "$out/spec-tests.txt"
   ;;
