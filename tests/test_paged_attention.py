@@ -162,6 +162,25 @@ def test_a_few_new_tokens_a_sequence_take_the_decode_kernel_per_token(window, si
     assert not make_case([20], [9], 4, 2)[3].few_queries  # (a prefill chunk: gathered)
 
 
+@needs_native
+def test_a_verify_steps_attention_equals_the_decode_steps_it_stands_in_for():
+    """bf16: each new token's attention in a verify step is bit for bit what decoding it
+    alone gives (its keys split as a decode step of the batch's sequences splits them), so a
+    draft changes no sum's order there."""
+    from freetoken.kernels.paged_attention import paged_attention
+
+    for seed in range(3):
+        q, cache, seqs, batch = make_case(
+            [700], [5], 14, 2, 64, page_size=16, seed=seed, dtype=torch.bfloat16
+        )
+        verify = paged_attention(q, cache.k[0], cache.v[0], batch, 0.125)
+        for i, length in enumerate(range(696, 701)):
+            seqs[0].length = length - 1  # the state when token i was decoded alone
+            one = ForwardBatch.build(cache, seqs[:1], [[1]], torch.device("cpu"))
+            alone = paged_attention(q[i : i + 1], cache.k[0], cache.v[0], one, 0.125)
+            assert torch.equal(verify[i], alone[0]), (seed, i)
+
+
 def test_host_work_per_decode_batch_does_not_grow_with_the_context():
     """Building a decode batch sends the step's values and the new page-table entries only."""
 

@@ -264,16 +264,18 @@ uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
                                  int64_t page, const int64_t *rows, const int64_t *lengths,
                                  int64_t B, int64_t heads, int64_t kv_heads, int64_t D,
                                  int64_t window, float scale, const float *sinks, float *out,
-                                 int threads) {
+                                 int64_t split_as, int threads) {
     const int64_t G = heads / kv_heads;
     if (G > ATTN_MAX_GROUP || heads % kv_heads) return 0;
     uint64_t gen = begin_job(threads);
     if (!gen) return 0;
     buf_t *b = scratch[gen & 1];
-    /* Splits so the team has work: two items per thread, but never splits under a block. */
+    /* Splits so the team has work: two items per thread, but never splits under a block.
+     * Counted for `split_as` sequences: a verify step's queries (each a sequence of its own)
+     * split their keys as the decode steps they stand in for, and sum in the same order. */
     int64_t longest = 0;
     for (int64_t i = 0; i < B; i++) longest = lengths[i] > longest ? lengths[i] : longest;
-    int64_t splits = (2 * (threads + 1) + B * kv_heads - 1) / (B * kv_heads);
+    int64_t splits = (2 * (threads + 1) + split_as * kv_heads - 1) / (split_as * kv_heads);
     const int64_t most = (longest + ATTN_BLOCK - 1) / ATTN_BLOCK;
     splits = splits > most ? most : splits;
     splits = splits < 1 ? 1 : splits;

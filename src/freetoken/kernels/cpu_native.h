@@ -238,7 +238,7 @@ uint64_t ft_cpu_attention_submit(int dtype, const void *q, const void *k_pool,
                                  int64_t page, const int64_t *rows, const int64_t *lengths,
                                  int64_t B, int64_t heads, int64_t kv_heads, int64_t D,
                                  int64_t window, float scale, const float *sinks, float *out,
-                                 int threads);
+                                 int64_t split_as, int threads);
 void ft_cpu_rms_norm(int dtype, const void *x, const void *delta, const void *weight, int64_t T,
                      int64_t H, float eps, int mode, void *sum, void *out);
 void ft_cpu_rotary(int dtype, const void *x, int64_t x_stride, int64_t h_stride, int64_t T,

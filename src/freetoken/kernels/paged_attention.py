@@ -99,7 +99,7 @@ _CPU_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _P, _I64 = cpu_team.P, cpu_team.I64
 SIGNATURES: cpu_team.Signatures = {  # decode attention's (cpu_layers.c)
     # dtype, q, k_pool, v_pool, table, width, page, rows, lengths, B, heads, kv_heads, D,
-    # window, scale, sinks, out, threads
+    # window, scale, sinks, out, split_as, threads
     "ft_cpu_attention_submit": (
         [
             cpu_team.INT,
@@ -119,6 +119,7 @@ SIGNATURES: cpu_team.Signatures = {  # decode attention's (cpu_layers.c)
             cpu_team.F,
             _P,
             _P,
+            _I64,
             cpu_team.INT,
         ],
         cpu_team.U64,
@@ -190,6 +191,7 @@ def paged_decode_cpu(q, k_pool, v_pool, batch: ForwardBatch, scale, window=None,
         scale,
         sink.data_ptr() if sink is not None else None,
         out.data_ptr(),
+        batch.split_as or b,
         cpu_team.team_threads(),
     )
     if ticket == 0:
@@ -357,7 +359,7 @@ def paged_decode_triton(
     group_pad = max(16, triton.next_power_of_2(group))
     group_block = min(group_pad, WIDE_GROUP_BLOCK) if wide else group_pad
     head_blocks = group_pad // group_block
-    splits = splits or decode_splits(b, kv_heads * head_blocks)
+    splits = splits or decode_splits(batch.split_as or b, kv_heads * head_blocks)
     partial = torch.empty(b, heads, splits, width, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     table = batch.page_table

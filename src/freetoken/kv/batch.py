@@ -86,6 +86,9 @@ class ForwardBatch:
     # Per sequence: (k, slot) = copy the recurrent state after its first k new tokens into
     # pool slot `slot` (an anchor checkpoint, kv/anchors.py); k ascending, 0 <= k <= count.
     captures: list[list[tuple[int, int]]] | None = None
+    # The sequences a decode kernel splits keys for (`per_query`: the batch's own, so a
+    # verify step's queries sum as the decode steps they stand in for do); None: one a query.
+    split_as: int | None = None
     # DeepSeek Sparse Attention: the last indexer layer's choice of keys in this forward, for
     # the layers that share it (layers/mla.py sets and reads it)
     index_selection: Any = None
@@ -107,7 +110,8 @@ class ForwardBatch:
         """The batch as attention sees it with every new token a sequence of its own: its
         sequence's row of the page table, the keys up to its own position. With the new
         tokens' keys written first, that is the causal mask, so the decode kernels (one query
-        per sequence, lengths read on the device) serve a verify step, in a CUDA graph too."""
+        per sequence, lengths read on the device) serve a verify step, in a CUDA graph too,
+        splitting each query's keys as a decode step of the batch's sequences would."""
         if self.is_decode:
             return self
         lengths, row_ids = [], []
@@ -129,6 +133,7 @@ class ForwardBatch:
             seq_lens=lengths,
             counts=[1] * t,
             row_ids=row_ids,
+            split_as=len(self.counts),
         )
 
     @property
