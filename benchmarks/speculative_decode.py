@@ -32,6 +32,7 @@ import torch
 from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny
 
 from freetoken.config import MoEOptions
+from freetoken.engine import draft_policy
 from freetoken.engine.draft_policy import auto_policy
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
@@ -198,6 +199,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
+    draft_policy.AUTO_ON_GPU = True  # (what auto does on a GPU is what this measures)
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
     loaded = random_model(raw, device)
     route_by_position(loaded, device)

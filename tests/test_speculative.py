@@ -473,7 +473,7 @@ def test_auto_measures_steps_drafts_where_it_pays_and_keeps_the_tokens(tmp_path)
     assert engine("off").drafter is None
 
 
-def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path):
+def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path, monkeypatch):
     """On a GPU whose decode steps replay CUDA graphs, a model whose verify steps can't be
     captured (latent attention, recurrent state) gets no drafts from `auto` (CPU twin: the
     runner's flags as a GPU's would be)."""
@@ -488,3 +488,6 @@ def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path):
     policy = auto_policy(runner, 3)
     moe = runner.config.moe
     assert (policy.max_draft, policy.experts, policy.top_k) == (3, moe.num_experts, moe.top_k)
+    # on a GPU, not until its verify graphs have run on one (draft_policy.AUTO_ON_GPU)
+    monkeypatch.setattr(ModelRunner, "device", property(lambda self: torch.device("cuda")))
+    assert auto_policy(runner, 3) is None
