@@ -150,7 +150,7 @@ def test_a_few_new_tokens_a_sequence_take_the_decode_kernel_per_token(window, si
 
     lengths, counts = [9, 30, 4], [3, 5, 1]
     q, cache, seqs, batch = make_case(lengths, counts, 8, 2, page_size=4)
-    queries = batch.per_query()
+    queries = batch.per_query
     assert queries.is_decode and queries.counts == [1] * 9
     assert queries.seq_lens == [7, 8, 9, 26, 27, 28, 29, 30, 4]
     assert queries.lengths.tolist() == queries.seq_lens

@@ -104,13 +104,12 @@ def _captures_decode(cfg: ModelConfig) -> bool:
 
 def _captures_verify(cfg: ModelConfig) -> bool:
     """Whether verify steps (a few new tokens per sequence, every token's logits) are
-    captured too: where every layer's attention runs the decode kernel per new token
-    (`ForwardBatch.per_query`), reading nothing sized on the host. Not latent attention,
-    whose several-token path gathers keys sized by the host's lengths, nor models with
-    recurrent state (their drafting requests save a state copy in the step, which runs
+    captured too, where decode steps are: where every layer's attention runs the decode
+    kernel per new token (`ForwardBatch.per_query`), reading nothing sized on the host. Not latent
+    attention, whose several-token path gathers keys sized by the host's lengths, nor models
+    with recurrent state (their drafting requests save a state copy in the step, which runs
     eagerly: engine/generate.py's `_verify`)."""
-    plain = cfg.mla is None and cfg.compressed is None and cfg.linear_attention is None
-    return plain and _captures_decode(cfg)
+    return cfg.mla is None and cfg.compressed is None and cfg.linear_attention is None
 
 
 class ModelRunner:

@@ -83,7 +83,9 @@ def paged_attention(
     is read as its own values (`v_pool is k_pool`) and the caller reads only the first
     `values` columns of the result (latent attention), the Triton decode kernel may return
     fewer columns, at least `values`."""
-    queries = batch.per_query() if batch.few_queries else None  # (a verify step's too)
+    # (a verify step's few tokens a sequence too, each as a sequence of its own)
+    few = batch.is_decode or batch.few_queries
+    queries = None if not few else batch if batch.is_decode else batch.per_query
     if queries is not None and q.is_cuda and triton_decode_takes(q, k_pool, v_pool, values):
         return paged_decode_triton(q, k_pool, v_pool, queries, scale, window, sinks)
     if queries is not None and cpu_decode_takes(q, k_pool):

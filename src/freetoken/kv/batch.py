@@ -13,6 +13,7 @@ everything else where it lies.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,8 @@ import torch
 from freetoken.kv.paged import KVSequence, PagedKVCache
 
 # New tokens per sequence up to which attention runs the decode kernels once per token
-# (`ForwardBatch.per_query`): a verify step's last token and its draft (at most
-# engine/speculative.py's MAX_DRAFT + 1).
+# (`ForwardBatch.per_query`): a verify step's last token and its draft (prompt lookup drafts
+# at most 4: engine/speculative.py's PromptLookup.max_draft).
 SHORT_QUERIES = 8
 
 
@@ -106,14 +107,14 @@ class ForwardBatch:
         kernel."""
         return max(self.counts) <= SHORT_QUERIES
 
+    @functools.cached_property
     def per_query(self) -> ForwardBatch:
         """The batch as attention sees it with every new token a sequence of its own: its
         sequence's row of the page table, the keys up to its own position. With the new
         tokens' keys written first, that is the causal mask, so the decode kernels (one query
         per sequence, lengths read on the device) serve a verify step, in a CUDA graph too,
-        splitting each query's keys as a decode step of the batch's sequences would."""
-        if self.is_decode:
-            return self
+        splitting each query's keys as a decode step of the batch's sequences would. Made
+        once per batch: every attention layer reads it."""
         lengths, row_ids = [], []
         for total, count, row in zip(self.seq_lens, self.counts, self.row_ids, strict=True):
             lengths.extend(range(total - count + 1, total + 1))
