@@ -496,24 +496,67 @@ class UniformRouter(torch.nn.Module):
     """Router logits drawn at random for every token: each token's experts are a uniform
     random top-k, with no reuse between tokens or layers. A random-weight model's own router
     sends nearly every token to the same experts (98% cache hits at any size), which would
-    measure nothing of the miss path; real models sit between the two."""
+    measure nothing of the miss path; real models sit between the two.
 
-    def __init__(self, num_experts: int):
+    A prefetch's prediction (moe/prefetch.py) cannot be learned from random logits, so it is
+    modelled: the prediction call draws the layer's logits for the coming call and keeps
+    them, and gets them back with each of the chosen top-k dropped with probability
+    1 - `recall` (the next best, random experts, take their places); the layer's own call then
+    routes by the kept logits."""
+
+    def __init__(self, num_experts: int, top_k: int, recall: float = 1.0):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.top_k, self.recall = num_experts, top_k, recall
+        self.predicting = False  # set around MoEBlock.prefetch (use_uniform_routing)
+        self._kept: dict[int, torch.Tensor] = {}  # per call size: the predicted call's logits
+        self._ready = None  # the prediction's event (it ran on the prefetch's side stream)
+        self._pending = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The default generator: CUDA graphs advance it at every replay (a private one cannot
         # be captured).
         shape = (x.shape[0], self.num_experts)
+        if self.predicting:
+            logits = torch.randn(shape, device=x.device, dtype=x.dtype)
+            kept = self._kept.setdefault(x.shape[0], torch.empty_like(logits))
+            kept.copy_(logits)
+            chosen = torch.zeros(shape, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, logits.topk(self.top_k, dim=-1).indices, True)
+            dropped = chosen & (torch.rand(shape, device=x.device) >= self.recall)
+            if x.device.type == "cuda":
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+            self._pending = True
+            return logits.masked_fill(dropped, -1e4)
+        if self._pending:
+            self._pending = False
+            if self._ready is not None:
+                torch.cuda.current_stream(x.device).wait_event(self._ready)
+            return self._kept[x.shape[0]]
         return torch.randn(shape, device=x.device, dtype=x.dtype)
 
 
-def use_uniform_routing(loaded: LoadedModel, seed: int = 0) -> None:
+def use_uniform_routing(loaded: LoadedModel, seed: int = 0, recall: float = 1.0) -> None:
     torch.manual_seed(seed)
+    moe = loaded.config.moe
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
-            layer.moe.router = UniformRouter(loaded.config.moe.num_experts)
+            block = layer.moe
+            block.router = UniformRouter(moe.num_experts, moe.top_k, recall)
+            block.prefetch = _predicting(block.prefetch, block.router)
+
+
+def _predicting(prefetch, router: UniformRouter):
+    """`prefetch` with the router told that it predicts meanwhile."""
+
+    def run(*args, **kwargs):
+        router.predicting = True
+        try:
+            prefetch(*args, **kwargs)
+        finally:
+            router.predicting = False
+
+    return run
 
 
 class TraceRouter(torch.nn.Module):
@@ -644,7 +687,8 @@ def roofline_tokens_per_s(strategy, snap, layers, expert_bytes, batch, bw, moe) 
     calls = max(1, t["calls"])
     per_step_layers = calls / layers  # layer steps per decode step (one per layer)
     hits = t["hits"] / per_step_layers
-    fills = t["fills"] / per_step_layers
+    # (experts prefetched a layer ahead crossed PCIe too: counted as fills)
+    fills = (t["fills"] + t["prefetches"]) / per_step_layers
     cpu = t["cpu"] / per_step_layers
     if strategy == "fused":
         # Expected distinct experts of `batch` independent tokens, each routed to top_k of E.
@@ -713,6 +757,20 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument(
+        "--prefetch",
+        action="append",
+        type=int,
+        help="offload and hybrid: also with this many experts prefetched a layer ahead "
+        "(moe/prefetch.py), labelled STRATEGY+pN (default: 0 only)",
+    )
+    ap.add_argument(
+        "--prediction-recall",
+        type=float,
+        default=1.0,
+        help="uniform routing: the share of a layer's experts its prefetch predicts right "
+        "(modelled: see UniformRouter)",
+    )
+    ap.add_argument(
         "--routing",
         default="uniform",
         help="uniform: random top-k per token (see UniformRouter); model: the random router; "
@@ -734,7 +792,7 @@ def main() -> int:
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device, expert_format(args.expert_format))
     if args.routing == "uniform":
-        use_uniform_routing(loaded)
+        use_uniform_routing(loaded, recall=args.prediction_recall)
     elif args.routing.startswith("trace:"):
         use_trace_routing(loaded, args.routing.removeprefix("trace:"))
     elif args.routing != "model":
@@ -759,11 +817,17 @@ def main() -> int:
         for strategy in ["fused"] if cache == "all" else strategies:
             if strategy == "cpu" and any(r["strategy"].startswith("cpu") for r in rows):
                 continue  # no cache: the same at every cache size
-            for batch, threads in itertools.product(batches, teams):
-                options = contender_options(strategy, cache_size=size, cpu_threads=threads)
+            ahead = args.prefetch or [0]
+            if not strategy.startswith(("offload", "hybrid")):
+                ahead = [0]
+            for batch, threads, p in itertools.product(batches, teams, ahead):
+                options = contender_options(
+                    strategy, cache_size=size, cpu_threads=threads, prefetch_experts=p
+                )
                 total = args.steps * args.rounds
                 contender = prepare(loaded, options, batch, total, args.warmup, args.prompt, device)
                 label = strategy if len(teams) == 1 else f"{strategy}/t{threads}"
+                label += f"+p{p}" if p else ""
                 contenders.append((label, contender))
         for _ in range(args.rounds):
             for _, contender in contenders:
@@ -795,6 +859,7 @@ def main() -> int:
                 hit_rate=snap["hit_rate"],
                 q=snap["mean_fills_per_layer_step"],
                 m_minus_q=snap["mean_cpu_per_layer_step"],
+                prefetches=snap["mean_prefetches_per_layer_step"],
                 pcie_mb_per_token=t["bytes_h2d"] / (steps * batch) / 1e6,
                 roofline_tokens_per_s=roof,
                 ratio=tps / roof,
@@ -826,17 +891,20 @@ def main() -> int:
         f"- {args.rounds} rounds of {args.steps} timed decode steps after {args.warmup} warm-up "
         f"steps, every contender of a cache size timed in turn each round; tok/s is the median "
         f"round, spread (max - min) / median; prompt {args.prompt} tokens; decode inputs drawn "
-        f"at random; routing: {args.routing}",
+        f"at random; routing: {args.routing}"
+        + (f", prefetch predictions right {args.prediction_recall:.0%}" if args.prefetch else ""),
+        "- q, m-q, prefetched: per layer step, fills, CPU misses, and experts copied a layer "
+        "ahead (STRATEGY+pN, moe/prefetch.py); the roofline counts the prefetched as fills",
         "- roofline: the step's expert bytes at the measured bandwidths (hits at HBM speed); "
         "step ms is the whole decode step, host ms the host's time in it (the forward call: "
         "the batch, the graph's launch, every host decision; not the sampler's wait), MoE "
         "host ms the host time inside the MoE layers; way: hybrid's way of stepping at the "
         "end (moe/split.py StepModes) and its trials so far",
         "",
-        "| cache | strategy | batch | tok/s | spread | hit rate | q | m-q | PCIe MB/tok "
-        "| roofline tok/s | ratio | step ms | host ms | MoE host ms | sync wait ms "
-        "| CPU wait ms | way |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cache | strategy | batch | tok/s | spread | hit rate | q | m-q | prefetched "
+        "| PCIe MB/tok | roofline tok/s | ratio | step ms | host ms | MoE host ms "
+        "| sync wait ms | CPU wait ms | way |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         strat = r["strategy"]
@@ -845,7 +913,7 @@ def main() -> int:
         lines.append(
             f"| {r['cache']} ({r['slots']} slots) | {strat} | {r['batch']} | "
             f"{r['tokens_per_s']:.1f} | {r['spread']:.0%} | {r['hit_rate']:.3f} | {r['q']:.2f} | "
-            f"{r['m_minus_q']:.2f} | {r['pcie_mb_per_token']:.0f} | "
+            f"{r['m_minus_q']:.2f} | {r['prefetches']:.2f} | {r['pcie_mb_per_token']:.0f} | "
             f"{r['roofline_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['step_ms']:.1f} | "
             f"{r['step_host_ms']:.2f} | {r['host_ms_per_step']:.1f} | "
             f"{r['sync_ms_per_step']:.1f} | {r['cpu_wait_ms_per_step']:.1f} | {r['way']} |"

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_deepseek_v4.sh switches OUT_DIR # V4's bf16 comparison with transformers,
 #                                                       # with each decode kernel switched off
 #   bash benchmarks/gpu_deepseek_v4.sh timeline OUT_DIR # where a hybrid step's time goes
+#   bash benchmarks/gpu_deepseek_v4.sh prefetch OUT_DIR # fills a layer ahead: its CUDA tests,
+#                                                       # then hybrid with 0, 1, 2 prefetched
 #   bash benchmarks/gpu_deepseek_v4.sh glm5 OUT_DIR     # a GLM-5-shaped model: decode_offload
 #   bash benchmarks/gpu_deepseek_v4.sh glm5-context OUT_DIR  # the same at contexts 0, 32k, 128k
 # (V4_FUSED=1 adds the whole pool resident to `speed`: 51 GiB at 16 layers, more than an
@@ -48,6 +50,18 @@ speed)
     --layers "$layers" --expert-format mxfp4 "${caches[@]}" \
     --strategy ${V4_STRATEGIES:-hybrid offload} --batch 1 --batch 4 --steps 24 --warmup 40 \
     --rounds "${V4_ROUNDS:-3}" --out "$out/v4-speed.md" 2>&1 | tail -40
+  ;;
+prefetch)
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
+    cd tests && timeout 150 python3 -m pytest -q -rA -p no:cacheprovider test_prefetch.py \
+      test_cuda_graphs.py -k "prefetch" 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | head -40
+  } 2>&1 | tee "$out/prefetch-tests.txt"
+  cd benchmarks && timeout ${V4_PREFETCH_TIMEOUT:-420} python3 decode_offload.py \
+    --shape deepseek-v4-flash --layers "${V4_LAYERS:-8}" --expert-format mxfp4 --cache "$cache" \
+    --strategy hybrid --batch 1 --batch 4 --prefetch 0 --prefetch 1 --prefetch 2 \
+    --prediction-recall "${V4_RECALL:-0.8}" --steps 24 --warmup 40 --rounds "${V4_ROUNDS:-3}" \
+    --out "$out/v4-prefetch.md" 2>&1 | tail -30
   ;;
 switches)
   python3 benchmarks/kernel_switches.py --off none --off attention --off streams --off mix \

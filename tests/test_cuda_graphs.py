@@ -42,8 +42,11 @@ def prompts_of(loaded, lengths):
         MoEOptions("hybrid", "100000"),  # the whole pool: no layer rings the CPU
         MoEOptions("cpu"),
         MoEOptions("static", "6"),
+        # fills a layer ahead on a side stream, forked and joined inside the graph
+        MoEOptions("offload", "6", prefetch_experts=2),
+        MoEOptions("hybrid", "6", prefetch_experts=2),
     ],
-    ids=lambda o: f"{o.strategy}-{o.cache_size}",
+    ids=lambda o: f"{o.strategy}-{o.cache_size}" + "-prefetch" * bool(o.prefetch_experts),
 )
 def test_graph_replay_equals_eager(tmp_path, options):
     path, _ = build("qwen3_moe", tmp_path / "m")
@@ -58,6 +61,8 @@ def test_graph_replay_equals_eager(tmp_path, options):
     # fused, and offload deciding on the device, are one graph; the others cut at every layer
     whole = options.strategy == "fused" or runner.moe.control is not None
     assert segments == (1 if whole else moe_layers + 1)
+    if options.prefetch_experts:
+        assert runner.moe.telemetry.total().prefetches > 0
 
 
 def verify_logits(loaded, prompts, drafts, steps, **runner_args):
@@ -241,7 +246,9 @@ def test_gemma4_releases_heads_are_taken_by_the_decode_kernel():
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "options", [MoEOptions("fused"), MoEOptions("hybrid", "6")], ids=lambda o: o.strategy
+    "options",
+    [MoEOptions("fused"), MoEOptions("hybrid", "6"), MoEOptions("hybrid", "6", prefetch_experts=2)],
+    ids=lambda o: o.strategy + "-prefetch" * bool(o.prefetch_experts),
 )
 def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
     """DeepSeek-V4's attention reads every window of the page-table width it is captured for

@@ -68,13 +68,17 @@ CONFIGS = [
     MoEOptions(strategy="static", cache_size="9"),
     MoEOptions(strategy="offload", cache_size="24"),  # the whole pool of 3 layers x 8 experts
     MoEOptions(strategy="hybrid", cache_size="6", policy="lru"),
+    # decode fills a layer ahead on predicted routes (moe/prefetch.py)
+    MoEOptions(strategy="hybrid", cache_size="7", prefetch_experts=3),
     # decode decided on the host, as before device control (decode at "5" decides on the device)
     MoEOptions(strategy="offload", cache_size="5", device_control=False),
 ]
 
 
 @pytest.mark.parametrize(
-    "options", CONFIGS, ids=lambda o: f"{o.strategy}-{o.cache_size}-{o.policy}"
+    "options",
+    CONFIGS,
+    ids=lambda o: f"{o.strategy}-{o.cache_size}-{o.policy}-{o.prefetch_experts}",
 )
 def test_every_strategy_and_cache_size_matches_fused(family_model, options):
     prompts = prompts_for(family_model)
@@ -90,6 +94,8 @@ def test_every_strategy_and_cache_size_matches_fused(family_model, options):
         assert total.fills == 0 and total.cpu == total.misses > 0
     if options.strategy == "offload" and options.cache_size == "24":
         assert total.cpu == 0
+    if options.prefetch_experts:
+        assert total.prefetches > 0
 
 
 def test_runners_sharing_a_model_each_run_their_own_runtime(family_model):

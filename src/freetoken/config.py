@@ -87,12 +87,18 @@ class MoEOptions:
     # s: expert s // L of layer s % L), rather than empty: a slot left empty is a miss paid
     # later, and filling 8 GiB takes 0.2 s at load over PCIe 5.
     warm_cache: bool = True
+    # Device-decided decode fills up to this many of the next MoE layer's misses a layer
+    # ahead, on routes predicted from the residual stream, while its attention runs
+    # (moe/prefetch.py); 0 turns it off.
+    prefetch_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown MoE strategy {self.strategy!r}; use one of {STRATEGIES}")
         if self.max_fetch is not None and self.max_fetch < 1:
             raise ValueError("--moe-hybrid-max-fetch must be at least 1")
+        if self.prefetch_experts < 0:
+            raise ValueError("--moe-prefetch must not be negative")
         if self.cpu_spin_us < 0 or self.cpu_prepare_us < 0:
             raise ValueError("--cpu-spin-us and --cpu-prepare-us must not be negative")
 

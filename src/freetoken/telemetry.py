@@ -18,6 +18,7 @@ class LayerCounters:
     fills: int = 0  # misses copied into the cache over PCIe and run on the GPU
     cpu: int = 0  # misses run on the CPU from host memory
     cpu_routes: int = 0
+    prefetches: int = 0  # experts copied a layer ahead, on predicted routes (moe/prefetch.py)
     bytes_h2d: int = 0
     host_time_s: float = 0.0  # wall time the host spent in the layer's expert step
     sync_wait_s: float = 0.0  # of which: waiting for the device in round trips
@@ -51,6 +52,7 @@ class MoETelemetry:
         cpu: int,
         cpu_routes: int,
         bytes_h2d: int,
+        prefetches: int = 0,
     ) -> None:
         c = self.layers[layer]
         c.calls += calls
@@ -60,6 +62,7 @@ class MoETelemetry:
         c.fills += fills
         c.cpu += cpu
         c.cpu_routes += cpu_routes
+        c.prefetches += prefetches
         c.bytes_h2d += bytes_h2d
 
     def total(self) -> LayerCounters:
@@ -77,6 +80,7 @@ class MoETelemetry:
             "mean_misses_per_layer_step": total.misses / calls,
             "mean_fills_per_layer_step": total.fills / calls,  # q
             "mean_cpu_per_layer_step": total.cpu / calls,  # m - q
+            "mean_prefetches_per_layer_step": total.prefetches / calls,
             "total": asdict(total),
             "layers": [asdict(c) for c in self.layers],
         }

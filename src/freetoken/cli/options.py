@@ -132,6 +132,15 @@ def _expert_placement(option: Option) -> None:
         help="hybrid: at most this many fills per layer step (default: no limit)",
     )
     option(
+        "--moe-prefetch",
+        type=check.integer(0),
+        default=MoEOptions.prefetch_experts,
+        metavar="N",
+        help="offload and hybrid on the device: fill up to N of the next MoE layer's likely "
+        "misses a layer ahead, on routes predicted while its attention runs (default: "
+        "%(default)s, off)",
+    )
+    option(
         "--no-moe-device-control",
         action="store_true",
         help="offload and hybrid: decide decode steps on the host instead of on the device "
@@ -239,6 +248,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_prepare_us=args.cpu_prepare_us,
         prefill_stream_threshold=args.prefill_stream_threshold or None,
         device_control=not args.no_moe_device_control,
+        prefetch_experts=args.moe_prefetch,
     )
     return EngineConfig(
         model=args.model,

@@ -19,6 +19,10 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
    doorbell rung (its shape word, then a new number with a system-scope release);
 6. the policy's update (`ExpectedNextUsePolicy.observe_masked`) and the counters.
 
+A prefetch (`AHEAD`, `DeviceControl.plan_ahead`) runs 1-5 on a predicted call with its own
+split (up to p misses, ranked by route order, not by the policy), and writes no route's slot,
+nothing for the CPU and no policy update: only the tables, the fill list and its counter.
+
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
 scores go to the lowest slot (the torch form's top-k may pick another of them: the same
 decision up to the order of equals).
@@ -50,12 +54,13 @@ def plan_layer(
     x=None,
     shape: int = 0,
     stamp=None,
+    ahead: bool = False,
 ):
-    """`DeviceControl.plan` in one launch: returns (slots [T, k], fill_pairs [R], fill_slots
-    [R]) into the control's persistent buffers, the CPU's routes into its route buffers; with
-    the control's `bell`, rings it with `shape` when the CPU has routes. `stamp`: an int64
-    the device's clock is written to as the program starts (moe/split.py `StepClock`), or
-    None."""
+    """`DeviceControl.plan` (with `ahead`, `plan_ahead`) in one launch: returns (slots [T, k],
+    fill_pairs [R], fill_slots [R]) into the control's persistent buffers, the CPU's routes into
+    its route buffers; with the control's `bell`, rings it with `shape` when the CPU has
+    routes. `stamp`: an int64 the device's clock is written to as the program starts
+    (moe/split.py `StepClock`), or None."""
     policy = control.policy
     # (as_tensor: the policy's state is numpy on the CPU tier, where the interpreter runs this)
     neg_dist, neg_wait, p = (
@@ -64,7 +69,7 @@ def plan_layer(
     )
     flat = pairs.reshape(-1)
     R = flat.numel()
-    out_slots, fill_pairs, fill_slots = control.outputs(R)
+    out_slots, fill_pairs, fill_slots = control.outputs(R, ahead)
     copy_x = x is not None and control.cpu_x is not None
     x = x.contiguous() if copy_x else flat
     words, numbers = control.bell if control.bell is not None else (flat, flat)
@@ -76,7 +81,7 @@ def plan_layer(
         numbers,
         shape,
         flat,
-        weights.reshape(-1),
+        flat if ahead else weights.reshape(-1),
         control.slot_of,
         control.pair_of,
         control.scores,
@@ -84,7 +89,7 @@ def plan_layer(
         neg_dist,
         neg_wait,
         p,
-        control.split_arg,
+        control.ahead if ahead else control.split_arg,
         out_slots,
         fill_pairs,
         fill_slots,
@@ -110,6 +115,7 @@ def plan_layer(
         SHAPE_WORD=SHAPE_WORD,
         stamp=flat if stamp is None else stamp,
         STAMP=stamp is not None,
+        AHEAD=ahead,
     )
     return out_slots.view(pairs.shape), fill_pairs, fill_slots
 
@@ -128,17 +134,21 @@ if triton is not None:
         return first, slot, hit, miss
 
     @triton.jit
-    def _misses_filled(split, neg_dist, neg_wait, pairs, valid, miss, P):
+    def _misses_filled(split, neg_dist, neg_wait, pairs, r, valid, miss, P, BY_ORDER: tl.constexpr):
         """(q, filled, rank): the split, q from (f, lo, hi) of the m misses; the q misses of the
-        highest pair scores (ties: the lower pair) are filled, each given its rank among them."""
+        highest pair scores (ties: the lower pair), or with BY_ORDER the q first routes, are
+        filled, each given its rank among them."""
         m = tl.sum(miss.to(tl.int32), 0)
         inf = float("inf")
         frac = tl.load(split)
         lo = tl.minimum(tl.load(split + 1).to(tl.int32), m)
         hi = tl.minimum(tl.load(split + 2).to(tl.int32), m)
         q = tl.minimum(tl.maximum(tl.floor(m.to(tl.float32) * frac + 0.5).to(tl.int32), lo), hi)
-        at_pair = tl.where(valid, pairs, P)
-        pair_score = tl.load(neg_dist + at_pair) + tl.load(neg_wait + at_pair)
+        if BY_ORDER:
+            pair_score = -r.to(tl.float32)
+        else:
+            at_pair = tl.where(valid, pairs, P)
+            pair_score = tl.load(neg_dist + at_pair) + tl.load(neg_wait + at_pair)
         key = tl.where(miss, pair_score, -inf)
         ahead = miss[None, :] & (
             (key[None, :] > key[:, None])
@@ -289,6 +299,13 @@ if triton is not None:
         tl.store(neg_wait + base + e, L - L / tl.maximum(p, floor), mask=e < E)
 
     @triton.jit
+    def _count_ahead(counters, q):
+        """A prefetch's counter: its fills (column 6)."""
+        c = tl.arange(0, 8)
+        old = tl.load(counters + c, mask=c == 6, other=0)
+        tl.store(counters + c, old + q.to(tl.int64), mask=c == 6)
+
+    @triton.jit
     def _count(counters, first, hit, q, on_cpu):
         """The counters: calls, accesses, hits, fills, CPU pairs, CPU routes."""
         c = tl.arange(0, 8)
@@ -344,6 +361,7 @@ if triton is not None:
         SHAPE_WORD: tl.constexpr,
         stamp,
         STAMP: tl.constexpr,
+        AHEAD: tl.constexpr,
     ):
         if STAMP:
             tl.store(stamp, device_clock())
@@ -351,18 +369,41 @@ if triton is not None:
         valid = r < R
         pairs = tl.load(pairs_ptr + r, mask=valid, other=-1)
         first, slot, hit, miss = _distinct_pairs(pairs, r, valid, slot_of, P)
-        q, miss, rank = _misses_filled(split, neg_dist, neg_wait, pairs, valid, miss, P)
+        q, miss, rank = _misses_filled(split, neg_dist, neg_wait, pairs, r, valid, miss, P, AHEAD)
         # (`miss` from here on: the misses filled)
         _choose_victims(
             pair_of, scores, victims, neg_dist, neg_wait, slot, hit, q, S, P, BLOCK_R, BLOCK_S
         )
         dst, src = _fill_list(victims, rank, miss, pairs, r, valid, fill_slots, fill_pairs, S, P)
         _move_pairs(slot_of, pair_of, dst, src, miss, BLOCK_R)
-        on_cpu, rings = _cpu_routes(
-            slot_of, pairs, valid, r, P, out_slots, cpu_pairs, weights_ptr, cpu_weights, cpu_flag
-        )
-        _hand_to_cpu(
-            x, x_host, NX, words, numbers, shape, rings, COPY_X, BLOCK_X, RING, SEQ_WORD, SHAPE_WORD
-        )
-        _observe(p_row, neg_wait, pairs, first, base, E, L, rate, floor, BLOCK_E)
-        _count(counters, first, hit, q, on_cpu)
+        if AHEAD:
+            _count_ahead(counters, q)
+        else:
+            on_cpu, rings = _cpu_routes(
+                slot_of,
+                pairs,
+                valid,
+                r,
+                P,
+                out_slots,
+                cpu_pairs,
+                weights_ptr,
+                cpu_weights,
+                cpu_flag,
+            )
+            _hand_to_cpu(
+                x,
+                x_host,
+                NX,
+                words,
+                numbers,
+                shape,
+                rings,
+                COPY_X,
+                BLOCK_X,
+                RING,
+                SEQ_WORD,
+                SHAPE_WORD,
+            )
+            _observe(p_row, neg_wait, pairs, first, base, E, L, rate, floor, BLOCK_E)
+            _count(counters, first, hit, q, on_cpu)

@@ -132,6 +132,39 @@ class MoEBlock(nn.Module):
             self.experts_norm, self.experts_post_norm = RMSNorm(*norm), RMSNorm(*norm)
             self.shared_post_norm = RMSNorm(*norm) if self.shared is not None else None
         self.executor: ExpertExecutor = _not_installed
+        # the runtime's prefetch (moe/runtime.py `prefetcher`), or None: kept apart from the
+        # executor, which a decode graph's capture stands in for
+        self.prefetch_from = None
+
+    def route(self, x, input_ids=None, stream=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate weights, expert ids) [T, k] of the normed input x, each token's best first."""
+        if self.moe.scaled_router:
+            scaled = rms_normalize(stream, self.eps) * self.router_scale * x.shape[-1] ** -0.5
+            weights, ids = route(self.router(scaled), self.top_k, True, self.fp32_gate_weights)
+            return weights * self.per_expert_scale[ids], ids
+        if self.moe.scoring == "sqrtsoftplus":
+            ids = None if self.tid2eid is None else self.tid2eid[input_ids]
+            bias = None if self.correction_bias is None else self.correction_bias.float()
+            return route_sqrtsoftplus(self.router(x), bias, self.moe, ids)
+        if self.correction_bias is not None:
+            logits = self.router(x.float()).float()  # (its weight is fp32: DecoderModel.cast)
+            weights, ids = route_sigmoid(logits, self.correction_bias.float(), self.moe)
+            return (weights if self.fp32_gate_weights else weights.to(x.dtype)), ids
+        return route(self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights)
+
+    def prefetch(self, predict_input, held: tuple, input_ids=None) -> None:
+        """Fill this layer's likely misses ahead of its call (moe/prefetch.py), where the
+        runtime does so for a call of this shape: `predict_input()` -> (x, stream) the router
+        would read, computed where the prefetch runs; `held`, the tensors it reads."""
+        tokens = held[0].shape[0]
+        prefetch = None
+        if self.prefetch_from is not None:
+            prefetch = self.prefetch_from(tokens, tokens * self.top_k)
+        if prefetch is None:
+            return
+        with prefetch.ahead(held) as submit:
+            x, stream = predict_input()
+            submit(self.moe_layer, self.route(x, input_ids, stream)[1])
 
     def forward(
         self,
@@ -142,23 +175,7 @@ class MoEBlock(nn.Module):
         """The layer's feed-forward output for its normed input x [T, H]; `input_ids` for
         hash-routed layers, `stream` (the residual stream x was normed from) for Gemma-4's."""
         routed = x if self.experts_norm is None else self.experts_norm(stream)
-        if self.moe.scaled_router:
-            scaled = rms_normalize(stream, self.eps) * self.router_scale * x.shape[-1] ** -0.5
-            weights, ids = route(self.router(scaled), self.top_k, True, self.fp32_gate_weights)
-            weights = weights * self.per_expert_scale[ids]
-        elif self.moe.scoring == "sqrtsoftplus":
-            ids = None if self.tid2eid is None else self.tid2eid[input_ids]
-            bias = None if self.correction_bias is None else self.correction_bias.float()
-            weights, ids = route_sqrtsoftplus(self.router(x), bias, self.moe, ids)
-        elif self.correction_bias is not None:
-            logits = self.router(x.float()).float()  # (its weight is fp32: DecoderModel.cast)
-            weights, ids = route_sigmoid(logits, self.correction_bias.float(), self.moe)
-            if not self.fp32_gate_weights:
-                weights = weights.to(x.dtype)
-        else:
-            weights, ids = route(
-                self.router(x), self.top_k, self.renormalize, self.fp32_gate_weights
-            )
+        weights, ids = self.route(x, input_ids, stream)
         out = self.executor(self.moe_layer, routed, ids, weights)
         if self.experts_post_norm is not None:
             out = self.experts_post_norm(out)

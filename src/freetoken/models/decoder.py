@@ -87,6 +87,22 @@ class DecoderLayer(nn.Module):
             return (x + out) * self.layer_scalar, None
         return x, out
 
+    def prefetch_experts(self, x, delta, batch: ForwardBatch) -> None:
+        """Start this layer's expert prefetch (layers/moe.py `prefetch`) from the residual
+        stream as the layer before left it (x + delta, or the hyper-connected streams): its
+        router over its MLP norm, its attention skipped."""
+        moe = getattr(self, "moe", None)
+        if moe is None or moe.prefetch_from is None:
+            return
+
+        def predict_input():
+            if self.hyper:
+                return self.mlp_norm(self.ffn_hc(x)[2]), None
+            stream = x if delta is None else x + delta
+            return self.mlp_norm(stream), stream
+
+        moe.prefetch(predict_input, (x,) if delta is None else (x, delta), batch.input_ids)
+
     def _hyper_forward(self, streams, angles, batch: ForwardBatch, kv: PagedKVCache):
         """The layer over hyper-connected streams [T, hc_mult, H] (layers/hyper_connections.py)."""
         post, comb, h = self.attn_hc(streams)
@@ -262,11 +278,14 @@ class DecoderModel(nn.Module):
             cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         kinds = {k: r.cos_sin(batch.positions, x.dtype) for k, r in self.kind_rotaries.items()}
         delta = None
-        for i, layer in enumerate(itertools.islice(self.layers, cfg.num_layers)):
+        layers = list(itertools.islice(self.layers, cfg.num_layers))
+        for i, layer in enumerate(layers):
             if kinds:
                 shape = cfg.layer_attention[i]
                 cos_sin = kinds[(shape.rope, shape.head_dim)]
             x, delta = layer(x, cos_sin, batch, kv, states, delta)
+            if i + 1 < len(layers):  # (while the next layer's attention runs)
+                layers[i + 1].prefetch_experts(x, delta, batch)
         if cfg.compressed is not None:
             x = self.hc_head(x)
         if hidden:

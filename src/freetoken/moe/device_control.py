@@ -46,7 +46,7 @@ from freetoken.moe.cache import ExpertCache
 from freetoken.moe.policy import ExpectedNextUsePolicy
 
 # counters per MoE layer, kept on the device and folded into the telemetry when it is read
-CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES = range(6)
+CALLS, ACCESSES, HITS, FILLS, CPU_PAIRS, CPU_ROUTES, PREFETCHES = range(7)
 
 
 class DeviceControl:
@@ -74,8 +74,11 @@ class DeviceControl:
         self.num_pairs, self.num_slots = store.num_pairs, cache.num_slots
         self.slot_of = torch.full((self.num_pairs + 1,), -1, dtype=torch.long, device=device)
         self.pair_of = torch.full((self.num_slots + 1,), -1, dtype=torch.long, device=device)
-        self.counters = torch.zeros(store.num_layers, 6, dtype=torch.long, device=device)
+        self.counters = torch.zeros(store.num_layers, 7, dtype=torch.long, device=device)
         self.split = split
+        # the prefetch's split (1, 0, p): up to p of a predicted call's misses filled
+        # (`plan_ahead`), p written by the host between steps (`set_prefetch`)
+        self.ahead = torch.tensor([1.0, 0.0, 0.0], device=device)
         # what the one-program plan reads: the split where it lies, or offload's (every miss)
         if split is None:
             self.split_arg = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
@@ -138,14 +141,20 @@ class DeviceControl:
 
     # -- one layer step -----------------------------------------------------------------------
 
-    def outputs(self, routes: int) -> tuple[torch.Tensor, ...]:
+    def outputs(self, routes: int, ahead: bool = False) -> tuple[torch.Tensor, ...]:
         """The one-program plan's outputs for calls of this many routes (made once, outside
-        any capture: a shape runs eagerly before it is captured)."""
-        if routes not in self._outputs:
-            self._outputs[routes] = tuple(
+        any capture: a shape runs eagerly before it is captured); a prefetch's are its own,
+        since its fills may still read them while the next call's plan writes its own."""
+        key = (routes, ahead)
+        if key not in self._outputs:
+            self._outputs[key] = tuple(
                 torch.empty(routes, dtype=torch.long, device=self.device) for _ in range(3)
             )
-        return self._outputs[routes]
+        return self._outputs[key]
+
+    def set_prefetch(self, experts: int) -> None:
+        """Prefetch up to `experts` of each predicted call's misses (0: none), between steps."""
+        self.ahead[2].fill_(float(experts))
 
     def plan(
         self,
@@ -169,19 +178,39 @@ class DeviceControl:
         # one-program plan)
         return self.plan_torch(moe_layer, pairs, weights)
 
-    def plan_torch(self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor):
-        """`plan` as torch ops: the CPU twin and the reference of the one-program plan."""
+    def plan_ahead(self, moe_layer: int, pairs: torch.Tensor):
+        """A prefetch: up to p of the misses of the predicted routes `pairs` [R] filled, the
+        first in route order (put the likeliest first), into the lowest-scored slots but the
+        predicted hits'. -> (fill_pairs [R], fill_slots [R]), the copies to make. No route
+        runs, the CPU is given nothing and the policy sees no use: only the tables and the
+        prefetch counter change."""
+        if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
+            weights = torch.empty(0, device=self.device)  # (read by no route: none is run)
+            _, fill_pairs, fill_slots = cache_control.plan_layer(
+                self, moe_layer, pairs, weights, ahead=True
+            )
+            return fill_pairs, fill_slots
+        return self.plan_torch(moe_layer, pairs, None, ahead=True)[1:]
+
+    def plan_torch(
+        self, moe_layer: int, pairs: torch.Tensor, weights: torch.Tensor | None, ahead=False
+    ):
+        """`plan` (or with `ahead`, `plan_ahead`) as torch ops: the CPU twin and the
+        reference of the one-program plan."""
         S, P = self.num_slots, self.num_pairs
         flat = pairs.reshape(-1)
         R = flat.numel()
-        ordered = flat.sort().values
+        ordered, position = flat.sort(stable=True)
         first = torch.ones_like(ordered, dtype=torch.bool)
         first[1:] = ordered[1:] != ordered[:-1]
         slot = self.slot_of[ordered]
         hit = first & (slot >= 0)
         miss = first & (slot < 0)
-        if self.split is not None:
-            miss = miss & self._filled(moe_layer, ordered, miss)
+        if ahead:  # the earliest routes first
+            miss = miss & self._filled(self.ahead, -position.float(), miss)
+        elif self.split is not None:
+            scores = torch.as_tensor(self.policy.pair_scores(moe_layer, ordered)).float()
+            miss = miss & self._filled(self.split, scores, miss)
         # (`miss` from here on: the misses filled; the others stay out of the cache)
         # Keep-scores of every slot (empty: -inf); the hits' slots are protected.
         scores = self.scores
@@ -201,6 +230,9 @@ class DeviceControl:
         self.pair_of[fill_slots] = fill_pairs
         self.slot_of[P:].fill_(-1)
         self.pair_of[S:].fill_(-1)
+        if ahead:
+            self.counters[moe_layer, PREFETCHES].add_(miss.sum())
+            return None, fill_pairs, fill_slots
         experts = ordered - moe_layer * self.num_experts
         self.policy.observe_masked(moe_layer, experts, first)
         routed = self.slot_of[pairs]
@@ -211,19 +243,19 @@ class DeviceControl:
         # the CPU's pairs: distinct routed ones neither hit nor filled
         cpu = first.sum() - hit.sum() - miss.sum()
         counts = torch.stack([first.sum(), hit.sum(), miss.sum(), cpu, on_cpu.sum()])
-        self.counters[moe_layer, ACCESSES:].add_(counts)
+        self.counters[moe_layer, ACCESSES:PREFETCHES].add_(counts)
         self.counters[moe_layer, CALLS].add_(1)
         return routed, fill_pairs, fill_slots
 
-    def _filled(self, moe_layer: int, ordered, miss) -> torch.Tensor:
-        """Which of the misses (`miss` over the sorted pairs) the split fills: the q the
-        policy scores highest, ties to the lower pair (the sort is stable)."""
-        f, lo, hi = self.split[0], self.split[1], self.split[2]
+    @staticmethod
+    def _filled(split, scores, miss) -> torch.Tensor:
+        """Which of the misses (`miss` over the sorted pairs) `split` = (f, lo, hi) fills:
+        the q of the highest `scores`, ties to the lower pair (the sort is stable)."""
+        f, lo, hi = split[0], split[1], split[2]
         m = miss.sum()
         q = torch.floor(m.to(torch.float32) * f + 0.5).long()
         lo, hi = torch.minimum(lo.long(), m), torch.minimum(hi.long(), m)
         q = torch.minimum(torch.maximum(q, lo), hi)
-        scores = torch.as_tensor(self.policy.pair_scores(moe_layer, ordered)).float()
         key = torch.where(miss, scores, float("-inf"))
         order = torch.sort(key, descending=True, stable=True).indices
         rank = torch.empty_like(order)
@@ -231,8 +263,8 @@ class DeviceControl:
         return rank < q
 
     def take_counters(self) -> torch.Tensor:
-        """[L, 6] counts since the last call (calls, accesses, hits, fills, CPU pairs, CPU
-        routes), on the host."""
+        """[L, 7] counts since the last call (calls, accesses, hits, fills, CPU pairs, CPU
+        routes, prefetches), on the host."""
         out = self.counters.to("cpu", copy=True)  # a copy on the CPU tier too
         self.counters.zero_()
         return out

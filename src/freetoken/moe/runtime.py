@@ -41,6 +41,7 @@ from freetoken.moe.doorbell import CPUDoorbell
 from freetoken.moe.fills import Fills
 from freetoken.moe.host_layer import HostDecided
 from freetoken.moe.policy import ExpectedNextUsePolicy, default_policy, make_policy
+from freetoken.moe.prefetch import Prefetch
 from freetoken.moe.prefill import LayerStreamer
 from freetoken.moe.resident import ResidentLayers
 from freetoken.moe.round_trip import pack_bytes as pack_bytes  # (the tests' import)
@@ -107,7 +108,9 @@ class MoERuntime:
         else:
             self._layer = self._host = self._host_layer(cache)
             if control is not None:
-                self._layer = self._device = DeviceDecided(control, self._fills, share, self._host)
+                self._layer = self._device = DeviceDecided(
+                    control, self._fills, share, self._host, options.prefetch_experts
+                )
         # the parts that read the cache, each once (the layer step may be the host path)
         users = (streamer, self._layer, self._host)
         self._cache_users = list({id(p): p for p in users if p is not None}.values())
@@ -261,6 +264,11 @@ class MoERuntime:
         self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         return self._layer(moe_layer, x, ids, weights)
+
+    def prefetcher(self, tokens: int, routes: int) -> Prefetch | None:
+        """Where the next layer's call, of this shape, may be prefetched (moe/prefetch.py):
+        the device decides it and `prefetch_experts` is on; else None."""
+        return self._device.prefetcher(tokens, routes) if self._device is not None else None
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape runs on the device alone (a decode graph holds it)."""

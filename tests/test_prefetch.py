@@ -1,0 +1,160 @@
+"""Fills a layer ahead (moe/prefetch.py), with the cache tier on the CPU: a prefetch's plan fills
+the first p misses of the predicted routes and nothing else changes; a model whose predictions
+are exact (its attention outputs zero, so the next router reads what the prediction read) hits
+every expert of every layer but the first in decode; the tokens never change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from freetoken.config import MoEOptions
+from freetoken.kernels.expert_fill import fill_experts
+from freetoken.moe.cache import ExpertCache
+from freetoken.moe.device_control import PREFETCHES, DeviceControl
+from freetoken.moe.policy import ExpectedNextUsePolicy
+from test_device_control import check_tables
+from test_moe_runtime import prompts_for, tiny_store
+
+LAYERS, EXPERTS = 3, 6
+
+
+def check_prefetches(cases, fused: bool = False) -> None:
+    """Each case (slots, warm pairs, layer, predicted experts, p): the cache holds the warm
+    pairs, then one prefetch; checks what it filled and that nothing else moved."""
+    store = tiny_store(num_layers=LAYERS, num_experts=EXPERTS)
+    for slots, warm, layer, predicted, p in cases:
+        policy = ExpectedNextUsePolicy()
+        cache = ExpertCache(store, slots, torch.device("cpu"), policy=policy)
+        control = DeviceControl(cache, policy, None)
+        control.fused = fused
+        banks = ((cache.w_gate_up, store.w_gate_up), (cache.w_down, store.w_down))
+        for pair in warm:  # through ordinary plans: the policy has seen them
+            _, fp, fs = control.plan(pair // EXPERTS, torch.tensor([[pair]]), torch.ones(1, 1))
+            fill_experts(banks, fp, fs, slots)
+        control.take_counters()
+        control.set_prefetch(p)
+        before_slot = control.slot_of.clone()
+        before_policy = [torch.as_tensor(a).clone() for a in (policy.neg_wait, policy.p)]
+        scores = torch.as_tensor(policy.slot_scores(layer, control.pair_of[:slots])).float()
+        pairs = torch.tensor(predicted) + layer * EXPERTS
+        fill_pairs, fill_slots = control.plan_ahead(layer, pairs)
+        check_tables(control)
+        # The first p distinct misses in route order are filled; the hits keep their slots.
+        order = list(dict.fromkeys(pairs.tolist()))
+        misses = [q for q in order if before_slot[q] < 0]
+        filled = misses[:p]
+        real = fill_slots != slots
+        assert sorted(fill_pairs[real].tolist()) == sorted(filled)
+        hits = [q for q in order if before_slot[q] >= 0]
+        assert torch.equal(control.slot_of[hits], before_slot[hits])
+        assert all(control.slot_of[q] >= 0 for q in filled)
+        assert all(control.slot_of[q] < 0 for q in misses[p:])
+        # Into the lowest-scored slots but the predicted hits'.
+        victims = fill_slots[real]
+        free = torch.ones(slots, dtype=torch.bool)
+        free[before_slot[hits]] = False
+        assert torch.equal(scores[victims].sort().values, scores[free].sort().values[: len(filled)])
+        # No route ran: the policy saw no use, and only the prefetch counter moved.
+        after = [torch.as_tensor(a) for a in (policy.neg_wait, policy.p)]
+        assert all(torch.equal(a, b) for a, b in zip(before_policy, after, strict=True))
+        counts = control.take_counters()
+        assert counts[:, :PREFETCHES].sum() == 0
+        assert counts[layer, PREFETCHES] == counts[:, PREFETCHES].sum() == len(filled)
+        fill_experts(banks, fill_pairs, fill_slots, slots)
+        for pair in filled:
+            assert torch.equal(cache.w_gate_up[control.slot_of[pair]], store.w_gate_up[pair])
+
+
+CASES = [
+    (4, [], 0, [3, 1, 5, 0], 2),  # cold: the first two predicted
+    (4, [7, 9], 1, [1, 3, 2, 5], 3),  # 7 and 9 are hits (protected), 3 of the rest filled
+    (5, [0, 1, 2, 3, 4], 0, [4, 5, 1], 8),  # p above the misses: the one miss
+    (3, [6], 1, [0, 0, 2], 1),  # a repeated prediction counts once
+    (4, [12, 13], 2, [1, 0], 0),  # p = 0: nothing
+]
+
+
+def test_a_prefetch_fills_the_first_predicted_misses_and_nothing_else():
+    check_prefetches(CASES)
+
+
+def test_the_one_program_prefetch_matches_the_twin_in_the_interpreter():
+    pytest.importorskip("triton")
+    script = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_prefetch import CASES, check_prefetches\n"
+        "check_prefetches(CASES, fused=True); print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "ok"
+
+
+@pytest.fixture(scope="module")
+def exact_predictions(tmp_path_factory):
+    """The tiny Mixtral with every attention output zeroed: the next layer's router then reads
+    exactly what the prediction read (the stream as the layer before left it)."""
+    from freetoken.models.loading import load_model
+    from tiny_models import build
+
+    path, _ = build("mixtral", tmp_path_factory.mktemp("mixtral") / "m")
+    loaded = load_model(path, dtype="float32")
+    with torch.no_grad():
+        for layer in loaded.model.layers:
+            layer.attn.o_proj.weight.zero_()
+    return loaded
+
+
+def decode_misses(loaded, options: MoEOptions, prompts, steps: int = 8):
+    """Greedy decode of the prompts together: (tokens, misses and prefetches per layer over
+    the decode steps alone)."""
+    from freetoken.engine.runner import ModelRunner
+
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8, moe=options)
+    seqs = [runner.new_sequence() for _ in prompts]
+    logits = runner.forward(seqs, prompts)
+    runner.moe.telemetry.reset()  # (the prompts' calls: decided on the host, none prefetched)
+    tokens = []
+    for _ in range(steps):
+        nxt = logits.argmax(-1)
+        tokens.append(nxt)
+        logits = runner.forward(seqs, [[int(t)] for t in nxt])
+    layers = runner.moe.telemetry.layers
+    return torch.stack(tokens, 1), [c.misses for c in layers], [c.prefetches for c in layers]
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_exact_predictions_make_every_decode_call_past_the_first_layer_a_hit(
+    exact_predictions, strategy
+):
+    loaded = exact_predictions
+    prompts = prompts_for(loaded)
+    ref, _, _ = decode_misses(loaded, MoEOptions(strategy="fused"), prompts)
+    k = loaded.config.moe.top_k
+    off = MoEOptions(strategy=strategy, cache_size="12", prefetch_experts=0)
+    on = MoEOptions(strategy=strategy, cache_size="12", prefetch_experts=2 * k)
+    tokens_off, misses_off, prefetched_off = decode_misses(loaded, off, prompts)
+    tokens_on, misses_on, prefetched_on = decode_misses(loaded, on, prompts)
+    assert torch.equal(tokens_off, ref) and torch.equal(tokens_on, ref)
+    assert sum(prefetched_off) == 0
+    # Without it the later layers miss; with it they never do, their misses filled a layer
+    # ahead. The first layer has no layer before it to predict from.
+    assert sum(misses_off[1:]) > 0
+    assert misses_on[1:] == [0] * (len(misses_on) - 1), misses_on
+    assert prefetched_on[0] == 0 and sum(prefetched_on[1:]) > 0
+
+
+def test_the_option_is_checked():
+    with pytest.raises(ValueError, match="--moe-prefetch"):
+        MoEOptions(strategy="offload", prefetch_experts=-1)
