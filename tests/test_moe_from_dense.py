@@ -237,7 +237,7 @@ PROMPTS = [
     "import numpy as np\n\n",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
 ]
-PPL_TOKENS = 2000
+PPL_TOKENS = 1000
 
 
 def tensor_table(file: Path):
@@ -281,12 +281,15 @@ def real(request):
 
 def test_real_moe_greedy_tokens_equal_the_dense_models(real):
     dense_dir, moe_dir, tokenizer = real
-    # Two of the prompts, a code one and a chat one, in one batch: fourteen runs of the 0.5B
-    # model in fp32 with its cache tier on the CPU took 224 s with all four (CI's slowest test)
+    # Two of the prompts, a code one and a chat one, in one batch, under one setting of each
+    # way of running experts (the tiny files' test above takes all fourteen: with the 0.5B
+    # model in fp32 they held a CI worker 234 s, its slowest test)
     prompts = [tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[3])]
     want, _, _ = greedy_run(load_model(dense_dir, dtype="float32"), MoEOptions(), prompts)
     model = load_model(moe_dir, dtype="float32")
-    for options in strategies(model.config.num_layers * EXPERTS):
+    every = strategies(model.config.num_layers * EXPERTS)
+    # fused, cpu, offload at a quarter, hybrid at a half, static at three quarters
+    for options in [every[0], every[1], every[2], every[6], every[10]]:
         assert torch.equal(greedy_run(model, options, prompts)[0], want), options
 
 

@@ -21,7 +21,8 @@ microseconds, ~130 us a layer on the H200 machine, which kept a fully cached off
 
 A prefetch (`AHEAD`, `DeviceControl.plan_ahead`) runs 1-5 on a predicted call with its own
 split (up to p misses, ranked by route order, not by the policy), and writes no route's slot,
-nothing for the CPU and no policy update: only the tables, the fill list and its counter.
+nothing for the CPU (no route is valid there, so the bell stays silent) and no policy update:
+only the tables, the fill list and its counter.
 
 Stores another thread of the block reads later are followed by a barrier. Ties between equal
 scores go to the lowest slot (the torch form's top-k may pick another of them: the same
@@ -299,24 +300,22 @@ if triton is not None:
         tl.store(neg_wait + base + e, L - L / tl.maximum(p, floor), mask=e < E)
 
     @triton.jit
-    def _count_ahead(counters, q):
-        """A prefetch's counter: its fills (column 6)."""
+    def _count(counters, first, hit, q, on_cpu, AHEAD: tl.constexpr):
+        """The counters: calls, accesses, hits, fills, CPU pairs, CPU routes; a prefetch's
+        (AHEAD) only its fills, in column 6."""
         c = tl.arange(0, 8)
-        old = tl.load(counters + c, mask=c == 6, other=0)
-        tl.store(counters + c, old + q.to(tl.int64), mask=c == 6)
-
-    @triton.jit
-    def _count(counters, first, hit, q, on_cpu):
-        """The counters: calls, accesses, hits, fills, CPU pairs, CPU routes."""
-        c = tl.arange(0, 8)
-        accesses = tl.sum(first.to(tl.int64), 0)
-        hits = tl.sum(hit.to(tl.int64), 0)
-        fills = q.to(tl.int64)
-        counts = tl.where(c == 0, 1, tl.where(c == 1, accesses, tl.where(c == 2, hits, 0)))
-        counts = tl.where(c == 3, fills, tl.where(c == 4, accesses - hits - fills, counts))
-        counts = tl.where(c == 5, tl.sum(on_cpu.to(tl.int64), 0), counts)
-        old = tl.load(counters + c, mask=c < 6, other=0)
-        tl.store(counters + c, old + counts, mask=c < 6)
+        if AHEAD:
+            old = tl.load(counters + c, mask=c == 6, other=0)
+            tl.store(counters + c, old + q.to(tl.int64), mask=c == 6)
+        else:
+            accesses = tl.sum(first.to(tl.int64), 0)
+            hits = tl.sum(hit.to(tl.int64), 0)
+            fills = q.to(tl.int64)
+            counts = tl.where(c == 0, 1, tl.where(c == 1, accesses, tl.where(c == 2, hits, 0)))
+            counts = tl.where(c == 3, fills, tl.where(c == 4, accesses - hits - fills, counts))
+            counts = tl.where(c == 5, tl.sum(on_cpu.to(tl.int64), 0), counts)
+            old = tl.load(counters + c, mask=c < 6, other=0)
+            tl.store(counters + c, old + counts, mask=c < 6)
 
     @triton.jit
     def _plan_kernel(
@@ -376,34 +375,14 @@ if triton is not None:
         )
         dst, src = _fill_list(victims, rank, miss, pairs, r, valid, fill_slots, fill_pairs, S, P)
         _move_pairs(slot_of, pair_of, dst, src, miss, BLOCK_R)
-        if AHEAD:
-            _count_ahead(counters, q)
-        else:
-            on_cpu, rings = _cpu_routes(
-                slot_of,
-                pairs,
-                valid,
-                r,
-                P,
-                out_slots,
-                cpu_pairs,
-                weights_ptr,
-                cpu_weights,
-                cpu_flag,
-            )
-            _hand_to_cpu(
-                x,
-                x_host,
-                NX,
-                words,
-                numbers,
-                shape,
-                rings,
-                COPY_X,
-                BLOCK_X,
-                RING,
-                SEQ_WORD,
-                SHAPE_WORD,
-            )
+        if AHEAD:  # (a prefetch: no route's slot written, nothing handed to the CPU)
+            valid = r < 0
+        on_cpu, rings = _cpu_routes(
+            slot_of, pairs, valid, r, P, out_slots, cpu_pairs, weights_ptr, cpu_weights, cpu_flag
+        )
+        _hand_to_cpu(
+            x, x_host, NX, words, numbers, shape, rings, COPY_X, BLOCK_X, RING, SEQ_WORD, SHAPE_WORD
+        )
+        if not AHEAD:
             _observe(p_row, neg_wait, pairs, first, base, E, L, rate, floor, BLOCK_E)
-            _count(counters, first, hit, q, on_cpu)
+        _count(counters, first, hit, q, on_cpu, AHEAD)
