@@ -31,7 +31,7 @@ def test_status_shows_the_split_the_hit_rate_and_kv_use(engine, capsys):
         text = capsys.readouterr().out
         moe = engine.runner.moe
         assert f"hybrid: cache of {moe.cache.num_slots} of {moe.store.num_pairs} experts" in text
-        assert "hit rate" in text and "on the CPU (m - q)" in text
+        assert "hit rate" in text and "on the CPU (m - q)" in text and "prefetched" in text
         assert "pages in use" in text and "16 tokens a page" in text
         assert "expert cache 0 shrinks, 0 grows (at most 40, at least 10 slots)" in text
         assert main(["ctl", "status", "--url", base, "--api-key", "sekret", "--json"]) == 0

@@ -115,6 +115,7 @@ def test_stats_and_metrics_report_moe(server, client):
     assert stats["tokens"]["decode"] > 0 and stats["ttft_seconds"]["p95"] > 0
     text = httpx.get(server[0] + "/metrics").text
     assert "freetoken_moe_cache_hit_rate" in text and "freetoken_moe_fills_total" in text
+    assert "freetoken_moe_prefetches_total" in text
     assert "# TYPE freetoken_kv_pages_used gauge" in text
     reuse = stats["prefix_reuse"]  # per request: prompt, reused, recomputed, anchor
     last = reuse["recent"][-1]

@@ -55,7 +55,8 @@ def describe(stats: dict) -> list[str]:
             f"({gib(moe['cache_bytes'])} of {gib(moe['pool_bytes'])})",
             f"           hit rate {moe['hit_rate']:.3f}; per layer step "
             f"{moe['mean_fills_per_layer_step']:.2f} filled (q), "
-            f"{moe['mean_cpu_per_layer_step']:.2f} on the CPU (m - q)",
+            f"{moe['mean_cpu_per_layer_step']:.2f} on the CPU (m - q), "
+            f"{moe['mean_prefetches_per_layer_step']:.2f} prefetched",
         ]
     pages = kv["used"] + kv["cached"] + kv["free"]
     lines.append(

@@ -198,7 +198,7 @@ class _SnapshotCollector:
             gauges.append(("moe_cache_hit_rate", "Expert cache hit rate.", s["moe"]["hit_rate"]))
             counters += [
                 (f"moe_{key}", f"Expert {key} (distinct pairs per step).", t[key])
-                for key in ("accesses", "hits", "misses", "fills", "cpu", "bytes_h2d")
+                for key in ("accesses", "hits", "misses", "fills", "cpu", "prefetches", "bytes_h2d")
             ]
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"freetoken_{name}", help_, value=value)
