@@ -158,3 +158,30 @@ def test_exact_predictions_make_every_decode_call_past_the_first_layer_a_hit(
 def test_the_option_is_checked():
     with pytest.raises(ValueError, match="--moe-prefetch"):
         MoEOptions(strategy="offload", prefetch_experts=-1)
+
+
+@pytest.mark.parametrize("fastest", ["split+ahead", "split"])
+def test_hybrid_keeps_the_prefetch_only_where_its_steps_measure_faster(exact_predictions, fastest):
+    """Hybrid times each way with the prefetch on and off (StepModes' `+ahead` ways) and keeps
+    the fastest: the prefetch runs in the steps after the trial only if it won."""
+    from freetoken.engine.runner import ModelRunner
+    from freetoken.moe.split import StepModes
+
+    loaded = exact_predictions
+    options = MoEOptions(strategy="hybrid", cache_size="12", prefetch_experts=4)
+    runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8, moe=options)
+    modes = StepModes(warmup=2, rounds=1, retrial_every=1000, ahead=True)
+    assert modes.MODES == ("split", "fill", "cpu", "split+ahead", "fill+ahead", "cpu+ahead")
+    runner.moe.step_modes = modes
+    observe = modes.observe
+    modes.observe = lambda batch, mode, s: observe(batch, mode, 0.001 if mode == fastest else 1.0)
+    seqs = [runner.new_sequence()]
+    logits = runner.forward(seqs, [prompts_for(loaded, 1)[0]])
+    for _ in range(2 + 2 * len(modes.MODES) + 1):  # the warm-up, the trial (each way twice)
+        logits = runner.forward(seqs, [[int(logits.argmax(-1)[0])]])
+    assert modes.current(1) == fastest
+    runner.moe.telemetry.reset()
+    for _ in range(4):
+        logits = runner.forward(seqs, [[int(logits.argmax(-1)[0])]])
+    prefetched = runner.moe.telemetry.total().prefetches
+    assert (prefetched > 0) == fastest.endswith("+ahead"), prefetched

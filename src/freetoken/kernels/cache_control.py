@@ -90,7 +90,7 @@ def plan_layer(
         neg_dist,
         neg_wait,
         p,
-        control.ahead if ahead else control.split_arg,
+        control.ahead_arg if ahead else control.split_arg,
         out_slots,
         fill_pairs,
         fill_slots,

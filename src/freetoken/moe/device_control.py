@@ -77,8 +77,11 @@ class DeviceControl:
         self.counters = torch.zeros(store.num_layers, 7, dtype=torch.long, device=device)
         self.split = split
         # the prefetch's split (1, 0, p): up to p of a predicted call's misses filled
-        # (`plan_ahead`), p written by the host between steps (`set_prefetch`)
-        self.ahead = torch.tensor([1.0, 0.0, 0.0], device=device)
+        # (`plan_ahead`), p written by the host between steps (`set_prefetch`, StepModes'
+        # ways); on CUDA pinned, read by the plan where it lies, as the split is
+        cuda = device.type == "cuda"
+        self.ahead = torch.tensor([1.0, 0.0, 0.0], pin_memory=cuda)
+        self.ahead_arg = HostRows(self.ahead) if cuda else self.ahead
         # what the one-program plan reads: the split where it lies, or offload's (every miss)
         if split is None:
             self.split_arg = torch.tensor([1.0, 2.0**30, 2.0**30], device=device)
@@ -154,7 +157,7 @@ class DeviceControl:
 
     def set_prefetch(self, experts: int) -> None:
         """Prefetch up to `experts` of each predicted call's misses (0: none), between steps."""
-        self.ahead[2].fill_(float(experts))
+        self.ahead.numpy()[2] = experts
 
     def plan(
         self,
@@ -178,13 +181,17 @@ class DeviceControl:
         # one-program plan)
         return self.plan_torch(moe_layer, pairs, weights)
 
+    def fused_for(self, routes: int) -> bool:
+        """Whether a call of this many routes is planned by the one-program plan."""
+        return self.fused and routes <= cache_control.MAX_ROUTES
+
     def plan_ahead(self, moe_layer: int, pairs: torch.Tensor):
         """A prefetch: up to p of the misses of the predicted routes `pairs` [R] filled, the
         first in route order (put the likeliest first), into the lowest-scored slots but the
         predicted hits'. -> (fill_pairs [R], fill_slots [R]), the copies to make. No route
         runs, the CPU is given nothing and the policy sees no use: only the tables and the
         prefetch counter change."""
-        if self.fused and pairs.numel() <= cache_control.MAX_ROUTES:
+        if self.fused_for(pairs.numel()):
             weights = torch.empty(0, device=self.device)  # (read by no route: none is run)
             _, fill_pairs, fill_slots = cache_control.plan_layer(
                 self, moe_layer, pairs, weights, ahead=True

@@ -45,15 +45,15 @@ class DeviceDecided:
         fills: Fills,
         share: NoCPUShare,
         host: HostDecided,
-        prefetch_experts: int = 0,
+        prefetch: Prefetch | None = None,
     ):
-        """`prefetch_experts`: up to this many predicted misses of a layer filled a layer
-        ahead (moe/prefetch.py), 0 for none."""
+        """`prefetch`: a layer's predicted misses filled a layer ahead (moe/prefetch.py);
+        None for none."""
         self.control, self.fills, self.share, self.host = control, fills, share, host
         self.cache, self.act = host.cache, host.act
         self.num_experts = host.store.num_experts
         self.expert_bytes = host.store.shape.nbytes
-        self.prefetch = Prefetch(control, fills, prefetch_experts)
+        self.prefetch = prefetch or Prefetch(control, fills, 0)
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape is decided here (a decode graph holds it)."""
@@ -75,6 +75,8 @@ class DeviceDecided:
         be decided here and a prefetch is on; else None."""
         if self.prefetch.experts <= 0 or not self.capturable(tokens, routes):
             return None
+        if self.control.device.type == "cuda" and not self.control.fused_for(routes):
+            return None  # (the torch plan reads p on the host: a graph would freeze it)
         return self.prefetch
 
     def _decided(self, moe_layer, x, ids, weights) -> torch.Tensor:

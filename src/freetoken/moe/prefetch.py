@@ -44,6 +44,11 @@ class Prefetch:
         self.control = control
         control.set_prefetch(self.experts)
 
+    def switch(self, on: bool) -> None:
+        """For the coming steps: prefetch (up to `experts`) or predict and fill nothing, as
+        hybrid's way of stepping says (moe/split.py StepModes)."""
+        self.control.set_prefetch(self.experts if on else 0)
+
     @contextmanager
     def ahead(self, held: tuple = ()):
         """Where the model predicts a layer's routes and hands them to `submit(moe_layer, ids)`

@@ -101,7 +101,10 @@ class MoERuntime:
         self._fills = Fills(store, device, self.tracker)
         self._clock = StepClock(device)  # device-decided steps' times (begin_step, end_step)
         share = self._device_share(doorbell)
-        self._steps = self._step_clock(control, share)
+        prefetch = None
+        if control is not None:  # (decisions on the device: a layer's misses may come ahead)
+            prefetch = Prefetch(control, self._fills, options.prefetch_experts)
+        self._steps = self._step_clock(control, share, prefetch)
         self._host = self._device = None
         if self.kind.resident:
             self._layer = ResidentLayers(cache, cpu, act, self._telemetry)
@@ -109,7 +112,7 @@ class MoERuntime:
             self._layer = self._host = self._host_layer(cache)
             if control is not None:
                 self._layer = self._device = DeviceDecided(
-                    control, self._fills, share, self._host, options.prefetch_experts
+                    control, self._fills, share, self._host, prefetch
                 )
         # the parts that read the cache, each once (the layer step may be the host path)
         users = (streamer, self._layer, self._host)
@@ -128,15 +131,19 @@ class MoERuntime:
             return DoorbellShare(doorbell, self._clock, store.num_layers, store.shape.nbytes)
         return TierCPUShare(self.cpu, self.tracker, self._telemetry)
 
-    def _step_clock(self, control: DeviceControl | None, share: NoCPUShare) -> UntimedSteps:
+    def _step_clock(
+        self, control: DeviceControl | None, share: NoCPUShare, prefetch: Prefetch | None
+    ) -> UntimedSteps:
         """Hybrid's decode steps are timed for StepModes: whole steps where the device decides
-        (its split written before each), from layer to layer where the host does."""
+        (its split written before each, and the prefetch switched as the way says), from layer
+        to layer where the host does."""
         if not self.kind.splits:
             return UntimedSteps()
         if control is not None:
             split = control.split.numpy()
+            modes = StepModes(ahead=prefetch is not None and prefetch.experts > 0)
             return DeviceTimedSteps(
-                StepModes(), self._clock, split, self.tracker, self.options, share
+                modes, self._clock, split, self.tracker, self.options, share, prefetch
             )
         return LayerTimedSteps(StepModes(), self.options, self.store.num_layers)
 

@@ -57,6 +57,7 @@ def split_parameters(
     """`split_misses` for the device (moe/device_control.py), whose plan learns m only there:
     (f, lo, hi) such that q = clamp(floor(m * f + 0.5), min(lo, m), min(hi, m)), for a step
     of StepModes' `mode` (the split, every miss filled, or none)."""
+    mode = base_way(mode)
     cap = float(max_fill or 2**30)
     if mode == CPU:
         return 0.0, 0.0, 0.0
@@ -91,6 +92,12 @@ class BandwidthTracker:
 
 
 SPLIT, FILL, CPU = "split", "fill", "cpu"
+AHEAD = "+ahead"  # a way's suffix: with the prefetch on (moe/prefetch.py)
+
+
+def base_way(mode: str) -> str:
+    """The way of serving misses of `mode` (its prefetch suffix dropped)."""
+    return mode.removesuffix(AHEAD)
 
 
 class MissSplit:
@@ -158,7 +165,7 @@ class BandwidthSplit(FillEvery):
     def count(self, misses: int, tokens: int, mode: str | None) -> int:
         if tokens >= self.options.fill_all_from_tokens:
             return misses
-        mode = mode or SPLIT
+        mode = base_way(mode or SPLIT)
         if mode == CPU:
             return 0
         # A `fill` step gives the CPU no bandwidth: all filled, up to the fetch cap.
@@ -166,7 +173,7 @@ class BandwidthSplit(FillEvery):
         return split_misses(misses, self.tracker.fill, cpu, self.options.max_fetch)
 
     def expects_cpu(self, moe_layer: int, mode: str | None) -> bool:
-        return mode != FILL
+        return base_way(mode or SPLIT) != FILL
 
 
 class StepModes:
@@ -201,9 +208,12 @@ class StepModes:
     were re-checked one step in 32 amid the way in use, the split's median at 8 GiB, made of
     the first steps and two re-checks among fills, read 16.8 ms where the split steps in a
     row took 7.9, and hybrid filled every miss at 64.5 tok/s instead of splitting at 105.8.
-    """
 
-    MODES = (SPLIT, FILL, CPU)
+    With a prefetch (`ahead`, moe/prefetch.py), each way is also tried with it on
+    (`split+ahead`, ...): whether filling a layer's predicted misses ahead pays depends on how
+    well the model's routes are predicted, which only the steps tell. Asked for, the prefetch
+    is on from the first step (`split+ahead`) until a trial finds a way without it faster.
+    """
 
     def __init__(
         self,
@@ -213,14 +223,20 @@ class StepModes:
         margin: float = 0.1,
         drift: float = 0.25,
         window: int = 5,
+        ahead: bool = False,
     ):
+        self.MODES = (SPLIT, FILL, CPU)
+        self.first = SPLIT  # the way until the first trial
+        if ahead:  # (asked for: on until a trial finds it slower)
+            self.MODES += tuple(mode + AHEAD for mode in self.MODES)
+            self.first = SPLIT + AHEAD
         self.warmup, self.rounds, self.retrial_every = warmup, rounds, retrial_every
         self.margin, self.drift, self.window = margin, drift, window
         self._batches: dict[int, _Ways] = {}
 
     def _ways(self, batch: int) -> _Ways:
         if batch not in self._batches:
-            self._batches[batch] = _Ways(deque(maxlen=self.window))
+            self._batches[batch] = _Ways(deque(maxlen=self.window), current=self.first)
         return self._batches[batch]
 
     def current(self, batch: int) -> str:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from freetoken.config import MoEOptions
-from freetoken.moe.split import BandwidthTracker, StepClock, StepModes, split_parameters
+from freetoken.moe.split import AHEAD, BandwidthTracker, StepClock, StepModes, split_parameters
 
 # A decode step whose MoE work starts this long after the last one's ended is not counted by
 # StepModes: back to back, the gap (the last layers, the sampler, the next step's launch and
@@ -79,13 +79,15 @@ class DeviceTimedSteps(UntimedSteps):
         tracker: BandwidthTracker,
         options: MoEOptions,
         share,
+        prefetch=None,
     ):
         """`split`: the (f, lo, hi) the plans read, as the host rewrites it (a view made once:
         numpy's write costs a microsecond, a tensor op 5-25); `share`: the device-decided
-        CPU share (moe/cpu_share.py), checked and measured between steps."""
+        CPU share (moe/cpu_share.py), checked and measured between steps; `prefetch`
+        (moe/prefetch.py): switched on and off as each step's way says, or None."""
         super().__init__(modes)
         self.clock, self.split, self.tracker, self.options = clock, split, tracker, options
-        self.share = share
+        self.share, self.prefetch = share, prefetch
         self._timed = None  # the last step, its clock stopped: (tokens, mode)
 
     def begin(self, tokens: int, decode: bool) -> None:
@@ -103,6 +105,8 @@ class DeviceTimedSteps(UntimedSteps):
         self.split[:] = split_parameters(
             mode, self.tracker.fill, self.tracker.cpu, self.options.max_fetch
         )
+        if self.prefetch is not None:
+            self.prefetch.switch(mode.endswith(AHEAD))
 
     def end(self, timed: bool) -> None:
         if self.step is not None and timed:
