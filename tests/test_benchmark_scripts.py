@@ -584,3 +584,45 @@ def test_llama_cpp_families_checkpoints_load_whole(tmp_path, monkeypatch, caplog
     assert "ignored" not in caplog.text
     assert loaded.config.num_layers == raw["num_hidden_layers"]
     assert loaded.experts.format.name == ("mxfp4" if family == "deepseek-v4-flash" else "dense")
+
+
+def test_decode_offload_with_a_prefetch_models_its_predictions(tmp_path):
+    out = tmp_path / "decode.md"
+    run(
+        "decode_offload.py",
+        *("--layers", "3", "--steps", "2", "--warmup", "1", "--batch", "1", "--cache", "40"),
+        *("--strategy", "offload", "--prefetch", "0", "--prefetch", "3"),
+        *("--prediction-recall", "1.0", "--out", str(out)),
+        tmp_path=tmp_path,
+    )
+    table = out.read_text()
+    rows = {
+        line.split("|")[2].strip(): line.split("|")
+        for line in table.splitlines()
+        if line.startswith("| 40 ")
+    }
+    header = next(line for line in table.splitlines() if line.startswith("| cache | strategy"))
+    column = [c.strip() for c in header.split("|")].index("prefetched")
+    assert float(rows["offload"][column]) == 0 and float(rows["offload+p3"][column]) > 0
+
+
+def test_prefetch_recall_sets_predictions_beside_routes(tmp_path):
+    from tiny_models import build_chat_model
+
+    path, _ = build_chat_model("qwen3_moe", tmp_path / "m", mlp_only_layers=[])
+    out = tmp_path / "recall.md"
+    args = [str(path), "--tokens", "4", "--prompt-tokens", "24", "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, "prefetch_recall.py", *args],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    recall = float(text.split("recall over the predicted layers: ")[1].split("*")[0])
+    assert 0.0 <= recall <= 1.0
+    layers = [line for line in text.splitlines() if line.startswith("| ") and "recall" not in line]
+    assert len(layers) == 2  # the tiny model's MoE layers but the first (no layer before it)
