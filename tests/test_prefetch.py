@@ -185,3 +185,32 @@ def test_hybrid_keeps_the_prefetch_only_where_its_steps_measure_faster(exact_pre
         logits = runner.forward(seqs, [[int(logits.argmax(-1)[0])]])
     prefetched = runner.moe.telemetry.total().prefetches
     assert (prefetched > 0) == fastest.endswith("+ahead"), prefetched
+
+
+def test_verify_steps_tokens_are_prefetched_too(exact_predictions):
+    """A verify step of speculative decoding (several new tokens a sequence, every token's
+    logits) predicts each token's routes a layer ahead like a decode step: with exact
+    predictions every later layer hits, and the logits are the fused run's."""
+    from freetoken.engine.runner import ModelRunner
+
+    loaded = exact_predictions
+    prompts = prompts_for(loaded)
+
+    def verify_steps(options):
+        runner = ModelRunner(loaded, kv_cache_tokens=512, page_size=8, moe=options)
+        seqs = [runner.new_sequence() for _ in prompts]
+        runner.forward(seqs, prompts)
+        if runner.moe is not None:
+            runner.moe.telemetry.reset()
+        out = []
+        for step in range(3):  # three tokens a sequence, as a draft of two would be
+            chunks = [[(7 * step + 3 * b + i) % 50 for i in range(3)] for b in range(len(seqs))]
+            out.append(runner.forward(seqs, chunks, all_logits=True))
+        return torch.cat(out), runner
+
+    want, _ = verify_steps(MoEOptions(strategy="fused"))
+    got, runner = verify_steps(MoEOptions(strategy="offload", cache_size="12", prefetch_experts=12))
+    assert (got - want).abs().max().item() < 1e-5
+    layers = runner.moe.telemetry.layers
+    assert [c.misses for c in layers[1:]] == [0] * (len(layers) - 1)
+    assert sum(c.prefetches for c in layers[1:]) > 0
