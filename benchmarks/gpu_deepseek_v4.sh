@@ -57,10 +57,12 @@ prefetch)
     cd tests && timeout 150 python3 -m pytest -q -rA -p no:cacheprovider test_prefetch.py \
       test_cuda_graphs.py -k "prefetch" 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | head -40
   } 2>&1 | tee "$out/prefetch-tests.txt"
+  # (warm-up 64: with a prefetch hybrid's first trial takes each of six ways twice, 3 rounds,
+  # after 16 steps: it ends at step 52)
   cd benchmarks && timeout ${V4_PREFETCH_TIMEOUT:-420} python3 decode_offload.py \
     --shape deepseek-v4-flash --layers "${V4_LAYERS:-8}" --expert-format mxfp4 --cache "$cache" \
     --strategy hybrid --batch 1 --batch 4 --prefetch 0 --prefetch 1 --prefetch 2 \
-    --prediction-recall "${V4_RECALL:-0.8}" --steps 24 --warmup 40 --rounds "${V4_ROUNDS:-3}" \
+    --prediction-recall "${V4_RECALL:-0.8}" --steps 24 --warmup 64 --rounds "${V4_ROUNDS:-3}" \
     --out "$out/v4-prefetch.md" 2>&1 | tail -30
   ;;
 switches)
