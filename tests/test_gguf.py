@@ -260,22 +260,46 @@ def test_a_conversion_parses_the_files_metadata_once(f32_file, tmp_path, monkeyp
     left as it was. The conversion shows its progress over the file's tensors when asked."""
     import gguf as gguf_package
 
-    parses = []
-    original = gguf_package.GGUFReader
+    parses, escaped = [], []
+    ours = gguf.reader_class()
 
-    class Counting(original):
+    class Counting(ours):
         def __init__(self, *args, **kwargs):
             parses.append(args[0])
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
+    class Escaped(gguf_package.GGUFReader):  # a parse of transformers' own, not handed ours
+        def __init__(self, *args, **kwargs):
+            escaped.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "reader_class", lambda: Counting)
+    monkeypatch.setattr(gguf_package, "GGUFReader", Escaped)
     monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     converted = gguf.checkpoint_of(f32_file[0], progress=True)
     assert (converted / "tokenizer.json").is_file() and (converted / "config.json").is_file()
-    assert parses == [str(f32_file[0].resolve())]
+    assert parses == [str(f32_file[0].resolve())] and escaped == []
     bar = capsys.readouterr().err
     assert "Converting" in bar and "100%" in bar
-    assert gguf_package.GGUFReader is Counting
+    assert gguf_package.GGUFReader is Escaped
+
+
+def test_the_plain_view_reader_reads_what_the_package_reads(f32_file):
+    """The conversion's reader (a plain ndarray view of the map: no memmap slice per value)
+    gives every field and tensor the package's own reader gives."""
+    import gguf as gguf_package
+    import numpy as np
+
+    theirs = gguf_package.GGUFReader(str(f32_file[0]))
+    ours = gguf.reader_class()(str(f32_file[0]))
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert mine.data == field.data and mine.types == field.types
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True))
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert np.array_equal(a.data, b.data)
 
 
 def test_an_engine_starts_from_a_gguf_file(source, f32_file, monkeypatch):

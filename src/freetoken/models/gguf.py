@@ -140,7 +140,6 @@ def _converted(dst: Path) -> bool:
 
 def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
     try:
-        from gguf import GGUFReader
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -149,7 +148,7 @@ def _convert(path: Path, dst: Path, progress: bool | None = None) -> None:
             f"reading {path.name} needs the gguf package: pip install gguf ({e})"
         ) from e
     try:
-        with _parsed_once(GGUFReader, path) as reader:
+        with _parsed_once(reader_class(), path) as reader:
             parsed = load_gguf_checkpoint(str(path), return_tensors=False)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         fields = dict(parsed["config"])
@@ -217,6 +216,29 @@ def _one_name_map():
         gguf.get_tensor_name_map = original
 
 
+@functools.cache
+def reader_class():
+    """`gguf.GGUFReader` reading through a plain ndarray view of its map: the package slices
+    an `np.memmap` for every value, and each slice of a memmap runs its Python
+    `__array_finalize__`: a 151,936-token vocabulary parsed in 13.2 s, 5.7 s through the
+    plain view (Qwen2.5-Coder-0.5B's file on the 2-core machine). The arrays are the same
+    bytes; the map stays open through their bases."""
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            arr = plain[offset:end].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return PlainViewReader
+
+
 @contextmanager
 def _parsed_once(reader_class, path: Path):
     """The file's reader, parsed once for the whole conversion: transformers' GGUF helpers
@@ -234,11 +256,11 @@ def _parsed_once(reader_class, path: Path):
             return reader
         return reader_class(file, *args, **kwargs)
 
-    gguf.GGUFReader = shared
+    original, gguf.GGUFReader = gguf.GGUFReader, shared
     try:
         yield reader
     finally:
-        gguf.GGUFReader = reader_class
+        gguf.GGUFReader = original
 
 
 def _stored(name: str, t: torch.Tensor) -> torch.Tensor:

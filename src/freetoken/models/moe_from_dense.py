@@ -105,13 +105,13 @@ def convert(
     """Write the MoE made of dense GGUF file `src` at `dst` (see the module's docstring);
     `text`: the router's fitting text (default: `default_text`), of which the first
     `fit_tokens` tokens are used; `progress`: bars on stderr (None: on a terminal)."""
-    from gguf import GGUFReader
+    from freetoken.models.gguf import reader_class
 
     src, dst = Path(src), Path(dst)
     if not 1 <= top_k <= experts:
         raise CheckpointError(f"--top-k must be between 1 and --experts ({experts}), not {top_k}")
     try:
-        reader = GGUFReader(str(src))
+        reader = reader_class()(str(src))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {src} as a GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
@@ -175,7 +175,6 @@ def reference_model(src: Path):
     """(transformers' model of GGUF file `src` in fp32, its tokenizer): the tensors as
     models/gguf.py's conversion dequantizes them (transformers' own GGUF loading needs
     accelerate, which freetoken does not)."""
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -183,7 +182,7 @@ def reference_model(src: Path):
     from freetoken.models import gguf
 
     src = Path(src).resolve()
-    with gguf._parsed_once(GGUFReader, src) as reader:
+    with gguf._parsed_once(gguf.reader_class(), src) as reader:
         parsed = load_gguf_checkpoint(str(src), return_tensors=False)
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         config, arch = gguf.transformers_config(reader, parsed["config"])
