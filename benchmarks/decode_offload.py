@@ -520,9 +520,7 @@ class UniformRouter(torch.nn.Module):
             logits = torch.randn(shape, device=x.device, dtype=x.dtype)
             kept = self._kept.setdefault(x.shape[0], torch.empty_like(logits))
             kept.copy_(logits)
-            chosen = torch.zeros(shape, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, logits.topk(self.top_k, dim=-1).indices, True)
-            dropped = chosen & (torch.rand(shape, device=x.device) >= self.recall)
+            dropped = mispredicted(logits, self.top_k, self.recall)
             if x.device.type == "cuda":
                 self._ready = torch.cuda.Event()
                 self._ready.record()
@@ -536,6 +534,14 @@ class UniformRouter(torch.nn.Module):
         return torch.randn(shape, device=x.device, dtype=x.dtype)
 
 
+def mispredicted(logits: torch.Tensor, top_k: int, recall: float) -> torch.Tensor:
+    """Which of each row's top-k a prediction misses: each with probability 1 - recall (the
+    next best take their places)."""
+    chosen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    chosen.scatter_(1, logits.topk(top_k, dim=-1).indices, True)
+    return chosen & (torch.rand(logits.shape, device=logits.device) >= recall)
+
+
 def use_uniform_routing(loaded: LoadedModel, seed: int = 0, recall: float = 1.0) -> None:
     torch.manual_seed(seed)
     moe = loaded.config.moe
@@ -543,11 +549,11 @@ def use_uniform_routing(loaded: LoadedModel, seed: int = 0, recall: float = 1.0)
         if hasattr(layer, "moe"):
             block = layer.moe
             block.router = UniformRouter(moe.num_experts, moe.top_k, recall)
-            block.prefetch = _predicting(block.prefetch, block.router)
+            block.prefetch = predicting(block.prefetch, block.router)
 
 
-def _predicting(prefetch, router: UniformRouter):
-    """`prefetch` with the router told that it predicts meanwhile."""
+def predicting(prefetch, router):
+    """`prefetch` with the router told that it predicts meanwhile (`router.predicting`)."""
 
     def run(*args, **kwargs):
         router.predicting = True

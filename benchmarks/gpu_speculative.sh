@@ -24,6 +24,7 @@ speed)
   cd benchmarks && timeout ${SPEC_SPEED_TIMEOUT:-420} python3 speculative_decode.py \
     --layers "${SPEC_LAYERS:-16}" --strategies "${SPEC_STRATEGIES:-fused,hybrid}" \
     --cache "${SPEC_CACHE:-8GiB}" --batches "${SPEC_BATCHES:-1,4}" \
-    --tokens "${SPEC_TOKENS:-128}" --out "$out/spec-speed.md" 2>&1 | tail -40
+    --tokens "${SPEC_TOKENS:-128}" --prefetch "${SPEC_PREFETCH:-0}" \
+    --out "$out/spec-speed.md" 2>&1 | tail -40
   ;;
 esac

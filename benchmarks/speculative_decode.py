@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from decode_offload import qwen3_30b_a3b, random_model, report, sync, tiny
+from decode_offload import (
+    mispredicted,
+    predicting,
+    qwen3_30b_a3b,
+    random_model,
+    report,
+    sync,
+    tiny,
+)
 
 from freetoken.config import MoEOptions
 from freetoken.engine import draft_policy
@@ -44,14 +52,20 @@ MAX_POSITIONS = 8192
 
 class PositionRouter(torch.nn.Module):
     """Router logits by position: a fixed random [positions, experts] table per layer, read at
-    the step's positions (`positions.now`, the batch's tensor: a CUDA graph captures it)."""
+    the step's positions (`positions.now`, the batch's tensor: a CUDA graph captures it). A
+    prefetch's prediction (`predicting`) misses each chosen expert with probability
+    1 - `recall`, as decode_offload.py's UniformRouter's does."""
 
-    def __init__(self, table: torch.Tensor, positions: PositionHolder):
+    def __init__(self, table: torch.Tensor, positions: PositionHolder, top_k: int, recall: float):
         super().__init__()
-        self.table, self.positions = table, positions
+        self.table, self.positions, self.top_k, self.recall = table, positions, top_k, recall
+        self.predicting = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.table.index_select(0, self.positions.now).to(x.dtype)
+        logits = self.table.index_select(0, self.positions.now).to(x.dtype)
+        if self.predicting:
+            return logits.masked_fill(mispredicted(logits, self.top_k, self.recall), -1e4)
+        return logits
 
 
 @dataclass
@@ -59,14 +73,16 @@ class PositionHolder:
     now: torch.Tensor | None = None
 
 
-def route_by_position(loaded, device) -> None:
+def route_by_position(loaded, device, recall: float = 1.0) -> None:
     holder = PositionHolder()
     gen = torch.Generator(device="cpu").manual_seed(0)
-    experts = loaded.config.moe.num_experts
+    moe = loaded.config.moe
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
-            table = torch.randn(MAX_POSITIONS, experts, generator=gen).to(device)
-            layer.moe.router = PositionRouter(table, holder)
+            table = torch.randn(MAX_POSITIONS, moe.num_experts, generator=gen).to(device)
+            block = layer.moe
+            block.router = PositionRouter(table, holder, moe.top_k, recall)
+            block.prefetch = predicting(block.prefetch, block.router)
     forward = loaded.model.forward
 
     def with_positions(batch, *args, **kwargs):
@@ -194,6 +210,14 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--acceptance", type=float, default=1.0)
+    ap.add_argument(
+        "--prefetch",
+        type=int,
+        default=0,
+        help="offload and hybrid: experts prefetched a layer ahead (moe/prefetch.py), a "
+        "verify step's draft tokens' too",
+    )
+    ap.add_argument("--prediction-recall", type=float, default=0.8)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--out", type=Path)
@@ -202,14 +226,19 @@ def main() -> int:
     draft_policy.AUTO_ON_GPU = True  # (what auto does on a GPU is what this measures)
     raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
     loaded = random_model(raw, device)
-    route_by_position(loaded, device)
+    route_by_position(loaded, device, args.prediction_recall)
     lines = [
         f"# speculative decoding, auto vs off: Qwen3-30B-A3B shape, {args.layers} layers",
         "",
         f"- device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- prompt {args.prompt} random tokens, {args.tokens} new tokens a request; edit: "
-        f"drafts replayed at acceptance {args.acceptance}; random: sampled, prompt lookup",
+        f"drafts replayed at acceptance {args.acceptance}; random: sampled, prompt lookup"
+        + (
+            f"; prefetch {args.prefetch} a layer, predictions right {args.prediction_recall:.0%}"
+            if args.prefetch
+            else ""
+        ),
         "",
         "| strategy | batch | workload | off tok/s | auto tok/s | auto/off | drafted | kept "
         "| verify steps | same tokens |",
@@ -217,7 +246,9 @@ def main() -> int:
     ]
     for strategy in args.strategies.split(","):
         cache = args.cache if strategy != "fused" else None
-        options = MoEOptions(strategy, cache) if cache else MoEOptions(strategy)
+        options = MoEOptions(strategy)
+        if cache:
+            options = MoEOptions(strategy, cache, prefetch_experts=args.prefetch)
         for batch in map(int, args.batches.split(",")):
             for r in measure(loaded, options, batch, args, device):
                 same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.3f}"
