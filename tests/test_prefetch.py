@@ -5,10 +5,6 @@ every expert of every layer but the first in decode; the tokens never change."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,6 +13,7 @@ from freetoken.kernels.expert_fill import fill_experts
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.device_control import PREFETCHES, DeviceControl
 from freetoken.moe.policy import ExpectedNextUsePolicy
+from interpreted import run_interpreted
 from test_device_control import check_tables
 from test_moe_runtime import prompts_for, tiny_store
 
@@ -85,20 +82,13 @@ def test_a_prefetch_fills_the_first_predicted_misses_and_nothing_else():
 
 def test_the_one_program_prefetch_matches_the_twin_in_the_interpreter():
     pytest.importorskip("triton")
-    script = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from test_prefetch import CASES, check_prefetches\n"
-        "check_prefetches(CASES, fused=True); print('ok')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "ok"
+    assert run_interpreted("test_prefetch", "checked_fused", CASES) == "ok"
+
+
+def checked_fused(cases) -> str:
+    """`check_prefetches` through the one-program plan (under the interpreter)."""
+    check_prefetches(cases, fused=True)
+    return "ok"
 
 
 @pytest.fixture(scope="module")
