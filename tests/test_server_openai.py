@@ -198,14 +198,20 @@ def test_api_key(fresh_engine):
 
 
 def test_full_queue_answers_429(fresh_engine, monkeypatch):
-    # The first request must still be running when the third comes: its 4,000 tokens at 10 ms
-    # a step take 40 s (unslowed, a busy 2-core CI machine once decoded all 4,000 before the
-    # server read the third request, and the third was taken). It is cancelled when its stream
-    # is closed. Its tokens are scripted, one that is not an end: the demo model's own answer
-    # ends early, and on a busy CI machine it once ended before the third came (as drafts of
-    # a repeating answer did; scripting turns drafting off).
-    step = fresh_engine.step
-    monkeypatch.setattr(fresh_engine, "step", lambda: (time.sleep(0.01), step())[1])
+    # The first request must still be running when the third comes. Timing alone did not hold
+    # it there on a loaded 2-core CI machine (its answer ended, or reached the room left in the
+    # KV pool, before the server read the third request, and the third was taken), so the
+    # engine is held between steps once it runs: a full queue is the server thread's decision
+    # (Scheduler.submit), which needs no step. Its tokens are scripted, one that is not an end
+    # (scripting also turns drafting off).
+    step, hold = fresh_engine.step, threading.Event()
+
+    def held_step():
+        while hold.is_set():
+            time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(fresh_engine, "step", held_step)
     token = fresh_engine.tokenizer.encode(" on")[-1]
     monkeypatch.setattr(fresh_engine, "_sample", scripted(fresh_engine, [token]))
     with running_server(fresh_engine, MODEL, max_running=1, max_queued=1) as (base, _):
@@ -218,10 +224,14 @@ def test_full_queue_answers_429(fresh_engine, monkeypatch):
             url = base + "/v1/chat/completions"
             first = http.send(http.build_request("POST", url, json=body), stream=True)
             next(first.iter_lines())  # running
-            second = http.send(http.build_request("POST", url, json=body), stream=True)
-            third = http.post(url, json=body)
-            assert third.status_code == 429
-            assert third.json()["error"]["type"] == "rate_limit_error"
+            hold.set()
+            try:
+                second = http.send(http.build_request("POST", url, json=body), stream=True)
+                third = http.post(url, json=body)
+                assert third.status_code == 429
+                assert third.json()["error"]["type"] == "rate_limit_error"
+            finally:
+                hold.clear()
             first.close()
             second.close()
 
