@@ -632,11 +632,11 @@ def test_speculative_decode_keeps_the_tokens_with_a_prefetch(tmp_path):
     out = tmp_path / "spec.md"
     run(
         "speculative_decode.py",
-        *("--layers", "2", "--strategies", "hybrid", "--cache", "40", "--batches", "1"),
+        *("--layers", "2", "--strategies", "offload", "--cache", "40", "--batches", "1"),
         *("--tokens", "12", "--prompt", "32", "--prefetch", "2", "--out", str(out)),
         tmp_path=tmp_path,
     )
     table = out.read_text()
-    edit = next(line for line in table.splitlines() if line.startswith("| hybrid | 1 | edit |"))
+    edit = next(line for line in table.splitlines() if line.startswith("| offload | 1 | edit |"))
     assert edit.split("|")[-2].strip() == "1.000"  # auto's tokens are off's
     assert "prefetch 2 a layer" in table

@@ -175,6 +175,10 @@ def test_a_header_that_is_not_an_id_comes_back_as_text():
     assert not parser.saw_tool_call
     events, _, _ = parse([f"{BEGIN}functions.f:0{ARGS}city=Paris{END}"])
     assert events == [("text", f"{BEGIN}functions.f:0{ARGS}city=Paris{END}")]
+    # two headers run together (found by test_parsers' any-chunking property): not an id
+    twice = f"{BEGIN}functions.f:0functions.f:0{ARGS}{{}}{END}"
+    events, _, parser = parse([twice])
+    assert events == [("text", twice)] and not parser.saw_tool_call
 
 
 def test_an_id_used_twice_in_a_reply_gets_a_fresh_one():

@@ -44,7 +44,9 @@ CALL_BEGIN, ARGS_BEGIN, CALL_END = (
     "<|tool_call_end|>",
 )
 _ID_TEXT = re.compile(r"[\w.:/-]*")  # what an id may hold (the header so far, to fail early)
-_ID = re.compile(r"(?:functions\.)?(.+?)(?::\d+)?")  # the name in an id
+# the name in an id: one colon at most, before the index ("functions.f:0functions.f:0", two
+# headers run together, is not an id)
+_ID = re.compile(r"(?:functions\.)?([\w./-]+)(?::\d+)?")
 
 
 class KimiParser(QwenParser):
