@@ -208,7 +208,9 @@ class ModelRunner:
         if self.moe is not None and blocks and blocks[0].executor is not self.moe:
             for block in blocks:
                 block.executor = self.moe
-                block.prefetch_from = self.moe.prefetcher
+                # (None where nothing is prefetched: the decode loop then skips the layer's
+                # prediction with one attribute test)
+                block.prefetch_from = self.moe.prefetcher if self.moe.prefetches else None
 
     def resize_expert_cache(self, size: str | int) -> int:
         """Re-size the expert cache to `size` (slots, or bytes such as "8GiB") between steps;

@@ -45,15 +45,15 @@ class DeviceDecided:
         fills: Fills,
         share: NoCPUShare,
         host: HostDecided,
-        prefetch: Prefetch | None = None,
+        prefetch: Prefetch,
     ):
-        """`prefetch`: a layer's predicted misses filled a layer ahead (moe/prefetch.py);
-        None for none."""
+        """`prefetch`: a layer's predicted misses filled a layer ahead (moe/prefetch.py), its
+        `experts` 0 for none."""
         self.control, self.fills, self.share, self.host = control, fills, share, host
         self.cache, self.act = host.cache, host.act
         self.num_experts = host.store.num_experts
         self.expert_bytes = host.store.shape.nbytes
-        self.prefetch = prefetch or Prefetch(control, fills, 0)
+        self.prefetch = prefetch
 
     def capturable(self, tokens: int, routes: int) -> bool:
         """Whether a call of this shape is decided here (a decode graph holds it)."""

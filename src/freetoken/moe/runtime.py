@@ -272,6 +272,12 @@ class MoERuntime:
     ) -> torch.Tensor:
         return self._layer(moe_layer, x, ids, weights)
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether decode calls may be prefetched a layer ahead at all (`prefetch_experts` on,
+        the device deciding): the model asks `prefetcher` only then."""
+        return self._device is not None and self._device.prefetch.experts > 0
+
     def prefetcher(self, tokens: int, routes: int) -> Prefetch | None:
         """Where the next layer's call, of this shape, may be prefetched (moe/prefetch.py):
         the device decides it and `prefetch_experts` is on; else None."""
