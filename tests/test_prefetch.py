@@ -204,3 +204,41 @@ def test_verify_steps_tokens_are_prefetched_too(exact_predictions):
     layers = runner.moe.telemetry.layers
     assert [c.misses for c in layers[1:]] == [0] * (len(layers) - 1)
     assert sum(c.prefetches for c in layers[1:]) > 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4", "qwen3_moe"])
+def test_a_prediction_is_submitted_heaviest_first(family, tmp_path):
+    """Sigmoid and sqrtsoftplus routing give a token's k experts unsorted (torch.topk with
+    sorted=False, as the references): the prediction is ranked by gate weight before it is
+    submitted, so a prefetch of p < k fills the p likeliest, not any p."""
+    from contextlib import contextmanager
+
+    from freetoken.models.loading import load_model
+    from tiny_models import build
+
+    loaded = load_model(build(family, tmp_path / "m")[0], dtype="float32")
+    layer = loaded.model.layers[loaded.config.num_layers - 1]  # (V4's first layers hash)
+    block = layer.moe
+    submitted = []
+
+    class Recorder:
+        @contextmanager
+        def ahead(self, held):
+            yield lambda moe_layer, ids: submitted.append((moe_layer, ids))
+
+    block.prefetch_from = lambda tokens, routes: Recorder()
+    torch.manual_seed(0)
+    x = torch.randn(16, loaded.config.hidden_size)
+    with torch.no_grad():
+        weights, ids = block.route(x, torch.arange(16), x)
+        block.prefetch(lambda: (x, x), (x,), torch.arange(16))
+    [(moe_layer, ranked)] = submitted
+    assert moe_layer == block.moe_layer
+    assert torch.equal(ranked.sort(1).values, ids.sort(1).values)  # the same experts
+    # (each submitted expert's gate weight: `ranked` is `ids` reordered per token)
+    got = torch.stack(
+        [weights[t][(ranked[t, :, None] == ids[t]).int().argmax(1)] for t in range(16)]
+    )
+    assert (got[:, :-1] >= got[:, 1:]).all()
+    if family != "qwen3_moe":  # (softmax routing's order is the ranked one already)
+        assert not (weights[:, :-1] >= weights[:, 1:]).all()

@@ -137,7 +137,9 @@ class MoEBlock(nn.Module):
         self.prefetch_from = None
 
     def route(self, x, input_ids=None, stream=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate weights, expert ids) [T, k] of the normed input x, each token's best first."""
+        """(gate weights, expert ids) [T, k] of the normed input x, in the reference's order:
+        softmax routing gives each token's best first, sigmoid and sqrtsoftplus scoring their
+        k unsorted (as transformers does: the order is the sum's, which exactness keeps)."""
         if self.moe.scaled_router:
             scaled = rms_normalize(stream, self.eps) * self.router_scale * x.shape[-1] ** -0.5
             weights, ids = route(self.router(scaled), self.top_k, True, self.fp32_gate_weights)
@@ -164,7 +166,10 @@ class MoEBlock(nn.Module):
             return
         with prefetch.ahead(held) as submit:
             x, stream = predict_input()
-            submit(self.moe_layer, self.route(x, input_ids, stream)[1])
+            weights, ids = self.route(x, input_ids, stream)
+            # (each token's heaviest first, so a prefetch of p < k fills the likeliest: sigmoid
+            # and sqrtsoftplus routing give their k unsorted)
+            submit(self.moe_layer, ids.gather(1, weights.argsort(dim=1, descending=True)))
 
     def forward(
         self,
