@@ -500,3 +500,66 @@ def test_a_layer_step_the_listener_could_not_serve_fails_the_next_step():
     with pytest.raises(RuntimeError, match="could not run 2 layer step"):
         rt.begin_step(1, decode=True)
     rt.begin_step(1, decode=True)  # reported once; the engine goes on
+
+
+# The one-program plan's variants, as the decode steps launch them: offload's (no CPU),
+# hybrid's (the CPU's routes and activations handed over, the doorbell rung), hybrid's with the
+# step clock's stamp, and the layer-ahead prefetch's (moe/prefetch.py); at batch 1 and 8 of
+# DeepSeek-V4-Flash's top-6 over its 256 experts a layer.
+PLAN_VARIANTS = ["offload", "hybrid", "hybrid+stamp", "ahead"]
+
+
+def _compile_plans() -> dict[str, list[str] | str]:
+    """Each variant's plan launched under compiled.py's compile-only driver: its kernels
+    compiled, or its error."""
+    import compiled
+
+    store = tiny_store(num_layers=4, num_experts=256)
+    res: dict[str, list[str] | str] = {}
+    for variant in PLAN_VARIANTS:
+        policy = ExpectedNextUsePolicy()
+        cache = ExpertCache(store, 100, torch.device("cpu"), policy=policy)
+        before = len(compiled.COMPILED)
+        try:
+            hybrid = variant.startswith("hybrid")
+            cpu = (torch.empty(100, dtype=torch.long), torch.empty(100), torch.zeros(8, 8))
+            bell = (torch.zeros(192, dtype=torch.int32), torch.zeros(2, dtype=torch.long))
+            control = DeviceControl(
+                cache,
+                policy,
+                torch.tensor([0.5, 1.0, 4.0]) if hybrid else None,
+                cpu if hybrid else None,
+                bell if hybrid else None,
+            )
+            control.fused = True
+            stamp = torch.zeros(1, dtype=torch.long) if variant.endswith("stamp") else None
+            for tokens in (1, 8):
+                pairs = torch.arange(tokens * 6).reshape(tokens, 6) % 256 + 256
+                x = torch.randn(tokens, 8)
+                if variant == "ahead":
+                    control.set_prefetch(2)
+                    control.plan_ahead(1, pairs.t().reshape(-1))
+                else:
+                    control.plan(1, pairs, torch.rand(tokens, 6), x, 7, stamp)
+        except Exception as e:  # (the test names it)
+            res[variant] = f"{type(e).__name__}: {str(e)[-600:]}"
+            continue
+        res[variant] = [c["name"] for c in compiled.COMPILED[before:]]
+    return res
+
+
+@pytest.fixture(scope="module")
+def compiled_plans() -> dict[str, list[str] | str]:
+    from compiled import run_compiled
+
+    return run_compiled("test_device_control", "_compile_plans")
+
+
+@pytest.mark.parametrize("variant", PLAN_VARIANTS)
+def test_the_plans_compile_for_the_gpu(compiled_plans, variant):
+    """Triton's code generator and ptxas take each variant of the one-program plan as a decode
+    step launches it on an H200, which the interpreter's tests do not check: compiled once per
+    batch's block of routes (BLOCK_R 16 at batch 1, 64 at batch 8)."""
+    pytest.importorskip("triton")
+    kernels = compiled_plans[variant]
+    assert kernels == ["_plan_kernel", "_plan_kernel"], kernels
