@@ -14,9 +14,11 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run(script: str, *args: str, tmp_path: Path) -> str:
+def run(script: str, *args: str, tmp_path: Path, tiny: bool = True) -> str:
+    """The script's output; `tiny`: on its small shapes, on the CPU (the GPU scripts' flags)."""
+    flags = ["--tiny", "--device", "cpu"] if tiny else []
     result = subprocess.run(
-        [sys.executable, script, "--tiny", "--device", "cpu", *args],
+        [sys.executable, script, *flags, *args],
         cwd=BENCHMARKS,
         capture_output=True,
         text=True,
@@ -612,15 +614,7 @@ def test_prefetch_recall_sets_predictions_beside_routes(tmp_path):
     path, _ = build_chat_model("qwen3_moe", tmp_path / "m", mlp_only_layers=[])
     out = tmp_path / "recall.md"
     args = [str(path), "--tokens", "4", "--prompt-tokens", "24", "--out", str(out)]
-    result = subprocess.run(
-        [sys.executable, "prefetch_recall.py", *args],
-        cwd=BENCHMARKS,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache")},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run("prefetch_recall.py", *args, tmp_path=tmp_path, tiny=False)
     text = out.read_text()
     recall = float(text.split("recall over the predicted layers: ")[1].split("*")[0])
     assert 0.0 <= recall <= 1.0
@@ -640,3 +634,19 @@ def test_speculative_decode_keeps_the_tokens_with_a_prefetch(tmp_path):
     edit = next(line for line in table.splitlines() if line.startswith("| offload | 1 | edit |"))
     assert edit.split("|")[-2].strip() == "1.000"  # auto's tokens are off's
     assert "prefetch 2 a layer" in table
+
+
+def test_launch_count_charges_each_layers_launches_to_its_modules(tmp_path):
+    """A decode step's launches on the GPU's code path, counted on the CPU (Triton's
+    interpreter): every layer's attention launches its projections and its RoPE kernel, the
+    norms their kernel, and the table says so."""
+    out, counts = tmp_path / "launches.md", tmp_path / "launches.json"
+    args = ["--family", "qwen3_moe", "--out", str(out), "--json", str(counts)]
+    run("launch_count.py", *args, tmp_path=tmp_path, tiny=False)
+    got = json.loads(counts.read_text())
+    layers, ops = got["layers"], got["ops"]
+    assert ops["attn"]["linear"] == 4 * layers  # q, k, v, o
+    assert ops["attn"]["triton:_rotary_kernel"] % layers == 0 < ops["attn"]["triton:_rotary_kernel"]
+    assert ops["attn"]["triton:_rms_norm_kernel"] == 2 * layers  # (Qwen3's q and k norms)
+    assert ops["moe"]["triton:_route_kernel"] == got["moe_layers"] > 0
+    assert "| attn |" in out.read_text()

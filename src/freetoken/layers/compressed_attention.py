@@ -24,7 +24,7 @@ window ending there), the same work whether or not it closes a window.
 The torch code here is the definition and the CPU path. On a GPU the rotations, the pooling and
 a decode step's attention are kernels/compressed_decode.py's (one launch each where torch
 needs tens), and the cos and sin of a step's positions are computed once for all its layers
-(`StepAngles`). A prompt is read per sequence, its context's rows gathered (as the MLA prefill
+(`StepShared`). A prompt is read per sequence, its context's rows gathered (as the MLA prefill
 does). A decode step reads every sequence at once: the window's rows and the closing rows of
 the windows of the batch's longest sequence (in steps of WINDOW_BUCKET windows; while a CUDA
 graph is captured, every window of the page-table width it is captured for), masked past
@@ -83,21 +83,41 @@ def turn(x: torch.Tensor, cos, sin, rms_eps: float | None = None) -> torch.Tenso
     return rope_tail(x if rms_eps is None else unweighted_rms(x, rms_eps), cos, sin)
 
 
-class StepAngles:
-    """The cos and sin a forward's layers turn by, each computed at its first use and kept for
-    the forward's other layers (the positions are the same in every layer): the main RoPE's
-    at the new tokens' positions, the compressed branches' at them and at the first positions
-    of the windows they close (`offset` 1 - ratio)."""
+class StepShared:
+    """What a forward's compressed layers share, each computed at its first use and kept for
+    the forward's other layers (the positions are the same in every layer), so a decode step
+    launches it once, not once a layer: the cos and sin they turn by (the main RoPE's at the
+    new tokens' positions, the compressed branches' at them and at the first positions of the
+    windows they close, `offset` 1 - ratio; and the inverse turn's), and which windows each
+    sequence has closed."""
 
     def __init__(self, main: RotaryEmbedding, compress: RotaryEmbedding, positions, dtype):
         self.rotaries, self.positions, self.dtype = (main, compress), positions, dtype
-        self.kept: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
-    def get(self, compressed: bool, offset: int = 0):
-        key = (compressed, offset)
+    def angles(self, compressed: bool, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("angles", compressed, offset)
         if key not in self.kept:
             rotary = self.rotaries[compressed]
             self.kept[key] = half_cos_sin(rotary, self.positions + offset, self.dtype)
+        return self.kept[key]
+
+    def inverse(self, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, -sin): the turn back of the attention's output."""
+        key = ("inverse", compressed)
+        if key not in self.kept:
+            cos, sin = self.angles(compressed)
+            self.kept[key] = cos, -sin
+        return self.kept[key]
+
+    def windows(self, ratio: int, count: int) -> tuple[torch.Tensor, ...]:
+        """(w [count] the window numbers, ready [B] how many each sequence has closed,
+        seen [B, count] w < ready) of a decode step's sequences."""
+        key = ("windows", ratio, count)
+        if key not in self.kept:
+            w = torch.arange(count, device=self.positions.device)
+            ready = (self.positions + 1) // ratio
+            self.kept[key] = w, ready, w[None] < ready[:, None]
         return self.kept[key]
 
 
@@ -216,10 +236,11 @@ class CompressedAttention(nn.Module):
             self.indexer = Indexer(cfg)
 
     def forward(
-        self, x: torch.Tensor, angles: StepAngles, batch: ForwardBatch, kv: PagedKVCache
+        self, x: torch.Tensor, shared: StepShared, batch: ForwardBatch, kv: PagedKVCache
     ) -> torch.Tensor:
         t, heads, d = x.shape[0], self.heads, self.dim
-        cos, sin = angles.get(self.kind != "sliding_attention")
+        compressed = self.kind != "sliding_attention"
+        cos, sin = shared.angles(compressed)
         q_latent = self.q_a_norm(self.wq_a(x))
         q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
         k = turn(self.kv_norm(self.wkv(x)), cos, sin)
@@ -236,25 +257,25 @@ class CompressedAttention(nn.Module):
             new[:, lay["igate"]] = self.indexer.wgate(x)
         pool.index_copy_(0, batch.write_slots, new[:, None])
         if self.kind != "sliding_attention":
-            self._pool_entries(pool, batch, angles)
+            self._pool_entries(pool, batch, shared)
 
         if batch.is_decode:
-            out = self._decode(q, pool, batch, x, q_latent, angles.get(True))
+            out = self._decode(q, pool, batch, x, q_latent, shared)
         else:
             out = q.new_empty(t, heads, d)
             for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
                 rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
                 span = slice(start, start + count)
-                compressed = tuple(a[span] for a in angles.get(True))
+                angles = tuple(a[span] for a in shared.angles(True))
                 out[span] = self._attend(
-                    q[span], rows, batch.positions[span], x[span], q_latent[span], compressed
+                    q[span], rows, batch.positions[span], x[span], q_latent[span], angles
                 )
-        out = turn(out, cos, -sin)
+        out = turn(out, *shared.inverse(compressed))
         grouped = out.reshape(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
 
-    def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, angles: StepAngles) -> None:
+    def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, shared: StepShared) -> None:
         """Write, at each new token's row, the entry (and the indexer's) of the window ending
         at that token, pooled from the cache rows of the window's tokens."""
         lay, r = self.layout, self.ratio
@@ -266,7 +287,7 @@ class CompressedAttention(nn.Module):
         compressors = [(self.compressor, "ckv", "cgate", "centry")]
         if self.kind == CSA:
             compressors.append((self.indexer, "ikv", "igate", "ientry"))
-        cos_sin = angles.get(True, 1 - r)
+        cos_sin = shared.angles(True, 1 - r)
         if kernels.kernel_takes(pool):
             for c, kv_cols, gate_cols, entry_cols in compressors:
                 cols = (lay[kv_cols].start, lay[gate_cols].start, lay[entry_cols].start, c.dim)
@@ -294,16 +315,15 @@ class CompressedAttention(nn.Module):
             entry = c.pool(rows, positions >= 0, lay[kv_cols], lay[gate_cols], cos_sin)
             pool[batch.write_slots, 0, lay[entry_cols]] = entry
 
-    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, cos_sin) -> torch.Tensor:
+    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, shared: StepShared):
         """One new token a sequence, all sequences at once, with no host work that grows with
         the context and nothing that waits on the device: the window's rows, and the closing
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
         captured, of every window of the width it is captured for: shapes fixed up to it)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
+        cos_sin = shared.angles(True)
         if r:
-            w = torch.arange(_windows_read(batch, r, _capturing(q)), device=q.device)
-            ready = (batch.positions + 1) // r
-            seen = w[None] < ready[:, None]  # [B, windows]
+            w, ready, seen = shared.windows(r, _windows_read(batch, r, _capturing(q)))
             top = None
             if self.kind == CSA and lightning_index.kernel_takes(q):  # scored in place
                 keys = lightning_index.PagedKeys(

@@ -13,7 +13,7 @@ from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
 from freetoken.layers.attention import Attention
-from freetoken.layers.compressed_attention import CompressedAttention, StepAngles
+from freetoken.layers.compressed_attention import CompressedAttention, StepShared
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.hyper_connections import HyperConnection, HyperHead
 from freetoken.layers.linear import Linear, linear
@@ -272,7 +272,7 @@ class DecoderModel(nn.Module):
         if cfg.embed_scale is not None:  # (the scale rounded to the dtype first, as Gemma's)
             x = x * float(torch.tensor(cfg.embed_scale, dtype=x.dtype))
         if cfg.compressed is not None:  # (each layer turns what it needs)
-            cos_sin = StepAngles(self.rotary, self.compress_rotary, batch.positions, x.dtype)
+            cos_sin = StepShared(self.rotary, self.compress_rotary, batch.positions, x.dtype)
             x = x.unsqueeze(1).expand(-1, cfg.compressed.hc_mult, -1).contiguous()
         else:
             cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
