@@ -193,18 +193,18 @@ class CompressedAttentionConfig:
     def row_layout(self, layer: int, head_dim: int) -> dict[str, slice]:
         """What one token's row of the layer's cache pool holds, by name (see
         layers/compressed_attention.py): its K=V, and for a compressing layer its pooled
-        projections, gate logits and the entry of the window it closes (and the indexer's)."""
+        projections and gate logits (and the indexer's), then the entry of the window it
+        closes (and the indexer's). What a token's forward writes leads the row, so one copy
+        writes it; the entries are written apart, where a window closes."""
         kind, parts = self.layer_kinds[layer], [("kv", head_dim)]
         if kind != "sliding_attention":
             overlap = 2 if kind == "compressed_sparse_attention" else 1
-            parts += [
-                ("ckv", overlap * head_dim),
-                ("cgate", overlap * head_dim),
-                ("centry", head_dim),
-            ]
+            parts += [("ckv", overlap * head_dim), ("cgate", overlap * head_dim)]
             if kind == "compressed_sparse_attention":
                 d = self.index_head_dim
-                parts += [("ikv", 2 * d), ("igate", 2 * d), ("ientry", d)]
+                parts += [("ikv", 2 * d), ("igate", 2 * d), ("centry", head_dim), ("ientry", d)]
+            else:
+                parts.append(("centry", head_dim))
         out, at = {}, 0
         for name, width in parts:
             out[name] = slice(at, at + width)

@@ -246,16 +246,13 @@ class CompressedAttention(nn.Module):
         k = turn(self.kv_norm(self.wkv(x)), cos, sin)
 
         pool = kv.k[self.layer]  # [slots, 1, W]
-        lay = self.layout
-        new = pool.new_zeros(t, pool.shape[-1])
-        new[:, lay["kv"]] = k
+        written = [k]  # (the row's leading columns, in row_layout's order)
         if self.kind != "sliding_attention":
-            new[:, lay["ckv"]] = self.compressor.wkv(x)
-            new[:, lay["cgate"]] = self.compressor.wgate(x)
+            written += [self.compressor.wkv(x), self.compressor.wgate(x)]
         if self.kind == CSA:
-            new[:, lay["ikv"]] = self.indexer.wkv(x)
-            new[:, lay["igate"]] = self.indexer.wgate(x)
-        pool.index_copy_(0, batch.write_slots, new[:, None])
+            written += [self.indexer.wkv(x), self.indexer.wgate(x)]
+        row = (torch.cat(written, dim=1) if len(written) > 1 else k).to(pool.dtype)
+        pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row)
         if self.kind != "sliding_attention":
             self._pool_entries(pool, batch, shared)
 
