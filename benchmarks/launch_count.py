@@ -5,7 +5,7 @@
 At batch 1 a decode step's dense work (attention, norms, routers, shared experts) is bound by
 launches, not bytes: a CUDA graph still runs its kernels one after another, each a few
 microseconds however little it reads (DeepSeek-V4-Flash on an H100: ~0.4 ms a layer against
-~0.06 ms of weight bytes, benchmarks/results/2026-12-06-v4-decode-h100.md). This counts them
+~0.1 ms of weight bytes, results/2026-12-06-v4-kernels-h100.md). This counts them
 where no GPU is: a tiny random checkpoint of the family (tests/tiny_models.py) decodes one
 step with every kernel switch of kernels/ that has a "runs here" test turned on, the Triton
 kernels run by Triton's interpreter, and each torch op that computes (views and allocations
