@@ -247,13 +247,13 @@ class CompressedAttention(nn.Module):
 
         pool = kv.k[self.layer]  # [slots, 1, W]
         written = [k]  # (the row's leading columns, in row_layout's order)
-        if self.kind != "sliding_attention":
+        if compressed:
             written += [self.compressor.wkv(x), self.compressor.wgate(x)]
         if self.kind == CSA:
             written += [self.indexer.wkv(x), self.indexer.wgate(x)]
         row = (torch.cat(written, dim=1) if len(written) > 1 else k).to(pool.dtype)
         pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row)
-        if self.kind != "sliding_attention":
+        if compressed:
             self._pool_entries(pool, batch, shared)
 
         if batch.is_decode:
@@ -318,9 +318,9 @@ class CompressedAttention(nn.Module):
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
         captured, of every window of the width it is captured for: shapes fixed up to it)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
-        cos_sin = shared.angles(True)
         if r:
             w, ready, seen = shared.windows(r, _windows_read(batch, r, _capturing(q)))
+            cos_sin = shared.angles(True)  # (the indexer's queries turn by them)
             top = None
             if self.kind == CSA and lightning_index.kernel_takes(q):  # scored in place
                 keys = lightning_index.PagedKeys(
