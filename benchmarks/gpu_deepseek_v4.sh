@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_deepseek_v4.sh timeline OUT_DIR # where a hybrid step's time goes
 #   bash benchmarks/gpu_deepseek_v4.sh prefetch OUT_DIR # fills a layer ahead: its CUDA tests,
 #                                                       # then hybrid with 0, 1, 2 prefetched
+#   bash benchmarks/gpu_deepseek_v4.sh stacked OUT_DIR  # stacked projections: CUDA tests, time
 #   bash benchmarks/gpu_deepseek_v4.sh glm5 OUT_DIR     # a GLM-5-shaped model: decode_offload
 #   bash benchmarks/gpu_deepseek_v4.sh glm5-context OUT_DIR  # the same at contexts 0, 32k, 128k
 # (V4_FUSED=1 adds the whole pool resident to `speed`: 51 GiB at 16 layers, more than an
@@ -74,6 +75,24 @@ timeline)
   cd benchmarks && timeout 400 python3 step_timeline.py --shape deepseek-v4-flash \
     --layers "${V4_TIMELINE_LAYERS:-8}" --expert-format mxfp4 --contender "hybrid@$cache" \
     --batch 1 --steps 24 --profiled 4 --out "$out/v4-timeline.md" 2>&1 | tail -40
+  ;;
+stacked)
+  # Projections of one input stacked into one GEMM and the MLP's gated unit in one kernel
+  # (DecoderModel.stack_projections, off on a GPU until this has run): their CUDA tests, then
+  # the dense work of a step (the routed experts skipped) without and with them.
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
+    cd tests && timeout 300 python3 -m pytest -q -rA -p no:cacheprovider test_gated_unit.py \
+      test_norm_rope.py test_device_numerics.py -k "cuda and (not numerics or stacked and \
+      (deepseek_v4 or glm_moe_dsa or deepseek_v3 or qwen3_moe or kimi_linear or gemma4))" 2>&1 \
+      | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|assert" | head -60
+  } 2>&1 | tee "$out/stacked-tests.txt"
+  for shape in deepseek-v4-flash qwen3-30b-a3b; do
+    fmt=dense; [ $shape = deepseek-v4-flash ] && fmt=mxfp4
+    (cd benchmarks && timeout 150 python3 profile_decode.py --shape $shape --layers 4 \
+      --expert-format $fmt --strategy fused --stacked --steps 50 --out "$out/profile-$shape" \
+      2>&1 | tail -3)
+  done 2>&1 | tee "$out/stacked-speed.txt"
   ;;
 glm5)
   # GLM-5's NVFP4 experts are 20 MiB: 5 GiB a layer. A 32 GB card holds its non-expert

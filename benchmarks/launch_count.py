@@ -84,14 +84,20 @@ NO_LAUNCH = frozenset(
 
 def switch_kernels_on() -> None:
     """Every kernel's "runs here" test true, so the GPU's code path runs (in the interpreter)."""
-    from freetoken.kernels import compressed_decode, hyper_mix, lightning_index, norm_rope
+    from freetoken.kernels import (
+        compressed_decode,
+        gated_unit,
+        hyper_mix,
+        lightning_index,
+        norm_rope,
+    )
 
     def always(*args, **kwargs):
         return True
 
     compressed_decode.kernel_takes = lightning_index.kernel_takes = always
     hyper_mix.kernel_takes = hyper_mix.streams_kernel_takes = always
-    norm_rope.available = always
+    norm_rope.available = gated_unit.kernel_takes = always
 
 
 class Launches(TorchDispatchMode):
@@ -154,14 +160,20 @@ def attribute(model, mode: Launches) -> None:
             child.register_forward_hook(leave)
 
 
-def count_step(family: str, batch: int, prompt: int) -> tuple[dict, list[bool]]:
+def count_step(
+    family: str, batch: int, prompt: int, stacked: bool = True
+) -> tuple[dict, list[bool]]:
     """(ops by module, which layers are MoE layers) of one decode step of `batch` sequences
-    after `prompt` tokens."""
+    after `prompt` tokens; `stacked`: with each layer's projections of one input stacked into
+    one GEMM (DecoderModel.stack_projections, as a model on the CPU is loaded)."""
     from freetoken.engine.runner import ModelRunner
+    from freetoken.models.decoder import DecoderModel
     from freetoken.models.loading import load_model
     from tiny_models import build
 
     switch_kernels_on()
+    if not stacked:
+        DecoderModel.stack_projections = lambda self: None
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(build(family, Path(tmp) / "m")[0], dtype="bfloat16")
     mode = Launches()
@@ -180,10 +192,11 @@ def count_step(family: str, batch: int, prompt: int) -> tuple[dict, list[bool]]:
     return mode.ops, list(loaded.config.moe_layers[: loaded.config.num_layers])
 
 
-def table(ops: dict, layers: int, family: str, batch: int) -> list[str]:
+def table(ops: dict, layers: int, family: str, batch: int, stacked: bool) -> list[str]:
     total = sum(sum(c.values()) for c in ops.values())
+    how = "projections stacked" if stacked else "projections not stacked"
     lines = [
-        f"# launch_count: {family}, tiny random checkpoint, {layers} layers, batch {batch}",
+        f"# launch_count: {family}, tiny random checkpoint, {layers} layers, batch {batch}, {how}",
         "",
         f"- one decode step: {total} launches, {total / layers:.1f} a layer "
         "(the GPU's code path where a kernel switch decides it; see the script's docstring)",
@@ -208,10 +221,16 @@ def main() -> int:
     ap.add_argument(
         "--json", type=Path, help="the counts: {ops: {module: {op: launches}}, layers, moe_layers}"
     )
+    ap.add_argument(
+        "--no-stacking",
+        action="store_true",
+        help="each projection its own GEMM (a model on a GPU without STACK_ON_GPU)",
+    )
     args = ap.parse_args()
-    ops, moe_layers = count_step(args.family, args.batch, args.prompt)
+    stacked = not args.no_stacking
+    ops, moe_layers = count_step(args.family, args.batch, args.prompt, stacked)
     layers = len(moe_layers)
-    text = "\n".join(table(ops, layers, args.family, args.batch)) + "\n"
+    text = "\n".join(table(ops, layers, args.family, args.batch, stacked)) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)

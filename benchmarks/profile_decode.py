@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.models import decoder
 from freetoken.weights.expert_format import expert_format
 
 
@@ -62,6 +63,12 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--expert-format", choices=EXPERT_FORMATS, default="dense")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--stacked",
+        action="store_true",
+        help="also time the rest of the model with each layer's projections of one input "
+        "stacked into one GEMM (DecoderModel.stack_projections; on a GPU not the default yet)",
+    )
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -113,6 +120,15 @@ def main() -> int:
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
     rest_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
     summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
+    if args.stacked:
+        decoder.STACK_ON_GPU = True
+        loaded.model.stack_projections()
+        runner = ModelRunner(
+            loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs
+        )
+        runner.moe = None
+        stacked_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
+        summary.append(f"no routed experts, projections stacked: {stacked_ms:.2f} ms/step")
     print("\n".join(summary))
     (args.out / "profile-summary.txt").write_text("\n".join(summary) + "\n")
     return 0

@@ -15,11 +15,25 @@ import torch
 import transformers
 
 from freetoken.engine.runner import ModelRunner
+from freetoken.models import decoder
 from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# ("cuda-stacked": with each layer's projections of one input stacked, as on the CPU, which
+# a GPU does only with decoder.STACK_ON_GPU until these have run it)
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+DEVICES += [pytest.param("cuda-stacked", marks=needs_cuda)]
+
+
+def on(device: str, monkeypatch) -> str:
+    """The torch device of a DEVICES entry, stacking turned on for a "-stacked" one."""
+    device, _, stacked = device.partition("-")
+    if stacked:
+        monkeypatch.setattr(decoder, "STACK_ON_GPU", True)
+    return device
+
+
 STEPS = 32
 
 
@@ -51,7 +65,8 @@ def logits_fed(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> tor
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path):
+def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path, monkeypatch):
+    device = on(device, monkeypatch)
     path, _ = build(family, tmp_path / family, dtype=torch.bfloat16)
     reference = getattr(transformers, FAMILIES[family][1])  # (an image-text model's own class)
     hf = reference.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -85,8 +100,10 @@ def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("device", ["cuda", "cuda-stacked"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fp32_logits_match_transformers_on_cuda(family, tmp_path):
+def test_fp32_logits_match_transformers_on_cuda(family, device, tmp_path, monkeypatch):
+    on(device, monkeypatch)
     path, hf = build(family, tmp_path / family)
     hf = hf.cuda()
     runner = ModelRunner(load_model(path, dtype="float32", device="cuda"), kv_cache_tokens=256)

@@ -50,6 +50,17 @@ def _cases(device: str) -> dict[str, float]:
                 res["add" + key + "/sum"] = (total.float() - (x + delta).float()).abs().max().item()
                 ref = norm.reference(x + delta)
                 res["add" + key] = (ours.float() - ref.float()).abs().max().item()
+                # rows read at their stride: a stacked projection's columns, not copied first
+                wide = torch.randn(*shape[:-1], shape[-1] + 40, device=device).to(dtype)
+                cols = wide[..., 8 : 8 + shape[-1]]
+                ours = norm_rope.rms_norm(cols, norm.weight, norm.eps, zero_centered, scale_fp32)
+                err = (ours.float() - norm.reference(cols).float()).abs().max().item()
+                res["strided" + key] = err
+                _, ours = norm_rope.add_rms_norm(
+                    cols, delta, norm.weight, norm.eps, zero_centered, scale_fp32
+                )
+                ref = norm.reference(cols + delta)
+                res["strided-add" + key] = (ours.float() - ref.float()).abs().max().item()
         for head_dim, partial in ((16, 1.0), (32, 0.5), (128, 1.0)):
             rope = RotaryEmbedding(RopeConfig(theta=1e4, partial_rotary_factor=partial), head_dim)
             positions = torch.arange(7, device=device) * 37
@@ -135,10 +146,12 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 42
-    # fp32: the norm's sum of squares in another order (a few ulp), the residual sum and the
-    # rotation bit for bit, the routing's choice exactly and its weights to a few ulp.
-    assert max(v for k, v in results.items() if k.startswith(("norm", "addnorm"))) < 1e-5
+    assert len(results) == 60
+    # fp32: the norm's sum of squares in another order (a few ulp; rows read at their stride
+    # too), the residual sum and the rotation bit for bit, the routing's choice exactly and its
+    # weights to a few ulp.
+    norms = ("norm", "addnorm", "stridednorm", "strided-addnorm")
+    assert max(v for k, v in results.items() if k.startswith(norms)) < 1e-5
     assert max(v for k, v in results.items() if k.endswith("/sum")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("rope")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("route") and "ids" not in k) < 1e-6

@@ -137,14 +137,17 @@ def add_rms_norm(
 
 def _norm(x, delta, weight, eps, zero_centered, scale_fp32):
     shape = x.shape
-    rows = x.reshape(-1, shape[-1]).contiguous()  # (a view when x is contiguous)
-    out = torch.empty_like(rows)
+    rows = x.reshape(-1, shape[-1])  # (a view when x is contiguous, or rows of a wider one)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[1]
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if delta is None:
         deltas = total = rows  # (not read nor written)
     else:
-        deltas = delta.reshape(-1, shape[-1]).contiguous()
-        total = torch.empty_like(rows)
-    n = rows.shape[1]
+        # (rows read at their stride: a stacked projection's columns need no copy first)
+        deltas = delta.reshape(-1, n).contiguous()
+        total = torch.empty_like(out)
     _rms_norm_kernel[(rows.shape[0],)](
         rows,
         deltas,
@@ -152,13 +155,14 @@ def _norm(x, delta, weight, eps, zero_centered, scale_fp32):
         weight,
         out,
         n,
+        rows.stride(0),
         eps,
         BLOCK=triton.next_power_of_2(n),
         ZERO_CENTERED=zero_centered,
         SCALE_FP32=scale_fp32,
         HAS_DELTA=delta is not None,
     )
-    return total.view(shape), out.view(shape)
+    return (x if delta is None else total.view(shape)), out.view(shape)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -321,6 +325,7 @@ if triton is not None:
         W,
         OUT,
         n,
+        stride_x,
         eps,
         BLOCK: tl.constexpr,
         ZERO_CENTERED: tl.constexpr,
@@ -330,7 +335,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
-        x = tl.load(X + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_DELTA:  # s = x + delta, rounded to the dtype as torch's add, then normed
             d = tl.load(D + row * n + cols, mask=ok, other=0.0).to(tl.float32)
             x = (x + d).to(OUT.dtype.element_ty)

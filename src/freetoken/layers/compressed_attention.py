@@ -44,7 +44,7 @@ from freetoken.kernels import lightning_index
 from freetoken.kernels.paged_attention import sequence_slots
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import RotaryEmbedding
 from freetoken.model_config import ModelConfig
@@ -234,6 +234,29 @@ class CompressedAttention(nn.Module):
             self.compressor = Compressor(h, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps)
         if self.kind == CSA:
             self.indexer = Indexer(cfg)
+        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
+
+    def _of_x(self) -> list[Linear]:
+        """The layers that read x, in the order `forward` takes their outputs: q's down
+        projection, K=V, then what the row stores after K (row_layout's order), the indexer's
+        head weights last."""
+        layers = [self.wq_a, self.wkv]
+        if self.kind != "sliding_attention":
+            layers += [self.compressor.wkv, self.compressor.wgate]
+        if self.kind == CSA:
+            layers += [self.indexer.wkv, self.indexer.wgate, self.indexer.weights_proj]
+        return layers
+
+    def stack_projections(self) -> None:
+        """The projections of x computed as one weight from now on (layers/linear.py's
+        `stacked`): one GEMM of a decode step where a CSA layer had seven."""
+        self.x_proj = stacked(*self._of_x())
+
+    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        layers = self._of_x()
+        if self.x_proj is None:
+            return [layer(x) for layer in layers]
+        return list(self.x_proj(x).split([layer.out_features for layer in layers], dim=-1))
 
     def forward(
         self, x: torch.Tensor, shared: StepShared, batch: ForwardBatch, kv: PagedKVCache
@@ -241,31 +264,33 @@ class CompressedAttention(nn.Module):
         t, heads, d = x.shape[0], self.heads, self.dim
         compressed = self.kind != "sliding_attention"
         cos, sin = shared.angles(compressed)
-        q_latent = self.q_a_norm(self.wq_a(x))
+        q_down, kv_x, *stored = self._projections(x)
+        # (the indexer's head weights, [T, heads] in fp32, scaled as its scores want them)
+        index_weights = None
+        if self.kind == CSA:
+            index_weights = stored.pop().float() * self.indexer.heads**-0.5
+        q_latent = self.q_a_norm(q_down)
         q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
-        k = turn(self.kv_norm(self.wkv(x)), cos, sin)
+        k = turn(self.kv_norm(kv_x), cos, sin)
 
         pool = kv.k[self.layer]  # [slots, 1, W]
-        written = [k]  # (the row's leading columns, in row_layout's order)
-        if compressed:
-            written += [self.compressor.wkv(x), self.compressor.wgate(x)]
-        if self.kind == CSA:
-            written += [self.indexer.wkv(x), self.indexer.wgate(x)]
+        written = [k, *stored]  # (the row's leading columns, in row_layout's order)
         row = (torch.cat(written, dim=1) if len(written) > 1 else k).to(pool.dtype)
         pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row)
         if compressed:
             self._pool_entries(pool, batch, shared)
 
         if batch.is_decode:
-            out = self._decode(q, pool, batch, x, q_latent, shared)
+            out = self._decode(q, pool, batch, index_weights, q_latent, shared)
         else:
             out = q.new_empty(t, heads, d)
             for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
                 rows = pool.index_select(0, sequence_slots(batch, b))[:, 0]  # [L, W]
                 span = slice(start, start + count)
                 angles = tuple(a[span] for a in shared.angles(True))
+                weights = None if index_weights is None else index_weights[span]
                 out[span] = self._attend(
-                    q[span], rows, batch.positions[span], x[span], q_latent[span], angles
+                    q[span], rows, batch.positions[span], weights, q_latent[span], angles
                 )
         out = turn(out, *shared.inverse(compressed))
         grouped = out.reshape(t, self.groups, -1)
@@ -312,7 +337,7 @@ class CompressedAttention(nn.Module):
             entry = c.pool(rows, positions >= 0, lay[kv_cols], lay[gate_cols], cos_sin)
             pool[batch.write_slots, 0, lay[entry_cols]] = entry
 
-    def _decode(self, q, pool, batch: ForwardBatch, x, q_latent, shared: StepShared):
+    def _decode(self, q, pool, batch: ForwardBatch, index_weights, q_latent, shared: StepShared):
         """One new token a sequence, all sequences at once, with no host work that grows with
         the context and nothing that waits on the device: the window's rows, and the closing
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
@@ -326,10 +351,10 @@ class CompressedAttention(nn.Module):
                 keys = lightning_index.PagedKeys(
                     pool, lay["ientry"].start, batch.page_table, batch.rows, batch.page_size
                 ).closing(len(w), r)
-                top = self._top_windows_in_place(keys, ready, x, q_latent, cos_sin)
+                top = self._top_windows_in_place(keys, ready, index_weights, q_latent, cos_sin)
             elif self.kind == CSA:
                 index_keys = _rows_at(pool, batch, batch.rows, _closing(w, r, p), lay["ientry"])
-                top = self._top_windows(index_keys, seen, ready, x, q_latent, cos_sin)
+                top = self._top_windows(index_keys, seen, ready, index_weights, q_latent, cos_sin)
         if kernels.kernel_takes(q):
             ids = None
             if r:  # the windows each sequence reads (-1: none), only the chosen ones
@@ -363,7 +388,7 @@ class CompressedAttention(nn.Module):
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
         return self._softmax_attend(q, keys, bias, "bhd,bkd->bhk", "bhk,bkd->bhd")
 
-    def _attend(self, q, rows, positions, x, q_latent, cos_sin) -> torch.Tensor:
+    def _attend(self, q, rows, positions, index_weights, q_latent, cos_sin) -> torch.Tensor:
         """One sequence's new queries q [n, heads, d] at `positions` over its context's rows
         [L, W]: the sliding window, the closed windows' entries (all, or the indexer's top-k),
         the sinks."""
@@ -383,7 +408,8 @@ class CompressedAttention(nn.Module):
             w = torch.arange(count, device=q.device)
             seen = w[None] < ready[:, None]  # [n, E]
             if self.kind == CSA and count:
-                top = self._top_windows(closed[:, lay["ientry"]], seen, ready, x, q_latent, cos_sin)
+                entries = closed[:, lay["ientry"]]
+                top = self._top_windows(entries, seen, ready, index_weights, q_latent, cos_sin)
                 seen = _chosen_mask(top, seen)
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
@@ -400,30 +426,30 @@ class CompressedAttention(nn.Module):
         probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum(mix, probs, keys)
 
-    def _top_windows(self, entries, seen, ready, x, q_latent, cos_sin) -> torch.Tensor:
+    def _top_windows(self, entries, seen, ready, weights, q_latent, cos_sin) -> torch.Tensor:
         """The Lightning Indexer: the closed windows each query attends, [n, min(topk, E)]
-        (-1 for a pick past the closed ones, when fewer are closed than it keeps)."""
+        (-1 for a pick past the closed ones, when fewer are closed than it keeps), from the
+        head `weights` [n, heads] and the queries of `q_latent`."""
         ix = self.indexer
-        iq, weights = self._index_query(x, q_latent, cos_sin)
+        iq = self._index_query(q_latent, cos_sin)
         spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
         scores = torch.einsum(spec, iq.float(), entries.float())
         scores = F.relu(scores) * ix.dim**-0.5
         scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
         return self._chosen(scores.masked_fill(~seen, float("-inf")), ready)
 
-    def _top_windows_in_place(self, keys, ready, x, q_latent, cos_sin) -> torch.Tensor:
+    def _top_windows_in_place(self, keys, ready, weights, q_latent, cos_sin) -> torch.Tensor:
         """`_top_windows` of a decode step, its entries scored where they lie in the pages
         (kernels/lightning_index.py)."""
-        iq, weights = self._index_query(x, q_latent, cos_sin)
+        iq = self._index_query(q_latent, cos_sin)
         scale = self.indexer.dim**-0.5
         return self._chosen(lightning_index.index_scores(iq, weights, keys, ready, scale), ready)
 
-    def _index_query(self, x, q_latent, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer's queries [n, heads, dim] (rotated) and head weights [n, heads] (fp32)."""
+    def _index_query(self, q_latent, cos_sin) -> torch.Tensor:
+        """The indexer's queries [n, heads, dim], rotated."""
         ix = self.indexer
         n = q_latent.shape[0]
-        iq = turn(ix.wq_b(q_latent).view(n, ix.heads, ix.dim), *cos_sin)
-        return iq, ix.weights_proj(x).float() * ix.heads**-0.5
+        return turn(ix.wq_b(q_latent).view(n, ix.heads, ix.dim), *cos_sin)
 
     def _chosen(self, scores: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
         """The top-k of scores [n, E] (-inf past the closed windows), -1 for a pick past them."""

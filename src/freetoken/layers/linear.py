@@ -44,6 +44,9 @@ class Linear(nn.Linear):
     once given one (`keep_quantized`), from a quantized weight in place of its `weight`."""
 
     quantized: QuantizedWeight | None = None
+    # A stacked layer's dense weight (`stacked`), held outside the parameters: its layers'
+    # weights are views of its rows, and those are what a checkpoint names and saves.
+    stack: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         # Models are built on the meta device and their weights loaded: nothing to draw there
@@ -66,6 +69,8 @@ class Linear(nn.Linear):
         # .to(device) and the like move the quantized parts too, but never cast them: their
         # dtypes are the format's (fn is given an empty tensor to learn where it goes)
         super()._apply(fn, recurse)
+        if self.stack is not None:
+            self.stack = fn(self.stack)
         if self.quantized is not None:
             device = fn(torch.empty(0, device=self.quantized.device)).device
             if device != self.quantized.device:
@@ -74,31 +79,71 @@ class Linear(nn.Linear):
 
     @property
     def computed_weight(self) -> torch.Tensor | QuantizedWeight:
-        """What `forward` multiplies by: the quantized weight once kept, else `weight`."""
-        return self.quantized if self.quantized is not None else self.weight
+        """What `forward` multiplies by: the quantized weight once kept, a stacked layer's
+        rows, else `weight`."""
+        if self.quantized is not None:
+            return self.quantized
+        return self.stack if self.stack is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.computed_weight, self.bias)
 
 
 def stacked(*layers: Linear) -> Linear | None:
-    """One Linear computing `layers` at once, their outputs side by side (q, k and v; gate and
-    up: one native job a decode step where there were several, each a handoff to the thread
-    team), or None unless all keep quantized weights of one format (`QuantizedWeight.stacked`)
-    with biases alike. Each layer's weight becomes a view of the stacked one's rows: the memory
-    is not doubled, and each still computes alone (a prompt's rows, the tests)."""
-    weights = [layer.quantized for layer in layers]
-    if None in weights or len({layer.bias is None for layer in layers}) != 1:
+    """One Linear computing `layers` (all of one input) at once, their outputs side by side, or
+    None where they cannot be: q, k and v, gate and up, a compressed attention's projections of
+    x. One call a decode step where there were several: on the CPU one job of the thread team
+    where each was a handoff to it; on the GPU one GEMM launch where each was one. Weights stack
+    when all are dense in one dtype on one device, or all are kept quantized in one format
+    (`QuantizedWeight.stacked`); their biases alike. Each layer's weight becomes a view of the
+    stacked rows: the memory is not doubled, a checkpoint still names each, and each still
+    computes alone (a prompt's rows, the tests). Each output is the layer's own bit for bit on
+    the CPU's native path (each dot product is the same); torch's GEMMs may block the sums by
+    the matrix's width (within rounding)."""
+    if len({layer.bias is None for layer in layers}) != 1:
         return None
+    if all(layer.quantized is not None for layer in layers):
+        return _stacked_quantized(layers)
+    weights = [layer.weight for layer in layers]
+    first = weights[0]
+    if any(
+        w is None
+        or w.dtype != first.dtype
+        or w.device != first.device
+        or w.shape[1:] != first.shape[1:]
+        or w.is_meta
+        for w in weights
+    ):
+        return None
+    with torch.no_grad():
+        weight = torch.cat(weights)
+    out = _stacked_layer(layers)
+    out.weight = None
+    out.stack = weight
+    for layer, view in zip(layers, weight.split([w.shape[0] for w in weights]), strict=True):
+        layer.weight = nn.Parameter(view, requires_grad=False)
+    return out
+
+
+def _stacked_quantized(layers: tuple[Linear, ...]) -> Linear | None:
+    weights = [layer.quantized for layer in layers]
     weight = QuantizedWeight.stacked(weights)
     if weight is None:
         return None
-    rows = [w.shape[0] for w in weights]
-    biased = layers[0].bias is not None
-    out = Linear(weights[0].shape[1], sum(rows), bias=biased, device="meta")
+    out = _stacked_layer(layers)
     out.keep_quantized(weight)
-    if biased:
-        out.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
-    for layer, view in zip(layers, weight.split_rows(rows), strict=True):
+    for layer, view in zip(layers, weight.split_rows([w.shape[0] for w in weights]), strict=True):
         layer.quantized = view
+    return out
+
+
+def _stacked_layer(layers: tuple[Linear, ...]) -> Linear:
+    """The Linear of `layers` stacked, with their biases (its weight to be given)."""
+    biased = layers[0].bias is not None
+    rows = sum(layer.out_features for layer in layers)
+    out = Linear(layers[0].in_features, rows, bias=biased, device="meta")
+    if biased:
+        with torch.no_grad():
+            bias = torch.cat([layer.bias for layer in layers])
+        out.bias = nn.Parameter(bias, requires_grad=False)
     return out

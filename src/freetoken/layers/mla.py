@@ -45,7 +45,7 @@ from freetoken.kernels.paged_attention import (
 )
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
 from freetoken.model_config import IndexerConfig, ModelConfig
@@ -91,9 +91,9 @@ class Indexer(nn.Module):
             x = _pairs_first(x, self.rope_dim)
         return apply_rotary(x, cos, sin)
 
-    def keys(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Each new token's index key: x [T, hidden] -> [T, head_dim], as cached."""
-        k = self.k_norm(self.wk(x))
+    def keys(self, wk_x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Each new token's index key from `wk(x)` [T, head_dim], as cached."""
+        k = self.k_norm(wk_x)
         return self._rope(k[:, None], cos, sin)[:, 0]
 
     def queries(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +138,19 @@ class LatentAttention(nn.Module):
         idx = mla.indexer
         if idx is not None and idx.full[layer]:
             self.indexer = Indexer(cfg, idx)
+        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
+
+    def _of_x(self) -> list[Linear]:
+        """The layers that read x, in the order `forward` takes their outputs: q's (or its
+        down projection), the latent's, the indexer's keys'."""
+        q = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        indexer = getattr(self, "indexer", None)
+        return [q, self.kv_a_proj_with_mqa] + ([indexer.wk] if indexer is not None else [])
+
+    def stack_projections(self) -> None:
+        """The projections of x computed as one weight from now on (layers/linear.py's
+        `stacked`): one GEMM of a decode step where there were two or three."""
+        self.x_proj = stacked(*self._of_x())
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         # DeepSeek pairs the rope dims as (x0, x1), (x2, x3), ...: laid out as (evens, odds)
@@ -156,14 +169,19 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, mla = x.shape[0], self.num_heads, self.mla
         nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
-        if mla.q_lora_rank is None:
-            q, q_resid = self.q_proj(x), None
+        layers = self._of_x()
+        if self.x_proj is None:
+            q, kv_a, *index_x = [layer(x) for layer in layers]
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            widths = [layer.out_features for layer in layers]
+            q, kv_a, *index_x = self.x_proj(x).split(widths, dim=-1)
+        q_resid = None
+        if mla.q_lora_rank is not None:
+            q_resid = self.q_a_layernorm(q)
             q = self.q_b_proj(q_resid)
         q = q.view(t, heads, nope + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([nope, mla.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, mla.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv_a.split([r, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = cos_sin
         k_pe = k_pe.view(t, 1, -1)
@@ -175,7 +193,7 @@ class LatentAttention(nn.Module):
         indexer = getattr(self, "indexer", None)
         if mla.indexer is not None:  # the index key after them (zeros where none is kept)
             index_k = (
-                indexer.keys(x, cos, sin)
+                indexer.keys(index_x[0], cos, sin)
                 if indexer is not None
                 else x.new_zeros(t, mla.indexer.head_dim)
             )

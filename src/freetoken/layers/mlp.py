@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from freetoken.activations import glu
+from freetoken.kernels import gated_unit
 from freetoken.kernels.cpu_experts import NativeCPUExperts
 from freetoken.kernels.cpu_linear import MAX_ROWS
 from freetoken.kernels.cpu_team import team_threads
@@ -25,15 +26,20 @@ class GatedMLP(nn.Module):
         self._routes: dict[int, tuple] = {}
 
     def stack_projections(self, dtype: torch.dtype) -> None:
-        """Gate and up kept quantized in one format are computed as one weight from now on
-        (layers/linear.py's `stacked`); with down kept quantized too, a decode step's MLP on
+        """Gate and up are computed as one weight from now on (layers/linear.py's `stacked`);
+        with all three kept quantized in one format, a decode step's MLP on
         the CPU is one job of the routed experts' kernel (cpu_experts.c): a single expert,
         gate/up, activation and down, with a weight of 1. That kernel rounds where torch does
         (each projection, the activation, the product), so its output is this module's, and
         the step hands the thread team one job where it handed three and ran two torch ops."""
         self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
         down = self.down_proj.quantized
-        if self.gate_up_proj is None or down is None or self.gate_proj.bias is not None:
+        if (
+            self.gate_up_proj is None
+            or down is None
+            or down.device.type != "cpu"
+            or self.gate_proj.bias is not None
+        ):
             return
         self.native = NativeCPUExperts.create(
             _bank(self.gate_up_proj.quantized),
@@ -55,7 +61,10 @@ class GatedMLP(nn.Module):
         ):
             return native(rows, *self._single_expert(rows.shape[0])).to(x.dtype).view(x.shape)
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if gated_unit.kernel_takes(gate_up, self.act_name):  # (one launch on a GPU)
+                return self.down_proj(gated_unit.glu(gate_up, self.act_name))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.unit(gate, up))

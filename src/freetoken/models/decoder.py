@@ -25,6 +25,12 @@ from freetoken.layers.rope import RotaryEmbedding
 from freetoken.model_config import ModelConfig
 from freetoken.weights.expert_format import QuantizedWeight
 
+# Whether a model on a GPU stacks its projections (`DecoderModel.stack_projections`): not until
+# the CUDA tests have run it so. A GEMM over stacked rows may sum in another order than each
+# alone (cuBLAS picks its kernel by the matrix's width), and there the bf16 greedy tokens are
+# held equal to transformers', which multiplies each alone. benchmarks/ turn it on to time it.
+STACK_ON_GPU = False
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -244,12 +250,16 @@ class DecoderModel(nn.Module):
         self.lm_head.keep_quantized(weight)
 
     def stack_projections(self) -> None:
-        """Projections of one input kept quantized in one format (each attention's q, k and v;
-        each MLP's gate and up) are computed as one weight from now on, and a dense MLP kept
-        quantized as one CPU job (layers/attention.py, layers/mlp.py): for a model on the CPU,
-        where each native call is a handoff to the thread team."""
+        """Projections of one input (each attention's q, k and v, or an MLA or compressed
+        attention's projections of x; each MLP's gate and up), dense in one dtype or kept
+        quantized in one format, are computed as one weight from now on, and a dense MLP kept
+        quantized as one CPU job (layers/linear.py's `stacked`, layers/mlp.py): one call where
+        there were several, each on the CPU a handoff to the thread team and on a GPU a launch.
+        On a GPU only with STACK_ON_GPU (its docstring says why)."""
+        if self.device.type != "cpu" and not STACK_ON_GPU:
+            return
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, LatentAttention, CompressedAttention)):
                 module.stack_projections()
             elif isinstance(module, GatedMLP):
                 module.stack_projections(self.dtype)

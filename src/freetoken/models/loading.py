@@ -150,8 +150,7 @@ def load_model(
     model, store = _empty_model(cfg, dtype, fmt, down)
     _fill(model, store, ckpt, family, progress, kept)
     model = model.to(device)
-    if dense and model.device.type == "cpu":
-        model.stack_projections()
+    model.stack_projections()
     return LoadedModel(model.eval(), cfg, ckpt.path, ckpt.config, store)
 
 
@@ -463,8 +462,7 @@ def _read_weight_dir(
     if dequantize:
         log.info("routed experts stored %s are dequantized at load: asked to", fmt.name)
         store = _dequantized(store, cfg)
-    if model.device.type == "cpu":
-        model.stack_projections()
+    model.stack_projections()
     return LoadedModel(model.eval(), cfg, path, raw, store, integrity)
 
 
