@@ -161,21 +161,20 @@ def attribute(model, mode: Launches) -> None:
 
 
 def count_step(
-    family: str, batch: int, prompt: int, stacked: bool = True
+    family: str, batch: int, prompt: int, stacked: bool = False
 ) -> tuple[dict, list[bool]]:
     """(ops by module, which layers are MoE layers) of one decode step of `batch` sequences
     after `prompt` tokens; `stacked`: with each layer's projections of one input stacked into
-    one GEMM (DecoderModel.stack_projections, as a model on the CPU is loaded)."""
+    one GEMM (DecoderModel.stack_projections with dense weights)."""
     from freetoken.engine.runner import ModelRunner
-    from freetoken.models.decoder import DecoderModel
     from freetoken.models.loading import load_model
     from tiny_models import build
 
     switch_kernels_on()
-    if not stacked:
-        DecoderModel.stack_projections = lambda self: None
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(build(family, Path(tmp) / "m")[0], dtype="bfloat16")
+    if stacked:  # (as on a GPU with decoder.STACK_ON_GPU; the CPU stacks only quantized ones)
+        loaded.model.stack_projections(dense=True)
     mode = Launches()
     count_triton(mode)
     attribute(loaded.model, mode)
@@ -222,12 +221,13 @@ def main() -> int:
         "--json", type=Path, help="the counts: {ops: {module: {op: launches}}, layers, moe_layers}"
     )
     ap.add_argument(
-        "--no-stacking",
+        "--stacked",
         action="store_true",
-        help="each projection its own GEMM (a model on a GPU without STACK_ON_GPU)",
+        help="each layer's projections of one input as one GEMM (a model on a GPU with "
+        "decoder.STACK_ON_GPU)",
     )
     args = ap.parse_args()
-    stacked = not args.no_stacking
+    stacked = args.stacked
     ops, moe_layers = count_step(args.family, args.batch, args.prompt, stacked)
     layers = len(moe_layers)
     text = "\n".join(table(ops, layers, args.family, args.batch, stacked)) + "\n"

@@ -23,7 +23,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
-from freetoken.models import decoder
 from freetoken.weights.expert_format import expert_format
 
 
@@ -121,8 +120,7 @@ def main() -> int:
     rest_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
     summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
     if args.stacked:
-        decoder.STACK_ON_GPU = True
-        loaded.model.stack_projections()
+        loaded.model.stack_projections(dense=True)
         runner = ModelRunner(
             loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs
         )

@@ -1,7 +1,7 @@
 """Projections of one input stacked into one weight (layers/linear.py's `stacked`): dense layers
 in one dtype as views of the stacked rows, each output the layer's own; every attention kind's
-projections of x and every MLP's gate and up stacked at load, the model's logits unchanged and
-its checkpoint names the same. About 20 s."""
+projections of x and every MLP's gate and up stacked, the model's logits unchanged and its
+checkpoint names the same. About 20 s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from freetoken.layers.compressed_attention import CompressedAttention
 from freetoken.layers.linear import Linear, stacked
 from freetoken.layers.mla import LatentAttention
 from freetoken.layers.mlp import GatedMLP
-from freetoken.models.decoder import DecoderModel
 from freetoken.models.loading import load_model
 from tiny_models import build
 
@@ -79,14 +78,14 @@ FAMILIES = ["qwen3_moe", "glm_moe_dsa", "kimi_linear", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_model_stacks_its_projections_at_load_and_computes_the_same(
-    family, tmp_path, monkeypatch
-):
-    """A model loaded on the CPU stacks every attention's projections of x and every MLP's
-    gate and up; its fp32 logits over a prompt and decode steps are those of the same model
-    loaded without stacking, and its parameters keep their names and values."""
+def test_a_stacked_model_computes_what_it_computed_alone(family, tmp_path):
+    """A model whose dense projections are stacked (every attention's projections of x, every
+    MLP's gate and up) gives the fp32 logits over a prompt and decode steps of the same model
+    unstacked, and its parameters keep their names and values."""
     path, _ = build(family, tmp_path / family)
+    alone = load_model(path, dtype="float32")
     model = load_model(path, dtype="float32")
+    model.model.stack_projections(dense=True)  # (on a GPU with decoder.STACK_ON_GPU)
     modules = list(model.model.modules())
     stacks = [
         m.qkv_proj if isinstance(m, Attention) else m.x_proj
@@ -95,8 +94,9 @@ def test_a_model_stacks_its_projections_at_load_and_computes_the_same(
     ]
     assert stacks and None not in stacks, family
     assert all(m.gate_up_proj is not None for m in modules if isinstance(m, GatedMLP)), family
-    monkeypatch.setattr(DecoderModel, "stack_projections", lambda self: None)
-    alone = load_model(path, dtype="float32")
+    assert not any(  # (the CPU stacks dense weights only when asked)
+        getattr(m, "x_proj", None) or getattr(m, "qkv_proj", None) for m in alone.model.modules()
+    )
     ours, theirs = dict(model.model.named_parameters()), dict(alone.model.named_parameters())
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)

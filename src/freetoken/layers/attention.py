@@ -54,11 +54,11 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
         self.qkv_proj: Linear | None = None  # q, k and v as one, once stacked
 
-    def stack_projections(self) -> None:
-        """q, k and v kept quantized in one format are computed as one weight from now on
-        (layers/linear.py's `stacked`)."""
+    def stack_projections(self, dense: bool) -> None:
+        """q, k and v kept quantized in one format (or, with `dense`, dense in one dtype) are
+        computed as one weight from now on (layers/linear.py's `stacked`)."""
         if self.v_proj is not None:
-            self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj, dense=dense)
 
     def forward(
         self,

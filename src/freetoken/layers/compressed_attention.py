@@ -247,10 +247,11 @@ class CompressedAttention(nn.Module):
             layers += [self.indexer.wkv, self.indexer.wgate, self.indexer.weights_proj]
         return layers
 
-    def stack_projections(self) -> None:
+    def stack_projections(self, dense: bool) -> None:
         """The projections of x computed as one weight from now on (layers/linear.py's
-        `stacked`): one GEMM of a decode step where a CSA layer had seven."""
-        self.x_proj = stacked(*self._of_x())
+        `stacked`; dense weights too with `dense`): one GEMM of a decode step where a CSA
+        layer had seven."""
+        self.x_proj = stacked(*self._of_x(), dense=dense)
 
     def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         layers = self._of_x()

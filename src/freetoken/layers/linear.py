@@ -89,21 +89,23 @@ class Linear(nn.Linear):
         return linear(x, self.computed_weight, self.bias)
 
 
-def stacked(*layers: Linear) -> Linear | None:
+def stacked(*layers: Linear, dense: bool = True) -> Linear | None:
     """One Linear computing `layers` (all of one input) at once, their outputs side by side, or
     None where they cannot be: q, k and v, gate and up, a compressed attention's projections of
     x. One call a decode step where there were several: on the CPU one job of the thread team
     where each was a handoff to it; on the GPU one GEMM launch where each was one. Weights stack
-    when all are dense in one dtype on one device, or all are kept quantized in one format
-    (`QuantizedWeight.stacked`); their biases alike. Each layer's weight becomes a view of the
-    stacked rows: the memory is not doubled, a checkpoint still names each, and each still
-    computes alone (a prompt's rows, the tests). Each output is the layer's own bit for bit on
-    the CPU's native path (each dot product is the same); torch's GEMMs may block the sums by
-    the matrix's width (within rounding)."""
+    when all are kept quantized in one format (`QuantizedWeight.stacked`), or, with `dense`,
+    all are dense in one dtype on one device; their biases alike. Each layer's weight becomes
+    a view of the stacked rows: the memory is not doubled, a checkpoint still names each, and
+    each still computes alone (a prompt's rows, the tests). Each output is the layer's own,
+    bit for bit on the CPU's native path (each dot product is the same); torch's GEMMs may
+    block the sums by the matrix's width (within rounding)."""
     if len({layer.bias is None for layer in layers}) != 1:
         return None
     if all(layer.quantized is not None for layer in layers):
         return _stacked_quantized(layers)
+    if not dense:
+        return None
     weights = [layer.weight for layer in layers]
     first = weights[0]
     if any(

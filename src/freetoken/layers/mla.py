@@ -147,10 +147,11 @@ class LatentAttention(nn.Module):
         indexer = getattr(self, "indexer", None)
         return [q, self.kv_a_proj_with_mqa] + ([indexer.wk] if indexer is not None else [])
 
-    def stack_projections(self) -> None:
+    def stack_projections(self, dense: bool) -> None:
         """The projections of x computed as one weight from now on (layers/linear.py's
-        `stacked`): one GEMM of a decode step where there were two or three."""
-        self.x_proj = stacked(*self._of_x())
+        `stacked`; dense weights too with `dense`): one GEMM of a decode step where there
+        were two or three."""
+        self.x_proj = stacked(*self._of_x(), dense=dense)
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         # DeepSeek pairs the rope dims as (x0, x1), (x2, x3), ...: laid out as (evens, odds)
