@@ -23,7 +23,7 @@ needs_triton = pytest.mark.skipif(
 def _cases(device: str) -> dict[str, float]:
     """Max abs difference between kernel and reference, per case."""
     from freetoken.kernels import norm_rope
-    from freetoken.layers.moe import route_sqrtsoftplus
+    from freetoken.layers.moe import route_sigmoid, route_sqrtsoftplus
     from freetoken.layers.norm import RMSNorm
     from freetoken.layers.rope import RotaryEmbedding, rotary_reference
     from freetoken.model_config import RopeConfig
@@ -100,6 +100,33 @@ def _cases(device: str) -> dict[str, float]:
                 .item()
             )
             res[key + "/ids"] = float((order.values != ref_order.values).sum().item())
+        # sigmoid routing with a correction bias, in groups (DeepSeek-V3's 8 of 32, 4 kept; 15
+        # of 4, 2 kept: groups not a power of two) or not (GLM's, Kimi's: 384 experts)
+        for experts, groups, kept, k, normalize in (
+            (256, 8, 4, 8, True),
+            (60, 4, 2, 4, False),
+            (384, 1, 1, 8, True),
+        ):
+            moe = SimpleNamespace(
+                top_k=k,
+                num_groups=groups,
+                topk_groups=kept,
+                norm_topk_prob=normalize,
+                routed_scaling=2.5,
+            )
+            logits = torch.randn(5, experts, device=device) * 2
+            bias = torch.randn(experts, device=device) * 0.1
+            weights, chosen = norm_rope.route_sigmoid(logits, bias, moe)
+            ref_w, ref_ids = _torch_route(route_sigmoid)(logits, bias, moe)
+            order, ref_order = chosen.sort(-1), ref_ids.sort(-1)
+            key = f"sigmoid/{experts}/{groups}"
+            res[key] = (
+                (weights.gather(1, order.indices) - ref_w.gather(1, ref_order.indices))
+                .abs()
+                .max()
+                .item()
+            )
+            res[key + "/ids"] = float((order.values != ref_order.values).sum().item())
     return res
 
 
@@ -146,7 +173,7 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 60
+    assert len(results) == 66
     # fp32: the norm's sum of squares in another order (a few ulp; rows read at their stride
     # too), the residual sum and the rotation bit for bit, the routing's choice exactly and its
     # weights to a few ulp.
@@ -156,6 +183,7 @@ def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     assert max(v for k, v in results.items() if k.startswith("rope")) == 0.0
     assert max(v for k, v in results.items() if k.startswith("route") and "ids" not in k) < 1e-6
     assert max(v for k, v in results.items() if k.startswith("sqrt") and "ids" not in k) < 1e-5
+    assert max(v for k, v in results.items() if k.startswith("sigm") and "ids" not in k) < 1e-5
     assert sum(v for k, v in results.items() if k.endswith("/ids")) == 0
 
 
@@ -167,3 +195,28 @@ def test_kernels_match_the_torch_code_on_cuda():
         # bf16: at most one step of a bf16 value near the norm's output scale (2^-7 of ~2).
         limit = 0 if key.endswith(("/ids", "/sum")) else 2**-6 if "bfloat16" in key else 1e-5
         assert value <= limit, (key, value)
+
+
+@needs_triton
+def test_the_routing_kernels_compile_for_the_gpu():
+    """The routing kernels compiled for sm_90 (tests/compiled.py: nothing launched), the
+    sigmoid one's grouped and ungrouped variants each."""
+    from compiled import run_compiled
+
+    names = run_compiled("test_norm_rope", "_compiled_routes", timeout=300)
+    assert names == ["_sigmoid_route_kernel"] * 2 + ["_sqrtsoftplus_kernel", "_route_kernel"]
+
+
+def _compiled_routes() -> list[str]:
+    import compiled
+    from freetoken.kernels import norm_rope
+
+    logits = torch.zeros(2, 256)
+    for groups, kept in ((8, 4), (1, 1)):
+        moe = SimpleNamespace(
+            top_k=8, num_groups=groups, topk_groups=kept, norm_topk_prob=True, routed_scaling=1.0
+        )
+        norm_rope.route_sigmoid(logits, torch.zeros(256), moe)
+    norm_rope.route_sqrtsoftplus(logits.bfloat16(), torch.zeros(256), 6, 1.5)
+    norm_rope.route(logits, 8, True, False)
+    return [c["name"] for c in compiled.COMPILED]

@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embeddings and softmax top-k routing in one kernel launch each, on the GPU;
+"""RMSNorm, rotary embeddings and top-k routing in one kernel launch each, on the GPU;
 RMSNorm and rotary embeddings of a decode step's rows in one native call each, on the CPU.
 
 At batch 1 a decode step's kernels are tiny and their count sets the time: torch's RMSNorm is
@@ -216,6 +216,35 @@ def route_sqrtsoftplus(logits, bias, top_k: int, scaling: float, ids=None):
     return weights, out_ids
 
 
+def route_sigmoid(logits, bias, moe):
+    """Sigmoid routing of fp32 logits [T, E] with the correction bias [E] and group-limited
+    choice (layers/moe.py `route_sigmoid`: DeepSeek-V3, GLM-4.5/5, Kimi-K2): one launch where
+    torch takes about fifteen. -> (fp32 weights [T, k], ids [T, k])."""
+    t, e = logits.shape
+    logits = logits.float().contiguous()
+    weights = torch.empty(t, moe.top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(t, moe.top_k, device=logits.device, dtype=torch.long)
+    groups = moe.num_groups
+    _sigmoid_route_kernel[(t,)](
+        logits,
+        bias.float().contiguous(),
+        weights,
+        ids,
+        e,
+        e // groups,
+        moe.routed_scaling,
+        K=moe.top_k,
+        BLOCK=triton.next_power_of_2(e),
+        K_BLOCK=triton.next_power_of_2(moe.top_k),
+        GROUPS=groups,
+        G_BLOCK=triton.next_power_of_2(groups),
+        TOPK_GROUPS=moe.topk_groups,
+        TG_BLOCK=triton.next_power_of_2(moe.topk_groups),
+        NORMALIZE=moe.norm_topk_prob,
+    )
+    return weights, ids
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool):
     """Softmax top-k of router logits [T, E]: (weights [T, k], ids [T, k]), as layers/moe.py."""
     t, e = logits.shape
@@ -252,6 +281,53 @@ if triton is not None:
             idx = tl.where(slots == k, at.to(tl.int64), idx)
             values = tl.where(cols == at, float("-inf"), values)
         return top, idx
+
+    @triton.jit
+    def _sigmoid_route_kernel(
+        LOGITS,
+        BIAS,
+        WEIGHTS,
+        IDS,
+        e,
+        group_size,
+        scaling,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        K_BLOCK: tl.constexpr,
+        GROUPS: tl.constexpr,
+        G_BLOCK: tl.constexpr,
+        TOPK_GROUPS: tl.constexpr,
+        TG_BLOCK: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < e
+        x = tl.load(LOGITS + row * e + cols, mask=ok, other=0.0)
+        score = 1.0 / (1.0 + tl.exp(-x))
+        choice = score + tl.load(BIAS + cols, mask=ok, other=0.0)
+        choice = tl.where(ok, choice, float("-inf"))
+        if GROUPS > 1:  # only the experts of the TOPK_GROUPS groups best by their best two
+            g = tl.arange(0, G_BLOCK)
+            member = ((cols[None, :] // group_size) == g[:, None]) & ok[None, :]  # [G, E]
+            values = tl.where(member, choice[None, :], float("-inf"))
+            first = tl.max(values, 1)
+            at = tl.min(tl.where(values == first[:, None], cols[None, :], BLOCK), 1)
+            second = tl.max(tl.where(cols[None, :] == at[:, None], float("-inf"), values), 1)
+            group_score = tl.where(g < GROUPS, first + second, float("-inf"))
+            _, best = _top_k(group_score, g, tl.arange(0, TG_BLOCK), TOPK_GROUPS, G_BLOCK)
+            best = tl.where(tl.arange(0, TG_BLOCK) < TOPK_GROUPS, best, -1)
+            kept = tl.sum((g[:, None] == best[None, :]).to(tl.int32), 1) > 0  # [G]
+            keep = tl.sum((member & kept[:, None]).to(tl.int32), 0) > 0  # [E]
+            choice = tl.where(keep, choice, float("-inf"))
+        slots = tl.arange(0, K_BLOCK)
+        _, idx = _top_k(choice, cols, slots, K, BLOCK)
+        picked = tl.sum(tl.where(cols[None, :] == idx[:, None], score[None, :], 0.0), 1)
+        picked = tl.where(slots < K, picked, 0.0)
+        if NORMALIZE:
+            picked = picked / (tl.sum(picked, 0) + 1e-20)
+        tl.store(WEIGHTS + row * K + slots, picked * scaling, mask=slots < K)
+        tl.store(IDS + row * K + slots, idx, mask=slots < K)
 
     @triton.jit
     def _route_kernel(

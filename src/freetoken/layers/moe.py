@@ -47,6 +47,8 @@ def route_sigmoid(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid routing with a correction bias and group-limited choice (MoEConfig.scoring):
     fp32 logits [T, E] -> (fp32 weights [T, k], ids [T, k])."""
+    if norm_rope.available(router_logits):  # one launch on the GPU, ~15 in torch
+        return norm_rope.route_sigmoid(router_logits, correction_bias, moe)
     scores = router_logits.sigmoid()
     choice = scores + correction_bias
     if moe.num_groups > 1:
