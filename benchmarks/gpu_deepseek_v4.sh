@@ -82,10 +82,12 @@ stacked)
   # the dense work of a step (the routed experts skipped) without and with them.
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
-    cd tests && timeout 300 python3 -m pytest -q -rA -p no:cacheprovider test_gated_unit.py \
-      test_norm_rope.py test_device_numerics.py -k "cuda and (not numerics or stacked and \
-      (deepseek_v4 or glm_moe_dsa or deepseek_v3 or qwen3_moe or kimi_linear or gemma4))" 2>&1 \
-      | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|assert" | head -60
+    # (the numerics of the families whose routing or MLP the new kernels compute, stacked
+    # and not: DeepSeek-V3/V3.2, GLM-4.5/5, Kimi-K2.6/Linear route by sigmoid groups)
+    cd tests && timeout ${STACKED_TESTS_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider \
+      test_gated_unit.py test_norm_rope.py test_device_numerics.py -k "cuda and (not numerics \
+      or deepseek or glm or kimi or qwen3_moe)" 2>&1 \
+      | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|assert" | head -80
   } 2>&1 | tee "$out/stacked-tests.txt"
   for shape in deepseek-v4-flash qwen3-30b-a3b; do
     fmt=dense; [ $shape = deepseek-v4-flash ] && fmt=mxfp4
