@@ -62,7 +62,13 @@ def _score_errors(device: str = "cpu", bf16: bool = True) -> list[float]:
         q, weights, keys = _paged(heads, d, dtype, device)
         keys = keys.every(45) if every else keys.closing(11, 4)
         valid = torch.tensor([45, 30] if every else [11, 5], device=device)
-        ours = index_scores(q, weights, keys, valid, d**-0.5)
+        if every:  # (DSA's: fp32 weights, scaled)
+            ours = index_scores(q, weights, keys, valid, d**-0.5)
+        else:  # (V4's: the columns of a stacked bf16 projection, scaled in the kernel)
+            wide = torch.cat([weights, weights[:, :3]], dim=1).to(torch.bfloat16)
+            weights = wide[:, :heads]
+            ours = index_scores(q, weights, keys, valid, d**-0.5, weight_scale=heads**-0.5)
+            weights = weights.float() * heads**-0.5
         ref = _reference(q, weights, keys, valid, d**-0.5, d)
         finite = ref.isfinite()
         if not torch.equal(finite, ours.isfinite()):

@@ -61,16 +61,27 @@ class PagedKeys:
 
 
 def index_scores(
-    q: torch.Tensor, weights: torch.Tensor, keys: PagedKeys, valid: torch.Tensor, scale: float
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: PagedKeys,
+    valid: torch.Tensor,
+    scale: float,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [B, heads, d] (the keys' dtype, or fp32), weights [B, heads] -> scores [B, keys.count]
-    fp32; keys j >= valid[b] score -inf."""
+    """q [B, heads, d] (the keys' dtype, or fp32), weights [B, heads] (any float dtype, rows at
+    any stride: the columns of a stacked projection's output) -> scores [B, keys.count] fp32,
+    each head's weight taken as `weights.float() * weight_scale`; keys j >= valid[b] score
+    -inf."""
     b, heads, d = q.shape
     out = torch.empty(b, keys.count, dtype=torch.float32, device=q.device)
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
     if b and keys.count:
         _scores_kernel[(b, triton.cdiv(keys.count, KEYS))](
             q.contiguous(),
-            weights.float().contiguous(),
+            weights,
+            weights.stride(0),
+            weight_scale,
             keys.pool,
             keys.pool.stride(0),
             keys.column,
@@ -111,6 +122,8 @@ if triton is not None:
     def _scores_kernel(
         Q,
         W,
+        w_stride,
+        w_scale,
         POOL,
         row_stride,
         column,
@@ -147,7 +160,7 @@ if triton is not None:
             dots = tl.dot(q, keys.to(q.dtype), input_precision="ieee")
         else:
             dots = tl.dot(q, keys.to(q.dtype))  # [HEADS_P, BLOCK], fp32 sums of exact products
-        w = tl.load(W + b * HEADS + h, mask=h < HEADS, other=0.0)
+        w = tl.load(W + b * w_stride + h, mask=h < HEADS, other=0.0).to(tl.float32) * w_scale
         scores = tl.sum(tl.maximum(dots, 0.0) * scale * w[:, None], axis=0)
         scores = tl.where(ok, scores, float("-inf"))
         tl.store(OUT + b * count + j, scores, mask=j < count)

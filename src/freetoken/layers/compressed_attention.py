@@ -266,10 +266,8 @@ class CompressedAttention(nn.Module):
         compressed = self.kind != "sliding_attention"
         cos, sin = shared.angles(compressed)
         q_down, kv_x, *stored = self._projections(x)
-        # (the indexer's head weights, [T, heads] in fp32, scaled as its scores want them)
-        index_weights = None
-        if self.kind == CSA:
-            index_weights = stored.pop().float() * self.indexer.heads**-0.5
+        # (the indexer's head weights [T, heads] as projected: scaled where they are read)
+        index_weights = stored.pop() if self.kind == CSA else None
         q_latent = self.q_a_norm(q_down)
         q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
         k = turn(self.kv_norm(kv_x), cos, sin)
@@ -430,9 +428,10 @@ class CompressedAttention(nn.Module):
     def _top_windows(self, entries, seen, ready, weights, q_latent, cos_sin) -> torch.Tensor:
         """The Lightning Indexer: the closed windows each query attends, [n, min(topk, E)]
         (-1 for a pick past the closed ones, when fewer are closed than it keeps), from the
-        head `weights` [n, heads] and the queries of `q_latent`."""
+        head `weights` [n, heads] as projected and the queries of `q_latent`."""
         ix = self.indexer
         iq = self._index_query(q_latent, cos_sin)
+        weights = weights.float() * ix.heads**-0.5
         spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
         scores = torch.einsum(spec, iq.float(), entries.float())
         scores = F.relu(scores) * ix.dim**-0.5
@@ -442,9 +441,12 @@ class CompressedAttention(nn.Module):
     def _top_windows_in_place(self, keys, ready, weights, q_latent, cos_sin) -> torch.Tensor:
         """`_top_windows` of a decode step, its entries scored where they lie in the pages
         (kernels/lightning_index.py)."""
+        ix = self.indexer
         iq = self._index_query(q_latent, cos_sin)
-        scale = self.indexer.dim**-0.5
-        return self._chosen(lightning_index.index_scores(iq, weights, keys, ready, scale), ready)
+        scores = lightning_index.index_scores(
+            iq, weights, keys, ready, ix.dim**-0.5, weight_scale=ix.heads**-0.5
+        )
+        return self._chosen(scores, ready)
 
     def _index_query(self, q_latent, cos_sin) -> torch.Tensor:
         """The indexer's queries [n, heads, dim], rotated."""
