@@ -789,6 +789,12 @@ def main() -> int:
         help="how the experts are stored: dense (bf16), or kept quantized (fp8 in 128x128 "
         "blocks, mxfp4, nvfp4)",
     )
+    ap.add_argument(
+        "--stacked",
+        action="store_true",
+        help="each layer's projections of one input as one GEMM and the MLPs' gated unit as one "
+        "kernel (DecoderModel.stack_projections; on a GPU not the default yet)",
+    )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
@@ -797,6 +803,8 @@ def main() -> int:
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device, expert_format(args.expert_format))
+    if args.stacked:
+        loaded.model.stack_projections(dense=True)
     if args.routing == "uniform":
         use_uniform_routing(loaded, recall=args.prediction_recall)
     elif args.routing.startswith("trace:"):
@@ -887,7 +895,8 @@ def main() -> int:
     ).stdout.strip()
     lines = [
         f"# decode_offload: {'tiny' if args.tiny else args.shape} shape, {args.layers} layers, "
-        f"random bf16 weights, experts {args.expert_format}",
+        f"random bf16 weights, experts {args.expert_format}"
+        + (", projections stacked" if args.stacked else ""),
         "",
         f"- GPU: {bw_profile.gpu}; CPU: {bw_profile.cpu}; torch {torch.__version__}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit: {commit}",

@@ -650,3 +650,35 @@ def test_launch_count_charges_each_layers_launches_to_its_modules(tmp_path):
     assert ops["attn"]["triton:_rms_norm_kernel"] == 2 * layers  # (Qwen3's q and k norms)
     assert ops["moe"]["triton:_route_kernel"] == got["moe_layers"] > 0
     assert "| attn |" in out.read_text()
+
+
+def test_profile_decode_times_the_dense_work_stacked_and_not(tmp_path):
+    """profile_decode.py --stacked: the step without routed experts, then with each layer's
+    projections stacked (what `gpu_deepseek_v4.sh stacked` compares); decode_offload.py's
+    --stacked says so in its table."""
+    out = run(
+        "profile_decode.py",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--strategy",
+        "fused",
+        "--stacked",
+        "--no-cuda-graphs",
+        "--out",
+        str(tmp_path / "profile"),
+        tmp_path=tmp_path,
+    )
+    lines = (tmp_path / "profile" / "profile-summary.txt").read_text().splitlines()
+    assert lines[0].startswith("fused: ") and lines[0] in out
+    assert lines[1].startswith("no routed experts: ")
+    assert lines[2].startswith("no routed experts, projections stacked: ")
+    table = tmp_path / "decode.md"
+    run(
+        "decode_offload.py",
+        *("--layers", "2", "--steps", "1", "--warmup", "1", "--batch", "1", "--cache", "all"),
+        *("--stacked", "--out", str(table)),
+        tmp_path=tmp_path,
+    )
+    assert "projections stacked" in table.read_text().splitlines()[0]
