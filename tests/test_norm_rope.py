@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def _cases(device: str) -> dict[str, float]:
     from freetoken.kernels import norm_rope
     from freetoken.layers.moe import route_sigmoid, route_sqrtsoftplus
     from freetoken.layers.norm import RMSNorm
-    from freetoken.layers.rope import RotaryEmbedding, rotary_reference
+    from freetoken.layers.rope import RotaryEmbedding, pairs_to_halves, rotary_reference
     from freetoken.model_config import RopeConfig
 
     torch.manual_seed(0)
@@ -51,8 +52,10 @@ def _cases(device: str) -> dict[str, float]:
                 ref = norm.reference(x + delta)
                 res["add" + key] = (ours.float() - ref.float()).abs().max().item()
                 # rows read at their stride: a stacked projection's columns, not copied first
-                wide = torch.randn(*shape[:-1], shape[-1] + 40, device=device).to(dtype)
-                cols = wide[..., 8 : 8 + shape[-1]]
+                # (3-D: a head view of them, its rows not one stride apart)
+                width = math.prod(shape[1:])
+                wide = torch.randn(shape[0], width + 40, device=device).to(dtype)
+                cols = wide[:, 8 : 8 + width].view(shape)
                 ours = norm_rope.rms_norm(cols, norm.weight, norm.eps, zero_centered, scale_fp32)
                 err = (ours.float() - norm.reference(cols).float()).abs().max().item()
                 res["strided" + key] = err
@@ -71,6 +74,16 @@ def _cases(device: str) -> dict[str, float]:
             res[f"rope/{dtype}/{head_dim}/{partial}"] = (
                 (ours.float() - ref.float()).abs().max().item()
             )
+            # heads read at their strides (a view of a stacked projection's columns), and
+            # DeepSeek's interleaved pairs read as rotate-half's, each with no copy first
+            wide = torch.randn(7, 3 * head_dim + 8, device=device).to(dtype)
+            heads = wide[:, 8:].view(7, 3, head_dim)
+            for pairs in (False, True):
+                ours = norm_rope.apply_rotary(heads, cos, sin, pairs_first=pairs)
+                laid = pairs_to_halves(heads, cos.shape[-1]) if pairs else heads
+                ref = rotary_reference(laid, cos, sin)
+                err = (ours.float() - ref.float()).abs().max().item()
+                res[f"rope/{dtype}/{head_dim}/{partial}/strided/{pairs}"] = err
         for experts, k, renormalize in ((128, 8, True), (60, 4, False), (8, 2, True)):
             logits = torch.randn(5, experts, device=device).to(dtype)
             weights, ids = norm_rope.route(logits, k, renormalize, False)
@@ -173,7 +186,7 @@ def interpreter_results() -> dict[str, float]:
 @needs_triton
 def test_kernels_match_the_torch_code_in_the_interpreter(interpreter_results):
     results = interpreter_results
-    assert len(results) == 66
+    assert len(results) == 72
     # fp32: the norm's sum of squares in another order (a few ulp; rows read at their stride
     # too), the residual sum and the rotation bit for bit, the routing's choice exactly and its
     # weights to a few ulp.

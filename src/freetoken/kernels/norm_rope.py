@@ -135,43 +135,59 @@ def add_rms_norm(
     return _norm(x, delta, weight, eps, zero_centered, scale_fp32)
 
 
+def _strided_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [..., n] as rows the kernels read at their strides, no copy for x [T, n] or
+    [T, heads, n] whose last dimension is contiguous (a stacked projection's columns, a head
+    view of them): (x or a contiguous copy, heads, row stride, head stride); row r is at
+    (r // heads) * row stride + (r % heads) * head stride."""
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x, x.shape[1], x.stride(0), x.stride(1)
+    rows = x.reshape(-1, x.shape[-1])
+    return x, 1, rows.stride(0), 0
+
+
 def _norm(x, delta, weight, eps, zero_centered, scale_fp32):
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])  # (a view when x is contiguous, or rows of a wider one)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n = rows.shape[1]
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    x, heads, row_stride, head_stride = _strided_rows(x)
+    n = shape[-1]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if delta is None:
-        deltas = total = rows  # (not read nor written)
+        deltas = total = out  # (not read nor written)
     else:
-        # (rows read at their stride: a stacked projection's columns need no copy first)
-        deltas = delta.reshape(-1, n).contiguous()
+        deltas = delta.contiguous()
         total = torch.empty_like(out)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows,
+    _rms_norm_kernel[(out.numel() // n,)](
+        x,
         deltas,
         total,
         weight,
         out,
         n,
-        rows.stride(0),
+        heads,
+        row_stride,
+        head_stride,
         eps,
         BLOCK=triton.next_power_of_2(n),
         ZERO_CENTERED=zero_centered,
         SCALE_FP32=scale_fp32,
         HAS_DELTA=delta is not None,
     )
-    return (x if delta is None else total.view(shape)), out.view(shape)
+    return (x if delta is None else total), out
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by cos, sin [T, rotary_dim] (partial rotary leaves the
-    rest), as layers/rope.py does."""
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs_first: bool = False
+) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (any row and head strides) by cos, sin [T, rotary_dim]
+    (partial rotary leaves the rest), as layers/rope.py does, `pairs_first` too: read as
+    layers/rope.py's `pairs_to_halves` lays it out, with no copy made for it."""
     t, heads, d = x.shape
     rot = cos.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
     _rotary_kernel[(t, heads)](
         x,
         cos,
@@ -183,6 +199,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         d,
         rot // 2,
         BLOCK=triton.next_power_of_2(max(rot // 2, d - rot, 1)),
+        PAIRS=pairs_first,
     )
     return out
 
@@ -401,7 +418,9 @@ if triton is not None:
         W,
         OUT,
         n,
-        stride_x,
+        heads,
+        row_stride,
+        head_stride,
         eps,
         BLOCK: tl.constexpr,
         ZERO_CENTERED: tl.constexpr,
@@ -411,7 +430,8 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
-        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        at = (row // heads) * row_stride + (row % heads) * head_stride
+        x = tl.load(X + at + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_DELTA:  # s = x + delta, rounded to the dtype as torch's add, then normed
             d = tl.load(D + row * n + cols, mask=ok, other=0.0).to(tl.float32)
             x = (x + d).to(OUT.dtype.element_ty)
@@ -430,7 +450,17 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(
-        X, COS, SIN, OUT, stride_t, stride_h, stride_c, d, half, BLOCK: tl.constexpr
+        X,
+        COS,
+        SIN,
+        OUT,
+        stride_t,
+        stride_h,
+        stride_c,
+        d,
+        half,
+        BLOCK: tl.constexpr,
+        PAIRS: tl.constexpr,
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -438,8 +468,13 @@ if triton is not None:
         dt = OUT.dtype.element_ty
         i = tl.arange(0, BLOCK)
         ok = i < half
-        x1 = tl.load(X + base + i, mask=ok, other=0.0)
-        x2 = tl.load(X + base + half + i, mask=ok, other=0.0)
+        if PAIRS:  # DeepSeek's interleaved pairs (x0, x1), (x2, x3), ...: evens, then odds
+            x1 = tl.load(X + base + 2 * i, mask=ok, other=0.0)
+            x2 = tl.load(X + base + 2 * i + 1, mask=ok, other=0.0)
+        else:
+            x1 = tl.load(X + base + i, mask=ok, other=0.0)
+            x2 = tl.load(X + base + half + i, mask=ok, other=0.0)
+        o = (t * tl.num_programs(1) + head) * d  # (OUT is contiguous)
         c1 = tl.load(COS + t * stride_c + i, mask=ok, other=0.0)
         c2 = tl.load(COS + t * stride_c + half + i, mask=ok, other=0.0)
         s1 = tl.load(SIN + t * stride_c + i, mask=ok, other=0.0)
@@ -449,8 +484,8 @@ if triton is not None:
         b1 = (-x2.to(tl.float32) * s1.to(tl.float32)).to(dt).to(tl.float32)
         a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
         b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(OUT + base + i, (a1 + b1).to(dt), mask=ok)
-        tl.store(OUT + base + half + i, (a2 + b2).to(dt), mask=ok)
+        tl.store(OUT + o + i, (a1 + b1).to(dt), mask=ok)
+        tl.store(OUT + o + half + i, (a2 + b2).to(dt), mask=ok)
         rest = i < d - 2 * half  # partial rotary: the dimensions past the rotated ones
         tail = tl.load(X + base + 2 * half + i, mask=rest, other=0.0)
-        tl.store(OUT + base + 2 * half + i, tail, mask=rest)
+        tl.store(OUT + o + 2 * half + i, tail, mask=rest)

@@ -66,13 +66,6 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def _pairs_first(x: torch.Tensor, dims: int) -> torch.Tensor:
-    """The first `dims` values of x laid out as (evens, odds): DeepSeek's interleaved RoPE
-    pairs (x0, x1), (x2, x3), ... become the rotate-half form's (i, i + dims/2)."""
-    rot = x[..., :dims]
-    return torch.cat([rot[..., 0::2], rot[..., 1::2], x[..., dims:]], dim=-1)
-
-
 class Indexer(nn.Module):
     """DSA's Lightning Indexer (parameter names as the checkpoints store them)."""
 
@@ -87,9 +80,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, idx.n_heads, bias=False)  # kept fp32
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        if self.idx.rope_interleave:
-            x = _pairs_first(x, self.rope_dim)
-        return apply_rotary(x, cos, sin)
+        return apply_rotary(x, cos, sin, pairs_first=self.idx.rope_interleave)
 
     def keys(self, wk_x: torch.Tensor, cos, sin) -> torch.Tensor:
         """Each new token's index key from `wk(x)` [T, head_dim], as cached."""
@@ -154,12 +145,8 @@ class LatentAttention(nn.Module):
         self.x_proj = stacked(*self._of_x(), dense=dense)
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        # DeepSeek pairs the rope dims as (x0, x1), (x2, x3), ...: laid out as (evens, odds)
-        # the pairs are (i, i + d/2), the rotate-half form. Queries and cached keys both get
-        # that order, so their dot products are unchanged.
-        if self.mla.rope_interleave:
-            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-        return apply_rotary(x, cos, sin)
+        # (DeepSeek's interleaved pairs laid out as rotate-half's: layers/rope.py)
+        return apply_rotary(x, cos, sin, pairs_first=self.mla.rope_interleave)
 
     def forward(
         self,

@@ -117,10 +117,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim]; with partial rotary only the first dims turn."""
+def pairs_to_halves(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """The first `dims` values of x laid out as (evens, odds): DeepSeek's interleaved RoPE
+    pairs (x0, x1), (x2, x3), ... become the rotate-half form's (i, i + dims/2). Queries and
+    the keys they meet both get it, so their dot products are unchanged."""
+    rot = x[..., :dims]
+    return torch.cat([rot[..., 0::2], rot[..., 1::2], x[..., dims:]], dim=-1)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs_first: bool = False
+) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim]; with partial rotary only the first dims turn.
+    `pairs_first`: x's rotated dims hold interleaved pairs, turned and returned as
+    `pairs_to_halves` lays them out (on the GPU read so, in the same launch)."""
     if norm_rope.available(x):  # one launch on the GPU (kernels/norm_rope.py)
-        return norm_rope.apply_rotary(x, cos, sin)
+        return norm_rope.apply_rotary(x, cos, sin, pairs_first)
+    if pairs_first:
+        x = pairs_to_halves(x, cos.shape[-1])
     if (
         x.dim() == 3
         and cos.dim() == 2
