@@ -211,16 +211,22 @@ def test_kernels_match_the_torch_code_on_cuda():
 
 
 @needs_triton
-def test_the_routing_kernels_compile_for_the_gpu():
-    """The routing kernels compiled for sm_90 (tests/compiled.py: nothing launched), the
-    sigmoid one's grouped and ungrouped variants each."""
+def test_the_kernels_compile_for_the_gpu():
+    """The kernels compiled for sm_90 (tests/compiled.py: nothing launched): the sigmoid
+    routing's grouped and ungrouped variants, the other routings, the norm of a strided head
+    view with and without a residual, the rotation of one, plain and of interleaved pairs."""
     from compiled import run_compiled
 
-    names = run_compiled("test_norm_rope", "_compiled_routes", timeout=300)
-    assert names == ["_sigmoid_route_kernel"] * 2 + ["_sqrtsoftplus_kernel", "_route_kernel"]
+    names = run_compiled("test_norm_rope", "_compiled", timeout=300)
+    assert names == (
+        ["_sigmoid_route_kernel"] * 2
+        + ["_sqrtsoftplus_kernel", "_route_kernel"]
+        + ["_rms_norm_kernel"] * 2
+        + ["_rotary_kernel"] * 2
+    )
 
 
-def _compiled_routes() -> list[str]:
+def _compiled() -> list[str]:
     import compiled
     from freetoken.kernels import norm_rope
 
@@ -232,4 +238,12 @@ def _compiled_routes() -> list[str]:
         norm_rope.route_sigmoid(logits, torch.zeros(256), moe)
     norm_rope.route_sqrtsoftplus(logits.bfloat16(), torch.zeros(256), 6, 1.5)
     norm_rope.route(logits, 8, True, False)
+    heads = torch.zeros(3, 4 * 64 + 32, dtype=torch.bfloat16)[:, 32:].view(3, 4, 64)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    norm_rope.rms_norm(heads, weight, 1e-6, False, False)
+    delta = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    norm_rope.add_rms_norm(heads, delta, weight, 1e-6, False, True)
+    cos = sin = torch.zeros(3, 64, dtype=torch.bfloat16)
+    for pairs in (False, True):
+        norm_rope.apply_rotary(heads, cos, sin, pairs_first=pairs)
     return [c["name"] for c in compiled.COMPILED]
