@@ -104,15 +104,8 @@ def _cases(device: str) -> dict[str, float]:
             weights, chosen = norm_rope.route_sqrtsoftplus(logits, bias, 6, 1.5, ids)
             moe_reference = _torch_route(route_sqrtsoftplus)
             ref_w, ref_ids = moe_reference(logits, bias, moe, ids)
-            order, ref_order = chosen.sort(-1), ref_ids.sort(-1)
             key = f"sqrtsoftplus/{dtype}/{experts}/{given}"
-            res[key] = (
-                (weights.gather(1, order.indices) - ref_w.gather(1, ref_order.indices))
-                .abs()
-                .max()
-                .item()
-            )
-            res[key + "/ids"] = float((order.values != ref_order.values).sum().item())
+            res |= _routing_errors(key, weights, chosen, ref_w, ref_ids)
         # sigmoid routing with a correction bias, in groups (DeepSeek-V3's 8 of 32, 4 kept; 15
         # of 4, 2 kept: groups not a power of two) or not (GLM's, Kimi's: 384 experts)
         for experts, groups, kept, k, normalize in (
@@ -131,16 +124,20 @@ def _cases(device: str) -> dict[str, float]:
             bias = torch.randn(experts, device=device) * 0.1
             weights, chosen = norm_rope.route_sigmoid(logits, bias, moe)
             ref_w, ref_ids = _torch_route(route_sigmoid)(logits, bias, moe)
-            order, ref_order = chosen.sort(-1), ref_ids.sort(-1)
             key = f"sigmoid/{experts}/{groups}"
-            res[key] = (
-                (weights.gather(1, order.indices) - ref_w.gather(1, ref_order.indices))
-                .abs()
-                .max()
-                .item()
-            )
-            res[key + "/ids"] = float((order.values != ref_order.values).sum().item())
+            res |= _routing_errors(key, weights, chosen, ref_w, ref_ids)
     return res
+
+
+def _routing_errors(key, weights, ids, ref_weights, ref_ids) -> dict[str, float]:
+    """A routing's largest weight difference from the reference's, each expert's weight set
+    beside its own (the kernels' top-k order is theirs), and how many chosen ids differ."""
+    order, ref_order = ids.sort(-1), ref_ids.sort(-1)
+    ours, ref = weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices)
+    return {
+        key: (ours - ref).abs().max().item(),
+        key + "/ids": float((order.values != ref_order.values).sum().item()),
+    }
 
 
 def _torch_route(route):
