@@ -44,7 +44,7 @@ from freetoken.kernels import lightning_index
 from freetoken.kernels.paged_attention import sequence_slots
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear, stacked
+from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import RotaryEmbedding
 from freetoken.model_config import ModelConfig
@@ -253,19 +253,13 @@ class CompressedAttention(nn.Module):
         layer had seven."""
         self.x_proj = stacked(*self._of_x(), dense=dense)
 
-    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        layers = self._of_x()
-        if self.x_proj is None:
-            return [layer(x) for layer in layers]
-        return list(self.x_proj(x).split([layer.out_features for layer in layers], dim=-1))
-
     def forward(
         self, x: torch.Tensor, shared: StepShared, batch: ForwardBatch, kv: PagedKVCache
     ) -> torch.Tensor:
         t, heads, d = x.shape[0], self.heads, self.dim
         compressed = self.kind != "sliding_attention"
         cos, sin = shared.angles(compressed)
-        q_down, kv_x, *stored = self._projections(x)
+        q_down, kv_x, *stored = outputs(x, self._of_x(), self.x_proj)
         # (the indexer's head weights [T, heads] as projected: scaled where they are read)
         index_weights = stored.pop() if self.kind == CSA else None
         q_latent = self.q_a_norm(q_down)

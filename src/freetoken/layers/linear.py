@@ -127,6 +127,14 @@ def stacked(*layers: Linear, dense: bool = True) -> Linear | None:
     return out
 
 
+def outputs(x: torch.Tensor, layers: list[Linear], stack: Linear | None) -> list[torch.Tensor]:
+    """Each of `layers`' output of x: through `stack` (`stacked(*layers)`) where there is one,
+    its columns split as views, else layer by layer."""
+    if stack is None:
+        return [layer(x) for layer in layers]
+    return list(stack(x).split([layer.out_features for layer in layers], dim=-1))
+
+
 def _stacked_quantized(layers: tuple[Linear, ...]) -> Linear | None:
     weights = [layer.quantized for layer in layers]
     weight = QuantizedWeight.stacked(weights)

@@ -45,7 +45,7 @@ from freetoken.kernels.paged_attention import (
 )
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear, stacked
+from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
 from freetoken.model_config import IndexerConfig, ModelConfig
@@ -157,12 +157,7 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, mla = x.shape[0], self.num_heads, self.mla
         nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
-        layers = self._of_x()
-        if self.x_proj is None:
-            q, kv_a, *index_x = [layer(x) for layer in layers]
-        else:
-            widths = [layer.out_features for layer in layers]
-            q, kv_a, *index_x = self.x_proj(x).split(widths, dim=-1)
+        q, kv_a, *index_x = outputs(x, self._of_x(), self.x_proj)
         q_resid = None
         if mla.q_lora_rank is not None:
             q_resid = self.q_a_layernorm(q)
