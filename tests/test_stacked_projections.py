@@ -14,6 +14,7 @@ from freetoken.kernels import native
 from freetoken.kernels.cpu_linear import MAX_ROWS
 from freetoken.layers.attention import Attention
 from freetoken.layers.compressed_attention import CompressedAttention
+from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.linear import Linear, stacked
 from freetoken.layers.mla import LatentAttention
 from freetoken.layers.mlp import GatedMLP
@@ -73,8 +74,10 @@ def test_layers_unlike_each_other_are_not_stacked():
 
 
 # (each attention kind: q, k, v; MLA with q's down projection and the DSA indexer's keys; MLA
-# without it (Kimi-Linear's); DeepSeek-V4's compressed attention, sliding, CSA and HCA layers)
-FAMILIES = ["qwen3_moe", "glm_moe_dsa", "kimi_linear", "deepseek_v4"]
+# without it and KDA (Kimi-Linear's); DeepSeek-V4's compressed attention, sliding, CSA and HCA
+# layers; gated DeltaNet's projections as Qwen3-Next and Qwen3.5 lay them out)
+LINEAR = {"kimi_linear", "qwen3_next", "qwen3_5_moe"}
+FAMILIES = ["qwen3_moe", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "qwen3_next", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -90,13 +93,14 @@ def test_a_stacked_model_computes_what_it_computed_alone(family, tmp_path):
     stacks = [
         m.qkv_proj if isinstance(m, Attention) else m.x_proj
         for m in modules
-        if isinstance(m, (Attention, LatentAttention, CompressedAttention))
+        if isinstance(m, (Attention, LatentAttention, CompressedAttention, GatedDeltaNet))
     ]
     assert stacks and None not in stacks, family
     assert all(m.gate_up_proj is not None for m in modules if isinstance(m, GatedMLP)), family
     assert not any(  # (the CPU stacks dense weights only when asked)
         getattr(m, "x_proj", None) or getattr(m, "qkv_proj", None) for m in alone.model.modules()
     )
+    assert any(isinstance(m, GatedDeltaNet) for m in modules) == (family in LINEAR), family
     ours, theirs = dict(model.model.named_parameters()), dict(alone.model.named_parameters())
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)

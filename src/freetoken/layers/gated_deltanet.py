@@ -31,7 +31,7 @@ from freetoken.activations import activation
 from freetoken.kernels import gated_delta
 from freetoken.kv.batch import ForwardBatch, StateGroup
 from freetoken.kv.recurrent import RecurrentStatePool
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import GatedRMSNorm
 from freetoken.model_config import ModelConfig
 
@@ -192,24 +192,42 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps, sigmoid_gate=self.kda)
         self.out_proj = Linear(la.value_dim, h, bias=False)
         self.act = activation(cfg.hidden_act)
+        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
+
+    def _of_x(self) -> list[Linear]:
+        """The layers that read x, in the order `_project` takes their outputs."""
+        if self.kda:
+            qkv = [self.q_proj, self.k_proj, self.v_proj]
+            return [*qkv, self.g_a_proj, self.f_a_proj, self.in_proj_b]
+        if self.separate:
+            return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        return [self.in_proj_qkvz, self.in_proj_ba]
+
+    def stack_projections(self, dense: bool) -> None:
+        """The projections of x computed as one weight from now on (layers/linear.py's
+        `stacked`; dense weights too with `dense`): one GEMM of a decode step where KDA had
+        six, Qwen3.5 four, Qwen3-Next two."""
+        self.x_proj = stacked(*self._of_x(), dense=dense)
 
     def _project(self, x: torch.Tensor):
         """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], the
         per-value-head b (step size) [T, Hv] and a (decay) [T, Hv], or [T, H, dk] for KDA."""
         t, r = x.shape[0], self.nv // self.nk
+        parts = outputs(x, self._of_x(), self.x_proj)
         if self.kda:
-            mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-            z = self.g_b_proj(self.g_a_proj(x)).view(t, self.nv, self.dv)
-            a = self.f_b_proj(self.f_a_proj(x)).view(t, self.nk, self.dk)
-            return mixed, z, self.in_proj_b(x), a
+            q, k, v, g_a, f_a, b = parts
+            z = self.g_b_proj(g_a).view(t, self.nv, self.dv)
+            a = self.f_b_proj(f_a).view(t, self.nk, self.dk)
+            return torch.cat([q, k, v], dim=-1), z, b, a
         if self.separate:  # (Qwen3.5: each in head order already)
-            z = self.in_proj_z(x).view(t, self.nv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = parts
+            return qkv, z.view(t, self.nv, self.dv), b, a
         # Qwen3-Next lays both projections out by key-head group: each group's q, k, its r
         # value heads' v and z (and b, a) are contiguous.
-        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
+        qkvz, ba = parts
+        qkvz = qkvz.view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, self.nk, 2 * r).split([r, r], dim=-1)
+        b, a = ba.view(t, self.nk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
 

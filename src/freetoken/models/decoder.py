@@ -250,18 +250,19 @@ class DecoderModel(nn.Module):
         self.lm_head.keep_quantized(weight)
 
     def stack_projections(self, dense: bool | None = None) -> None:
-        """Projections of one input (each attention's q, k and v, or an MLA or compressed
-        attention's projections of x; each MLP's gate and up) kept quantized in one format are
-        computed as one weight from now on, and a dense MLP kept quantized as one CPU job
-        (layers/linear.py's `stacked`, layers/mlp.py): one call where there were several, on
-        the CPU each a handoff to the thread team. Dense weights stack with `dense`, by default
-        on a GPU with STACK_ON_GPU (its comment says why not yet), where each was a launch. Not
-        on the CPU: there a model's dense weights are views of its files' memory (a weight
-        directory's read), which a stacked copy would hold twice for ~1% of a step."""
+        """Projections of one input (each attention's q, k and v, or an MLA, compressed or
+        linear attention's projections of x; each MLP's gate and up) kept quantized in one
+        format are computed as one weight from now on, and a dense MLP kept quantized as one
+        CPU job (layers/linear.py's `stacked`, layers/mlp.py): one call where there were
+        several, on the CPU each a handoff to the thread team. Dense weights stack with
+        `dense`, by default on a GPU with STACK_ON_GPU (its comment says why not yet), where
+        each was a launch. Not on the CPU: there a model's dense weights are views of its
+        files' memory (a weight directory's read), which a stacked copy would hold twice for
+        ~1% of a step."""
         if dense is None:
             dense = self.device.type != "cpu" and STACK_ON_GPU
         for module in self.modules():
-            if isinstance(module, (Attention, LatentAttention, CompressedAttention)):
+            if isinstance(module, (Attention, LatentAttention, CompressedAttention, GatedDeltaNet)):
                 module.stack_projections(dense)
             elif isinstance(module, GatedMLP):
                 module.stack_projections(self.dtype, dense)
