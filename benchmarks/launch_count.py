@@ -1,6 +1,7 @@
 """How many launches a decode step makes per layer on the GPU's code path, counted on the CPU.
 
     python benchmarks/launch_count.py --family deepseek_v4 --batch 1 --out launches.md
+    python benchmarks/launch_count.py --family deepseek_v4 --stacked   # as with STACK_ON_GPU
 
 At batch 1 a decode step's dense work (attention, norms, routers, shared experts) is bound by
 launches, not bytes: a CUDA graph still runs its kernels one after another, each a few
