@@ -8,7 +8,8 @@ stays the definition, so a configuration with a kernel off runs that part in tor
 Switches: attention (kernels/compressed_decode.py: DeepSeek-V4's RoPE, pooling and decode
 attention), streams (kernels/hyper_mix.py: the hyper-connections' norm, collapse and merge),
 normed, collapse, merge (each of those three alone), mix (hyper_mix's Sinkhorn mixing), router
-(norm_rope's sqrtsoftplus routing), norm_rope (the RMSNorm and RoPE kernels every family uses).
+(norm_rope's sqrtsoftplus and sigmoid routing), norm_rope (the RMSNorm and RoPE kernels every family
+uses).
 """
 
 from __future__ import annotations
