@@ -10,7 +10,7 @@ from torch import nn
 from freetoken.kernels.paged_attention import paged_attention
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
-from freetoken.layers.linear import Linear, stacked
+from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import RMSNorm, rms_normalize
 from freetoken.layers.rope import apply_rotary
 from freetoken.model_config import ModelConfig
@@ -68,12 +68,11 @@ class Attention(nn.Module):
         kv: PagedKVCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_proj is not None:
-            kv_dim = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.q_proj.out_features, kv_dim, kv_dim], dim=-1)
-        else:
+        if self.v_proj is None:  # (k is v)
             q, k = self.q_proj(x), self.k_proj(x)
-            v = k if self.v_proj is None else self.v_proj(x)
+            v = k
+        else:
+            q, k, v = outputs(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_proj)
         gate = None
         if self.output_gate:
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

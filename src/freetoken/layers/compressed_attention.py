@@ -234,24 +234,22 @@ class CompressedAttention(nn.Module):
             self.compressor = Compressor(h, d, self.ratio, self.kind == CSA, cfg.rms_norm_eps)
         if self.kind == CSA:
             self.indexer = Indexer(cfg)
-        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
-
-    def _of_x(self) -> list[Linear]:
-        """The layers that read x, in the order `forward` takes their outputs: q's down
-        projection, K=V, then what the row stores after K (row_layout's order), the indexer's
-        head weights last."""
-        layers = [self.wq_a, self.wkv]
+        # The layers that read x, in the order `forward` takes their outputs: q's down
+        # projection, K=V, then what the row stores after K (row_layout's order), the
+        # indexer's head weights last; and them as one, once stacked.
+        of_x = [self.wq_a, self.wkv]
         if self.kind != "sliding_attention":
-            layers += [self.compressor.wkv, self.compressor.wgate]
+            of_x += [self.compressor.wkv, self.compressor.wgate]
         if self.kind == CSA:
-            layers += [self.indexer.wkv, self.indexer.wgate, self.indexer.weights_proj]
-        return layers
+            of_x += [self.indexer.wkv, self.indexer.wgate, self.indexer.weights_proj]
+        self.of_x = tuple(of_x)
+        self.x_proj: Linear | None = None
 
     def stack_projections(self, dense: bool) -> None:
         """The projections of x computed as one weight from now on (layers/linear.py's
         `stacked`; dense weights too with `dense`): one GEMM of a decode step where a CSA
         layer had seven."""
-        self.x_proj = stacked(*self._of_x(), dense=dense)
+        self.x_proj = stacked(*self.of_x, dense=dense)
 
     def forward(
         self, x: torch.Tensor, shared: StepShared, batch: ForwardBatch, kv: PagedKVCache
@@ -259,7 +257,7 @@ class CompressedAttention(nn.Module):
         t, heads, d = x.shape[0], self.heads, self.dim
         compressed = self.kind != "sliding_attention"
         cos, sin = shared.angles(compressed)
-        q_down, kv_x, *stored = outputs(x, self._of_x(), self.x_proj)
+        q_down, kv_x, *stored = outputs(x, self.of_x, self.x_proj)
         # (the indexer's head weights [T, heads] as projected: scaled where they are read)
         index_weights = stored.pop() if self.kind == CSA else None
         q_latent = self.q_a_norm(q_down)

@@ -192,28 +192,28 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps, sigmoid_gate=self.kda)
         self.out_proj = Linear(la.value_dim, h, bias=False)
         self.act = activation(cfg.hidden_act)
-        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
-
-    def _of_x(self) -> list[Linear]:
-        """The layers that read x, in the order `_project` takes their outputs."""
+        # The layers that read x, in the order `_project` takes their outputs; and them as
+        # one, once stacked.
         if self.kda:
-            qkv = [self.q_proj, self.k_proj, self.v_proj]
-            return [*qkv, self.g_a_proj, self.f_a_proj, self.in_proj_b]
-        if self.separate:
-            return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
-        return [self.in_proj_qkvz, self.in_proj_ba]
+            qkv = (self.q_proj, self.k_proj, self.v_proj)
+            self.of_x = (*qkv, self.g_a_proj, self.f_a_proj, self.in_proj_b)
+        elif self.separate:
+            self.of_x = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        else:
+            self.of_x = (self.in_proj_qkvz, self.in_proj_ba)
+        self.x_proj: Linear | None = None
 
     def stack_projections(self, dense: bool) -> None:
         """The projections of x computed as one weight from now on (layers/linear.py's
         `stacked`; dense weights too with `dense`): one GEMM of a decode step where KDA had
         six, Qwen3.5 four, Qwen3-Next two."""
-        self.x_proj = stacked(*self._of_x(), dense=dense)
+        self.x_proj = stacked(*self.of_x, dense=dense)
 
     def _project(self, x: torch.Tensor):
         """x [T, H] -> conv input [T, conv_dim] (q, k, v), output gate z [T, Hv, dv], the
         per-value-head b (step size) [T, Hv] and a (decay) [T, Hv], or [T, H, dk] for KDA."""
         t, r = x.shape[0], self.nv // self.nk
-        parts = outputs(x, self._of_x(), self.x_proj)
+        parts = outputs(x, self.of_x, self.x_proj)
         if self.kda:
             q, k, v, g_a, f_a, b = parts
             z = self.g_b_proj(g_a).view(t, self.nv, self.dv)

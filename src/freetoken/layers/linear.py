@@ -127,7 +127,9 @@ def stacked(*layers: Linear, dense: bool = True) -> Linear | None:
     return out
 
 
-def outputs(x: torch.Tensor, layers: list[Linear], stack: Linear | None) -> list[torch.Tensor]:
+def outputs(
+    x: torch.Tensor, layers: tuple[Linear, ...], stack: Linear | None
+) -> list[torch.Tensor]:
     """Each of `layers`' output of x: through `stack` (`stacked(*layers)`) where there is one,
     its columns split as views, else layer by layer."""
     if stack is None:

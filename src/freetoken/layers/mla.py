@@ -129,20 +129,18 @@ class LatentAttention(nn.Module):
         idx = mla.indexer
         if idx is not None and idx.full[layer]:
             self.indexer = Indexer(cfg, idx)
-        self.x_proj: Linear | None = None  # the projections of x as one, once stacked
-
-    def _of_x(self) -> list[Linear]:
-        """The layers that read x, in the order `forward` takes their outputs: q's (or its
-        down projection), the latent's, the indexer's keys'."""
-        q = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        # The layers that read x, in the order `forward` takes their outputs: q's (or its
+        # down projection), the latent's, the indexer's keys'; and them as one, once stacked.
+        q = self.q_proj if mla.q_lora_rank is None else self.q_a_proj
         indexer = getattr(self, "indexer", None)
-        return [q, self.kv_a_proj_with_mqa] + ([indexer.wk] if indexer is not None else [])
+        self.of_x = (q, self.kv_a_proj_with_mqa) + ((indexer.wk,) if indexer is not None else ())
+        self.x_proj: Linear | None = None
 
     def stack_projections(self, dense: bool) -> None:
         """The projections of x computed as one weight from now on (layers/linear.py's
         `stacked`; dense weights too with `dense`): one GEMM of a decode step where there
         were two or three."""
-        self.x_proj = stacked(*self._of_x(), dense=dense)
+        self.x_proj = stacked(*self.of_x, dense=dense)
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         # (DeepSeek's interleaved pairs laid out as rotate-half's: layers/rope.py)
@@ -157,7 +155,7 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, mla = x.shape[0], self.num_heads, self.mla
         nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
-        q, kv_a, *index_x = outputs(x, self._of_x(), self.x_proj)
+        q, kv_a, *index_x = outputs(x, self.of_x, self.x_proj)
         q_resid = None
         if mla.q_lora_rank is not None:
             q_resid = self.q_a_layernorm(q)

@@ -29,11 +29,11 @@ class GatedMLP(nn.Module):
         """Gate and up kept quantized in one format (or, with `dense`, dense in one dtype) are
         computed as one weight from now on (layers/linear.py's `stacked`; on a GPU the gated
         unit is then one kernel, kernels/gated_unit.py); with down kept quantized too, a
-        decode step's MLP on
-        the CPU is one job of the routed experts' kernel (cpu_experts.c): a single expert,
-        gate/up, activation and down, with a weight of 1. That kernel rounds where torch does
-        (each projection, the activation, the product), so its output is this module's, and
-        the step hands the thread team one job where it handed three and ran two torch ops."""
+        decode step's MLP on the CPU is one job of the routed experts' kernel (cpu_experts.c):
+        a single expert, gate/up, activation and down, with a weight of 1. That kernel rounds
+        where torch does (each projection, the activation, the product), so its output is this
+        module's, and the step hands the thread team one job where it handed three and ran two
+        torch ops."""
         self.gate_up_proj = stacked(self.gate_proj, self.up_proj, dense=dense)
         down = self.down_proj.quantized
         if (
