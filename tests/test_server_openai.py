@@ -200,16 +200,19 @@ def test_api_key(fresh_engine):
 def test_full_queue_answers_429(fresh_engine, monkeypatch):
     # The first request must still be running when the third comes. Timing alone did not hold
     # it there on a loaded 2-core CI machine (its answer ended, or reached the room left in the
-    # KV pool, before the server read the third request, and the third was taken), so the
-    # engine is held between steps once it runs: a full queue is the server thread's decision
-    # (Scheduler.submit), which needs no step. Its tokens are scripted, one that is not an end
-    # (scripting also turns drafting off).
-    step, hold = fresh_engine.step, threading.Event()
+    # KV pool, before the server read the third request, and the third was taken; once, held
+    # only after the client had read its first line, it ended in between, the third streamed
+    # behind a held engine and the test hung), so the engine holds after its first step until
+    # released: a full queue is the server thread's decision (Scheduler.submit), which needs no
+    # step. Its tokens are scripted, one that is not an end (scripting also turns drafting off).
+    step, stepped, released = fresh_engine.step, threading.Event(), threading.Event()
 
     def held_step():
-        while hold.is_set():
-            time.sleep(0.005)
-        return step()
+        if stepped.is_set():
+            released.wait(timeout=120)
+        out = step()
+        stepped.set()
+        return out
 
     monkeypatch.setattr(fresh_engine, "step", held_step)
     token = fresh_engine.tokenizer.encode(" on")[-1]
@@ -223,15 +226,14 @@ def test_full_queue_answers_429(fresh_engine, monkeypatch):
         with httpx.Client(timeout=60) as http:
             url = base + "/v1/chat/completions"
             first = http.send(http.build_request("POST", url, json=body), stream=True)
-            next(first.iter_lines())  # running
-            hold.set()
+            next(first.iter_lines())  # running, and held after its first step
             try:
                 second = http.send(http.build_request("POST", url, json=body), stream=True)
                 third = http.post(url, json=body)
                 assert third.status_code == 429
                 assert third.json()["error"]["type"] == "rate_limit_error"
             finally:
-                hold.clear()
+                released.set()
             first.close()
             second.close()
 
