@@ -363,7 +363,7 @@ def test_each_exported_function_is_declared_as_the_header_prototypes_it():
         name: 0 if params.strip() == "void" else params.count(",") + 1
         for name, params in re.findall(r"\b(ft_\w+)\(([^)]*)\);", header)
     }
-    assert len(prototypes) == 16
+    assert len(prototypes) == 17
     declared = {name: len(args) for name, (args, _) in cpu_team._declared.items()}
     assert declared == prototypes
     lib = library()
@@ -440,8 +440,11 @@ def fits(fmt, hidden: int, inter: int) -> bool:
 
 
 def scaled_codes(fmt) -> bool:
-    """Whether bf16 jobs take the format by scaled codes (GGUF's legacy types and K-quants)."""
-    return fmt.name in K_FAMILY or fmt.name in LEGACY
+    """Whether bf16 jobs take the format by scaled codes (GGUF's legacy types and K-quants, in a
+    build with AVX512-BF16; others decode them to their bf16 roundings as the other formats)."""
+    return bool(library().ft_cpu_bf16_scaled_codes()) and (
+        fmt.name in K_FAMILY or fmt.name in LEGACY
+    )
 
 
 def check_quantized_job(
@@ -632,7 +635,9 @@ def test_bf16_jobs_compute_gguf_blocks_with_the_files_values(name):
     """A bf16 layer kept in GGUF's blocks multiplies x by the file's values (codes times scales,
     never rounded to bf16): each output is the exact product rounded once to bf16 (but where the
     fp32 sums' order moves a tie), nearer it on average than the bf16-dequantized layer's, and
-    a decode row (in registers) equals a batch's (decoded once into the buffer) bit for bit."""
+    a decode row (in registers) equals a batch's (decoded once into the buffer) bit for bit.
+    A build without AVX512-BF16 (an AVX2 CPU's) decodes the blocks to their bf16 roundings as
+    it does every other format: there each output is the bf16-dequantized layer's, bit for bit."""
     from freetoken.kernels import cpu_linear
     from freetoken.weights.expert_format import QuantizedWeight
 
@@ -641,6 +646,10 @@ def test_bf16_jobs_compute_gguf_blocks_with_the_files_values(name):
     weight = QuantizedWeight(FORMATS[name], bank.w[0].contiguous(), bank.s[0].contiguous(), None)
     x = torch.randn(4, 1024, generator=gen).to(torch.bfloat16)
     got = cpu_linear.native_qlinear(x, weight, None)
+    if not scaled_codes(FORMATS[name]):
+        dense = bank.dequantize(0, torch.bfloat16).contiguous()
+        assert torch.equal(got, cpu_linear.native_linear(x, dense, None))
+        return
     exact = x.double() @ bank.dequantize(0, torch.float32).double().T
     rounded = x.double() @ bank.dequantize(0, torch.bfloat16).double().T
     assert (got.double() == exact.to(torch.bfloat16).double()).float().mean() >= 0.99

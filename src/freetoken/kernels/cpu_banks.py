@@ -17,6 +17,8 @@ SIGNATURES: Signatures = {  # the decoders' (cpu_decoders.c)
     # dtype, fmt, w, s, g, block rows, block cols, pair, N, K, out: one expert's rows decoded
     "ft_cpu_experts_decode": ([INT, INT, P, P, P, I64, I64, I64, I64, I64, P], None),
     "ft_cpu_experts_decoder_bits": ([], INT),  # the decoders' vector width (tests)
+    # whether bf16 jobs compute GGUF's scaled formats with the file's values (cpu_dots.c)
+    "ft_cpu_bf16_scaled_codes": ([], INT),
 }
 declare(SIGNATURES)
 

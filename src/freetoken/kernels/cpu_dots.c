@@ -781,3 +781,14 @@ static float qdot_f32(const qrow_t *q, int64_t K, const float *x, float *tail) {
     return 0.0f;
 }
 #endif
+
+/* Whether this build's bf16 jobs take GGUF's scaled formats by scaled codes (with the file's
+ * values: AVX512-BF16's pair dot product), or decode them to their bf16 roundings as the other
+ * formats (the dense layer's on the dequantized weight): for tests and the docs' claim. */
+int ft_cpu_bf16_scaled_codes(void) {
+#if QDOT_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}

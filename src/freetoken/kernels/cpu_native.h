@@ -204,6 +204,9 @@ int ft_cpu_experts_decoder_bits(void);
 void ft_cpu_experts_decode(int dtype, int fmt, const void *w, const void *s, const float *g,
                            int64_t bn, int64_t bk, int64_t pair, int64_t N, int64_t K, void *out);
 
+/* cpu_dots.c (kernels/cpu_banks.py) */
+int ft_cpu_bf16_scaled_codes(void);
+
 /* cpu_team.c (kernels/cpu_team.py) */
 double ft_cpu_experts_wait(uint64_t gen);
 void ft_cpu_experts_set_spin(double seconds);

@@ -49,7 +49,8 @@ kernel, and a fill or a CPU job moves the quantized bytes only (MXFP4 and NVFP4 
 weight, FP8 8.0, Q8_0 8.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.56, mixed K-quants 6.63, Q4_0 4.5,
 Q4_1 5.0, Q5_0 5.5, Q5_1 6.0). Two exceptions in the C kernel, for speed: its bf16 jobs on
 GGUF's scaled formats dot x with the integer codes and scale each block's sums once, computing
-with the file's values rather than their bf16 roundings ("scaled codes" in cpu_experts.c), and
+with the file's values rather than their bf16 roundings ("scaled codes" in cpu_dots.c; built
+where the CPU has AVX512-BF16, `ft_cpu_bf16_scaled_codes`), and
 NVFP4 rows of bf16 models read by one route sum in another order (within fp32 rounding).
 
 A store's two projections may differ in format (a Q4_K_M file: gate and up Q4_K or Q5_0, down
