@@ -3,9 +3,29 @@ modules are imported inside the fixtures, so tests that need no server run where
 dependencies are not installed (the GPU machine)."""
 
 import ctypes
+import os
 import shutil
+import sys
 
 import pytest
+
+
+def _a_share_of_the_cores_per_worker() -> None:
+    """Under pytest-xdist, each worker's torch (and each process a test starts) gets its share
+    of the cores: torch's default, one OpenMP thread per core in every worker, spins at its
+    barriers on cores the other workers hold. On a 2-core VM, test_device_numerics.py's CPU
+    tests took 437 s under 2 workers so, 35 s with one thread each. The user's OMP_NUM_THREADS,
+    where set, rules."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    if "torch" in sys.modules:  # (read at its import; set it too where it came first)
+        sys.modules["torch"].set_num_threads(share)
+
+
+_a_share_of_the_cores_per_worker()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -35,6 +35,11 @@ def on(device: str, monkeypatch) -> str:
 
 
 STEPS = 32
+# The prompts' seeds: a step's distance from the truth moves by ~20x where two experts' router
+# scores nearly tie and bf16 rounding picks either, so one prompt's median is a coin toss for
+# the noisier families (Gemma-4's steps differed by 0.01-0.3 in both runs; one prompt put ours
+# at 1.9x transformers' median on a Zen 1 CPU, 1.2x pooled with two more)
+SEEDS = (3, 4, 5)
 
 
 def greedy_reference(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -60,6 +65,7 @@ def logits_fed(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> tor
     out = [runner.forward([seq], [prompt])[0]]
     for token in tokens[:-1]:
         out.append(runner.forward([seq], [[token]])[0])
+    runner.release(seq)
     return torch.stack(out).float()
 
 
@@ -70,33 +76,34 @@ def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path, monkeyp
     path, _ = build(family, tmp_path / family, dtype=torch.bfloat16)
     reference = getattr(transformers, FAMILIES[family][1])  # (an image-text model's own class)
     hf = reference.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    runner = ModelRunner(load_model(path, dtype="bfloat16", device=device), kv_cache_tokens=256)
-    prompt = torch.randint(
-        0, hf.config.get_text_config().vocab_size, (32,), generator=torch.Generator().manual_seed(3)
-    )
-    tokens, theirs = greedy_reference(hf, prompt.tolist(), STEPS)
-    ours = logits_fed(runner, prompt.tolist(), tokens).to(theirs.device)
     hf32 = reference.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    with torch.no_grad():
-        fed = torch.tensor([prompt.tolist() + tokens], device=device)
-        truth = hf32(fed).logits[0, len(prompt) - 1 : -1].float()
-
-    def rms(a):  # per step
-        return (a - truth).pow(2).mean(-1).sqrt()
-
-    # The typical step is as close to the truth as transformers' own bf16 run. A few steps may
-    # be far in either run: where two experts' router scores nearly tie, bf16 rounding picks
-    # either (sigmoid group routing, GLM's and DeepSeek's, moves a step's logits by ~20x the
-    # rounding error when it does).
-    ours_rms, theirs_rms = rms(ours), rms(theirs)
+    runner = ModelRunner(load_model(path, dtype="bfloat16", device=device), kv_cache_tokens=256)
+    vocab = hf.config.get_text_config().vocab_size
+    ours_rms, theirs_rms = [], []
+    for seed in SEEDS:
+        prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(seed))
+        tokens, theirs = greedy_reference(hf, prompt.tolist(), STEPS)
+        ours = logits_fed(runner, prompt.tolist(), tokens).to(theirs.device)
+        with torch.no_grad():
+            fed = torch.tensor([prompt.tolist() + tokens], device=device)
+            truth = hf32(fed).logits[0, len(prompt) - 1 : -1].float()
+        ours_rms.append((ours - truth).pow(2).mean(-1).sqrt())  # per step
+        theirs_rms.append((theirs - truth).pow(2).mean(-1).sqrt())
+        # Where the truth's choice leads by more than twice either bf16 run's error at that
+        # step, rounding cannot flip it: there ours must choose as the truth does.
+        noise = torch.maximum((ours - truth).abs().amax(-1), (theirs - truth).abs().amax(-1))
+        top2 = truth.topk(2, dim=-1)
+        clear = (top2.values[:, 0] - top2.values[:, 1]) > 2 * noise
+        assert (ours.argmax(-1) == top2.indices[:, 0])[clear].all(), seed
+    # The typical step, over every prompt's, is as close to the truth as transformers' own
+    # bf16 run. A few steps may be far in either run (2 in 32): where two experts' router scores
+    # nearly tie, bf16 rounding picks either (sigmoid group routing, GLM's and DeepSeek's,
+    # moves a step's logits by ~20x the rounding error when it does; a flip in Qwen3-Next's
+    # recurrent state stays for a few steps).
+    ours_rms, theirs_rms = torch.cat(ours_rms), torch.cat(theirs_rms)
     assert ours_rms.median() <= 1.5 * theirs_rms.median() + 1e-3, (ours_rms, theirs_rms)
-    assert (ours_rms > 5 * theirs_rms + 1e-3).sum() <= 2, (ours_rms, theirs_rms)
-    # Where the truth's choice leads by more than twice either bf16 run's error at that step,
-    # rounding cannot flip it: there ours must choose as the truth does.
-    noise = torch.maximum((ours - truth).abs().amax(-1), (theirs - truth).abs().amax(-1))
-    top2 = truth.topk(2, dim=-1)
-    clear = (top2.values[:, 0] - top2.values[:, 1]) > 2 * noise
-    assert (ours.argmax(-1) == top2.indices[:, 0])[clear].all()
+    far = ours_rms > 5 * theirs_rms + 1e-3
+    assert far.sum() <= 2 * len(SEEDS), (ours_rms, theirs_rms)
 
 
 @needs_cuda
