@@ -27,6 +27,35 @@ def _a_share_of_the_cores_per_worker() -> None:
 
 _a_share_of_the_cores_per_worker()
 
+# The modules that hold a worker longest (minutes each on a 2-core Zen 1: the real models'
+# tests, the Triton interpreter's, GGUF conversions, the benchmark scripts), longest first. Sent
+# to the workers before the rest, so that the many short modules fill in behind them: by
+# default xdist sends the modules with the most tests first, which left these for the end and
+# one worker running them alone for minutes while the other idled.
+LONGEST_FIRST = (
+    "test_moe_from_dense.py",
+    "test_grouped_experts.py",
+    "test_gguf.py",
+    "test_compressed_decode.py",
+    "test_benchmark_scripts.py",
+    "test_real_models.py",
+    "test_real_tool_calls.py",
+    "test_demo_model.py",
+    "test_fuzz_api.py",
+    "test_paged_attention.py",
+    "test_cpu_experts.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # (pytest-xdist's; keep the order below)
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest as found)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_temp_dirs_removed(tmp_path_factory):
