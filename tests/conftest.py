@@ -5,27 +5,22 @@ dependencies are not installed (the GPU machine)."""
 import ctypes
 import os
 import shutil
-import sys
 
 import pytest
 
 
-def _a_share_of_the_cores_per_worker() -> None:
-    """Under pytest-xdist, each worker's torch (and each process a test starts) gets its share
-    of the cores: torch's default, one OpenMP thread per core in every worker, spins at its
-    barriers on cores the other workers hold. On a 2-core VM, test_device_numerics.py's CPU
-    tests took 437 s under 2 workers so, 35 s with one thread each. The user's OMP_NUM_THREADS,
-    where set, rules."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
-    if workers < 2 or os.environ.get("OMP_NUM_THREADS"):
-        return
-    share = max(1, len(os.sched_getaffinity(0)) // workers)
-    os.environ["OMP_NUM_THREADS"] = str(share)
-    if "torch" in sys.modules:  # (read at its import; set it too where it came first)
-        sys.modules["torch"].set_num_threads(share)
+def _workers_wait_passively() -> None:
+    """Under pytest-xdist, torch's OpenMP threads (and those of each process a test starts)
+    sleep at their barriers rather than spin: torch gives every worker one thread per core,
+    and spinning ones took the cores the other workers computed on. On a 2-core VM,
+    test_device_numerics.py's CPU tests took 437 s under 2 workers spinning, 36 s waiting
+    passively. (One thread per worker cost as much the other way: a real model's tests ran on
+    one core while the other worker sat waiting on a subprocess.) The user's setting rules."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0) > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-_a_share_of_the_cores_per_worker()
+_workers_wait_passively()
 
 # The modules that hold a worker longest (minutes each on a 2-core Zen 1: the real models'
 # tests, the Triton interpreter's, GGUF conversions, the benchmark scripts), longest first. Sent
