@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from freetoken import settings
 from freetoken.activations import glu
 from freetoken.kernels import native
-from freetoken.kernels.cpu_banks import decode_expert
+from freetoken.kernels.cpu_banks import bf16_scaled_codes, decode_expert
 from freetoken.kernels.cpu_experts import (
     NativeCPUExperts,
     row_dots,
@@ -439,14 +439,6 @@ def fits(fmt, hidden: int, inter: int) -> bool:
     return fmt.name == "fp8" or (hidden % fmt.col_block == 0 and inter % fmt.col_block == 0)
 
 
-def scaled_codes(fmt) -> bool:
-    """Whether bf16 jobs take the format by scaled codes (GGUF's legacy types and K-quants, in a
-    build with AVX512-BF16; others decode them to their bf16 roundings as the other formats)."""
-    return bool(library().ft_cpu_bf16_scaled_codes()) and (
-        fmt.name in K_FAMILY or fmt.name in LEGACY
-    )
-
-
 def check_quantized_job(
     fmt, dtype, hidden: int, inter: int, act: str, seed: int = 0, down=None
 ) -> None:
@@ -475,7 +467,9 @@ def check_quantized_job(
     scale = want.abs().max().item()
     # (bf16: nvfp4's block route sums in another order; GGUF's blocks compute with the file's
     # values, where the dequantized banks hold their bf16 roundings)
-    other_values = fmt is NVFP4 or scaled_codes(fmt) or (down is not None and scaled_codes(down))
+    other_values = (
+        fmt is NVFP4 or bf16_scaled_codes(fmt) or (down is not None and bf16_scaled_codes(down))
+    )
     if other_values and dtype == torch.bfloat16:
         # (two bf16 roundings of an intermediate apart: the gate/up outputs' and the down's)
         assert (got - same).abs().max().item() <= 2 * TOLERANCE[dtype] * scale
@@ -646,7 +640,7 @@ def test_bf16_jobs_compute_gguf_blocks_with_the_files_values(name):
     weight = QuantizedWeight(FORMATS[name], bank.w[0].contiguous(), bank.s[0].contiguous(), None)
     x = torch.randn(4, 1024, generator=gen).to(torch.bfloat16)
     got = cpu_linear.native_qlinear(x, weight, None)
-    if not scaled_codes(FORMATS[name]):
+    if not bf16_scaled_codes(FORMATS[name]):
         dense = bank.dequantize(0, torch.bfloat16).contiguous()
         assert torch.equal(got, cpu_linear.native_linear(x, dense, None))
         return

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from freetoken.config import EXPERT_FORMATS
 from freetoken.kernels import native
+from freetoken.kernels.cpu_banks import bf16_scaled_codes
 from freetoken.kernels.cpu_linear import (
     MAX_ROWS,
     dequantized,
@@ -24,15 +25,6 @@ from freetoken.weights.expert_format import QuantizedWeight, expert_format, fill
 needs_native = pytest.mark.skipif(native.load("cpu_native") is None, reason="no C compiler")
 # every format a dense layer's weight may be kept in (k_mixed: a bank's, whose rows differ)
 FORMATS = [f for f in EXPERT_FORMATS if f not in ("dense", "k_mixed")]
-# GGUF's blocks, which bf16 layers multiply by the file's values (not their bf16 roundings)
-# in a build with AVX512-BF16 (others decode them to their bf16 roundings, as every format)
-SCALED_CODES = {"q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"}
-
-
-def scaled_codes(name: str) -> bool:
-    from freetoken.kernels.cpu_team import library
-
-    return name in SCALED_CODES and bool(library().ft_cpu_bf16_scaled_codes())
 
 
 def random_weight(name: str, rows: int, seed: int = 0) -> QuantizedWeight:
@@ -80,7 +72,7 @@ def test_the_quantized_linear_is_the_dense_layer_on_the_dequantized_weight(name)
                     what = (name, rows, dtype, tokens, bias is not None)
                     if name == "nvfp4" and dtype == torch.bfloat16 and tokens == 1:
                         assert torch.allclose(got.float(), same.float(), rtol=2**-7, atol=1e-6)
-                    elif scaled_codes(name) and dtype == torch.bfloat16:
+                    elif bf16_scaled_codes(weight.format) and dtype == torch.bfloat16:
                         # the file's values (the fp32 dequantization), the sum rounded once
                         exact = F.linear(
                             x.double(),

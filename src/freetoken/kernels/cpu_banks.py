@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from freetoken.kernels.cpu_team import I64, INT, P, Signatures, declare, library
-from freetoken.weights.expert_format import QuantizedBank
+from freetoken.weights.expert_format import K_FAMILY, LEGACY, QuantizedBank
 
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}  # the kernels' dtype codes
 SIGNATURES: Signatures = {  # the decoders' (cpu_decoders.c)
@@ -21,6 +21,18 @@ SIGNATURES: Signatures = {  # the decoders' (cpu_decoders.c)
     "ft_cpu_bf16_scaled_codes": ([], INT),
 }
 declare(SIGNATURES)
+
+
+def bf16_scaled_codes(fmt) -> bool:
+    """Whether this build's bf16 jobs compute `fmt` with the file's values (GGUF's legacy and
+    K-quant blocks by scaled codes, cpu_dots.c's `scaled_format`: built with AVX512-BF16), not
+    with their bf16 roundings as every other format."""
+    lib = library()
+    return (
+        lib is not None
+        and bool(lib.ft_cpu_bf16_scaled_codes())
+        and (fmt.name in K_FAMILY or fmt.name in LEGACY)
+    )
 
 
 def ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
