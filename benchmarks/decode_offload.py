@@ -592,8 +592,10 @@ class TraceRouter(torch.nn.Module):
         return logits
 
 
-def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dict:
-    """Route every MoE layer by the trace at `path`; returns what was read (for the report)."""
+def read_trace(loaded: LoadedModel, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing trace's experts and router probabilities (equal where it has none), tokens
+    back to back ([tokens, layers, top_k] each, on the model's device), checked against the
+    model's routing."""
     from freetoken.moe.trace import load_trace
 
     trace = load_trace(path)
@@ -605,13 +607,20 @@ def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dic
         )
     device = next(loaded.model.parameters()).device
     experts = torch.as_tensor(trace.routes(), device=device)
-    with np.load(path) as z:  # router probabilities where the trace has them, else equal
+    with np.load(path) as z:
         names = [f"probs_{int(r['index']):04d}" for r in trace.meta["requests"]]
         if all(name in z.files for name in names):
             probs = np.concatenate([z[name].astype(np.float32) for name in names])
         else:
             probs = np.full(experts.shape, 1.0 / trace.top_k, dtype=np.float32)
-    probs = torch.as_tensor(probs, device=device).clamp_min(1e-6)
+    return experts, torch.as_tensor(probs, device=device).clamp_min(1e-6)
+
+
+def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dict:
+    """Route every MoE layer by the trace at `path`; returns what was read (for the report)."""
+    experts, probs = read_trace(loaded, path)
+    moe = loaded.config.moe
+    device = experts.device
     cursor = torch.zeros((), dtype=torch.long, device=device)
     blocks = [layer.moe for layer in loaded.model.layers if hasattr(layer, "moe")]
     stride = max(1, experts.shape[0] // max_batch)
@@ -619,7 +628,7 @@ def use_trace_routing(loaded: LoadedModel, path: str, max_batch: int = 8) -> dic
         block.router = TraceRouter(
             experts, probs, i, moe.num_experts, cursor, stride, last=i == len(blocks) - 1
         )
-    return {"tokens": experts.shape[0], "layers": trace.num_layers, "top_k": trace.top_k}
+    return {"tokens": experts.shape[0], "layers": experts.shape[1], "top_k": experts.shape[2]}
 
 
 @dataclass

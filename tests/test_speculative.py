@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from freetoken.config import EngineConfig, MoEOptions
-from freetoken.engine.draft_policy import Acceptance, DraftPolicy, expert_union
+from freetoken.engine.draft_policy import (
+    PROBE_EVERY,
+    STALE_STEPS,
+    Acceptance,
+    DraftPolicy,
+    expert_union,
+)
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sampling import Sampler, SamplingParams
@@ -105,6 +111,26 @@ def test_expert_misses_grow_an_unmeasured_verify_step_by_the_union_of_experts():
     middling = Acceptance(kept=3.0, rejected=1.0)  # 2/3
     assert cached.choose([(middling, 4)]) == 4
     assert missing.choose([(middling, 4)]) == 0  # every extra token's experts miss
+
+
+def test_shapes_the_estimate_rejects_are_probed_now_and_then():
+    """Routing that overlaps more than uniform routing's can make a verify step pay where the
+    estimate says it can't: every PROBE_EVERY drafting steps the shortest unmeasured (or stale)
+    cap above the chosen one is verified once, and its measured cost rules after that."""
+    policy = DraftPolicy(max_draft=4, experts=128, top_k=8, miss_rate=lambda: 1.0)
+    policy.observe(1, 1, 0.010)
+    likely = Acceptance(kept=3.0, rejected=1.0)  # 2/3
+    caps = [policy.choose([(likely, 4)]) for _ in range(PROBE_EVERY)]
+    assert caps == [0] * (PROBE_EVERY - 1) + [1]  # (the estimate: 2 tokens' experts cost 1.9x)
+    policy.observe(1, 2, 0.012)  # the probe: overlapping routes, 2 tokens for 1.2 steps
+    assert policy.choose([(likely, 4)]) == 1  # measured: it pays
+    caps = [policy.choose([(likely, 4)]) for _ in range(PROBE_EVERY - 1)]
+    assert caps == [1] * (PROBE_EVERY - 2) + [2]  # the next shape up, probed
+    policy.observe(1, 3, 0.040)  # too slow: not chosen, and not probed again until stale
+    later = [policy.choose([(likely, 2)]) for _ in range(STALE_STEPS - 1)]
+    assert set(later) == {1}
+    assert policy.choose([(likely, 2)]) == 2  # 1x3 measured STALE_STEPS drafting steps ago
+    assert policy.choose([(Acceptance(), 0)]) == 0  # (no draft: no probe)
 
 
 def test_modes_choose_a_drafter():
