@@ -23,7 +23,11 @@ step), not the random router's (which sends every token to the same experts):
   whose routing it recorded): consecutive tokens of a request share experts as trained
   routers' do, so a verify step's union of experts is the real one.
 The sequences of a batch start `SPACING` positions apart (their prompts differ in length), so
-they route as different requests rather than all alike.
+they route as different requests rather than all alike. In `edit` the greedy token at each
+position is fixed too (`steer_tokens`: a large logit added at a token chosen by position, after
+all the model's work): a random model's near-ties otherwise tip one way or the other with the
+rounding of the step's shape or of hybrid's CPU share, and the replayed drafts (the run without
+drafts' tokens) stop matching: on an H100, gpt-oss-20b's shape kept 15% of the tokens.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class PositionRouter(torch.nn.Module):
 @dataclass
 class PositionHolder:
     now: torch.Tensor | None = None
+    steer: torch.Tensor | None = None  # (1: the steered token's logit raised; 0: not)
 
 
 def routing_tables(loaded, device, routing: str) -> list[torch.Tensor]:
@@ -106,8 +111,21 @@ def routing_tables(loaded, device, routing: str) -> list[torch.Tensor]:
     return [t.to(device) for t in tables]
 
 
-def route_by_position(loaded, device, routing: str = "uniform", recall: float = 1.0) -> None:
-    holder = PositionHolder()
+STEER = 1e4  # (far above a random model's logits: the steered token is every step's argmax)
+
+
+def steered_token(positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The token `route_by_position(steer_tokens=True)` makes greedy at each position."""
+    return (positions * 7919 + 13) % vocab
+
+
+def route_by_position(
+    loaded, device, routing: str = "uniform", recall: float = 1.0, steer_tokens: bool = False
+) -> PositionHolder:
+    """Every MoE layer routed by position (`routing_tables`); with `steer_tokens`, each
+    position's greedy token fixed while the returned holder's `steer` is 1 (a device tensor,
+    so that CUDA graphs read it: fill it with 0 to sample from the model's own logits)."""
+    holder = PositionHolder(steer=torch.ones((), device=device))
     tables = iter(routing_tables(loaded, device, routing))
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
@@ -115,12 +133,25 @@ def route_by_position(loaded, device, routing: str = "uniform", recall: float = 
             block.router = PositionRouter(next(tables), holder, loaded.config.moe.top_k, recall)
             block.prefetch = predicting(block.prefetch, block.router)
     forward = loaded.model.forward
+    vocab = loaded.config.vocab_size
 
     def with_positions(batch, *args, **kwargs):
         holder.now = batch.positions
-        return forward(batch, *args, **kwargs)
+        out = forward(batch, *args, **kwargs)
+        if not steer_tokens:
+            return out
+        logits = out[0] if isinstance(out, tuple) else out
+        # (rows: every token's, or each sequence's last; as many rows as tokens means each row
+        # is a last one or all were asked for)
+        rows = batch.positions
+        if logits.shape[0] != rows.shape[0]:
+            rows = rows[batch.last_index]
+        raised = (holder.steer * STEER).expand(logits.shape[0], 1).to(logits.dtype)
+        logits = logits.scatter_add(1, steered_token(rows, vocab)[:, None], raised)
+        return (logits, *out[1:]) if isinstance(out, tuple) else logits
 
     loaded.model.forward = with_positions
+    return holder
 
 
 class Ids:
@@ -175,7 +206,7 @@ def run(engine: LLMEngine, prompts, params, device) -> tuple[float, list[list[in
     return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
 
 
-def measure(loaded, options, batch, args, device) -> list[dict]:
+def measure(loaded, options, batch, args, device, holder: PositionHolder) -> list[dict]:
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
     lengths = [args.prompt + i * SPACING for i in range(batch)]  # (each its own positions)
@@ -189,6 +220,7 @@ def measure(loaded, options, batch, args, device) -> list[dict]:
     rows = []
     for workload in ("edit", "random"):
         sampled = workload == "random"
+        holder.steer.fill_(0.0 if sampled else 1.0)  # (edit: greedy tokens fixed by position)
         params = SamplingParams(
             max_new_tokens=args.tokens,
             temperature=1.0 if sampled else 0.0,
@@ -264,7 +296,9 @@ def main() -> int:
     draft_policy.AUTO_ON_GPU = True  # (what auto does on a GPU is what this measures)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device)
-    route_by_position(loaded, device, args.routing, args.prediction_recall)
+    holder = route_by_position(
+        loaded, device, args.routing, args.prediction_recall, steer_tokens=True
+    )
     lines = [
         f"# speculative decoding, auto vs off: {'tiny' if args.tiny else args.shape} shape, "
         f"{args.layers} layers, routing {args.routing}",
@@ -290,7 +324,7 @@ def main() -> int:
         if cache:
             options = MoEOptions(strategy, cache, prefetch_experts=args.prefetch)
         for batch in map(int, args.batches.split(",")):
-            for r in measure(loaded, options, batch, args, device):
+            for r in measure(loaded, options, batch, args, device, holder):
                 same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.3f}"
                 lines.append(
                     f"| {strategy} | {batch} | {r['workload']} | {r['off']:.1f} | "

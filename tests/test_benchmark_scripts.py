@@ -644,23 +644,27 @@ def test_speculative_routing_by_position_follows_the_trace(tmp_path, monkeypatch
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from decode_offload import random_model, tiny
-    from speculative_decode import route_by_position
+    from speculative_decode import route_by_position, steered_token
 
     path = tmp_path / "trace.npz"
     want = write_trace(path, tokens=40, layers=2)
     loaded = random_model(tiny(3), torch.device("cpu"))
-    holder = []
-    forward = loaded.model.forward
-    loaded.model.forward = lambda batch, *a, **k: holder.append(batch)  # (positions only)
-    route_by_position(loaded, torch.device("cpu"), f"trace:{path}")
+    vocab = loaded.config.vocab_size
+    loaded.model.forward = lambda batch, *a, **k: torch.randn(len(batch.positions), vocab)
+    holder = route_by_position(loaded, torch.device("cpu"), f"trace:{path}", steer_tokens=True)
     positions = torch.tensor([0, 1, 2, 41, 79, 500])
-    loaded.model.forward(type("Batch", (), {"positions": positions})())
+    batch = type("Batch", (), {"positions": positions})()
+    logits = loaded.model.forward(batch)
+    assert torch.equal(holder.now, positions)
     x = torch.zeros(len(positions), loaded.config.hidden_size)
     for layer, block in enumerate(layer.moe for layer in loaded.model.layers):
         ids = block.router(x).topk(4, dim=-1).indices.sort(-1).values
         expected = torch.as_tensor(want[positions % 40, layer % 2]).long().sort(-1).values
         assert torch.equal(ids, expected), layer
-    assert forward is not loaded.model.forward and len(holder) == 1
+    # the greedy token is fixed by position while steering, the model's own otherwise
+    assert torch.equal(logits.argmax(-1), steered_token(positions, vocab))
+    holder.steer.fill_(0.0)
+    assert loaded.model.forward(batch).abs().max() < 100
 
 
 def test_speculative_decode_on_a_trace_keeps_the_tokens(tmp_path):
