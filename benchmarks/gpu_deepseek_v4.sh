@@ -112,9 +112,11 @@ glm5-context)
     --rounds 2 --out "$out/glm5-context.md" 2>&1 | tail -30
   ;;
 context)
+  # (decode_context.py takes slots: a percentage of the layers' 256 experts each)
+  [[ $cache == *% ]] && cache=$(( ${cache%\%} * layers * 256 / 100 ))
   cd benchmarks && timeout 560 python3 decode_context.py --shape deepseek-v4-flash \
     --layers "$layers" --expert-format mxfp4 --cache "$cache" --strategy "${V4_STRATEGY:-hybrid}" \
-    --batch 1 --batch 4 --contexts 0 32768 131072 --steps 16 --warmup 40 \
+    --batch 1 --batch 4 --contexts 0 32768 131072 --steps 16 --warmup 80 \
     --rounds "${V4_ROUNDS:-3}" --out "$out/v4-context.md" 2>&1 | tail -30
   ;;
 esac

@@ -52,7 +52,6 @@ from decode_offload import (
 )
 
 from freetoken.config import MoEOptions
-from freetoken.engine import draft_policy
 from freetoken.engine.draft_policy import auto_policy
 from freetoken.engine.generate import LLMEngine
 from freetoken.engine.runner import ModelRunner
@@ -293,7 +292,6 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
-    draft_policy.AUTO_ON_GPU = True  # (what auto does on a GPU is what this measures)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device)
     holder = route_by_position(

@@ -514,6 +514,8 @@ def test_auto_does_not_draft_where_a_verify_step_loses_its_graph(tmp_path, monke
     policy = auto_policy(runner, 3)
     moe = runner.config.moe
     assert (policy.max_draft, policy.experts, policy.top_k) == (3, moe.num_experts, moe.top_k)
-    # on a GPU, not until its verify graphs have run on one (draft_policy.AUTO_ON_GPU)
+    # on a GPU alike: drafts where its verify steps replay graphs, none where they can't
     monkeypatch.setattr(ModelRunner, "device", property(lambda self: torch.device("cuda")))
+    assert auto_policy(runner, 3) is not None
+    runner.verify_graphs = False
     assert auto_policy(runner, 3) is None
