@@ -28,17 +28,17 @@ _workers_wait_passively()
 # default xdist sends the modules with the most tests first, which left these for the end and
 # one worker running them alone for minutes while the other idled.
 LONGEST_FIRST = (
-    "test_moe_from_dense.py",
-    "test_grouped_experts.py",
     "test_gguf.py",
-    "test_compressed_decode.py",
+    "test_grouped_experts.py",
+    "test_moe_from_dense.py",
     "test_benchmark_scripts.py",
+    "test_compressed_decode.py",
     "test_real_models.py",
     "test_real_tool_calls.py",
-    "test_demo_model.py",
     "test_fuzz_api.py",
     "test_paged_attention.py",
-    "test_cpu_experts.py",
+    "test_speculative.py",
+    "test_moe_runtime.py",
 )
 
 
