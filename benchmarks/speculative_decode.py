@@ -24,10 +24,11 @@ step), not the random router's (which sends every token to the same experts):
   routers' do, so a verify step's union of experts is the real one.
 The sequences of a batch start `SPACING` positions apart (their prompts differ in length), so
 they route as different requests rather than all alike. In `edit` the greedy token at each
-position is fixed too (`steer_tokens`: a large logit added at a token chosen by position, after
-all the model's work): a random model's near-ties otherwise tip one way or the other with the
-rounding of the step's shape or of hybrid's CPU share, and the replayed drafts (the run without
-drafts' tokens) stop matching: on an H100, gpt-oss-20b's shape kept 15% of the tokens.
+position is fixed too (`PositionHolder.steer`: a large logit added at a token chosen by
+position, after all the model's work): a random model's near-ties otherwise tip one way or the
+other with the rounding of the step's shape or of hybrid's CPU share, and the replayed drafts
+(the run without drafts' tokens) stop matching: on an H100, gpt-oss-20b's shape kept 15% of
+the tokens.
 """
 
 from __future__ import annotations
@@ -100,31 +101,31 @@ def routing_tables(loaded, device, routing: str) -> list[torch.Tensor]:
         ]
     if not routing.startswith("trace:"):
         raise SystemExit(f"unknown --routing {routing!r}: uniform or trace:FILE")
-    experts, probs = read_trace(loaded, routing.removeprefix("trace:"))
+    experts, probs = read_trace(loaded, routing.removeprefix("trace:"))  # (on the model's device)
     rows = torch.arange(MAX_POSITIONS, device=experts.device) % experts.shape[0]
     tables = []
     for layer in range(layers):
+        traced = layer % experts.shape[1]
         table = torch.full((MAX_POSITIONS, moe.num_experts), -1e4, device=experts.device)
-        ids = experts[rows, layer % experts.shape[1]]
-        tables.append(table.scatter_(1, ids, probs[rows, layer % experts.shape[1]].log()))
-    return [t.to(device) for t in tables]
+        tables.append(table.scatter_(1, experts[rows, traced], probs[rows, traced].log()))
+    return tables
 
 
 STEER = 1e4  # (far above a random model's logits: the steered token is every step's argmax)
 
 
 def steered_token(positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The token `route_by_position(steer_tokens=True)` makes greedy at each position."""
+    """The token `route_by_position` makes greedy at each position while steering."""
     return (positions * 7919 + 13) % vocab
 
 
 def route_by_position(
-    loaded, device, routing: str = "uniform", recall: float = 1.0, steer_tokens: bool = False
+    loaded, device, routing: str = "uniform", recall: float = 1.0
 ) -> PositionHolder:
-    """Every MoE layer routed by position (`routing_tables`); with `steer_tokens`, each
-    position's greedy token fixed while the returned holder's `steer` is 1 (a device tensor,
-    so that CUDA graphs read it: fill it with 0 to sample from the model's own logits)."""
-    holder = PositionHolder(steer=torch.ones((), device=device))
+    """Every MoE layer routed by position (`routing_tables`), and each position's greedy token
+    fixed while the returned holder's `steer` is 1 (a device tensor, so that CUDA graphs read
+    it; 0, as it starts: the model's own logits)."""
+    holder = PositionHolder(steer=torch.zeros((), device=device))
     tables = iter(routing_tables(loaded, device, routing))
     for layer in loaded.model.layers:
         if hasattr(layer, "moe"):
@@ -137,8 +138,6 @@ def route_by_position(
     def with_positions(batch, *args, **kwargs):
         holder.now = batch.positions
         out = forward(batch, *args, **kwargs)
-        if not steer_tokens:
-            return out
         logits = out[0] if isinstance(out, tuple) else out
         # (rows: every token's, or each sequence's last; as many rows as tokens means each row
         # is a last one or all were asked for)
@@ -294,9 +293,7 @@ def main() -> int:
     device = torch.device(args.device)
     raw = tiny(args.layers) if args.tiny else SHAPES[args.shape](args.layers)
     loaded = random_model(raw, device)
-    holder = route_by_position(
-        loaded, device, args.routing, args.prediction_recall, steer_tokens=True
-    )
+    holder = route_by_position(loaded, device, args.routing, args.prediction_recall)
     lines = [
         f"# speculative decoding, auto vs off: {'tiny' if args.tiny else args.shape} shape, "
         f"{args.layers} layers, routing {args.routing}",

@@ -651,9 +651,10 @@ def test_speculative_routing_by_position_follows_the_trace(tmp_path, monkeypatch
     loaded = random_model(tiny(3), torch.device("cpu"))
     vocab = loaded.config.vocab_size
     loaded.model.forward = lambda batch, *a, **k: torch.randn(len(batch.positions), vocab)
-    holder = route_by_position(loaded, torch.device("cpu"), f"trace:{path}", steer_tokens=True)
+    holder = route_by_position(loaded, torch.device("cpu"), f"trace:{path}")
     positions = torch.tensor([0, 1, 2, 41, 79, 500])
     batch = type("Batch", (), {"positions": positions})()
+    holder.steer.fill_(1.0)
     logits = loaded.model.forward(batch)
     assert torch.equal(holder.now, positions)
     x = torch.zeros(len(positions), loaded.config.hidden_size)
