@@ -50,6 +50,7 @@ from decode_offload import (
     report,
     sync,
     tiny,
+    way_medians_ms,
 )
 
 from freetoken.config import MoEOptions
@@ -204,6 +205,17 @@ def run(engine: LLMEngine, prompts, params, device) -> tuple[float, list[list[in
     return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
 
 
+def plain_step_ways(runner: ModelRunner, batch: int) -> dict | None:
+    """Hybrid's way for the batch's plain decode step (StepModes keys steps by their tokens):
+    the way in use, its trials, each way's median ms in the last one."""
+    modes = getattr(runner.moe, "step_modes", None) if runner.moe is not None else None
+    if modes is None or not modes.trials(batch):
+        return None
+    return dict(
+        way=modes.current(batch), trials=modes.trials(batch), ms=way_medians_ms(modes, batch)
+    )
+
+
 def measure(loaded, options, batch, args, device, holder: PositionHolder) -> list[dict]:
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
@@ -255,6 +267,7 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
                 costs_ms={
                     f"{s}x{t}": round(c * 1e3, 2) for (s, t), c in engine.draft_policy.costs.items()
                 },
+                ways=plain_step_ways(runner, batch),
             )
         )
         print(options.strategy, batch, rows[-1], flush=True)
@@ -327,6 +340,8 @@ def main() -> int:
                     f"| {r['verify_steps']} | {same} |"
                 )
                 lines.append(f"<!-- costs (ms by sequences x tokens): {r['costs_ms']} -->")
+                if r["ways"]:
+                    lines.append(f"<!-- hybrid's plain-step way: {r['ways']} -->")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report(lines, args.out)

@@ -133,6 +133,34 @@ def test_step_modes_try_again_when_the_way_in_use_slows_down():
     assert chooser.median(1, CPU) == 0.060  # fresh samples, not the first trial's
 
 
+def test_a_way_slower_in_use_than_in_its_trials_is_charged_its_use():
+    """`cpu` fills nothing: under routes that move on, its steps slow as the cache goes stale,
+    while in each trial the other ways' fills have just refreshed the cache it is sampled
+    with. The way in use is charged its steps in use, and the charge stays with it."""
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
+
+    chooser = StepModes(warmup=0, rounds=1, retrial_every=200, drift=0.25, window=3)
+    stale = [0]  # steps since the cache was last filled
+
+    def times(step, mode):
+        stale[0] = stale[0] + 1 if mode == CPU else 0
+        return {SPLIT: 0.010, FILL: 0.016, CPU: 0.006 + 0.001 * min(stale[0], 15)}[mode]
+
+    picks = run_steps(chooser, times, 6 + 6)
+    assert picks[5] == CPU and chooser.current(1) == CPU  # fresh, it looked fastest (8 ms)
+    picks = run_steps(chooser, times, 200)
+    # in use it slowed past the drift; the trials that followed charged it its use (more as
+    # it slowed more), and the split took over
+    assert chooser.current(1) == SPLIT
+    charged, trials = chooser._ways(1).in_use[CPU], chooser.trials(1)
+    assert charged >= 1.5  # its last steps in use (>= 12 ms) against its fresh 8 ms
+    assert picks[-150:].count(CPU) == 0  # kept, not won back by cpu's fresh samples
+    # the next retrial: cpu's fresh 8 ms, charged half as much, is still not 10% faster
+    picks = run_steps(chooser, times, 40)
+    assert chooser.trials(1) == trials + 1 and chooser.current(1) == SPLIT
+    assert chooser._ways(1).in_use[CPU] == pytest.approx(1 + (charged - 1) / 2)
+
+
 def test_the_device_form_of_the_split_gives_split_misses_q():
     """split_parameters' (f, lo, hi), applied as the device's plan applies them, gives the q
     split_misses gives, for every mode, bandwidth and cap (but at exact halves, where the

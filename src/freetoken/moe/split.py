@@ -209,6 +209,16 @@ class StepModes:
     the first steps and two re-checks among fills, read 16.8 ms where the split steps in a
     row took 7.9, and hybrid filled every miss at 64.5 tok/s instead of splitting at 105.8.
 
+    A way's cost in use can also run above its trial's for a reason no fresh trial shows:
+    `cpu` fills nothing, so under a trained router's routes (which move on from token to
+    token) its hit rate falls step by step, while each trial's fill and split steps have just
+    refreshed the cache it is sampled with. On gpt-oss-20b's trace (H100, an 8 GiB cache) that
+    way ran at 24-38 ms a step against 9 in its trials, won every retrial its slowing brought,
+    and decoded at 26 tok/s against 160. So when a trial ends, the way in use is charged the
+    median of its last steps in use where that is above its fresh samples, and the ratio
+    between the two stays with the way (`in_use`) to scale its later trials' medians, halving
+    towards 1 at each trial it is not in use (so it is tried in use again, in time).
+
     With a prefetch (`ahead`, moe/prefetch.py), each way is also tried with it on
     (`split+ahead`, ...): whether filling a layer's predicted misses ahead pays depends on how
     well the model's routes are predicted, which only the steps tell. Asked for, the prefetch
@@ -303,13 +313,26 @@ class StepModes:
             if seen:
                 medians[mode] = sorted(seen)[len(seen) // 2]
         if medians:
-            fastest = min(medians, key=medians.get)
-            held = medians.get(ways.current)
-            if held is None or medians[fastest] < (1.0 - self.margin) * held:
+            self._charge_use(ways, medians)
+            figures = {mode: t * ways.in_use.get(mode, 1.0) for mode, t in medians.items()}
+            fastest = min(figures, key=figures.get)
+            held = figures.get(ways.current)
+            if held is None or figures[fastest] < (1.0 - self.margin) * held:
                 ways.current = fastest
-            ways.baseline = medians.get(ways.current, float("inf"))
+            ways.baseline = figures.get(ways.current, float("inf"))
         ways.in_trial, ways.trials, ways.settled_at = False, ways.trials + 1, ways.steps
         ways.recent.clear()
+
+    def _charge_use(self, ways: _Ways, medians: dict[str, float]) -> None:
+        """Update `in_use`: the way in use's last steps in use against its fresh samples (where
+        both are known and a full window was seen), the others' ratios halved towards 1."""
+        for mode in list(ways.in_use):
+            if mode != ways.current:
+                ways.in_use[mode] = 1.0 + (ways.in_use[mode] - 1.0) / 2
+        recent = sorted(ways.recent)
+        fresh = medians.get(ways.current)
+        if len(recent) == self.window and fresh:
+            ways.in_use[ways.current] = max(1.0, recent[len(recent) // 2] / fresh)
 
 
 @dataclass
@@ -326,6 +349,7 @@ class _Ways:
     trials: int = 0
     settled_at: int = 0  # the step the last trial ended
     baseline: float = float("inf")  # the way in use's median in its trial
+    in_use: dict = field(default_factory=dict)  # way -> its steps in use against its trials
 
 
 class StepClock:
