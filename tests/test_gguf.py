@@ -15,7 +15,7 @@ from freetoken.errors import CheckpointError
 from freetoken.models import gguf
 from freetoken.models.loading import load_model
 from freetoken.tokenizer import Tokenizer
-from tiny_gguf import write_qwen3_gguf
+from tiny_gguf import build_byte_qwen3, write_qwen3_gguf
 from tiny_models import build_chat_model
 
 IDS = list(range(3, 40))
@@ -23,19 +23,31 @@ IDS = list(range(3, 40))
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(settings.CACHE_DIR.name, str(cache))
-        path, hf = build_chat_model("qwen3", tmp_path_factory.mktemp("qwen3") / "src")
-    return path, hf, cache
+    """A tiny Qwen3 of the byte vocabulary (its files carry the byte tokenizer), and its
+    transformers model: the files' source but `qwen_file`'s (a 151k-token vocabulary would
+    cost every write and conversion seconds)."""
+    return build_byte_qwen3("qwen3", tmp_path_factory.mktemp("qwen3") / "src")
 
 
 @pytest.fixture(scope="module")
 def f32_file(source, tmp_path_factory):
     """The source as one F32 GGUF file, and a cache directory it is converted into once for
-    the tests that read the conversion (each conversion parses 151k tokens' metadata)."""
+    the tests that read the conversion."""
     out = tmp_path_factory.mktemp("f32")
     return write_qwen3_gguf(source[0], out / "tiny.gguf"), out / "cache"
+
+
+@pytest.fixture(scope="module")
+def qwen_file(tmp_path_factory):
+    """A tiny Qwen3 with the Qwen tokenizer and chat template (build_chat_model's), its F32
+    GGUF file holding them, and the cache directory that converts into once: for the tests
+    that need the real tokenizer (each conversion parses 151k tokens' metadata)."""
+    cache = tmp_path_factory.mktemp("qwen-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(settings.CACHE_DIR.name, str(cache))
+        path, _ = build_chat_model("qwen3", tmp_path_factory.mktemp("qwen3-vocab") / "src")
+    out = tmp_path_factory.mktemp("qwen-f32")
+    return path, write_qwen3_gguf(path, out / "tiny.gguf", tokenizer="qwen"), out / "cache"
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +75,8 @@ def test_every_type_converts_to_its_dequantized_values(source, tmp_path, kind):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path, hf, _ = source
-    file = write_qwen3_gguf(path, tmp_path / f"{kind}.gguf", kind, tokenizer=False)
+    path, hf = source
+    file = write_qwen3_gguf(path, tmp_path / f"{kind}.gguf", kind, tokenizer=None)
     parsed = load_gguf_checkpoint(str(file), return_tensors=False)
     fields = {k: v for k, v in parsed["config"].items() if k != "model_type"}
     config = AutoConfig.for_model(parsed["config"]["model_type"], **fields, head_dim=16)
@@ -89,7 +101,7 @@ def test_every_type_converts_to_its_dequantized_values(source, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0"])
 def test_a_gguf_file_serves_its_weights(source, q8_0_file, tmp_path, monkeypatch, kind):
-    path, hf, _ = source
+    path, hf = source
     if kind == "Q8_0":
         file, cache = q8_0_file
     else:
@@ -203,7 +215,7 @@ def test_dequantized_routed_experts_are_stored_in_bf16_the_rest_exactly(tmp_path
     from safetensors.torch import load_file
 
     monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
-    path, _ = build_chat_model("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
+    path, _ = build_byte_qwen3("qwen3_moe", tmp_path / "src", mlp_only_layers=[])
     file = write_qwen3_gguf(path, tmp_path / "q4_0.gguf", "Q4_0", experts="F16")
     stored = load_file(str(gguf.checkpoint_of(file) / "model.safetensors"))
     tensors = {t.name: t for t in gguf_package.GGUFReader(str(file)).tensors}
@@ -241,10 +253,10 @@ def test_an_earlier_releases_conversion_is_made_again(f32_file, monkeypatch):
     assert (converted / "model.safetensors").stat().st_size > 1000
 
 
-def test_its_tokenizer_and_template_are_the_source_checkpoints(source, f32_file, monkeypatch):
-    path, _, _ = source
-    monkeypatch.setenv(settings.CACHE_DIR.name, str(f32_file[1]))
-    converted = gguf.checkpoint_of(f32_file[0])
+def test_its_tokenizer_and_template_are_the_source_checkpoints(qwen_file, monkeypatch):
+    path, file, cache = qwen_file
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(cache))
+    converted = gguf.checkpoint_of(file)
     ours, theirs = Tokenizer(converted), Tokenizer(path)
     assert not ours.uses_transformers  # (transformers saved it as a tokenizer.json to take)
     for text in ("Hello, world! <|im_end|> 你好 def f(x):\n\treturn x", "  spaces  "):
@@ -302,14 +314,13 @@ def test_the_plain_view_reader_reads_what_the_package_reads(f32_file):
         assert np.array_equal(a.data, b.data)
 
 
-def test_an_engine_starts_from_a_gguf_file(source, f32_file, monkeypatch):
+def test_an_engine_starts_from_a_gguf_file(qwen_file, monkeypatch):
     from freetoken.config import EngineConfig, MoEOptions
     from freetoken.engine.generate import LLMEngine
     from freetoken.engine.sampling import SamplingParams
 
-    path, _, _ = source
-    monkeypatch.setenv(settings.CACHE_DIR.name, str(f32_file[1]))
-    file = f32_file[0]
+    path, file, cache = qwen_file  # (a source with tokenizer files: the engine starts from it)
+    monkeypatch.setenv(settings.CACHE_DIR.name, str(cache))
     outputs = []
     for model in (file, path):
         engine = LLMEngine.from_config(
@@ -342,7 +353,7 @@ def test_a_file_that_is_not_gguf_is_refused_clearly(tmp_path, monkeypatch):
 def test_a_conversion_host_memory_cannot_hold_is_refused_first(source, tmp_path, monkeypatch):
     from freetoken.weights import memory
 
-    path, _, _ = source
+    path, _ = source
     monkeypatch.setenv(settings.CACHE_DIR.name, str(tmp_path / "cache"))
     file = write_qwen3_gguf(path, tmp_path / "big.gguf")
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
@@ -410,7 +421,7 @@ def moe_file(request, tmp_path_factory):
     widths = dict(hidden_size=256, moe_intermediate_size=256) if "k" in str(fmt) else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(settings.CACHE_DIR.name, str(cache))
-        path, _ = build_chat_model(
+        path, _ = build_byte_qwen3(
             "qwen3_moe", tmp_path_factory.mktemp("moe") / "src", mlp_only_layers=[], **widths
         )
         out = tmp_path_factory.mktemp("moe-gguf") / f"{request.param}.gguf"

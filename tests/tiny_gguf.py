@@ -1,7 +1,8 @@
-"""Tiny GGUF files for tests: a transformers checkpoint (tiny_models.build_chat_model) written as
-llama.cpp lays a Qwen3 or Qwen3-MoE model out (its tensor names, hyper-parameters and GPT-2
-style tokenizer metadata; a layer's experts stacked in one tensor per projection), each tensor
-in F32 or quantized to Q8_0 by the `gguf` package."""
+"""Tiny GGUF files for tests: a transformers checkpoint (tiny_models.build_chat_model's, with the
+Qwen tokenizer, or build_byte_qwen3's, with a byte-level one) written as llama.cpp lays a Qwen3
+or Qwen3-MoE model out (its tensor names, hyper-parameters and GPT-2 style tokenizer metadata;
+a layer's experts stacked in one tensor per projection), each tensor in F32 or quantized by the
+`gguf` package."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     """A `gguf.GGUFWriter` at `out` holding a Qwen3 (or, with experts, Qwen3-MoE) model's
     hyper-parameters from its config.json `cfg`, and the Qwen tokenizer and chat template of
     the directory `tokenizer` (tokenizer.json, tokenizer_config.json), as llama.cpp stores them
-    (None: no tokenizer, for tests of the tensors alone: reading 151k tokens' metadata costs
-    the gguf package seconds); the caller adds the tensors."""
+    (None: none, for tests of the tensors alone or a caller adding add_byte_tokenizer's:
+    reading 151k tokens' metadata costs the gguf package seconds); the caller adds the
+    tensors."""
     import gguf
 
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the
@@ -155,10 +157,13 @@ def write_qwen3_gguf(
     out: Path,
     quantize: str = "F32",
     experts: str | None = None,
-    tokenizer: bool = True,
+    tokenizer: str | None = "byte",
 ) -> Path:
     """`checkpoint`: a Qwen3ForCausalLM or Qwen3MoeForCausalLM (every layer MoE, as llama.cpp's
-    qwen3moe has them) directory with the Qwen tokenizer; `quantize`: F32, or a type the gguf
+    qwen3moe has them) directory; `tokenizer`: "byte" (a `BYTE_VOCAB`-token checkpoint,
+    build_byte_qwen3's: add_byte_tokenizer), "qwen" (the Qwen tokenizer and chat template in
+    the checkpoint's directory, build_chat_model's: 151k tokens' metadata, seconds to parse) or
+    None (none, for tests of the tensors alone); `quantize`: F32, or a type the gguf
     package writes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) for the weights whose rows
     are whole blocks (the norms and the router stay F32, as llama.cpp keeps them); `experts`:
     the routed experts' type where it differs (llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0
@@ -169,7 +174,13 @@ def write_qwen3_gguf(
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
-    w = qwen3_writer(cfg, checkpoint if tokenizer else None, out)
+    if tokenizer not in ("byte", "qwen", None):
+        raise ValueError(f"tokenizer: 'byte', 'qwen' or None, not {tokenizer!r}")
+    if tokenizer == "byte" and cfg["vocab_size"] != BYTE_VOCAB:
+        raise ValueError(f"the byte tokenizer needs a {BYTE_VOCAB}-token checkpoint")
+    w = qwen3_writer(cfg, checkpoint if tokenizer == "qwen" else None, out)
+    if tokenizer == "byte":
+        add_byte_tokenizer(w)
     weights = load_file(str(checkpoint / "model.safetensors"))
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, proj) -> expert -> w
     for name in list(weights):
@@ -201,6 +212,7 @@ def write_qwen3_gguf(
 BYTE_MERGES = (("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("s", "e"), ("i", "n"))
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BYTE_VOCAB = 256 + len(BYTE_MERGES) + len(BYTE_SPECIALS)
+BYTE_BOS, BYTE_EOS = BYTE_VOCAB - 3, BYTE_VOCAB - 1  # <|endoftext|>, <|im_end|>
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endfor %}"
@@ -223,10 +235,27 @@ def add_byte_tokenizer(w) -> None:
         [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(BYTE_SPECIALS)
     )
     w.add_token_merges([" ".join(m) for m in BYTE_MERGES])
-    w.add_bos_token_id(len(tokens))
-    w.add_eos_token_id(len(tokens) + 2)
+    w.add_bos_token_id(BYTE_BOS)
+    w.add_eos_token_id(BYTE_EOS)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
+
+
+def build_byte_qwen3(family: str, out_dir: Path, **overrides):
+    """A tiny "qwen3" or "qwen3_moe" checkpoint (tiny_models.build) of `BYTE_VOCAB` tokens, its
+    head tied and its bos / eos the byte tokenizer's, for write_qwen3_gguf's byte tokenizer
+    (no tokenizer files: the GGUF file carries them). Returns (dir, the transformers model)."""
+    from tiny_models import build
+
+    return build(
+        family,
+        out_dir,
+        vocab_size=BYTE_VOCAB,
+        tie_word_embeddings=True,
+        bos_token_id=BYTE_BOS,
+        eos_token_id=BYTE_EOS,
+        **overrides,
+    )
 
 
 def llama_permuted(rows: np.ndarray, heads: int) -> np.ndarray:
