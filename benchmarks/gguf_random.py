@@ -8,6 +8,7 @@ Q8_0 blocks here are windows of one shared buffer of random codes with fp16 scal
 the weights ~ N(0, 1/K) in size. The norms are ones and the router F32, as llama.cpp keeps them.
 
     python benchmarks/gguf_random.py OUT.gguf --layers 16 --tokenizer .carry/tokenizer
+    python benchmarks/gguf_random.py OUT.gguf --layers 2 --tiny   # a smoke test's file
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 # the tests' GGUF metadata writer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_gguf import qwen3_writer
+from tiny_gguf import BYTE_VOCAB, add_byte_tokenizer, qwen3_writer
 
 BLOCK_BYTES = 34  # Q8_0: an fp16 scale and 32 int8 codes
 
@@ -70,10 +71,14 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def write_random_q8_0_gguf(cfg: dict, tokenizer: Path, out: Path) -> Path:
+def write_random_q8_0_gguf(cfg: dict, tokenizer: Path | None, out: Path) -> Path:
+    """`tokenizer`: the Qwen tokenizer's directory, or None for the tests' byte-level one (a
+    `BYTE_VOCAB`-token `cfg`)."""
     import gguf
 
     writer = qwen3_writer(cfg, tokenizer, out)
+    if tokenizer is None:
+        add_byte_tokenizer(writer)
     tensors = shapes(cfg)
     largest = max(int(np.prod(s)) for s in tensors.values()) // 32
     buffer = q8_0_buffer(largest + 4096, cfg["hidden_size"])
@@ -102,13 +107,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--tokenizer", type=Path, required=True, help="the Qwen tokenizer's files")
-    ap.add_argument("--tiny", action="store_true", help="small shapes (the Qwen vocabulary)")
+    ap.add_argument("--tokenizer", type=Path, help="the Qwen tokenizer's files")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="small shapes and the tests' byte-level tokenizer (a 151k-token vocabulary costs "
+        "a smoke test's every write and read seconds)",
+    )
     ap.add_argument("--max-context", type=int, default=131072)
     args = ap.parse_args()
     cfg = qwen3_30b_a3b(args.layers)
     if args.tiny:
-        cfg = {**tiny(args.layers), "vocab_size": cfg["vocab_size"]}
+        cfg, args.tokenizer = {**tiny(args.layers), "vocab_size": BYTE_VOCAB}, None
+    elif args.tokenizer is None:
+        ap.error("--tokenizer: the Qwen tokenizer's files (or --tiny)")
     cfg["max_position_embeddings"] = args.max_context
     write_random_q8_0_gguf(cfg, args.tokenizer, args.out)
     print(json.dumps({"file": str(args.out), "bytes": args.out.stat().st_size}))

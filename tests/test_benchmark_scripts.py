@@ -460,9 +460,6 @@ def test_every_benchmark_shape_builds_its_family(monkeypatch):
 def test_decode_context_on_a_random_q8_0_gguf(tmp_path):
     """gguf_random.py writes a Q8_0 GGUF both engines read; decode_context.py runs on it (its
     experts kept Q8_0), with graphs on and off, and times a prefill."""
-    from freetoken.qwen_vocab import write_qwen_tokenizer
-
-    tokenizer = write_qwen_tokenizer(tmp_path / "tok", model_max_length=4096)
     file = tmp_path / "m.gguf"
     result = subprocess.run(
         [
@@ -472,8 +469,6 @@ def test_decode_context_on_a_random_q8_0_gguf(tmp_path):
             "--tiny",
             "--layers",
             "2",
-            "--tokenizer",
-            str(tokenizer),
             "--max-context",
             "4096",
         ],
