@@ -116,7 +116,8 @@ def test_expert_misses_grow_an_unmeasured_verify_step_by_the_union_of_experts():
 def test_shapes_the_estimate_rejects_are_probed_now_and_then():
     """Routing that overlaps more than uniform routing's can make a verify step pay where the
     estimate says it can't: every PROBE_EVERY drafting steps the shortest unmeasured (or stale)
-    cap above the chosen one is verified once, and its measured cost rules after that."""
+    cap above the chosen one is verified once, and its measured cost rules after that; a stale
+    plain step likewise."""
     policy = DraftPolicy(max_draft=4, experts=128, top_k=8, miss_rate=lambda: 1.0)
     policy.observe(1, 1, 0.010)
     likely = Acceptance(kept=3.0, rejected=1.0)  # 2/3
@@ -127,10 +128,36 @@ def test_shapes_the_estimate_rejects_are_probed_now_and_then():
     caps = [policy.choose([(likely, 4)]) for _ in range(PROBE_EVERY - 1)]
     assert caps == [1] * (PROBE_EVERY - 2) + [2]  # the next shape up, probed
     policy.observe(1, 3, 0.040)  # too slow: not chosen, and not probed again until stale
-    later = [policy.choose([(likely, 2)]) for _ in range(STALE_STEPS - 1)]
-    assert set(later) == {1}
+    later = []
+    for _ in range(STALE_STEPS - 1):
+        later.append(policy.choose([(likely, 2)]))
+        if later[-1] == 0:  # (measured as the engine would)
+            policy.observe(1, 1, 0.010)
+    # every step drafting, the plain step they are weighed against went stale: probed once
+    assert later.count(0) == 1 and set(later) == {0, 1}
     assert policy.choose([(likely, 2)]) == 2  # 1x3 measured STALE_STEPS drafting steps ago
     assert policy.choose([(Acceptance(), 0)]) == 0  # (no draft: no probe)
+
+
+def test_a_step_beside_or_right_after_a_prefill_is_not_timed(tmp_path):
+    """The cost model reads steady steps only: a decode step beside a prefill chunk waits for
+    its queued work, and the one right after runs on what the prefill left cold."""
+    path = build("qwen3_moe", tmp_path / "m")[0]
+    engine = engine_for(path, None)
+    engine.draft_policy = DraftPolicy(max_draft=4)
+    seen = []
+    engine.draft_policy.observe = lambda s, t, seconds: seen.append((s, t))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request([1, 2, 3, 4, 5], params)
+    engine.step()  # the prompt (and its first token)
+    engine.step()  # the first decode: right after the prefill
+    assert seen == []
+    engine.add_request([6, 7, 8], params)
+    engine.step()  # a decode beside the new request's prefill
+    assert seen == []
+    engine.step()  # two decoding, right after it
+    engine.step()
+    assert seen == [(2, 2)]
 
 
 def test_modes_choose_a_drafter():

@@ -8,7 +8,8 @@ not (the union of top-k choices over t tokens grows as E * (1 - (1 - k/E)^t)), a
 the cache misses cost PCIe or CPU time; on a small CPU an extra row costs nearly a token.
 
 So the engine measures what a step costs, by (sequences, tokens), every step whose time is its
-steady cost (not one that captured a CUDA graph), and each request's acceptance: drafted tokens
+steady cost (not one that captured a CUDA graph, ran beside a prefill chunk or right after
+one), and each request's acceptance: drafted tokens
 kept until the first rejection, counted with decay so old evidence fades. Each step it picks
 the draft cap k that maximises expected tokens per second over the decoding requests:
 
@@ -24,7 +25,8 @@ gives 15.6), which the formula can't know. So a shape the estimate rejects is st
 now and then: every `PROBE_EVERY` steps that have drafts, the shortest draft cap above the
 chosen one whose shape is unmeasured, or was last measured `STALE_STEPS` drafting steps ago, is
 verified once (at batch 1 the four shapes cost a few slow steps in the first hundred, then one
-every few hundred). Without a measured plain step nothing is drafted. A request whose drafts
+every few hundred), and so is a stale plain step while every step drafts. Without a measured
+plain step nothing is drafted. A request whose drafts
 fail is drafted for less and less; its evidence fades each step it does not draft, so it is
 tried again later (a few percent of steps at most, where drafts are found at all).
 """
@@ -132,25 +134,28 @@ class DraftPolicy:
             tokens = sum(a.expected(min(k, n)) for a, n in drafts)
             if tokens / seconds > best_rate * 1.0001:
                 best, best_rate = k, tokens / seconds
-        return self._probe(drafts, best, longest) or best
+        probe = self._probe(drafts, best, longest)
+        return best if probe is None else probe
 
     @staticmethod
     def _fed(drafts: list[tuple[Acceptance, int]], k: int) -> int:
         """Tokens a step feeds with each draft cut to `k`."""
         return sum(1 + min(k, n) for _, n in drafts)
 
-    def _probe(self, drafts: list[tuple[Acceptance, int]], best: int, longest: int) -> int:
-        """A cap above `best` to measure this step, or 0: the shortest whose shape is
-        unmeasured or stale, at most once every PROBE_EVERY steps."""
+    def _probe(self, drafts: list[tuple[Acceptance, int]], best: int, longest: int) -> int | None:
+        """A cap to measure this step instead of `best`, or None: the shortest above it whose
+        shape is unmeasured or stale, else a stale plain step (while every step drafts, the
+        plain cost it is weighed against is measured no more), at most once every
+        PROBE_EVERY steps."""
         if self.steps - self.last_probe < PROBE_EVERY:
-            return 0
+            return None
         sequences = len(drafts)
-        for k in range(best + 1, longest + 1):
+        for k in [*range(best + 1, longest + 1), *([0] if best else [])]:
             seen = self.measured_at.get((sequences, self._fed(drafts, k)))
             if seen is None or self.steps - seen >= STALE_STEPS:
                 self.last_probe = self.steps
                 return k
-        return 0
+        return None
 
 
 def auto_policy(runner: ModelRunner, max_draft: int) -> DraftPolicy | None:

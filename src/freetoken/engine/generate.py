@@ -161,6 +161,7 @@ class LLMEngine:
         self.preempted: collections.deque[Request] = collections.deque()
         self.preemptions = 0  # in total, since start
         self.last_step = StepTokens()
+        self._prefilled = False  # (the last step ran a prefill chunk: the next is not timed)
         self._ids = itertools.count()
         self.prefix_cache = RadixCache(runner.kv.page_size) if prefix_cache else None
         if self.prefix_cache is not None:
@@ -425,9 +426,16 @@ class LLMEngine:
         elif decoding:
             logits = self._forward(decoding, [r.output_ids[-1:] for r in decoding], hidden=True)
             decoded = self._sample(decoding, logits)
-        if decoding and self.draft_policy is not None and self.runner.untimed == untimed:
+        # Timed for the cost model where its time is its steady cost: not beside a prefill chunk
+        # (it waits for the chunk's queued work) nor right after one (the CPU team and the
+        # cache as the prefill left them). On an H200 under hybrid such a plain step read
+        # 17-29 ms against 7-9 steady, and, every later step drafting, stood for the plain
+        # step's cost all run long.
+        steady = not prefill and not self._prefilled and self.runner.untimed == untimed
+        if decoding and self.draft_policy is not None and steady:
             # (the step's tokens are on the host: its work is done)
             self.draft_policy.observe(len(decoding), fed, time.perf_counter() - start)
+        self._prefilled = bool(prefill)
         outputs += decoded
         self._follow()
         self.last_step = StepTokens(sum(map(len, chunks)), len(decoded))
