@@ -382,7 +382,8 @@ def test_word_tiles_below_their_minimum_rows_are_refused(name, monkeypatch):
 def _interpreter_cases(part: str = "all") -> dict[str, float]:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns case -> max abs error vs the
     reference (fp32 unless named; -1.0 when the case checks exact equality and it holds).
-    `part`: "dense", "quantized" or "all" (the fixture runs the two parts at once)."""
+    `part`: "dense" (the dense kernels and dequantize_slots'), "quantized" (the quantized
+    decode kernels) or "all" (the fixture runs the two parts at once, of about equal time)."""
     if part == "quantized":
         return _quantized_interpreter_cases()
     from freetoken.kernels.grouped_launch import triton_grouped_expert_forward as tri
@@ -448,15 +449,15 @@ def _interpreter_cases(part: str = "all") -> dict[str, float]:
     res["swiglu_clamp_clamped"] = rel(
         biased(make_case(4, 3, 72, 40, 6, seed=12), scale=8.0), "swiglu_clamp", False
     )
+    res.update(_dequantize_interpreter_cases())
     if part == "all":
         res.update(_quantized_interpreter_cases())
     return res
 
 
-# Tiles for the interpreter (its time grows with the number of programs and K steps more than
-# with tile sizes): several K steps and partial tiles on every dimension at the shapes below.
-# The down kernel's split-K at 2 steps: the K-quant cases' 256 columns in 4 splits, the others
-# (2 steps or fewer) unsplit.
+# Tiles for the interpreter (its time grows with the number of programs and K steps, hardly
+# with tile sizes): several K steps and partial tiles on every dimension at the shapes below;
+# the down kernel's split-K at 2 steps (those shapes' 2 steps or fewer: unsplit).
 SMALL_LAUNCH = {
     "GATE_UP_BLOCK_N": 64,
     "GATE_UP_BLOCK_K": 64,
@@ -467,6 +468,17 @@ SMALL_LAUNCH = {
     "DOWN_WARPS": 4,
     "DOWN_STAGES": 1,
     "DOWN_SPLIT_STEPS": 2,
+}
+# The K-quants' 256-wide cases (whole super-blocks: no tile of theirs can be partial) in fewer
+# programs: one row block a projection, 2 K steps in gate/up, and the down's 8 steps in 3 splits
+# (3, 3, 2: the last split's dead step). (With SMALL_LAUNCH's 16 to 32 programs a route they held
+# a CI worker 4x as long; the defaults' cases below walk the K-quants' row blocks.)
+SUPER_BLOCK_LAUNCH = {
+    **SMALL_LAUNCH,
+    "GATE_UP_BLOCK_N": 256,
+    "GATE_UP_BLOCK_K": 128,
+    "DOWN_BLOCK_N": 256,
+    "DOWN_SPLIT_STEPS": 3,
 }
 QUANTIZED_SHAPES = {
     "fp8": (72, 40),
@@ -510,8 +522,7 @@ DQ_LEGACY = ("q4_0", "q5_1")
 def _quantized_interpreter_cases() -> dict[str, float]:
     """Quantized banks under the interpreter: the kernels' output against the dense kernels' on
     the dequantized banks with the same launch parameters (-1.0: equal bit for bit, else the
-    largest difference), the error relative to the reference's largest value, and
-    dequantize_slots' kernel against the definition (-1.0: equal, NaNs where it has them)."""
+    largest difference) and the error relative to the reference's largest value."""
     import freetoken.kernels.grouped_launch as gl
 
     def with_launch(params, fn):
@@ -540,9 +551,13 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     res: dict[str, float] = {}
     for name, dt in QUANTIZED_DTYPES:
         h, i = QUANTIZED_SHAPES[name]
-        tokens = 4 if "k_mixed" in name else 2  # (routes to slots of each K type: 0, 1, 2)
+        mixed = "k_mixed" in name
+        cases = quantized_case(name, 2, 2, h, i, 5, seed=19 if mixed else 20, dtype=DTYPES[dt])
+        if mixed:  # (its 3 routes to a slot of each K type: slot % 3)
+            assert sorted(int(s) % 3 for s in cases[0][1].flatten() if s >= 0) == [0, 1, 2]
+        super_blocks = QUANTIZED[name.partition("+")[0]].name in K_FAMILY
         compare(
-            quantized_case(name, tokens, 2, h, i, 5, seed=20, dtype=DTYPES[dt]), f"q_{name}_{dt}"
+            cases, f"q_{name}_{dt}", params=SUPER_BLOCK_LAUNCH if super_blocks else SMALL_LAUNCH
         )
     # int32 slots; the launch defaults (larger tiles than the dims: one partial K step for fp4,
     # fp8's one-scale-per-row path with 128 x 128 blocks)
@@ -552,18 +567,20 @@ def _quantized_interpreter_cases() -> dict[str, float]:
         ((*quantized[:1], slots32, *quantized[2:]), (*dense[:1], slots32, *dense[2:])),
         "q_int32_slots",
     )
-    # (k_mixed: 5 steps of its 256-column tiles, split 3 + 2)
-    for name, (h, i) in {
-        "fp8_128": (192, 64),
-        "mxfp4": (160, 64),
-        "nvfp4": (160, 48),
-        "q8_0": (160, 64),
-        "q4_k": (512, 256),
-        "k_mixed": (256, 1280),
+    # (q4_k: 2 super-blocks in gate/up's K steps; k_mixed: 5 steps of its 256-column tiles,
+    # split 3 + 2. These two on one route, to a slot of q4_k's and one of k_mixed's q6_k: their
+    # tiles' many programs on 4 routes held a CI worker ~2 min; routing is the cases' above)
+    for name, (h, i, tokens, k, seed) in {
+        "fp8_128": (192, 64, 2, 2, 22),
+        "mxfp4": (160, 64, 2, 2, 22),
+        "nvfp4": (160, 48, 2, 2, 22),
+        "q8_0": (160, 64, 2, 2, 22),
+        "q4_k": (512, 256, 1, 1, 25),
+        "k_mixed": (256, 1280, 1, 1, 29),
     }.items():
         fmt = QUANTIZED[name].name
         compare(
-            quantized_case(name, 2, 2, h, i, 4, seed=22),
+            quantized_case(name, tokens, k, h, i, 4, seed=seed),
             f"q_{name}_defaults",
             params=gl.launch_params(fmt),
         )
@@ -580,9 +597,19 @@ def _quantized_interpreter_cases() -> dict[str, float]:
     skipped = torch.full_like(slots, -1)
     out = gl.triton_grouped_expert_forward(x, skipped, weights.fill_(float("nan")), gu, dn)
     res["q_all_skipped"] = -1.0 if torch.equal(out, torch.zeros_like(x)) else 1.0
-    # dequantize_slots: every code, extreme and NaN scales; the default tiles and small ones
+    return res
+
+
+def _dequantize_interpreter_cases() -> dict[str, float]:
+    """dequantize_slots' kernel under the interpreter against the definition, on every code,
+    extreme and NaN scales, in each dtype, with the default tiles and small ones (-1.0: equal,
+    NaNs where it has them)."""
+    import freetoken.kernels.grouped_launch as gl
+
+    res: dict[str, float] = {}
     gen = torch.Generator().manual_seed(25)
-    for name in ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed", *DQ_LEGACY):
+    formats = ("fp8", "fp8_128", "mxfp4", "nvfp4", "q8_0", *K_QUANTS, "k_mixed", *DQ_LEGACY)
+    for j, name in enumerate(formats):
         fmt = QUANTIZED[name]
         # (K tails: nvfp4 2.5 chunks, q8_0 and the legacy types 1.25 of the default tiles)
         k = {"fp8": 100, "mxfp4": 96, "nvfp4": 80, "q8_0": 160, **dict.fromkeys(LEGACY, 160)}.get(
@@ -605,26 +632,28 @@ def _quantized_interpreter_cases() -> dict[str, float]:
             bank.s.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
         index = torch.tensor([3, 0, 3, 2])
         ok = True
-        for dtype in DTYPES.values():
+        for d, dtype in enumerate(DTYPES.values()):
             want = bank.dequantize(index, dtype)
-            for block_k in (32, gl.DEQUANTIZE_BLOCK_K):
-                saved = gl.DEQUANTIZE_BLOCK_K
-                gl.DEQUANTIZE_BLOCK_K = block_k
-                try:
-                    got = gl.triton_dequantize_slots(bank, index, dtype)
-                finally:
-                    gl.DEQUANTIZE_BLOCK_K = saved
-                checked = torch.ones_like(want, dtype=torch.bool)
-                if dtype == torch.bfloat16:
-                    # the interpreter's fp32 -> bf16 conversion (the store) mangles subnormal
-                    # results; the kernel's values are right (fp32, fp16 here; CUDA checks bf16)
-                    checked = (want.abs() >= 2.0**-126) | (want == 0) | want.isnan()
-                try:
-                    torch.testing.assert_close(
-                        got[checked], want[checked], rtol=0, atol=0, equal_nan=True
-                    )
-                except AssertionError:
-                    ok = False
+            # the small tiles in one dtype a format, in turn (a dtype's rounding is apart from
+            # the tiles' columns; every pair held a CI worker ~40 s)
+            block_k = 32 if d == j % 3 else gl.DEQUANTIZE_BLOCK_K
+            saved = gl.DEQUANTIZE_BLOCK_K
+            gl.DEQUANTIZE_BLOCK_K = block_k
+            try:
+                got = gl.triton_dequantize_slots(bank, index, dtype)
+            finally:
+                gl.DEQUANTIZE_BLOCK_K = saved
+            checked = torch.ones_like(want, dtype=torch.bool)
+            if dtype == torch.bfloat16:
+                # the interpreter's fp32 -> bf16 conversion (the store) mangles subnormal
+                # results; the kernel's values are right (fp32, fp16 here; CUDA checks bf16)
+                checked = (want.abs() >= 2.0**-126) | (want == 0) | want.isnan()
+            try:
+                torch.testing.assert_close(
+                    got[checked], want[checked], rtol=0, atol=0, equal_nan=True
+                )
+            except AssertionError:
+                ok = False
         res[f"dq_{name}"] = -1.0 if ok else 1.0
     return res
 
@@ -683,8 +712,8 @@ for _case in (
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, float]:
-    # the dense and the quantized cases in two processes at once: the interpreter keeps one
-    # core busy for minutes, and the test machine has two
+    # the two parts in two processes at once: the interpreter keeps one core busy for a
+    # minute, and the test machine has two
     from concurrent.futures import ThreadPoolExecutor
 
     def run(part: str) -> dict[str, float]:
