@@ -195,14 +195,45 @@ class Replayed:
         pass
 
 
-def run(engine: LLMEngine, prompts, params, device) -> tuple[float, list[list[int]]]:
+def run(
+    engine: LLMEngine, prompts, params, device, steps: list[float] | None = None
+) -> tuple[float, list[list[int]]]:
+    """Tokens/s of generating `prompts`, and the tokens; each engine step's seconds appended to
+    `steps` (a step ends with its tokens on the host)."""
     engine.drafted = engine.accepted = engine.verified = 0
+    step = engine.step
+    if steps is not None:
+
+        def timed():
+            begin = time.perf_counter()
+            out = step()
+            steps.append(time.perf_counter() - begin)
+            return out
+
+        engine.step = timed
     sync(device)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    try:
+        outputs = engine.generate(prompts, params)
+    finally:
+        engine.step = step
     sync(device)
     seconds = time.perf_counter() - start
     return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
+
+
+def step_summary(steps: list[float]) -> dict:
+    """Engine steps' ms: the median, the slowest, and the share of the run's time in steps
+    over 3x the median (stalls, as against a uniformly slow step)."""
+    ordered = sorted(steps)
+    median = ordered[len(ordered) // 2]
+    stalls = sum(t for t in steps if t > 3 * median)
+    return dict(
+        steps=len(steps),
+        median_ms=round(median * 1e3, 2),
+        max_ms=round(ordered[-1] * 1e3, 2),
+        stall_share=round(stalls / sum(steps), 3),
+    )
 
 
 def plain_step_ways(runner: ModelRunner, batch: int) -> dict | None:
@@ -240,7 +271,8 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
         )
         engine.drafter = engine.draft_policy = None
         run(engine, prompts, params, device)  # warm-up: graphs of every batch size
-        off, reference = run(engine, prompts, params, device)
+        off_steps: list[float] = []
+        off, reference = run(engine, prompts, params, device, off_steps)
         if sampled:
             drafter = PromptLookup()
         else:
@@ -256,7 +288,8 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
         # (gpt-oss-20b's trace on an H100 and an H200 read its first off run at 20-26 tok/s
         # where the same steps ran at 150-160 in the random workload's)
         engine.drafter = None
-        off_after, _ = run(engine, prompts, params, device)
+        after_steps: list[float] = []
+        off_after, _ = run(engine, prompts, params, device, after_steps)
         engine.drafter = drafter
         same = sum(
             a == b
@@ -276,6 +309,8 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
                     f"{s}x{t}": round(c * 1e3, 2) for (s, t), c in engine.draft_policy.costs.items()
                 },
                 ways=plain_step_ways(runner, batch),
+                off_steps=step_summary(off_steps),
+                off_after_steps=step_summary(after_steps),
             )
         )
         print(options.strategy, batch, rows[-1], flush=True)
@@ -348,6 +383,8 @@ def main() -> int:
                     f"| {r['accepted']} | {r['verify_steps']} | {same} |"
                 )
                 lines.append(f"<!-- costs (ms by sequences x tokens): {r['costs_ms']} -->")
+                steps = f"{r['off_steps']}, after: {r['off_after_steps']}"
+                lines.append(f"<!-- off runs' engine steps: {steps} -->")
                 if r["ways"]:
                     lines.append(f"<!-- hybrid's plain-step way: {r['ways']} -->")
             if device.type == "cuda":
