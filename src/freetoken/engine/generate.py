@@ -428,9 +428,10 @@ class LLMEngine:
             decoded = self._sample(decoding, logits)
         # Timed for the cost model where its time is its steady cost: not beside a prefill chunk
         # (it waits for the chunk's queued work) nor right after one (the CPU team and the
-        # cache as the prefill left them). On an H200 under hybrid such a plain step read
-        # 17-29 ms against 7-9 steady, and, every later step drafting, stood for the plain
-        # step's cost all run long.
+        # cache as the prefill left them). The first plain steps of a run are those; on an
+        # H200 under hybrid they stood in the cost model at 29 ms (batch 1) and 50 ms (batch
+        # 4) against 9 and 27 steady and, every later step drafting, were never measured again
+        # (benchmarks/results/2026-12-07-speculative-hybrid-h100-h200.md).
         steady = not prefill and not self._prefilled and self.runner.untimed == untimed
         if decoding and self.draft_policy is not None and steady:
             # (the step's tokens are on the host: its work is done)

@@ -212,12 +212,13 @@ class StepModes:
     A way's cost in use can also run above its trial's for a reason no fresh trial shows:
     `cpu` fills nothing, so under a trained router's routes (which move on from token to
     token) its hit rate falls step by step, while each trial's fill and split steps have just
-    refreshed the cache it is sampled with. On gpt-oss-20b's trace (H100, an 8 GiB cache) that
-    way ran at 24-38 ms a step against 9 in its trials, won every retrial its slowing brought,
-    and decoded at 26 tok/s against 160. So when a trial ends, the way in use is charged the
-    median of its last steps in use where that is above its fresh samples, and the ratio
-    between the two stays with the way (`in_use`) to scale its later trials' medians, halving
-    towards 1 at each trial it is not in use (so it is tried in use again, in time).
+    refreshed the cache it is sampled with (on gpt-oss-20b's trace at a 25% cache, H200,
+    hybrid ended on `cpu` with a 65% hit rate against offload's 72% and a 36% spread between
+    rounds: benchmarks/results/2026-12-01-gpt-oss-trace-h200.md). So when a trial ends, the way
+    in use is charged the median of its last steps in use where that is above its fresh
+    samples, and the ratio between the two stays with the way (`in_use`) to scale its later
+    trials' medians, halving towards 1 at each trial it is not in use (so it is tried in use
+    again, in time).
 
     With a prefetch (`ahead`, moe/prefetch.py), each way is also tried with it on
     (`split+ahead`, ...): whether filling a layer's predicted misses ahead pays depends on how
