@@ -22,7 +22,7 @@ import numpy as np
 
 # the tests' GGUF metadata writer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_gguf import BYTE_VOCAB, add_byte_tokenizer, qwen3_writer
+from tiny_gguf import BYTE_VOCAB, qwen3_writer
 
 BLOCK_BYTES = 34  # Q8_0: an fp16 scale and 32 int8 codes
 
@@ -71,14 +71,12 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def write_random_q8_0_gguf(cfg: dict, tokenizer: Path | None, out: Path) -> Path:
-    """`tokenizer`: the Qwen tokenizer's directory, or None for the tests' byte-level one (a
+def write_random_q8_0_gguf(cfg: dict, tokenizer: Path | str, out: Path) -> Path:
+    """`tokenizer`: the Qwen tokenizer's directory, or "byte" for the tests' byte-level one (a
     `BYTE_VOCAB`-token `cfg`)."""
     import gguf
 
     writer = qwen3_writer(cfg, tokenizer, out)
-    if tokenizer is None:
-        add_byte_tokenizer(writer)
     tensors = shapes(cfg)
     largest = max(int(np.prod(s)) for s in tensors.values()) // 32
     buffer = q8_0_buffer(largest + 4096, cfg["hidden_size"])
@@ -118,7 +116,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = qwen3_30b_a3b(args.layers)
     if args.tiny:
-        cfg, args.tokenizer = {**tiny(args.layers), "vocab_size": BYTE_VOCAB}, None
+        cfg, args.tokenizer = {**tiny(args.layers), "vocab_size": BYTE_VOCAB}, "byte"
     elif args.tokenizer is None:
         ap.error("--tokenizer: the Qwen tokenizer's files (or --tiny)")
     cfg["max_position_embeddings"] = args.max_context

@@ -239,9 +239,9 @@ def step_summary(steps: list[float]) -> dict:
 def plain_step_ways(runner: ModelRunner, batch: int) -> dict | None:
     """Hybrid's way for the batch's plain decode step (StepModes keys steps by their tokens):
     the way in use, its trials, each way's median ms in the last one."""
-    modes = getattr(runner.moe, "step_modes", None) if runner.moe is not None else None
-    if modes is None or not modes.trials(batch):
-        return None
+    if runner.moe is None or not runner.moe.step_modes.trials(batch):
+        return None  # (no hybrid, or no trial yet)
+    modes = runner.moe.step_modes
     return dict(
         way=modes.current(batch), trials=modes.trials(batch), ms=way_medians_ms(modes, batch)
     )

@@ -33,13 +33,13 @@ GATE_UP_Q5_0 = {"Q5_0_Q4_K_M": "Q4_K_M"}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
+def qwen3_writer(cfg: dict, tokenizer: Path | str | None, out: Path):
     """A `gguf.GGUFWriter` at `out` holding a Qwen3 (or, with experts, Qwen3-MoE) model's
-    hyper-parameters from its config.json `cfg`, and the Qwen tokenizer and chat template of
-    the directory `tokenizer` (tokenizer.json, tokenizer_config.json), as llama.cpp stores them
-    (None: none, for tests of the tensors alone or a caller adding add_byte_tokenizer's:
-    reading 151k tokens' metadata costs the gguf package seconds); the caller adds the
-    tensors."""
+    hyper-parameters from its config.json `cfg`, and as llama.cpp stores them the Qwen
+    tokenizer and chat template of the directory `tokenizer` (tokenizer.json,
+    tokenizer_config.json: 151k tokens' metadata, seconds for the gguf package to parse),
+    "byte" for `add_byte_tokenizer`'s (a `BYTE_VOCAB`-token `cfg`), or None for none (tests of
+    the tensors alone); the caller adds the tensors."""
     import gguf
 
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the
@@ -54,6 +54,11 @@ def qwen3_writer(cfg: dict, tokenizer: Path | None, out: Path):
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     if tokenizer is None:
+        return w
+    if tokenizer == "byte":
+        if cfg["vocab_size"] != BYTE_VOCAB:
+            raise ValueError(f"the byte tokenizer needs a {BYTE_VOCAB}-token checkpoint")
+        add_byte_tokenizer(w)
         return w
     tok = json.loads((tokenizer / "tokenizer.json").read_text())
     tok_config = json.loads((tokenizer / "tokenizer_config.json").read_text())
@@ -176,11 +181,7 @@ def write_qwen3_gguf(
     cfg = json.loads((checkpoint / "config.json").read_text())
     if tokenizer not in ("byte", "qwen", None):
         raise ValueError(f"tokenizer: 'byte', 'qwen' or None, not {tokenizer!r}")
-    if tokenizer == "byte" and cfg["vocab_size"] != BYTE_VOCAB:
-        raise ValueError(f"the byte tokenizer needs a {BYTE_VOCAB}-token checkpoint")
-    w = qwen3_writer(cfg, checkpoint if tokenizer == "qwen" else None, out)
-    if tokenizer == "byte":
-        add_byte_tokenizer(w)
+    w = qwen3_writer(cfg, checkpoint if tokenizer == "qwen" else tokenizer, out)
     weights = load_file(str(checkpoint / "model.safetensors"))
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, proj) -> expert -> w
     for name in list(weights):

@@ -256,8 +256,8 @@ class StepModes:
 
     def median(self, batch: int, mode: str) -> float | None:
         """The way's median step time in the last trial (None before any)."""
-        seen = sorted(self._ways(batch).samples.get(mode, ()))
-        return seen[len(seen) // 2] if seen else None
+        seen = self._ways(batch).samples.get(mode)
+        return _median(seen) if seen else None
 
     def trials(self, batch: int) -> int:
         """Trials finished for this batch size."""
@@ -302,17 +302,13 @@ class StepModes:
     def _trial_due(self, ways: _Ways) -> bool:
         if ways.trials == 0 or ways.steps - ways.settled_at >= self.retrial_every:
             return True
-        recent = sorted(ways.recent)
         return (
-            len(recent) == self.window
-            and recent[len(recent) // 2] > (1.0 + self.drift) * ways.baseline
+            len(ways.recent) == self.window
+            and _median(ways.recent) > (1.0 + self.drift) * ways.baseline
         )
 
     def _decide(self, ways: _Ways) -> None:
-        medians = {}
-        for mode, seen in ways.samples.items():
-            if seen:
-                medians[mode] = sorted(seen)[len(seen) // 2]
+        medians = {mode: _median(seen) for mode, seen in ways.samples.items() if seen}
         if medians:
             self._charge_use(ways, medians)
             figures = {mode: t * ways.in_use.get(mode, 1.0) for mode, t in medians.items()}
@@ -330,10 +326,15 @@ class StepModes:
         for mode in list(ways.in_use):
             if mode != ways.current:
                 ways.in_use[mode] = 1.0 + (ways.in_use[mode] - 1.0) / 2
-        recent = sorted(ways.recent)
         fresh = medians.get(ways.current)
-        if len(recent) == self.window and fresh:
-            ways.in_use[ways.current] = max(1.0, recent[len(recent) // 2] / fresh)
+        if len(ways.recent) == self.window and fresh:
+            ways.in_use[ways.current] = max(1.0, _median(ways.recent) / fresh)
+
+
+def _median(times) -> float:
+    """The middle of a few step times (the upper one of an even count)."""
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2]
 
 
 @dataclass
@@ -349,7 +350,7 @@ class _Ways:
     pending: tuple | None = None  # (way, counted) of the step chosen last
     trials: int = 0
     settled_at: int = 0  # the step the last trial ended
-    baseline: float = float("inf")  # the way in use's median in its trial
+    baseline: float = float("inf")  # the way in use's figure in its trial (median x in_use)
     in_use: dict = field(default_factory=dict)  # way -> its steps in use against its trials
 
 
