@@ -99,6 +99,32 @@ def test_the_policy_drafts_only_what_pays():
     assert policy.choose([(likely, 1), (likely, 3)]) == 1
 
 
+def test_a_new_request_starts_from_every_request_s_acceptance():
+    """An agent's turns are short requests: a batch whose drafts were all kept must not start
+    each new one at 1/2, where a verify step that costs 1.65x a plain one never pays."""
+    policy = DraftPolicy(max_draft=1)
+    policy.observe(4, 4, 0.0286)
+    policy.observe(4, 8, 0.0471)  # (an H100's hybrid steps at batch 4)
+    fresh = [policy.acceptance() for _ in range(4)]
+    assert fresh[0].rate() == 0.5
+    assert policy.choose([(a, 1) for a in fresh]) == 0  # 6 tokens in 47 ms < 4 in 29
+    for _ in range(8):  # earlier requests' drafts, all kept
+        policy.record(Acceptance(), 1, 1)
+    fresh = [policy.acceptance() for _ in range(4)]
+    assert fresh[0].rate() > 0.8 and (fresh[0].kept, fresh[0].rejected) == (0.0, 0.0)
+    assert policy.choose([(a, 1) for a in fresh]) == 1
+    # its own evidence rules once it has some, and fades back to the pooled prior
+    mine = policy.acceptance()
+    for _ in range(6):
+        policy.record(mine, 1, 0)
+    assert mine.rate() < 0.3
+    for _ in range(30):
+        mine.fade()
+    assert mine.rate() == pytest.approx(mine.prior, abs=0.02)
+    # (the pool took its rejections too: later requests start lower)
+    assert policy.acceptance().rate() < fresh[0].rate()
+
+
 def test_expert_misses_grow_an_unmeasured_verify_step_by_the_union_of_experts():
     assert expert_union(1, 128, 8) == pytest.approx(8)
     assert expert_union(3, 128, 8) == pytest.approx(128 * (1 - (120 / 128) ** 3))  # ~22.5

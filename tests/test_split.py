@@ -161,6 +161,53 @@ def test_a_way_slower_in_use_than_in_its_trials_is_charged_its_use():
     assert chooser._ways(1).in_use[CPU] == pytest.approx(1 + (charged - 1) / 2)
 
 
+def test_steps_of_nearby_sizes_share_a_key():
+    """A verify step's tokens vary with its drafts' lengths: steps are keyed by the power of
+    two at or above their tokens, so a batch's shapes share a few keys."""
+    from freetoken.moe.split import step_key
+
+    assert [step_key(t) for t in (1, 2, 3, 4, 5, 8, 9, 12, 16, 20)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 16, 32,
+    ]  # fmt: skip
+
+
+def test_larger_steps_follow_a_smaller_split_without_trials_of_their_own():
+    """A trial costs steps of the slower ways. Where the nearest smaller key settled on the
+    split (or has not settled yet), a larger key follows it untimed: the split's saving grows
+    with the misses. Below a key that settled on another way, a larger key tries the ways."""
+    from freetoken.moe.split import CPU, FILL, SPLIT, StepModes
+
+    true = {SPLIT: 0.010, FILL: 0.030, CPU: 0.012}
+    chooser = StepModes(warmup=2, rounds=1)
+    run_steps(chooser, lambda step, mode: true[mode], 2 + 6 + 1, batch=4)
+    assert chooser.current(4) == SPLIT and chooser.trials(4) == 1
+    # verify steps of 8 to 20 tokens: all on the split, none in a trial, nothing timed
+    for tokens in (8, 12, 16, 20) * 10:
+        assert chooser.choose(tokens) == SPLIT
+        chooser.observe(tokens, SPLIT, 0.050)
+    assert [chooser.trials(t) for t in (8, 16, 32)] == [0, 0, 0]
+    assert chooser.median(16, SPLIT) is None
+    # while the smaller key is still unsettled, a larger key waits on the split too
+    fresh = StepModes(warmup=2, rounds=1)
+    fresh.choose(1)
+    assert run_steps(fresh, lambda step, mode: true[mode], 30, batch=2) == [SPLIT] * 30
+    assert fresh.trials(2) == 0
+
+    # the smaller key settled on cpu: a larger one tries every way itself
+    cpu_first = {SPLIT: 0.010, FILL: 0.030, CPU: 0.006}
+    chooser = StepModes(warmup=2, rounds=1)
+    run_steps(chooser, lambda step, mode: cpu_first[mode], 2 + 6 + 1, batch=1)
+    assert chooser.current(1) == CPU
+    picks = run_steps(chooser, lambda step, mode: true[mode], 2 + 6 + 1, batch=5)
+    assert picks[2:8] == [SPLIT, SPLIT, FILL, FILL, CPU, CPU]
+    assert chooser.trials(8) == 1 and chooser.current(5) == SPLIT
+    # a key that tried the ways keeps its own, whatever a smaller key that came later does
+    alone = StepModes(warmup=2, rounds=1)
+    run_steps(alone, lambda step, mode: cpu_first[mode], 2 + 6 + 1, batch=4)
+    alone.choose(1)  # (a smaller key appears, unsettled)
+    assert alone.choose(4) == CPU and alone.current(4) == CPU
+
+
 def test_the_device_form_of_the_split_gives_split_misses_q():
     """split_parameters' (f, lo, hi), applied as the device's plan applies them, gives the q
     split_misses gives, for every mode, bandwidth and cap (but at exact halves, where the

@@ -27,8 +27,10 @@ chosen one whose shape is unmeasured, or was last measured `STALE_STEPS` draftin
 verified once (at batch 1 the four shapes cost a few slow steps in the first hundred, then one
 every few hundred), and so is a stale plain step while every step drafts. Without a measured
 plain step nothing is drafted. A request whose drafts
-fail is drafted for less and less; its evidence fades each step it does not draft, so it is
-tried again later (a few percent of steps at most, where drafts are found at all).
+fail is drafted for less and less; its evidence fades each step it does not draft, back to
+the prior, so it is tried again later (a few percent of steps at most, where drafts are found
+at all). The prior is every request's drafts pooled: a workload whose drafts are kept (an
+agent's edits) starts each new request drafting, one whose drafts fail starts it cautious.
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ class Acceptance:
 
     kept: float = 0.0
     rejected: float = 0.0
+    prior: float = 0.5  # the rate with no evidence (worth two drafted tokens)
 
     def rate(self) -> float:
-        """The chance the next drafted token is kept, given the ones before it were (one
-        kept and one rejected as the prior: 1/2)."""
-        return (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+        """The chance the next drafted token is kept, given the ones before it were."""
+        return (self.kept + 2.0 * self.prior) / (self.kept + self.rejected + 2.0)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.kept = DECAY * self.kept + accepted
@@ -92,6 +94,22 @@ class DraftPolicy:
     steps: int = 0  # steps `choose` was asked about (steps with drafts)
     measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # shape -> `steps`
     last_probe: int = 0
+    # Every request's drafts together: a new request's prior. An agent's turns are requests
+    # of a few hundred tokens each, and with a prior of 1/2 a batch of them may never draft:
+    # on an H100 under hybrid at batch 4, a verify step of two tokens a sequence cost 1.65x
+    # a plain one, worth it only above an acceptance of 0.65, so drafts kept whole were never
+    # tried (benchmarks/results/2026-12-07-speculative-hybrid-h100-h200.md, call A).
+    pooled: Acceptance = field(default_factory=Acceptance)
+
+    def acceptance(self) -> Acceptance:
+        """A new request's drafting record: no evidence of its own, the pooled rate as its
+        prior (where its own evidence fades, it returns there)."""
+        return Acceptance(prior=self.pooled.rate())
+
+    def record(self, acceptance: Acceptance, drafted: int, accepted: int) -> None:
+        """A verified draft: in the request's record and the pool's."""
+        acceptance.record(drafted, accepted)
+        self.pooled.record(drafted, accepted)
 
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:
         key = (sequences, tokens)

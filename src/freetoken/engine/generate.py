@@ -274,6 +274,8 @@ class LLMEngine:
             text=TextStream(self._decoder(params.keep_special_tokens), params.stop),
             generator=make_generator(params.seed, self.runner.device),
         )
+        if self.draft_policy is not None:
+            req.acceptance = self.draft_policy.acceptance()
         self._take_prefix(req)
         req.cached_tokens = req.resumed_at
         self.reuse.record(len(prompt_ids), req.cached_tokens, req.anchor)
@@ -674,8 +676,8 @@ class LLMEngine:
         req.seq.length = start + len(emitted)
         if req.drafting is not None:
             self.drafter.record(req.drafting, len(draft), accepted)
-        if draft:
-            req.acceptance.record(len(draft), accepted)
+        if draft and self.draft_policy is not None:
+            self.draft_policy.record(req.acceptance, len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted
         self.verified += bool(draft)  # (a request without a draft rides in the same step)

@@ -177,7 +177,7 @@ class BandwidthSplit(FillEvery):
 
 
 class StepModes:
-    """How hybrid serves a decode step's misses, decided from measured steps, per batch size:
+    """How hybrid serves a decode step's misses, decided from measured steps, by step size:
 
     - `split`: the bandwidth split above (q filled, m - q on the CPU, at once);
     - `fill`: every miss copied into the cache (offload's way);
@@ -199,7 +199,7 @@ class StepModes:
     15 ms before it, took 13.4 ms against 9.8 after a split step, its cores not yet back to
     speed), for `rounds` rounds in turns, and keeps the way with the lowest median, the way in
     use giving way only to one faster by more than `margin` (medians of a few steps move by
-    up to 15% there). The first trial starts after `warmup` steps of the split (a batch
+    up to 15% there). The first trial starts after `warmup` steps of the split (a step
     size's first steps capture its graph, compile kernels and wake the CPU team: a split step
     among the first 16 measured up to twice its steady time); later ones every
     `retrial_every` steps, or once the way in use runs `drift` slower than in its trial (the
@@ -219,6 +219,19 @@ class StepModes:
     samples, and the ratio between the two stays with the way (`in_use`) to scale its later
     trials' medians, halving towards 1 at each trial it is not in use (so it is tried in use
     again, in time).
+
+    Steps are keyed by their tokens' power of two (a batch's plain steps, a verify step's
+    1 + k tokens a sequence), each key learning its way apart: what the ways' fixed costs
+    weigh against depends on how many misses share them. But a trial costs steps of the slower
+    ways, and under speculative decoding the draft lengths spread a run's steps over several
+    keys, each seen for a few dozen steps: on the H200 machine at batch 4, ~136 verify steps
+    over four keys each began its own trial and the drafted run lost to the plain one
+    (benchmarks/results/2026-12-07-speculative-hybrid-h100-h200.md). A key with a smaller
+    one below it therefore takes no trial of its own while the nearest smaller key is
+    unsettled or settled on the split: the split's saving over filling or computing every miss
+    grows with the misses while the fixed costs stay, so a split that wins at fewer misses
+    wins at more. Only below a key that settled on `fill` or `cpu` does a larger one try the
+    ways itself.
 
     With a prefetch (`ahead`, moe/prefetch.py), each way is also tried with it on
     (`split+ahead`, ...): whether filling a layer's predicted misses ahead pays depends on how
@@ -243,31 +256,46 @@ class StepModes:
             self.first = SPLIT + AHEAD
         self.warmup, self.rounds, self.retrial_every = warmup, rounds, retrial_every
         self.margin, self.drift, self.window = margin, drift, window
-        self._batches: dict[int, _Ways] = {}
+        self._keys: dict[int, _Ways] = {}  # step_key -> its ways
 
-    def _ways(self, batch: int) -> _Ways:
-        if batch not in self._batches:
-            self._batches[batch] = _Ways(deque(maxlen=self.window), current=self.first)
-        return self._batches[batch]
+    def _ways(self, tokens: int) -> _Ways:
+        key = step_key(tokens)
+        if key not in self._keys:
+            self._keys[key] = _Ways(deque(maxlen=self.window), current=self.first)
+        return self._keys[key]
 
-    def current(self, batch: int) -> str:
-        """The way in use for this batch size."""
-        return self._ways(batch).current
+    def current(self, tokens: int) -> str:
+        """The way in use for steps of this many tokens."""
+        return self._ways(tokens).current
 
-    def median(self, batch: int, mode: str) -> float | None:
+    def median(self, tokens: int, mode: str) -> float | None:
         """The way's median step time in the last trial (None before any)."""
-        seen = self._ways(batch).samples.get(mode)
+        seen = self._ways(tokens).samples.get(mode)
         return _median(seen) if seen else None
 
-    def trials(self, batch: int) -> int:
-        """Trials finished for this batch size."""
-        return self._ways(batch).trials
+    def trials(self, tokens: int) -> int:
+        """Trials finished for steps of this many tokens."""
+        return self._ways(tokens).trials
 
-    def choose(self, batch: int) -> str:
+    def _leader(self, tokens: int) -> _Ways | None:
+        """The nearest smaller key's state where a key that has not tried the ways follows
+        it: unsettled, or settled on the split (with the prefetch or without)."""
+        key = step_key(tokens)
+        below = [k for k in self._keys if k < key]
+        if not below:
+            return None
+        leader = self._keys[max(below)]
+        return leader if leader.trials == 0 or base_way(leader.current) == SPLIT else None
+
+    def choose(self, tokens: int) -> str:
         """The way of this step's layers."""
-        ways = self._ways(batch)
+        ways = self._ways(tokens)
         ways.steps += 1
         ways.pending = None
+        leader = None if ways.trials or ways.in_trial else self._leader(tokens)
+        if leader is not None:  # (not timed: it has no trial to compare with)
+            ways.current = leader.current if leader.trials else self.first
+            return ways.current
         if ways.steps <= self.warmup:
             return ways.current  # not timed
         if ways.in_trial and not ways.queue:
@@ -288,9 +316,9 @@ class StepModes:
         ways.pending = (ways.current, True)
         return ways.current
 
-    def observe(self, batch: int, mode: str, seconds: float) -> None:
-        """The time of the last step chosen for this batch size (before the next is chosen)."""
-        ways = self._ways(batch)
+    def observe(self, tokens: int, mode: str, seconds: float) -> None:
+        """The time of the last step chosen for this many tokens (before the next is chosen)."""
+        ways = self._ways(tokens)
         if ways.pending is None or ways.pending[0] != mode or not ways.pending[1]:
             return  # a warm-up step, or not the one chosen last
         ways.pending = None
@@ -331,6 +359,11 @@ class StepModes:
             ways.in_use[ways.current] = max(1.0, _median(ways.recent) / fresh)
 
 
+def step_key(tokens: int) -> int:
+    """StepModes' key for a step of `tokens` tokens: the power of two at or above."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
 def _median(times) -> float:
     """The middle of a few step times (the upper one of an even count)."""
     ordered = sorted(times)
@@ -339,7 +372,7 @@ def _median(times) -> float:
 
 @dataclass
 class _Ways:
-    """StepModes' state for one batch size."""
+    """StepModes' state for one key (step_key)."""
 
     recent: deque  # the way in use's last step times, once settled
     current: str = SPLIT
