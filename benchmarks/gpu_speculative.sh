@@ -35,7 +35,7 @@ speed)
     --shape "${SPEC_SHAPE:-qwen3-30b-a3b}" --routing "$routing" \
     --layers "${SPEC_LAYERS:-16}" --strategies "${SPEC_STRATEGIES:-fused,hybrid}" \
     --cache "${SPEC_CACHE:-8GiB}" --batches "${SPEC_BATCHES:-1,4}" \
-    --tokens "${SPEC_TOKENS:-128}" --prefetch "${SPEC_PREFETCH:-0}" \
+    --tokens "${SPEC_TOKENS:-128}" --prefetch "${SPEC_PREFETCH:-0}" --rounds "${SPEC_ROUNDS:-1}" \
     --out "$out/spec-speed.md" 2>&1 | tail -40
   ;;
 esac

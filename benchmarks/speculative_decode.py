@@ -222,6 +222,12 @@ def run(
     return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
 def step_summary(steps: list[float]) -> dict:
     """Engine steps' ms: the median, the slowest, and the share of the run's time in steps
     over 3x the median (stalls, as against a uniformly slow step)."""
@@ -284,13 +290,19 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
         counts = dict(
             drafted=engine.drafted, accepted=engine.accepted, verify_steps=engine.verified
         )
-        # off once more, after: the ratio is taken against the faster of the two off runs
-        # (gpt-oss-20b's trace on an H100 and an H200 read its first off run at 20-26 tok/s
-        # where the same steps ran at 150-160 in the random workload's)
-        engine.drafter = None
+        # off once more, after (gpt-oss-20b's trace on an H100 and an H200 read its first off
+        # run at 20-26 tok/s where the same steps ran at 150-160 in the random workload's);
+        # then `--rounds` - 1 more pairs, auto and off in turns. auto/off is the ratio of their
+        # medians, and the off runs' spread says what a difference smaller than it means:
+        # nothing (at 128-256 tokens a run, two off runs of the same work moved 3-8%).
         after_steps: list[float] = []
-        off_after, _ = run(engine, prompts, params, device, after_steps)
-        engine.drafter = drafter
+        offs, autos = [off], [auto]
+        for i in range(args.rounds):
+            engine.drafter = None
+            offs.append(run(engine, prompts, params, device, None if i else after_steps)[0])
+            engine.drafter = drafter
+            if i + 1 < args.rounds:
+                autos.append(run(engine, prompts, params, device)[0])
         same = sum(
             a == b
             for x, y in zip(tokens, reference, strict=True)
@@ -300,9 +312,11 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
             dict(
                 workload=workload,
                 off=off,
-                off_after=off_after,
+                off_after=offs[1],
                 auto=auto,
-                ratio=auto / max(off, off_after),  # (against the faster off run)
+                ratio=median(autos) / median(offs),
+                spread=(max(offs) - min(offs)) / median(offs),
+                runs=dict(off=[round(x, 1) for x in offs], auto=[round(x, 1) for x in autos]),
                 **counts,
                 same_tokens=None if sampled else same / sum(map(len, reference)),
                 costs_ms={
@@ -335,6 +349,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--acceptance", type=float, default=1.0)
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="off runs after the first auto one, with an auto run between each two: the "
+        "medians are compared",
+    )
+    ap.add_argument(
         "--prefetch",
         type=int,
         default=0,
@@ -365,9 +386,9 @@ def main() -> int:
             else ""
         ),
         "",
-        "| strategy | batch | workload | off tok/s | auto tok/s | off after | auto/off | drafted "
-        "| kept | verify steps | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | batch | workload | off tok/s | auto tok/s | off after | auto/off (medians) "
+        "| off runs' spread | drafted | kept | verify steps | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for strategy in args.strategies.split(","):
         cache = args.cache if strategy != "fused" else None
@@ -379,9 +400,11 @@ def main() -> int:
                 same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.3f}"
                 lines.append(
                     f"| {strategy} | {batch} | {r['workload']} | {r['off']:.1f} | "
-                    f"{r['auto']:.1f} | {r['off_after']:.1f} | {r['ratio']:.2f} | {r['drafted']} "
-                    f"| {r['accepted']} | {r['verify_steps']} | {same} |"
+                    f"{r['auto']:.1f} | {r['off_after']:.1f} | {r['ratio']:.3f} | "
+                    f"{r['spread']:.1%} | {r['drafted']} | {r['accepted']} | "
+                    f"{r['verify_steps']} | {same} |"
                 )
+                lines.append(f"<!-- tok/s of each run, in turns: {r['runs']} -->")
                 lines.append(f"<!-- costs (ms by sequences x tokens): {r['costs_ms']} -->")
                 steps = f"{r['off_steps']}, after: {r['off_after_steps']}"
                 lines.append(f"<!-- off runs' engine steps: {steps} -->")

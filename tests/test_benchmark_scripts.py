@@ -3,6 +3,7 @@ between the sessions that have a GPU to run them."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -623,12 +624,19 @@ def test_speculative_decode_keeps_the_tokens_with_a_prefetch(tmp_path):
         "speculative_decode.py",
         *("--layers", "2", "--strategies", "offload", "--cache", "40", "--batches", "1"),
         *("--tokens", "12", "--prompt", "32", "--prefetch", "2", "--out", str(out)),
+        *("--rounds", "2"),
         tmp_path=tmp_path,
     )
     table = out.read_text()
-    edit = next(line for line in table.splitlines() if line.startswith("| offload | 1 | edit |"))
-    assert edit.split("|")[-2].strip() == "1.000"  # auto's tokens are off's
+    lines = table.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| offload | 1 | edit |"))
+    assert lines[at].split("|")[-2].strip() == "1.000"  # auto's tokens are off's
     assert "prefetch 2 a layer" in table
+    # --rounds 2: off, auto, off, auto, off; the ratio is the medians'
+    runs = ast.literal_eval(lines[at + 1].split(": ", 1)[1].removesuffix(" -->"))
+    assert len(runs["off"]) == 3 and len(runs["auto"]) == 2
+    off, auto = sorted(runs["off"])[1], sum(runs["auto"]) / 2
+    assert float(lines[at].split("|")[7]) == pytest.approx(auto / off, abs=0.01)
 
 
 def test_speculative_routing_by_position_follows_the_trace(tmp_path, monkeypatch):
