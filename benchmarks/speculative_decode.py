@@ -276,7 +276,11 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
             seed=1 if sampled else None,
         )
         engine.drafter = engine.draft_policy = None
-        run(engine, prompts, params, device)  # warm-up: graphs of every batch size
+        # warm-up: graphs of every batch size; twice, so that the prefill of a prompt behind
+        # its cached prefix, which every later run starts with, is compiled too (gpt-oss-20b's
+        # trace on an H100 spent 3.6 s of its first off run there, at 128 tokens 84% of it)
+        for _ in range(2):
+            run(engine, prompts, params, device)
         off_steps: list[float] = []
         off, reference = run(engine, prompts, params, device, off_steps)
         if sampled:
@@ -290,11 +294,10 @@ def measure(loaded, options, batch, args, device, holder: PositionHolder) -> lis
         counts = dict(
             drafted=engine.drafted, accepted=engine.accepted, verify_steps=engine.verified
         )
-        # off once more, after (gpt-oss-20b's trace on an H100 and an H200 read its first off
-        # run at 20-26 tok/s where the same steps ran at 150-160 in the random workload's);
-        # then `--rounds` - 1 more pairs, auto and off in turns. auto/off is the ratio of their
-        # medians, and the off runs' spread says what a difference smaller than it means:
-        # nothing (at 128-256 tokens a run, two off runs of the same work moved 3-8%).
+        # off once more, after, then `--rounds` - 1 more pairs, auto and off in turns. auto/off
+        # is the ratio of their medians, and the off runs' spread says what a difference
+        # smaller than it means: nothing (at 128-256 tokens a run, two off runs of the same
+        # work moved 1-17% on an H100).
         after_steps: list[float] = []
         offs, autos = [off], [auto]
         for i in range(args.rounds):
