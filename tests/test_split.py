@@ -187,11 +187,14 @@ def test_larger_steps_follow_a_smaller_split_without_trials_of_their_own():
         chooser.observe(tokens, SPLIT, 0.050)
     assert [chooser.trials(t) for t in (8, 16, 32)] == [0, 0, 0]
     assert chooser.median(16, SPLIT) is None
-    # while the smaller key is still unsettled, a larger key waits on the split too
-    fresh = StepModes(warmup=2, rounds=1)
+    # while the smaller key is still unsettled, a larger key waits on the split too, for
+    # `retrial_every` steps at most: then it tries the ways itself
+    fresh = StepModes(warmup=2, rounds=1, retrial_every=30)
     fresh.choose(1)
     assert run_steps(fresh, lambda step, mode: true[mode], 30, batch=2) == [SPLIT] * 30
     assert fresh.trials(2) == 0
+    picks = run_steps(fresh, lambda step, mode: true[mode], 7, batch=2)
+    assert picks[:6] == [SPLIT, SPLIT, FILL, FILL, CPU, CPU] and fresh.trials(2) == 1
 
     # the smaller key settled on cpu: a larger one tries every way itself
     cpu_first = {SPLIT: 0.010, FILL: 0.030, CPU: 0.006}

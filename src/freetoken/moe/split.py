@@ -231,7 +231,9 @@ class StepModes:
     unsettled or settled on the split: the split's saving over filling or computing every miss
     grows with the misses while the fixed costs stay, so a split that wins at fewer misses
     wins at more. Only below a key that settled on `fill` or `cpu` does a larger one try the
-    ways itself.
+    ways itself, or once it has followed for `retrial_every` steps: a smaller key may stay
+    unsettled for long (a server at batch 4 sees batch 1 only as requests end) or settle
+    under another load, and a long run is worth a trial of its own.
 
     With a prefetch (`ahead`, moe/prefetch.py), each way is also tried with it on
     (`split+ahead`, ...): whether filling a layer's predicted misses ahead pays depends on how
@@ -292,7 +294,8 @@ class StepModes:
         ways = self._ways(tokens)
         ways.steps += 1
         ways.pending = None
-        leader = None if ways.trials or ways.in_trial else self._leader(tokens)
+        new = not ways.trials and not ways.in_trial and ways.steps <= self.retrial_every
+        leader = self._leader(tokens) if new else None
         if leader is not None:  # (not timed: it has no trial to compare with)
             ways.current = leader.current if leader.trials else self.first
             return ways.current
