@@ -39,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median, median_high
 
 import torch
 from decode_offload import (
@@ -222,22 +223,15 @@ def run(
     return sum(len(o.output_ids) for o in outputs) / seconds, [o.output_ids for o in outputs]
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-
-
 def step_summary(steps: list[float]) -> dict:
     """Engine steps' ms: the median, the slowest, and the share of the run's time in steps
     over 3x the median (stalls, as against a uniformly slow step)."""
-    ordered = sorted(steps)
-    median = ordered[len(ordered) // 2]
-    stalls = sum(t for t in steps if t > 3 * median)
+    middle = median_high(steps)
+    stalls = sum(t for t in steps if t > 3 * middle)
     return dict(
         steps=len(steps),
-        median_ms=round(median * 1e3, 2),
-        max_ms=round(ordered[-1] * 1e3, 2),
+        median_ms=round(middle * 1e3, 2),
+        max_ms=round(max(steps) * 1e3, 2),
         stall_share=round(stalls / sum(steps), 3),
     )
 

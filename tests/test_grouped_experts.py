@@ -636,7 +636,7 @@ def _dequantize_interpreter_cases() -> dict[str, float]:
             want = bank.dequantize(index, dtype)
             # the small tiles in one dtype a format, in turn (a dtype's rounding is apart from
             # the tiles' columns; every pair held a CI worker ~40 s)
-            block_k = 32 if d == j % 3 else gl.DEQUANTIZE_BLOCK_K
+            block_k = 32 if d == j % len(DTYPES) else gl.DEQUANTIZE_BLOCK_K
             saved = gl.DEQUANTIZE_BLOCK_K
             gl.DEQUANTIZE_BLOCK_K = block_k
             try:

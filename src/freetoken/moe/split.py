@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median_high
 
 import numpy as np
 import torch
@@ -273,7 +274,7 @@ class StepModes:
     def median(self, tokens: int, mode: str) -> float | None:
         """The way's median step time in the last trial (None before any)."""
         seen = self._ways(tokens).samples.get(mode)
-        return _median(seen) if seen else None
+        return median_high(seen) if seen else None
 
     def trials(self, tokens: int) -> int:
         """Trials finished for steps of this many tokens."""
@@ -335,11 +336,11 @@ class StepModes:
             return True
         return (
             len(ways.recent) == self.window
-            and _median(ways.recent) > (1.0 + self.drift) * ways.baseline
+            and median_high(ways.recent) > (1.0 + self.drift) * ways.baseline
         )
 
     def _decide(self, ways: _Ways) -> None:
-        medians = {mode: _median(seen) for mode, seen in ways.samples.items() if seen}
+        medians = {mode: median_high(seen) for mode, seen in ways.samples.items() if seen}
         if medians:
             self._charge_use(ways, medians)
             figures = {mode: t * ways.in_use.get(mode, 1.0) for mode, t in medians.items()}
@@ -359,18 +360,12 @@ class StepModes:
                 ways.in_use[mode] = 1.0 + (ways.in_use[mode] - 1.0) / 2
         fresh = medians.get(ways.current)
         if len(ways.recent) == self.window and fresh:
-            ways.in_use[ways.current] = max(1.0, _median(ways.recent) / fresh)
+            ways.in_use[ways.current] = max(1.0, median_high(ways.recent) / fresh)
 
 
 def step_key(tokens: int) -> int:
     """StepModes' key for a step of `tokens` tokens: the power of two at or above."""
     return 1 << max(tokens - 1, 0).bit_length()
-
-
-def _median(times) -> float:
-    """The middle of a few step times (the upper one of an even count)."""
-    ordered = sorted(times)
-    return ordered[len(ordered) // 2]
 
 
 @dataclass
