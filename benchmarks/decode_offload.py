@@ -30,6 +30,7 @@ import torch
 
 from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.layers import concurrent
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
 from freetoken.models.loading import LoadedModel
@@ -642,6 +643,7 @@ class Contender:
     batch: int
     seconds: list[float] = field(default_factory=list)
     host_seconds: float = 0.0  # in runner.forward (all the host's work of a step but the wait)
+    side_streams: bool = True  # layers/concurrent.py ON_GPU while it runs
 
     def step(self) -> None:
         began = time.perf_counter()
@@ -804,6 +806,12 @@ def main() -> int:
         help="each layer's projections of one input as one GEMM and the MLPs' gated unit as one "
         "kernel (DecoderModel.stack_projections; on a GPU not the default yet)",
     )
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="also time each contender with every layer's work in order on one stream (no side "
+        "branches: layers/concurrent.py ON_GPU off)",
+    )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
     strategies = args.strategy or ["offload", "cpu", "static", "hybrid", "auto"]
@@ -843,18 +851,25 @@ def main() -> int:
             ahead = args.prefetch or [0]
             if not strategy.startswith(("offload", "hybrid")):
                 ahead = [0]
-            for batch, threads, p in itertools.product(batches, teams, ahead):
+            sides = [True, False] if args.serial else [True]
+            for batch, threads, p, side in itertools.product(batches, teams, ahead, sides):
                 options = contender_options(
                     strategy, cache_size=size, cpu_threads=threads, prefetch_experts=p
                 )
                 total = args.steps * args.rounds
+                concurrent.ON_GPU = side
                 contender = prepare(loaded, options, batch, total, args.warmup, args.prompt, device)
+                contender.side_streams = side
                 label = strategy if len(teams) == 1 else f"{strategy}/t{threads}"
                 label += f"+p{p}" if p else ""
+                label += "" if side else "/serial"
                 contenders.append((label, contender))
         for _ in range(args.rounds):
             for _, contender in contenders:
+                # (the switch is read where a step is captured or runs eagerly)
+                concurrent.ON_GPU = contender.side_streams
                 time_round(contender, args.steps, device)
+        concurrent.ON_GPU = True
         for strategy, contender in contenders:
             batch = contender.batch
             per_round = sorted(batch * args.steps / s for s in contender.seconds)

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.layers import concurrent
 from freetoken.weights.expert_format import expert_format
 
 
@@ -67,6 +68,12 @@ def main() -> int:
         action="store_true",
         help="also time the rest of the model with each layer's projections of one input "
         "stacked into one GEMM (DecoderModel.stack_projections; on a GPU not the default yet)",
+    )
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="also time the rest of the model with no side branches (layers/concurrent.py "
+        "ON_GPU off: each layer's work in order on one stream)",
     )
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
@@ -119,6 +126,17 @@ def main() -> int:
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
     rest_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
     summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
+    if args.serial:
+        concurrent.ON_GPU = False
+        runner = ModelRunner(
+            loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs
+        )
+        runner.moe = None
+        serial_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
+        concurrent.ON_GPU = True
+        summary.append(
+            f"no routed experts, every layer's work on one stream: {serial_ms:.2f} ms/step"
+        )
     if args.stacked:
         loaded.model.stack_projections(dense=True)
         runner = ModelRunner(

@@ -43,6 +43,7 @@ import torch
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
 from freetoken.kv.recurrent import RecurrentStatePool
+from freetoken.layers import concurrent
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,8 @@ class DecodeGraphs:
                 capturable = getattr(executor, "capturable", None)
                 if capturable is not None and capturable(x.shape[0], ids.numel()):
                     return executor(moe_layer, x, ids, weights)  # no host decision: in-graph
+                # (no branch of a layer may stay unjoined across the cut: layers/concurrent.py)
+                concurrent.join_all()
                 foldable = getattr(executor, "foldable", None)
                 if foldable is not None and foldable(x.shape[0], ids.numel()):
                     # The graph packs what the host phase reads back; the layer's GPU kernel
@@ -216,6 +219,7 @@ class DecodeGraphs:
             # Leave no stream capturing (a failed capture, out of memory say): end the graph
             # in progress, if any; the original error is the one to report.
             with contextlib.suppress(Exception), torch.cuda.stream(stream):
+                concurrent.join_all()
                 graphs[-1].capture_end()
             raise
         finally:

@@ -44,6 +44,7 @@ from freetoken.kernels import lightning_index
 from freetoken.kernels.paged_attention import sequence_slots
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.concurrent import Beside, beside
 from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import RotaryEmbedding
@@ -257,22 +258,29 @@ class CompressedAttention(nn.Module):
         t, heads, d = x.shape[0], self.heads, self.dim
         compressed = self.kind != "sliding_attention"
         cos, sin = shared.angles(compressed)
-        q_down, kv_x, *stored = outputs(x, self.of_x, self.x_proj)
-        # (the indexer's head weights [T, heads] as projected: scaled where they are read)
-        index_weights = stored.pop() if self.kind == CSA else None
+        if self.x_proj is None:
+            # the row's projections beside the queries' chain (layers/concurrent.py)
+            of_row = self.of_x[1:]
+            row = beside(lambda x: self._row([layer(x) for layer in of_row], cos, sin), x)
+            q_down = self.wq_a(x)
+        else:
+            q_down, *projected = outputs(x, self.of_x, self.x_proj)
+            row = Beside(self._row(projected, cos, sin))
         q_latent = self.q_a_norm(q_down)
         q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
-        k = turn(self.kv_norm(kv_x), cos, sin)
+        # (a decode step's indexer queries, before the row is joined)
+        index_q = None
+        if self.kind == CSA and batch.is_decode:
+            index_q = self._index_query(q_latent, shared.angles(True))
+        row, index_weights = row.result()
 
         pool = kv.k[self.layer]  # [slots, 1, W]
-        written = [k, *stored]  # (the row's leading columns, in row_layout's order)
-        row = (torch.cat(written, dim=1) if len(written) > 1 else k).to(pool.dtype)
-        pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row)
+        pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row.to(pool.dtype))
         if compressed:
             self._pool_entries(pool, batch, shared)
 
         if batch.is_decode:
-            out = self._decode(q, pool, batch, index_weights, q_latent, shared)
+            out = self._decode(q, pool, batch, index_weights, index_q, shared)
         else:
             out = q.new_empty(t, heads, d)
             for b, (start, count) in enumerate(zip(batch.starts, batch.counts, strict=True)):
@@ -287,6 +295,16 @@ class CompressedAttention(nn.Module):
         grouped = out.reshape(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
+
+    def _row(self, projected: list[torch.Tensor], cos, sin):
+        """(the cache row's leading columns [T, ...] in row_layout's order: K=V normed and
+        turned, the compressors' projections and gate logits; the indexer's head weights
+        [T, heads] as projected, scaled where they are read, or None) from the projections of
+        x after q's."""
+        kv_x, *stored = projected
+        index_weights = stored.pop() if self.kind == CSA else None
+        k = turn(self.kv_norm(kv_x), cos, sin)
+        return (torch.cat([k, *stored], dim=1) if stored else k), index_weights
 
     def _pool_entries(self, pool: torch.Tensor, batch: ForwardBatch, shared: StepShared) -> None:
         """Write, at each new token's row, the entry (and the indexer's) of the window ending
@@ -328,24 +346,24 @@ class CompressedAttention(nn.Module):
             entry = c.pool(rows, positions >= 0, lay[kv_cols], lay[gate_cols], cos_sin)
             pool[batch.write_slots, 0, lay[entry_cols]] = entry
 
-    def _decode(self, q, pool, batch: ForwardBatch, index_weights, q_latent, shared: StepShared):
+    def _decode(self, q, pool, batch: ForwardBatch, index_weights, index_q, shared: StepShared):
         """One new token a sequence, all sequences at once, with no host work that grows with
         the context and nothing that waits on the device: the window's rows, and the closing
         rows of `_windows_read` windows, those not closed yet masked (while a CUDA graph is
-        captured, of every window of the width it is captured for: shapes fixed up to it)."""
+        captured, of every window of the width it is captured for: shapes fixed up to it);
+        `index_q`, a CSA layer's indexer queries (`_index_query`)."""
         lay, r, p = self.layout, self.ratio, batch.positions[:, None]
         if r:
             w, ready, seen = shared.windows(r, _windows_read(batch, r, _capturing(q)))
-            cos_sin = shared.angles(True)  # (the indexer's queries turn by them)
             top = None
             if self.kind == CSA and lightning_index.kernel_takes(q):  # scored in place
                 keys = lightning_index.PagedKeys(
                     pool, lay["ientry"].start, batch.page_table, batch.rows, batch.page_size
                 ).closing(len(w), r)
-                top = self._top_windows_in_place(keys, ready, index_weights, q_latent, cos_sin)
+                top = self._top_windows_in_place(keys, ready, index_weights, index_q)
             elif self.kind == CSA:
                 index_keys = _rows_at(pool, batch, batch.rows, _closing(w, r, p), lay["ientry"])
-                top = self._top_windows(index_keys, seen, ready, index_weights, q_latent, cos_sin)
+                top = self._top_windows(index_keys, seen, ready, index_weights, index_q)
         if kernels.kernel_takes(q):
             ids = None
             if r:  # the windows each sequence reads (-1: none), only the chosen ones
@@ -400,7 +418,8 @@ class CompressedAttention(nn.Module):
             seen = w[None] < ready[:, None]  # [n, E]
             if self.kind == CSA and count:
                 entries = closed[:, lay["ientry"]]
-                top = self._top_windows(entries, seen, ready, index_weights, q_latent, cos_sin)
+                index_q = self._index_query(q_latent, cos_sin)
+                top = self._top_windows(entries, seen, ready, index_weights, index_q)
                 seen = _chosen_mask(top, seen)
             extra = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
             bias = torch.cat([bias, extra.masked_fill(~seen, float("-inf"))], dim=1)
@@ -417,12 +436,11 @@ class CompressedAttention(nn.Module):
         probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum(mix, probs, keys)
 
-    def _top_windows(self, entries, seen, ready, weights, q_latent, cos_sin) -> torch.Tensor:
+    def _top_windows(self, entries, seen, ready, weights, iq) -> torch.Tensor:
         """The Lightning Indexer: the closed windows each query attends, [n, min(topk, E)]
         (-1 for a pick past the closed ones, when fewer are closed than it keeps), from the
-        head `weights` [n, heads] as projected and the queries of `q_latent`."""
+        head `weights` [n, heads] as projected and the queries `iq` (`_index_query`)."""
         ix = self.indexer
-        iq = self._index_query(q_latent, cos_sin)
         weights = weights.float() * ix.heads**-0.5
         spec = "nhd,ed->nhe" if entries.dim() == 2 else "nhd,ned->nhe"  # (shared, or per query)
         scores = torch.einsum(spec, iq.float(), entries.float())
@@ -430,11 +448,10 @@ class CompressedAttention(nn.Module):
         scores = (scores * weights[..., None]).sum(dim=1)  # [n, E]
         return self._chosen(scores.masked_fill(~seen, float("-inf")), ready)
 
-    def _top_windows_in_place(self, keys, ready, weights, q_latent, cos_sin) -> torch.Tensor:
+    def _top_windows_in_place(self, keys, ready, weights, iq) -> torch.Tensor:
         """`_top_windows` of a decode step, its entries scored where they lie in the pages
         (kernels/lightning_index.py)."""
         ix = self.indexer
-        iq = self._index_query(q_latent, cos_sin)
         scores = lightning_index.index_scores(
             iq, weights, keys, ready, ix.dim**-0.5, weight_scale=ix.heads**-0.5
         )

@@ -45,6 +45,7 @@ from freetoken.kernels.paged_attention import (
 )
 from freetoken.kv.batch import ForwardBatch
 from freetoken.kv.paged import PagedKVCache
+from freetoken.layers.concurrent import Beside, beside
 from freetoken.layers.linear import Linear, outputs, stacked
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope import apply_rotary
@@ -155,31 +156,27 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, mla = x.shape[0], self.num_heads, self.mla
         nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
-        q, kv_a, *index_x = outputs(x, self.of_x, self.x_proj)
+        cos, sin = cos_sin
+        if self.x_proj is None:
+            # the cache row's projections beside the queries' chain (layers/concurrent.py)
+            of_row = self.of_x[1:]
+            cached = beside(lambda x: self._cached([layer(x) for layer in of_row], cos, sin), x)
+            q = self.of_x[0](x)
+        else:
+            q, *projected = outputs(x, self.of_x, self.x_proj)
+            cached = Beside(self._cached(projected, cos, sin))
         q_resid = None
         if mla.q_lora_rank is not None:
             q_resid = self.q_a_layernorm(q)
             q = self.q_b_proj(q_resid)
         q = q.view(t, heads, nope + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([nope, mla.qk_rope_head_dim], dim=-1)
-        latent, k_pe = kv_a.split([r, mla.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        cos, sin = cos_sin
-        k_pe = k_pe.view(t, 1, -1)
         if mla.rope:  # (Kimi-Linear's MLA has none: position comes from its KDA layers)
-            q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe, cos, sin)
+            q_pe = self._rope(q_pe, cos, sin)
         w = self.kv_b_proj.weight.view(heads, nope + mla.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
-        cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)  # [T, 1, r + d_rope]
         indexer = getattr(self, "indexer", None)
-        if mla.indexer is not None:  # the index key after them (zeros where none is kept)
-            index_k = (
-                indexer.keys(index_x[0], cos, sin)
-                if indexer is not None
-                else x.new_zeros(t, mla.indexer.head_dim)
-            )
-            cached = torch.cat([cached, index_k.view(t, 1, -1)], dim=-1)
-        kv.write(self.layer, batch.write_slots, cached, None)
+        kv.write(self.layer, batch.write_slots, cached.result(), None)
         pool = kv.k[self.layer]
         if indexer is not None:
             batch.index_selection = self._select(indexer, x, q_resid, cos, sin, pool, batch)
@@ -201,6 +198,28 @@ class LatentAttention(nn.Module):
                 torch.cat([q_nope, q_pe], dim=-1), pool, batch, w_uk, w_uv, selection
             )
         return self.o_proj(out.reshape(t, heads * mla.v_head_dim))
+
+    def _cached(self, projected: list[torch.Tensor], cos, sin) -> torch.Tensor:
+        """A token's cache row [T, 1, r + d_rope (+ the index key's)] from the projections of
+        x after q's: the normed latent, the turned rope key, and with an indexer the index
+        key (zeros in a layer that keeps none)."""
+        mla, (kv_a, *index_x) = self.mla, projected
+        t, r = kv_a.shape[0], mla.kv_lora_rank
+        latent, k_pe = kv_a.split([r, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_pe = k_pe.view(t, 1, -1)
+        if mla.rope:
+            k_pe = self._rope(k_pe, cos, sin)
+        cached = torch.cat([latent.view(t, 1, r), k_pe], dim=-1)
+        if mla.indexer is None:
+            return cached
+        indexer = getattr(self, "indexer", None)
+        index_k = (
+            indexer.keys(index_x[0], cos, sin)
+            if indexer is not None
+            else kv_a.new_zeros(t, mla.indexer.head_dim)
+        )
+        return torch.cat([cached, index_k.view(t, 1, -1)], dim=-1)
 
     def _select(self, indexer: Indexer, x, q_resid, cos, sin, pool, batch: ForwardBatch):
         """The indexer's choice for the batch's queries. A prompt: per sequence, a mask

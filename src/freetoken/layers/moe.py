@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.kernels import norm_rope
+from freetoken.layers.concurrent import beside
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.layers.norm import RMSNorm, rms_normalize
@@ -181,6 +182,9 @@ class MoEBlock(nn.Module):
     ) -> torch.Tensor:
         """The layer's feed-forward output for its normed input x [T, H]; `input_ids` for
         hash-routed layers, `stream` (the residual stream x was normed from) for Gemma-4's."""
+        # (the shared expert reads only x: on a GPU it runs beside the routing and the routed
+        # experts, layers/concurrent.py)
+        shared = None if self.shared is None else beside(self._shared, x)
         routed = x if self.experts_norm is None else self.experts_norm(stream)
         weights, ids = self.route(x, input_ids, stream)
         out = self.executor(self.moe_layer, routed, ids, weights)
@@ -190,11 +194,14 @@ class MoEBlock(nn.Module):
             # sum_j w_j b[ids_j] as one [T, E] x [E, H] product (no [T, k, H] gather)
             dense = weights.new_zeros(x.shape[0], self.moe.num_experts).scatter_(1, ids, weights)
             out = out + dense.to(x.dtype) @ self.down_proj_bias
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            if self.shared_post_norm is not None:
-                shared = self.shared_post_norm(shared)
-            out = out + shared
+        if shared is not None:
+            out = out + shared.result()
+        return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared(x)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(x)) * out
+        if self.shared_post_norm is not None:
+            out = self.shared_post_norm(out)
         return out
