@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_deepseek_v4.sh prefetch OUT_DIR # fills a layer ahead: its CUDA tests,
 #                                                       # then hybrid with 0, 1, 2 prefetched
 #   bash benchmarks/gpu_deepseek_v4.sh stacked OUT_DIR  # stacked projections: CUDA tests, time
+#   bash benchmarks/gpu_deepseek_v4.sh side OUT_DIR     # side branches (layers/concurrent.py):
+#                                                       # CUDA tests, then the dense work and
+#                                                       # hybrid decode with and without
 #   bash benchmarks/gpu_deepseek_v4.sh glm5 OUT_DIR     # a GLM-5-shaped model: decode_offload
 #   bash benchmarks/gpu_deepseek_v4.sh glm5-context OUT_DIR  # the same at contexts 0, 32k, 128k
 # (V4_FUSED=1 adds the whole pool resident to `speed`: 51 GiB at 16 layers, more than an
@@ -95,6 +98,25 @@ stacked)
       --expert-format $fmt --strategy fused --stacked --steps 50 --out "$out/profile-$shape" \
       2>&1 | tail -3)
   done 2>&1 | tee "$out/stacked-speed.txt"
+  ;;
+side)
+  # A layer's independent work on a side stream (the shared expert, the cache row's
+  # projections): the CUDA tests of the families it touches (graphs, numerics), the dense work
+  # of a step with and without (profile_decode --serial), then hybrid with and without, timed
+  # in turns (decode_offload --serial).
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
+    cd tests && timeout ${SIDE_TESTS_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
+      test_cuda_graphs.py test_device_numerics.py test_compressed_decode.py test_dsa.py \
+      test_mla.py -k "cuda and (deepseek or v4 or compressed or glm or qwen3_moe or mla or dsa \
+      or graph)" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -80
+  } 2>&1 | tee "$out/side-tests.txt" | tail -5
+  (cd benchmarks && timeout 200 python3 profile_decode.py --shape deepseek-v4-flash --layers 4 \
+    --expert-format mxfp4 --strategy fused --serial --steps 50 --out "$out/profile" 2>&1 | tail -4)
+  cd benchmarks && timeout ${SIDE_SPEED_TIMEOUT:-400} python3 decode_offload.py \
+    --shape deepseek-v4-flash --layers "$layers" --expert-format mxfp4 --cache "$cache" \
+    --strategy hybrid --batch ${SIDE_BATCHES:-1} --serial --steps 24 --warmup 40 \
+    --rounds "${V4_ROUNDS:-3}" --out "$out/v4-side.md" 2>&1 | tail -12
   ;;
 glm5)
   # GLM-5's NVFP4 experts are 20 MiB: 5 GiB a layer. A 32 GB card holds its non-expert

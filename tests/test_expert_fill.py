@@ -139,7 +139,10 @@ def test_each_bank_is_copied_in_the_widest_word_its_layout_allows():
 
 def _interpreter_cases() -> dict[str, bool]:
     """Runs in a subprocess with TRITON_INTERPRET=1: case -> every byte as it should be."""
-    from freetoken.kernels.expert_fill import launch_fill
+    from freetoken.kernels import expert_fill
+    from freetoken.kernels.expert_fill import fill_table, launch_fill
+
+    programs = expert_fill.FILL_PROGRAMS
 
     gen = torch.Generator().manual_seed(2)
     res = {}
@@ -166,6 +169,12 @@ def _interpreter_cases() -> dict[str, bool]:
         ((2 * block_bytes(1) + 5,), torch.uint8),
     ]
     run("long_rows", make_banks(long_rows, 6, 4, gen), 6, 4, entries=5, real=2)
+    # fewer programs than blocks (a launch's grid is capped): each walks every grid-th block
+    expert_fill.FILL_PROGRAMS = 2
+    banks = make_banks(long_rows, 6, 4, gen)
+    assert fill_table(banks).grid > 2 * expert_fill.FILL_PROGRAMS
+    run("fewer_programs_than_blocks", banks, 6, 4, entries=5, real=3)
+    expert_fill.FILL_PROGRAMS = programs
     # every word width: banks whose rows and bases are 8, 4, 2 and 1-byte aligned only
     pool_rows = torch.empty(7 * 40 + 3, dtype=torch.uint8)
     slot_rows = torch.empty(4 * 40 + 3, dtype=torch.uint8)
@@ -187,6 +196,7 @@ INTERPRETER_CASES = [
     "host_rows",
     "all_to_the_sink",
     "long_rows",
+    "fewer_programs_than_blocks",
     "aligned_0_24",
     "aligned_4_36",
     "aligned_2_10",

@@ -4,8 +4,9 @@
 row of each), `src[pairs[j]]` into `dst[slots[j]]` for every j with `slots[j] != sink`. Banks may
 be any number and any dtypes (a quantized pool has up to seven: codes, block scales, per-row
 scales and biases, of uint8, fp32 and the model's dtype): the copy moves raw bytes. On CUDA it is
-ONE Triton launch of a fixed grid for all banks: each program owns one block of a row (of one
-bank) and walks the R entries, skipping those to the sink, so the launch has the same shape
+ONE Triton launch of a fixed grid for all banks: each block of a row (of one bank) is walked by
+one program over the R entries, skipping those to the sink, a program taking every
+FILL_PROGRAMS-th block, so the launch has the same shape
 whatever the number of misses and a decode graph can hold it, and a step with nothing to copy
 costs a few hundred programs that each read R indices (a grid of routes x blocks, one launch
 per bank, cost ~6 us a layer on the H200 machine with nothing to copy).
@@ -44,6 +45,12 @@ except ImportError:  # pragma: no cover - depends on the environment
 # 4 of 2-byte, 2 of bytes), whose every word takes its own pointer registers.
 FILL_BLOCK_WORDS = 4096
 FILL_WARPS = 8
+# Programs of a launch, each walking every FILL_PROGRAMS-th block: a fill waits on PCIe, not on
+# the SMs, and one program a block (~830 of a 13 MiB MXFP4 expert) would hold most of every SM's
+# warp slots for the whole copy, where the work running beside it (the shared expert during a
+# layer's fills, the next layer's attention during a prefetch) needs them. 64 programs keep
+# 1 MiB of reads in flight, ~20 us of the link's 52 GB/s.
+FILL_PROGRAMS = 64
 WORD_WIDTHS = (16, 8, 4, 2, 1)  # bytes; 16 and 8 are int32 words known to be 4 or 2 in a row
 TABLE_COLUMNS = ("first", "src", "dst", "src_stride", "dst_stride", "row_bytes", "width")
 _TABLES: OrderedDict[tuple, FillTable] = OrderedDict()
@@ -90,12 +97,13 @@ def launch_fill(
     table = table or fill_table(banks)
     if table.grid == 0:
         return
-    _fill_kernel[(table.grid,)](
+    _fill_kernel[(min(table.grid, FILL_PROGRAMS),)](
         table.columns,
         pairs,
         slots,
         slots.numel(),
         sink,
+        table.grid,
         NB=table.padded,
         BLOCK=FILL_BLOCK_WORDS,
         num_warps=FILL_WARPS,
@@ -198,169 +206,69 @@ def fill_table(banks) -> FillTable:
 if triton is not None:
 
     @triton.jit
-    def _copy_rows(
+    def _copy_row(
         src,
         dst,
         src_stride,
         dst_stride,
         row_bytes,
         block,
-        pairs,
-        slots,
-        R,
-        sink,
+        pair,
+        slot,
         WORD: tl.constexpr,
         WORD_BYTES: tl.constexpr,
         VEC: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Block `block` (BLOCK words) of row pairs[j] of the source to row slots[j] of the
-        destination, for every j not to the sink; addresses and sizes are multiples of VEC
-        words (what makes the accesses vectors)."""
+        """Block `block` (BLOCK words) of row `pair` of the source to row `slot` of the
+        destination; addresses and sizes are multiples of VEC words (what makes the accesses
+        vectors)."""
         words = tl.multiple_of(row_bytes // WORD_BYTES, VEC)
         offs = block * BLOCK + tl.arange(0, BLOCK)
         mask = offs < words
-        j = 0
-        while j < R:  # (`while`: the CPU interpreter cannot range over a runtime bound)
-            slot = tl.load(slots + j)
-            if slot != sink:
-                pair = tl.load(pairs + j)
-                # (the alignment stated on the pointers: an integer's is not carried over)
-                s_ptr = (src + pair * src_stride).to(tl.pointer_type(WORD))
-                d_ptr = (dst + slot * dst_stride).to(tl.pointer_type(WORD))
-                s_ptr = tl.multiple_of(s_ptr, VEC * WORD_BYTES)
-                d_ptr = tl.multiple_of(d_ptr, VEC * WORD_BYTES)
-                tl.store(d_ptr + offs, tl.load(s_ptr + offs, mask=mask), mask=mask)
-            j += 1
+        # (the alignment stated on the pointers: an integer's is not carried over)
+        s_ptr = (src + pair * src_stride).to(tl.pointer_type(WORD))
+        d_ptr = (dst + slot * dst_stride).to(tl.pointer_type(WORD))
+        s_ptr = tl.multiple_of(s_ptr, VEC * WORD_BYTES)
+        d_ptr = tl.multiple_of(d_ptr, VEC * WORD_BYTES)
+        tl.store(d_ptr + offs, tl.load(s_ptr + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def _copy_narrow_rows(
-        src,
-        dst,
-        src_stride,
-        dst_stride,
-        row_bytes,
-        block,
-        pairs,
-        slots,
-        R,
-        sink,
-        width,
-        BLOCK: tl.constexpr,
-    ):
-        """`_fill_kernel`'s copy for a bank whose widest word (`width`) is under 8 bytes: int32
-        words (4), int16 words (2) or bytes, one a lane, BLOCK // 2 of them a program."""
-        if width == 4:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int32,
-                4,
-                1,
-                BLOCK // 2,
-            )
-        elif width == 2:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int16,
-                2,
-                1,
-                BLOCK // 2,
-            )
-        else:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.uint8,
-                1,
-                1,
-                BLOCK // 2,
-            )
-
-    @triton.jit
-    def _fill_kernel(table, pairs, slots, R, sink, NB: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        # This program's bank: the last whose first block is at or before it.
-        firsts = tl.load(table + tl.arange(0, NB))
-        bank = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
-        block = pid - tl.load(table + bank)
+    def _copy_block(table, b, pair, slot, firsts, NB: tl.constexpr, BLOCK: tl.constexpr):
+        """Block b of the bank set (`FillTable`'s numbering) for one route: of the last bank
+        whose first block is at or before b, in that bank's widest word."""
+        bank = tl.sum((firsts <= b).to(tl.int32), axis=0) - 1
+        block = b - tl.load(table + bank)
         src = tl.load(table + NB + bank)
         dst = tl.load(table + 2 * NB + bank)
         src_stride = tl.load(table + 3 * NB + bank)
         dst_stride = tl.load(table + 4 * NB + bank)
         row_bytes = tl.load(table + 5 * NB + bank)
         width = tl.load(table + 6 * NB + bank)
-        if width == 16:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int32,
-                4,
-                4,
-                BLOCK,
-            )
+        row = src, dst, src_stride, dst_stride, row_bytes, block, pair, slot
+        if width == 16:  # int32 words, 4 a vector
+            _copy_row(*row, tl.int32, 4, 4, BLOCK)
         elif width == 8:
-            _copy_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                tl.int32,
-                4,
-                2,
-                BLOCK,
-            )
+            _copy_row(*row, tl.int32, 4, 2, BLOCK)
+        elif width == 4:  # one word a lane, half as many a program
+            _copy_row(*row, tl.int32, 4, 1, BLOCK // 2)
+        elif width == 2:
+            _copy_row(*row, tl.int16, 2, 1, BLOCK // 2)
         else:
-            _copy_narrow_rows(
-                src,
-                dst,
-                src_stride,
-                dst_stride,
-                row_bytes,
-                block,
-                pairs,
-                slots,
-                R,
-                sink,
-                width,
-                BLOCK,
-            )
+            _copy_row(*row, tl.uint8, 1, 1, BLOCK // 2)
+
+    @triton.jit
+    def _fill_kernel(table, pairs, slots, R, sink, blocks, NB: tl.constexpr, BLOCK: tl.constexpr):
+        """Every route j not to the sink: the program's blocks of row pairs[j] (its id, then
+        every grid-th after it, up to `blocks`) to row slots[j]."""
+        firsts = tl.load(table + tl.arange(0, NB))
+        j = 0
+        while j < R:  # (`while`: the CPU interpreter cannot range over a runtime bound)
+            slot = tl.load(slots + j)
+            if slot != sink:
+                pair = tl.load(pairs + j)
+                b = tl.program_id(0)
+                while b < blocks:
+                    _copy_block(table, b, pair, slot, firsts, NB, BLOCK)
+                    b += tl.num_programs(0)
+            j += 1
