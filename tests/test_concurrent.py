@@ -41,7 +41,7 @@ class FakeCuda:
         self.now = self.main
         self.made = 0
 
-    def Stream(self, device):  # noqa: N802 (torch's name)
+    def Stream(self, device):  # (torch.cuda.Stream)
         self.made += 1
         return FakeStream(f"side{self.made}")
 
