@@ -101,22 +101,24 @@ stacked)
   ;;
 side)
   # A layer's independent work on a side stream (the shared expert, the cache row's
-  # projections): the CUDA tests of the families it touches (graphs, numerics), the dense work
-  # of a step with and without (profile_decode --serial), then hybrid with and without, timed
-  # in turns (decode_offload --serial).
+  # projections) and fills on a capped grid (kernels/expert_fill.py FILL_PROGRAMS): the CUDA
+  # tests of what they touch, what a fill's grid costs the work beside it (fill_beside.py),
+  # hybrid with and without the side branches and with a prefetch (decode_offload --serial),
+  # then the dense work of a step with and without (profile_decode --serial).
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
-    cd tests && timeout ${SIDE_TESTS_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider \
-      test_cuda_graphs.py test_device_numerics.py test_compressed_decode.py test_dsa.py \
-      test_mla.py -k "cuda and (deepseek or v4 or compressed or glm or qwen3_moe or mla or dsa \
-      or graph)" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -80
-  } 2>&1 | tee "$out/side-tests.txt" | tail -5
-  (cd benchmarks && timeout 200 python3 profile_decode.py --shape deepseek-v4-flash --layers 4 \
-    --expert-format mxfp4 --strategy fused --serial --steps 50 --out "$out/profile" 2>&1 | tail -4)
-  cd benchmarks && timeout ${SIDE_SPEED_TIMEOUT:-400} python3 decode_offload.py \
-    --shape deepseek-v4-flash --layers "$layers" --expert-format mxfp4 --cache "$cache" \
-    --strategy hybrid --batch ${SIDE_BATCHES:-1} --serial --steps 24 --warmup 40 \
-    --rounds "${V4_ROUNDS:-3}" --out "$out/v4-side.md" 2>&1 | tail -12
+    cd tests && timeout ${SIDE_TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider \
+      test_expert_fill.py test_cuda_graphs.py test_device_numerics.py test_compressed_decode.py \
+      -k "cuda and (fill or deepseek_v4 or compressed or glm_moe_dsa or qwen3_moe or graph)" \
+      2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -80
+  } 2>&1 | tee "$out/side-tests.txt" | tail -4
+  timeout 60 python3 benchmarks/fill_beside.py --out "$out/fill-beside.md" 2>&1 | tail -9
+  (cd benchmarks && timeout ${SIDE_SPEED_TIMEOUT:-250} python3 decode_offload.py \
+    --shape deepseek-v4-flash --layers "${V4_LAYERS:-8}" --expert-format mxfp4 --cache "$cache" \
+    --strategy hybrid --batch 1 --prefetch 0 --prefetch 1 --prediction-recall 0.8 --serial \
+    --steps 24 --warmup 64 --rounds "${V4_ROUNDS:-3}" --out "$out/v4-side.md" 2>&1 | tail -8)
+  cd benchmarks && timeout 100 python3 profile_decode.py --shape deepseek-v4-flash --layers 4 \
+    --expert-format mxfp4 --strategy fused --serial --steps 40 --out "$out/profile" 2>&1 | tail -4
   ;;
 glm5)
   # GLM-5's NVFP4 experts are 20 MiB: 5 GiB a layer. A 32 GB card holds its non-expert
