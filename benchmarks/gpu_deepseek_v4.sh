@@ -105,6 +105,8 @@ side)
   # tests of what they touch, what a fill's grid costs the work beside it (fill_beside.py),
   # hybrid with and without the side branches and with a prefetch (decode_offload --serial),
   # then the dense work of a step with and without (profile_decode --serial).
+  # (the shortest first: a device call may be cut short)
+  timeout 60 python3 benchmarks/fill_beside.py --out "$out/fill-beside.md" 2>&1 | tail -9
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  commit: $FT_COMMIT"
     cd tests && timeout ${SIDE_TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider \
@@ -112,7 +114,6 @@ side)
       -k "cuda and (fill or deepseek_v4 or compressed or glm_moe_dsa or qwen3_moe or graph)" \
       2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -80
   } 2>&1 | tee "$out/side-tests.txt" | tail -4
-  timeout 60 python3 benchmarks/fill_beside.py --out "$out/fill-beside.md" 2>&1 | tail -9
   (cd benchmarks && timeout ${SIDE_SPEED_TIMEOUT:-250} python3 decode_offload.py \
     --shape deepseek-v4-flash --layers "${V4_LAYERS:-8}" --expert-format mxfp4 --cache "$cache" \
     --strategy hybrid --batch 1 --prefetch 0 --prefetch 1 --prediction-recall 0.8 --serial \
