@@ -247,7 +247,14 @@ def test_gemma4_releases_heads_are_taken_by_the_decode_kernel():
 @needs_cuda
 @pytest.mark.parametrize(
     "options",
-    [MoEOptions("fused"), MoEOptions("hybrid", "6"), MoEOptions("hybrid", "6", prefetch_experts=2)],
+    [
+        MoEOptions("fused"),
+        MoEOptions("hybrid", "6"),
+        MoEOptions("hybrid", "6", prefetch_experts=2),
+        # decided on the host: each MoE layer cuts the graph, the shared expert's side branch
+        # (layers/concurrent.py) joined before the cut
+        MoEOptions("static", "6"),
+    ],
     ids=lambda o: o.strategy + "-prefetch" * bool(o.prefetch_experts),
 )
 def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
