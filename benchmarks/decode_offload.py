@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import torch
 
 from freetoken.config import EXPERT_FORMATS, MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.kernels import expert_fill
 from freetoken.layers import concurrent
 from freetoken.models.decoder import DecoderModel
 from freetoken.models.families import family_for
@@ -643,7 +645,8 @@ class Contender:
     batch: int
     seconds: list[float] = field(default_factory=list)
     host_seconds: float = 0.0  # in runner.forward (all the host's work of a step but the wait)
-    side_streams: bool = True  # layers/concurrent.py ON_GPU while it runs
+    side_streams: bool = False  # layers/concurrent.py ON_GPU while it runs
+    fill_programs: int = 0  # kernels/expert_fill.py FILL_PROGRAMS while it runs (0: uncapped)
 
     def step(self) -> None:
         began = time.perf_counter()
@@ -652,6 +655,18 @@ class Contender:
         # The sampler's wait for the step, as in serving: the next step's inputs depend on it
         # (and hybrid times its ways of stepping from one step's start to the next's).
         logits[:, 0].max().item()
+
+
+@contextmanager
+def switches(side_branches: bool, fill_programs: int):
+    """The engine's switches a contender runs under (read where a step is captured or runs
+    eagerly): a layer's side branches (layers/concurrent.py) and the fill kernel's grid cap
+    (kernels/expert_fill.py; 0: one program a block); the defaults again after."""
+    concurrent.ON_GPU, expert_fill.FILL_PROGRAMS = side_branches, fill_programs or None
+    try:
+        yield
+    finally:
+        concurrent.ON_GPU, expert_fill.FILL_PROGRAMS = False, None
 
 
 def prepare(loaded, options: MoEOptions, batch, steps, warmup, prompt, device) -> Contender:
@@ -807,10 +822,17 @@ def main() -> int:
         "kernel (DecoderModel.stack_projections; on a GPU not the default yet)",
     )
     ap.add_argument(
-        "--serial",
+        "--side-branches",
         action="store_true",
-        help="also time each contender with every layer's work in order on one stream (no side "
-        "branches: layers/concurrent.py ON_GPU off)",
+        help="also time each contender with a layer's independent work on a side stream "
+        "(layers/concurrent.py ON_GPU; STRATEGY/side)",
+    )
+    ap.add_argument(
+        "--fill-programs",
+        type=int,
+        action="append",
+        help="time each contender with the fill kernel's grid capped at this many programs "
+        "(kernels/expert_fill.py FILL_PROGRAMS; 0: one a block, the default; STRATEGY/fillN)",
     )
     args = ap.parse_args()
     caches = args.cache or ["all", "8GiB", "37%"]
@@ -851,25 +873,29 @@ def main() -> int:
             ahead = args.prefetch or [0]
             if not strategy.startswith(("offload", "hybrid")):
                 ahead = [0]
-            sides = [True, False] if args.serial else [True]
-            for batch, threads, p, side in itertools.product(batches, teams, ahead, sides):
+            sides = [False, True] if args.side_branches else [False]
+            caps = args.fill_programs or [0]
+            for batch, threads, p, side, cap in itertools.product(
+                batches, teams, ahead, sides, caps
+            ):
                 options = contender_options(
                     strategy, cache_size=size, cpu_threads=threads, prefetch_experts=p
                 )
                 total = args.steps * args.rounds
-                concurrent.ON_GPU = side
-                contender = prepare(loaded, options, batch, total, args.warmup, args.prompt, device)
-                contender.side_streams = side
+                with switches(side, cap):
+                    contender = prepare(
+                        loaded, options, batch, total, args.warmup, args.prompt, device
+                    )
+                contender.side_streams, contender.fill_programs = side, cap
                 label = strategy if len(teams) == 1 else f"{strategy}/t{threads}"
                 label += f"+p{p}" if p else ""
-                label += "" if side else "/serial"
+                label += "/side" if side else ""
+                label += f"/fill{cap}" if cap else ""
                 contenders.append((label, contender))
         for _ in range(args.rounds):
             for _, contender in contenders:
-                # (the switch is read where a step is captured or runs eagerly)
-                concurrent.ON_GPU = contender.side_streams
-                time_round(contender, args.steps, device)
-        concurrent.ON_GPU = True
+                with switches(contender.side_streams, contender.fill_programs):
+                    time_round(contender, args.steps, device)
         for strategy, contender in contenders:
             batch = contender.batch
             per_round = sorted(batch * args.steps / s for s in contender.seconds)

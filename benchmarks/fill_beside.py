@@ -87,8 +87,9 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for programs in args.programs:
-        expert_fill.FILL_PROGRAMS = programs or 10**9
-        grid = min(expert_fill.fill_table(banks).grid, expert_fill.FILL_PROGRAMS)
+        expert_fill.FILL_PROGRAMS = programs or None
+        table_grid = expert_fill.fill_table(banks).grid
+        grid = min(table_grid, programs or table_grid)
         fill()
         chain()
         torch.cuda.synchronize()

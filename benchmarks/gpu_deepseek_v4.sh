@@ -103,8 +103,9 @@ side)
   # A layer's independent work on a side stream (the shared expert, the cache row's
   # projections) and fills on a capped grid (kernels/expert_fill.py FILL_PROGRAMS): the CUDA
   # tests of what they touch, what a fill's grid costs the work beside it (fill_beside.py),
-  # hybrid with and without the side branches and with a prefetch (decode_offload --serial),
-  # then the dense work of a step with and without (profile_decode --serial).
+  # hybrid with and without the side branches and with a prefetch (decode_offload
+  # --side-branches), then the dense work of a step with and without (profile_decode
+  # --side-branches). Both are off by default until this has run.
   # (the shortest first: a device call may be cut short)
   timeout 60 python3 benchmarks/fill_beside.py --out "$out/fill-beside.md" 2>&1 | tail -9
   {
@@ -116,10 +117,11 @@ side)
   } 2>&1 | tee "$out/side-tests.txt" | tail -4
   (cd benchmarks && timeout ${SIDE_SPEED_TIMEOUT:-250} python3 decode_offload.py \
     --shape deepseek-v4-flash --layers "${V4_LAYERS:-8}" --expert-format mxfp4 --cache "$cache" \
-    --strategy hybrid --batch 1 --prefetch 0 --prefetch 1 --prediction-recall 0.8 --serial \
+    --strategy hybrid --batch 1 --prefetch 0 --prefetch 1 --prediction-recall 0.8 --side-branches \
+    --fill-programs 0 --fill-programs ${SIDE_FILL_PROGRAMS:-64} \
     --steps 24 --warmup 64 --rounds "${V4_ROUNDS:-3}" --out "$out/v4-side.md" 2>&1 | tail -8)
   cd benchmarks && timeout 100 python3 profile_decode.py --shape deepseek-v4-flash --layers 4 \
-    --expert-format mxfp4 --strategy fused --serial --steps 40 --out "$out/profile" 2>&1 | tail -4
+    --expert-format mxfp4 --strategy fused --side-branches --steps 40 --out "$out/profile" 2>&1 | tail -4
   ;;
 glm5)
   # GLM-5's NVFP4 experts are 20 MiB: 5 GiB a layer. A 32 GB card holds its non-expert

@@ -70,10 +70,10 @@ def main() -> int:
         "stacked into one GEMM (DecoderModel.stack_projections; on a GPU not the default yet)",
     )
     ap.add_argument(
-        "--serial",
+        "--side-branches",
         action="store_true",
-        help="also time the rest of the model with no side branches (layers/concurrent.py "
-        "ON_GPU off: each layer's work in order on one stream)",
+        help="also time the rest of the model with a layer's independent work on a side "
+        "stream (layers/concurrent.py ON_GPU)",
     )
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
@@ -126,17 +126,15 @@ def main() -> int:
             layer.moe.executor = lambda moe_layer, x, ids, weights: torch.zeros_like(x)
     rest_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
     summary.append(f"no routed experts: {rest_ms:.2f} ms/step")
-    if args.serial:
-        concurrent.ON_GPU = False
+    if args.side_branches:
+        concurrent.ON_GPU = True
         runner = ModelRunner(
             loaded, 4096, moe=MoEOptions("fused"), cuda_graphs=not args.no_cuda_graphs
         )
         runner.moe = None
-        serial_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
-        concurrent.ON_GPU = True
-        summary.append(
-            f"no routed experts, every layer's work on one stream: {serial_ms:.2f} ms/step"
-        )
+        side_ms, _, _ = warm_then_time(runner, args.batch, args.steps, vocab, device)
+        concurrent.ON_GPU = False
+        summary.append(f"no routed experts, side branches: {side_ms:.2f} ms/step")
     if args.stacked:
         loaded.model.stack_projections(dense=True)
         runner = ModelRunner(

@@ -76,6 +76,7 @@ def cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(concurrent, "_sides", {})
     monkeypatch.setattr(concurrent, "_pending", [])
+    monkeypatch.setattr(concurrent, "ON_GPU", True)  # (off by default until a GPU has timed it)
     return fake
 
 

@@ -9,6 +9,7 @@ import torch
 
 from freetoken.config import MoEOptions
 from freetoken.engine.runner import ModelRunner
+from freetoken.layers import concurrent
 from freetoken.models.loading import load_model
 from tiny_models import build
 
@@ -257,12 +258,15 @@ def test_gemma4_releases_heads_are_taken_by_the_decode_kernel():
     ],
     ids=lambda o: o.strategy + "-prefetch" * bool(o.prefetch_experts),
 )
-def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
+@pytest.mark.parametrize("side", [False, True], ids=["in-order", "side-branches"])
+def test_compressed_attention_models_decode_in_graphs(tmp_path, options, side, monkeypatch):
     """DeepSeek-V4's attention reads every window of the page-table width it is captured for
     (its shapes fixed, masked past each length), its hyper-connections and hash-routed layer
     run inside the graph: the replayed steps give the eager logits as the sequences cross
     sliding windows, compression boundaries (windows of 4 and 8 here) and a width (pages of
-    8: the longest grows from 3 pages to 5)."""
+    8: the longest grows from 3 pages to 5). With `side`, the shared expert and the row's
+    projections run on a side stream (layers/concurrent.py), forked and joined in the graph."""
+    monkeypatch.setattr(concurrent, "ON_GPU", side)
     path, _ = build("deepseek_v4", tmp_path / "m")
     loaded = load_model(path, dtype="float32", device="cuda")
     prompts = prompts_of(loaded, [5, 23, 11])
@@ -275,10 +279,15 @@ def test_compressed_attention_models_decode_in_graphs(tmp_path, options):
 
 @needs_cuda
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_sparse_attention_models_decode_in_graphs_per_table_width(tmp_path, family):
+@pytest.mark.parametrize("side", [False, True], ids=["in-order", "side-branches"])
+def test_sparse_attention_models_decode_in_graphs_per_table_width(
+    tmp_path, family, side, monkeypatch
+):
     """DSA's indexer gathers its sequences' slots over the page-table columns its capture
     fixes: the graphs are captured per width (a power of two of pages), so a sequence that
-    grows past one is captured again, and the replays give the eager logits throughout."""
+    grows past one is captured again, and the replays give the eager logits throughout (with
+    `side`, MLA's cache row and the shared expert on a side stream: layers/concurrent.py)."""
+    monkeypatch.setattr(concurrent, "ON_GPU", side)
     path, _ = build(family, tmp_path / "m")
     loaded = load_model(path, dtype="float32", device="cuda")
     prompts = prompts_of(loaded, [5, 23, 11])  # pages of 8: the longest grows from 3 to 5

@@ -15,22 +15,26 @@ import torch
 import transformers
 
 from freetoken.engine.runner import ModelRunner
+from freetoken.layers import concurrent
 from freetoken.models import decoder
 from freetoken.models.loading import load_model
 from tiny_models import FAMILIES, build
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # ("cuda-stacked": with each layer's projections of one input stacked, as on the CPU, which
-# a GPU does only with decoder.STACK_ON_GPU until these have run it)
+# a GPU does only with decoder.STACK_ON_GPU until these have run it; "cuda-side": with a
+# layer's independent work on a side stream, layers/concurrent.py ON_GPU, likewise)
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
-DEVICES += [pytest.param("cuda-stacked", marks=needs_cuda)]
+DEVICES += [pytest.param(f"cuda-{switch}", marks=needs_cuda) for switch in ("stacked", "side")]
 
 
 def on(device: str, monkeypatch) -> str:
-    """The torch device of a DEVICES entry, stacking turned on for a "-stacked" one."""
-    device, _, stacked = device.partition("-")
-    if stacked:
+    """The torch device of a DEVICES entry, its switch turned on ("-stacked", "-side")."""
+    device, _, switch = device.partition("-")
+    if switch == "stacked":
         monkeypatch.setattr(decoder, "STACK_ON_GPU", True)
+    elif switch == "side":
+        monkeypatch.setattr(concurrent, "ON_GPU", True)
     return device
 
 
@@ -107,7 +111,7 @@ def test_bf16_greedy_tokens_match_transformers(family, device, tmp_path, monkeyp
 
 
 @needs_cuda
-@pytest.mark.parametrize("device", ["cuda", "cuda-stacked"])
+@pytest.mark.parametrize("device", ["cuda", "cuda-stacked", "cuda-side"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_logits_match_transformers_on_cuda(family, device, tmp_path, monkeypatch):
     on(device, monkeypatch)

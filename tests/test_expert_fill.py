@@ -16,6 +16,7 @@ import importlib.util
 import pytest
 import torch
 
+from compiled import run_compiled
 from freetoken.kernels.expert_fill import HostRows, block_bytes, fill_experts
 from interpreted import run_interpreted
 
@@ -215,6 +216,24 @@ def interpreter_results() -> dict[str, bool]:
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_the_kernel_under_the_interpreter_copies_every_byte(interpreter_results, case):
     assert interpreter_results[case]
+
+
+def _compiled() -> list[str]:
+    """The fill kernel compiled for sm_90 over a bank set of every word width."""
+    import compiled
+    from freetoken.kernels.expert_fill import launch_fill
+
+    gen = torch.Generator().manual_seed(3)
+    banks = make_banks(list(QUANTIZED_ROWS.values()), 6, 4, gen)
+    pairs, slots = routing(6, 4, 5, 3, gen)
+    launch_fill(banks, pairs, slots, 4)
+    return [c["name"] for c in compiled.COMPILED]
+
+
+@needs_triton
+def test_the_kernel_compiles_for_the_gpu():
+    """The fill kernel compiled for sm_90 (tests/compiled.py: nothing launched)."""
+    assert run_compiled("test_expert_fill", "_compiled", timeout=300) == ["_fill_kernel"]
 
 
 # ---------------------------------------------------------------------------------------------

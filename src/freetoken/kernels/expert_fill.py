@@ -5,8 +5,8 @@ row of each), `src[pairs[j]]` into `dst[slots[j]]` for every j with `slots[j] !=
 be any number and any dtypes (a quantized pool has up to seven: codes, block scales, per-row
 scales and biases, of uint8, fp32 and the model's dtype): the copy moves raw bytes. On CUDA it is
 ONE Triton launch of a fixed grid for all banks: each block of a row (of one bank) is walked by
-one program over the R entries, skipping those to the sink, a program taking every
-FILL_PROGRAMS-th block, so the launch has the same shape
+one program over the R entries, skipping those to the sink (a program takes every grid-th block
+where FILL_PROGRAMS caps the grid), so the launch has the same shape
 whatever the number of misses and a decode graph can hold it, and a step with nothing to copy
 costs a few hundred programs that each read R indices (a grid of routes x blocks, one launch
 per bank, cost ~6 us a layer on the H200 machine with nothing to copy).
@@ -45,12 +45,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 # 4 of 2-byte, 2 of bytes), whose every word takes its own pointer registers.
 FILL_BLOCK_WORDS = 4096
 FILL_WARPS = 8
-# Programs of a launch, each walking every FILL_PROGRAMS-th block: a fill waits on PCIe, not on
-# the SMs, and one program a block (~830 of a 13 MiB MXFP4 expert) would hold most of every SM's
-# warp slots for the whole copy, where the work running beside it (the shared expert during a
-# layer's fills, the next layer's attention during a prefetch) needs them. 64 programs keep
-# 1 MiB of reads in flight, ~20 us of the link's 52 GB/s.
-FILL_PROGRAMS = 64
+# Programs of a launch at most (None: one a block), each walking every FILL_PROGRAMS-th block. A
+# fill waits on PCIe, not on the SMs, and one program a block (~830 of a 13 MiB MXFP4 expert)
+# holds most of every SM's warp slots for the whole copy, where the work running beside it (the
+# shared expert during a layer's fills, layers/concurrent.py; the next layer's attention during
+# a prefetch) needs them; 64 programs would keep 1 MiB of reads in flight, ~20 us of the link's
+# 52 GB/s. Uncapped until a GPU has timed a cap: benchmarks/fill_beside.py.
+FILL_PROGRAMS: int | None = None
 WORD_WIDTHS = (16, 8, 4, 2, 1)  # bytes; 16 and 8 are int32 words known to be 4 or 2 in a row
 TABLE_COLUMNS = ("first", "src", "dst", "src_stride", "dst_stride", "row_bytes", "width")
 _TABLES: OrderedDict[tuple, FillTable] = OrderedDict()
@@ -97,7 +98,7 @@ def launch_fill(
     table = table or fill_table(banks)
     if table.grid == 0:
         return
-    _fill_kernel[(min(table.grid, FILL_PROGRAMS),)](
+    _fill_kernel[(min(table.grid, FILL_PROGRAMS or table.grid),)](
         table.columns,
         pairs,
         slots,

@@ -24,8 +24,10 @@ from typing import Generic, TypeVar
 
 import torch
 
-# Off: every branch runs in order on the calling stream (the benchmarks' `--serial`).
-ON_GPU = True
+# Off until a GPU has timed it (and run its CUDA tests, which turn it on): every branch then
+# runs in order on the calling stream. benchmarks/gpu_deepseek_v4.sh `side` does both
+# (decode_offload.py and profile_decode.py `--side-branches`).
+ON_GPU = False
 
 T = TypeVar("T")
 
