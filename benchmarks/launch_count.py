@@ -10,7 +10,9 @@ microseconds however little it reads (DeepSeek-V4-Flash on an H100: ~0.4 ms a la
 where no GPU is: a tiny random checkpoint of the family (tests/tiny_models.py) decodes one
 step with every kernel switch of kernels/ that has a "runs here" test turned on, the Triton
 kernels run by Triton's interpreter, and each torch op that computes (views and allocations
-left out) and each Triton launch is charged to the layer module that made it.
+left out) and each Triton launch is charged to the layer module that made it, those of its side
+branches (layers/concurrent.py: off the chain a step waits for, on a GPU with ON_GPU) to the
+module's "(beside)" row.
 
 What it cannot see: code that asks `is_cuda` itself (the paged attention of the other
 families, the routed experts' grouped kernels, the expert cache's plan and fills) runs its CPU
@@ -107,6 +109,7 @@ class Launches(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.where = "other"  # the layer module running ("other": a layer's own code, the head)
+        self.beside = False  # inside a side branch (layers/concurrent.py `beside`)
         self.counting = False
         self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -114,12 +117,15 @@ class Launches(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if self.counting and name not in NO_LAUNCH and not _returns_its_input(name, args, out):
-            self.ops[self.where][name] += 1
+            self.ops[self.place()][name] += 1
         return out
 
     def triton(self, kernel_name: str) -> None:
         if self.counting:
-            self.ops[self.where]["triton:" + kernel_name] += 1
+            self.ops[self.place()]["triton:" + kernel_name] += 1
+
+    def place(self) -> str:
+        return self.where + BESIDE if self.beside else self.where
 
 
 def _returns_its_input(name: str, args, out) -> bool:
@@ -144,6 +150,32 @@ def count_triton(mode: Launches) -> None:
             return run(self, *args, **kwargs)
 
     interpreter.InterpretedFunction.run = counted
+
+
+BESIDE = " (beside)"  # a module's row of the launches its side branches make
+
+
+def count_beside(mode: Launches) -> None:
+    """Charge the launches of side branches (layers/concurrent.py `beside`: run in order here,
+    on a side stream on a GPU with ON_GPU) to their module's "(beside)" row: those leave the
+    chain a decode step waits for."""
+    from freetoken.layers import concurrent
+
+    original = concurrent.beside
+
+    def counted(fn, *tensors):
+        def marked(*args):
+            mode.beside = True
+            try:
+                return fn(*args)
+            finally:
+                mode.beside = False
+
+        return original(marked, *tensors)
+
+    for module in list(sys.modules.values()):  # (the layers import it by name)
+        if module.__name__.startswith("freetoken") and getattr(module, "beside", None) is original:
+            module.beside = counted
 
 
 def attribute(model, mode: Launches) -> None:
@@ -178,6 +210,7 @@ def count_step(
         loaded.model.stack_projections(dense=True)
     mode = Launches()
     count_triton(mode)
+    count_beside(mode)
     attribute(loaded.model, mode)
     runner = ModelRunner(loaded, kv_cache_tokens=64 * (prompt + 8), page_size=8)
     seqs = [runner.new_sequence() for _ in range(batch)]
@@ -194,12 +227,16 @@ def count_step(
 
 def table(ops: dict, layers: int, family: str, batch: int, stacked: bool) -> list[str]:
     total = sum(sum(c.values()) for c in ops.values())
+    beside = sum(sum(c.values()) for where, c in ops.items() if where.endswith(BESIDE))
     how = "projections stacked" if stacked else "projections not stacked"
     lines = [
         f"# launch_count: {family}, tiny random checkpoint, {layers} layers, batch {batch}, {how}",
         "",
         f"- one decode step: {total} launches, {total / layers:.1f} a layer "
         "(the GPU's code path where a kernel switch decides it; see the script's docstring)",
+        f"- in side branches (layers/concurrent.py, the rows marked{BESIDE}): {beside}, "
+        f"{beside / layers:.1f} a layer; the chain a step waits for: "
+        f"{(total - beside) / layers:.1f} a layer",
         "",
         "| module | launches | a layer | Triton | most frequent ops |",
         "|---|---|---|---|---|",
