@@ -261,18 +261,18 @@ class CompressedAttention(nn.Module):
         if self.x_proj is None:
             # the row's projections beside the queries' chain (layers/concurrent.py)
             of_row = self.of_x[1:]
-            row = beside(lambda x: self._row([layer(x) for layer in of_row], cos, sin), x)
+            written = beside(lambda x: self._row([layer(x) for layer in of_row], cos, sin), x)
             q_down = self.wq_a(x)
         else:
             q_down, *projected = outputs(x, self.of_x, self.x_proj)
-            row = Beside(self._row(projected, cos, sin))
+            written = Beside(self._row(projected, cos, sin))
         q_latent = self.q_a_norm(q_down)
         q = turn(self.wq_b(q_latent).view(t, heads, d), cos, sin, rms_eps=self.eps)
         # (a decode step's indexer queries, before the row is joined)
         index_q = None
         if self.kind == CSA and batch.is_decode:
             index_q = self._index_query(q_latent, shared.angles(True))
-        row, index_weights = row.result()
+        row, index_weights = written.result()
 
         pool = kv.k[self.layer]  # [slots, 1, W]
         pool[:, 0, : row.shape[1]].index_copy_(0, batch.write_slots, row.to(pool.dtype))

@@ -11,7 +11,9 @@ its GPU waits on PCIe and the CPU while the shared expert runs beside.
 The side branch computes the same tensors with the same kernels, so the outputs do not change,
 only when each kernel runs. Its inputs are kept alive until it is joined (their memory must not
 be reused by the calling stream while the branch reads it); its outputs are the caller's once
-joined. On the CPU, or with `ON_GPU` off, the work runs at once, in order.
+joined. On the CPU, or with `ON_GPU` off, the work runs where its result is first asked for, on
+the calling stream: off the path to what the caller needs sooner (hybrid's plan, which starts
+the CPU's share, comes before the shared expert).
 
 A decode graph cut at a host-decided MoE layer (engine/cuda_graphs.py) must not leave a branch
 unjoined across the cut: `join_all` joins every pending branch there.
@@ -36,12 +38,22 @@ _pending: list[Beside] = []
 
 
 class Beside(Generic[T]):
-    """The result of work started by `beside`; `result()` joins it to the current stream."""
+    """The result of work handed to `beside`: `result()` joins a side branch to the current
+    stream, or runs work that was deferred (`later`: fn and its arguments)."""
 
-    def __init__(self, value: T, done: torch.cuda.Event | None = None, held: tuple = ()):
-        self._value, self._done, self._held = value, done, held
+    def __init__(
+        self,
+        value: T | None = None,
+        done: torch.cuda.Event | None = None,
+        held: tuple = (),
+        later: tuple | None = None,
+    ):
+        self._value, self._done, self._held, self._later = value, done, held, later
 
     def result(self) -> T:
+        if self._later is not None:
+            fn, args = self._later
+            self._later, self._value = None, fn(*args)
         self.join()
         return self._value
 
@@ -55,10 +67,10 @@ class Beside(Generic[T]):
 
 def beside(fn: Callable[..., T], *tensors: torch.Tensor) -> Beside[T]:
     """fn(*tensors), run on a side stream forked from the current one where that can help (a
-    GPU, `ON_GPU`), else now."""
+    GPU, `ON_GPU`), else when its result is asked for."""
     device = tensors[0].device
     if device.type != "cuda" or not ON_GPU:
-        return Beside(fn(*tensors))
+        return Beside(later=(fn, tensors))
     side = _sides.get(device)
     if side is None:
         side = _sides[device] = torch.cuda.Stream(device)
