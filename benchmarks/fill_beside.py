@@ -23,19 +23,10 @@ import sys
 from pathlib import Path
 
 import torch
+from expert_fill_bench import timed
 
 from freetoken.kernels import expert_fill
 from freetoken.kernels.expert_fill import HostRows, fill_experts
-
-
-def events_ms(fn, stream=None) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        start.record()
-        fn()
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def main() -> int:
@@ -94,8 +85,9 @@ def main() -> int:
         chain()
         torch.cuda.synchronize()
         assert torch.equal(cache[0].cpu(), pool[int(pairs[0][0])]), "fill wrong"
-        fill_alone = statistics.median(events_ms(fill) for _ in range(7))
-        chain_alone = statistics.median(events_ms(chain) for _ in range(7))
+        # (ms: expert_fill_bench's median of CUDA-event rounds, one call a round)
+        fill_alone = timed(fill, "cuda", reps=1, rounds=7) * 1e3
+        chain_alone = timed(chain, "cuda", reps=1, rounds=7) * 1e3
         beside_fill, beside_chain = [], []
         for _ in range(7):
             torch.cuda.synchronize()
